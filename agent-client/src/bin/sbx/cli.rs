@@ -1,0 +1,333 @@
+//! The command line, as clap derive types.
+
+use agent_client::proto::{CreateSandboxRequest, Isolation, ResourceLimits};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::parse::{parse_cpus, parse_kv, parse_signal, parse_size};
+
+/// Command line for sandboxd: create sandboxes, run commands in them, copy files, snapshot.
+#[derive(Debug, Parser)]
+#[command(name = "sbx", version, propagate_version = true)]
+pub struct Cli {
+    /// Daemon address: unix:///path.sock, /path.sock, tcp://host:port or http://host:port
+    /// [default: unix://./.sandboxd/sandboxd.sock]
+    #[arg(long, global = true, help_heading = "Global options", env = agent_client::SOCKET_ENV, value_name = "ADDR")]
+    pub socket: Option<String>,
+
+    /// Bearer token sent with every call.
+    #[arg(long, global = true, help_heading = "Global options", env = agent_client::TOKEN_ENV, hide_env_values = true, value_name = "TOKEN")]
+    pub token: Option<String>,
+
+    /// Machine output: one JSON object or array on stdout.
+    #[arg(long, global = true, help_heading = "Global options")]
+    pub json: bool,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create a sandbox and print its id.
+    Create(CreateArgs),
+    /// Run a command in a sandbox, streaming its output; exits with the command's code.
+    Exec(ExecArgs),
+    /// List sandboxes.
+    #[command(visible_alias = "list")]
+    Ls {
+        /// Only sandboxes with this label (all given labels must match).
+        #[arg(long = "label", short = 'l', value_name = "K=V", value_parser = parse_kv)]
+        labels: Vec<(String, String)>,
+    },
+    /// Show a sandbox.
+    Get {
+        /// Sandbox id.
+        id: String,
+    },
+    /// Destroy sandboxes.
+    #[command(visible_alias = "destroy")]
+    Rm {
+        /// Sandbox ids.
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// List a sandbox's execs, oldest first.
+    Execs {
+        /// Sandbox id.
+        id: String,
+        /// Show at most this many (0 = all).
+        #[arg(long, default_value_t = 0)]
+        limit: u32,
+    },
+    /// Copy one file into or out of a sandbox: `sbx cp ./a ID:/workspace/a`, `sbx cp ID:/log -`.
+    Cp {
+        /// Source: ID:/path, a local path, or - for stdin.
+        src: String,
+        /// Destination: ID:/path, a local path, or - for stdout.
+        dst: String,
+    },
+    /// Snapshot a sandbox's filesystem and print the snapshot id.
+    Snapshot {
+        /// Sandbox id.
+        id: String,
+        /// A name for the snapshot.
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// List a sandbox's snapshots.
+    Snapshots {
+        /// Sandbox id.
+        id: String,
+    },
+    /// Put a sandbox's filesystem back to a snapshot (running execs end as LOST).
+    Rollback {
+        /// Sandbox id.
+        id: String,
+        /// Snapshot id.
+        snapshot: String,
+    },
+    /// Create a sandbox from a snapshot and print its id.
+    Fork {
+        /// Snapshot id.
+        snapshot: String,
+        #[command(flatten)]
+        spec: SandboxSpec,
+    },
+    /// Delete a snapshot.
+    Rmsnap {
+        /// Snapshot id.
+        snapshot: String,
+    },
+    /// Wait for an exec to end, print its output and exit with its code.
+    Wait {
+        /// Exec id.
+        exec_id: String,
+    },
+    /// Send a signal to an exec's process tree.
+    Kill {
+        /// Exec id.
+        exec_id: String,
+        /// TERM, KILL, INT, … or a number.
+        #[arg(long, short, default_value = "TERM", value_parser = parse_signal)]
+        signal: i32,
+    },
+}
+
+/// `sbx create`.
+#[derive(Debug, Args)]
+pub struct CreateArgs {
+    #[command(flatten)]
+    pub spec: SandboxSpec,
+    /// Start from this snapshot's filesystem instead of the image (like `sbx fork`).
+    #[arg(long, value_name = "SNAP")]
+    pub from_snapshot: Option<String>,
+}
+
+/// What a new sandbox looks like; shared by `create` and `fork`.
+#[derive(Debug, Args)]
+pub struct SandboxSpec {
+    /// Isolation tier [default: the daemon's policy].
+    #[arg(long, value_enum)]
+    pub isolation: Option<IsolationArg>,
+    /// Image name [default: minimal].
+    #[arg(long)]
+    pub image: Option<String>,
+    /// Memory limit, e.g. 512M or 1G.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub memory: Option<u64>,
+    /// CPU limit in CPUs, e.g. 0.5.
+    #[arg(long, value_name = "N", value_parser = parse_cpus, conflicts_with = "cpu_millicores")]
+    pub cpus: Option<u32>,
+    /// CPU limit in thousandths of a CPU.
+    #[arg(long, value_name = "N")]
+    pub cpu_millicores: Option<u32>,
+    /// Maximum number of processes.
+    #[arg(long, value_name = "N")]
+    pub pids: Option<u32>,
+    /// Disk limit, e.g. 1G.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub disk: Option<u64>,
+    /// Default timeout of each exec, in milliseconds.
+    #[arg(long, value_name = "MS")]
+    pub timeout_ms: Option<u64>,
+    /// Environment of every exec (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// Label (repeatable).
+    #[arg(long = "label", short = 'l', value_name = "K=V", value_parser = parse_kv)]
+    pub labels: Vec<(String, String)>,
+    /// Working directory of every exec [default: /workspace].
+    #[arg(long, value_name = "PATH")]
+    pub workdir: Option<String>,
+    /// Destroy the sandbox after this many seconds.
+    #[arg(long, value_name = "SECS")]
+    pub ttl: Option<u32>,
+}
+
+impl SandboxSpec {
+    /// The request creating this sandbox, optionally from a snapshot. Unset values are left at
+    /// 0 or empty, which the API defines as "the daemon's default".
+    pub fn to_request(&self, from_snapshot_id: Option<String>) -> CreateSandboxRequest {
+        CreateSandboxRequest {
+            isolation: self
+                .isolation
+                .map_or(Isolation::Unspecified, Isolation::from) as i32,
+            image: self.image.clone().unwrap_or_default(),
+            limits: Some(ResourceLimits {
+                cpu_millicores: self.cpus.or(self.cpu_millicores).unwrap_or(0),
+                memory_bytes: self.memory.unwrap_or(0),
+                max_pids: self.pids.unwrap_or(0),
+                disk_bytes: self.disk.unwrap_or(0),
+                exec_timeout_ms: self.timeout_ms.unwrap_or(0),
+            }),
+            env: self.env.iter().cloned().collect(),
+            workdir: self.workdir.clone().unwrap_or_default(),
+            labels: self.labels.iter().cloned().collect(),
+            ttl_seconds: self.ttl.unwrap_or(0),
+            from_snapshot_id: from_snapshot_id.unwrap_or_default(),
+        }
+    }
+}
+
+/// `--isolation` values.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum IsolationArg {
+    /// Namespaces, cgroups and seccomp.
+    Process,
+    /// A Docker container.
+    Container,
+    /// A microVM with its own kernel.
+    Microvm,
+}
+
+impl From<IsolationArg> for Isolation {
+    fn from(arg: IsolationArg) -> Self {
+        match arg {
+            IsolationArg::Process => Isolation::Process,
+            IsolationArg::Container => Isolation::Container,
+            IsolationArg::Microvm => Isolation::Microvm,
+        }
+    }
+}
+
+/// `sbx exec`.
+#[derive(Debug, Args)]
+pub struct ExecArgs {
+    /// Sandbox id.
+    pub id: String,
+    /// Extra environment (repeatable), over the sandbox's.
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// Working directory [default: the sandbox's].
+    #[arg(long, short = 'w', value_name = "PATH")]
+    pub workdir: Option<String>,
+    /// Kill the command after this many milliseconds [default: the sandbox's].
+    #[arg(long, value_name = "MS")]
+    pub timeout_ms: Option<u64>,
+    /// Output kept per stream, e.g. 4M [default: 1MiB].
+    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    pub max_output: Option<u64>,
+    /// Read all of stdin and send it to the command.
+    #[arg(long)]
+    pub stdin: bool,
+    /// Run at most once per key: a repeated request returns the first result.
+    #[arg(long, value_name = "KEY")]
+    pub idempotency_key: Option<String>,
+    /// Start the command, print its exec id and return at once.
+    #[arg(long)]
+    pub background: bool,
+    /// The command and its arguments (no shell is implied).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "ARGV"
+    )]
+    pub argv: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("sbx").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn create_flags_fill_the_request() {
+        let cli = parse(&[
+            "create",
+            "--isolation",
+            "container",
+            "--memory",
+            "512M",
+            "--cpus",
+            "0.5",
+            "--disk",
+            "1G",
+            "--env",
+            "A=1",
+            "--label",
+            "team=infra",
+            "--ttl",
+            "60",
+        ])
+        .expect("valid");
+        let Command::Create(args) = cli.command else {
+            panic!("not create")
+        };
+        let req = args.spec.to_request(args.from_snapshot);
+        assert_eq!(req.isolation, Isolation::Container as i32);
+        let limits = req.limits.unwrap_or_default();
+        assert_eq!(limits.memory_bytes, 512 << 20);
+        assert_eq!(limits.cpu_millicores, 500);
+        assert_eq!(limits.disk_bytes, 1 << 30);
+        assert_eq!(req.env.get("A").map(String::as_str), Some("1"));
+        assert_eq!(req.labels.get("team").map(String::as_str), Some("infra"));
+        assert_eq!(req.ttl_seconds, 60);
+    }
+
+    #[test]
+    fn bad_values_are_usage_errors() {
+        assert!(parse(&["create", "--memory", "12X"]).is_err());
+        assert!(parse(&["create", "--cpus", "1", "--cpu-millicores", "500"]).is_err());
+        assert!(parse(&["kill", "ex-1", "--signal", "BOGUS"]).is_err());
+    }
+
+    #[test]
+    fn exec_argv_keeps_its_flags() {
+        let cli = parse(&[
+            "exec",
+            "sb-1",
+            "--workdir",
+            "/tmp",
+            "--",
+            "ls",
+            "-la",
+            "--json",
+        ])
+        .expect("valid");
+        let Command::Exec(args) = cli.command else {
+            panic!("not exec")
+        };
+        assert_eq!(args.argv, ["ls", "-la", "--json"]);
+        assert_eq!(args.workdir.as_deref(), Some("/tmp"));
+        assert!(!cli.json);
+        let cli =
+            parse(&["--json", "exec", "sb-1", "sh", "-c", "exit 3"]).expect("valid without --");
+        let Command::Exec(args) = cli.command else {
+            panic!("not exec")
+        };
+        assert_eq!(args.argv, ["sh", "-c", "exit 3"]);
+        assert!(cli.json);
+        assert!(parse(&["exec", "sb-1"]).is_err(), "argv is required");
+    }
+}

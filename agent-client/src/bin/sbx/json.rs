@@ -1,0 +1,179 @@
+//! `--json` output: hand-written conversions of the protobuf messages.
+//!
+//! Written out field by field rather than derived, so the JSON shape is a deliberate interface:
+//! enums appear under their proto names (`EXEC_STATUS_EXITED`), bytes as UTF-8 (lossy) strings
+//! and timestamps as RFC 3339 strings (`null` when unset).
+
+use std::collections::HashMap;
+
+use agent_client::proto::{
+    ExecResult, ExecStatus, Isolation, ResourceLimits, Sandbox, SandboxState, SnapshotInfo,
+};
+use prost_types::Timestamp;
+use serde_json::{json, Map, Value};
+
+/// A sandbox.
+pub fn sandbox(s: &Sandbox) -> Value {
+    json!({
+        "id": s.id,
+        "isolation": isolation_name(s.isolation),
+        "image": s.image,
+        "state": state_name(s.state),
+        "limits": s.limits.as_ref().map(limits),
+        "labels": string_map(&s.labels),
+        "created_at": timestamp(s.created_at.as_ref()),
+        "expires_at": timestamp(s.expires_at.as_ref()),
+        "workdir": s.workdir,
+        "parent_snapshot_id": s.parent_snapshot_id,
+    })
+}
+
+/// Resource limits.
+pub fn limits(l: &ResourceLimits) -> Value {
+    json!({
+        "cpu_millicores": l.cpu_millicores,
+        "memory_bytes": l.memory_bytes,
+        "max_pids": l.max_pids,
+        "disk_bytes": l.disk_bytes,
+        "exec_timeout_ms": l.exec_timeout_ms,
+    })
+}
+
+/// An exec's result, output included.
+pub fn exec_result(r: &ExecResult) -> Value {
+    json!({
+        "exec_id": r.exec_id,
+        "sandbox_id": r.sandbox_id,
+        "argv": r.argv,
+        "status": exec_status_name(r.status),
+        "exit_code": r.exit_code,
+        "signal": r.signal,
+        "stdout": String::from_utf8_lossy(&r.stdout),
+        "stderr": String::from_utf8_lossy(&r.stderr),
+        "stdout_truncated": r.stdout_truncated,
+        "stderr_truncated": r.stderr_truncated,
+        "stdout_total_bytes": r.stdout_total_bytes,
+        "stderr_total_bytes": r.stderr_total_bytes,
+        "started_at": timestamp(r.started_at.as_ref()),
+        "duration_ms": r.duration_ms,
+        "cpu_user_ms": r.cpu_user_ms,
+        "cpu_system_ms": r.cpu_system_ms,
+        "peak_memory_bytes": r.peak_memory_bytes,
+        "error": r.error,
+        "idempotency_key": r.idempotency_key,
+        "stdout_spill_path": r.stdout_spill_path,
+        "stderr_spill_path": r.stderr_spill_path,
+    })
+}
+
+/// A snapshot.
+pub fn snapshot(s: &SnapshotInfo) -> Value {
+    json!({
+        "snapshot_id": s.snapshot_id,
+        "sandbox_id": s.sandbox_id,
+        "name": s.name,
+        "created_at": timestamp(s.created_at.as_ref()),
+        "size_bytes": s.size_bytes,
+        "parent_snapshot_id": s.parent_snapshot_id,
+    })
+}
+
+/// RFC 3339, or `null` when unset.
+fn timestamp(t: Option<&Timestamp>) -> Value {
+    t.map_or(Value::Null, |t| Value::String(t.to_string()))
+}
+
+/// A string map as a JSON object (sorted by key, as `serde_json::Map` is).
+fn string_map(map: &HashMap<String, String>) -> Value {
+    Value::Object(
+        map.iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect::<Map<_, _>>(),
+    )
+}
+
+// A value the daemon sends that this build does not know stays visible as its number.
+
+fn isolation_name(v: i32) -> Value {
+    Isolation::try_from(v).map_or_else(|_| json!(v), |e| json!(e.as_str_name()))
+}
+
+fn state_name(v: i32) -> Value {
+    SandboxState::try_from(v).map_or_else(|_| json!(v), |e| json!(e.as_str_name()))
+}
+
+fn exec_status_name(v: i32) -> Value {
+    ExecStatus::try_from(v).map_or_else(|_| json!(v), |e| json!(e.as_str_name()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_result_fields() {
+        let result = ExecResult {
+            exec_id: "ex-1".into(),
+            sandbox_id: "sb-1".into(),
+            argv: vec!["sh".into(), "-c".into(), "echo hi; exit 3".into()],
+            status: ExecStatus::Exited as i32,
+            exit_code: 3,
+            stdout: b"hi\n".to_vec(),
+            stderr: vec![0xff, b'x'],
+            stdout_total_bytes: 3,
+            started_at: Some(Timestamp {
+                seconds: 1_700_000_000,
+                nanos: 0,
+            }),
+            duration_ms: 12,
+            ..Default::default()
+        };
+        let v = exec_result(&result);
+        assert_eq!(v["exec_id"], "ex-1");
+        assert_eq!(v["argv"], json!(["sh", "-c", "echo hi; exit 3"]));
+        assert_eq!(v["status"], "EXEC_STATUS_EXITED");
+        assert_eq!(v["exit_code"], 3);
+        assert_eq!(v["stdout"], "hi\n");
+        assert_eq!(v["stderr"], "\u{fffd}x");
+        assert_eq!(v["stdout_truncated"], false);
+        assert_eq!(v["started_at"], "2023-11-14T22:13:20Z");
+        assert_eq!(v["duration_ms"], 12);
+        assert_eq!(v["error"], "");
+        assert_eq!(
+            v.as_object().map(Map::len),
+            Some(21),
+            "one key per ExecResult field"
+        );
+    }
+
+    #[test]
+    fn unknown_enum_values_stay_numbers() {
+        let result = ExecResult {
+            status: 42,
+            ..Default::default()
+        };
+        assert_eq!(exec_result(&result)["status"], 42);
+        assert_eq!(exec_result(&result)["started_at"], Value::Null);
+    }
+
+    #[test]
+    fn sandbox_fields() {
+        let sb = Sandbox {
+            id: "sb-1".into(),
+            isolation: Isolation::Process as i32,
+            state: SandboxState::Running as i32,
+            labels: HashMap::from([("team".to_owned(), "infra".to_owned())]),
+            limits: Some(ResourceLimits {
+                memory_bytes: 512 << 20,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let v = sandbox(&sb);
+        assert_eq!(v["isolation"], "ISOLATION_PROCESS");
+        assert_eq!(v["state"], "SANDBOX_STATE_RUNNING");
+        assert_eq!(v["labels"], json!({"team": "infra"}));
+        assert_eq!(v["limits"]["memory_bytes"], 512u64 << 20);
+        assert_eq!(v["expires_at"], Value::Null);
+    }
+}

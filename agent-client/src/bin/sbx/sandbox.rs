@@ -1,0 +1,108 @@
+//! `sbx create`, `fork`, `ls`, `get` and `rm`.
+
+use agent_client::proto::{CreateSandboxRequest, Sandbox};
+use anyhow::Result;
+use serde_json::json;
+
+use crate::{json, output, Ctx};
+
+/// Creates a sandbox (from a snapshot when the request names one) and prints its id.
+pub async fn create(ctx: &Ctx, request: CreateSandboxRequest) -> Result<u8> {
+    let sandbox = ctx.client().await?.create(request).await?;
+    if ctx.json {
+        output::json(&json::sandbox(&sandbox))?;
+    } else {
+        output::line(&sandbox.id)?;
+    }
+    Ok(0)
+}
+
+/// Lists sandboxes matching every label.
+pub async fn list(ctx: &Ctx, labels: Vec<(String, String)>) -> Result<u8> {
+    let mut sandboxes = ctx
+        .client()
+        .await?
+        .list(labels.into_iter().collect())
+        .await?;
+    if ctx.json {
+        output::json(&sandboxes.iter().map(json::sandbox).collect())?;
+        return Ok(0);
+    }
+    sandboxes.sort_by(|a, b| {
+        let key = |s: &Sandbox| s.created_at.map(|t| (t.seconds, t.nanos));
+        key(a).cmp(&key(b)).then_with(|| a.id.cmp(&b.id))
+    });
+    let rows: Vec<Vec<String>> = sandboxes
+        .iter()
+        .map(|s| {
+            vec![
+                s.id.clone(),
+                output::isolation(s.isolation),
+                output::or_dash(&s.image),
+                output::state(s.state),
+                output::time(s.created_at.as_ref()),
+                output::labels(&s.labels),
+            ]
+        })
+        .collect();
+    output::stdout(
+        output::table(
+            &["ID", "ISOLATION", "IMAGE", "STATE", "CREATED", "LABELS"],
+            &rows,
+        )
+        .as_bytes(),
+    )?;
+    Ok(0)
+}
+
+/// Shows one sandbox.
+pub async fn get(ctx: &Ctx, id: String) -> Result<u8> {
+    let s = ctx.client().await?.get(id).await?;
+    if ctx.json {
+        output::json(&json::sandbox(&s))?;
+        return Ok(0);
+    }
+    let limits = s.limits.unwrap_or_default();
+    let rows = [
+        ("ID", s.id.clone()),
+        ("ISOLATION", output::isolation(s.isolation)),
+        ("IMAGE", output::or_dash(&s.image)),
+        ("STATE", output::state(s.state)),
+        ("CREATED", output::time(s.created_at.as_ref())),
+        ("EXPIRES", output::time(s.expires_at.as_ref())),
+        ("WORKDIR", output::or_dash(&s.workdir)),
+        ("PARENT_SNAPSHOT", output::or_dash(&s.parent_snapshot_id)),
+        ("CPU", format!("{}m", limits.cpu_millicores)),
+        ("MEMORY", output::size(limits.memory_bytes)),
+        ("PIDS", limits.max_pids.to_string()),
+        ("DISK", output::size(limits.disk_bytes)),
+        ("EXEC_TIMEOUT", format!("{}ms", limits.exec_timeout_ms)),
+        ("LABELS", output::labels(&s.labels)),
+    ];
+    output::stdout(output::fields(&rows).as_bytes())?;
+    Ok(0)
+}
+
+/// Destroys every sandbox given, going on past failures; exits 1 if any failed.
+pub async fn remove(ctx: &Ctx, ids: Vec<String>) -> Result<u8> {
+    let client = ctx.client().await?;
+    let mut report = Vec::new();
+    let mut failed = false;
+    for id in ids {
+        match client.destroy(id.as_str()).await {
+            Ok(()) => report.push(json!({ "sandbox_id": id, "destroyed": true })),
+            Err(err) => {
+                failed = true;
+                if !ctx.json {
+                    output::note(&format!("{id}: {err}"))?;
+                }
+                let error = json!({ "code": agent_client::code_name(err.code()), "message": err.to_string() });
+                report.push(json!({ "sandbox_id": id, "destroyed": false, "error": error }));
+            }
+        }
+    }
+    if ctx.json {
+        output::json(&serde_json::Value::Array(report))?;
+    }
+    Ok(u8::from(failed))
+}

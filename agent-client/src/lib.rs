@@ -1,0 +1,44 @@
+//! Typed async client for `sandboxd`, the sandbox daemon.
+//!
+//! [`Client`] wraps the generated gRPC stub of the `sandbox.v1.SandboxService` API with one method
+//! per RPC, plain Rust inputs and a single [`Error`] type. The protobuf messages are re-exported as
+//! [`proto`], so callers build requests and read results without depending on `sandbox-proto`
+//! themselves.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), agent_client::Error> {
+//! use agent_client::{exec_request, Client};
+//!
+//! let client = Client::from_env().await?;
+//! let sandbox = client.create(Default::default()).await?;
+//! let result = client.exec(exec_request(&sandbox.id, ["echo", "hello"])).await?;
+//! assert_eq!(result.stdout, b"hello\n");
+//! client.destroy(&sandbox.id).await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The `sbx` command line (in `src/bin/`) is built on this library and holds every CLI concern;
+//! nothing here prints or exits.
+
+#![warn(missing_docs)]
+
+pub mod address;
+pub mod client;
+pub mod error;
+
+pub use address::Address;
+pub use client::{exec_request, AuthInterceptor, Client, ExecStream, RawClient};
+pub use error::{code_name, Error, Result};
+
+/// The generated `sandbox.v1` messages and enums, re-exported from `sandbox-proto`.
+pub use sandbox_proto::v1 as proto;
+
+/// Environment variable naming the daemon's address (see [`Address::parse`]).
+pub const SOCKET_ENV: &str = "SANDBOXD_SOCKET";
+
+/// Environment variable holding an optional bearer token sent with every call.
+pub const TOKEN_ENV: &str = "SANDBOXD_TOKEN";
+
+/// Address used when [`SOCKET_ENV`] is unset: the daemon's socket under the current directory.
+pub const DEFAULT_SOCKET: &str = "unix://./.sandboxd/sandboxd.sock";

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+#
+# images/deps.sh - install the Debian packages sandboxd and its image builds
+# need on the host:
+#   busybox-static  static /bin/busybox for the "minimal" image
+#   btrfs-progs     btrfs subvolumes/snapshots for sandbox storage
+#   debootstrap     builds the "debian" image
+#   iproute2        ip(8), sandbox network setup
+#   util-linux      mount, unshare, nsenter, flock, ...
+#
+# Each package is checked with `dpkg -s` first, so on a machine that already
+# has everything this prints one line and changes nothing; `apt-get update`
+# runs only when something must be installed. As root it installs what is
+# missing; otherwise it prints the apt-get command to run and exits 1.
+#
+# Note: busybox-static conflicts with the dynamic `busybox` package, which apt
+# will replace if it is installed.
+set -euo pipefail
+
+PACKAGES=(busybox-static btrfs-progs debootstrap iproute2 util-linux)
+# How long to wait for another apt/dpkg run to release its locks.
+LOCK_WAIT_SECONDS=${LOCK_WAIT_SECONDS:-600}
+
+is_installed() {
+    local status
+    status="$(dpkg -s "$1" 2>/dev/null)" || return 1
+    [[ $status == *$'\nStatus: install ok installed'* ]]
+}
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+    is_installed "$pkg" || missing+=("$pkg")
+done
+
+if ((${#missing[@]} == 0)); then
+    echo "deps: all present (${PACKAGES[*]})"
+    exit 0
+fi
+
+install_cmd="apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y ${missing[*]}"
+if ((EUID != 0)); then
+    echo "deps: missing ${missing[*]}; install them as root with:" >&2
+    echo "  $install_cmd" >&2
+    exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+echo "deps: installing ${missing[*]}"
+
+# `apt-get update` does not honour DPkg::Lock::Timeout (it only applies to the
+# dpkg locks), so retry while another apt holds the lists lock.
+deadline=$((SECONDS + LOCK_WAIT_SECONDS))
+errlog="$(mktemp)"
+trap 'rm -f -- "$errlog"' EXIT
+until apt-get -q update 2>"$errlog"; do
+    cat "$errlog" >&2
+    if grep -q 'Could not get lock' "$errlog" && ((SECONDS < deadline)); then
+        echo "deps: apt is busy, waiting for its lock..." >&2
+        sleep 5
+        continue
+    fi
+    echo "deps: apt-get update failed" >&2
+    exit 1
+done
+cat "$errlog" >&2
+
+apt-get -q -y -o DPkg::Lock::Timeout="$LOCK_WAIT_SECONDS" install "${missing[@]}"
+
+still_missing=()
+for pkg in "${missing[@]}"; do
+    is_installed "$pkg" || still_missing+=("$pkg")
+done
+if ((${#still_missing[@]} > 0)); then
+    echo "deps: still missing after install: ${still_missing[*]}" >&2
+    exit 1
+fi
+echo "deps: installed ${missing[*]}"

@@ -1,0 +1,140 @@
+//! Protobuf messages ↔ core types. Validation of ids and values happens in the core; here only
+//! what the wire format itself can get wrong (an unknown enum number) is refused.
+
+use std::time::SystemTime;
+
+use sandbox_proto::v1 as pb;
+use tonic::Status;
+
+use crate::backend::{ExecStatus, Isolation};
+use crate::manager::{CreateRequest, ExecRecord, ExecRequest, RequestedLimits, SandboxInfo, SandboxState};
+
+fn timestamp(t: SystemTime) -> prost_types::Timestamp {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    prost_types::Timestamp { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32 }
+}
+
+/// Proto isolation → core; UNSPECIFIED is `None` (the policy's default).
+pub fn isolation_from_proto(value: i32) -> Result<Option<Isolation>, Status> {
+    match pb::Isolation::try_from(value) {
+        Ok(pb::Isolation::Unspecified) => Ok(None),
+        Ok(pb::Isolation::Process) => Ok(Some(Isolation::Process)),
+        Ok(pb::Isolation::Container) => Ok(Some(Isolation::Container)),
+        Ok(pb::Isolation::Microvm) => Ok(Some(Isolation::MicroVm)),
+        Err(_) => Err(Status::invalid_argument(format!("invalid isolation: unknown value {value}"))),
+    }
+}
+
+fn isolation_to_proto(i: Isolation) -> pb::Isolation {
+    match i {
+        Isolation::Process => pb::Isolation::Process,
+        Isolation::Container => pb::Isolation::Container,
+        Isolation::MicroVm => pb::Isolation::Microvm,
+    }
+}
+
+fn state_to_proto(s: SandboxState) -> pb::SandboxState {
+    match s {
+        SandboxState::Creating => pb::SandboxState::Creating,
+        SandboxState::Running => pb::SandboxState::Running,
+        SandboxState::Failed => pb::SandboxState::Failed,
+        SandboxState::Destroyed => pb::SandboxState::Destroyed,
+    }
+}
+
+fn status_to_proto(s: ExecStatus) -> pb::ExecStatus {
+    match s {
+        ExecStatus::Exited => pb::ExecStatus::Exited,
+        ExecStatus::Signaled => pb::ExecStatus::Signaled,
+        ExecStatus::TimedOut => pb::ExecStatus::TimedOut,
+        ExecStatus::OomKilled => pb::ExecStatus::OomKilled,
+        ExecStatus::SpawnFailed => pb::ExecStatus::SpawnFailed,
+        ExecStatus::Running => pb::ExecStatus::Running,
+        ExecStatus::Lost => pb::ExecStatus::Lost,
+    }
+}
+
+/// CreateSandboxRequest → core.
+pub fn create_request(r: pb::CreateSandboxRequest) -> Result<CreateRequest, Status> {
+    let l = r.limits.unwrap_or_default();
+    Ok(CreateRequest {
+        isolation: isolation_from_proto(r.isolation)?,
+        image: r.image,
+        limits: RequestedLimits {
+            cpu_millicores: l.cpu_millicores,
+            memory_bytes: l.memory_bytes,
+            max_pids: l.max_pids,
+            disk_bytes: l.disk_bytes,
+            exec_timeout_ms: l.exec_timeout_ms,
+        },
+        env: r.env.into_iter().collect(),
+        workdir: r.workdir,
+        labels: r.labels.into_iter().collect(),
+        ttl_seconds: r.ttl_seconds,
+        from_snapshot_id: r.from_snapshot_id,
+    })
+}
+
+/// Core sandbox → proto.
+pub fn sandbox(i: &SandboxInfo) -> pb::Sandbox {
+    pb::Sandbox {
+        id: i.id.to_string(),
+        isolation: isolation_to_proto(i.isolation) as i32,
+        image: i.image.clone(),
+        state: state_to_proto(i.state) as i32,
+        limits: Some(pb::ResourceLimits {
+            cpu_millicores: i.limits.cpu_millicores,
+            memory_bytes: i.limits.memory_bytes,
+            max_pids: i.limits.max_pids,
+            disk_bytes: i.limits.disk_bytes,
+            exec_timeout_ms: i.limits.exec_timeout_ms,
+        }),
+        labels: i.labels.clone().into_iter().collect(),
+        created_at: Some(timestamp(i.created_at)),
+        workdir: i.workdir.clone(),
+        parent_snapshot_id: i.parent_snapshot_id.as_ref().map(|s| s.to_string()).unwrap_or_default(),
+        expires_at: i.expires_at.map(timestamp),
+    }
+}
+
+/// ExecRequest → core.
+pub fn exec_request(r: pb::ExecRequest) -> ExecRequest {
+    ExecRequest {
+        sandbox_id: r.sandbox_id,
+        argv: r.argv,
+        env: r.env.into_iter().collect(),
+        workdir: r.workdir,
+        stdin: r.stdin,
+        timeout_ms: r.timeout_ms,
+        max_output_bytes: r.max_output_bytes,
+        idempotency_key: r.idempotency_key,
+        background: r.background,
+    }
+}
+
+/// Core exec record → proto; `with_output` false for the last event of a stream.
+pub fn exec_result(r: &ExecRecord, with_output: bool) -> pb::ExecResult {
+    pb::ExecResult {
+        exec_id: r.exec_id.to_string(),
+        sandbox_id: r.sandbox_id.to_string(),
+        argv: r.argv.clone(),
+        status: status_to_proto(r.status) as i32,
+        exit_code: r.exit_code,
+        signal: r.signal,
+        stdout: if with_output { r.stdout.bytes.clone() } else { Vec::new() },
+        stderr: if with_output { r.stderr.bytes.clone() } else { Vec::new() },
+        stdout_truncated: r.stdout.truncated,
+        stderr_truncated: r.stderr.truncated,
+        stdout_total_bytes: r.stdout.total_bytes,
+        stderr_total_bytes: r.stderr.total_bytes,
+        started_at: Some(timestamp(r.started_at)),
+        duration_ms: r.duration.as_millis() as u64,
+        cpu_user_ms: r.usage.cpu_user_ms,
+        cpu_system_ms: r.usage.cpu_system_ms,
+        peak_memory_bytes: r.usage.peak_memory_bytes,
+        error: r.error.clone(),
+        idempotency_key: r.idempotency_key.clone(),
+        stdout_spill_path: r.stdout.spill_path.clone().unwrap_or_default(),
+        stderr_spill_path: r.stderr.spill_path.clone().unwrap_or_default(),
+    }
+}

@@ -1,0 +1,39 @@
+//! The one place core errors become gRPC statuses.
+
+use tonic::{Code, Status};
+
+use crate::error::Error;
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        let code = match &e {
+            Error::SandboxNotFound(_) | Error::ExecNotFound(_) | Error::SnapshotNotFound(_) | Error::ImageNotFound { .. } | Error::FileNotFound(_) => {
+                Code::NotFound
+            }
+            Error::InvalidArgument { .. } => Code::InvalidArgument,
+            Error::IncorrectState { .. } | Error::Unavailable { .. } | Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            Error::ResourceExhausted(_) => Code::ResourceExhausted,
+            Error::Internal(_) => {
+                tracing::error!(error = %e, "internal error");
+                Code::Internal
+            }
+        };
+        Status::new(code, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_follow_the_api_contract() {
+        assert_eq!(Status::from(Error::SandboxNotFound("sb-x".into())).code(), Code::NotFound);
+        let s = Status::from(Error::invalid("limits.memory_bytes", "too big"));
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(s.message().contains("limits.memory_bytes"));
+        let s = Status::from(Error::Unavailable { isolation: crate::backend::Isolation::Container, reason: "cannot reach Docker".into() });
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert!(s.message().contains("CONTAINER"));
+    }
+}

@@ -1,0 +1,254 @@
+//! The contract every isolation tier implements, and the types that cross it.
+//!
+//! The manager owns ids, lifecycle, limits and records; a backend only knows how to make a
+//! sandbox of its tier exist, run things in it, and take it apart. Dispatch over tiers happens in
+//! one place: [`Backends`].
+
+pub mod process;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Limits;
+use crate::ids::{ExecId, SandboxId, SnapshotId};
+
+/// Isolation level of a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Isolation {
+    Process,
+    Container,
+    MicroVm,
+}
+
+impl Isolation {
+    /// All tiers, weakest first.
+    pub const ALL: [Isolation; 3] = [Isolation::Process, Isolation::Container, Isolation::MicroVm];
+
+    /// Upper-case name used in messages ("PROCESS").
+    pub fn name(self) -> &'static str {
+        match self {
+            Isolation::Process => "PROCESS",
+            Isolation::Container => "CONTAINER",
+            Isolation::MicroVm => "MICROVM",
+        }
+    }
+}
+
+/// What a backend needs to create a sandbox; the manager has validated and defaulted it.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    pub id: SandboxId,
+    pub image: String,
+    pub limits: Limits,
+    /// Absolute path inside the sandbox, created at setup.
+    pub workdir: String,
+    /// Start from this snapshot's filesystem instead of the image.
+    pub from_snapshot: Option<SnapshotId>,
+}
+
+/// One command to run, fully resolved (env merged, defaults applied).
+#[derive(Debug, Clone)]
+pub struct ExecSpec {
+    pub exec_id: ExecId,
+    pub argv: Vec<String>,
+    /// The complete environment of the process.
+    pub env: Vec<(String, String)>,
+    pub workdir: String,
+    pub stdin: Vec<u8>,
+    pub timeout: Duration,
+    /// Per-stream cap on captured output.
+    pub max_output_bytes: u64,
+    /// How long to wait for the pipes to close after the main process ended.
+    pub io_drain_timeout: Duration,
+}
+
+/// A piece of output, streamed as it is produced.
+#[derive(Debug, Clone)]
+pub enum OutputChunk {
+    Stdout(Bytes),
+    Stderr(Bytes),
+}
+
+/// Where streamed output goes (none for unary execs).
+pub type OutputSink = Option<mpsc::Sender<OutputChunk>>;
+
+/// Why an exec ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExecStatus {
+    Exited,
+    Signaled,
+    TimedOut,
+    OomKilled,
+    SpawnFailed,
+    Running,
+    Lost,
+}
+
+/// Captured output of one stream: its head and tail within the cap.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CapturedOutput {
+    /// Head followed by tail when truncated; everything otherwise.
+    pub bytes: Vec<u8>,
+    pub truncated: bool,
+    /// What the process wrote, in total.
+    pub total_bytes: u64,
+    /// Where inside the sandbox the whole stream was kept, when truncated.
+    pub spill_path: Option<String>,
+}
+
+/// Resource use of one exec, from its own cgroup.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExecUsage {
+    pub cpu_user_ms: u64,
+    pub cpu_system_ms: u64,
+    pub peak_memory_bytes: u64,
+}
+
+/// How an exec ended, as the backend saw it.
+#[derive(Debug, Clone)]
+pub struct ExecOutcome {
+    pub status: ExecStatus,
+    pub exit_code: i32,
+    pub signal: i32,
+    pub stdout: CapturedOutput,
+    pub stderr: CapturedOutput,
+    pub started_at: SystemTime,
+    pub duration: Duration,
+    pub usage: ExecUsage,
+    /// A human sentence for SPAWN_FAILED and LOST.
+    pub error: String,
+}
+
+impl ExecOutcome {
+    /// An exec that never got to run or whose end could not be observed.
+    pub fn failed(status: ExecStatus, exit_code: i32, error: String, started_at: SystemTime) -> Self {
+        ExecOutcome {
+            status,
+            exit_code,
+            signal: 0,
+            stdout: CapturedOutput::default(),
+            stderr: CapturedOutput::default(),
+            started_at,
+            duration: started_at.elapsed().unwrap_or_default(),
+            usage: ExecUsage::default(),
+            error,
+        }
+    }
+}
+
+/// A slice of a file read from a sandbox.
+#[derive(Debug, Clone, Default)]
+pub struct FileChunk {
+    pub content: Vec<u8>,
+    pub size: u64,
+    pub eof: bool,
+}
+
+/// Errors a backend reports. The manager turns them into API errors.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("image {image:?} not found in {dir}")]
+    ImageNotFound { image: String, dir: String },
+    #[error("isolation {} unavailable: {reason}", .isolation.name())]
+    Unavailable { isolation: Isolation, reason: String },
+    #[error("sandbox {0} is not known to its backend")]
+    NoSuchSandbox(SandboxId),
+    #[error("snapshot {0} is not known to its backend")]
+    NoSuchSnapshot(SnapshotId),
+    #[error("exec {0} is not running")]
+    NoSuchExec(ExecId),
+    #[error("invalid path {path:?}: {reason}")]
+    InvalidPath { path: String, reason: String },
+    #[error("no such file in the sandbox: {path}")]
+    FileNotFound { path: String },
+    #[error("the sandbox's disk is full (disk_bytes reached) writing {path}")]
+    DiskFull { path: String },
+    #[error("{context}: {source}")]
+    Io { context: String, source: std::io::Error },
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl BackendError {
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        BackendError::Io { context: context.into(), source }
+    }
+}
+
+/// What every isolation tier provides. All methods are called with ids the manager knows.
+#[async_trait]
+pub trait Backend: Send + Sync {
+    /// The tier this backend serves.
+    fn isolation(&self) -> Isolation;
+    /// `Ok` when this host can serve the tier, else the reason it cannot.
+    fn availability(&self) -> Result<(), String>;
+    /// Makes the sandbox exist and ready to exec.
+    async fn create(&self, spec: &SandboxSpec) -> Result<(), BackendError>;
+    /// Runs one command to its end (or until `cancel` fires, which kills its process tree).
+    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, cancel: CancellationToken) -> Result<ExecOutcome, BackendError>;
+    /// Sends a signal to every process of a running exec.
+    async fn signal_exec(&self, sandbox: &SandboxId, exec: &ExecId, signal: i32) -> Result<(), BackendError>;
+    /// Writes a whole file inside the sandbox, creating parent directories.
+    async fn write_file(&self, sandbox: &SandboxId, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError>;
+    /// Reads part of a file inside the sandbox.
+    async fn read_file(&self, sandbox: &SandboxId, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError>;
+    /// Captures the sandbox's filesystem as `snapshot`; returns the bytes it holds beyond the image.
+    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError>;
+    /// Puts the sandbox's filesystem back to `snapshot`; every process in it is ended.
+    async fn rollback(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<(), BackendError>;
+    /// Frees a snapshot no sandbox depends on any more.
+    async fn delete_snapshot(&self, snapshot: &SnapshotId) -> Result<(), BackendError>;
+    /// Kills every process and frees every mount, cgroup and directory of the sandbox.
+    async fn destroy(&self, sandbox: &SandboxId) -> Result<(), BackendError>;
+    /// Called once at daemon shutdown, after every owned sandbox was destroyed.
+    async fn shutdown(&self);
+}
+
+/// The backends of this daemon, one per tier that was configured; the single dispatch point.
+#[derive(Clone, Default)]
+pub struct Backends {
+    by_tier: HashMap<Isolation, Arc<dyn Backend>>,
+}
+
+impl Backends {
+    /// Registers the backend of a tier.
+    pub fn insert(&mut self, backend: Arc<dyn Backend>) {
+        self.by_tier.insert(backend.isolation(), backend);
+    }
+
+    /// The backend of `tier`, or why this host cannot serve it.
+    pub fn get(&self, tier: Isolation) -> Result<&Arc<dyn Backend>, BackendError> {
+        let backend = self.by_tier.get(&tier).ok_or_else(|| BackendError::Unavailable {
+            isolation: tier,
+            reason: "not implemented by this build of sandboxd".to_string(),
+        })?;
+        backend.availability().map_err(|reason| BackendError::Unavailable { isolation: tier, reason })?;
+        Ok(backend)
+    }
+
+    /// Availability of every tier, for health reporting.
+    pub fn availability(&self) -> Vec<(Isolation, Result<(), String>)> {
+        Isolation::ALL
+            .iter()
+            .map(|&tier| {
+                let status = match self.by_tier.get(&tier) {
+                    Some(b) => b.availability(),
+                    None => Err("not implemented by this build of sandboxd".to_string()),
+                };
+                (tier, status)
+            })
+            .collect()
+    }
+
+    /// Every registered backend.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<dyn Backend>> {
+        self.by_tier.values()
+    }
+}

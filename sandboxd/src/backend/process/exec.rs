@@ -1,0 +1,237 @@
+//! Running one command in a process-tier sandbox, from the daemon's side.
+//!
+//! The daemon makes the exec's cgroup and pipes, hands them to the sandbox's init (which forks
+//! the process inside every namespace), then pumps the pipes into bounded captures while it waits
+//! for the exit, the timeout or the caller's cancellation. The timeout and cancellation kill the
+//! exec's cgroup: every descendant, even ones that daemonized, with no pid-reuse race.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+use super::cgroup::ExecCgroup;
+use super::files;
+use super::wire::ToInit;
+use super::ProcessSandbox;
+use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink};
+use crate::output::{OutputCapture, SpillTarget};
+
+/// Directory inside the sandbox where truncated streams are kept whole.
+pub const SPILL_DIR: &str = "/tmp/.sandboxd";
+
+/// Spill file of one stream, created through the confined file API.
+struct SandboxSpill {
+    rootfs: PathBuf,
+    path: String,
+}
+
+impl SpillTarget for SandboxSpill {
+    fn open(&mut self) -> std::io::Result<Box<dyn std::io::Write + Send>> {
+        let file = files::create_for_write(&self.rootfs, &self.path).map_err(|e| std::io::Error::other(e.to_string()))?;
+        Ok(Box::new(std::io::BufWriter::with_capacity(64 << 10, file)))
+    }
+    fn path(&self) -> String {
+        self.path.clone()
+    }
+}
+
+fn pipe() -> Result<(OwnedFd, OwnedFd), BackendError> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::io("creating exec pipe", e.into()))
+}
+
+/// Reads one stream into its capture (and the sink, if streaming) until EOF or `stop`.
+async fn pump(fd: OwnedFd, mut capture: OutputCapture, sink: OutputSink, is_stdout: bool, stop: CancellationToken) -> CapturedOutput {
+    let mut rx = match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
+        Ok(rx) => rx,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch exec output pipe");
+            return capture.finish();
+        }
+    };
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = tokio::select! {
+            biased;
+            r = rx.read(&mut buf) => match r {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            },
+            _ = stop.cancelled() => break,
+        };
+        capture.feed(&buf[..n]);
+        if let Some(tx) = &sink {
+            let chunk = Bytes::copy_from_slice(&buf[..n]);
+            let event = if is_stdout { OutputChunk::Stdout(chunk) } else { OutputChunk::Stderr(chunk) };
+            // A slow reader slows the command (back-pressure through the pipe); a gone reader
+            // only stops the streaming, not the capture.
+            tokio::select! {
+                _ = tx.send(event) => {}
+                _ = stop.cancelled() => break,
+            }
+        }
+    }
+    capture.finish()
+}
+
+fn describe_spawn_failure(stage: &str, errno: i32, argv0: &str, workdir: &str) -> (i32, String) {
+    let err = nix::errno::Errno::from_raw(errno);
+    match (stage, err) {
+        ("exec", nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR) => (127, format!("executable not found: {argv0}")),
+        ("exec", nix::errno::Errno::EACCES) => (126, format!("permission denied: {argv0} is not executable")),
+        ("exec", nix::errno::Errno::ENOEXEC) => (126, format!("{argv0} is not an executable format (a script without #!?)")),
+        ("exec", e) => (126, format!("cannot execute {argv0}: {}", e.desc())),
+        ("workdir", e) => (127, format!("cannot enter working directory {workdir}: {}", e.desc())),
+        (stage, e) => (127, format!("exec setup failed at {stage}: {}", e.desc())),
+    }
+}
+
+impl ProcessSandbox {
+    /// Runs `spec` to its end. See the module documentation.
+    pub(super) async fn run_exec(self: &Arc<Self>, spec: ExecSpec, sink: OutputSink, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+        let started_at = SystemTime::now();
+        let exec_id = spec.exec_id.to_string();
+        let cgroup = Arc::new(self.cgroup.create_exec(&exec_id)?);
+        let result = self.run_in_cgroup(&spec, &cgroup, sink, cancel, started_at).await;
+        self.forget_exec(&exec_id, &cgroup);
+        result
+    }
+
+    fn forget_exec(&self, exec_id: &str, cgroup: &Arc<ExecCgroup>) {
+        if let Ok(mut running) = self.running.lock() {
+            running.remove(exec_id);
+        }
+        match cgroup.remove() {
+            Ok(true) => {}
+            // Processes the command left behind in the background keep their cgroup; it is
+            // removed when the sandbox goes.
+            Ok(false) => {
+                if let Ok(mut left) = self.leftovers.lock() {
+                    left.push(cgroup.clone());
+                }
+            }
+            Err(e) => tracing::warn!(exec = exec_id, error = %e, "cannot remove exec cgroup"),
+        }
+    }
+
+    async fn run_in_cgroup(
+        self: &Arc<Self>,
+        spec: &ExecSpec,
+        cgroup: &Arc<ExecCgroup>,
+        sink: OutputSink,
+        cancel: CancellationToken,
+        started_at: SystemTime,
+    ) -> Result<ExecOutcome, BackendError> {
+        let exec_id = spec.exec_id.to_string();
+        let procs = cgroup.procs_files()?;
+        let (stdin_r, stdin_w) = pipe()?;
+        let (stdout_r, stdout_w) = pipe()?;
+        let (stderr_r, stderr_w) = pipe()?;
+        let mut fds = vec![stdin_r.as_raw_fd(), stdout_w.as_raw_fd(), stderr_w.as_raw_fd()];
+        fds.extend(procs.iter().map(|f| f.as_raw_fd()));
+        let msg = ToInit::Spawn { exec_id: exec_id.clone(), argv: spec.argv.clone(), env: spec.env.clone(), workdir: spec.workdir.clone() };
+        if let Ok(mut running) = self.running.lock() {
+            running.insert(exec_id.clone(), cgroup.clone());
+        }
+        let waiters = self.channel.spawn(&exec_id, &msg, &fds).await;
+        // The init holds its own copies now; ours must close so EOF means "the process is done".
+        drop((stdin_r, stdout_w, stderr_w, procs));
+        let waiters = match waiters {
+            Ok(w) => w,
+            Err(e) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, format!("sandbox unavailable: {e}"), started_at)),
+        };
+        match waiters.spawned.await {
+            Ok(Ok(_pid)) => {}
+            Ok(Err((stage, errno))) => {
+                let (code, error) = describe_spawn_failure(&stage, errno, &spec.argv[0], &spec.workdir);
+                return Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, code, error, started_at));
+            }
+            Err(_) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the sandbox's init exited before the exec started".into(), started_at)),
+        }
+        let t0 = Instant::now();
+
+        let stdin = spec.stdin.clone();
+        tokio::spawn(async move {
+            if let Ok(mut tx) = tokio::net::unix::pipe::Sender::from_owned_fd(stdin_w) {
+                // A command that does not read its stdin closes the pipe: EPIPE is normal here.
+                let _ = tx.write_all(&stdin).await;
+            }
+        });
+        let cap = usize::try_from(spec.max_output_bytes).unwrap_or(usize::MAX);
+        let spill = |stream: &str| -> Option<Box<dyn SpillTarget>> {
+            Some(Box::new(SandboxSpill { rootfs: self.rootfs.clone(), path: format!("{SPILL_DIR}/{exec_id}.{stream}") }))
+        };
+        let stop = CancellationToken::new();
+        let out_task = tokio::spawn(pump(stdout_r, OutputCapture::new(cap, spill("stdout")), sink.clone(), true, stop.clone()));
+        let err_task = tokio::spawn(pump(stderr_r, OutputCapture::new(cap, spill("stderr")), sink, false, stop.clone()));
+
+        #[derive(Clone, Copy)]
+        enum End {
+            Exited(Option<i32>, Option<i32>),
+            TimedOut,
+            Cancelled,
+            Lost,
+        }
+        let mut exited = waiters.exited;
+        let mut end = tokio::select! {
+            r = &mut exited => match r { Ok((c, s)) => End::Exited(c, s), Err(_) => End::Lost },
+            _ = tokio::time::sleep(spec.timeout) => End::TimedOut,
+            _ = cancel.cancelled() => End::Cancelled,
+        };
+        if matches!(end, End::TimedOut | End::Cancelled) {
+            if let Err(e) = cgroup.kill_all() {
+                tracing::warn!(exec = %exec_id, error = %e, "killing exec process tree");
+            }
+            // The init reports the main process's death promptly once it is killed.
+            if tokio::time::timeout(std::time::Duration::from_secs(5), exited).await.is_err() {
+                tracing::warn!(exec = %exec_id, "no exit report 5 s after the kill");
+            }
+        }
+        let duration = t0.elapsed();
+
+        // Bounded wait for the pipes: a grandchild left in the background may hold them open.
+        let deadline = tokio::time::Instant::now() + spec.io_drain_timeout;
+        let mut out_task = out_task;
+        let mut err_task = err_task;
+        let stdout = match tokio::time::timeout_at(deadline, &mut out_task).await {
+            Ok(r) => r,
+            Err(_) => {
+                stop.cancel();
+                out_task.await
+            }
+        };
+        let stderr = match tokio::time::timeout_at(deadline, &mut err_task).await {
+            Ok(r) => r,
+            Err(_) => {
+                stop.cancel();
+                err_task.await
+            }
+        };
+        let stdout = stdout.unwrap_or_default();
+        let stderr = stderr.unwrap_or_default();
+        let raw = cgroup.usage();
+        let usage = ExecUsage { cpu_user_ms: raw.cpu_user_ms, cpu_system_ms: raw.cpu_system_ms, peak_memory_bytes: raw.peak_memory_bytes };
+
+        let killed = (ExecStatus::Signaled, 128 + libc::SIGKILL, libc::SIGKILL, String::new());
+        if let End::Exited(Some(c), _) = end {
+            // The OOM killer fired in this exec's cgroup and the command did not succeed.
+            if c != 0 && raw.oom_kills > 0 {
+                end = End::Exited(None, Some(libc::SIGKILL));
+            }
+        }
+        let (status, exit_code, signal, error) = match end {
+            End::Lost => (ExecStatus::Lost, -1, 0, "the sandbox's init exited while the command ran".to_string()),
+            End::TimedOut => (ExecStatus::TimedOut, 128 + libc::SIGKILL, libc::SIGKILL, String::new()),
+            End::Cancelled => killed,
+            End::Exited(_, Some(s)) if s == libc::SIGKILL && raw.oom_kills > 0 => (ExecStatus::OomKilled, 128 + s, s, String::new()),
+            End::Exited(_, Some(s)) => (ExecStatus::Signaled, 128 + s, s, String::new()),
+            End::Exited(Some(c), None) => (ExecStatus::Exited, c, 0, String::new()),
+            End::Exited(None, None) => (ExecStatus::Lost, -1, 0, "exit status unknown".to_string()),
+        };
+        Ok(ExecOutcome { status, exit_code, signal, stdout, stderr, started_at, duration, usage, error })
+    }
+}

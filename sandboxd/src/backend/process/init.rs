@@ -1,0 +1,525 @@
+//! The in-sandbox side of the process tier: a shim, and the sandbox's PID 1.
+//!
+//! `sandboxd __sandbox-init` is started by the daemon (a fresh, single-threaded process, so
+//! everything after `fork` here is safe, unlike forking the multi-threaded daemon) with the control
+//! socket on fd 3. It reads the [`InitConfig`], unshares a pid namespace and forks:
+//!
+//! * the parent stays behind as a *shim*: it waits for the init and exits with its status, so the
+//!   daemon learns of the sandbox's death through an ordinary child and nothing depends on the
+//!   host's PID 1 reaping orphans;
+//! * the child becomes PID 1 of the sandbox. It builds the sandbox around itself ([`setup`], one
+//!   linear recipe) and then serves `Spawn` requests: each exec is a fork of this process, which
+//!   already sits in every namespace, behind pivot_root, with capabilities dropped and seccomp on —
+//!   the exec child inherits all of it and only has to join its own cgroup and `execve`.
+//!
+//! Nothing here may panic or `unwrap`: after the fork an error that is not sent back over the
+//! control socket is lost, so every failure becomes a `SetupFailed` / `SpawnFailed` message.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+
+use nix::errno::Errno;
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::{fork, ForkResult, Pid};
+
+use super::seccomp;
+use super::wire::{decode, encode, recv_raw, send_raw, FromInit, InitConfig, ToInit, MAX_MESSAGE};
+
+/// The hidden first argument that turns the `sandboxd` binary into a sandbox init.
+pub const INIT_ARG: &str = "__sandbox-init";
+/// The control socket's descriptor number in the init.
+pub const CONTROL_FD: RawFd = 3;
+
+/// Stage codes a failed exec child reports through its error pipe.
+const STAGE_CGROUP: u8 = 1;
+const STAGE_WORKDIR: u8 = 2;
+const STAGE_EXEC: u8 = 3;
+const STAGE_STDIO: u8 = 4;
+
+/// Capabilities processes in a sandbox keep: Docker's default set minus CAP_MKNOD (device nodes
+/// are provided; one made by the sandbox could be opened by the daemon's file API) and CAP_NET_RAW.
+const KEPT_CAPS: [caps::Capability; 11] = [
+    caps::Capability::CAP_CHOWN,
+    caps::Capability::CAP_DAC_OVERRIDE,
+    caps::Capability::CAP_FOWNER,
+    caps::Capability::CAP_FSETID,
+    caps::Capability::CAP_KILL,
+    caps::Capability::CAP_SETGID,
+    caps::Capability::CAP_SETUID,
+    caps::Capability::CAP_SETPCAP,
+    caps::Capability::CAP_NET_BIND_SERVICE,
+    caps::Capability::CAP_SYS_CHROOT,
+    caps::Capability::CAP_SETFCAP,
+];
+
+/// Entry point of `sandboxd __sandbox-init`. Never returns.
+pub fn main() -> ! {
+    // SAFETY: the daemon put the control socket on fd 3 for us (dup2 in pre_exec); nothing else
+    // in this fresh process owns it.
+    let ctrl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
+    let code = shim(ctrl);
+    std::process::exit(code)
+}
+
+fn report(ctrl: &OwnedFd, msg: &FromInit) {
+    match encode(msg) {
+        Ok(bytes) => {
+            if let Err(e) = send_raw(ctrl.as_fd(), &bytes, &[]) {
+                eprintln!("sandbox-init: cannot report {msg:?}: {e}");
+            }
+        }
+        Err(e) => eprintln!("sandbox-init: cannot encode {msg:?}: {e}"),
+    }
+}
+
+fn setup_failed(ctrl: &OwnedFd, stage: &str, err: impl std::fmt::Display) -> i32 {
+    let message = err.to_string();
+    eprintln!("sandbox-init: setup failed at {stage}: {message}");
+    report(ctrl, &FromInit::SetupFailed { stage: stage.to_string(), message });
+    1
+}
+
+/// Reads the configuration, makes the pid namespace and forks the init; then waits for it.
+fn shim(ctrl: OwnedFd) -> i32 {
+    let mut buf = vec![0u8; 64 << 10];
+    let (n, cgroup_fds) = match recv_raw(ctrl.as_fd(), &mut buf) {
+        Ok(Some(m)) => m,
+        Ok(None) => return 1,
+        Err(e) => return setup_failed(&ctrl, "config", e),
+    };
+    let cfg: InitConfig = match decode(&buf[..n]) {
+        Ok(c) => c,
+        Err(e) => return setup_failed(&ctrl, "config", e),
+    };
+    drop(buf);
+    // A new pid namespace applies to children only: the fork below makes its PID 1.
+    if let Err(e) = unshare(CloneFlags::CLONE_NEWPID) {
+        return setup_failed(&ctrl, "unshare pid namespace", e);
+    }
+    // SAFETY: this process is single-threaded (a fresh exec of sandboxd that started no runtime),
+    // so the child may allocate and do anything after fork.
+    match unsafe { fork() } {
+        Err(e) => setup_failed(&ctrl, "fork init", e),
+        Ok(ForkResult::Child) => {
+            let code = init(ctrl, cfg, cgroup_fds);
+            std::process::exit(code)
+        }
+        Ok(ForkResult::Parent { child }) => {
+            // Only the init keeps the control socket, so the daemon sees EOF exactly when it dies.
+            drop(ctrl);
+            drop(cgroup_fds);
+            loop {
+                match waitpid(child, None) {
+                    Ok(WaitStatus::Exited(_, code)) => return code,
+                    Ok(WaitStatus::Signaled(_, sig, _)) => return 128 + sig as i32,
+                    Ok(_) | Err(Errno::EINTR) => continue,
+                    Err(_) => return 1,
+                }
+            }
+        }
+    }
+}
+
+/// PID 1 of the sandbox: set up, say ready, serve.
+fn init(ctrl: OwnedFd, cfg: InitConfig, cgroup_fds: Vec<OwnedFd>) -> i32 {
+    if let Err((stage, err)) = setup(&cfg, cgroup_fds) {
+        return setup_failed(&ctrl, stage, err);
+    }
+    report(&ctrl, &FromInit::Ready);
+    serve(ctrl)
+}
+
+type StageResult = Result<(), (&'static str, String)>;
+
+fn stage<T, E: std::fmt::Display>(name: &'static str, r: Result<T, E>) -> Result<T, (&'static str, String)> {
+    r.map_err(|e| (name, e.to_string()))
+}
+
+/// Builds the sandbox around this process. The order matters; each step says why it is here.
+fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
+    // If the shim dies (killed from outside), take the sandbox down with it rather than leave
+    // an init nobody waits for. The shim is single-threaded, so "parent thread exits" cannot
+    // fire early.
+    // SAFETY: prctl with integer arguments only.
+    stage("pdeathsig", Errno::result(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) }))?;
+
+    // Join the sandbox cgroup before unsharing the cgroup namespace, so the namespace's root is
+    // the sandbox's cgroup and processes inside cannot see or name the host's hierarchy.
+    for fd in &cgroup_fds {
+        stage("join cgroup", nix::unistd::write(fd, b"0"))?;
+    }
+    drop(cgroup_fds);
+    stage(
+        "unshare namespaces",
+        unshare(
+            CloneFlags::CLONE_NEWNS
+                | CloneFlags::CLONE_NEWUTS
+                | CloneFlags::CLONE_NEWIPC
+                | CloneFlags::CLONE_NEWNET
+                | CloneFlags::CLONE_NEWCGROUP,
+        ),
+    )?;
+
+    // Nothing mounted from here on may propagate back to the host (its / is usually shared).
+    stage("make mounts private", mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>))?;
+    stage("sethostname", nix::unistd::sethostname(&cfg.hostname))?;
+    // A new network namespace has only `lo`, and it is down.
+    stage("bring up lo", loopback_up())?;
+
+    let root = Path::new(&cfg.rootfs);
+    // /dev first: masking /proc files binds /dev/null over them.
+    mount_dev(root)?;
+    mount_proc(root)?;
+
+    // pivot_root, not chroot: afterwards the old root is unmounted and unreachable, even for a
+    // process that keeps a directory fd or has CAP_SYS_CHROOT.
+    stage("chdir rootfs", nix::unistd::chdir(root))?;
+    // SAFETY: pivot_root with two valid C strings; "." "." stacks the old root under the new one.
+    stage("pivot_root", Errno::result(unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) }))?;
+    stage("unmount old root", umount2(".", MntFlags::MNT_DETACH))?;
+    stage("chdir /", nix::unistd::chdir("/"))?;
+
+    use nix::sys::resource::{setrlimit, Resource};
+    // Bounded open files per process (lowering is always allowed; raising may not be).
+    let (_, hard) = stage("getrlimit nofile", nix::sys::resource::getrlimit(Resource::RLIMIT_NOFILE))?;
+    let nofile = hard.min(65_536);
+    stage("rlimit nofile", setrlimit(Resource::RLIMIT_NOFILE, nofile, nofile))?;
+    stage("rlimit core", setrlimit(Resource::RLIMIT_CORE, 0, 0))?;
+    nix::sys::stat::umask(Mode::from_bits_truncate(0o022));
+
+    // SIGCHLD is read through a signalfd by the serve loop; exec children unblock it again.
+    let mut chld = SigSet::empty();
+    chld.add(Signal::SIGCHLD);
+    stage("block SIGCHLD", nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&chld), None))?;
+
+    // Capabilities last among the privileged steps: mounts and hostname above needed them.
+    drop_capabilities()?;
+    // SAFETY: prctl with integer arguments only.
+    stage("no_new_privs", Errno::result(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }))?;
+    // Seccomp at the very end: the filter denies mount and friends, which setup used.
+    stage("seccomp", seccomp::install())?;
+    Ok(())
+}
+
+fn mount_proc(root: &Path) -> StageResult {
+    let proc_dir = root.join("proc");
+    let nosuid_nodev_noexec = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    // Mounted after the pid namespace exists, so it shows the sandbox's processes only.
+    stage("mount /proc", mount(Some("proc"), &proc_dir, Some("proc"), nosuid_nodev_noexec, None::<&str>))?;
+    // Hide what leaks host state or lets root inside poke the kernel (as Docker does).
+    for masked in ["kcore", "keys", "timer_list", "sched_debug"] {
+        let target = proc_dir.join(masked);
+        if target.exists() {
+            stage("mask /proc file", mount(Some(&root.join("dev/null")), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+        }
+    }
+    for ro in ["sys", "sysrq-trigger", "irq", "bus", "fs"] {
+        let target = proc_dir.join(ro);
+        if target.exists() {
+            stage("bind /proc read-only", mount(Some(&target), &target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>))?;
+            stage(
+                "remount /proc read-only",
+                mount(
+                    None::<&str>,
+                    &target,
+                    None::<&str>,
+                    MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | nosuid_nodev_noexec,
+                    None::<&str>,
+                ),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// A minimal /dev on its own tmpfs: the usual character devices, a private devpts and /dev/shm.
+fn mount_dev(root: &Path) -> StageResult {
+    let dev = root.join("dev");
+    stage(
+        "mount /dev",
+        mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME, Some("mode=755,size=1m")),
+    )?;
+    for (name, major, minor) in [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)] {
+        let path = dev.join(name);
+        stage("mknod", mknod(&path, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(major, minor)))?;
+        stage("chmod device", nix::sys::stat::fchmodat(None, &path, Mode::from_bits_truncate(0o666), nix::sys::stat::FchmodatFlags::FollowSymlink))?;
+    }
+    for dir in ["pts", "shm"] {
+        stage("mkdir /dev subdir", nix::unistd::mkdir(&dev.join(dir), Mode::from_bits_truncate(0o755)))?;
+    }
+    stage(
+        "mount devpts",
+        mount(
+            Some("devpts"),
+            &dev.join("pts"),
+            Some("devpts"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+            Some("newinstance,ptmxmode=0666,mode=0620"),
+        ),
+    )?;
+    stage(
+        "mount /dev/shm",
+        mount(
+            Some("shm"),
+            &dev.join("shm"),
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some("mode=1777,size=64m"),
+        ),
+    )?;
+    for (link, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        stage("symlink in /dev", std::os::unix::fs::symlink(target, dev.join(link)))?;
+    }
+    Ok(())
+}
+
+fn loopback_up() -> Result<(), Errno> {
+    // SAFETY: plain socket call; the fd is wrapped in OwnedFd right away.
+    let raw = Errno::result(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
+    // SAFETY: `raw` is a fresh descriptor we own.
+    let sock = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: ifreq is plain old data; all-zero is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS read and write the ifreq we pass, which outlives the calls.
+    unsafe {
+        Errno::result(libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr))?;
+        ifr.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+        Errno::result(libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &ifr))?;
+    }
+    Ok(())
+}
+
+fn drop_capabilities() -> StageResult {
+    use caps::CapSet;
+    let kept: caps::CapsHashSet = KEPT_CAPS.iter().copied().collect();
+    // The bounding set first, while CAP_SETPCAP is still effective: it caps what any later
+    // execve (even of a setuid binary) can regain.
+    for cap in caps::all() {
+        if !kept.contains(&cap) {
+            stage("drop bounding capability", caps::drop(None, CapSet::Bounding, cap))?;
+        }
+    }
+    stage("clear ambient capabilities", caps::clear(None, CapSet::Ambient))?;
+    stage("set inheritable capabilities", caps::set(None, CapSet::Inheritable, &kept))?;
+    stage("set effective capabilities", caps::set(None, CapSet::Effective, &kept))?;
+    stage("set permitted capabilities", caps::set(None, CapSet::Permitted, &kept))?;
+    Ok(())
+}
+
+/// The serve loop: spawn requests from the daemon, child exits from the kernel.
+fn serve(ctrl: OwnedFd) -> i32 {
+    let mut chld = SigSet::empty();
+    chld.add(Signal::SIGCHLD);
+    let sfd = match SignalFd::with_flags(&chld, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("sandbox-init: signalfd: {e}");
+            return 1;
+        }
+    };
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    // Main processes of running execs, by pid. Other processes that end up here (orphans
+    // re-parented to PID 1) are reaped silently.
+    let mut running: HashMap<Pid, String> = HashMap::new();
+    loop {
+        let (ctrl_ready, chld_ready) = {
+            let mut fds = [PollFd::new(ctrl.as_fd(), PollFlags::POLLIN), PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) => {}
+                Err(Errno::EINTR) => continue,
+                Err(e) => {
+                    eprintln!("sandbox-init: poll: {e}");
+                    return 1;
+                }
+            }
+            let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
+            (ready(&fds[0]), ready(&fds[1]))
+        };
+        if chld_ready {
+            while let Ok(Some(_)) = sfd.read_signal() {}
+            reap(&ctrl, &mut running);
+        }
+        if ctrl_ready {
+            match recv_raw(ctrl.as_fd(), &mut buf) {
+                // The daemon is gone: exiting as PID 1 kills everything in the sandbox.
+                Ok(None) => return 0,
+                Ok(Some((n, fds))) => match decode::<ToInit>(&buf[..n]) {
+                    Ok(ToInit::Spawn { exec_id, argv, env, workdir }) => {
+                        let reply = spawn(&exec_id, &argv, &env, &workdir, fds, &mut running);
+                        report(&ctrl, &reply);
+                    }
+                    Err(e) => eprintln!("sandbox-init: ignoring malformed request: {e}"),
+                },
+                Err(e) => {
+                    eprintln!("sandbox-init: control channel: {e}");
+                    if matches!(e, super::wire::WireError::Io(Errno::EAGAIN | Errno::EINTR)) {
+                        continue;
+                    }
+                    return 1;
+                }
+            }
+        }
+    }
+}
+
+fn reap(ctrl: &OwnedFd, running: &mut HashMap<Pid, String>) {
+    loop {
+        let (pid, code, signal) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(pid, code)) => (pid, Some(code), None),
+            Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, None, Some(sig as i32)),
+            Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return,
+            Ok(_) => continue,
+            Err(Errno::EINTR) => continue,
+            Err(e) => {
+                eprintln!("sandbox-init: waitpid: {e}");
+                return;
+            }
+        };
+        if let Some(exec_id) = running.remove(&pid) {
+            report(ctrl, &FromInit::Exited { exec_id, code, signal });
+        }
+    }
+}
+
+fn cstring(s: &str) -> Result<CString, Errno> {
+    CString::new(s).map_err(|_| Errno::EINVAL)
+}
+
+/// Forks and execs one command. Returns the reply for the daemon.
+fn spawn(exec_id: &str, argv: &[String], env: &[(String, String)], workdir: &str, fds: Vec<OwnedFd>, running: &mut HashMap<Pid, String>) -> FromInit {
+    let failed = |stage: &str, errno: Errno| FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: stage.to_string(), errno: errno as i32 };
+    if fds.len() < 3 || argv.is_empty() {
+        return failed("request", Errno::EINVAL);
+    }
+    // Everything the child needs is prepared before fork, so the child only makes syscalls.
+    let prepared = (|| -> Result<_, Errno> {
+        let c_argv = argv.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>()?;
+        let c_env = env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<Vec<_>, _>>()?;
+        let path_var = env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str()).unwrap_or("/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
+        let candidates = if argv[0].contains('/') {
+            vec![cstring(&argv[0])?]
+        } else {
+            path_var
+                .split(':')
+                .map(|dir| if dir.is_empty() { "." } else { dir })
+                .map(|dir| cstring(&format!("{dir}/{}", argv[0])))
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        Ok((c_argv, c_env, candidates, cstring(workdir)?))
+    })();
+    let (c_argv, c_env, candidates, c_workdir) = match prepared {
+        Ok(p) => p,
+        Err(e) => return failed("argv", e),
+    };
+    let (err_r, err_w) = match nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC) {
+        Ok(p) => p,
+        Err(e) => return failed("pipe", e),
+    };
+    // SAFETY: the init is single-threaded; the child only makes syscalls before execve/_exit.
+    match unsafe { fork() } {
+        Err(e) => failed("fork", e),
+        Ok(ForkResult::Child) => {
+            drop(err_r);
+            exec_child(&fds, &c_argv, &c_env, &candidates, &c_workdir, err_w)
+        }
+        Ok(ForkResult::Parent { child }) => {
+            drop(err_w);
+            drop(fds);
+            let mut report_buf = [0u8; 5];
+            let n = read_full(&err_r, &mut report_buf);
+            if n == report_buf.len() {
+                let stage = match report_buf[0] {
+                    STAGE_CGROUP => "cgroup",
+                    STAGE_WORKDIR => "workdir",
+                    STAGE_STDIO => "stdio",
+                    _ => "exec",
+                };
+                let errno = i32::from_le_bytes([report_buf[1], report_buf[2], report_buf[3], report_buf[4]]);
+                FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: stage.to_string(), errno }
+            } else {
+                // EOF without a report: execve succeeded (the pipe closed on exec).
+                running.insert(child, exec_id.to_string());
+                FromInit::Spawned { exec_id: exec_id.to_string(), pid: child.as_raw() }
+            }
+        }
+    }
+}
+
+fn read_full(fd: &OwnedFd, buf: &mut [u8]) -> usize {
+    let mut n = 0;
+    while n < buf.len() {
+        match nix::unistd::read(fd.as_raw_fd(), &mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(Errno::EINTR) => continue,
+            Err(_) => break,
+        }
+    }
+    n
+}
+
+/// In the forked child: become the exec's process. Never returns.
+fn exec_child(fds: &[OwnedFd], argv: &[CString], env: &[CString], candidates: &[CString], workdir: &CString, err_w: OwnedFd) -> ! {
+    let fail = |stage: u8, errno: Errno| -> ! {
+        let mut msg = [0u8; 5];
+        msg[0] = stage;
+        msg[1..].copy_from_slice(&(errno as i32).to_le_bytes());
+        let _ = nix::unistd::write(&err_w, &msg);
+        let code = if stage == STAGE_EXEC && errno != Errno::ENOENT && errno != Errno::ENOTDIR { 126 } else { 127 };
+        // SAFETY: _exit is always safe; it skips atexit handlers that belong to the init.
+        unsafe { libc::_exit(code) }
+    };
+    if nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None).is_err() {
+        fail(STAGE_STDIO, Errno::last());
+    }
+    // Its own session and process group, so signals to the exec reach its whole tree by group
+    // and a terminal-less shell does not stop on job control.
+    let _ = nix::unistd::setsid();
+    // Its own cgroup: CPU and memory accounting per exec, and a kill that reaches every
+    // descendant even after they daemonize.
+    for fd in &fds[3..] {
+        if let Err(e) = nix::unistd::write(fd, b"0") {
+            fail(STAGE_CGROUP, e);
+        }
+    }
+    for (i, fd) in fds[..3].iter().enumerate() {
+        if let Err(e) = nix::unistd::dup2(fd.as_raw_fd(), i as RawFd) {
+            fail(STAGE_STDIO, e);
+        }
+    }
+    if let Err(e) = nix::unistd::chdir(workdir.as_c_str()) {
+        fail(STAGE_WORKDIR, e);
+    }
+    // Nothing of the init (control socket, other execs' pipes) may leak into the command.
+    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only marks descriptors; err_w is already CLOEXEC.
+    unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
+    let mut last = Errno::ENOENT;
+    let mut saw_eacces = false;
+    for path in candidates {
+        let Err(e) = nix::unistd::execve(path, argv, env);
+        match e {
+            Errno::EACCES => saw_eacces = true,
+            Errno::ENOENT | Errno::ENOTDIR => {}
+            other => fail(STAGE_EXEC, other),
+        }
+        last = e;
+    }
+    fail(STAGE_EXEC, if saw_eacces { Errno::EACCES } else { last })
+}

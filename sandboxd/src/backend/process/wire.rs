@@ -1,0 +1,134 @@
+//! The control channel between the daemon and a sandbox's init: JSON messages over a
+//! `SOCK_SEQPACKET` socket pair, file descriptors passed alongside with `SCM_RIGHTS`.
+//!
+//! SEQPACKET keeps message boundaries, so no framing is needed, and the socket pair gives both
+//! sides death detection for free: when the daemon goes away the init reads EOF and exits (taking
+//! the whole pid namespace with it); when the init dies the daemon reads EOF and marks every exec
+//! still running as LOST.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use serde::{Deserialize, Serialize};
+
+/// Largest control message; argv plus env of one exec must fit.
+pub const MAX_MESSAGE: usize = 512 << 10;
+/// Most descriptors passed with one message (stdio + one per cgroup hierarchy).
+pub const MAX_FDS: usize = 16;
+
+/// How the init should set up the sandbox. Sent once, with the sandbox's `cgroup.procs` fds.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct InitConfig {
+    /// The merged overlay, as a host path: becomes `/` after pivot_root.
+    pub rootfs: String,
+    pub hostname: String,
+}
+
+/// Daemon → init.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ToInit {
+    /// Start a process. Fds: stdin, stdout, stderr, then the exec cgroup's `cgroup.procs` files.
+    Spawn { exec_id: String, argv: Vec<String>, env: Vec<(String, String)>, workdir: String },
+}
+
+/// Init → daemon.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum FromInit {
+    /// Setup finished; the sandbox accepts execs.
+    Ready,
+    /// Setup failed at `stage`; the init exits.
+    SetupFailed { stage: String, message: String },
+    /// The process runs (exec succeeded).
+    Spawned { exec_id: String, pid: i32 },
+    /// The process could not be started.
+    SpawnFailed { exec_id: String, stage: String, errno: i32 },
+    /// The main process of an exec ended.
+    Exited { exec_id: String, code: Option<i32>, signal: Option<i32> },
+}
+
+/// Errors on the control channel.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("control message too large ({0} bytes, max {MAX_MESSAGE})")]
+    TooLarge(usize),
+    #[error("malformed control message: {0}")]
+    Malformed(String),
+    #[error("control channel i/o: {0}")]
+    Io(#[from] nix::Error),
+}
+
+/// Serializes a message.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, WireError> {
+    let bytes = serde_json::to_vec(msg).map_err(|e| WireError::Malformed(e.to_string()))?;
+    if bytes.len() > MAX_MESSAGE {
+        return Err(WireError::TooLarge(bytes.len()));
+    }
+    Ok(bytes)
+}
+
+/// Parses a message.
+pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, WireError> {
+    serde_json::from_slice(bytes).map_err(|e| WireError::Malformed(e.to_string()))
+}
+
+/// Sends one message with descriptors. Returns `WouldBlock` as `Io(EAGAIN)` on a non-blocking socket.
+pub fn send_raw(sock: BorrowedFd<'_>, bytes: &[u8], fds: &[RawFd]) -> Result<(), WireError> {
+    let iov = [IoSlice::new(bytes)];
+    let cmsg = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &cmsg };
+    sendmsg::<()>(sock.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
+    Ok(())
+}
+
+/// Receives one message and the descriptors that came with it. `Ok(None)` on EOF.
+pub fn recv_raw(sock: BorrowedFd<'_>, buf: &mut [u8]) -> Result<Option<(usize, Vec<OwnedFd>)>, WireError> {
+    let mut cmsg_space = nix::cmsg_space!([RawFd; MAX_FDS]);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut cmsg_space), MsgFlags::MSG_CMSG_CLOEXEC)?;
+    let mut fds = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(raw) = c {
+            for fd in raw {
+                // SAFETY: the kernel just installed this descriptor in our table for us; nobody else owns it.
+                fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+    }
+    if msg.flags.contains(MsgFlags::MSG_TRUNC) || msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+        return Err(WireError::TooLarge(msg.bytes));
+    }
+    let n = msg.bytes;
+    if n == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some((n, fds)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn messages_and_fds_cross_the_pair() {
+        let (a, b) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).expect("socketpair");
+        let msg = ToInit::Spawn { exec_id: "ex-1".into(), argv: vec!["true".into()], env: vec![], workdir: "/".into() };
+        let devnull = std::fs::File::open("/dev/null").expect("open");
+        send_raw(a.as_fd(), &encode(&msg).expect("encode"), &[devnull.as_raw_fd()]).expect("send");
+        let mut buf = vec![0u8; 4096];
+        let (n, fds) = recv_raw(b.as_fd(), &mut buf).expect("recv").expect("not eof");
+        assert_eq!(fds.len(), 1);
+        let ToInit::Spawn { exec_id, .. } = decode::<ToInit>(&buf[..n]).expect("decode");
+        assert_eq!(exec_id, "ex-1");
+        drop(a);
+        assert!(recv_raw(b.as_fd(), &mut buf).expect("recv").is_none(), "EOF after close");
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        assert!(decode::<FromInit>(b"\xff{not json").is_err());
+        assert!(decode::<FromInit>(br#"{"Exited":{"exec_id":5}}"#).is_err());
+    }
+}

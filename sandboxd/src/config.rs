@@ -1,0 +1,300 @@
+//! Daemon configuration: command-line flags over a TOML file over built-in defaults.
+//!
+//! Every flag has a TOML key of the same name (dashes become underscores), so an ops team can
+//! keep the whole setup in `sandboxd.toml` and still override one value on the command line.
+
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use serde::Deserialize;
+
+/// Errors reading or validating the configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("invalid config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid listen address {addr:?}: expected unix:///abs/path or tcp://host:port")]
+    Listen { addr: String },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// Command-line flags of `sandboxd`. Each is also a key of the TOML file.
+#[derive(Debug, Parser, Default)]
+#[command(name = "sandboxd", version, about = "Runs sandboxes (process, container, microVM) behind a gRPC API")]
+pub struct Cli {
+    /// Address to serve on: unix:///path/s.sock or tcp://127.0.0.1:PORT. Repeatable.
+    #[arg(long = "listen")]
+    pub listen: Vec<String>,
+    /// Directory for the daemon's state: storage pool, run dirs, records.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Directory of images: each image is <images-dir>/<name>/rootfs.
+    #[arg(long)]
+    pub images_dir: Option<PathBuf>,
+    /// TOML configuration file.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Log format: text or json.
+    #[arg(long)]
+    pub log_format: Option<LogFormat>,
+    /// Size of the sparse btrfs pool file holding the sandboxes' writable layers.
+    #[arg(long)]
+    pub pool_size_bytes: Option<u64>,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Resource limits as configured (defaults and ceilings). 0 in a request means "the default".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    pub cpu_millicores: u32,
+    pub memory_bytes: u64,
+    pub max_pids: u32,
+    pub disk_bytes: u64,
+    pub exec_timeout_ms: u64,
+}
+
+impl Limits {
+    /// Built-in defaults applied when a request leaves a limit at 0.
+    pub const DEFAULTS: Limits = Limits {
+        cpu_millicores: 1000,
+        memory_bytes: 512 << 20,
+        max_pids: 256,
+        disk_bytes: 1 << 30,
+        exec_timeout_ms: 300_000,
+    };
+    /// Built-in ceilings: a request above one is refused.
+    pub const CEILINGS: Limits = Limits {
+        cpu_millicores: 64_000,
+        memory_bytes: 16 << 30,
+        max_pids: 16_384,
+        disk_bytes: 64 << 30,
+        exec_timeout_ms: 24 * 3600 * 1000,
+    };
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::DEFAULTS
+    }
+}
+
+/// The `[limits]` table: defaults and ceilings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsConfig {
+    #[serde(default = "default_limits")]
+    pub default: Limits,
+    #[serde(default = "ceiling_limits")]
+    pub max: Limits,
+}
+
+fn default_limits() -> Limits {
+    Limits::DEFAULTS
+}
+fn ceiling_limits() -> Limits {
+    Limits::CEILINGS
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig { default: Limits::DEFAULTS, max: Limits::CEILINGS }
+    }
+}
+
+/// The `[exec]` table: output and wait bounds.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExecConfig {
+    /// Per-stream cap used when a request says 0.
+    pub default_max_output_bytes: u64,
+    /// Largest per-stream cap a request may ask for (bounds the daemon's memory per exec).
+    pub max_output_bytes_ceiling: u64,
+    /// How long to wait for stdout/stderr to close after the main process has exited: a
+    /// grandchild left running in the background may hold them open forever.
+    pub io_drain_timeout_ms: u64,
+    /// Exec records kept per sandbox for ListExecs (oldest dropped first).
+    pub max_records_per_sandbox: usize,
+}
+
+impl Default for ExecConfig {
+    fn default() -> Self {
+        ExecConfig {
+            default_max_output_bytes: 1 << 20,
+            max_output_bytes_ceiling: 16 << 20,
+            io_drain_timeout_ms: 300,
+            max_records_per_sandbox: 1000,
+        }
+    }
+}
+
+/// The TOML file, as written by users.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub listen: Option<Vec<String>>,
+    pub state_dir: Option<PathBuf>,
+    pub images_dir: Option<PathBuf>,
+    pub log_format: Option<LogFormat>,
+    pub pool_size_bytes: Option<u64>,
+    #[serde(default)]
+    pub limits: LimitsConfig,
+    #[serde(default)]
+    pub exec: ExecConfig,
+}
+
+/// Where the daemon listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    Unix(PathBuf),
+    Tcp(std::net::SocketAddr),
+}
+
+impl ListenAddr {
+    /// Parses `unix:///abs/path`, `tcp://host:port`, or a bare absolute path.
+    pub fn parse(addr: &str) -> Result<Self, ConfigError> {
+        let bad = || ConfigError::Listen { addr: addr.to_string() };
+        if let Some(path) = addr.strip_prefix("unix://") {
+            let p = PathBuf::from(path);
+            return if p.is_absolute() { Ok(ListenAddr::Unix(p)) } else { Err(bad()) };
+        }
+        if let Some(hp) = addr.strip_prefix("tcp://") {
+            return hp.parse().map(ListenAddr::Tcp).map_err(|_| bad());
+        }
+        if addr.starts_with('/') {
+            return Ok(ListenAddr::Unix(PathBuf::from(addr)));
+        }
+        Err(bad())
+    }
+}
+
+impl std::fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ListenAddr::Unix(p) => write!(f, "unix://{}", p.display()),
+            ListenAddr::Tcp(a) => write!(f, "tcp://{a}"),
+        }
+    }
+}
+
+/// The effective configuration the daemon runs with.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: Vec<ListenAddr>,
+    pub state_dir: PathBuf,
+    pub images_dir: PathBuf,
+    pub log_format: LogFormat,
+    pub pool_size_bytes: u64,
+    pub limits: LimitsConfig,
+    pub exec: ExecConfig,
+}
+
+impl Config {
+    /// Merges flags over the file (if any) over defaults, and validates the result.
+    pub fn load(cli: Cli) -> Result<Config, ConfigError> {
+        let file = match &cli.config {
+            Some(path) => Self::read_file(path)?,
+            None => FileConfig::default(),
+        };
+        let listen_raw = if !cli.listen.is_empty() {
+            cli.listen
+        } else {
+            file.listen.unwrap_or_else(|| vec!["unix:///run/sandboxd/sandboxd.sock".to_string()])
+        };
+        let listen = listen_raw.iter().map(|a| ListenAddr::parse(a)).collect::<Result<Vec<_>, _>>()?;
+        let cfg = Config {
+            listen,
+            state_dir: cli.state_dir.or(file.state_dir).unwrap_or_else(|| PathBuf::from("/var/lib/sandboxd")),
+            images_dir: cli.images_dir.or(file.images_dir).unwrap_or_else(|| PathBuf::from("/var/lib/sandboxd/images")),
+            log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
+            pool_size_bytes: cli.pool_size_bytes.or(file.pool_size_bytes).unwrap_or(32 << 30),
+            limits: file.limits,
+            exec: file.exec,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let (d, m) = (&self.limits.default, &self.limits.max);
+        let checks: [(&str, u64, u64); 5] = [
+            ("cpu_millicores", d.cpu_millicores.into(), m.cpu_millicores.into()),
+            ("memory_bytes", d.memory_bytes, m.memory_bytes),
+            ("max_pids", d.max_pids.into(), m.max_pids.into()),
+            ("disk_bytes", d.disk_bytes, m.disk_bytes),
+            ("exec_timeout_ms", d.exec_timeout_ms, m.exec_timeout_ms),
+        ];
+        for (name, default, max) in checks {
+            if default == 0 || default > max {
+                return Err(ConfigError::Invalid(format!(
+                    "limits.default.{name} = {default} must be > 0 and <= limits.max.{name} = {max}"
+                )));
+            }
+        }
+        if self.exec.default_max_output_bytes == 0 || self.exec.default_max_output_bytes > self.exec.max_output_bytes_ceiling {
+            return Err(ConfigError::Invalid("exec.default_max_output_bytes must be > 0 and <= exec.max_output_bytes_ceiling".into()));
+        }
+        if self.listen.is_empty() {
+            return Err(ConfigError::Invalid("no listen address".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_addresses_parse() {
+        assert_eq!(ListenAddr::parse("unix:///tmp/s.sock").ok(), Some(ListenAddr::Unix("/tmp/s.sock".into())));
+        assert!(matches!(ListenAddr::parse("tcp://127.0.0.1:7000"), Ok(ListenAddr::Tcp(_))));
+        assert!(ListenAddr::parse("unix://relative.sock").is_err());
+        assert!(ListenAddr::parse("http://x").is_err());
+    }
+
+    #[test]
+    fn flags_override_file_and_file_overrides_defaults() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("sandboxd.toml");
+        std::fs::write(
+            &path,
+            "state_dir = \"/srv/state\"\nimages_dir = \"/srv/images\"\n[limits.default]\nmemory_bytes = 1048576\n",
+        )
+        .expect("write");
+        let cli = Cli { config: Some(path), images_dir: Some("/flag/images".into()), ..Default::default() };
+        let cfg = Config::load(cli).expect("load");
+        assert_eq!(cfg.state_dir, PathBuf::from("/srv/state"));
+        assert_eq!(cfg.images_dir, PathBuf::from("/flag/images"));
+        assert_eq!(cfg.limits.default.memory_bytes, 1 << 20);
+        assert_eq!(cfg.limits.default.max_pids, Limits::DEFAULTS.max_pids);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_limits_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("bad.toml");
+        std::fs::write(&path, "stat_dir = \"/x\"\n").expect("write");
+        let err = Config::load(Cli { config: Some(path.clone()), ..Default::default() }).expect_err("typo refused");
+        assert!(err.to_string().contains("stat_dir"), "{err}");
+        std::fs::write(&path, "[limits.default]\nmax_pids = 100000\n").expect("write");
+        let err = Config::load(Cli { config: Some(path), ..Default::default() }).expect_err("default over max");
+        assert!(err.to_string().contains("max_pids"), "{err}");
+    }
+}

@@ -1,0 +1,54 @@
+//! The daemon core's error type. It becomes a gRPC status in exactly one place (`api::status`).
+
+use crate::backend::{BackendError, Isolation};
+use crate::manager::SandboxState;
+
+/// What can go wrong in a core call, with enough context to tell the user what and where.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("sandbox {0} not found")]
+    SandboxNotFound(String),
+    #[error("exec {0} not found")]
+    ExecNotFound(String),
+    #[error("snapshot {0} not found")]
+    SnapshotNotFound(String),
+    #[error("image {image:?} not found in {dir}")]
+    ImageNotFound { image: String, dir: String },
+    #[error("no such file in sandbox: {0}")]
+    FileNotFound(String),
+    #[error("invalid {field}: {message}")]
+    InvalidArgument { field: String, message: String },
+    #[error("sandbox {id} is {state:?}: cannot {operation}")]
+    IncorrectState { id: String, state: SandboxState, operation: &'static str },
+    #[error("isolation {} unavailable: {reason}", .isolation.name())]
+    Unavailable { isolation: Isolation, reason: String },
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    ResourceExhausted(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// An INVALID_ARGUMENT naming the request field.
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::InvalidArgument { field: field.into(), message: message.into() }
+    }
+}
+
+impl From<BackendError> for Error {
+    fn from(e: BackendError) -> Self {
+        match e {
+            BackendError::ImageNotFound { image, dir } => Error::ImageNotFound { image, dir },
+            BackendError::Unavailable { isolation, reason } => Error::Unavailable { isolation, reason },
+            BackendError::NoSuchSandbox(id) => Error::SandboxNotFound(id.to_string()),
+            BackendError::NoSuchSnapshot(id) => Error::SnapshotNotFound(id.to_string()),
+            BackendError::NoSuchExec(id) => Error::FailedPrecondition(format!("exec {id} is not running")),
+            BackendError::InvalidPath { path, reason } => Error::invalid("path", format!("{path:?}: {reason}")),
+            BackendError::FileNotFound { path } => Error::FileNotFound(path),
+            e @ BackendError::DiskFull { .. } => Error::ResourceExhausted(e.to_string()),
+            e @ (BackendError::Io { .. } | BackendError::Internal(_)) => Error::Internal(e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! sandboxd: a daemon that creates and runs sandboxes and serves them over gRPC.
+//!
+//! Layers, outside in: [`server`] (listeners, health, reflection, shutdown) → [`api`] (protobuf ↔
+//! core) → [`manager`] (ids, lifecycle, limits, records) → [`backend`] (one folder per tier).
+
+pub mod api;
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod ids;
+pub mod manager;
+pub mod output;
+pub mod server;
