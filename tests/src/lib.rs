@@ -1,1 +1,228 @@
-//! placeholder
+//! Test and benchmark harness: starts the real `sandboxd` binary on a UNIX socket in a temp dir
+//! and connects the real client to it.
+//!
+//! Nothing here skips: a machine that cannot run the daemon (not root, no images built) makes
+//! the test fail with a message saying what is missing, because CI — root, with Docker — has
+//! everything.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use agent_client::Client;
+use anyhow::{bail, Context, Result};
+
+pub use agent_client::proto;
+
+/// The workspace root (this crate lives in `<root>/tests`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// The `sandboxd` binary: `$SANDBOXD_BIN`, else next to this test executable's target dir.
+pub fn sandboxd_bin() -> Result<PathBuf> {
+    if let Ok(p) = std::env::var("SANDBOXD_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    // Test binaries run from target/<profile>/deps/; binaries sit in target/<profile>/.
+    let exe = std::env::current_exe().context("locating the test executable")?;
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let bin = dir.join("sandboxd");
+    if !bin.is_file() {
+        bail!("sandboxd binary not found at {} — run `cargo build -p sandboxd` (make test does) or set SANDBOXD_BIN", bin.display());
+    }
+    Ok(bin)
+}
+
+/// The images directory: `$SANDBOXD_IMAGES_DIR`, else `<root>/images/build`.
+pub fn images_dir() -> PathBuf {
+    std::env::var("SANDBOXD_IMAGES_DIR").map(PathBuf::from).unwrap_or_else(|_| workspace_root().join("images/build"))
+}
+
+/// Fails loudly when the machine cannot run the end-to-end tests.
+pub fn require_environment() -> Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!("end-to-end tests need root (namespaces, cgroups, mounts); run them as root, as CI does");
+    }
+    let minimal = images_dir().join("minimal/image.json");
+    if !minimal.is_file() {
+        bail!("image 'minimal' is not built ({} missing) — run `make images`", minimal.display());
+    }
+    Ok(())
+}
+
+/// A running daemon with its own state dir and socket.
+pub struct Daemon {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    config: Option<PathBuf>,
+    /// `unix:///…/sandboxd.sock`
+    pub address: String,
+}
+
+impl Daemon {
+    /// Starts a daemon with the default configuration.
+    pub async fn start() -> Result<Daemon> {
+        Self::start_with_config("").await
+    }
+
+    /// Starts a daemon with extra TOML configuration (e.g. `[limits.max]` ceilings).
+    pub async fn start_with_config(toml: &str) -> Result<Daemon> {
+        require_environment()?;
+        let dir = tempfile::Builder::new().prefix("sandboxd-test-").tempdir().context("creating temp dir")?;
+        let config = if toml.is_empty() {
+            None
+        } else {
+            let path = dir.path().join("sandboxd.toml");
+            std::fs::write(&path, toml).context("writing config")?;
+            Some(path)
+        };
+        let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
+        let mut daemon = Daemon { child: None, dir, config, address };
+        daemon.spawn().await?;
+        Ok(daemon)
+    }
+
+    /// The daemon's state dir.
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    /// The daemon's pid.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    fn socket_path(&self) -> PathBuf {
+        self.dir.path().join("sandboxd.sock")
+    }
+
+    async fn spawn(&mut self) -> Result<()> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("sandboxd.log")).context("opening daemon log")?;
+        let mut cmd = Command::new(sandboxd_bin()?);
+        cmd.arg("--listen")
+            .arg(&self.address)
+            .arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--images-dir")
+            .arg(images_dir())
+            // Sparse: only what sandboxes write is ever allocated.
+            .arg("--pool-size-bytes")
+            .arg((8u64 << 30).to_string())
+            .env("RUST_LOG", std::env::var("SANDBOXD_TEST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        if let Some(c) = &self.config {
+            cmd.arg("--config").arg(c);
+        }
+        let _ = std::fs::remove_file(self.socket_path());
+        self.child = Some(cmd.spawn().context("starting sandboxd")?);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.socket_path().exists() {
+                if let Ok(c) = Client::connect(&self.address).await {
+                    if c.list(Default::default()).await.is_ok() {
+                        return Ok(());
+                    }
+                }
+            }
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    bail!("sandboxd exited during startup ({status}); log:\n{}", self.log());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("sandboxd not answering after 20 s; log:\n{}", self.log());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A new client connection.
+    pub async fn client(&self) -> Result<Client> {
+        Client::connect(&self.address).await.context("connecting to sandboxd")
+    }
+
+    /// The daemon's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("sandboxd.log")).unwrap_or_default()
+    }
+
+    /// Kills the daemon with SIGKILL (no cleanup) and reaps it.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the daemon again on the same state dir and socket.
+    pub async fn restart(&mut self) -> Result<()> {
+        self.kill9();
+        self.spawn().await
+    }
+
+    /// Graceful stop: SIGTERM, then wait (bounded). Returns the exit status.
+    pub fn stop(&mut self) -> Result<std::process::ExitStatus> {
+        let Some(mut child) = self.child.take() else { bail!("daemon not running") };
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).context("sending SIGTERM")?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                bail!("sandboxd did not stop within 30 s of SIGTERM; log:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            // Graceful, so the daemon unmounts its pool and removes its cgroups.
+            let _ = self.stop();
+        }
+        // A killed daemon leaves its pool mounted; never let TempDir recurse into a mount.
+        let pool = self.state_dir().join("pool");
+        if mounted(&pool) {
+            let _ = nix::mount::umount2(&pool, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+}
+
+/// Whether `path` is a mount point (from /proc/self/mountinfo).
+pub fn mounted(path: &Path) -> bool {
+    mounts_under(path).iter().any(|m| m == path)
+}
+
+/// Mount points at or below `path`.
+pub fn mounts_under(path: &Path) -> Vec<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(PathBuf::from)
+        .filter(|m| m.starts_with(path))
+        .collect()
+}
+
+/// Resident memory of a process, in bytes.
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// A CreateSandboxRequest for the process tier with the given image and defaults otherwise.
+pub fn process_sandbox(image: &str) -> proto::CreateSandboxRequest {
+    proto::CreateSandboxRequest { isolation: proto::Isolation::Process as i32, image: image.to_string(), ..Default::default() }
+}

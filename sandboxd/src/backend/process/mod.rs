@@ -433,6 +433,13 @@ impl Backend for ProcessBackend {
         for sb in all {
             self.teardown(&sb).await;
         }
+        // The pool is unmounted (its loop device auto-clears); it is mounted again at start.
+        if self.pool.is_some() {
+            let pool_dir = self.cfg.state_dir.join("pool");
+            if let Err(e) = umount2(&pool_dir, MntFlags::empty()) {
+                tracing::warn!(path = %pool_dir.display(), error = %e, "unmounting storage pool");
+            }
+        }
         if let Some(cg) = &self.cgroups {
             if let Err(e) = cg.cleanup_root() {
                 tracing::warn!(error = %e, "removing the daemon's cgroup");
