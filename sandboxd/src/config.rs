@@ -55,7 +55,7 @@ pub enum LogFormat {
 }
 
 /// Resource limits as configured (defaults and ceilings). 0 in a request means "the default".
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
     pub cpu_millicores: u32,

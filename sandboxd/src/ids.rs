@@ -32,7 +32,8 @@ fn well_formed(prefix: &str, s: &str) -> bool {
 macro_rules! typed_id {
     ($name:ident, $prefix:literal, $kind:literal) => {
         #[doc = concat!("Identifier of a ", $kind, " (`", $prefix, "…`).")]
-        #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+        #[serde(transparent)]
         pub struct $name(String);
 
         impl $name {

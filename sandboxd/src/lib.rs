@@ -11,3 +11,4 @@ pub mod ids;
 pub mod manager;
 pub mod output;
 pub mod server;
+pub mod store;

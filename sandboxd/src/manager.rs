@@ -4,20 +4,24 @@
 //! picks the backend of the sandbox's tier, and keeps the records users read back. It never sees
 //! gRPC: `api` turns messages into these calls and the results back into messages.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use serde::{Deserialize, Serialize};
+
 use crate::backend::{Backends, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, FileChunk, Isolation, OutputSink, SandboxSpec};
 use crate::config::{Config, Limits};
 use crate::error::Error;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
+use crate::store::{Store, StoreError};
 
-/// Lifecycle of a sandbox. Transitions: Creating → Running | Failed; Running → Destroyed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Lifecycle of a sandbox. Transitions: Creating → Running | Failed; Running → Destroyed;
+/// Running → Failed when a restart or rollback cannot bring it back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SandboxState {
     Creating,
     Running,
@@ -33,6 +37,10 @@ impl SandboxState {
     /// Whether the sandbox may be destroyed now (a sandbox being created is not yet).
     pub fn can_destroy(self) -> bool {
         matches!(self, SandboxState::Running | SandboxState::Failed)
+    }
+    /// Whether its filesystem may be snapshotted or rolled back.
+    pub fn can_snapshot(self) -> bool {
+        self == SandboxState::Running
     }
 }
 
@@ -61,7 +69,7 @@ pub struct CreateRequest {
 }
 
 /// What a sandbox is, as users read it back.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SandboxInfo {
     pub id: SandboxId,
     pub isolation: Isolation,
@@ -74,6 +82,24 @@ pub struct SandboxInfo {
     pub workdir: String,
     pub parent_snapshot_id: Option<SnapshotId>,
     pub expires_at: Option<SystemTime>,
+    /// The snapshot the filesystem last descended from (taken, rolled back to, or forked from):
+    /// the parent of the next snapshot.
+    pub head_snapshot: Option<SnapshotId>,
+}
+
+/// A snapshot of a sandbox's filesystem.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub snapshot_id: SnapshotId,
+    pub sandbox_id: SandboxId,
+    pub name: String,
+    pub created_at: SystemTime,
+    /// Bytes the snapshot holds beyond its image.
+    pub size_bytes: u64,
+    pub parent_snapshot_id: Option<SnapshotId>,
+    /// A snapshot only makes sense over the same tier and image it was taken from.
+    pub isolation: Isolation,
+    pub image: String,
 }
 
 /// An Exec call.
@@ -91,7 +117,7 @@ pub struct ExecRequest {
 }
 
 /// The record of one exec: what ran and how it ended (status Running until it does).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExecRecord {
     pub exec_id: ExecId,
     pub sandbox_id: SandboxId,
@@ -140,7 +166,8 @@ impl ExecRecord {
     }
 }
 
-/// A live or finished exec: its record, a signal when it ends, and the way to stop it.
+/// A running exec: its record, a signal when it ends, and the way to stop it. Finished execs
+/// live in the store only, so the daemon's memory does not grow with history.
 struct ExecEntry {
     record: Mutex<ExecRecord>,
     done: watch::Receiver<bool>,
@@ -162,29 +189,57 @@ impl ExecEntry {
 
 struct SandboxEntry {
     info: Mutex<SandboxInfo>,
-    /// Exec records, oldest first, bounded by `exec.max_records_per_sandbox`.
-    execs: Mutex<VecDeque<Arc<ExecEntry>>>,
-    by_key: Mutex<HashMap<String, Arc<ExecEntry>>>,
+    /// Serializes the operations that change the whole sandbox (snapshot, rollback, destroy).
+    op: tokio::sync::Mutex<()>,
 }
 
 impl SandboxEntry {
+    fn new(info: SandboxInfo) -> Arc<Self> {
+        Arc::new(SandboxEntry { info: Mutex::new(info), op: tokio::sync::Mutex::new(()) })
+    }
+
     fn info(&self) -> Result<SandboxInfo, Error> {
         self.info.lock().map(|i| i.clone()).map_err(|_| Error::Internal("sandbox record poisoned".into()))
     }
 
-    fn set_state(&self, state: SandboxState) {
-        if let Ok(mut i) = self.info.lock() {
-            i.state = state;
-        }
+    fn update(&self, f: impl FnOnce(&mut SandboxInfo)) -> Result<SandboxInfo, Error> {
+        let mut info = self.info.lock().map_err(|_| Error::Internal("sandbox record poisoned".into()))?;
+        f(&mut info);
+        Ok(info.clone())
     }
+}
+
+/// Execs in flight, by id and by idempotency key.
+#[derive(Default)]
+struct Running {
+    by_id: HashMap<ExecId, Arc<ExecEntry>>,
+    by_key: HashMap<(SandboxId, String), Arc<ExecEntry>>,
 }
 
 /// The daemon's core.
 pub struct Manager {
     cfg: Arc<Config>,
     backends: Backends,
+    store: Store,
     sandboxes: RwLock<HashMap<SandboxId, Arc<SandboxEntry>>>,
-    execs: RwLock<HashMap<ExecId, Arc<ExecEntry>>>,
+    running: Mutex<Running>,
+}
+
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Self {
+        Error::Internal(e.to_string())
+    }
+}
+
+/// What the backend needs to (re)build a sandbox.
+fn spec_of(info: &SandboxInfo) -> SandboxSpec {
+    SandboxSpec {
+        id: info.id.clone(),
+        image: info.image.clone(),
+        limits: info.limits,
+        workdir: info.workdir.clone(),
+        from_snapshot: info.parent_snapshot_id.clone(),
+    }
 }
 
 fn resolve_limit<T: Copy + PartialOrd + Default + Into<u64>>(field: &str, requested: T, default: T, max: T) -> Result<T, Error> {
@@ -217,9 +272,53 @@ fn validate_abs_path(field: &str, path: &str) -> Result<(), Error> {
 }
 
 impl Manager {
-    /// A manager over the given backends.
-    pub fn new(cfg: Arc<Config>, backends: Backends) -> Arc<Self> {
-        Arc::new(Manager { cfg, backends, sandboxes: RwLock::new(HashMap::new()), execs: RwLock::new(HashMap::new()) })
+    /// A manager over the given backends and store. Call [`Manager::recover`] before serving.
+    pub fn new(cfg: Arc<Config>, backends: Backends, store: Store) -> Arc<Self> {
+        Arc::new(Manager { cfg, backends, store, sandboxes: RwLock::new(HashMap::new()), running: Mutex::new(Running::default()) })
+    }
+
+    /// Brings back what the store remembers: execs that were running are recorded as LOST (their
+    /// processes died with the previous daemon), and every sandbox is re-adopted — filesystem, id,
+    /// limits and labels kept, processes started afresh — or marked FAILED with the reason logged.
+    pub async fn recover(&self) -> Result<(), Error> {
+        let lost = self.store.mark_running_lost("the daemon stopped while the exec ran")?;
+        if lost > 0 {
+            tracing::warn!(count = lost, "execs running when the daemon stopped recorded as LOST");
+        }
+        let records = self.store.sandboxes()?;
+        let snapshots = self.store.snapshots(None)?;
+        // A sandbox still being created when the daemon died was never handed to anyone.
+        for info in records.iter().filter(|r| r.state == SandboxState::Creating) {
+            self.store.delete_sandbox(info.id.as_str())?;
+        }
+        for tier in Isolation::ALL {
+            let mine: Vec<SandboxInfo> = records.iter().filter(|r| r.isolation == tier && r.state != SandboxState::Creating).cloned().collect();
+            let results: HashMap<SandboxId, Result<(), String>> = match self.backends.get(tier) {
+                Ok(backend) => {
+                    let specs: Vec<SandboxSpec> = mine.iter().filter(|i| i.state == SandboxState::Running).map(spec_of).collect();
+                    let snaps: Vec<SnapshotId> = snapshots.iter().filter(|s| s.isolation == tier).map(|s| s.snapshot_id.clone()).collect();
+                    backend.recover(&specs, &snaps).await.into_iter().map(|(id, r)| (id, r.map_err(|e| e.to_string()))).collect()
+                }
+                Err(e) => mine.iter().map(|i| (i.id.clone(), Err(e.to_string()))).collect(),
+            };
+            for mut info in mine {
+                match results.get(&info.id) {
+                    Some(Ok(())) => {
+                        tracing::info!(sandbox = %info.id, "sandbox re-adopted");
+                        info.state = SandboxState::Running;
+                    }
+                    Some(Err(reason)) => {
+                        tracing::warn!(sandbox = %info.id, %reason, "sandbox could not be re-adopted; marked FAILED");
+                        info.state = SandboxState::Failed;
+                    }
+                    None => info.state = SandboxState::Failed,
+                }
+                self.store.put_sandbox(&info)?;
+                let id = info.id.clone();
+                self.sandboxes.write().map_err(|_| Error::Internal("sandbox table poisoned".into()))?.insert(id, SandboxEntry::new(info));
+            }
+        }
+        Ok(())
     }
 
     /// Availability of each tier.
@@ -245,14 +344,17 @@ impl Manager {
         })
     }
 
-    /// Creates a sandbox and returns when it is ready to exec.
+    fn snapshot_record(&self, id: &str) -> Result<SnapshotRecord, Error> {
+        let sid = SnapshotId::parse(id).map_err(|_| Error::SnapshotNotFound(id.chars().take(80).collect()))?;
+        self.store.snapshot(sid.as_str())?.ok_or_else(|| Error::SnapshotNotFound(sid.to_string()))
+    }
+
+    /// Creates a sandbox (from an image, or from a snapshot: a fork) and returns when it is ready.
     pub async fn create(&self, req: CreateRequest) -> Result<SandboxInfo, Error> {
-        let isolation = req.isolation.unwrap_or(Isolation::Process);
         let limits = self.resolve_limits(&req.limits)?;
         if limits.memory_bytes < 4 << 20 {
             return Err(Error::invalid("limits.memory_bytes", "must be at least 4 MiB"));
         }
-        let image = if req.image.is_empty() { "minimal".to_string() } else { req.image };
         let workdir = if req.workdir.is_empty() { "/workspace".to_string() } else { req.workdir };
         validate_abs_path("workdir", &workdir)?;
         validate_env("env", &req.env)?;
@@ -261,10 +363,19 @@ impl Manager {
                 return Err(Error::invalid("labels", format!("label {k:?}: keys are 1-128 bytes, values at most 1024")));
             }
         }
-        let from_snapshot = if req.from_snapshot_id.is_empty() {
-            None
+        // A fork inherits its tier and image from the snapshot: its layer only makes sense there.
+        let (isolation, image, from_snapshot) = if req.from_snapshot_id.is_empty() {
+            let image = if req.image.is_empty() { "minimal".to_string() } else { req.image };
+            (req.isolation.unwrap_or(Isolation::Process), image, None)
         } else {
-            Some(SnapshotId::parse(&req.from_snapshot_id).map_err(|_| Error::SnapshotNotFound(req.from_snapshot_id.clone()))?)
+            let snap = self.snapshot_record(&req.from_snapshot_id)?;
+            if req.isolation.is_some_and(|i| i != snap.isolation) {
+                return Err(Error::invalid("isolation", format!("snapshot {} belongs to the {} tier", snap.snapshot_id, snap.isolation.name())));
+            }
+            if !req.image.is_empty() && req.image != snap.image {
+                return Err(Error::invalid("image", format!("snapshot {} is of image {:?}", snap.snapshot_id, snap.image)));
+            }
+            (snap.isolation, snap.image, Some(snap.snapshot_id))
         };
         let backend = self.backends.get(isolation)?.clone();
 
@@ -273,26 +384,28 @@ impl Manager {
         let info = SandboxInfo {
             id: id.clone(),
             isolation,
-            image: image.clone(),
+            image,
             state: SandboxState::Creating,
             limits,
             labels: req.labels,
             env: req.env,
             created_at: now,
-            workdir: workdir.clone(),
+            workdir,
             parent_snapshot_id: from_snapshot.clone(),
             expires_at: (req.ttl_seconds > 0).then(|| now + Duration::from_secs(req.ttl_seconds.into())),
+            head_snapshot: from_snapshot,
         };
-        let entry = Arc::new(SandboxEntry { info: Mutex::new(info), execs: Mutex::new(VecDeque::new()), by_key: Mutex::new(HashMap::new()) });
+        self.store.put_sandbox(&info)?;
+        let entry = SandboxEntry::new(info.clone());
         self.sandboxes.write().map_err(|_| Error::Internal("sandbox table poisoned".into()))?.insert(id.clone(), entry.clone());
 
-        let spec = SandboxSpec { id: id.clone(), image, limits, workdir, from_snapshot };
         let started = std::time::Instant::now();
-        match backend.create(&spec).await {
+        match backend.create(&spec_of(&info)).await {
             Ok(()) => {
-                entry.set_state(SandboxState::Running);
+                let info = entry.update(|i| i.state = SandboxState::Running)?;
+                self.store.put_sandbox(&info)?;
                 tracing::info!(sandbox = %id, tier = isolation.name(), ms = started.elapsed().as_millis() as u64, "sandbox created");
-                entry.info()
+                Ok(info)
             }
             Err(e) => {
                 // A failed create leaves nothing behind: the backend undid its part, and the
@@ -300,6 +413,7 @@ impl Manager {
                 if let Ok(mut map) = self.sandboxes.write() {
                     map.remove(&id);
                 }
+                self.store.delete_sandbox(id.as_str())?;
                 tracing::warn!(sandbox = %id, error = %e, "sandbox create failed");
                 Err(e.into())
             }
@@ -323,9 +437,10 @@ impl Manager {
         Ok(out)
     }
 
-    /// Destroys a sandbox: every process, mount, cgroup and record goes.
+    /// Destroys a sandbox: every process, mount, cgroup and exec record goes (snapshots stay).
     pub async fn destroy(&self, id: &str) -> Result<(), Error> {
         let (sid, entry) = self.entry(id)?;
+        let _op = entry.op.lock().await;
         let info = entry.info()?;
         if !info.state.can_destroy() {
             return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "destroy" });
@@ -334,19 +449,18 @@ impl Manager {
         if let Ok(mut map) = self.sandboxes.write() {
             map.remove(&sid);
         }
-        entry.set_state(SandboxState::Destroyed);
-        let backend = self.backends.get(info.isolation)?.clone();
-        let result = backend.destroy(&sid).await;
-        let execs: Vec<Arc<ExecEntry>> = entry.execs.lock().map(|e| e.iter().cloned().collect()).unwrap_or_default();
-        if let Ok(mut index) = self.execs.write() {
-            for e in &execs {
-                if let Ok(r) = e.record.lock() {
-                    index.remove(&r.exec_id);
-                }
-            }
-        }
+        entry.update(|i| i.state = SandboxState::Destroyed)?;
+        let result = match self.backends.get(info.isolation) {
+            Ok(backend) => backend.destroy(&sid).await.map_err(Error::from),
+            Err(e) => Err(e.into()),
+        };
+        self.store.delete_sandbox(sid.as_str())?;
         tracing::info!(sandbox = %sid, "sandbox destroyed");
-        result.map_err(Error::from)
+        match result {
+            // A sandbox its backend no longer runs (a FAILED one) is gone all the same.
+            Err(Error::SandboxNotFound(_)) => Ok(()),
+            other => other,
+        }
     }
 
     /// Validates an exec request against its sandbox and resolves every default.
@@ -398,22 +512,16 @@ impl Manager {
 
     /// Runs a command. Foreground execs return when it ends; background ones at once with status
     /// Running. A repeated idempotency key returns the first exec's record (waiting for it if it
-    /// still runs) instead of running again. `sink` receives output as it is produced.
+    /// still runs) instead of running again — also after a daemon restart, from the store.
+    /// `sink` receives output as it is produced.
     ///
     /// Dropping the returned future (a client that went away) kills a foreground exec without an
     /// idempotency key; one with a key runs on so its result can be collected later.
-    pub async fn exec(&self, req: ExecRequest, sink: OutputSink) -> Result<ExecRecord, Error> {
+    pub async fn exec(self: &Arc<Self>, req: ExecRequest, sink: OutputSink) -> Result<ExecRecord, Error> {
         let (sid, entry) = self.entry(&req.sandbox_id)?;
         let info = entry.info()?;
         if !info.state.can_exec() {
             return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "exec" });
-        }
-        if !req.idempotency_key.is_empty() {
-            let existing = entry.by_key.lock().ok().and_then(|m| m.get(&req.idempotency_key).cloned());
-            if let Some(existing) = existing {
-                tracing::debug!(sandbox = %sid, key = %req.idempotency_key, "idempotent replay");
-                return if req.background { existing.snapshot() } else { existing.wait().await };
-            }
         }
         let exec_id = ExecId::generate();
         let spec = self.exec_spec(&info, &req, exec_id.clone())?;
@@ -421,24 +529,55 @@ impl Manager {
 
         let (done_tx, done_rx) = watch::channel(false);
         let cancel = CancellationToken::new();
-        let exec = Arc::new(ExecEntry {
-            record: Mutex::new(ExecRecord::running(exec_id.clone(), sid.clone(), req.argv.clone(), req.idempotency_key.clone())),
-            done: done_rx,
-            cancel: cancel.clone(),
-        });
-        self.remember(&entry, &exec, &req.idempotency_key)?;
+        let record = ExecRecord::running(exec_id.clone(), sid.clone(), req.argv.clone(), req.idempotency_key.clone());
+        let exec = Arc::new(ExecEntry { record: Mutex::new(record.clone()), done: done_rx, cancel: cancel.clone() });
+        let key = (!req.idempotency_key.is_empty()).then(|| (sid.clone(), req.idempotency_key.clone()));
+        // Check and claim the key under one lock, so two racing calls run the command once.
+        let replay: Option<Arc<ExecEntry>> = {
+            let mut running = self.running.lock().map_err(|_| Error::Internal("exec table poisoned".into()))?;
+            match key.as_ref().and_then(|k| running.by_key.get(k).cloned()) {
+                Some(existing) => Some(existing),
+                None => {
+                    if let Some(k) = &key {
+                        if let Some(recorded) = self.store.exec_by_key(sid.as_str(), &k.1)? {
+                            tracing::debug!(sandbox = %sid, key = %k.1, "idempotent replay from the record");
+                            return Ok(recorded);
+                        }
+                        running.by_key.insert(k.clone(), exec.clone());
+                    }
+                    running.by_id.insert(exec_id.clone(), exec.clone());
+                    // Recorded before it starts: a crash from here on leaves a LOST record.
+                    if let Err(e) = self.store.put_exec(&record) {
+                        running.by_id.remove(&exec_id);
+                        if let Some(k) = &key {
+                            running.by_key.remove(k);
+                        }
+                        return Err(e.into());
+                    }
+                    None
+                }
+            }
+        };
+        if let Some(existing) = replay {
+            tracing::debug!(sandbox = %sid, "idempotent replay of a running exec");
+            return if req.background { existing.snapshot() } else { existing.wait().await };
+        }
 
+        let manager = self.clone();
         let task_exec = exec.clone();
-        let task_sid = sid.clone();
         tokio::spawn(async move {
             let started_at = SystemTime::now();
-            let outcome = match backend.exec(&task_sid, spec, sink, cancel).await {
+            let outcome = match backend.exec(&sid, spec, sink, cancel).await {
                 Ok(o) => o,
                 Err(e) => ExecOutcome::failed(ExecStatus::Lost, -1, e.to_string(), started_at),
             };
-            if let Ok(mut r) = task_exec.record.lock() {
+            let finished = task_exec.record.lock().map(|mut r| {
                 r.finish(outcome);
+                r.clone()
+            });
+            if let Ok(r) = finished {
                 tracing::debug!(exec = %r.exec_id, status = ?r.status, code = r.exit_code, ms = r.duration.as_millis() as u64, "exec ended");
+                manager.exec_finished(&r, key.as_ref());
             }
             let _ = done_tx.send(true);
         });
@@ -447,7 +586,7 @@ impl Manager {
             return exec.snapshot();
         }
         // Kill on disconnect: this guard fires if the caller's future is dropped before the end.
-        let guard = (req.idempotency_key.is_empty()).then(|| exec.cancel.clone().drop_guard());
+        let guard = req.idempotency_key.is_empty().then(|| exec.cancel.clone().drop_guard());
         let record = exec.wait().await;
         if let Some(g) = guard {
             g.disarm();
@@ -455,50 +594,34 @@ impl Manager {
         record
     }
 
-    fn remember(&self, entry: &SandboxEntry, exec: &Arc<ExecEntry>, key: &str) -> Result<(), Error> {
-        let exec_id = exec.snapshot()?.exec_id;
-        let evicted = {
-            let mut list = entry.execs.lock().map_err(|_| Error::Internal("exec list poisoned".into()))?;
-            list.push_back(exec.clone());
-            let mut evicted = Vec::new();
-            while list.len() > self.cfg.exec.max_records_per_sandbox {
-                // Only finished records are dropped; a long-running exec keeps its place.
-                match list.iter().position(|e| e.done.borrow().to_owned()) {
-                    Some(i) => evicted.extend(list.remove(i)),
-                    None => break,
-                }
-            }
-            evicted
-        };
-        let mut index = self.execs.write().map_err(|_| Error::Internal("exec index poisoned".into()))?;
-        index.insert(exec_id, exec.clone());
-        for e in &evicted {
-            if let Ok(r) = e.record.lock() {
-                index.remove(&r.exec_id);
+    /// Persists an ended exec, then drops it from the in-flight tables (in that order, so an
+    /// idempotent retry always finds it in one place or the other).
+    fn exec_finished(&self, record: &ExecRecord, key: Option<&(SandboxId, String)>) {
+        if let Err(e) = self.store.put_exec(record) {
+            tracing::error!(exec = %record.exec_id, error = %e, "cannot record exec result");
+        }
+        if let Err(e) = self.store.trim_execs(record.sandbox_id.as_str(), self.cfg.exec.max_records_per_sandbox) {
+            tracing::warn!(sandbox = %record.sandbox_id, error = %e, "cannot trim exec records");
+        }
+        if let Ok(mut running) = self.running.lock() {
+            running.by_id.remove(&record.exec_id);
+            if let Some(key) = key {
+                running.by_key.remove(key);
             }
         }
-        if !key.is_empty() {
-            if let Ok(mut by_key) = entry.by_key.lock() {
-                by_key.insert(key.to_string(), exec.clone());
-            }
-        }
-        Ok(())
     }
 
-    fn exec_entry(&self, exec_id: &str) -> Result<Arc<ExecEntry>, Error> {
-        let eid = ExecId::parse(exec_id).map_err(|_| Error::ExecNotFound(exec_id.chars().take(80).collect()))?;
-        let index = self.execs.read().map_err(|_| Error::Internal("exec index poisoned".into()))?;
-        index.get(&eid).cloned().ok_or_else(|| Error::ExecNotFound(eid.to_string()))
+    fn running_exec(&self, exec_id: &ExecId) -> Option<Arc<ExecEntry>> {
+        self.running.lock().ok().and_then(|r| r.by_id.get(exec_id).cloned())
     }
 
     /// A recorded exec; with `wait`, once it has ended.
     pub async fn get_exec(&self, exec_id: &str, wait: bool) -> Result<ExecRecord, Error> {
-        let exec = self.exec_entry(exec_id)?;
-        if wait {
-            exec.wait().await
-        } else {
-            exec.snapshot()
+        let eid = ExecId::parse(exec_id).map_err(|_| Error::ExecNotFound(exec_id.chars().take(80).collect()))?;
+        if let Some(exec) = self.running_exec(&eid) {
+            return if wait { exec.wait().await } else { exec.snapshot() };
         }
+        self.store.exec(eid.as_str())?.ok_or_else(|| Error::ExecNotFound(eid.to_string()))
     }
 
     /// Sends a signal to every process of a running exec.
@@ -506,11 +629,14 @@ impl Manager {
         if !(1..=64).contains(&signal) {
             return Err(Error::invalid("signal", format!("{signal} is not a signal number (1-64)")));
         }
-        let exec = self.exec_entry(exec_id)?;
+        let eid = ExecId::parse(exec_id).map_err(|_| Error::ExecNotFound(exec_id.chars().take(80).collect()))?;
+        let Some(exec) = self.running_exec(&eid) else {
+            return match self.store.exec(eid.as_str())? {
+                Some(_) => Err(Error::FailedPrecondition(format!("exec {eid} has already ended"))),
+                None => Err(Error::ExecNotFound(eid.to_string())),
+            };
+        };
         let record = exec.snapshot()?;
-        if record.status != ExecStatus::Running {
-            return Err(Error::FailedPrecondition(format!("exec {exec_id} has already ended")));
-        }
         let info = self.get(record.sandbox_id.as_str())?;
         let backend = self.backends.get(info.isolation)?.clone();
         backend.signal_exec(&record.sandbox_id, &record.exec_id, signal).await?;
@@ -519,24 +645,31 @@ impl Manager {
 
     /// The sandbox's exec records, oldest first; `limit` > 0 keeps the newest `limit`.
     pub fn list_execs(&self, sandbox_id: &str, limit: u32) -> Result<Vec<ExecRecord>, Error> {
-        let (_, entry) = self.entry(sandbox_id)?;
-        let list = entry.execs.lock().map_err(|_| Error::Internal("exec list poisoned".into()))?;
-        let skip = if limit == 0 { 0 } else { list.len().saturating_sub(limit as usize) };
-        list.iter().skip(skip).map(|e| e.snapshot()).collect()
+        let (sid, _) = self.entry(sandbox_id)?;
+        let mut records = self.store.execs(sid.as_str(), limit)?;
+        // Running ones are stored as they started; show their live state.
+        for r in &mut records {
+            if r.status == ExecStatus::Running {
+                if let Some(live) = self.running_exec(&r.exec_id).and_then(|e| e.snapshot().ok()) {
+                    *r = live;
+                }
+            }
+        }
+        Ok(records)
     }
 
-    fn running_entry(&self, sandbox_id: &str, op: &'static str) -> Result<(SandboxId, SandboxInfo), Error> {
+    fn running_entry(&self, sandbox_id: &str, op: &'static str) -> Result<(SandboxId, Arc<SandboxEntry>, SandboxInfo), Error> {
         let (sid, entry) = self.entry(sandbox_id)?;
         let info = entry.info()?;
         if !info.state.can_exec() {
             return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: op });
         }
-        Ok((sid, info))
+        Ok((sid, entry, info))
     }
 
     /// Writes a file inside the sandbox.
     pub async fn write_file(&self, sandbox_id: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, Error> {
-        let (sid, info) = self.running_entry(sandbox_id, "write files")?;
+        let (sid, _, info) = self.running_entry(sandbox_id, "write files")?;
         if mode > 0o7777 {
             return Err(Error::invalid("mode", format!("{mode:o} is not a permission mode")));
         }
@@ -545,8 +678,110 @@ impl Manager {
 
     /// Reads part of a file inside the sandbox.
     pub async fn read_file(&self, sandbox_id: &str, path: &str, offset: u64, limit: u64) -> Result<FileChunk, Error> {
-        let (sid, info) = self.running_entry(sandbox_id, "read files")?;
+        let (sid, _, info) = self.running_entry(sandbox_id, "read files")?;
         Ok(self.backends.get(info.isolation)?.read_file(&sid, path, offset, limit).await?)
+    }
+
+    /// Captures the sandbox's filesystem as a new snapshot.
+    pub async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotRecord, Error> {
+        let (sid, entry) = self.entry(sandbox_id)?;
+        if name.len() > 256 {
+            return Err(Error::invalid("name", "at most 256 bytes"));
+        }
+        let _op = entry.op.lock().await;
+        let info = entry.info()?;
+        if !info.state.can_snapshot() {
+            return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "snapshot" });
+        }
+        let snap_id = SnapshotId::generate();
+        let started = std::time::Instant::now();
+        let size_bytes = self.backends.get(info.isolation)?.snapshot(&sid, &snap_id).await?;
+        let record = SnapshotRecord {
+            snapshot_id: snap_id.clone(),
+            sandbox_id: sid.clone(),
+            name: name.to_string(),
+            created_at: SystemTime::now(),
+            size_bytes,
+            parent_snapshot_id: info.head_snapshot.clone(),
+            isolation: info.isolation,
+            image: info.image.clone(),
+        };
+        self.store.put_snapshot(&record)?;
+        let info = entry.update(|i| i.head_snapshot = Some(snap_id.clone()))?;
+        self.store.put_sandbox(&info)?;
+        tracing::info!(sandbox = %sid, snapshot = %snap_id, size_bytes, ms = started.elapsed().as_millis() as u64, "snapshot taken");
+        Ok(record)
+    }
+
+    /// Snapshots taken of a sandbox, oldest first. They outlive the sandbox, so a destroyed
+    /// sandbox's snapshots are still listed (NOT_FOUND only if there is neither).
+    pub fn list_snapshots(&self, sandbox_id: &str) -> Result<Vec<SnapshotRecord>, Error> {
+        let sid = SandboxId::parse(sandbox_id).map_err(|_| Error::SandboxNotFound(sandbox_id.chars().take(80).collect()))?;
+        let snaps = self.store.snapshots(Some(sid.as_str()))?;
+        if snaps.is_empty() && self.entry(sandbox_id).is_err() {
+            return Err(Error::SandboxNotFound(sid.to_string()));
+        }
+        Ok(snaps)
+    }
+
+    /// Puts the sandbox's filesystem back to a snapshot. Running execs end as LOST; background
+    /// processes are gone; id, limits and labels stay.
+    pub async fn rollback(&self, sandbox_id: &str, snapshot_id: &str) -> Result<SandboxInfo, Error> {
+        let (sid, entry) = self.entry(sandbox_id)?;
+        let snap = self.snapshot_record(snapshot_id)?;
+        let _op = entry.op.lock().await;
+        let info = entry.info()?;
+        if !info.state.can_snapshot() {
+            return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "roll back" });
+        }
+        if snap.isolation != info.isolation || snap.image != info.image {
+            return Err(Error::FailedPrecondition(format!(
+                "snapshot {} is of image {:?} ({}); sandbox {sid} runs {:?} ({})",
+                snap.snapshot_id,
+                snap.image,
+                snap.isolation.name(),
+                info.image,
+                info.isolation.name()
+            )));
+        }
+        let started = std::time::Instant::now();
+        let result = self.backends.get(info.isolation)?.rollback(&sid, &snap.snapshot_id).await;
+        let info = match result {
+            Ok(()) => entry.update(|i| i.head_snapshot = Some(snap.snapshot_id.clone()))?,
+            Err(e) => {
+                // The old runtime is gone; without a new one the sandbox cannot serve.
+                let info = entry.update(|i| i.state = SandboxState::Failed)?;
+                self.store.put_sandbox(&info)?;
+                return Err(e.into());
+            }
+        };
+        self.store.put_sandbox(&info)?;
+        tracing::info!(sandbox = %sid, snapshot = %snap.snapshot_id, ms = started.elapsed().as_millis() as u64, "rolled back");
+        Ok(info)
+    }
+
+    /// Deletes a snapshot no live sandbox was forked from.
+    pub async fn delete_snapshot(&self, snapshot_id: &str) -> Result<(), Error> {
+        let snap = self.snapshot_record(snapshot_id)?;
+        let dependents: Vec<String> = match self.sandboxes.read() {
+            Ok(map) => map
+                .values()
+                .filter_map(|e| e.info().ok())
+                .filter(|i| i.parent_snapshot_id.as_ref() == Some(&snap.snapshot_id))
+                .map(|i| i.id.to_string())
+                .collect(),
+            Err(_) => return Err(Error::Internal("sandbox table poisoned".into())),
+        };
+        if !dependents.is_empty() {
+            return Err(Error::FailedPrecondition(format!(
+                "snapshot {} is the origin of live sandbox(es) {}; destroy them first",
+                snap.snapshot_id,
+                dependents.join(", ")
+            )));
+        }
+        self.backends.get(snap.isolation)?.delete_snapshot(&snap.snapshot_id).await?;
+        self.store.delete_snapshot(snap.snapshot_id.as_str())?;
+        Ok(())
     }
 
     /// Destroys sandboxes whose TTL has passed. Called periodically.
@@ -567,13 +802,16 @@ impl Manager {
         }
     }
 
-    /// Destroys every sandbox this daemon created, then lets each backend release its resources.
+    /// Stops serving: running execs are killed (recorded as LOST by the next start if the
+    /// record could not be written), and each backend stops its sandboxes' processes while
+    /// keeping their filesystems for the next start.
     pub async fn shutdown(&self) {
-        let ids: Vec<SandboxId> = self.sandboxes.read().map(|m| m.keys().cloned().collect()).unwrap_or_default();
-        for id in ids {
-            if let Err(e) = self.destroy(id.as_str()).await {
-                tracing::warn!(sandbox = %id, error = %e, "destroy at shutdown failed");
-            }
+        let running: Vec<Arc<ExecEntry>> = self.running.lock().map(|r| r.by_id.values().cloned().collect()).unwrap_or_default();
+        for exec in &running {
+            exec.cancel.cancel();
+        }
+        for exec in &running {
+            let _ = tokio::time::timeout(Duration::from_secs(5), exec.wait()).await;
         }
         for backend in self.backends.all() {
             backend.shutdown().await;

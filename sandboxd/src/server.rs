@@ -12,6 +12,7 @@ use crate::backend::process::{ProcessBackend, ProcessConfig};
 use crate::backend::Backends;
 use crate::config::{Config, ListenAddr};
 use crate::manager::Manager;
+use crate::store::Store;
 
 /// Largest gRPC message either way (WriteFile content, ExecResult with two 16 MiB streams).
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -29,7 +30,10 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         pool_size_bytes: cfg.pool_size_bytes,
     });
     backends.insert(Arc::new(process));
-    let manager = Manager::new(cfg.clone(), backends);
+    let store = Store::open(&cfg.state_dir.join("state.db")).context("opening the state database")?;
+    let manager = Manager::new(cfg.clone(), backends, store);
+    // Before serving: re-adopt the sandboxes on record and clean whatever a crash left behind.
+    manager.recover().await.context("recovering state from the previous run")?;
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<SandboxServiceServer<Api>>().await;
@@ -104,7 +108,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         }
     }
     stop.cancel();
-    // In-flight calls get a moment to finish; sandboxes are destroyed regardless.
+    // In-flight calls get a moment to finish; sandboxes are then stopped, their files kept.
     let _ = tokio::time::timeout(Duration::from_secs(5), async { while servers.join_next().await.is_some() {} }).await;
     manager.shutdown().await;
     for path in unix_paths {

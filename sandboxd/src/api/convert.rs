@@ -7,7 +7,7 @@ use sandbox_proto::v1 as pb;
 use tonic::Status;
 
 use crate::backend::{ExecStatus, Isolation};
-use crate::manager::{CreateRequest, ExecRecord, ExecRequest, RequestedLimits, SandboxInfo, SandboxState};
+use crate::manager::{CreateRequest, ExecRecord, ExecRequest, RequestedLimits, SandboxInfo, SandboxState, SnapshotRecord};
 
 fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
@@ -136,5 +136,17 @@ pub fn exec_result(r: &ExecRecord, with_output: bool) -> pb::ExecResult {
         idempotency_key: r.idempotency_key.clone(),
         stdout_spill_path: r.stdout.spill_path.clone().unwrap_or_default(),
         stderr_spill_path: r.stderr.spill_path.clone().unwrap_or_default(),
+    }
+}
+
+/// Core snapshot → proto.
+pub fn snapshot(s: &SnapshotRecord) -> pb::SnapshotInfo {
+    pb::SnapshotInfo {
+        snapshot_id: s.snapshot_id.to_string(),
+        sandbox_id: s.sandbox_id.to_string(),
+        name: s.name.clone(),
+        created_at: Some(timestamp(s.created_at)),
+        size_bytes: s.size_bytes,
+        parent_snapshot_id: s.parent_snapshot_id.as_ref().map(|p| p.to_string()).unwrap_or_default(),
     }
 }

@@ -31,10 +31,6 @@ impl Api {
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::ExecEvent, Status>> + Send>>;
 
-fn not_yet(what: &str) -> Status {
-    Status::unimplemented(format!("{what} is not implemented by this build of sandboxd"))
-}
-
 #[tonic::async_trait]
 impl SandboxService for Api {
     async fn create_sandbox(&self, request: Request<pb::CreateSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
@@ -160,19 +156,25 @@ impl SandboxService for Api {
         Ok(Response::new(pb::ReadFileResponse { content: chunk.content, size: chunk.size, eof: chunk.eof }))
     }
 
-    async fn snapshot(&self, _request: Request<pb::SnapshotRequest>) -> Result<Response<pb::SnapshotInfo>, Status> {
-        Err(not_yet("Snapshot"))
+    async fn snapshot(&self, request: Request<pb::SnapshotRequest>) -> Result<Response<pb::SnapshotInfo>, Status> {
+        let req = request.into_inner();
+        let snap = self.manager.snapshot(&req.sandbox_id, &req.name).await?;
+        Ok(Response::new(convert::snapshot(&snap)))
     }
 
-    async fn list_snapshots(&self, _request: Request<pb::ListSnapshotsRequest>) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
-        Err(not_yet("ListSnapshots"))
+    async fn list_snapshots(&self, request: Request<pb::ListSnapshotsRequest>) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
+        let snaps = self.manager.list_snapshots(&request.into_inner().sandbox_id)?;
+        Ok(Response::new(pb::ListSnapshotsResponse { snapshots: snaps.iter().map(convert::snapshot).collect() }))
     }
 
-    async fn rollback(&self, _request: Request<pb::RollbackRequest>) -> Result<Response<pb::Sandbox>, Status> {
-        Err(not_yet("Rollback"))
+    async fn rollback(&self, request: Request<pb::RollbackRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let req = request.into_inner();
+        let info = self.manager.rollback(&req.sandbox_id, &req.snapshot_id).await?;
+        Ok(Response::new(convert::sandbox(&info)))
     }
 
-    async fn delete_snapshot(&self, _request: Request<pb::DeleteSnapshotRequest>) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
-        Err(not_yet("DeleteSnapshot"))
+    async fn delete_snapshot(&self, request: Request<pb::DeleteSnapshotRequest>) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
+        self.manager.delete_snapshot(&request.into_inner().snapshot_id).await?;
+        Ok(Response::new(pb::DeleteSnapshotResponse {}))
     }
 }

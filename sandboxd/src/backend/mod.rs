@@ -19,7 +19,7 @@ use crate::config::Limits;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 
 /// Isolation level of a sandbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Isolation {
     Process,
     Container,
@@ -79,7 +79,7 @@ pub enum OutputChunk {
 pub type OutputSink = Option<mpsc::Sender<OutputChunk>>;
 
 /// Why an exec ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ExecStatus {
     Exited,
     Signaled,
@@ -91,7 +91,7 @@ pub enum ExecStatus {
 }
 
 /// Captured output of one stream: its head and tail within the cap.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CapturedOutput {
     /// Head followed by tail when truncated; everything otherwise.
     pub bytes: Vec<u8>,
@@ -103,7 +103,7 @@ pub struct CapturedOutput {
 }
 
 /// Resource use of one exec, from its own cgroup.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ExecUsage {
     pub cpu_user_ms: u64,
     pub cpu_system_ms: u64,
@@ -207,7 +207,13 @@ pub trait Backend: Send + Sync {
     async fn delete_snapshot(&self, snapshot: &SnapshotId) -> Result<(), BackendError>;
     /// Kills every process and frees every mount, cgroup and directory of the sandbox.
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), BackendError>;
-    /// Called once at daemon shutdown, after every owned sandbox was destroyed.
+    /// Called once at start, before any other call, with the sandboxes and snapshots on record for
+    /// this tier. The backend removes what a previous run left behind — the runtime state of every
+    /// sandbox (its processes died with that daemon), writable layers and snapshots not on record —
+    /// and brings each recorded sandbox back up over its preserved filesystem.
+    async fn recover(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)>;
+    /// Called once at daemon shutdown. Sandboxes are not destroyed: their filesystems stay for
+    /// the next start to recover; their processes end with the daemon.
     async fn shutdown(&self);
 }
 

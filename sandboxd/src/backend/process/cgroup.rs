@@ -295,10 +295,12 @@ impl Node {
                 let ctl = dir.join("cgroup.freeze");
                 let events = dir.join("cgroup.events");
                 write_file(&ctl, "1")?;
-                wait_state(&dir, "frozen", || Ok(read_keyed(&events, "frozen") == Some(1)))
-                    .inspect_err(|_| {
-                        let _ = write_file(&ctl, "0");
-                    })
+                wait_state(&dir, "frozen", || {
+                    Ok(read_keyed(&events, "frozen") == Some(1))
+                })
+                .inspect_err(|_| {
+                    let _ = write_file(&ctl, "0");
+                })
             }
         }
     }
@@ -318,7 +320,9 @@ impl Node {
             CgroupVersion::V2 => {
                 let events = dir.join("cgroup.events");
                 write_file(&dir.join("cgroup.freeze"), "0")?;
-                wait_state(&dir, "thawed", || Ok(read_keyed(&events, "frozen") == Some(0)))
+                wait_state(&dir, "thawed", || {
+                    Ok(read_keyed(&events, "frozen") == Some(0))
+                })
             }
         }
     }
@@ -377,6 +381,11 @@ impl Node {
             if frozen {
                 self.thaw()?;
             }
+            if self.root.version == CgroupVersion::V1 {
+                // On v1 a fatal signal does not thaw a task, so a descendant frozen on
+                // its own (a paused exec) would hold its killed tasks forever.
+                thaw_descendants_v1(&primary);
+            }
             std::thread::sleep(POLL_INTERVAL);
         }
     }
@@ -396,6 +405,19 @@ impl Node {
             all_gone &= rmdir_tree(&dir, busy_timeout)?;
         }
         Ok(all_gone)
+    }
+}
+
+fn thaw_descendants_v1(freezer_dir: &Path) {
+    for sub in subdirs(freezer_dir) {
+        let dir = freezer_dir.join(sub);
+        let state = dir.join("freezer.state");
+        if read_trim(&state).as_deref() != Some("THAWED") {
+            if let Err(e) = write_file(&state, "THAWED") {
+                debug!(error = %e, "thawing descendant");
+            }
+        }
+        thaw_descendants_v1(&dir);
     }
 }
 
@@ -1182,7 +1204,11 @@ mod tests {
         assert_eq!(format_cpu_max(0), "max 100000");
         assert_eq!(format_cpu_max(500), "50000 100000");
         assert_eq!(format_cpu_max(2000), "200000 100000");
-        assert_eq!(format_cpu_max(1), "1000 100000", "rounded up to the kernel minimum");
+        assert_eq!(
+            format_cpu_max(1),
+            "1000 100000",
+            "rounded up to the kernel minimum"
+        );
         assert_eq!(cpu_quota_us(0), None);
         assert_eq!(cpu_quota_us(250), Some(25_000));
     }
@@ -1242,10 +1268,16 @@ mod tests {
                   41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
         let h = v1_hierarchies(mi, Path::new("mi")).expect("all mounted");
         assert_eq!(h.len(), 4, "cpu and cpuacct share one hierarchy");
-        let cpu = h.iter().find(|h| h.controllers.contains(&"cpu")).expect("cpu");
+        let cpu = h
+            .iter()
+            .find(|h| h.controllers.contains(&"cpu"))
+            .expect("cpu");
         assert_eq!(cpu.controllers, vec!["cpu", "cpuacct"]);
         assert_eq!(cpu.mount, Path::new("/sys/fs/cgroup/cpu,cpuacct"));
-        let pids = h.iter().find(|h| h.controllers.contains(&"pids")).expect("pids");
+        let pids = h
+            .iter()
+            .find(|h| h.controllers.contains(&"pids"))
+            .expect("pids");
         assert_eq!(pids.mount, Path::new("/sys/fs/cgroup/pids"));
         let missing = mi.replace("rw,freezer", "rw,devices");
         match v1_hierarchies(&missing, Path::new("mi")) {
@@ -1267,7 +1299,10 @@ mod tests {
         assert!(validate_root_name("sandboxd").is_ok());
         assert!(validate_root_name("sandboxd/state-1.x").is_ok());
         for bad in ["", "/abs", "a/../b", "a//b", "cgroup.kill"] {
-            assert!(validate_root_name(bad).is_err(), "{bad:?} should be rejected");
+            assert!(
+                validate_root_name(bad).is_err(),
+                "{bad:?} should be rejected"
+            );
         }
     }
 
@@ -1346,7 +1381,10 @@ mod tests {
     fn wait_until(mut f: impl FnMut() -> bool, what: &str) {
         let start = Instant::now();
         while !f() {
-            assert!(start.elapsed() < Duration::from_secs(10), "timed out: {what}");
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "timed out: {what}"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -1385,7 +1423,11 @@ mod tests {
         match fx.root.version() {
             CgroupVersion::V1 => {
                 assert_eq!(read("memory", "memory.limit_in_bytes"), "67108864");
-                if n.dir_for("memory").expect("dir").join("memory.memsw.limit_in_bytes").exists() {
+                if n.dir_for("memory")
+                    .expect("dir")
+                    .join("memory.memsw.limit_in_bytes")
+                    .exists()
+                {
                     assert_eq!(read("memory", "memory.memsw.limit_in_bytes"), "67108864");
                 }
                 assert_eq!(read("pids", "pids.max"), "20");
@@ -1436,8 +1478,16 @@ mod tests {
         let fx = Fixture::new(CgroupLimits::default());
         let sb = fx.sb();
         let ex = sb.create_exec("s").expect("exec");
-        let mut a = spawn_in(ex.procs_files().expect("procs"), "sleep 1000", Stdio::null());
-        let mut b = spawn_in(sb.procs_files().expect("procs"), "sleep 1000", Stdio::null());
+        let mut a = spawn_in(
+            ex.procs_files().expect("procs"),
+            "sleep 1000",
+            Stdio::null(),
+        );
+        let mut b = spawn_in(
+            sb.procs_files().expect("procs"),
+            "sleep 1000",
+            Stdio::null(),
+        );
         let (pa, pb) = (a.id() as i32, b.id() as i32);
         wait_until(
             || {
@@ -1450,7 +1500,17 @@ mod tests {
         assert_eq!(a.wait().expect("wait").signal(), Some(libc::SIGTERM));
         sb.freeze().expect("freeze");
         sb.thaw().expect("thaw");
+        // A separately frozen (paused) exec must not survive the sandbox kill.
+        let paused = sb.create_exec("paused").expect("exec");
+        let mut c = spawn_in(
+            paused.procs_files().expect("procs"),
+            "sleep 1000",
+            Stdio::null(),
+        );
+        wait_until(|| !paused.is_empty(), "paused child joined");
+        paused.node.freeze().expect("freeze exec");
         sb.kill_all().expect("kill_all");
+        assert_eq!(c.wait().expect("wait").signal(), Some(libc::SIGKILL));
         assert_eq!(b.wait().expect("wait").signal(), Some(libc::SIGKILL));
         assert!(sb.pids().is_empty());
     }
@@ -1493,7 +1553,10 @@ mod tests {
         );
         assert_eq!(status.signal(), Some(libc::SIGKILL));
         assert!(u.oom_kills >= 1);
-        assert!(sb.oom_kills() >= u.oom_kills, "sandbox count includes its execs");
+        assert!(
+            sb.oom_kills() >= u.oom_kills,
+            "sandbox count includes its execs"
+        );
         assert!(u.peak_memory_bytes <= 64 << 20, "{u:?}");
     }
 
@@ -1529,7 +1592,10 @@ mod tests {
             .filter_map(|n| n.dir_for("pids"))
             .filter_map(|d| read_keyed(&d.join("pids.events"), "max"))
             .sum();
-        assert!(max_events > 0, "pids.events max should count the failed forks");
+        assert!(
+            max_events > 0,
+            "pids.events max should count the failed forks"
+        );
         ex.kill_all().expect("kill_all");
         assert!(ex.is_empty());
     }
@@ -1571,7 +1637,11 @@ mod tests {
             .expect("create");
         let ex = sb.create_exec("a").expect("exec");
         let _ex2 = sb.create_exec("b").expect("exec");
-        let mut child = spawn_in(ex.procs_files().expect("procs"), "sleep 1000", Stdio::null());
+        let mut child = spawn_in(
+            ex.procs_files().expect("procs"),
+            "sleep 1000",
+            Stdio::null(),
+        );
         wait_until(|| !ex.is_empty(), "child joined");
         let paths = sb.paths();
         let t = Instant::now();

@@ -223,6 +223,12 @@ impl ProcessSandbox {
                 end = End::Exited(None, Some(libc::SIGKILL));
             }
         }
+        // The runtime was taken down under this exec (rollback, destroy, shutdown): whatever
+        // the kill made of it, the exec was lost with its sandbox.
+        if let Some(reason) = self.lost.lock().ok().and_then(|l| l.clone()) {
+            let error = format!("{reason} while the command ran");
+            return Ok(ExecOutcome { status: ExecStatus::Lost, exit_code: -1, signal: 0, stdout, stderr, started_at, duration, usage, error });
+        }
         let (status, exit_code, signal, error) = match end {
             End::Lost => (ExecStatus::Lost, -1, 0, "the sandbox's init exited while the command ran".to_string()),
             End::TimedOut => (ExecStatus::TimedOut, 128 + libc::SIGKILL, libc::SIGKILL, String::new()),

@@ -60,9 +60,24 @@ pub struct ProcessConfig {
     pub pool_size_bytes: u64,
 }
 
-/// One live process-tier sandbox.
+/// Where a sandbox's writable layer comes from at setup.
+#[derive(Debug, Clone, Copy)]
+enum Layer<'a> {
+    /// A new, empty layer over the image.
+    Fresh,
+    /// A writable snapshot of a snapshot (a fork, or a rollback).
+    From(&'a SnapshotId),
+    /// The layer already on disk (re-adoption after a restart).
+    Existing,
+}
+
+/// One live process-tier sandbox: its runtime (processes, cgroup, mount) over its layer.
 pub(crate) struct ProcessSandbox {
     id: SandboxId,
+    spec: SandboxSpec,
+    /// Set (with the reason) when the runtime is being taken down under running execs, which
+    /// then end as LOST rather than as whatever the kill made of them.
+    lost: Mutex<Option<String>>,
     /// Host path of the merged overlay (the sandbox's `/`).
     rootfs: PathBuf,
     run_dir: PathBuf,
@@ -88,6 +103,29 @@ pub struct ProcessBackend {
 
 fn subvolume_of(id: &SandboxId) -> String {
     format!("sandboxes/{id}")
+}
+
+fn snapshot_of(id: &SnapshotId) -> String {
+    format!("snapshots/{id}")
+}
+
+/// Bytes of the files in a directory tree (not following symlinks): what a snapshot's upper
+/// layer holds beyond the image.
+fn tree_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for entry in entries.flatten() {
+            let Ok(meta) = entry.path().symlink_metadata() else { continue };
+            if meta.is_dir() {
+                stack.push(entry.path());
+            } else {
+                total += meta.len();
+            }
+        }
+    }
+    total
 }
 
 /// Name of this daemon's cgroup: derived from the state dir, so two daemons (say, parallel test
@@ -127,14 +165,15 @@ impl ProcessBackend {
         std::fs::create_dir_all(self.cfg.state_dir.join("run")).map_err(|e| format!("creating run dir: {e}"))?;
         self.cgroups = Some(cgroups);
         self.pool = Some(pool);
-        self.reconcile();
+        self.clean_stale_runtime();
         Ok(())
     }
 
-    /// Removes what a previous daemon on this state dir left behind: it died without destroying
-    /// its sandboxes (their inits exited with it, as the control channel closed).
-    fn reconcile(&self) {
-        let (Some(cgroups), Some(pool)) = (&self.cgroups, &self.pool) else { return };
+    /// Removes the runtime state a previous daemon on this state dir left behind: its sandboxes'
+    /// processes died with it (each init exits when its control socket closes), but cgroups, overlay
+    /// mounts and run dirs remain. Writable layers are kept for [`Backend::recover`] to judge.
+    fn clean_stale_runtime(&self) {
+        let Some(cgroups) = &self.cgroups else { return };
         for name in cgroups.list_sandboxes() {
             if let Some(cg) = cgroups.open_sandbox(&name) {
                 tracing::info!(sandbox = %name, "removing cgroup left by a previous run");
@@ -152,12 +191,61 @@ impl ProcessBackend {
                 }
             }
         }
-        for name in pool.subvolumes("sandboxes") {
-            tracing::info!(sandbox = %name, "removing writable layer left by a previous run");
-            if let Err(e) = pool.delete_subvolume(&format!("sandboxes/{name}")) {
-                tracing::warn!(sandbox = %name, error = %e, "cannot remove stale subvolume");
+    }
+
+    /// Deletes subvolumes under `dir` ("sandboxes" or "snapshots") whose names are not in `keep`.
+    fn delete_unknown_subvolumes(&self, dir: &str, keep: &std::collections::HashSet<String>) {
+        let Some(pool) = &self.pool else { return };
+        for name in pool.subvolumes(dir) {
+            if !keep.contains(&name) {
+                tracing::info!(subvolume = %format!("{dir}/{name}"), "removing a layer no record refers to");
+                if let Err(e) = pool.delete_subvolume(&format!("{dir}/{name}")) {
+                    tracing::warn!(subvolume = %name, error = %e, "cannot remove stale subvolume");
+                }
             }
         }
+    }
+
+    /// Undoes a setup that failed part way (each step tolerates never having happened).
+    fn undo_setup(&self, id: &SandboxId, delete_layer: bool) {
+        if let Some(cg) = self.cgroups.as_ref().and_then(|c| c.open_sandbox(id.as_str())) {
+            if let Err(e) = cg.destroy() {
+                tracing::warn!(sandbox = %id, error = %e, "removing cgroup of a failed setup");
+            }
+        }
+        let run_dir = self.cfg.state_dir.join("run").join(id.as_str());
+        teardown_mount(&run_dir.join("rootfs"));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        if delete_layer {
+            if let Ok(pool) = self.pool() {
+                if let Err(e) = pool.delete_subvolume(&subvolume_of(id)) {
+                    tracing::warn!(sandbox = %id, error = %e, "removing layer of a failed setup");
+                }
+            }
+        }
+    }
+
+    /// Sets a sandbox up and registers it; undoes everything on failure.
+    async fn start(&self, spec: &SandboxSpec, source: Layer<'_>) -> Result<(), BackendError> {
+        match self.setup(spec, source).await {
+            Ok(sandbox) => {
+                self.sandboxes
+                    .write()
+                    .map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?
+                    .insert(spec.id.clone(), sandbox);
+                Ok(())
+            }
+            Err(e) => {
+                // An existing layer holds the user's files: a failed restart must not delete it.
+                self.undo_setup(&spec.id, !matches!(source, Layer::Existing));
+                Err(e)
+            }
+        }
+    }
+
+    fn take_sandbox(&self, id: &SandboxId) -> Result<Arc<ProcessSandbox>, BackendError> {
+        let mut map = self.sandboxes.write().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?;
+        map.remove(id).ok_or_else(|| BackendError::NoSuchSandbox(id.clone()))
     }
 
     fn pool(&self) -> Result<&Pool, BackendError> {
@@ -196,19 +284,21 @@ impl ProcessBackend {
         Ok(rootfs)
     }
 
-    /// The sandbox setup, from the daemon's side. Each step undoes itself on failure through
-    /// [`teardown`], which tolerates steps that never happened.
-    async fn setup(&self, spec: &SandboxSpec) -> Result<Arc<ProcessSandbox>, BackendError> {
+    /// The sandbox setup, from the daemon's side. On failure the caller undoes the partial
+    /// setup with [`ProcessBackend::undo_setup`], which tolerates steps that never happened.
+    async fn setup(&self, spec: &SandboxSpec, source: Layer<'_>) -> Result<Arc<ProcessSandbox>, BackendError> {
         let pool = self.pool()?;
         let lower = self.image_rootfs(&spec.image)?;
         let id = &spec.id;
 
-        // 1. The writable layer: a fresh subvolume (or a writable snapshot, for a fork), capped
-        //    at disk_bytes by a qgroup so a full sandbox gets a write error, never a full host.
+        // 1. The writable layer: a fresh subvolume, a writable snapshot (fork, rollback) or the
+        //    one already there (restart); capped at disk_bytes by a qgroup so a full sandbox gets
+        //    a write error, never a full host.
         let subvol = subvolume_of(id);
-        let layer = match &spec.from_snapshot {
-            Some(snap) => pool.snapshot(&format!("snapshots/{snap}"), &subvol, false)?,
-            None => pool.create_subvolume(&subvol)?,
+        let layer = match source {
+            Layer::Fresh => pool.create_subvolume(&subvol)?,
+            Layer::From(snap) => pool.snapshot(&snapshot_of(snap), &subvol, false)?,
+            Layer::Existing => pool.root().join(&subvol),
         };
         pool.set_limit(&subvol, spec.limits.disk_bytes)?;
         for d in ["upper", "work"] {
@@ -262,6 +352,8 @@ impl ProcessBackend {
         let channel = InitChannel::new(ours).map_err(|e| BackendError::io("control socket", e))?;
         let sandbox = Arc::new(ProcessSandbox {
             id: id.clone(),
+            spec: spec.clone(),
+            lost: Mutex::new(None),
             rootfs: rootfs.clone(),
             run_dir,
             workdir: spec.workdir.clone(),
@@ -278,15 +370,19 @@ impl ProcessBackend {
         if let Err(reason) = sandbox.channel.handshake(&config, &fds, SETUP_DEADLINE).await {
             let log_tail = std::fs::read_to_string(sandbox.run_dir.join("init.log")).unwrap_or_default();
             let log_tail: String = log_tail.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
-            self.teardown(&sandbox).await;
+            self.stop_runtime(&sandbox, "setup failed").await;
             return Err(BackendError::Internal(format!("sandbox {id} setup: {reason} (init log: {log_tail})")));
         }
         sandbox.channel.start_reader(id.to_string());
         Ok(sandbox)
     }
 
-    /// Takes a sandbox apart: processes, cgroups, mount, writable layer, run dir. Idempotent.
-    async fn teardown(&self, sb: &ProcessSandbox) {
+    /// Stops a sandbox's runtime: processes, cgroups, mount, run dir — not its writable layer.
+    /// Execs still running end as LOST with `reason`. Idempotent.
+    async fn stop_runtime(&self, sb: &ProcessSandbox, reason: &str) {
+        if let Ok(mut lost) = sb.lost.lock() {
+            lost.get_or_insert_with(|| reason.to_string());
+        }
         sb.channel.close();
         // Killing the cgroup ends the init (and with it the pid namespace) and every process.
         if let Err(e) = sb.cgroup.kill_all() {
@@ -311,11 +407,6 @@ impl ProcessBackend {
             tracing::warn!(sandbox = %sb.id, error = %e, "removing sandbox cgroup");
         }
         teardown_mount(&sb.rootfs);
-        if let Ok(pool) = self.pool() {
-            if let Err(e) = pool.delete_subvolume(&subvolume_of(&sb.id)) {
-                tracing::warn!(sandbox = %sb.id, error = %e, "deleting writable layer");
-            }
-        }
         if let Err(e) = std::fs::remove_dir_all(&sb.run_dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 tracing::warn!(sandbox = %sb.id, error = %e, "removing run dir");
@@ -351,27 +442,15 @@ impl Backend for ProcessBackend {
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
-        let sandbox = match self.setup(spec).await {
-            Ok(sb) => sb,
-            Err(e) => {
-                // Undo whatever part of the setup happened before the failure.
-                let partial = self.cgroups.as_ref().and_then(|c| c.open_sandbox(spec.id.as_str()));
-                if let Some(cg) = partial {
-                    let _ = cg.destroy();
+        match &spec.from_snapshot {
+            Some(snap) => {
+                if !self.pool()?.root().join(snapshot_of(snap)).is_dir() {
+                    return Err(BackendError::NoSuchSnapshot(snap.clone()));
                 }
-                teardown_mount(&self.cfg.state_dir.join("run").join(spec.id.as_str()).join("rootfs"));
-                let _ = std::fs::remove_dir_all(self.cfg.state_dir.join("run").join(spec.id.as_str()));
-                if let Ok(pool) = self.pool() {
-                    let _ = pool.delete_subvolume(&subvolume_of(&spec.id));
-                }
-                return Err(e);
+                self.start(spec, Layer::From(snap)).await
             }
-        };
-        self.sandboxes
-            .write()
-            .map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?
-            .insert(spec.id.clone(), sandbox);
-        Ok(())
+            None => self.start(spec, Layer::Fresh).await,
+        }
     }
 
     async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
@@ -402,27 +481,66 @@ impl Backend for ProcessBackend {
             .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
     }
 
-    async fn snapshot(&self, sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<u64, BackendError> {
-        self.sandbox(sandbox)?;
-        Err(BackendError::Internal("snapshots are not implemented yet".into()))
+    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {
+        let sb = self.sandbox(sandbox)?;
+        let pool = self.pool()?;
+        // Frozen while the snapshot is taken, so no process is between two writes of a
+        // multi-step update; btrfs flushes the subvolume's dirty data as part of the snapshot.
+        // A read-only snapshot of the whole layer subvolume is O(1) in the bytes changed.
+        sb.cgroup.freeze()?;
+        let taken = pool.snapshot(&subvolume_of(sandbox), &snapshot_of(snapshot), true);
+        if let Err(e) = sb.cgroup.thaw() {
+            tracing::error!(sandbox = %sandbox, error = %e, "cannot thaw sandbox after snapshot");
+        }
+        let path = taken?;
+        let upper = path.join("upper");
+        tokio::task::spawn_blocking(move || tree_bytes(&upper)).await.map_err(|e| BackendError::Internal(format!("size task: {e}")))
     }
 
-    async fn rollback(&self, sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<(), BackendError> {
-        self.sandbox(sandbox)?;
-        Err(BackendError::Internal("rollback is not implemented yet".into()))
+    async fn rollback(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<(), BackendError> {
+        let pool = self.pool()?;
+        if !pool.root().join(snapshot_of(snapshot)).is_dir() {
+            return Err(BackendError::NoSuchSnapshot(snapshot.clone()));
+        }
+        // Rollback = stop the runtime, swap the writable layer for a writable snapshot of the
+        // snapshot (O(1) on btrfs), start the runtime again with the same id and limits.
+        let sb = self.take_sandbox(sandbox)?;
+        self.stop_runtime(&sb, &format!("the sandbox was rolled back to {snapshot}")).await;
+        pool.delete_subvolume(&subvolume_of(sandbox))?;
+        self.start(&sb.spec, Layer::From(snapshot)).await
     }
 
     async fn delete_snapshot(&self, snapshot: &SnapshotId) -> Result<(), BackendError> {
-        Err(BackendError::NoSuchSnapshot(snapshot.clone()))
+        Ok(self.pool()?.delete_subvolume(&snapshot_of(snapshot))?)
     }
 
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), BackendError> {
-        let sb = {
-            let mut map = self.sandboxes.write().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?;
-            map.remove(sandbox).ok_or_else(|| BackendError::NoSuchSandbox(sandbox.clone()))?
-        };
-        self.teardown(&sb).await;
-        Ok(())
+        let sb = self.take_sandbox(sandbox);
+        if let Ok(sb) = &sb {
+            self.stop_runtime(sb, "the sandbox was destroyed").await;
+        }
+        // The layer goes even when the runtime was not up (a FAILED sandbox).
+        if let Ok(pool) = self.pool() {
+            pool.delete_subvolume(&subvolume_of(sandbox))?;
+        }
+        sb.map(|_| ())
+    }
+
+    async fn recover(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
+        let keep_layers = sandboxes.iter().map(|s| s.id.to_string()).collect();
+        self.delete_unknown_subvolumes("sandboxes", &keep_layers);
+        let keep_snaps = snapshots.iter().map(|s| s.to_string()).collect();
+        self.delete_unknown_subvolumes("snapshots", &keep_snaps);
+        let mut results = Vec::with_capacity(sandboxes.len());
+        for spec in sandboxes {
+            let result = match self.pool() {
+                Ok(pool) if pool.root().join(subvolume_of(&spec.id)).is_dir() => self.start(spec, Layer::Existing).await,
+                Ok(_) => Err(BackendError::Internal(format!("the writable layer of {} is missing", spec.id))),
+                Err(e) => Err(e),
+            };
+            results.push((spec.id.clone(), result));
+        }
+        results
     }
 
     async fn shutdown(&self) {
@@ -431,7 +549,7 @@ impl Backend for ProcessBackend {
             Err(_) => Vec::new(),
         };
         for sb in all {
-            self.teardown(&sb).await;
+            self.stop_runtime(&sb, "the daemon shut down").await;
         }
         // The pool is unmounted (its loop device auto-clears); it is mounted again at start.
         if self.pool.is_some() {

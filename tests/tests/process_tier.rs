@@ -1,0 +1,886 @@
+//! End-to-end tests of the process tier: the real `sandboxd` binary on a UNIX socket in a temp
+//! dir, driven through the real client, checking what a user of the API would check.
+//!
+//! Every test starts its own daemon (its own state dir, pool and cgroup root), so they run in
+//! parallel without seeing each other. Nothing skips: without root or without the images the
+//! harness fails the test and says what is missing.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use agent_client::proto::{exec_event, ExecRequest, ExecResult, ExecStatus, Isolation, ResourceLimits, SandboxState};
+use agent_client::{exec_request, Client};
+use sandbox_tests::{mounts_under, process_sandbox, rss_bytes, Daemon};
+use tonic::Code;
+
+// ---------------------------------------------------------------------------------------------
+// Helpers.
+
+/// A daemon and a client connected to it. On a failing assertion the daemon's log is printed,
+/// because "exit 137" alone rarely says why.
+struct Harness {
+    daemon: Daemon,
+    client: Client,
+}
+
+impl Harness {
+    async fn start() -> Harness {
+        Self::start_with_config("").await
+    }
+
+    async fn start_with_config(toml: &str) -> Harness {
+        let daemon = Daemon::start_with_config(toml).await.expect("starting sandboxd");
+        let client = daemon.client().await.expect("connecting to sandboxd");
+        Harness { daemon, client }
+    }
+
+    /// Creates a process-tier sandbox of `image` with `limits` and returns its id.
+    async fn sandbox_with(&self, image: &str, limits: ResourceLimits) -> String {
+        let request = agent_client::proto::CreateSandboxRequest { limits: Some(limits), ..process_sandbox(image) };
+        let sandbox = within(60, self.client.create(request)).await.expect("CreateSandbox");
+        assert!(sandbox.id.starts_with("sb-"), "sandbox id {:?}", sandbox.id);
+        sandbox.id
+    }
+
+    /// Creates a default `minimal` sandbox and returns its id.
+    async fn sandbox(&self) -> String {
+        self.sandbox_with("minimal", ResourceLimits::default()).await
+    }
+
+    async fn exec(&self, request: ExecRequest) -> ExecResult {
+        within(120, self.client.exec(request)).await.expect("Exec")
+    }
+
+    /// Runs `sh -c script` and returns the result.
+    async fn sh(&self, id: &str, script: &str) -> ExecResult {
+        self.exec(exec_request(id, ["sh", "-c", script])).await
+    }
+
+    /// Runs `sh -c script`, asserts it exited 0, and returns its stdout.
+    async fn sh_ok(&self, id: &str, script: &str) -> String {
+        let r = self.sh(id, script).await;
+        assert_exited(&r, 0);
+        text(&r.stdout)
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("---- sandboxd log ----\n{}\n---- end of sandboxd log ----", self.daemon.log());
+        }
+    }
+}
+
+/// Awaits `fut`, failing the test if it takes more than `secs` seconds: a hung call must be a
+/// failure, never a suite that never ends.
+async fn within<T>(secs: u64, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("call did not return within {secs} s"),
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn status(r: &ExecResult) -> ExecStatus {
+    ExecStatus::try_from(r.status).unwrap_or(ExecStatus::Unspecified)
+}
+
+/// A one-line account of a result for assertion messages (output shortened).
+fn describe(r: &ExecResult) -> String {
+    let short = |b: &[u8]| {
+        let s = text(b);
+        if s.len() > 400 {
+            format!("{}…({} bytes)", s.chars().take(400).collect::<String>(), b.len())
+        } else {
+            s
+        }
+    };
+    format!(
+        "argv={:?} status={:?} exit_code={} signal={} error={:?} stdout={:?} stderr={:?} duration_ms={}",
+        r.argv,
+        status(r),
+        r.exit_code,
+        r.signal,
+        r.error,
+        short(&r.stdout),
+        short(&r.stderr),
+        r.duration_ms
+    )
+}
+
+fn assert_exited(r: &ExecResult, code: i32) {
+    assert_eq!((status(r), r.exit_code), (ExecStatus::Exited, code), "{}", describe(r));
+}
+
+fn unique(prefix: &str) -> String {
+    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    format!("{prefix}-{}-{nanos}", std::process::id())
+}
+
+/// Directories under `root` (recursively, not following symlinks) whose name contains `needle`.
+fn dirs_named(root: &Path, needle: &str) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            let Ok(ft) = entry.file_type() else { continue };
+            if ft.is_dir() && !ft.is_symlink() {
+                let path = entry.path();
+                if entry.file_name().to_string_lossy().contains(needle) {
+                    found.push(path.clone());
+                }
+                stack.push(path);
+            }
+        }
+    }
+    found
+}
+
+/// Cgroup directories anywhere under /sys/fs/cgroup (every v1 controller and the v2 tree) that
+/// are named after `sandbox_id`.
+fn cgroups_of(sandbox_id: &str) -> Vec<PathBuf> {
+    dirs_named(Path::new("/sys/fs/cgroup"), sandbox_id)
+}
+
+/// Mount points under the daemon's state dir that belong to `sandbox_id`.
+fn mounts_of(daemon: &Daemon, sandbox_id: &str) -> Vec<PathBuf> {
+    mounts_under(&daemon.state_dir()).into_iter().filter(|m| m.to_string_lossy().contains(sandbox_id)).collect()
+}
+
+/// Polls `check` every 50 ms until it returns true or `secs` pass; returns whether it did.
+async fn eventually<F, Fut>(secs: u64, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. The basics a user relies on first.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_basics_env_workdir_hostname_and_sandbox_lifecycle() {
+    let h = Harness::start().await;
+    let c = &h.client;
+    let tag = unique("basics");
+    let mut request = process_sandbox("minimal");
+    request.env = HashMap::from([("FROM_SANDBOX".into(), "sb".into()), ("OVERRIDDEN".into(), "sb".into())]);
+    request.labels = HashMap::from([("suite".into(), tag.clone()), ("role".into(), "main".into())]);
+    let before = SystemTime::now();
+    let sandbox = within(60, c.create(request)).await.expect("CreateSandbox");
+    let id = sandbox.id.clone();
+    assert_eq!(sandbox.state, SandboxState::Running as i32, "{sandbox:?}");
+    assert_eq!(sandbox.isolation, Isolation::Process as i32);
+    assert_eq!(sandbox.image, "minimal");
+    assert_eq!(sandbox.workdir, "/workspace");
+
+    // echo: output, status, exit code, the record's metadata.
+    let r = h.exec(exec_request(&id, ["echo", "hello"])).await;
+    assert_exited(&r, 0);
+    assert_eq!(r.stdout, b"hello\n");
+    assert!(r.stderr.is_empty(), "{}", describe(&r));
+    assert!(r.exec_id.starts_with("ex-"), "exec id {:?}", r.exec_id);
+    assert_eq!(r.sandbox_id, id);
+    assert_eq!(r.argv, ["echo", "hello"]);
+    assert_eq!(r.signal, 0);
+    assert!(r.error.is_empty(), "{}", describe(&r));
+    assert_eq!((r.stdout_total_bytes, r.stdout_truncated), (6, false));
+    let started = r.started_at.expect("started_at is set");
+    let started = SystemTime::UNIX_EPOCH + Duration::new(started.seconds as u64, started.nanos as u32);
+    let slack = Duration::from_secs(5);
+    assert!(started + slack >= before && started <= SystemTime::now() + slack, "started_at {started:?} is not around now");
+    assert!(r.duration_ms < 10_000, "{}", describe(&r));
+    let r = h.sh(&id, "sleep 0.3").await;
+    assert_exited(&r, 0);
+    assert!((250..10_000).contains(&r.duration_ms), "a 300 ms sleep took duration_ms={}", r.duration_ms);
+
+    // Exit codes propagate.
+    assert_exited(&h.sh(&id, "exit 3").await, 3);
+    let r = h.sh(&id, "echo to-stderr >&2; exit 42").await;
+    assert_exited(&r, 42);
+    assert_eq!(r.stderr, b"to-stderr\n");
+
+    // Stdin is delivered, small and bigger than a pipe buffer.
+    let r = h.exec(ExecRequest { stdin: b"line one\nline two\n".to_vec(), ..exec_request(&id, ["cat"]) }).await;
+    assert_exited(&r, 0);
+    assert_eq!(r.stdout, b"line one\nline two\n");
+    let r = h.exec(ExecRequest { stdin: vec![b'z'; 1 << 20], ..exec_request(&id, ["wc", "-c"]) }).await;
+    assert_exited(&r, 0);
+    assert_eq!(text(&r.stdout).trim(), "1048576");
+
+    // Env: the sandbox's env is the default, the exec's wins on conflicts.
+    let r = h
+        .exec(ExecRequest {
+            env: HashMap::from([("OVERRIDDEN".into(), "exec".into()), ("FROM_EXEC".into(), "ex".into())]),
+            ..exec_request(&id, ["sh", "-c", "echo $FROM_SANDBOX $OVERRIDDEN $FROM_EXEC"])
+        })
+        .await;
+    assert_exited(&r, 0);
+    assert_eq!(text(&r.stdout), "sb exec ex\n");
+    assert_eq!(h.sh_ok(&id, "echo $OVERRIDDEN").await, "sb\n", "the exec override must not stick to the sandbox");
+
+    // Workdir: /workspace by default, per exec when asked.
+    assert_eq!(h.exec(exec_request(&id, ["pwd"])).await.stdout, b"/workspace\n");
+    let r = h.exec(ExecRequest { workdir: "/tmp".into(), ..exec_request(&id, ["pwd"]) }).await;
+    assert_exited(&r, 0);
+    assert_eq!(r.stdout, b"/tmp\n");
+
+    // The hostname is the sandbox id.
+    assert_eq!(h.exec(exec_request(&id, ["hostname"])).await.stdout, format!("{id}\n").into_bytes());
+
+    // GetSandbox and ListSandboxes with a label selector.
+    let got = c.get(&id).await.expect("GetSandbox");
+    assert_eq!(got.id, id);
+    assert_eq!(got.state, SandboxState::Running as i32);
+    assert_eq!(got.labels.get("role").map(String::as_str), Some("main"));
+    let limits = got.limits.expect("effective limits are reported");
+    assert!(limits.memory_bytes > 0 && limits.max_pids > 0 && limits.exec_timeout_ms > 0, "{limits:?}");
+    let mut other = process_sandbox("minimal");
+    other.labels = HashMap::from([("suite".into(), tag.clone()), ("role".into(), "other".into())]);
+    let other = within(60, c.create(other)).await.expect("CreateSandbox").id;
+    let ids = |list: Vec<agent_client::proto::Sandbox>| {
+        let mut v: Vec<String> = list.into_iter().map(|s| s.id).collect();
+        v.sort();
+        v
+    };
+    let mut both = vec![id.clone(), other.clone()];
+    both.sort();
+    assert_eq!(ids(c.list(HashMap::new()).await.expect("list all")), both);
+    assert_eq!(ids(c.list(HashMap::from([("suite".into(), tag.clone())])).await.expect("list")), both);
+    let main_only = HashMap::from([("suite".into(), tag.clone()), ("role".into(), "main".into())]);
+    assert_eq!(ids(c.list(main_only).await.expect("list")), vec![id.clone()]);
+    assert!(c.list(HashMap::from([("role".into(), "nope".into())])).await.expect("list").is_empty());
+
+    // Destroy: gone from Get, List and Exec.
+    within(30, c.destroy(&id)).await.expect("DestroySandbox");
+    assert_eq!(c.get(&id).await.expect_err("destroyed sandbox").code(), Code::NotFound);
+    assert_eq!(c.exec(exec_request(&id, ["true"])).await.expect_err("exec in destroyed sandbox").code(), Code::NotFound);
+    assert_eq!(ids(c.list(HashMap::new()).await.expect("list")), vec![other.clone()]);
+    assert_eq!(c.destroy(&id).await.expect_err("second destroy").code(), Code::NotFound);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Isolation, as seen from inside.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sandbox_is_isolated_from_the_host() {
+    let h = Harness::start().await;
+    let id = h.sandbox().await;
+
+    // PID namespace: PID 1 is the sandbox's init, the process list is the sandbox's own.
+    let ps = h.sh_ok(&id, "ps -o pid,args").await;
+    let rows: Vec<(u32, String)> = ps
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let l = l.trim_start();
+            let (pid, args) = l.split_once(char::is_whitespace)?;
+            Some((pid.parse().ok()?, args.trim().to_string()))
+        })
+        .collect();
+    assert!(rows.iter().any(|(pid, _)| *pid == 1), "no PID 1 in the sandbox's ps:\n{ps}");
+    assert!(rows.len() <= 6, "the sandbox sees more processes than its own:\n{ps}");
+    let daemon_pid = h.daemon.pid().expect("daemon running");
+    for (pid, args) in &rows {
+        assert!(!args.contains("--state-dir") && !args.contains("cargo") && !args.contains("process_tier"), "a host process is visible inside:\n{ps}");
+        if *pid != 1 {
+            assert!(args.contains("ps") || args.contains("sh"), "unexpected process inside:\n{ps}");
+        }
+    }
+    let proc_pids = h.sh_ok(&id, "ls /proc | grep -E '^[0-9]+$'").await;
+    let host_daemon = format!("{daemon_pid}");
+    let count = proc_pids.lines().count();
+    assert!(count <= 6, "/proc inside lists {count} processes:\n{proc_pids}");
+    assert!(
+        !proc_pids.lines().any(|p| p == host_daemon) || daemon_pid < 10,
+        "the daemon's host pid {daemon_pid} appears in the sandbox's /proc"
+    );
+
+    // Network namespace: only loopback.
+    let links = h.sh_ok(&id, "ip link").await;
+    let names: Vec<&str> = links.lines().filter(|l| !l.starts_with(' ')).filter_map(|l| l.split(": ").nth(1)).collect();
+    assert_eq!(names, ["lo"], "interfaces inside:\n{links}");
+    let dev = h.sh_ok(&id, "cat /proc/net/dev").await;
+    let ifaces: Vec<&str> = dev.lines().skip(2).filter_map(|l| l.split(':').next()).map(str::trim).collect();
+    assert_eq!(ifaces, ["lo"], "/proc/net/dev inside:\n{dev}");
+
+    // Privileges: no CAP_SYS_ADMIN, no_new_privs, seccomp filter mode.
+    let st = h.sh_ok(&id, "cat /proc/self/status").await;
+    let field = |name: &str| st.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_string()).unwrap_or_else(|| panic!("{name} missing from:\n{st}"));
+    let cap_eff = u64::from_str_radix(&field("CapEff:"), 16).expect("CapEff is hex");
+    assert_eq!(cap_eff & (1 << 21), 0, "CAP_SYS_ADMIN is effective inside (CapEff {cap_eff:x})");
+    let cap_bnd = u64::from_str_radix(&field("CapBnd:"), 16).expect("CapBnd is hex");
+    assert_eq!(cap_bnd & (1 << 21), 0, "CAP_SYS_ADMIN is in the bounding set (CapBnd {cap_bnd:x})");
+    assert_eq!(field("NoNewPrivs:"), "1");
+    assert_eq!(field("Seccomp:"), "2");
+
+    // Mounting is refused, and nothing got mounted.
+    let r = h.sh(&id, "mkdir -p /tmp/m && mount -t tmpfs none /tmp/m").await;
+    assert_eq!(status(&r), ExecStatus::Exited, "{}", describe(&r));
+    assert_ne!(r.exit_code, 0, "mount succeeded inside the sandbox: {}", describe(&r));
+    assert!(!h.sh_ok(&id, "cat /proc/mounts").await.contains("/tmp/m"), "a tmpfs got mounted at /tmp/m");
+
+    // Writes land in the sandbox's own filesystem, never on the host.
+    let marker = format!("/tmp/{}", unique("sandboxd-marker"));
+    let r = h.sh(&id, &format!("echo inside > {marker} && cat {marker}")).await;
+    assert_exited(&r, 0);
+    assert_eq!(r.stdout, b"inside\n");
+    assert!(!Path::new(&marker).exists(), "{marker} written inside the sandbox appeared on the host");
+    let host_only = std::env::current_exe().expect("test exe");
+    let r = h.exec(exec_request(&id, ["ls", &host_only.display().to_string()])).await;
+    assert_ne!(r.exit_code, 0, "the host's {} is visible inside: {}", host_only.display(), describe(&r));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Bad input gets the right status, and never hurts the daemon.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_input_is_refused_with_the_right_code() {
+    let h = Harness::start().await;
+    let c = &h.client;
+    let id = h.sandbox().await;
+
+    for bad in ["sb-doesnotexist1", "xyz", "", "sb-../../etc"] {
+        assert_eq!(c.get(bad).await.expect_err("unknown id").code(), Code::NotFound, "GetSandbox({bad:?})");
+        assert_eq!(c.exec(exec_request(bad, ["true"])).await.expect_err("unknown id").code(), Code::NotFound, "Exec({bad:?})");
+        assert_eq!(c.destroy(bad).await.expect_err("unknown id").code(), Code::NotFound, "Destroy({bad:?})");
+        assert_eq!(c.read_file(bad, "/etc/passwd", 0, 0).await.expect_err("unknown id").code(), Code::NotFound, "ReadFile({bad:?})");
+        assert_eq!(c.list_execs(bad, 0).await.expect_err("unknown id").code(), Code::NotFound, "ListExecs({bad:?})");
+    }
+    assert_eq!(c.get_exec("ex-doesnotexist1", false).await.expect_err("unknown exec").code(), Code::NotFound);
+
+    // Empty argv, argv[0] empty.
+    let err = c.exec(exec_request(&id, Vec::<String>::new())).await.expect_err("empty argv");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("argv"), "{err}");
+    assert_eq!(c.exec(exec_request(&id, [""])).await.expect_err("empty argv[0]").code(), Code::InvalidArgument);
+
+    // Limits above the ceilings name the field.
+    let over = |limits: ResourceLimits| agent_client::proto::CreateSandboxRequest { limits: Some(limits), ..process_sandbox("minimal") };
+    let err = c.create(over(ResourceLimits { memory_bytes: 1 << 50, ..Default::default() })).await.expect_err("memory over ceiling");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("memory_bytes"), "{err}");
+    let err = c.create(over(ResourceLimits { max_pids: 1 << 30, ..Default::default() })).await.expect_err("pids over ceiling");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("max_pids"), "{err}");
+    let err = c.create(over(ResourceLimits { disk_bytes: 1 << 60, ..Default::default() })).await.expect_err("disk over ceiling");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("disk_bytes"), "{err}");
+    let err = c
+        .exec(ExecRequest { timeout_ms: u64::MAX / 2, ..exec_request(&id, ["true"]) })
+        .await
+        .expect_err("timeout over ceiling");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("timeout_ms"), "{err}");
+
+    // Unknown image; invalid isolation number.
+    let err = c.create(process_sandbox("no-such-image")).await.expect_err("unknown image");
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+    let err = c.create(process_sandbox("../minimal")).await.expect_err("image path trick");
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+    let err = c
+        .create(agent_client::proto::CreateSandboxRequest { isolation: 42, ..process_sandbox("minimal") })
+        .await
+        .expect_err("isolation 42");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("isolation"), "{err}");
+
+    // Commands that cannot start are results, not gRPC errors.
+    let r = h.exec(exec_request(&id, ["does-not-exist-anywhere"])).await;
+    assert_eq!((status(&r), r.exit_code), (ExecStatus::SpawnFailed, 127), "{}", describe(&r));
+    assert!(r.error.contains("not found"), "{}", describe(&r));
+    let r = h.exec(exec_request(&id, ["/bin/nope"])).await;
+    assert_eq!((status(&r), r.exit_code), (ExecStatus::SpawnFailed, 127), "{}", describe(&r));
+    c.write_file(&id, "/workspace/script.sh", b"#!/bin/sh\necho should-not-run\n".to_vec(), 0o644).await.expect("WriteFile");
+    let r = h.exec(exec_request(&id, ["/workspace/script.sh"])).await;
+    assert_eq!((status(&r), r.exit_code), (ExecStatus::SpawnFailed, 126), "{}", describe(&r));
+    assert!(!r.error.is_empty(), "{}", describe(&r));
+    assert!(r.stdout.is_empty(), "{}", describe(&r));
+    let r = h.exec(ExecRequest { workdir: "/no/such/dir".into(), ..exec_request(&id, ["pwd"]) }).await;
+    assert_eq!(status(&r), ExecStatus::SpawnFailed, "{}", describe(&r));
+    assert!(r.error.contains("/no/such/dir"), "{}", describe(&r));
+    let err = c.exec(ExecRequest { workdir: "relative/dir".into(), ..exec_request(&id, ["pwd"]) }).await.expect_err("relative workdir");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+
+    // After all that the daemon still answers, and the sandbox still works.
+    let list = c.list(HashMap::new()).await.expect("ListSandboxes");
+    assert_eq!(list.len(), 1, "failed creates left sandboxes behind: {list:?}");
+    assert_eq!(h.exec(exec_request(&id, ["echo", "still here"])).await.stdout, b"still here\n");
+    assert!(mounts_under(&h.daemon.state_dir()).iter().filter(|m| m.to_string_lossy().contains("/run/")).count() == 1, "failed creates left mounts");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Files.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn files_round_trip_and_never_leave_the_sandbox() {
+    let h = Harness::start().await;
+    let c = &h.client;
+    let id = h.sandbox().await;
+
+    // Round trip with offset/limit, eof and size; mode kept; parents created.
+    let n = c.write_file(&id, "/workspace/a/b/c/hello.txt", b"hello world".to_vec(), 0o640).await.expect("WriteFile");
+    assert_eq!(n, 11);
+    let whole = c.read_file(&id, "/workspace/a/b/c/hello.txt", 0, 0).await.expect("ReadFile");
+    assert_eq!((whole.content.as_slice(), whole.size, whole.eof), (&b"hello world"[..], 11, true));
+    let head = c.read_file(&id, "/workspace/a/b/c/hello.txt", 0, 5).await.expect("ReadFile");
+    assert_eq!((head.content.as_slice(), head.size, head.eof), (&b"hello"[..], 11, false));
+    let tail = c.read_file(&id, "/workspace/a/b/c/hello.txt", 6, 100).await.expect("ReadFile");
+    assert_eq!((tail.content.as_slice(), tail.eof), (&b"world"[..], true));
+    let past = c.read_file(&id, "/workspace/a/b/c/hello.txt", 50, 0).await.expect("ReadFile past the end");
+    assert!(past.content.is_empty() && past.eof, "{past:?}");
+    assert_eq!(h.sh_ok(&id, "stat -c %a /workspace/a/b/c/hello.txt; cat /workspace/a/b/c/hello.txt").await, "640\nhello world");
+    // Relative paths are relative to the workdir; overwriting truncates.
+    c.write_file(&id, "rel.txt", b"a much longer first version".to_vec(), 0).await.expect("WriteFile");
+    c.write_file(&id, "rel.txt", b"short".to_vec(), 0o755).await.expect("WriteFile");
+    assert_eq!(h.sh_ok(&id, "stat -c %a /workspace/rel.txt; cat /workspace/rel.txt").await, "755\nshort");
+    // What the sandbox writes, ReadFile reads; more than one chunk goes through read_file_all.
+    h.sh_ok(&id, "seq 1 1000000 > /workspace/seq.txt").await;
+    let expected: String = (1..=1_000_000).map(|i| format!("{i}\n")).collect();
+    let got = within(60, c.read_file_all(&id, "/workspace/seq.txt")).await.expect("read_file_all");
+    assert_eq!(got.len(), expected.len());
+    assert!(got == expected.as_bytes(), "seq.txt read back differs");
+    let big: Vec<u8> = (0..(6u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    c.write_file(&id, "/workspace/big.bin", big.clone(), 0).await.expect("WriteFile 6 MiB");
+    assert!(within(60, c.read_file_all(&id, "/workspace/big.bin")).await.expect("read_file_all") == big, "6 MiB round trip differs");
+
+    // `..` is clamped at the sandbox's root.
+    let name = unique("sandboxd-escape");
+    let host_path = PathBuf::from("/etc").join(&name);
+    assert!(!host_path.exists());
+    c.write_file(&id, format!("../../../../etc/{name}"), b"escaped?".to_vec(), 0).await.expect("WriteFile with ..");
+    assert!(!host_path.exists(), "WriteFile through .. created {} on the host", host_path.display());
+    assert_eq!(h.sh_ok(&id, &format!("cat /etc/{name}")).await, "escaped?", "the file landed inside at /etc/{name}");
+    let r = c.read_file(&id, format!("/workspace/../../../../../etc/{name}"), 0, 0).await.expect("ReadFile with ..");
+    assert_eq!(r.content, b"escaped?");
+
+    // Symlinks planted inside resolve inside, whatever they point to.
+    let secret_path = std::env::temp_dir().join(unique("sandboxd-secret"));
+    std::fs::write(&secret_path, b"HOST SECRET").expect("writing host secret");
+    let secret = secret_path.display().to_string();
+    let abs_link = h.sh(&id, &format!("ln -s {secret} /workspace/abs && ln -s ../../../../../../../..{secret} /workspace/rel")).await;
+    assert_exited(&abs_link, 0);
+    for link in ["/workspace/abs", "/workspace/rel"] {
+        match c.read_file(&id, link, 0, 0).await {
+            Ok(r) => panic!("ReadFile({link}) returned {:?} although {secret} does not exist inside", text(&r.content)),
+            Err(e) => assert_eq!(e.code(), Code::NotFound, "ReadFile({link}): {e}"),
+        }
+    }
+    h.sh_ok(&id, &format!("mkdir -p {} && echo sandbox-copy > {secret}", secret_path.parent().expect("parent").display())).await;
+    for link in ["/workspace/abs", "/workspace/rel"] {
+        let r = c.read_file(&id, link, 0, 0).await.expect("ReadFile through a link");
+        assert_eq!(text(&r.content), "sandbox-copy\n", "ReadFile({link}) must read the sandbox's file");
+    }
+    // Writing through a link to a host directory stays inside too.
+    let planted = unique("sandboxd-planted");
+    h.sh_ok(&id, &format!("ln -s {} /workspace/hostdir", std::env::temp_dir().display())).await;
+    c.write_file(&id, format!("/workspace/hostdir/{planted}"), b"x".to_vec(), 0).await.expect("WriteFile through a link");
+    assert!(!std::env::temp_dir().join(&planted).exists(), "WriteFile through a symlink wrote on the host");
+    assert_eq!(std::fs::read(&secret_path).expect("host secret"), b"HOST SECRET", "the host's file was changed");
+    let _ = std::fs::remove_file(&secret_path);
+
+    // Directories and missing files.
+    let err = c.read_file(&id, "/workspace", 0, 0).await.expect_err("ReadFile of a directory");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    let err = c.read_file(&id, "/workspace/missing.txt", 0, 0).await.expect_err("missing file");
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+    let err = c.write_file(&id, "/workspace/a", b"x".to_vec(), 0).await.expect_err("WriteFile over a directory");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    // A FIFO planted inside is refused rather than blocking the daemon.
+    h.sh_ok(&id, "mkfifo /workspace/fifo").await;
+    let err = within(10, c.read_file(&id, "/workspace/fifo", 0, 0)).await.expect_err("ReadFile of a FIFO");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Limits.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fork_bomb_is_contained_by_max_pids() {
+    let h = Harness::start().await;
+    let id = h.sandbox_with("minimal", ResourceLimits { max_pids: 64, ..Default::default() }).await;
+    let t0 = Instant::now();
+    let r = h.exec(ExecRequest { timeout_ms: 5_000, ..exec_request(&id, ["sh", "-c", "f(){ f|f& }; f; sleep 1"]) }).await;
+    assert!(t0.elapsed() < Duration::from_secs(30), "the fork bomb exec took {:?}: {}", t0.elapsed(), describe(&r));
+    assert!(h.client.list(HashMap::new()).await.is_ok(), "the daemon stopped answering");
+    // The sandbox is usable again: its pid budget is not held by the bomb's leftovers.
+    let ok = eventually(10, || async { h.exec(exec_request(&id, ["echo", "ok"])).await.stdout == b"ok\n" }).await;
+    let last = h.exec(exec_request(&id, ["echo", "ok"])).await;
+    assert!(ok, "echo ok keeps failing after a fork bomb: {}", describe(&last));
+    let ps = h.sh_ok(&id, "ps -o pid,args | wc -l").await;
+    assert!(ps.trim().parse::<u32>().expect("a count") < 10, "the bomb's processes live on: {ps} lines of ps");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn memory_bomb_is_oom_killed_and_reported() {
+    let h = Harness::start().await;
+    let limit: u64 = 64 << 20;
+    let id = h.sandbox_with("debian", ResourceLimits { memory_bytes: limit, ..Default::default() }).await;
+    let r = h.exec(ExecRequest { timeout_ms: 60_000, ..exec_request(&id, ["python3", "-c", "x = b'a' * (400 << 20); print(len(x))"]) }).await;
+    assert_eq!((status(&r), r.exit_code, r.signal), (ExecStatus::OomKilled, 137, 9), "{}", describe(&r));
+    assert!(r.peak_memory_bytes > 0, "peak_memory_bytes not reported: {}", r.peak_memory_bytes);
+    assert!(r.peak_memory_bytes <= limit + limit / 8, "peak_memory_bytes {} is well above the {limit}-byte limit", r.peak_memory_bytes);
+    // The sandbox survives its OOM.
+    assert_eq!(h.sh_ok(&id, "echo alive").await, "alive\n");
+    // A modest allocation reports a peak in the right range.
+    let r = h.exec(exec_request(&id, ["python3", "-c", "x = b'a' * (20 << 20); print(len(x))"])).await;
+    assert_exited(&r, 0);
+    assert!(r.peak_memory_bytes >= 20 << 20 && r.peak_memory_bytes <= limit + limit / 8, "peak {} for a 20 MiB allocation", r.peak_memory_bytes);
+    // The same bomb written in shell, in the minimal image.
+    let id = h.sandbox_with("minimal", ResourceLimits { memory_bytes: limit, ..Default::default() }).await;
+    let r = h
+        .exec(ExecRequest { timeout_ms: 60_000, ..exec_request(&id, ["sh", "-c", "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}"]) })
+        .await;
+    assert_eq!((status(&r), r.exit_code), (ExecStatus::OomKilled, 137), "{}", describe(&r));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cpu_time_is_accounted() {
+    let h = Harness::start().await;
+    let id = h.sandbox().await;
+    let r = h.sh(&id, "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done; echo $i").await;
+    assert_exited(&r, 0);
+    assert_eq!(r.stdout, b"200000\n");
+    assert!(r.cpu_user_ms > 0, "a busy loop reported cpu_user_ms=0 (duration {} ms)", r.duration_ms);
+    assert!(r.cpu_user_ms + r.cpu_system_ms <= r.duration_ms + 200, "more CPU ({} + {}) than wall time ({})", r.cpu_user_ms, r.cpu_system_ms, r.duration_ms);
+    let idle = h.sh(&id, "sleep 0.5").await;
+    assert!(idle.cpu_user_ms < 200, "sleeping used {} ms of user CPU", idle.cpu_user_ms);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn disk_quota_stops_writes_and_frees_on_delete() {
+    let h = Harness::start().await;
+    let id = h.sandbox_with("minimal", ResourceLimits { disk_bytes: 32 << 20, ..Default::default() }).await;
+    let r = h.sh(&id, "dd if=/dev/zero of=/workspace/big bs=1M count=64").await;
+    assert_eq!(status(&r), ExecStatus::Exited, "{}", describe(&r));
+    assert_ne!(r.exit_code, 0, "64 MiB written under a 32 MiB quota: {}", describe(&r));
+    let err = text(&r.stderr).to_lowercase();
+    assert!(err.contains("quota") || err.contains("space"), "dd's error does not say why: {}", describe(&r));
+    let size: u64 = h.sh_ok(&id, "stat -c %s /workspace/big").await.trim().parse().expect("a size");
+    assert!(size <= 40 << 20, "{size} bytes landed under a 32 MiB quota");
+    // WriteFile over the quota is RESOURCE_EXHAUSTED, not INTERNAL.
+    let e = h.client.write_file(&id, "/workspace/also-big", vec![0u8; 16 << 20], 0).await.expect_err("WriteFile over quota");
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
+    // Deleting frees the space again.
+    h.sh_ok(&id, "rm -f /workspace/big /workspace/also-big").await;
+    let r = h.sh(&id, "dd if=/dev/zero of=/workspace/again bs=1M count=8 && echo written").await;
+    assert_exited(&r, 0);
+    assert!(text(&r.stdout).contains("written"), "{}", describe(&r));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. Output.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn output_flood_is_truncated_and_spilled_whole() {
+    let h = Harness::start().await;
+    let id = h.sandbox().await;
+    let r = h.exec(ExecRequest { max_output_bytes: 4096, ..exec_request(&id, ["sh", "-c", "yes | head -c 50000000"]) }).await;
+    assert_exited(&r, 0);
+    assert!(r.stdout_truncated, "{}", describe(&r));
+    assert_eq!(r.stdout_total_bytes, 50_000_000);
+    assert!(r.stdout.len() <= 4096 && r.stdout.len() >= 1024, "kept {} bytes of stdout with a 4096 cap", r.stdout.len());
+    assert!(r.stdout.starts_with(b"y\ny\n") && r.stdout.ends_with(b"y\n"), "{}", describe(&r));
+    assert!(!r.stderr_truncated && r.stderr_spill_path.is_empty(), "{}", describe(&r));
+    assert!(!r.stdout_spill_path.is_empty(), "no spill path for a truncated stream");
+    let wc = h.exec(exec_request(&id, ["wc", "-c", &r.stdout_spill_path])).await;
+    assert_exited(&wc, 0);
+    assert_eq!(text(&wc.stdout).split_whitespace().next(), Some("50000000"), "{}", describe(&wc));
+    let head = h.client.read_file(&id, r.stdout_spill_path.as_str(), 0, 6).await.expect("ReadFile of the spill");
+    assert_eq!((head.content.as_slice(), head.size), (&b"y\ny\ny\n"[..], 50_000_000));
+    // An exec that stays under the cap is not truncated and spills nothing.
+    let r = h.exec(ExecRequest { max_output_bytes: 4096, ..exec_request(&id, ["sh", "-c", "yes | head -c 4096"]) }).await;
+    assert!(!r.stdout_truncated && r.stdout.len() == 4096 && r.stdout_spill_path.is_empty(), "{}", describe(&r));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_floods_keep_daemon_memory_bounded() {
+    let h = Harness::start().await;
+    let pid = h.daemon.pid().expect("daemon running");
+    let (a, b) = (h.sandbox().await, h.sandbox().await);
+    let baseline = rss_bytes(pid).expect("daemon RSS");
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let done = done.clone();
+        tokio::spawn(async move {
+            let mut peak = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(rss_bytes(pid).unwrap_or(0));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            peak
+        })
+    };
+    let flood = |id: String| {
+        let c = h.client.clone();
+        async move { within(150, c.exec(exec_request(&id, ["sh", "-c", "yes | head -c 200000000"]))).await.expect("Exec") }
+    };
+    let (ra, rb) = tokio::join!(flood(a), flood(b));
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let peak = sampler.await.expect("sampler");
+    for r in [&ra, &rb] {
+        assert_exited(r, 0);
+        assert_eq!(r.stdout_total_bytes, 200_000_000);
+        assert!(r.stdout_truncated && r.stdout.len() <= 1 << 20, "{} bytes kept with the default 1 MiB cap", r.stdout.len());
+    }
+    let after = rss_bytes(pid).expect("daemon RSS");
+    assert!(peak < 150 << 20, "daemon RSS peaked at {} MiB during two 200 MB floods (baseline {} MiB)", peak >> 20, baseline >> 20);
+    assert!(after < 150 << 20, "daemon RSS is {} MiB after the floods", after >> 20);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn background_grandchild_does_not_hold_the_exec() {
+    let h = Harness::start().await;
+    let id = h.sandbox().await;
+    let t0 = Instant::now();
+    let r = h.sh(&id, "sleep 30 & echo done").await;
+    let elapsed = t0.elapsed();
+    assert_exited(&r, 0);
+    assert_eq!(r.stdout, b"done\n");
+    assert!(elapsed < Duration::from_secs(2), "the exec waited {elapsed:?} for a background sleep holding stdout");
+    // The background process was left running (it is the user's), and the sandbox works.
+    assert!(h.sh_ok(&id, "ps -o args").await.contains("sleep 30"), "the background sleep is gone");
+    assert_eq!(h.sh_ok(&id, "echo next").await, "next\n");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. Timeouts.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn timeout_kills_the_whole_tree() {
+    let h = Harness::start().await;
+    let id = h.sandbox().await;
+    let t0 = Instant::now();
+    let r = h.exec(ExecRequest { timeout_ms: 500, ..exec_request(&id, ["sleep", "30"]) }).await;
+    let elapsed = t0.elapsed();
+    assert_eq!((status(&r), r.exit_code, r.signal), (ExecStatus::TimedOut, 137, 9), "{}", describe(&r));
+    assert!(elapsed < Duration::from_secs(5), "a 500 ms timeout returned after {elapsed:?}");
+    assert!(elapsed >= Duration::from_millis(450), "a 500 ms timeout fired after {elapsed:?}");
+
+    let t0 = Instant::now();
+    let r = h.exec(ExecRequest { timeout_ms: 500, ..exec_request(&id, ["sh", "-c", "sleep 300 & sleep 300"]) }).await;
+    assert_eq!(status(&r), ExecStatus::TimedOut, "{}", describe(&r));
+    assert!(t0.elapsed() < Duration::from_secs(5), "returned after {:?}", t0.elapsed());
+    let ps = h.sh_ok(&id, "ps -o args").await;
+    assert!(!ps.contains("sleep"), "a timed-out exec left processes behind:\n{ps}");
+
+    // The sandbox's default timeout applies when the exec gives none.
+    let id = h.sandbox_with("minimal", ResourceLimits { exec_timeout_ms: 400, ..Default::default() }).await;
+    let r = h.exec(exec_request(&id, ["sleep", "30"])).await;
+    assert_eq!(status(&r), ExecStatus::TimedOut, "{}", describe(&r));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8. Streaming.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_stream_delivers_output_in_order_then_the_result() {
+    let h = Harness::start().await;
+    let id = h.sandbox().await;
+    let t0 = Instant::now();
+    let mut stream = within(
+        10,
+        h.client.exec_stream(exec_request(&id, ["sh", "-c", "echo a; sleep 0.3; echo b >&2; sleep 0.3; echo c"])),
+    )
+    .await
+    .expect("ExecStream");
+    let mut events = Vec::new();
+    let mut first_at = None;
+    let mut result = None;
+    while let Some(event) = within(30, stream.next_event()).await.expect("stream event") {
+        assert!(result.is_none(), "an event came after the result: {event:?}");
+        match event.event.expect("an event") {
+            exec_event::Event::Stdout(b) => {
+                first_at.get_or_insert(t0.elapsed());
+                events.push(format!("out:{}", text(&b)));
+            }
+            exec_event::Event::Stderr(b) => events.push(format!("err:{}", text(&b))),
+            exec_event::Event::Result(r) => result = Some(r),
+        }
+    }
+    assert_eq!(events, ["out:a\n", "err:b\n", "out:c\n"]);
+    let r = result.expect("the stream ends with a result");
+    assert_exited(&r, 0);
+    assert!(r.stdout.is_empty() && r.stderr.is_empty(), "the result repeats streamed output: {}", describe(&r));
+    assert_eq!((r.stdout_total_bytes, r.stderr_total_bytes), (4, 2));
+    let first_at = first_at.expect("stdout arrived");
+    assert!(first_at < Duration::from_millis(550), "the first line arrived after {first_at:?}: output is not streamed as produced");
+
+    // The last event is the result for every kind of end.
+    let cases: [(ExecRequest, ExecStatus); 3] = [
+        (exec_request(&id, ["sh", "-c", "echo x; exit 7"]), ExecStatus::Exited),
+        (ExecRequest { timeout_ms: 300, ..exec_request(&id, ["sh", "-c", "echo x; sleep 30"]) }, ExecStatus::TimedOut),
+        (exec_request(&id, ["no-such-command"]), ExecStatus::SpawnFailed),
+    ];
+    for (request, expected) in cases {
+        let argv = request.argv.clone();
+        let stream = within(10, h.client.exec_stream(request)).await.expect("ExecStream");
+        let mut events = Vec::new();
+        let mut stream = stream;
+        while let Some(e) = within(30, stream.next_event()).await.expect("stream event") {
+            events.push(e.event.expect("an event"));
+        }
+        match events.last() {
+            Some(exec_event::Event::Result(r)) => assert_eq!(status(r), expected, "{argv:?}: {}", describe(r)),
+            other => panic!("{argv:?}: the stream ended with {other:?}, not a result"),
+        }
+        let results = events.iter().filter(|e| matches!(e, exec_event::Event::Result(_))).count();
+        assert_eq!(results, 1, "{argv:?}: {results} results in one stream");
+    }
+
+    // A stream for an unknown sandbox is a NOT_FOUND.
+    let err = match h.client.exec_stream(exec_request("sb-doesnotexist1", ["true"])).await {
+        Err(e) => e,
+        Ok(s) => s.into_result().await.expect_err("unknown sandbox"),
+    };
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 9. A client that goes away takes its exec with it.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dropped_stream_kills_the_exec() {
+    let h = Harness::start().await;
+    let id = h.sandbox().await;
+    let argv = ["sh", "-c", "echo started; sleep 300"];
+    {
+        let dedicated = h.daemon.client().await.expect("second client");
+        let mut stream = within(10, dedicated.exec_stream(exec_request(&id, argv))).await.expect("ExecStream");
+        let first = within(10, stream.next_event()).await.expect("first event").expect("an event");
+        assert!(matches!(&first.event, Some(exec_event::Event::Stdout(b)) if b == b"started\n"), "{first:?}");
+        // Dropping both ends the HTTP/2 stream and the connection.
+    }
+    let exec_of = |execs: Vec<ExecResult>| execs.into_iter().find(|e| e.argv == argv);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (record, ended) = loop {
+        let execs = h.client.list_execs(&id, 0).await.expect("ListExecs");
+        let record = exec_of(execs).expect("the dropped exec is recorded");
+        let ended = status(&record) != ExecStatus::Running;
+        if ended || Instant::now() > deadline {
+            break (record, ended);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(ended, "the exec of a client that went away still runs: {}", describe(&record));
+    let ps = h.sh_ok(&id, "ps -o args").await;
+    assert!(!ps.contains("sleep 300"), "the dropped exec's process lives on:\n{ps}");
+    let got = h.client.get_exec(&record.exec_id, false).await.expect("GetExec");
+    assert_ne!(status(&got), ExecStatus::Running);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 10. Cleanup: nothing is left on the host.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn graceful_stop_leaves_no_mounts_or_cgroups() {
+    let mut h = Harness::start().await;
+    let ids = [h.sandbox().await, h.sandbox().await, h.sandbox().await];
+    for id in &ids {
+        assert!(!mounts_of(&h.daemon, id).is_empty(), "no rootfs mount found for live sandbox {id}");
+        assert!(!cgroups_of(id).is_empty(), "no cgroup found for live sandbox {id}");
+    }
+    // A sandbox with something running in the background at stop time.
+    h.sh_ok(&ids[1], "sleep 300 & echo started").await;
+
+    within(30, h.client.destroy(&ids[0])).await.expect("DestroySandbox");
+    assert!(mounts_of(&h.daemon, &ids[0]).is_empty(), "destroy left mounts: {:?}", mounts_of(&h.daemon, &ids[0]));
+    assert!(cgroups_of(&ids[0]).is_empty(), "destroy left cgroups: {:?}", cgroups_of(&ids[0]));
+
+    let state_dir = h.daemon.state_dir();
+    let status = h.daemon.stop().expect("stopping sandboxd");
+    assert!(status.success(), "sandboxd exited with {status} on SIGTERM; log:\n{}", h.daemon.log());
+    assert!(mounts_under(&state_dir).is_empty(), "mounts left after stop: {:?}", mounts_under(&state_dir));
+    for id in &ids {
+        assert!(cgroups_of(id).is_empty(), "cgroups of {id} left after stop: {:?}", cgroups_of(id));
+    }
+    let leftover_runs: Vec<_> = std::fs::read_dir(state_dir.join("run")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    assert!(leftover_runs.is_empty(), "run dirs left after stop: {leftover_runs:?}");
+    let socket = h.daemon.address.trim_start_matches("unix://").to_string();
+    assert!(!Path::new(&socket).exists(), "the socket {socket} is left after stop");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn restart_after_kill9_cleans_up_the_dead_daemons_sandboxes() {
+    let mut h = Harness::start().await;
+    let old = h.sandbox().await;
+    h.sh_ok(&old, "sleep 300 & echo started").await;
+    assert!(!mounts_of(&h.daemon, &old).is_empty(), "no rootfs mount for {old}");
+    assert!(!cgroups_of(&old).is_empty(), "no cgroup for {old}");
+
+    h.daemon.kill9();
+    within(60, h.daemon.restart()).await.expect("restarting sandboxd on the same state dir");
+    h.client = h.daemon.client().await.expect("reconnecting");
+
+    assert!(mounts_of(&h.daemon, &old).is_empty(), "the dead daemon's rootfs is still mounted: {:?}", mounts_of(&h.daemon, &old));
+    let gone = eventually(10, || async { cgroups_of(&old).is_empty() }).await;
+    assert!(gone, "the dead daemon's cgroups are still there: {:?}", cgroups_of(&old));
+    assert!(h.client.list(HashMap::new()).await.expect("ListSandboxes").is_empty(), "sandboxes of the dead daemon are listed");
+    assert_eq!(h.client.get(&old).await.expect_err("old sandbox").code(), Code::NotFound);
+
+    let new = h.sandbox().await;
+    assert_eq!(h.sh_ok(&new, "echo works").await, "works\n");
+    assert_eq!(h.sh_ok(&new, "ls /workspace | wc -l").await.trim(), "0");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 11. Concurrency.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_execs_across_sandboxes() {
+    let h = Harness::start().await;
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        ids.push(h.sandbox().await);
+    }
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let client = h.client.clone();
+        let id = ids[i % 4].clone();
+        tasks.push(tokio::spawn(async move {
+            let script = "echo \"$0 $1 $(hostname)\"; sleep 0.2; echo done >&2";
+            let r = within(60, client.exec(exec_request(&id, ["sh", "-c", script, "exec", &i.to_string()]))).await.expect("Exec");
+            (i, id, r)
+        }));
+    }
+    for task in tasks {
+        let (i, id, r) = task.await.expect("task");
+        assert_exited(&r, 0);
+        assert_eq!(text(&r.stdout), format!("exec {i} {id}\n"), "exec {i} got another exec's output");
+        assert_eq!(r.stderr, b"done\n");
+        assert_eq!(r.sandbox_id, id);
+    }
+    for id in &ids {
+        assert_eq!(h.client.list_execs(id, 0).await.expect("ListExecs").len(), 5, "{id} should have 5 exec records");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 12. The socket.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unix_socket_is_private_to_root() {
+    let h = Harness::start().await;
+    let path = h.daemon.address.strip_prefix("unix://").expect("a unix address").to_string();
+    let meta = std::fs::metadata(&path).expect("socket exists");
+    assert!(meta.file_type().is_socket(), "{path} is not a socket");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "socket mode is {:o}", meta.permissions().mode() & 0o777);
+}
