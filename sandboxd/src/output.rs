@@ -60,20 +60,19 @@ impl OutputCapture {
     /// Adds bytes the process wrote.
     pub fn feed(&mut self, chunk: &[u8]) {
         self.total += chunk.len() as u64;
-        if !self.overflowed {
-            if self.head.len() + chunk.len() <= self.cap {
-                self.head.extend_from_slice(chunk);
-                return;
-            }
-            self.overflow();
+        if self.overflowed {
+            self.write_spill(chunk);
+            self.push_tail(chunk);
+        } else if self.head.len() + chunk.len() <= self.cap {
+            self.head.extend_from_slice(chunk);
+        } else {
+            self.overflow(chunk);
         }
-        self.write_spill(chunk);
-        self.push_tail(chunk);
     }
 
-    /// The stream just passed the cap: start the spill file with what we have and split it into
-    /// head and tail.
-    fn overflow(&mut self) {
+    /// The stream just passed the cap with `chunk`: start the spill file with everything so far
+    /// and split what we have into head and tail.
+    fn overflow(&mut self, chunk: &[u8]) {
         self.overflowed = true;
         self.spill = match self.target.as_mut().map(|t| t.open()) {
             Some(Ok(w)) => Spill::Open(w),
@@ -85,11 +84,15 @@ impl OutputCapture {
         };
         let so_far = std::mem::take(&mut self.head);
         self.write_spill(&so_far);
+        self.write_spill(chunk);
+        // The head is the first cap/2 bytes of so_far ++ chunk; the rest feeds the tail ring.
         let head_len = self.cap / 2;
-        self.head = so_far[..head_len.min(so_far.len())].to_vec();
-        if so_far.len() > head_len {
-            self.push_tail(&so_far[head_len..]);
-        }
+        let from_old = head_len.min(so_far.len());
+        let from_new = (head_len - from_old).min(chunk.len());
+        self.head = so_far[..from_old].to_vec();
+        self.head.extend_from_slice(&chunk[..from_new]);
+        self.push_tail(&so_far[from_old..]);
+        self.push_tail(&chunk[from_new..]);
     }
 
     fn write_spill(&mut self, bytes: &[u8]) {
