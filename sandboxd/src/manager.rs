@@ -565,9 +565,10 @@ impl Manager {
 
         let manager = self.clone();
         let task_exec = exec.clone();
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
             let started_at = SystemTime::now();
-            let outcome = match backend.exec(&sid, spec, sink, cancel).await {
+            let outcome = match backend.exec(&sid, spec, sink, Some(started_tx), cancel).await {
                 Ok(o) => o,
                 Err(e) => ExecOutcome::failed(ExecStatus::Lost, -1, e.to_string(), started_at),
             };
@@ -583,7 +584,12 @@ impl Manager {
         });
 
         if req.background {
-            return exec.snapshot();
+            // Returned once the process runs, so a SignalExec right after reaches it; one that
+            // could not start is returned with its final record.
+            return match started_rx.await {
+                Ok(()) => exec.snapshot(),
+                Err(_) => exec.wait().await,
+            };
         }
         // Kill on disconnect: this guard fires if the caller's future is dropped before the end.
         let guard = req.idempotency_key.is_empty().then(|| exec.cancel.clone().drop_guard());

@@ -78,6 +78,10 @@ pub enum OutputChunk {
 /// Where streamed output goes (none for unary execs).
 pub type OutputSink = Option<mpsc::Sender<OutputChunk>>;
 
+/// Fired once the command's process runs (dropped unfired if it never started), so a
+/// background exec is returned only when signals can reach it.
+pub type StartSignal = Option<tokio::sync::oneshot::Sender<()>>;
+
 /// Why an exec ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ExecStatus {
@@ -192,7 +196,7 @@ pub trait Backend: Send + Sync {
     /// Makes the sandbox exist and ready to exec.
     async fn create(&self, spec: &SandboxSpec) -> Result<(), BackendError>;
     /// Runs one command to its end (or until `cancel` fires, which kills its process tree).
-    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, cancel: CancellationToken) -> Result<ExecOutcome, BackendError>;
+    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError>;
     /// Sends a signal to every process of a running exec.
     async fn signal_exec(&self, sandbox: &SandboxId, exec: &ExecId, signal: i32) -> Result<(), BackendError>;
     /// Writes a whole file inside the sandbox, creating parent directories.

@@ -41,6 +41,10 @@ const TARGET_EXEC_P50_MS: f64 = 3.0;
 const TARGET_LIVE: usize = 100;
 const TARGET_RSS_BYTES: u64 = 100 << 20;
 
+/// Pause between the execs of the spaced exec row: an agent that thinks between commands.
+/// Longer than a few RCU grace periods, so each exec meets the kernel as a lone one would.
+const EXEC_GAP: Duration = Duration::from_millis(100);
+
 /// Set by Ctrl-C; every measuring loop checks it so the normal error path cleans up.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -79,6 +83,7 @@ struct Plan {
     create: usize,
     exec: usize,
     stream: usize,
+    spaced: usize,
     live: usize,
     docker_run: usize,
     docker_create: usize,
@@ -91,13 +96,13 @@ struct Plan {
 impl Plan {
     fn new(args: &Args) -> Self {
         let mut p = if args.quick {
-            Plan { quick: true, create: 10, exec: 50, stream: 20, live: 10, docker_run: 3, docker_create: 3, docker_exec: 10, warmup: 1 }
+            Plan { quick: true, create: 10, exec: 50, stream: 20, spaced: 10, live: 10, docker_run: 3, docker_create: 3, docker_exec: 10, warmup: 1 }
         } else {
-            Plan { quick: false, create: 100, exec: 1000, stream: 200, live: TARGET_LIVE, docker_run: 30, docker_create: 30, docker_exec: 200, warmup: 3 }
+            Plan { quick: false, create: 100, exec: 1000, stream: 200, spaced: 100, live: TARGET_LIVE, docker_run: 30, docker_create: 30, docker_exec: 200, warmup: 3 }
         };
         if let Some(n) = args.iterations {
             let n = n.max(1);
-            (p.create, p.exec, p.stream, p.docker_run, p.docker_create, p.docker_exec) = (n, n, n, n, n, n);
+            (p.create, p.exec, p.stream, p.spaced, p.docker_run, p.docker_create, p.docker_exec) = (n, n, n, n, n, n, n);
         }
         if let Some(n) = args.live {
             p.live = n.max(1);
@@ -150,7 +155,9 @@ fn summarize(samples: &[Duration]) -> Option<Summary> {
 enum Key {
     Create,
     Destroy,
+    Get,
     Exec,
+    ExecSpaced,
     ExecStream,
     LiveCreate,
     LiveExec,
@@ -163,14 +170,16 @@ enum Key {
 }
 
 impl Key {
-    const SANDBOXD: [Key; 7] = [Key::Create, Key::Destroy, Key::Exec, Key::ExecStream, Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
+    const SANDBOXD: [Key; 9] = [Key::Create, Key::Destroy, Key::Get, Key::Exec, Key::ExecSpaced, Key::ExecStream, Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
     const DOCKER: [Key; 5] = [Key::DockerRun, Key::DockerCreateStart, Key::DockerCreateStartBridge, Key::DockerRemove, Key::DockerExec];
 
     fn label(self, live: usize) -> String {
         match self {
             Key::Create => "sandboxd `CreateSandbox` (process tier, image minimal)".into(),
             Key::Destroy => "sandboxd `DestroySandbox`".into(),
-            Key::Exec => "sandboxd `Exec` of `true` (unary)".into(),
+            Key::Get => "sandboxd `GetSandbox` (the gRPC floor: no process is started)".into(),
+            Key::Exec => "sandboxd `Exec` of `true` (unary), back to back".into(),
+            Key::ExecSpaced => format!("sandboxd `Exec` of `true` (unary), {} ms apart", EXEC_GAP.as_millis()),
             Key::ExecStream => "sandboxd `ExecStream` of `true`".into(),
             Key::LiveCreate => format!("sandboxd `CreateSandbox`, filling up to {live} live"),
             Key::LiveExec => format!("sandboxd `Exec` of `true` across {live} live sandboxes"),
@@ -375,9 +384,10 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
         "The bench starts the release `sandboxd` ({}) with a state dir of its own and talks to it with \
          `agent-client` over its UNIX socket: one HTTP/2 connection, one call at a time, each sample the wall \
          time of one call from send to complete answer. `CreateSandbox` returns when the sandbox can exec; \
-         every exec is checked to have exited 0. Creates are timed apart from their destroys ({} cycles); \
-         unary execs ({}) and streamed execs ({}) each run in one sandbox; {} untimed calls before each \
-         section take one-off costs out. The density section uses a second, fresh daemon: it creates {} \
+         every exec is checked to have exited 0. Creates are timed apart from their destroys ({} cycles). \
+         `GetSandbox` calls, unary execs back to back, unary execs {} ms apart (the pause is not timed: it is \
+         an agent thinking between commands) and streamed execs each run in one sandbox; a few untimed \
+         calls before each section ({} creates, {} calls) take one-off costs out. The density section uses a second, fresh daemon: it creates {} \
          sandboxes in turn, reads the daemon's VmRSS from /proc/<pid>/status (and the PSS of its whole \
          process tree from /proc/<pid>/smaps_rollup), runs `true` in each sandbox 3 times round-robin, then \
          destroys them. Docker is driven through its Engine API at {DOCKER_SOCKET} with `bollard` from the \
@@ -389,9 +399,9 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
          run beside the bench: the load average before and after is in the table above.",
         machine.sandboxd_bin,
         plan.create,
-        plan.exec,
-        plan.stream,
+        EXEC_GAP.as_millis(),
         plan.warmup,
+        plan.warmup * 3,
         plan.live,
         machine.nproc,
     );
@@ -409,9 +419,20 @@ fn targets(report: &Report) -> Vec<(String, String, String)> {
         None => (t, "not measured".into(), "not measured".into()),
     });
     let t = format!("exec round trip p50 ≤ {TARGET_EXEC_P50_MS} ms");
-    out.push(match report.p50(Key::Exec) {
-        Some(p) => (t, format!("{} ms (unary `Exec` of `true`)", ms(p)), verdict(p <= TARGET_EXEC_P50_MS)),
-        None => (t, "not measured".into(), "not measured".into()),
+    let gap = EXEC_GAP.as_millis();
+    out.push(match (report.p50(Key::Exec), report.p50(Key::ExecSpaced)) {
+        (Some(p), Some(spaced)) => {
+            let measured = format!("{} ms back to back; {} ms with {gap} ms between execs (unary `Exec` of `true`)", ms(p), ms(spaced));
+            let result = match (p <= TARGET_EXEC_P50_MS, spaced <= TARGET_EXEC_P50_MS) {
+                (true, true) => "PASS".to_string(),
+                (true, false) => format!("PASS back to back, **MISS** {gap} ms apart"),
+                (false, true) => format!("**MISS** back to back, PASS {gap} ms apart"),
+                (false, false) => "**MISS**".to_string(),
+            };
+            (t, measured, result)
+        }
+        (Some(p), None) => (t, format!("{} ms back to back (unary `Exec` of `true`)", ms(p)), verdict(p <= TARGET_EXEC_P50_MS)),
+        _ => (t, "not measured".into(), "not measured".into()),
     });
     let t = format!("{TARGET_LIVE} live sandboxes, daemon RSS < {}", mib(TARGET_RSS_BYTES));
     out.push(match &report.density {
@@ -624,14 +645,39 @@ async fn create_destroy(sb: &mut Sandboxes, plan: &Plan) -> Result<(Vec<Duration
     Ok((creates, destroys))
 }
 
-/// Sections 2 and 3: execs of `true` in one sandbox.
-async fn exec_in_one(sb: &mut Sandboxes, n: usize, warmup: usize, streamed: bool) -> Result<Vec<Duration>> {
-    let kind = if streamed { "ExecStream" } else { "Exec" };
-    let (id, _) = sb.create(&format!("the {kind} section's sandbox")).await?;
+/// How the calls of a one-sandbox section are made.
+#[derive(Debug, Clone, Copy)]
+enum Call {
+    /// `GetSandbox`: the daemon's answer without starting any process.
+    Get,
+    /// Unary `Exec` of `true`, the next as soon as the last has answered.
+    Exec,
+    /// Unary `Exec` of `true` with [`EXEC_GAP`] of quiet before each (not timed).
+    ExecSpaced,
+    /// `ExecStream` of `true`, back to back.
+    Stream,
+}
+
+/// Sections 2 and 3: `n` timed calls in one sandbox, after `warmup` untimed ones.
+async fn calls_in_one(sb: &mut Sandboxes, call: Call, n: usize, warmup: usize) -> Result<Vec<Duration>> {
+    let (id, _) = sb.create(&format!("the sandbox of the {call:?} section")).await?;
     let mut samples = Vec::with_capacity(n);
     for i in 0..warmup + n {
-        let what = format!("{kind} sample {i}");
-        let took = if streamed { exec_stream_true(&sb.client, &id, &what).await? } else { exec_true(&sb.client, &id, &what).await? };
+        let what = format!("{call:?} sample {i}");
+        let took = match call {
+            Call::Get => {
+                check_interrupt()?;
+                let t = Instant::now();
+                sb.client.get(id.as_str()).await.with_context(|| format!("GetSandbox {id} ({what})"))?;
+                t.elapsed()
+            }
+            Call::Exec => exec_true(&sb.client, &id, &what).await?,
+            Call::ExecSpaced => {
+                tokio::time::sleep(EXEC_GAP).await;
+                exec_true(&sb.client, &id, &what).await?
+            }
+            Call::Stream => exec_stream_true(&sb.client, &id, &what).await?,
+        };
         if i >= warmup {
             samples.push(took);
         }
@@ -643,7 +689,7 @@ async fn exec_in_one(sb: &mut Sandboxes, n: usize, warmup: usize, streamed: bool
 /// Sections 1–3 on one daemon.
 async fn sandboxd_latency(plan: &Plan, report: &mut Report) {
     let started = Instant::now();
-    let keys = [Key::Create, Key::Destroy, Key::Exec, Key::ExecStream];
+    let keys = [Key::Create, Key::Destroy, Key::Get, Key::Exec, Key::ExecSpaced, Key::ExecStream];
     let daemon = match Daemon::start().await.context("starting sandboxd") {
         Ok(d) => d,
         Err(e) => return report.failed(&keys, &e),
@@ -664,19 +710,20 @@ async fn sandboxd_latency(plan: &Plan, report: &mut Report) {
     }
     sb.cleanup().await;
 
-    eprintln!("bench: sandboxd Exec × {}", plan.exec);
-    match exec_in_one(&mut sb, plan.exec, plan.warmup * 3, false).await {
-        Ok(s) => report.measured(Key::Exec, &s),
-        Err(e) => report.failed(&[Key::Exec], &e),
+    let sections = [
+        (Key::Get, Call::Get, plan.exec),
+        (Key::Exec, Call::Exec, plan.exec),
+        (Key::ExecSpaced, Call::ExecSpaced, plan.spaced),
+        (Key::ExecStream, Call::Stream, plan.stream),
+    ];
+    for (key, call, n) in sections {
+        eprintln!("bench: sandboxd {call:?} × {n}");
+        match calls_in_one(&mut sb, call, n, plan.warmup * 3).await {
+            Ok(s) => report.measured(key, &s),
+            Err(e) => report.failed(&[key], &e),
+        }
+        sb.cleanup().await;
     }
-    sb.cleanup().await;
-
-    eprintln!("bench: sandboxd ExecStream × {}", plan.stream);
-    match exec_in_one(&mut sb, plan.stream, plan.warmup * 3, true).await {
-        Ok(s) => report.measured(Key::ExecStream, &s),
-        Err(e) => report.failed(&[Key::ExecStream], &e),
-    }
-    sb.cleanup().await;
 
     report.rss_after_latency = daemon.pid().and_then(rss_bytes);
     drop(daemon);

@@ -18,7 +18,7 @@ use super::cgroup::ExecCgroup;
 use super::files;
 use super::wire::ToInit;
 use super::ProcessSandbox;
-use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink};
+use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
 use crate::output::{OutputCapture, SpillTarget};
 
 /// Directory inside the sandbox where truncated streams are kept whole.
@@ -92,11 +92,11 @@ fn describe_spawn_failure(stage: &str, errno: i32, argv0: &str, workdir: &str) -
 
 impl ProcessSandbox {
     /// Runs `spec` to its end. See the module documentation.
-    pub(super) async fn run_exec(self: &Arc<Self>, spec: ExecSpec, sink: OutputSink, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+    pub(super) async fn run_exec(self: &Arc<Self>, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
         let started_at = SystemTime::now();
         let exec_id = spec.exec_id.to_string();
         let cgroup = Arc::new(self.cgroup.create_exec(&exec_id)?);
-        let result = self.run_in_cgroup(&spec, &cgroup, sink, cancel, started_at).await;
+        let result = self.run_in_cgroup(&spec, &cgroup, sink, started, cancel, started_at).await;
         self.forget_exec(&exec_id, &cgroup);
         result
     }
@@ -123,6 +123,7 @@ impl ProcessSandbox {
         spec: &ExecSpec,
         cgroup: &Arc<ExecCgroup>,
         sink: OutputSink,
+        started: StartSignal,
         cancel: CancellationToken,
         started_at: SystemTime,
     ) -> Result<ExecOutcome, BackendError> {
@@ -153,6 +154,9 @@ impl ProcessSandbox {
             Err(_) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the sandbox's init exited before the exec started".into(), started_at)),
         }
         let t0 = Instant::now();
+        if let Some(tx) = started {
+            let _ = tx.send(());
+        }
 
         let stdin = spec.stdin.clone();
         tokio::spawn(async move {

@@ -489,6 +489,14 @@ fn exec_child(fds: &[OwnedFd], argv: &[CString], env: &[CString], candidates: &[
     if nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None).is_err() {
         fail(STAGE_STDIO, Errno::last());
     }
+    // Default dispositions: the Rust runtime of this binary ignores SIGPIPE, and an ignored
+    // signal stays ignored across execve — `yes | head` would then print EPIPE errors.
+    for sig in 1..32 {
+        if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+            // SAFETY: signal() with SIG_DFL is async-signal-safe and touches only this process.
+            unsafe { libc::signal(sig, libc::SIG_DFL) };
+        }
+    }
     // Its own session and process group, so signals to the exec reach its whole tree by group
     // and a terminal-less shell does not stop on job control.
     let _ = nix::unistd::setsid();

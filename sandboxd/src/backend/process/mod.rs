@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use self::cgroup::{CgroupLimits, CgroupRoot, ExecCgroup, SandboxCgroup};
 use self::channel::InitChannel;
 use self::storage::Pool;
-use super::{Backend, BackendError, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec};
+use super::{Backend, BackendError, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 
 /// How long sandbox setup may take before it is abandoned.
@@ -453,8 +453,8 @@ impl Backend for ProcessBackend {
         }
     }
 
-    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
-        self.sandbox(sandbox)?.run_exec(spec, sink, cancel).await
+    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+        self.sandbox(sandbox)?.run_exec(spec, sink, started, cancel).await
     }
 
     async fn signal_exec(&self, sandbox: &SandboxId, exec: &ExecId, signal: i32) -> Result<(), BackendError> {
