@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{Backends, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, FileChunk, Isolation, OutputSink, SandboxSpec};
+use crate::backend::{Backends, ExecOutcome, ExecSpec, ExecStatus, FileChunk, Isolation, OutputSink, SandboxSpec};
 use crate::config::{Config, Limits};
 use crate::error::Error;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
@@ -123,46 +123,14 @@ pub struct ExecRecord {
     pub sandbox_id: SandboxId,
     pub argv: Vec<String>,
     pub idempotency_key: String,
-    pub status: ExecStatus,
-    pub exit_code: i32,
-    pub signal: i32,
-    pub stdout: CapturedOutput,
-    pub stderr: CapturedOutput,
-    pub started_at: SystemTime,
-    pub duration: Duration,
-    pub usage: ExecUsage,
-    pub error: String,
+    #[serde(flatten)]
+    pub outcome: ExecOutcome,
 }
 
 impl ExecRecord {
     fn running(exec_id: ExecId, sandbox_id: SandboxId, argv: Vec<String>, idempotency_key: String) -> Self {
-        ExecRecord {
-            exec_id,
-            sandbox_id,
-            argv,
-            idempotency_key,
-            status: ExecStatus::Running,
-            exit_code: 0,
-            signal: 0,
-            stdout: CapturedOutput::default(),
-            stderr: CapturedOutput::default(),
-            started_at: SystemTime::now(),
-            duration: Duration::ZERO,
-            usage: ExecUsage::default(),
-            error: String::new(),
-        }
-    }
-
-    fn finish(&mut self, o: ExecOutcome) {
-        self.status = o.status;
-        self.exit_code = o.exit_code;
-        self.signal = o.signal;
-        self.stdout = o.stdout;
-        self.stderr = o.stderr;
-        self.started_at = o.started_at;
-        self.duration = o.duration;
-        self.usage = o.usage;
-        self.error = o.error;
+        let outcome = ExecOutcome::failed(ExecStatus::Running, 0, String::new(), SystemTime::now());
+        ExecRecord { exec_id, sandbox_id, argv, idempotency_key, outcome }
     }
 }
 
@@ -573,11 +541,11 @@ impl Manager {
                 Err(e) => ExecOutcome::failed(ExecStatus::Lost, -1, e.to_string(), started_at),
             };
             let finished = task_exec.record.lock().map(|mut r| {
-                r.finish(outcome);
+                r.outcome = outcome;
                 r.clone()
             });
             if let Ok(r) = finished {
-                tracing::debug!(exec = %r.exec_id, status = ?r.status, code = r.exit_code, ms = r.duration.as_millis() as u64, "exec ended");
+                tracing::debug!(exec = %r.exec_id, status = ?r.outcome.status, code = r.outcome.exit_code, ms = r.outcome.duration.as_millis() as u64, "exec ended");
                 manager.exec_finished(&r, key.as_ref());
             }
             let _ = done_tx.send(true);
@@ -655,7 +623,7 @@ impl Manager {
         let mut records = self.store.execs(sid.as_str(), limit)?;
         // Running ones are stored as they started; show their live state.
         for r in &mut records {
-            if r.status == ExecStatus::Running {
+            if r.outcome.status == ExecStatus::Running {
                 if let Some(live) = self.running_exec(&r.exec_id).and_then(|e| e.snapshot().ok()) {
                     *r = live;
                 }

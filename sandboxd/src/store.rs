@@ -167,13 +167,13 @@ impl Store {
     pub fn put_exec(&self, rec: &ExecRecord) -> Result<(), StoreError> {
         let id = rec.exec_id.to_string();
         let mut meta = rec.clone();
-        let stdout = std::mem::take(&mut meta.stdout.bytes);
-        let stderr = std::mem::take(&mut meta.stderr.bytes);
+        let stdout = std::mem::take(&mut meta.outcome.stdout.bytes);
+        let stderr = std::mem::take(&mut meta.outcome.stderr.bytes);
         let data = encode(&id, &meta)?;
         self.conn()?.execute(
             "INSERT INTO execs (exec_id, sandbox_id, idem_key, status, data, stdout, stderr) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
              ON CONFLICT(exec_id) DO UPDATE SET status = excluded.status, data = excluded.data, stdout = excluded.stdout, stderr = excluded.stderr",
-            params![id, rec.sandbox_id.to_string(), rec.idempotency_key, status_name(rec.status), data, stdout, stderr],
+            params![id, rec.sandbox_id.to_string(), rec.idempotency_key, status_name(rec.outcome.status), data, stdout, stderr],
         )?;
         Ok(())
     }
@@ -184,8 +184,8 @@ impl Store {
 
     fn decode_exec((id, data, stdout, stderr): (String, String, Vec<u8>, Vec<u8>)) -> Result<ExecRecord, StoreError> {
         let mut rec: ExecRecord = decode(&id, &data)?;
-        rec.stdout.bytes = stdout;
-        rec.stderr.bytes = stderr;
+        rec.outcome.stdout.bytes = stdout;
+        rec.outcome.stderr.bytes = stderr;
         Ok(rec)
     }
 
@@ -246,9 +246,9 @@ impl Store {
         let n = running.len();
         for row in running {
             let mut rec = Self::decode_exec(row)?;
-            rec.status = ExecStatus::Lost;
-            rec.exit_code = -1;
-            rec.error = reason.to_string();
+            rec.outcome.status = ExecStatus::Lost;
+            rec.outcome.exit_code = -1;
+            rec.outcome.error = reason.to_string();
             self.put_exec(&rec)?;
         }
         Ok(n)
@@ -258,26 +258,14 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{CapturedOutput, ExecUsage};
+    use crate::backend::{CapturedOutput, ExecOutcome};
     use crate::ids::{ExecId, SandboxId};
-    use std::time::{Duration, SystemTime};
+    use std::time::SystemTime;
 
     fn record(sandbox: &SandboxId, key: &str, status: ExecStatus) -> ExecRecord {
-        ExecRecord {
-            exec_id: ExecId::generate(),
-            sandbox_id: sandbox.clone(),
-            argv: vec!["echo".into(), "hi".into()],
-            idempotency_key: key.into(),
-            status,
-            exit_code: 0,
-            signal: 0,
-            stdout: CapturedOutput { bytes: b"hi\n".to_vec(), truncated: false, total_bytes: 3, spill_path: None },
-            stderr: CapturedOutput::default(),
-            started_at: SystemTime::now(),
-            duration: Duration::from_millis(3),
-            usage: ExecUsage::default(),
-            error: String::new(),
-        }
+        let mut outcome = ExecOutcome::failed(status, 0, String::new(), SystemTime::now());
+        outcome.stdout = CapturedOutput { bytes: b"hi\n".to_vec(), truncated: false, total_bytes: 3, spill_path: None };
+        ExecRecord { exec_id: ExecId::generate(), sandbox_id: sandbox.clone(), argv: vec!["echo".into(), "hi".into()], idempotency_key: key.into(), outcome }
     }
 
     #[test]
@@ -294,12 +282,12 @@ mod tests {
         let store = Store::open(&path).expect("reopen");
         let list = store.execs(sb.as_str(), 0).expect("list");
         assert_eq!(list.iter().map(|r| r.exec_id.clone()).collect::<Vec<_>>(), vec![a.exec_id.clone(), b.exec_id.clone()]);
-        assert_eq!(list[0].stdout.bytes, b"hi\n");
+        assert_eq!(list[0].outcome.stdout.bytes, b"hi\n");
         let by_key = store.exec_by_key(sb.as_str(), "k1").expect("query").expect("found");
         assert_eq!(by_key.exec_id, a.exec_id);
         assert_eq!(store.mark_running_lost("daemon restarted").expect("mark"), 1);
         let lost = store.exec(b.exec_id.as_str()).expect("query").expect("found");
-        assert_eq!(lost.status, ExecStatus::Lost);
+        assert_eq!(lost.outcome.status, ExecStatus::Lost);
         assert_eq!(store.execs(sb.as_str(), 1).expect("list")[0].exec_id, b.exec_id, "limit keeps the newest");
     }
 

@@ -959,7 +959,7 @@ fn host_pids_of(sandbox_id: &str) -> Vec<u32> {
 }
 
 fn is_sleep_300(pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| c == b"sleep\0300\0").unwrap_or(false)
+    std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| c == b"sleep\x00300\x00").unwrap_or(false)
 }
 
 #[tokio::test(flavor = "multi_thread")]

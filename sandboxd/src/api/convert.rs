@@ -113,11 +113,12 @@ pub fn exec_request(r: pb::ExecRequest) -> ExecRequest {
 }
 
 /// Core exec record → proto; `with_output` false for the last event of a stream.
-pub fn exec_result(r: &ExecRecord, with_output: bool) -> pb::ExecResult {
+pub fn exec_result(record: &ExecRecord, with_output: bool) -> pb::ExecResult {
+    let r = &record.outcome;
     pb::ExecResult {
-        exec_id: r.exec_id.to_string(),
-        sandbox_id: r.sandbox_id.to_string(),
-        argv: r.argv.clone(),
+        exec_id: record.exec_id.to_string(),
+        sandbox_id: record.sandbox_id.to_string(),
+        argv: record.argv.clone(),
         status: status_to_proto(r.status) as i32,
         exit_code: r.exit_code,
         signal: r.signal,
@@ -133,7 +134,7 @@ pub fn exec_result(r: &ExecRecord, with_output: bool) -> pb::ExecResult {
         cpu_system_ms: r.usage.cpu_system_ms,
         peak_memory_bytes: r.usage.peak_memory_bytes,
         error: r.error.clone(),
-        idempotency_key: r.idempotency_key.clone(),
+        idempotency_key: record.idempotency_key.clone(),
         stdout_spill_path: r.stdout.spill_path.clone().unwrap_or_default(),
         stderr_spill_path: r.stderr.spill_path.clone().unwrap_or_default(),
     }

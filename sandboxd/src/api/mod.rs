@@ -108,8 +108,8 @@ impl SandboxService for Api {
                     // A replayed idempotent exec streamed nothing: send its recorded output first.
                     if !streamed {
                         for event in [
-                            pb::exec_event::Event::Stdout(record.stdout.bytes.clone()),
-                            pb::exec_event::Event::Stderr(record.stderr.bytes.clone()),
+                            pb::exec_event::Event::Stdout(record.outcome.stdout.bytes.clone()),
+                            pb::exec_event::Event::Stderr(record.outcome.stderr.bytes.clone()),
                         ] {
                             let empty = matches!(&event, pb::exec_event::Event::Stdout(b) | pb::exec_event::Event::Stderr(b) if b.is_empty());
                             if !empty && event_tx.send(Ok(pb::ExecEvent { event: Some(event) })).await.is_err() {

@@ -115,7 +115,7 @@ pub struct ExecUsage {
 }
 
 /// How an exec ended, as the backend saw it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ExecOutcome {
     pub status: ExecStatus,
     pub exit_code: i32,

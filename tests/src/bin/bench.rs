@@ -21,13 +21,15 @@ use agent_client::{exec_request, Client};
 use anyhow::{anyhow, bail, Context, Result};
 use bollard::models::{ContainerCreateBody, HostConfig};
 use bollard::query_parameters::{
-    CreateContainerOptionsBuilder, CreateImageOptionsBuilder, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
-    RemoveImageOptionsBuilder, WaitContainerOptionsBuilder,
+    CreateContainerOptionsBuilder, CreateImageOptionsBuilder, ListContainersOptionsBuilder,
+    RemoveContainerOptionsBuilder, RemoveImageOptionsBuilder, WaitContainerOptionsBuilder,
 };
 use bollard::Docker;
 use clap::Parser;
 use futures::StreamExt;
-use sandbox_tests::{images_dir, process_sandbox, proto, rss_bytes, sandboxd_bin, workspace_root, Daemon};
+use sandbox_tests::{
+    images_dir, process_sandbox, proto, rss_bytes, sandboxd_bin, workspace_root, Daemon,
+};
 
 /// Where the Docker Engine listens.
 const DOCKER_SOCKET: &str = "/var/run/docker.sock";
@@ -61,8 +63,9 @@ struct Args {
     /// Also write the report (markdown) to this file, e.g. BENCHMARKS.md.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Samples in every latency section. Default: each section's own (100 creates, 1,000 execs,
-    /// 200 streamed execs, 30 docker runs and create+starts, 200 docker execs).
+    /// Samples in every latency section. Default: each section's own (100 creates, 1,000
+    /// GetSandbox calls and execs back to back, 100 execs 100 ms apart, 200 streamed execs,
+    /// 30 docker runs and create+starts, 200 docker execs).
     #[arg(long)]
     iterations: Option<usize>,
     /// Sandboxes kept alive at once in the density section (default 100; 10 with --quick).
@@ -96,13 +99,43 @@ struct Plan {
 impl Plan {
     fn new(args: &Args) -> Self {
         let mut p = if args.quick {
-            Plan { quick: true, create: 10, exec: 50, stream: 20, spaced: 10, live: 10, docker_run: 3, docker_create: 3, docker_exec: 10, warmup: 1 }
+            Plan {
+                quick: true,
+                create: 10,
+                exec: 50,
+                stream: 20,
+                spaced: 10,
+                live: 10,
+                docker_run: 3,
+                docker_create: 3,
+                docker_exec: 10,
+                warmup: 1,
+            }
         } else {
-            Plan { quick: false, create: 100, exec: 1000, stream: 200, spaced: 100, live: TARGET_LIVE, docker_run: 30, docker_create: 30, docker_exec: 200, warmup: 3 }
+            Plan {
+                quick: false,
+                create: 100,
+                exec: 1000,
+                stream: 200,
+                spaced: 100,
+                live: TARGET_LIVE,
+                docker_run: 30,
+                docker_create: 30,
+                docker_exec: 200,
+                warmup: 3,
+            }
         };
         if let Some(n) = args.iterations {
             let n = n.max(1);
-            (p.create, p.exec, p.stream, p.spaced, p.docker_run, p.docker_create, p.docker_exec) = (n, n, n, n, n, n, n);
+            (
+                p.create,
+                p.exec,
+                p.stream,
+                p.spaced,
+                p.docker_run,
+                p.docker_create,
+                p.docker_exec,
+            ) = (n, n, n, n, n, n, n);
         }
         if let Some(n) = args.live {
             p.live = n.max(1);
@@ -170,8 +203,24 @@ enum Key {
 }
 
 impl Key {
-    const SANDBOXD: [Key; 9] = [Key::Create, Key::Destroy, Key::Get, Key::Exec, Key::ExecSpaced, Key::ExecStream, Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
-    const DOCKER: [Key; 5] = [Key::DockerRun, Key::DockerCreateStart, Key::DockerCreateStartBridge, Key::DockerRemove, Key::DockerExec];
+    const SANDBOXD: [Key; 9] = [
+        Key::Create,
+        Key::Destroy,
+        Key::Get,
+        Key::Exec,
+        Key::ExecSpaced,
+        Key::ExecStream,
+        Key::LiveCreate,
+        Key::LiveExec,
+        Key::LiveDestroy,
+    ];
+    const DOCKER: [Key; 5] = [
+        Key::DockerRun,
+        Key::DockerCreateStart,
+        Key::DockerCreateStartBridge,
+        Key::DockerRemove,
+        Key::DockerExec,
+    ];
 
     fn label(self, live: usize) -> String {
         match self {
@@ -179,14 +228,19 @@ impl Key {
             Key::Destroy => "sandboxd `DestroySandbox`".into(),
             Key::Get => "sandboxd `GetSandbox` (the gRPC floor: no process is started)".into(),
             Key::Exec => "sandboxd `Exec` of `true` (unary), back to back".into(),
-            Key::ExecSpaced => format!("sandboxd `Exec` of `true` (unary), {} ms apart", EXEC_GAP.as_millis()),
+            Key::ExecSpaced => format!(
+                "sandboxd `Exec` of `true` (unary), {} ms apart",
+                EXEC_GAP.as_millis()
+            ),
             Key::ExecStream => "sandboxd `ExecStream` of `true`".into(),
             Key::LiveCreate => format!("sandboxd `CreateSandbox`, filling up to {live} live"),
             Key::LiveExec => format!("sandboxd `Exec` of `true` across {live} live sandboxes"),
             Key::LiveDestroy => format!("sandboxd `DestroySandbox`, emptying {live} live"),
             Key::DockerRun => "Docker `run --rm` of `true` (create+start+wait+remove)".into(),
             Key::DockerCreateStart => "Docker container create+start (`--network none`)".into(),
-            Key::DockerCreateStartBridge => "Docker container create+start (default bridge network)".into(),
+            Key::DockerCreateStartBridge => {
+                "Docker container create+start (default bridge network)".into()
+            }
             Key::DockerRemove => "Docker `rm -f` of a running container".into(),
             Key::DockerExec => "Docker `exec` of `true` (exec create+start+inspect)".into(),
         }
@@ -238,7 +292,13 @@ impl Report {
 
     fn failed(&mut self, keys: &[Key], err: &anyhow::Error) {
         let msg = format!("{err:#}");
-        eprintln!("bench: FAILED {}: {msg}", keys.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", "));
+        eprintln!(
+            "bench: FAILED {}: {msg}",
+            keys.iter()
+                .map(|k| format!("{k:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         for k in keys {
             self.rows.insert(*k, Outcome::Failed(msg.clone()));
         }
@@ -246,7 +306,9 @@ impl Report {
 
     fn unavailable(&mut self, keys: &[Key], reason: &str) {
         for k in keys {
-            self.rows.entry(*k).or_insert_with(|| Outcome::Unavailable(reason.to_string()));
+            self.rows
+                .entry(*k)
+                .or_insert_with(|| Outcome::Unavailable(reason.to_string()));
         }
     }
 
@@ -258,7 +320,8 @@ impl Report {
     }
 
     fn any_failed(&self) -> bool {
-        self.rows.values().any(|o| matches!(o, Outcome::Failed(_))) || matches!(self.density, Some(Err(_)))
+        self.rows.values().any(|o| matches!(o, Outcome::Failed(_)))
+            || matches!(self.density, Some(Err(_)))
     }
 }
 
@@ -279,7 +342,11 @@ fn ms(v: f64) -> String {
 /// Markdown table cells can hold neither newlines nor pipes.
 fn cell(s: &str) -> String {
     let one_line = s.split_whitespace().collect::<Vec<_>>().join(" ");
-    let short: String = if one_line.chars().count() > 160 { one_line.chars().take(160).chain("…".chars()).collect() } else { one_line };
+    let short: String = if one_line.chars().count() > 160 {
+        one_line.chars().take(160).chain("…".chars()).collect()
+    } else {
+        one_line
+    };
     short.replace('|', "\\|")
 }
 
@@ -303,13 +370,27 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
     }
 
     let _ = writeln!(w, "\n## Latency\n");
-    let _ = writeln!(w, "Milliseconds of wall time per API call, as the client sees it.\n");
-    let _ = writeln!(w, "| measurement | n | p50 ms | p99 ms | mean ms | max ms |\n|---|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        w,
+        "Milliseconds of wall time per API call, as the client sees it.\n"
+    );
+    let _ = writeln!(
+        w,
+        "| measurement | n | p50 ms | p99 ms | mean ms | max ms |\n|---|---:|---:|---:|---:|---:|"
+    );
     for key in Key::SANDBOXD.iter().chain(Key::DOCKER.iter()) {
         let label = key.label(plan.live);
         match report.rows.get(key) {
             Some(Outcome::Measured(s)) => {
-                let _ = writeln!(w, "| {label} | {} | {} | {} | {} | {} |", s.n, ms(s.p50), ms(s.p99), ms(s.mean), ms(s.max));
+                let _ = writeln!(
+                    w,
+                    "| {label} | {} | {} | {} | {} | {} |",
+                    s.n,
+                    ms(s.p50),
+                    ms(s.p99),
+                    ms(s.mean),
+                    ms(s.max)
+                );
             }
             Some(Outcome::Unavailable(why)) => {
                 let _ = writeln!(w, "| {label} | — | unavailable | | | {} |", cell(why));
@@ -347,21 +428,51 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
         }
     }
     if let Some(rss) = report.rss_after_latency {
-        let _ = writeln!(w, "- the latency daemon, after its creates, destroys and execs with nothing live: {} RSS", mib(rss));
+        let _ = writeln!(
+            w,
+            "- the latency daemon, after its creates, destroys and execs with nothing live: {} RSS",
+            mib(rss)
+        );
     }
 
     let _ = writeln!(w, "\n## Against Docker\n");
-    let _ = writeln!(w, "p50 against p50, measured in this run; ratio = Docker ÷ sandboxd.\n");
-    let _ = writeln!(w, "| | sandboxd p50 ms | Docker p50 ms | ratio |\n|---|---:|---:|---:|");
-    let one_shot = match (report.p50(Key::Create), report.p50(Key::Exec), report.p50(Key::Destroy)) {
+    let _ = writeln!(
+        w,
+        "p50 against p50, measured in this run; ratio = Docker ÷ sandboxd.\n"
+    );
+    let _ = writeln!(
+        w,
+        "| | sandboxd p50 ms | Docker p50 ms | ratio |\n|---|---:|---:|---:|"
+    );
+    let one_shot = match (
+        report.p50(Key::Create),
+        report.p50(Key::Exec),
+        report.p50(Key::Destroy),
+    ) {
         (Some(c), Some(e), Some(d)) => Some(c + e + d),
         _ => None,
     };
     let comparisons = [
-        ("a sandbox ready to exec: `CreateSandbox` vs container create+start (`--network none`)", report.p50(Key::Create), report.p50(Key::DockerCreateStart)),
-        ("run `true` in it: `Exec` vs `docker exec`", report.p50(Key::Exec), report.p50(Key::DockerExec)),
-        ("tear down: `DestroySandbox` vs `rm -f`", report.p50(Key::Destroy), report.p50(Key::DockerRemove)),
-        ("one-shot `true`: create+exec+destroy (sum of p50s) vs `docker run --rm`", one_shot, report.p50(Key::DockerRun)),
+        (
+            "a sandbox ready to exec: `CreateSandbox` vs container create+start (`--network none`)",
+            report.p50(Key::Create),
+            report.p50(Key::DockerCreateStart),
+        ),
+        (
+            "run `true` in it: `Exec` vs `docker exec`",
+            report.p50(Key::Exec),
+            report.p50(Key::DockerExec),
+        ),
+        (
+            "tear down: `DestroySandbox` vs `rm -f`",
+            report.p50(Key::Destroy),
+            report.p50(Key::DockerRemove),
+        ),
+        (
+            "one-shot `true`: create+exec+destroy (sum of p50s) vs `docker run --rm`",
+            one_shot,
+            report.p50(Key::DockerRun),
+        ),
     ];
     for (what, ours, theirs) in comparisons {
         let f = |v: Option<f64>| v.map(ms).unwrap_or_else(|| "unavailable".into());
@@ -405,24 +516,47 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
         plan.live,
         machine.nproc,
     );
-    let _ = writeln!(w, "\nTime per section: {}.", report.section_times.iter().map(|(s, d)| format!("{s} {:.1} s", d.as_secs_f64())).collect::<Vec<_>>().join(", "));
+    let _ = writeln!(
+        w,
+        "\nTime per section: {}.",
+        report
+            .section_times
+            .iter()
+            .map(|(s, d)| format!("{s} {:.1} s", d.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     md
 }
 
 /// (target, what was measured, PASS / MISS / not measured) for each target of the issue.
 fn targets(report: &Report) -> Vec<(String, String, String)> {
-    let verdict = |ok: bool| if ok { "PASS".to_string() } else { "**MISS**".to_string() };
+    let verdict = |ok: bool| {
+        if ok {
+            "PASS".to_string()
+        } else {
+            "**MISS**".to_string()
+        }
+    };
     let mut out = Vec::new();
     let t = format!("`CreateSandbox` p50 ≤ {TARGET_CREATE_P50_MS} ms");
     out.push(match report.p50(Key::Create) {
-        Some(p) => (t, format!("{} ms", ms(p)), verdict(p <= TARGET_CREATE_P50_MS)),
+        Some(p) => (
+            t,
+            format!("{} ms", ms(p)),
+            verdict(p <= TARGET_CREATE_P50_MS),
+        ),
         None => (t, "not measured".into(), "not measured".into()),
     });
     let t = format!("exec round trip p50 ≤ {TARGET_EXEC_P50_MS} ms");
     let gap = EXEC_GAP.as_millis();
     out.push(match (report.p50(Key::Exec), report.p50(Key::ExecSpaced)) {
         (Some(p), Some(spaced)) => {
-            let measured = format!("{} ms back to back; {} ms with {gap} ms between execs (unary `Exec` of `true`)", ms(p), ms(spaced));
+            let measured = format!(
+                "{} ms back to back; {} ms with {gap} ms between execs (unary `Exec` of `true`)",
+                ms(p),
+                ms(spaced)
+            );
             let result = match (p <= TARGET_EXEC_P50_MS, spaced <= TARGET_EXEC_P50_MS) {
                 (true, true) => "PASS".to_string(),
                 (true, false) => format!("PASS back to back, **MISS** {gap} ms apart"),
@@ -431,16 +565,35 @@ fn targets(report: &Report) -> Vec<(String, String, String)> {
             };
             (t, measured, result)
         }
-        (Some(p), None) => (t, format!("{} ms back to back (unary `Exec` of `true`)", ms(p)), verdict(p <= TARGET_EXEC_P50_MS)),
+        (Some(p), None) => (
+            t,
+            format!("{} ms back to back (unary `Exec` of `true`)", ms(p)),
+            verdict(p <= TARGET_EXEC_P50_MS),
+        ),
         _ => (t, "not measured".into(), "not measured".into()),
     });
-    let t = format!("{TARGET_LIVE} live sandboxes, daemon RSS < {}", mib(TARGET_RSS_BYTES));
+    let t = format!(
+        "{TARGET_LIVE} live sandboxes, daemon RSS < {}",
+        mib(TARGET_RSS_BYTES)
+    );
     out.push(match &report.density {
         Some(Ok(d)) if d.live >= TARGET_LIVE => match d.rss_live {
-            Some(rss) => (t, format!("{} with {} live", mib(rss), d.live), verdict(rss < TARGET_RSS_BYTES)),
+            Some(rss) => (
+                t,
+                format!("{} with {} live", mib(rss), d.live),
+                verdict(rss < TARGET_RSS_BYTES),
+            ),
             None => (t, "RSS unreadable".into(), "not measured".into()),
         },
-        Some(Ok(d)) => (t, format!("only {} live in this run ({})", d.live, d.rss_live.map(mib).unwrap_or_default()), "not measured".into()),
+        Some(Ok(d)) => (
+            t,
+            format!(
+                "only {} live in this run ({})",
+                d.live,
+                d.rss_live.map(mib).unwrap_or_default()
+            ),
+            "not measured".into(),
+        ),
         Some(Err(e)) => (t, format!("failed: {e}"), "**MISS**".into()),
         None => (t, "not run".into(), "not measured".into()),
     });
@@ -466,7 +619,9 @@ struct Machine {
 }
 
 fn read_trimmed(path: &str) -> String {
-    std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_else(|_| "unknown".into())
+    std::fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
 }
 
 /// The value of the first `key: value` (or `key=value`) line of a file.
@@ -479,7 +634,11 @@ fn field_of(path: &str, key: &str, sep: char) -> Option<String> {
 }
 
 fn loadavg() -> String {
-    read_trimmed("/proc/loadavg").split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    read_trimmed("/proc/loadavg")
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 impl Machine {
@@ -509,7 +668,9 @@ impl Machine {
             .unwrap_or(false);
         Machine {
             date: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
-            nproc: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            nproc: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(0),
             cpu: field_of("/proc/cpuinfo", "model name", ':').unwrap_or_else(|| "unknown".into()),
             memory: field_of("/proc/meminfo", "MemTotal", ':')
                 .and_then(|v| v.trim_end_matches("kB").trim().parse::<u64>().ok())
@@ -520,7 +681,9 @@ impl Machine {
             cgroups,
             load_start: loadavg(),
             load_end: String::new(),
-            sandboxd_bin: sandboxd_bin().map(|p| p.display().to_string()).unwrap_or_else(|e| format!("not found: {e}")),
+            sandboxd_bin: sandboxd_bin()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|e| format!("not found: {e}")),
             commit: match commit {
                 Some(c) if dirty => format!("{c} with uncommitted changes"),
                 Some(c) => c,
@@ -543,8 +706,14 @@ impl Machine {
             ("OS", self.os.clone()),
             ("kernel", self.kernel.clone()),
             ("cgroups", self.cgroups.clone()),
-            ("load average (1, 5, 15 min) before → after", format!("{} → {}", self.load_start, self.load_end)),
-            ("sandboxd", format!("{} (commit {})", self.sandboxd_bin, self.commit)),
+            (
+                "load average (1, 5, 15 min) before → after",
+                format!("{} → {}", self.load_start, self.load_end),
+            ),
+            (
+                "sandboxd",
+                format!("{} (commit {})", self.sandboxd_bin, self.commit),
+            ),
             ("Docker", docker),
         ]
     }
@@ -561,18 +730,29 @@ struct Sandboxes {
 
 impl Sandboxes {
     fn new(client: Client) -> Self {
-        Sandboxes { client, live: BTreeSet::new() }
+        Sandboxes {
+            client,
+            live: BTreeSet::new(),
+        }
     }
 
     /// Creates a process-tier sandbox of image `minimal`; returns its id and the call's time.
     async fn create(&mut self, what: &str) -> Result<(String, Duration)> {
         check_interrupt()?;
         let t = Instant::now();
-        let sandbox = self.client.create(process_sandbox("minimal")).await.with_context(|| format!("CreateSandbox ({what})"))?;
+        let sandbox = self
+            .client
+            .create(process_sandbox("minimal"))
+            .await
+            .with_context(|| format!("CreateSandbox ({what})"))?;
         let took = t.elapsed();
         self.live.insert(sandbox.id.clone());
         if sandbox.state != proto::SandboxState::Running as i32 {
-            bail!("CreateSandbox ({what}) returned sandbox {} in state {}, not RUNNING", sandbox.id, state_name(sandbox.state));
+            bail!(
+                "CreateSandbox ({what}) returned sandbox {} in state {}, not RUNNING",
+                sandbox.id,
+                state_name(sandbox.state)
+            );
         }
         Ok((sandbox.id, took))
     }
@@ -580,7 +760,10 @@ impl Sandboxes {
     /// Destroys one sandbox; returns the call's time.
     async fn destroy(&mut self, id: &str) -> Result<Duration> {
         let t = Instant::now();
-        self.client.destroy(id).await.with_context(|| format!("DestroySandbox {id}"))?;
+        self.client
+            .destroy(id)
+            .await
+            .with_context(|| format!("DestroySandbox {id}"))?;
         let took = t.elapsed();
         self.live.remove(id);
         Ok(took)
@@ -597,14 +780,26 @@ impl Sandboxes {
 }
 
 fn state_name(state: i32) -> &'static str {
-    proto::SandboxState::try_from(state).map(|s| s.as_str_name()).unwrap_or("unknown")
+    proto::SandboxState::try_from(state)
+        .map(|s| s.as_str_name())
+        .unwrap_or("unknown")
 }
 
 /// Fails unless `true` ran and exited 0.
 fn check_true(result: &proto::ExecResult, what: &str) -> Result<()> {
     if result.status != proto::ExecStatus::Exited as i32 || result.exit_code != 0 {
-        let status = proto::ExecStatus::try_from(result.status).map(|s| s.as_str_name()).unwrap_or("unknown");
-        bail!("{what}: `true` ended with status {status}, exit code {}{}", result.exit_code, if result.error.is_empty() { String::new() } else { format!(": {}", result.error) });
+        let status = proto::ExecStatus::try_from(result.status)
+            .map(|s| s.as_str_name())
+            .unwrap_or("unknown");
+        bail!(
+            "{what}: `true` ended with status {status}, exit code {}{}",
+            result.exit_code,
+            if result.error.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", result.error)
+            }
+        );
     }
     Ok(())
 }
@@ -613,7 +808,10 @@ fn check_true(result: &proto::ExecResult, what: &str) -> Result<()> {
 async fn exec_true(client: &Client, id: &str, what: &str) -> Result<Duration> {
     check_interrupt()?;
     let t = Instant::now();
-    let result = client.exec(exec_request(id, ["true"])).await.with_context(|| format!("Exec of `true` in {id} ({what})"))?;
+    let result = client
+        .exec(exec_request(id, ["true"]))
+        .await
+        .with_context(|| format!("Exec of `true` in {id} ({what})"))?;
     let took = t.elapsed();
     check_true(&result, what)?;
     Ok(took)
@@ -623,8 +821,14 @@ async fn exec_true(client: &Client, id: &str, what: &str) -> Result<Duration> {
 async fn exec_stream_true(client: &Client, id: &str, what: &str) -> Result<Duration> {
     check_interrupt()?;
     let t = Instant::now();
-    let stream = client.exec_stream(exec_request(id, ["true"])).await.with_context(|| format!("ExecStream of `true` in {id} ({what})"))?;
-    let result = stream.into_result().await.with_context(|| format!("reading the ExecStream of `true` in {id} ({what})"))?;
+    let stream = client
+        .exec_stream(exec_request(id, ["true"]))
+        .await
+        .with_context(|| format!("ExecStream of `true` in {id} ({what})"))?;
+    let result = stream
+        .into_result()
+        .await
+        .with_context(|| format!("reading the ExecStream of `true` in {id} ({what})"))?;
     let took = t.elapsed();
     check_true(&result, what)?;
     Ok(took)
@@ -636,7 +840,10 @@ async fn create_destroy(sb: &mut Sandboxes, plan: &Plan) -> Result<(Vec<Duration
         let (id, _) = sb.create(&format!("warm-up {i}")).await?;
         sb.destroy(&id).await?;
     }
-    let (mut creates, mut destroys) = (Vec::with_capacity(plan.create), Vec::with_capacity(plan.create));
+    let (mut creates, mut destroys) = (
+        Vec::with_capacity(plan.create),
+        Vec::with_capacity(plan.create),
+    );
     for i in 0..plan.create {
         let (id, took) = sb.create(&format!("sample {i} of {}", plan.create)).await?;
         creates.push(took);
@@ -659,8 +866,15 @@ enum Call {
 }
 
 /// Sections 2 and 3: `n` timed calls in one sandbox, after `warmup` untimed ones.
-async fn calls_in_one(sb: &mut Sandboxes, call: Call, n: usize, warmup: usize) -> Result<Vec<Duration>> {
-    let (id, _) = sb.create(&format!("the sandbox of the {call:?} section")).await?;
+async fn calls_in_one(
+    sb: &mut Sandboxes,
+    call: Call,
+    n: usize,
+    warmup: usize,
+) -> Result<Vec<Duration>> {
+    let (id, _) = sb
+        .create(&format!("the sandbox of the {call:?} section"))
+        .await?;
     let mut samples = Vec::with_capacity(n);
     for i in 0..warmup + n {
         let what = format!("{call:?} sample {i}");
@@ -668,7 +882,10 @@ async fn calls_in_one(sb: &mut Sandboxes, call: Call, n: usize, warmup: usize) -
             Call::Get => {
                 check_interrupt()?;
                 let t = Instant::now();
-                sb.client.get(id.as_str()).await.with_context(|| format!("GetSandbox {id} ({what})"))?;
+                sb.client
+                    .get(id.as_str())
+                    .await
+                    .with_context(|| format!("GetSandbox {id} ({what})"))?;
                 t.elapsed()
             }
             Call::Exec => exec_true(&sb.client, &id, &what).await?,
@@ -689,7 +906,14 @@ async fn calls_in_one(sb: &mut Sandboxes, call: Call, n: usize, warmup: usize) -
 /// Sections 1–3 on one daemon.
 async fn sandboxd_latency(plan: &Plan, report: &mut Report) {
     let started = Instant::now();
-    let keys = [Key::Create, Key::Destroy, Key::Get, Key::Exec, Key::ExecSpaced, Key::ExecStream];
+    let keys = [
+        Key::Create,
+        Key::Destroy,
+        Key::Get,
+        Key::Exec,
+        Key::ExecSpaced,
+        Key::ExecStream,
+    ];
     let daemon = match Daemon::start().await.context("starting sandboxd") {
         Ok(d) => d,
         Err(e) => return report.failed(&keys, &e),
@@ -727,25 +951,47 @@ async fn sandboxd_latency(plan: &Plan, report: &mut Report) {
 
     report.rss_after_latency = daemon.pid().and_then(rss_bytes);
     drop(daemon);
-    report.section_times.push(("sandboxd latency".into(), started.elapsed()));
+    report
+        .section_times
+        .push(("sandboxd latency".into(), started.elapsed()));
 }
 
 /// PSS of `root` and every process below it, and how many processes that is.
 fn pss_of_tree(root: u32) -> Option<(u64, usize)> {
     let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
         // The command name may hold spaces and parentheses: the fields start after the last ')'.
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
-        if let Some(ppid) = rest.split_whitespace().nth(1).and_then(|s| s.parse::<u32>().ok()) {
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        if let Some(ppid) = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse::<u32>().ok())
+        {
             children.entry(ppid).or_default().push(pid);
         }
     }
     let (mut total, mut count, mut todo) = (0u64, 0usize, vec![root]);
     while let Some(pid) = todo.pop() {
-        let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-        if let Some(kb) = rollup.lines().find(|l| l.starts_with("Pss:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()) {
+        let rollup =
+            std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+        if let Some(kb) = rollup
+            .lines()
+            .find(|l| l.starts_with("Pss:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+        {
             total += kb * 1024;
         }
         count += 1;
@@ -754,13 +1000,20 @@ fn pss_of_tree(root: u32) -> Option<(u64, usize)> {
     Some((total, count))
 }
 
-async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, report: &mut Report) -> Result<Density> {
+async fn fill_and_measure(
+    sb: &mut Sandboxes,
+    pid: Option<u32>,
+    plan: &Plan,
+    report: &mut Report,
+) -> Result<Density> {
     let rss_idle = pid.and_then(rss_bytes);
     let mut ids = Vec::with_capacity(plan.live);
     let mut creates = Vec::with_capacity(plan.live);
     let t = Instant::now();
     for i in 0..plan.live {
-        let (id, took) = sb.create(&format!("live sandbox {} of {}", i + 1, plan.live)).await?;
+        let (id, took) = sb
+            .create(&format!("live sandbox {} of {}", i + 1, plan.live))
+            .await?;
         ids.push(id);
         creates.push(took);
     }
@@ -774,7 +1027,14 @@ async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, rep
     let mut execs = Vec::with_capacity(ids.len() * 3);
     for round in 0..3 {
         for id in &ids {
-            execs.push(exec_true(&sb.client, id, &format!("round {round} across {} live", ids.len())).await?);
+            execs.push(
+                exec_true(
+                    &sb.client,
+                    id,
+                    &format!("round {round} across {} live", ids.len()),
+                )
+                .await?,
+            );
         }
     }
     report.measured(Key::LiveExec, &execs);
@@ -787,7 +1047,15 @@ async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, rep
     let destroy_total = t.elapsed();
     report.measured(Key::LiveDestroy, &destroys);
     let rss_after = pid.and_then(rss_bytes);
-    Ok(Density { live: plan.live, rss_idle, rss_live, pss_tree, create_total, destroy_total, rss_after })
+    Ok(Density {
+        live: plan.live,
+        rss_idle,
+        rss_live,
+        pss_tree,
+        create_total,
+        destroy_total,
+        rss_after,
+    })
 }
 
 /// Section 4, on a fresh daemon so that its RSS is not that of the latency runs.
@@ -795,7 +1063,10 @@ async fn sandboxd_density(plan: &Plan, report: &mut Report) {
     let started = Instant::now();
     let keys = [Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
     eprintln!("bench: sandboxd {} live sandboxes", plan.live);
-    let daemon = match Daemon::start().await.context("starting sandboxd for the density section") {
+    let daemon = match Daemon::start()
+        .await
+        .context("starting sandboxd for the density section")
+    {
         Ok(d) => d,
         Err(e) => {
             report.density = Some(Err(format!("{e:#}")));
@@ -816,12 +1087,17 @@ async fn sandboxd_density(plan: &Plan, report: &mut Report) {
         Ok(d) => report.density = Some(Ok(d)),
         Err(e) => {
             report.density = Some(Err(format!("{e:#}")));
-            let missing: Vec<Key> = keys.into_iter().filter(|k| !report.rows.contains_key(k)).collect();
+            let missing: Vec<Key> = keys
+                .into_iter()
+                .filter(|k| !report.rows.contains_key(k))
+                .collect();
             report.failed(&missing, &e);
         }
     }
     drop(daemon);
-    report.section_times.push(("sandboxd density".into(), started.elapsed()));
+    report
+        .section_times
+        .push(("sandboxd density".into(), started.elapsed()));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -842,18 +1118,42 @@ impl DockerBench {
             .await
             .with_context(|| format!("cannot reach Docker at {DOCKER_SOCKET}"))?;
         let v = docker.version().await.context("Docker version")?;
-        let desc = format!("Engine {} (API {})", v.version.unwrap_or_default(), v.api_version.unwrap_or_default());
-        Ok((DockerBench { docker, containers: BTreeSet::new() }, desc))
+        let desc = format!(
+            "Engine {} (API {})",
+            v.version.unwrap_or_default(),
+            v.api_version.unwrap_or_default()
+        );
+        Ok((
+            DockerBench {
+                docker,
+                containers: BTreeSet::new(),
+            },
+            desc,
+        ))
     }
 
     /// Removes containers that an interrupted earlier run left behind.
     async fn remove_leftovers(&self) -> Result<()> {
         let filters = HashMap::from([("label".to_string(), vec![DOCKER_LABEL.to_string()])]);
-        let options = ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
-        for c in self.docker.list_containers(Some(options)).await.context("listing leftover bench containers")? {
+        let options = ListContainersOptionsBuilder::default()
+            .all(true)
+            .filters(&filters)
+            .build();
+        for c in self
+            .docker
+            .list_containers(Some(options))
+            .await
+            .context("listing leftover bench containers")?
+        {
             if let Some(id) = c.id {
                 eprintln!("bench: removing container {id} left by an earlier run");
-                let _ = self.docker.remove_container(&id, Some(RemoveContainerOptionsBuilder::default().force(true).build())).await;
+                let _ = self
+                    .docker
+                    .remove_container(
+                        &id,
+                        Some(RemoveContainerOptionsBuilder::default().force(true).build()),
+                    )
+                    .await;
             }
         }
         Ok(())
@@ -867,14 +1167,25 @@ impl DockerBench {
             let mut tar = tar::Builder::new(Vec::new());
             // Busybox's applets are symlinks: keep them links, not 300 copies of busybox.
             tar.follow_symlinks(false);
-            tar.append_dir_all(".", &rootfs).with_context(|| format!("packing {} into a tar stream", rootfs.display()))?;
+            tar.append_dir_all(".", &rootfs)
+                .with_context(|| format!("packing {} into a tar stream", rootfs.display()))?;
             tar.into_inner().context("finishing the tar stream")
         })
         .await
         .context("packing the rootfs")??;
-        let (repo, tag) = DOCKER_IMAGE.split_once(':').unwrap_or((DOCKER_IMAGE, "latest"));
-        let options = CreateImageOptionsBuilder::default().from_src("-").repo(repo).tag(tag).build();
-        let mut progress = self.docker.create_image(Some(options), Some(bollard::body_full(tarball.into())), None);
+        let (repo, tag) = DOCKER_IMAGE
+            .split_once(':')
+            .unwrap_or((DOCKER_IMAGE, "latest"));
+        let options = CreateImageOptionsBuilder::default()
+            .from_src("-")
+            .repo(repo)
+            .tag(tag)
+            .build();
+        let mut progress = self.docker.create_image(
+            Some(options),
+            Some(bollard::body_full(tarball.into())),
+            None,
+        );
         while let Some(item) = progress.next().await {
             item.with_context(|| format!("importing {DOCKER_IMAGE} from the minimal rootfs"))?;
         }
@@ -886,7 +1197,10 @@ impl DockerBench {
             image: Some(DOCKER_IMAGE.to_string()),
             cmd: Some(cmd.iter().map(|s| s.to_string()).collect()),
             labels: Some(HashMap::from([(DOCKER_LABEL.to_string(), "1".to_string())])),
-            host_config: Some(HostConfig { network_mode: network.map(str::to_string), ..Default::default() }),
+            host_config: Some(HostConfig {
+                network_mode: network.map(str::to_string),
+                ..Default::default()
+            }),
             ..Default::default()
         }
     }
@@ -895,7 +1209,10 @@ impl DockerBench {
         check_interrupt()?;
         let created = self
             .docker
-            .create_container(Some(CreateContainerOptionsBuilder::default().build()), Self::body(cmd, network))
+            .create_container(
+                Some(CreateContainerOptionsBuilder::default().build()),
+                Self::body(cmd, network),
+            )
             .await
             .with_context(|| format!("creating a container of {DOCKER_IMAGE} running {cmd:?}"))?;
         self.containers.insert(created.id.clone());
@@ -903,14 +1220,20 @@ impl DockerBench {
     }
 
     async fn start(&self, id: &str) -> Result<()> {
-        self.docker.start_container(id, None).await.with_context(|| format!("starting container {id}"))
+        self.docker
+            .start_container(id, None)
+            .await
+            .with_context(|| format!("starting container {id}"))
     }
 
     /// `docker rm -f`; returns the call's time.
     async fn remove(&mut self, id: &str) -> Result<Duration> {
         let t = Instant::now();
         self.docker
-            .remove_container(id, Some(RemoveContainerOptionsBuilder::default().force(true).build()))
+            .remove_container(
+                id,
+                Some(RemoveContainerOptionsBuilder::default().force(true).build()),
+            )
             .await
             .with_context(|| format!("removing container {id}"))?;
         let took = t.elapsed();
@@ -923,7 +1246,9 @@ impl DockerBench {
         let t = Instant::now();
         let id = self.create(&["true"], Some("none")).await?;
         self.start(&id).await?;
-        let options = WaitContainerOptionsBuilder::default().condition("not-running").build();
+        let options = WaitContainerOptionsBuilder::default()
+            .condition("not-running")
+            .build();
         let mut wait = self.docker.wait_container(&id, Some(options));
         while let Some(r) = wait.next().await {
             r.with_context(|| format!("waiting for container {id} (`true`) to exit"))?;
@@ -945,27 +1270,58 @@ impl DockerBench {
     async fn exec_true(&self, id: &str) -> Result<Duration> {
         check_interrupt()?;
         let t = Instant::now();
-        let config = bollard::exec::CreateExecOptions::<&str> { cmd: Some(vec!["true"]), attach_stdout: Some(true), attach_stderr: Some(true), ..Default::default() };
-        let exec = self.docker.create_exec(id, config).await.with_context(|| format!("creating an exec of `true` in container {id}"))?;
-        match self.docker.start_exec(&exec.id, None).await.with_context(|| format!("starting exec {} in container {id}", exec.id))? {
+        let config = bollard::exec::CreateExecOptions::<&str> {
+            cmd: Some(vec!["true"]),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            ..Default::default()
+        };
+        let exec = self
+            .docker
+            .create_exec(id, config)
+            .await
+            .with_context(|| format!("creating an exec of `true` in container {id}"))?;
+        match self
+            .docker
+            .start_exec(&exec.id, None)
+            .await
+            .with_context(|| format!("starting exec {} in container {id}", exec.id))?
+        {
             bollard::exec::StartExecResults::Attached { mut output, .. } => {
                 while let Some(chunk) = output.next().await {
                     chunk.with_context(|| format!("reading exec {} output", exec.id))?;
                 }
             }
-            bollard::exec::StartExecResults::Detached => bail!("exec {} started detached although attached was asked", exec.id),
+            bollard::exec::StartExecResults::Detached => bail!(
+                "exec {} started detached although attached was asked",
+                exec.id
+            ),
         }
-        let inspect = self.docker.inspect_exec(&exec.id).await.with_context(|| format!("inspecting exec {}", exec.id))?;
+        let inspect = self
+            .docker
+            .inspect_exec(&exec.id)
+            .await
+            .with_context(|| format!("inspecting exec {}", exec.id))?;
         let took = t.elapsed();
         if inspect.exit_code != Some(0) {
-            bail!("docker exec of `true` in {id} ended with exit code {:?}", inspect.exit_code);
+            bail!(
+                "docker exec of `true` in {id} ended with exit code {:?}",
+                inspect.exit_code
+            );
         }
         Ok(took)
     }
 
     async fn cleanup(&mut self) {
         for id in std::mem::take(&mut self.containers) {
-            if let Err(e) = self.docker.remove_container(&id, Some(RemoveContainerOptionsBuilder::default().force(true).build())).await {
+            if let Err(e) = self
+                .docker
+                .remove_container(
+                    &id,
+                    Some(RemoveContainerOptionsBuilder::default().force(true).build()),
+                )
+                .await
+            {
                 eprintln!("bench: WARNING: could not remove container {id} while cleaning up: {e}");
             }
         }
@@ -984,8 +1340,15 @@ async fn docker_sections(d: &mut DockerBench, plan: &Plan, report: &mut Report) 
     }
     report.measured(Key::DockerRun, &runs);
 
-    for (key, network) in [(Key::DockerCreateStart, Some("none")), (Key::DockerCreateStartBridge, None)] {
-        eprintln!("bench: docker create+start ({}) × {}", network.unwrap_or("bridge"), plan.docker_create);
+    for (key, network) in [
+        (Key::DockerCreateStart, Some("none")),
+        (Key::DockerCreateStartBridge, None),
+    ] {
+        eprintln!(
+            "bench: docker create+start ({}) × {}",
+            network.unwrap_or("bridge"),
+            plan.docker_create
+        );
         let (mut starts, mut removes) = (Vec::new(), Vec::new());
         for i in 0..warmup + plan.docker_create {
             let (id, took) = d.create_start(network).await?;
@@ -1056,11 +1419,21 @@ async fn docker_baseline(plan: &Plan, report: &mut Report) {
         report.unavailable(&Key::DOCKER, &why);
     }
     if report.docker_import.is_some() {
-        if let Err(e) = d.docker.remove_image(DOCKER_IMAGE, Some(RemoveImageOptionsBuilder::default().force(true).build()), None).await {
+        if let Err(e) = d
+            .docker
+            .remove_image(
+                DOCKER_IMAGE,
+                Some(RemoveImageOptionsBuilder::default().force(true).build()),
+                None,
+            )
+            .await
+        {
             eprintln!("bench: WARNING: could not remove image {DOCKER_IMAGE}: {e}");
         }
     }
-    report.section_times.push(("Docker".into(), started.elapsed()));
+    report
+        .section_times
+        .push(("Docker".into(), started.elapsed()));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1075,7 +1448,12 @@ async fn run(args: Args) -> Result<bool> {
             INTERRUPTED.store(true, Ordering::Relaxed);
         }
     });
-    eprintln!("bench: sandboxd = {}, images = {}, {}", machine.sandboxd_bin, images_dir().display(), if plan.quick { "quick mode" } else { "full run" });
+    eprintln!(
+        "bench: sandboxd = {}, images = {}, {}",
+        machine.sandboxd_bin,
+        images_dir().display(),
+        if plan.quick { "quick mode" } else { "full run" }
+    );
 
     let mut report = Report::default();
     sandboxd_latency(&plan, &mut report).await;
@@ -1088,7 +1466,9 @@ async fn run(args: Args) -> Result<bool> {
         docker_baseline(&plan, &mut report).await;
     }
     if let Some(took) = report.docker_import {
-        report.section_times.push(("(of which Docker image import)".into(), took));
+        report
+            .section_times
+            .push(("(of which Docker image import)".into(), took));
     }
     machine.load_end = loadavg();
 
@@ -1114,5 +1494,54 @@ async fn main() -> ExitCode {
             eprintln!("bench: {:#}", anyhow!(e));
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let sorted: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(nearest_rank(&sorted, 50.0), 50.0);
+        assert_eq!(nearest_rank(&sorted, 99.0), 99.0);
+        assert_eq!(nearest_rank(&sorted, 100.0), 100.0);
+        // Fewer than 100 samples: p99 is the maximum, p50 the lower middle.
+        let few = [1.0, 2.0, 3.0, 4.0];
+        assert_eq!(nearest_rank(&few, 99.0), 4.0);
+        assert_eq!(nearest_rank(&few, 50.0), 2.0);
+        assert_eq!(nearest_rank(&[7.0], 50.0), 7.0);
+        assert_eq!(nearest_rank(&[7.0], 0.0), 7.0);
+    }
+
+    #[test]
+    fn summary_sorts_and_converts_to_ms() {
+        let samples = [30, 10, 20].map(Duration::from_millis);
+        let s = summarize(&samples).expect("three samples");
+        assert_eq!((s.n, s.p50, s.p99, s.max), (3, 20.0, 30.0, 30.0));
+        assert!((s.mean - 20.0).abs() < 1e-9);
+        assert!(summarize(&[]).is_none());
+    }
+
+    #[test]
+    fn targets_say_miss_and_not_measured_honestly() {
+        let mut report = Report::default();
+        report.measured(Key::Create, &[Duration::from_millis(25)]);
+        report.measured(Key::Exec, &[Duration::from_millis(2)]);
+        report.measured(Key::ExecSpaced, &[Duration::from_millis(9)]);
+        let t = targets(&report);
+        assert!(t[0].2.contains("MISS"), "{t:?}");
+        assert!(
+            t[1].2.starts_with("PASS back to back") && t[1].2.contains("MISS"),
+            "{t:?}"
+        );
+        assert_eq!(t[2].2, "not measured");
+    }
+
+    #[test]
+    fn cells_stay_on_one_line() {
+        assert_eq!(cell("a |b\nc"), "a \\|b c");
+        assert_eq!(cell("line one\nline two"), "line one line two");
     }
 }

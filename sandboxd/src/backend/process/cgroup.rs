@@ -686,43 +686,13 @@ fn is_optional_limit_file(file: &str) -> bool {
 
 /// Mount points of cgroup v1 hierarchies from mountinfo: (mount point, super options).
 fn parse_v1_mounts(mountinfo: &str) -> Vec<(PathBuf, Vec<String>)> {
-    mountinfo
-        .lines()
-        .filter_map(|line| {
-            let (left, right) = line.split_once(" - ")?;
-            let mount_point = left.split(' ').nth(4)?;
-            let mut r = right.split(' ');
-            if r.next()? != "cgroup" {
-                return None;
-            }
-            let _source = r.next()?;
-            let opts = r.next()?.split(',').map(str::to_string).collect();
-            Some((PathBuf::from(unescape_mountinfo(mount_point)), opts))
-        })
+    super::mountinfo::parse(mountinfo)
+        .into_iter()
+        .filter(|m| m.fstype == "cgroup")
+        .map(|m| (m.mount_point, m.super_options))
         .collect()
 }
 
-/// mountinfo escapes space, tab, newline and backslash as \ooo octal.
-fn unescape_mountinfo(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 4 <= b.len() {
-            let oct = std::str::from_utf8(&b[i + 1..i + 4]).ok();
-            if let Some(v) = oct.and_then(|o| u8::from_str_radix(o, 8).ok()) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Groups our v1 controllers by hierarchy; errors on the first one not mounted.
 fn v1_hierarchies(mountinfo: &str, mountinfo_path: &Path) -> Result<Vec<Hierarchy>, CgroupError> {
     let mounts = parse_v1_mounts(mountinfo);
     let mut out: Vec<Hierarchy> = Vec::new();
@@ -1286,8 +1256,6 @@ mod tests {
             }
             other => panic!("expected missing freezer, got {other:?}"),
         }
-        assert_eq!(unescape_mountinfo("/a\\040b\\134c"), "/a b\\c");
-        assert_eq!(unescape_mountinfo("/tail\\04"), "/tail\\04");
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod channel;
 mod exec;
 pub mod files;
 pub mod init;
+mod mountinfo;
 pub mod seccomp;
 pub mod storage;
 mod wire;
@@ -137,11 +138,6 @@ fn cgroup_name(state_dir: &Path) -> String {
     format!("sandboxd-{:012x}", h.finish() & 0xffff_ffff_ffff)
 }
 
-fn is_mount_point(path: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
-    let target = path.to_string_lossy();
-    info.lines().any(|l| l.split(' ').nth(4) == Some(&*target))
-}
 
 impl ProcessBackend {
     /// Prepares the tier: the cgroup root and the storage pool. A host that cannot provide them
@@ -417,7 +413,7 @@ impl ProcessBackend {
 
 /// Unmounts a sandbox's rootfs; lazily if something still holds it, so it never blocks destroy.
 fn teardown_mount(rootfs: &Path) {
-    if !is_mount_point(rootfs) {
+    if !mountinfo::is_mount_point(rootfs) {
         return;
     }
     if let Err(e) = umount2(rootfs, MntFlags::empty()) {

@@ -338,38 +338,9 @@ fn dup_fd(fd: &OwnedFd, shown: &Path) -> Result<OwnedFd, StorageError> {
     fd.try_clone().map_err(io_err("dup", shown))
 }
 
-/// mountinfo escapes space, tab, newline and backslash as \ooo octal.
-fn unescape_mountinfo(s: &str) -> PathBuf {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 4 <= b.len() {
-            let oct = std::str::from_utf8(&b[i + 1..i + 4]).ok();
-            if let Some(v) = oct.and_then(|o| u8::from_str_radix(o, 8).ok()) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    PathBuf::from(OsStr::from_bytes(&out))
-}
-
-/// Filesystem type of the mount whose mount point is exactly `dir` (last one wins, as
-/// later mounts stack on top).
+/// Filesystem type of the mount whose mount point is exactly `dir`.
 fn mount_fstype(mountinfo: &str, dir: &Path) -> Option<String> {
-    mountinfo
-        .lines()
-        .filter_map(|line| {
-            let (left, right) = line.split_once(" - ")?;
-            let mp = unescape_mountinfo(left.split(' ').nth(4)?);
-            let fstype = right.split(' ').next()?;
-            (mp == dir).then(|| fstype.to_string())
-        })
-        .next_back()
+    super::mountinfo::fstype_at(&super::mountinfo::parse(mountinfo), dir)
 }
 
 fn run(cmd: &mut Command, path: &Path) -> Result<(), StorageError> {

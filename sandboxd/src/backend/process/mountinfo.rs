@@ -1,0 +1,89 @@
+//! `/proc/self/mountinfo`, parsed once for everything the process tier asks of it: which cgroup
+//! hierarchies are mounted where, what filesystem a directory is, whether a path is a mount point.
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// Where the kernel describes this process's mounts.
+pub const PATH: &str = "/proc/self/mountinfo";
+
+/// One line of mountinfo, the fields we use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    pub mount_point: PathBuf,
+    pub fstype: String,
+    pub super_options: Vec<String>,
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo` octal.
+fn unescape(s: &str) -> PathBuf {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 4 <= b.len() {
+            let oct = std::str::from_utf8(&b[i + 1..i + 4]).ok();
+            if let Some(v) = oct.and_then(|o| u8::from_str_radix(o, 8).ok()) {
+                out.push(v);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    PathBuf::from(OsStr::from_bytes(&out))
+}
+
+/// Parses mountinfo text (malformed lines are skipped).
+pub fn parse(text: &str) -> Vec<Mount> {
+    text.lines()
+        .filter_map(|line| {
+            // "id parent maj:min root mount_point options [optional...] - fstype source super_options"
+            let (left, right) = line.split_once(" - ")?;
+            let mount_point = unescape(left.split(' ').nth(4)?);
+            let mut r = right.split(' ');
+            let fstype = r.next()?.to_string();
+            let _source = r.next();
+            let super_options = r.next().map(|o| o.split(',').map(str::to_string).collect()).unwrap_or_default();
+            Some(Mount { mount_point, fstype, super_options })
+        })
+        .collect()
+}
+
+/// The current mounts (empty if mountinfo cannot be read).
+pub fn read() -> Vec<Mount> {
+    std::fs::read_to_string(PATH).map(|t| parse(&t)).unwrap_or_default()
+}
+
+/// Filesystem type of the mount whose mount point is exactly `dir` (the last one: later mounts
+/// stack on top).
+pub fn fstype_at(mounts: &[Mount], dir: &Path) -> Option<String> {
+    mounts.iter().rev().find(|m| m.mount_point == dir).map(|m| m.fstype.clone())
+}
+
+/// Whether `path` is a mount point now.
+pub fn is_mount_point(path: &Path) -> bool {
+    read().iter().any(|m| m.mount_point == path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_parse_with_escapes_and_optional_fields() {
+        let mi = "22 1 0:21 / /proc rw - proc proc rw\n\
+                  90 23 0:50 / /tmp/st\\040x/pool rw,noatime shared:5 master:1 - btrfs /dev/loop3 rw,quota\n\
+                  32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n\
+                  garbage line\n";
+        let m = parse(mi);
+        assert_eq!(m.len(), 3);
+        assert_eq!(fstype_at(&m, Path::new("/tmp/st x/pool")).as_deref(), Some("btrfs"));
+        assert_eq!(m[2].super_options, ["rw", "cpu", "cpuacct"]);
+        assert_eq!(fstype_at(&m, Path::new("/tmp/st")), None);
+        assert_eq!(unescape("/a\\040b\\134c"), Path::new("/a b\\c"));
+        assert_eq!(unescape("/tail\\04"), Path::new("/tail\\04"));
+    }
+}
