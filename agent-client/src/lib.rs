@@ -24,6 +24,7 @@
 #![warn(missing_docs)]
 
 pub mod address;
+pub mod agent;
 pub mod client;
 pub mod error;
 

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use clap::Parser;
 use serde::Deserialize;
 
+use crate::policy::{PartialLimits, Policy, PolicyConfig};
+
 /// Errors reading or validating the configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -43,6 +45,9 @@ pub struct Cli {
     /// Size of the sparse btrfs pool file holding the sandboxes' writable layers.
     #[arg(long)]
     pub pool_size_bytes: Option<u64>,
+    /// Serve Prometheus metrics over HTTP on this address (e.g. 127.0.0.1:9477).
+    #[arg(long)]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 /// How log lines are written.
@@ -56,7 +61,6 @@ pub enum LogFormat {
 
 /// Resource limits as configured (defaults and ceilings). 0 in a request means "the default".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields, default)]
 pub struct Limits {
     pub cpu_millicores: u32,
     pub memory_bytes: u64,
@@ -84,27 +88,28 @@ impl Limits {
     };
 }
 
-impl Default for Limits {
-    fn default() -> Self {
-        Limits::DEFAULTS
-    }
-}
-
-/// The `[limits]` table: defaults and ceilings.
+/// The `[limits]` table: defaults and ceilings. Each names only what it changes: a field left
+/// out keeps its built-in default (or ceiling).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(from = "RawLimitsConfig")]
 pub struct LimitsConfig {
-    #[serde(default = "default_limits")]
     pub default: Limits,
-    #[serde(default = "ceiling_limits")]
     pub max: Limits,
 }
 
-fn default_limits() -> Limits {
-    Limits::DEFAULTS
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimitsConfig {
+    #[serde(default)]
+    default: PartialLimits,
+    #[serde(default)]
+    max: PartialLimits,
 }
-fn ceiling_limits() -> Limits {
-    Limits::CEILINGS
+
+impl From<RawLimitsConfig> for LimitsConfig {
+    fn from(raw: RawLimitsConfig) -> Self {
+        LimitsConfig { default: raw.default.over(Limits::DEFAULTS), max: raw.max.over(Limits::CEILINGS) }
+    }
 }
 
 impl Default for LimitsConfig {
@@ -152,6 +157,74 @@ pub struct FileConfig {
     pub limits: LimitsConfig,
     #[serde(default)]
     pub exec: ExecConfig,
+    pub metrics: Option<std::net::SocketAddr>,
+    #[serde(default)]
+    pub policy: PolicyConfig,
+    #[serde(default)]
+    pub auth: AuthConfig,
+    #[serde(default)]
+    pub audit: AuditConfig,
+    pub tls: Option<TlsConfig>,
+}
+
+/// One bearer token: its SHA-256 (hex) and the tenant it stands for. Tokens are never stored in
+/// clear: `printf %s "$TOKEN" | sha256sum` gives the value to put here.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenConfig {
+    pub tenant: String,
+    pub sha256: String,
+}
+
+/// The `[auth]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// UNIX-socket peers (SO_PEERCRED) allowed by uid; root is always allowed.
+    pub unix_allowed_uids: Vec<u32>,
+    /// ... or by gid.
+    pub unix_allowed_gids: Vec<u32>,
+    /// The tenant of UNIX-socket callers.
+    pub unix_tenant: String,
+    /// Mode of the socket file: 0600 lets only root connect; widen it (e.g. 0666) to let the
+    /// uid/gid lists above decide.
+    pub unix_socket_mode: u32,
+    /// Bearer tokens for TCP. With none, TCP callers are the `unix_tenant` (a warning is logged).
+    pub tokens: Vec<TokenConfig>,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig { unix_allowed_uids: Vec::new(), unix_allowed_gids: Vec::new(), unix_tenant: "local".into(), unix_socket_mode: 0o600, tokens: Vec::new() }
+    }
+}
+
+/// The `[audit]` table: one JSON line per mutating call.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuditConfig {
+    /// Default `<state_dir>/audit.jsonl`.
+    pub path: Option<PathBuf>,
+    /// Rotate when the file passes this size.
+    pub max_bytes: u64,
+    /// Rotated files kept (`audit.jsonl.1` … `.N`).
+    pub keep: usize,
+    /// Replace env values of execs with "***" in the log.
+    pub redact_env: bool,
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        AuditConfig { path: None, max_bytes: 16 << 20, keep: 5, redact_env: true }
+    }
+}
+
+/// The `[tls]` table: TCP listeners serve TLS (rustls) with this certificate and key (PEM).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 /// Where the daemon listens.
@@ -198,15 +271,26 @@ pub struct Config {
     pub pool_size_bytes: u64,
     pub limits: LimitsConfig,
     pub exec: ExecConfig,
+    pub metrics: Option<std::net::SocketAddr>,
+    pub policy: Policy,
+    pub auth: AuthConfig,
+    pub audit: AuditConfig,
+    pub tls: Option<TlsConfig>,
 }
 
 impl Config {
     /// Merges flags over the file (if any) over defaults, and validates the result.
     pub fn load(cli: Cli) -> Result<Config, ConfigError> {
-        let file = match &cli.config {
+        let (file, text) = match &cli.config {
             Some(path) => Self::read_file(path)?,
-            None => FileConfig::default(),
+            None => (FileConfig::default(), String::new()),
         };
+        let policy = Policy::new(file.policy, file.limits.default, file.limits.max);
+        let line_of = |offset: usize| text.get(..offset).map(|t| t.matches('\n').count() + 1).unwrap_or(0);
+        policy.validate(&line_of).map_err(|message| ConfigError::Parse {
+            path: cli.config.clone().unwrap_or_default(),
+            message,
+        })?;
         let listen_raw = if !cli.listen.is_empty() {
             cli.listen
         } else {
@@ -221,14 +305,21 @@ impl Config {
             pool_size_bytes: cli.pool_size_bytes.or(file.pool_size_bytes).unwrap_or(32 << 30),
             limits: file.limits,
             exec: file.exec,
+            metrics: cli.metrics.or(file.metrics),
+            policy,
+            auth: file.auth,
+            audit: file.audit,
+            tls: file.tls,
         };
         cfg.validate()?;
         Ok(cfg)
     }
 
-    fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    fn read_file(path: &Path) -> Result<(FileConfig, String), ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-        toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })
+        // toml's messages carry the line and column of the problem.
+        let file = toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })?;
+        Ok((file, text))
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -249,6 +340,14 @@ impl Config {
         }
         if self.exec.default_max_output_bytes == 0 || self.exec.default_max_output_bytes > self.exec.max_output_bytes_ceiling {
             return Err(ConfigError::Invalid("exec.default_max_output_bytes must be > 0 and <= exec.max_output_bytes_ceiling".into()));
+        }
+        for t in &self.auth.tokens {
+            if t.tenant.is_empty() || t.sha256.len() != 64 || !t.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(ConfigError::Invalid(format!("auth.tokens: tenant {:?} needs a non-empty tenant and a 64-hex-digit sha256", t.tenant)));
+            }
+        }
+        if self.auth.unix_socket_mode > 0o777 {
+            return Err(ConfigError::Invalid(format!("auth.unix_socket_mode {:o} is not a permission mode", self.auth.unix_socket_mode)));
         }
         if self.listen.is_empty() {
             return Err(ConfigError::Invalid("no listen address".into()));
@@ -284,6 +383,11 @@ mod tests {
         assert_eq!(cfg.images_dir, PathBuf::from("/flag/images"));
         assert_eq!(cfg.limits.default.memory_bytes, 1 << 20);
         assert_eq!(cfg.limits.default.max_pids, Limits::DEFAULTS.max_pids);
+        assert_eq!(cfg.limits.max, Limits::CEILINGS, "an untouched table keeps every ceiling");
+        std::fs::write(dir.path().join("max.toml"), "[limits.max]\nmemory_bytes = 1073741824\n").expect("write");
+        let cfg = Config::load(Cli { config: Some(dir.path().join("max.toml")), ..Default::default() }).expect("load");
+        assert_eq!(cfg.limits.max.memory_bytes, 1 << 30);
+        assert_eq!(cfg.limits.max.max_pids, Limits::CEILINGS.max_pids, "unnamed ceilings stay");
     }
 
     #[test]

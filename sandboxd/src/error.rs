@@ -26,6 +26,8 @@ pub enum Error {
     FailedPrecondition(String),
     #[error("{0}")]
     ResourceExhausted(String),
+    #[error("{0}")]
+    PermissionDenied(String),
     #[error("internal error: {0}")]
     Internal(String),
 }

@@ -4,11 +4,14 @@
 //! core) → [`manager`] (ids, lifecycle, limits, records) → [`backend`] (one folder per tier).
 
 pub mod api;
+pub mod audit;
 pub mod backend;
 pub mod config;
 pub mod error;
 pub mod ids;
 pub mod manager;
+pub mod metrics;
 pub mod output;
+pub mod policy;
 pub mod server;
 pub mod store;

@@ -17,6 +17,7 @@ use crate::backend::{Backends, ExecOutcome, ExecSpec, ExecStatus, FileChunk, Iso
 use crate::config::{Config, Limits};
 use crate::error::Error;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
+use crate::metrics::{Metrics, Op};
 use crate::store::{Store, StoreError};
 
 /// Lifecycle of a sandbox. Transitions: Creating → Running | Failed; Running → Destroyed;
@@ -72,7 +73,11 @@ pub struct CreateRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SandboxInfo {
     pub id: SandboxId,
+    /// Who owns it: only calls from this tenant see or touch it.
+    pub tenant: String,
     pub isolation: Isolation,
+    /// Why the isolation differs from what was asked (a policy upgrade), if it does.
+    pub isolation_reason: Option<String>,
     pub image: String,
     pub state: SandboxState,
     pub limits: Limits,
@@ -92,6 +97,7 @@ pub struct SandboxInfo {
 pub struct SnapshotRecord {
     pub snapshot_id: SnapshotId,
     pub sandbox_id: SandboxId,
+    pub tenant: String,
     pub name: String,
     pub created_at: SystemTime,
     /// Bytes the snapshot holds beyond its image.
@@ -189,6 +195,7 @@ pub struct Manager {
     cfg: Arc<Config>,
     backends: Backends,
     store: Store,
+    metrics: Arc<Metrics>,
     sandboxes: RwLock<HashMap<SandboxId, Arc<SandboxEntry>>>,
     running: Mutex<Running>,
 }
@@ -241,8 +248,18 @@ fn validate_abs_path(field: &str, path: &str) -> Result<(), Error> {
 
 impl Manager {
     /// A manager over the given backends and store. Call [`Manager::recover`] before serving.
-    pub fn new(cfg: Arc<Config>, backends: Backends, store: Store) -> Arc<Self> {
-        Arc::new(Manager { cfg, backends, store, sandboxes: RwLock::new(HashMap::new()), running: Mutex::new(Running::default()) })
+    pub fn new(cfg: Arc<Config>, backends: Backends, store: Store, metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(Manager { cfg, backends, store, metrics, sandboxes: RwLock::new(HashMap::new()), running: Mutex::new(Running::default()) })
+    }
+
+    /// The metrics text, with the state gauges filled in.
+    pub fn render_metrics(&self) -> String {
+        let sandboxes: Vec<(Isolation, SandboxState)> = match self.sandboxes.read() {
+            Ok(map) => map.values().filter_map(|e| e.info().ok()).map(|i| (i.isolation, i.state)).collect(),
+            Err(_) => Vec::new(),
+        };
+        let tiers: Vec<(Isolation, bool)> = self.backends.availability().into_iter().map(|(t, r)| (t, r.is_ok())).collect();
+        self.metrics.render(&sandboxes, &tiers)
     }
 
     /// Brings back what the store remembers: execs that were running are recorded as LOST (their
@@ -294,15 +311,19 @@ impl Manager {
         self.backends.availability()
     }
 
-    fn entry(&self, id: &str) -> Result<(SandboxId, Arc<SandboxEntry>), Error> {
+    /// The sandbox `id` if it belongs to `tenant`; another tenant's sandbox is NOT_FOUND, exactly
+    /// like one that does not exist, so ids cannot be probed across tenants.
+    fn entry(&self, tenant: &str, id: &str) -> Result<(SandboxId, Arc<SandboxEntry>), Error> {
         let sid = SandboxId::parse(id).map_err(|_| Error::SandboxNotFound(id.chars().take(80).collect()))?;
         let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
         let entry = map.get(&sid).cloned().ok_or_else(|| Error::SandboxNotFound(sid.to_string()))?;
+        if entry.info()?.tenant != tenant {
+            return Err(Error::SandboxNotFound(sid.to_string()));
+        }
         Ok((sid, entry))
     }
 
-    fn resolve_limits(&self, r: &RequestedLimits) -> Result<Limits, Error> {
-        let (d, m) = (&self.cfg.limits.default, &self.cfg.limits.max);
+    fn resolve_limits(&self, r: &RequestedLimits, d: &Limits, m: &Limits) -> Result<Limits, Error> {
         Ok(Limits {
             cpu_millicores: resolve_limit("cpu_millicores", r.cpu_millicores, d.cpu_millicores, m.cpu_millicores)?,
             memory_bytes: resolve_limit("memory_bytes", r.memory_bytes, d.memory_bytes, m.memory_bytes)?,
@@ -312,17 +333,34 @@ impl Manager {
         })
     }
 
-    fn snapshot_record(&self, id: &str) -> Result<SnapshotRecord, Error> {
+    fn snapshot_record(&self, tenant: &str, id: &str) -> Result<SnapshotRecord, Error> {
         let sid = SnapshotId::parse(id).map_err(|_| Error::SnapshotNotFound(id.chars().take(80).collect()))?;
-        self.store.snapshot(sid.as_str())?.ok_or_else(|| Error::SnapshotNotFound(sid.to_string()))
+        match self.store.snapshot(sid.as_str())? {
+            Some(snap) if snap.tenant == tenant => Ok(snap),
+            _ => Err(Error::SnapshotNotFound(sid.to_string())),
+        }
+    }
+
+    /// Refuses a create past the configured capacity, naming the limit.
+    fn check_capacity(&self, tenant: &str) -> Result<(), Error> {
+        let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
+        if let Some(max) = self.cfg.policy.max_sandboxes() {
+            if map.len() >= max {
+                return Err(Error::ResourceExhausted(format!("policy.max_sandboxes ({max}) reached")));
+            }
+        }
+        if let Some(max) = self.cfg.policy.max_sandboxes_per_tenant() {
+            let mine = map.values().filter(|e| e.info().is_ok_and(|i| i.tenant == tenant)).count();
+            if mine >= max {
+                return Err(Error::ResourceExhausted(format!("policy.max_sandboxes_per_tenant ({max}) reached for tenant {tenant:?}")));
+            }
+        }
+        Ok(())
     }
 
     /// Creates a sandbox (from an image, or from a snapshot: a fork) and returns when it is ready.
-    pub async fn create(&self, req: CreateRequest) -> Result<SandboxInfo, Error> {
-        let limits = self.resolve_limits(&req.limits)?;
-        if limits.memory_bytes < 4 << 20 {
-            return Err(Error::invalid("limits.memory_bytes", "must be at least 4 MiB"));
-        }
+    pub async fn create(&self, tenant: &str, req: CreateRequest) -> Result<SandboxInfo, Error> {
+        self.check_capacity(tenant)?;
         let workdir = if req.workdir.is_empty() { "/workspace".to_string() } else { req.workdir };
         validate_abs_path("workdir", &workdir)?;
         validate_env("env", &req.env)?;
@@ -332,26 +370,38 @@ impl Manager {
             }
         }
         // A fork inherits its tier and image from the snapshot: its layer only makes sense there.
-        let (isolation, image, from_snapshot) = if req.from_snapshot_id.is_empty() {
+        let (requested, image, from_snapshot) = if req.from_snapshot_id.is_empty() {
             let image = if req.image.is_empty() { "minimal".to_string() } else { req.image };
-            (req.isolation.unwrap_or(Isolation::Process), image, None)
+            (req.isolation, image, None)
         } else {
-            let snap = self.snapshot_record(&req.from_snapshot_id)?;
+            let snap = self.snapshot_record(tenant, &req.from_snapshot_id)?;
             if req.isolation.is_some_and(|i| i != snap.isolation) {
                 return Err(Error::invalid("isolation", format!("snapshot {} belongs to the {} tier", snap.snapshot_id, snap.isolation.name())));
             }
             if !req.image.is_empty() && req.image != snap.image {
                 return Err(Error::invalid("image", format!("snapshot {} is of image {:?}", snap.snapshot_id, snap.image)));
             }
-            (snap.isolation, snap.image, Some(snap.snapshot_id))
+            (Some(snap.isolation), snap.image, Some(snap.snapshot_id))
         };
+        let decision = self.cfg.policy.decide(requested, &req.labels).map_err(|e| Error::PermissionDenied(e.to_string()))?;
+        if from_snapshot.is_some() && Some(decision.isolation) != requested {
+            return Err(Error::PermissionDenied(format!("policy requires {} for this request; the snapshot belongs to another tier", decision.isolation.name())));
+        }
+        let isolation = decision.isolation;
+        let limits = self.resolve_limits(&req.limits, &decision.defaults, &decision.ceilings)?;
+        if limits.memory_bytes < 4 << 20 {
+            return Err(Error::invalid("limits.memory_bytes", "must be at least 4 MiB"));
+        }
+        // Never a weaker tier than decided: an unavailable tier is an error, not a fallback.
         let backend = self.backends.get(isolation)?.clone();
 
         let id = SandboxId::generate();
         let now = SystemTime::now();
         let info = SandboxInfo {
             id: id.clone(),
+            tenant: tenant.to_string(),
             isolation,
+            isolation_reason: decision.reason,
             image,
             state: SandboxState::Creating,
             limits,
@@ -372,6 +422,7 @@ impl Manager {
             Ok(()) => {
                 let info = entry.update(|i| i.state = SandboxState::Running)?;
                 self.store.put_sandbox(&info)?;
+                self.metrics.observe(Op::Create, isolation, started.elapsed());
                 tracing::info!(sandbox = %id, tier = isolation.name(), ms = started.elapsed().as_millis() as u64, "sandbox created");
                 Ok(info)
             }
@@ -389,25 +440,26 @@ impl Manager {
     }
 
     /// The sandbox's current description.
-    pub fn get(&self, id: &str) -> Result<SandboxInfo, Error> {
-        self.entry(id)?.1.info()
+    pub fn get(&self, tenant: &str, id: &str) -> Result<SandboxInfo, Error> {
+        self.entry(tenant, id)?.1.info()
     }
 
     /// Sandboxes whose labels include every pair of `selector`.
-    pub fn list(&self, selector: &BTreeMap<String, String>) -> Result<Vec<SandboxInfo>, Error> {
+    pub fn list(&self, tenant: &str, selector: &BTreeMap<String, String>) -> Result<Vec<SandboxInfo>, Error> {
         let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
         let mut out: Vec<SandboxInfo> = map
             .values()
             .filter_map(|e| e.info().ok())
-            .filter(|i| selector.iter().all(|(k, v)| i.labels.get(k) == Some(v)))
+            .filter(|i| i.tenant == tenant && selector.iter().all(|(k, v)| i.labels.get(k) == Some(v)))
             .collect();
         out.sort_by(|a, b| a.created_at.cmp(&b.created_at).then_with(|| a.id.cmp(&b.id)));
         Ok(out)
     }
 
     /// Destroys a sandbox: every process, mount, cgroup and exec record goes (snapshots stay).
-    pub async fn destroy(&self, id: &str) -> Result<(), Error> {
-        let (sid, entry) = self.entry(id)?;
+    pub async fn destroy(&self, tenant: &str, id: &str) -> Result<(), Error> {
+        let (sid, entry) = self.entry(tenant, id)?;
+        let started = std::time::Instant::now();
         let _op = entry.op.lock().await;
         let info = entry.info()?;
         if !info.state.can_destroy() {
@@ -423,6 +475,7 @@ impl Manager {
             Err(e) => Err(e.into()),
         };
         self.store.delete_sandbox(sid.as_str())?;
+        self.metrics.observe(Op::Destroy, info.isolation, started.elapsed());
         tracing::info!(sandbox = %sid, "sandbox destroyed");
         match result {
             // A sandbox its backend no longer runs (a FAILED one) is gone all the same.
@@ -485,8 +538,8 @@ impl Manager {
     ///
     /// Dropping the returned future (a client that went away) kills a foreground exec without an
     /// idempotency key; one with a key runs on so its result can be collected later.
-    pub async fn exec(self: &Arc<Self>, req: ExecRequest, sink: OutputSink) -> Result<ExecRecord, Error> {
-        let (sid, entry) = self.entry(&req.sandbox_id)?;
+    pub async fn exec(self: &Arc<Self>, tenant: &str, req: ExecRequest, sink: OutputSink) -> Result<ExecRecord, Error> {
+        let (sid, entry) = self.entry(tenant, &req.sandbox_id)?;
         let info = entry.info()?;
         if !info.state.can_exec() {
             return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "exec" });
@@ -513,6 +566,14 @@ impl Manager {
                         }
                         running.by_key.insert(k.clone(), exec.clone());
                     }
+                    if let Some(max) = self.cfg.policy.max_concurrent_execs() {
+                        if running.by_id.len() >= max {
+                            if let Some(k) = &key {
+                                running.by_key.remove(k);
+                            }
+                            return Err(Error::ResourceExhausted(format!("policy.max_concurrent_execs ({max}) reached")));
+                        }
+                    }
                     running.by_id.insert(exec_id.clone(), exec.clone());
                     // Recorded before it starts: a crash from here on leaves a LOST record.
                     if let Err(e) = self.store.put_exec(&record) {
@@ -533,6 +594,7 @@ impl Manager {
 
         let manager = self.clone();
         let task_exec = exec.clone();
+        let tier = info.isolation;
         let (started_tx, started_rx) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
             let started_at = SystemTime::now();
@@ -545,6 +607,7 @@ impl Manager {
                 r.clone()
             });
             if let Ok(r) = finished {
+                manager.metrics.exec_ended(tier, r.outcome.status, r.outcome.duration);
                 tracing::debug!(exec = %r.exec_id, status = ?r.outcome.status, code = r.outcome.exit_code, ms = r.outcome.duration.as_millis() as u64, "exec ended");
                 manager.exec_finished(&r, key.as_ref());
             }
@@ -590,36 +653,48 @@ impl Manager {
     }
 
     /// A recorded exec; with `wait`, once it has ended.
-    pub async fn get_exec(&self, exec_id: &str, wait: bool) -> Result<ExecRecord, Error> {
+    pub async fn get_exec(&self, tenant: &str, exec_id: &str, wait: bool) -> Result<ExecRecord, Error> {
         let eid = ExecId::parse(exec_id).map_err(|_| Error::ExecNotFound(exec_id.chars().take(80).collect()))?;
         if let Some(exec) = self.running_exec(&eid) {
+            self.check_exec_tenant(tenant, &exec.snapshot()?)?;
             return if wait { exec.wait().await } else { exec.snapshot() };
         }
-        self.store.exec(eid.as_str())?.ok_or_else(|| Error::ExecNotFound(eid.to_string()))
+        let record = self.store.exec(eid.as_str())?.ok_or_else(|| Error::ExecNotFound(eid.to_string()))?;
+        self.check_exec_tenant(tenant, &record)?;
+        Ok(record)
+    }
+
+    /// An exec belongs to its sandbox's tenant.
+    fn check_exec_tenant(&self, tenant: &str, record: &ExecRecord) -> Result<(), Error> {
+        self.entry(tenant, record.sandbox_id.as_str()).map(|_| ()).map_err(|_| Error::ExecNotFound(record.exec_id.to_string()))
     }
 
     /// Sends a signal to every process of a running exec.
-    pub async fn signal_exec(&self, exec_id: &str, signal: i32) -> Result<(), Error> {
+    pub async fn signal_exec(&self, tenant: &str, exec_id: &str, signal: i32) -> Result<(), Error> {
         if !(1..=64).contains(&signal) {
             return Err(Error::invalid("signal", format!("{signal} is not a signal number (1-64)")));
         }
         let eid = ExecId::parse(exec_id).map_err(|_| Error::ExecNotFound(exec_id.chars().take(80).collect()))?;
         let Some(exec) = self.running_exec(&eid) else {
             return match self.store.exec(eid.as_str())? {
-                Some(_) => Err(Error::FailedPrecondition(format!("exec {eid} has already ended"))),
+                Some(r) => {
+                    self.check_exec_tenant(tenant, &r)?;
+                    Err(Error::FailedPrecondition(format!("exec {eid} has already ended")))
+                }
                 None => Err(Error::ExecNotFound(eid.to_string())),
             };
         };
         let record = exec.snapshot()?;
-        let info = self.get(record.sandbox_id.as_str())?;
+        self.check_exec_tenant(tenant, &record)?;
+        let info = self.get(tenant, record.sandbox_id.as_str())?;
         let backend = self.backends.get(info.isolation)?.clone();
         backend.signal_exec(&record.sandbox_id, &record.exec_id, signal).await?;
         Ok(())
     }
 
     /// The sandbox's exec records, oldest first; `limit` > 0 keeps the newest `limit`.
-    pub fn list_execs(&self, sandbox_id: &str, limit: u32) -> Result<Vec<ExecRecord>, Error> {
-        let (sid, _) = self.entry(sandbox_id)?;
+    pub fn list_execs(&self, tenant: &str, sandbox_id: &str, limit: u32) -> Result<Vec<ExecRecord>, Error> {
+        let (sid, _) = self.entry(tenant, sandbox_id)?;
         let mut records = self.store.execs(sid.as_str(), limit)?;
         // Running ones are stored as they started; show their live state.
         for r in &mut records {
@@ -632,8 +707,8 @@ impl Manager {
         Ok(records)
     }
 
-    fn running_entry(&self, sandbox_id: &str, op: &'static str) -> Result<(SandboxId, Arc<SandboxEntry>, SandboxInfo), Error> {
-        let (sid, entry) = self.entry(sandbox_id)?;
+    fn running_entry(&self, tenant: &str, sandbox_id: &str, op: &'static str) -> Result<(SandboxId, Arc<SandboxEntry>, SandboxInfo), Error> {
+        let (sid, entry) = self.entry(tenant, sandbox_id)?;
         let info = entry.info()?;
         if !info.state.can_exec() {
             return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: op });
@@ -642,8 +717,8 @@ impl Manager {
     }
 
     /// Writes a file inside the sandbox.
-    pub async fn write_file(&self, sandbox_id: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, Error> {
-        let (sid, _, info) = self.running_entry(sandbox_id, "write files")?;
+    pub async fn write_file(&self, tenant: &str, sandbox_id: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, Error> {
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files")?;
         if mode > 0o7777 {
             return Err(Error::invalid("mode", format!("{mode:o} is not a permission mode")));
         }
@@ -651,14 +726,14 @@ impl Manager {
     }
 
     /// Reads part of a file inside the sandbox.
-    pub async fn read_file(&self, sandbox_id: &str, path: &str, offset: u64, limit: u64) -> Result<FileChunk, Error> {
-        let (sid, _, info) = self.running_entry(sandbox_id, "read files")?;
+    pub async fn read_file(&self, tenant: &str, sandbox_id: &str, path: &str, offset: u64, limit: u64) -> Result<FileChunk, Error> {
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files")?;
         Ok(self.backends.get(info.isolation)?.read_file(&sid, path, offset, limit).await?)
     }
 
     /// Captures the sandbox's filesystem as a new snapshot.
-    pub async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotRecord, Error> {
-        let (sid, entry) = self.entry(sandbox_id)?;
+    pub async fn snapshot(&self, tenant: &str, sandbox_id: &str, name: &str) -> Result<SnapshotRecord, Error> {
+        let (sid, entry) = self.entry(tenant, sandbox_id)?;
         if name.len() > 256 {
             return Err(Error::invalid("name", "at most 256 bytes"));
         }
@@ -670,9 +745,11 @@ impl Manager {
         let snap_id = SnapshotId::generate();
         let started = std::time::Instant::now();
         let size_bytes = self.backends.get(info.isolation)?.snapshot(&sid, &snap_id).await?;
+        self.metrics.observe(Op::Snapshot, info.isolation, started.elapsed());
         let record = SnapshotRecord {
             snapshot_id: snap_id.clone(),
             sandbox_id: sid.clone(),
+            tenant: tenant.to_string(),
             name: name.to_string(),
             created_at: SystemTime::now(),
             size_bytes,
@@ -689,10 +766,10 @@ impl Manager {
 
     /// Snapshots taken of a sandbox, oldest first. They outlive the sandbox, so a destroyed
     /// sandbox's snapshots are still listed (NOT_FOUND only if there is neither).
-    pub fn list_snapshots(&self, sandbox_id: &str) -> Result<Vec<SnapshotRecord>, Error> {
+    pub fn list_snapshots(&self, tenant: &str, sandbox_id: &str) -> Result<Vec<SnapshotRecord>, Error> {
         let sid = SandboxId::parse(sandbox_id).map_err(|_| Error::SandboxNotFound(sandbox_id.chars().take(80).collect()))?;
-        let snaps = self.store.snapshots(Some(sid.as_str()))?;
-        if snaps.is_empty() && self.entry(sandbox_id).is_err() {
+        let snaps: Vec<SnapshotRecord> = self.store.snapshots(Some(sid.as_str()))?.into_iter().filter(|s| s.tenant == tenant).collect();
+        if snaps.is_empty() && self.entry(tenant, sandbox_id).is_err() {
             return Err(Error::SandboxNotFound(sid.to_string()));
         }
         Ok(snaps)
@@ -700,9 +777,9 @@ impl Manager {
 
     /// Puts the sandbox's filesystem back to a snapshot. Running execs end as LOST; background
     /// processes are gone; id, limits and labels stay.
-    pub async fn rollback(&self, sandbox_id: &str, snapshot_id: &str) -> Result<SandboxInfo, Error> {
-        let (sid, entry) = self.entry(sandbox_id)?;
-        let snap = self.snapshot_record(snapshot_id)?;
+    pub async fn rollback(&self, tenant: &str, sandbox_id: &str, snapshot_id: &str) -> Result<SandboxInfo, Error> {
+        let (sid, entry) = self.entry(tenant, sandbox_id)?;
+        let snap = self.snapshot_record(tenant, snapshot_id)?;
         let _op = entry.op.lock().await;
         let info = entry.info()?;
         if !info.state.can_snapshot() {
@@ -730,13 +807,14 @@ impl Manager {
             }
         };
         self.store.put_sandbox(&info)?;
+        self.metrics.observe(Op::Rollback, info.isolation, started.elapsed());
         tracing::info!(sandbox = %sid, snapshot = %snap.snapshot_id, ms = started.elapsed().as_millis() as u64, "rolled back");
         Ok(info)
     }
 
     /// Deletes a snapshot no live sandbox was forked from.
-    pub async fn delete_snapshot(&self, snapshot_id: &str) -> Result<(), Error> {
-        let snap = self.snapshot_record(snapshot_id)?;
+    pub async fn delete_snapshot(&self, tenant: &str, snapshot_id: &str) -> Result<(), Error> {
+        let snap = self.snapshot_record(tenant, snapshot_id)?;
         let dependents: Vec<String> = match self.sandboxes.read() {
             Ok(map) => map
                 .values()
@@ -761,16 +839,16 @@ impl Manager {
     /// Destroys sandboxes whose TTL has passed. Called periodically.
     pub async fn reap_expired(&self) {
         let now = SystemTime::now();
-        let expired: Vec<SandboxId> = match self.sandboxes.read() {
+        let expired: Vec<(SandboxId, String)> = match self.sandboxes.read() {
             Ok(map) => map
                 .iter()
-                .filter_map(|(id, e)| e.info().ok().filter(|i| i.state.can_destroy() && i.expires_at.is_some_and(|t| t <= now)).map(|_| id.clone()))
+                .filter_map(|(id, e)| e.info().ok().filter(|i| i.state.can_destroy() && i.expires_at.is_some_and(|t| t <= now)).map(|i| (id.clone(), i.tenant)))
                 .collect(),
             Err(_) => return,
         };
-        for id in expired {
+        for (id, tenant) in expired {
             tracing::info!(sandbox = %id, "TTL expired; destroying");
-            if let Err(e) = self.destroy(id.as_str()).await {
+            if let Err(e) = self.destroy(&tenant, id.as_str()).await {
                 tracing::warn!(sandbox = %id, error = %e, "TTL reap failed");
             }
         }

@@ -7,7 +7,10 @@ use std::time::Duration;
 use sandbox_proto::v1::sandbox_service_server::SandboxServiceServer;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::Api;
+use crate::api::{Api, Auth};
+use crate::audit::AuditLog;
+use crate::metrics::{self, Metrics};
+use crate::backend::container::{ContainerBackend, ContainerConfig, DEFAULT_DOCKER_SOCKET};
 use crate::backend::process::{ProcessBackend, ProcessConfig};
 use crate::backend::Backends;
 use crate::config::{Config, ListenAddr};
@@ -30,8 +33,19 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         pool_size_bytes: cfg.pool_size_bytes,
     });
     backends.insert(Arc::new(process));
+    // Never fails: without Docker the tier reports itself unavailable, with the reason.
+    let container = ContainerBackend::new(ContainerConfig {
+        state_dir: cfg.state_dir.clone(),
+        images_dir: cfg.images_dir.clone(),
+        docker_socket: DEFAULT_DOCKER_SOCKET.into(),
+    })
+    .await;
+    backends.insert(Arc::new(container));
     let store = Store::open(&cfg.state_dir.join("state.db")).context("opening the state database")?;
-    let manager = Manager::new(cfg.clone(), backends, store);
+    let metrics = Metrics::new().context("registering metrics")?;
+    let manager = Manager::new(cfg.clone(), backends, store, metrics);
+    let auth = Arc::new(Auth::new(&cfg.auth));
+    let audit = Arc::new(AuditLog::open(&cfg.audit, cfg.state_dir.join("audit.jsonl")).context("opening the audit log")?);
     // Before serving: re-adopt the sandboxes on record and clean whatever a crash left behind.
     manager.recover().await.context("recovering state from the previous run")?;
 
@@ -54,12 +68,24 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
 
     let stop = CancellationToken::new();
     let mut servers = tokio::task::JoinSet::new();
+    let tls = match &cfg.tls {
+        Some(t) => {
+            let cert = std::fs::read(&t.cert).with_context(|| format!("reading TLS certificate {}", t.cert.display()))?;
+            let key = std::fs::read(&t.key).with_context(|| format!("reading TLS key {}", t.key.display()))?;
+            Some(tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(cert, key)))
+        }
+        None => None,
+    };
     let mut unix_paths = Vec::new();
     for addr in &cfg.listen {
-        let api = SandboxServiceServer::new(Api::new(manager.clone()))
+        let api = SandboxServiceServer::new(Api::new(manager.clone(), auth.clone(), audit.clone()))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        let router = tonic::transport::Server::builder().add_service(health_service.clone()).add_service(reflection.clone()).add_service(api);
+        let mut builder = tonic::transport::Server::builder().trace_fn(rpc_span);
+        if let (ListenAddr::Tcp(_), Some(tls)) = (addr, &tls) {
+            builder = builder.tls_config(tls.clone()).context("configuring TLS")?;
+        }
+        let router = builder.add_service(health_service.clone()).add_service(reflection.clone()).add_service(api);
         let shutdown = stop.clone().cancelled_owned();
         match addr {
             ListenAddr::Unix(path) => {
@@ -72,19 +98,36 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
                     Err(e) => return Err(e).with_context(|| format!("removing stale socket {}", path.display())),
                 }
                 let listener = tokio::net::UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-                // Only root (the daemon's owner) may connect until auth lands.
-                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).with_context(|| format!("chmod {}", path.display()))?;
+                // 0600 by default: only root connects. A wider mode lets SO_PEERCRED and the
+                // configured uid/gid lists decide (see api::auth).
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.auth.unix_socket_mode)).with_context(|| format!("chmod {}", path.display()))?;
                 unix_paths.push(path.clone());
                 let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
                 servers.spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await });
             }
             ListenAddr::Tcp(sock) => {
+                if !auth.tokens_required() {
+                    tracing::warn!(%sock, "TCP listener without [auth] tokens: any process that can connect acts as the local tenant");
+                }
                 let listener = tokio::net::TcpListener::bind(sock).await.with_context(|| format!("binding {sock}"))?;
                 let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
                 servers.spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await });
             }
         }
         tracing::info!(%addr, "listening");
+    }
+
+    if let Some(addr) = cfg.metrics {
+        let render_manager = manager.clone();
+        let render: Arc<dyn Fn() -> String + Send + Sync> = Arc::new(move || render_manager.render_metrics());
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding metrics listener {addr}"))?;
+        tracing::info!(%addr, "metrics listening");
+        let metrics_stop = stop.clone();
+        tokio::spawn(async move {
+            if let Err(e) = metrics::serve(listener, render, metrics_stop).await {
+                tracing::error!(error = %e, "metrics listener stopped");
+            }
+        });
     }
 
     let reaper_manager = manager.clone();
@@ -116,4 +159,38 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The span of one RPC. It carries the caller's W3C `traceparent` (trace id and parent span id),
+/// so an agent's trace continues into the daemon's logs.
+fn rpc_span(req: &http::Request<()>) -> tracing::Span {
+    let (trace_id, parent_id) = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_traceparent)
+        .map(|(t, p)| (t.to_string(), p.to_string()))
+        .unwrap_or_default();
+    tracing::info_span!("rpc", method = %req.uri().path(), trace_id = %trace_id, parent_span_id = %parent_id)
+}
+
+/// `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>` → (trace id, parent id).
+fn parse_traceparent(v: &str) -> Option<(&str, &str)> {
+    let mut parts = v.trim().split('-');
+    let (version, trace, parent, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    (hex(version, 2) && hex(trace, 32) && hex(parent, 16) && hex(flags, 2) && trace.bytes().any(|b| b != b'0')).then_some((trace, parent))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traceparent_parses_and_rejects_garbage() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(parse_traceparent(tp), Some(("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")));
+        assert_eq!(parse_traceparent("00-00000000000000000000000000000000-00f067aa0ba902b7-01"), None);
+        assert_eq!(parse_traceparent("garbage"), None);
+    }
 }

@@ -59,6 +59,7 @@ pub struct Daemon {
     child: Option<Child>,
     dir: tempfile::TempDir,
     config: Option<PathBuf>,
+    extra_args: Vec<String>,
     /// `unix:///…/sandboxd.sock`
     pub address: String,
 }
@@ -71,6 +72,12 @@ impl Daemon {
 
     /// Starts a daemon with extra TOML configuration (e.g. `[limits.max]` ceilings).
     pub async fn start_with_config(toml: &str) -> Result<Daemon> {
+        Self::start_with(toml, &[]).await
+    }
+
+    /// Starts a daemon with extra TOML configuration and extra command-line flags (e.g. another
+    /// `--listen tcp://…`, `--metrics …`, `--log-format json`).
+    pub async fn start_with(toml: &str, extra_args: &[&str]) -> Result<Daemon> {
         require_environment()?;
         let dir = tempfile::Builder::new().prefix("sandboxd-test-").tempdir().context("creating temp dir")?;
         let config = if toml.is_empty() {
@@ -81,9 +88,15 @@ impl Daemon {
             Some(path)
         };
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
-        let mut daemon = Daemon { child: None, dir, config, address };
+        let extra_args = extra_args.iter().map(|a| a.to_string()).collect();
+        let mut daemon = Daemon { child: None, dir, config, extra_args, address };
         daemon.spawn().await?;
         Ok(daemon)
+    }
+
+    /// The temp dir holding the socket, state dir and log.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
     }
 
     /// The daemon's state dir.
@@ -119,6 +132,7 @@ impl Daemon {
         if let Some(c) = &self.config {
             cmd.arg("--config").arg(c);
         }
+        cmd.args(&self.extra_args);
         let _ = std::fs::remove_file(self.socket_path());
         self.child = Some(cmd.spawn().context("starting sandboxd")?);
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -225,4 +239,10 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
 /// A CreateSandboxRequest for the process tier with the given image and defaults otherwise.
 pub fn process_sandbox(image: &str) -> proto::CreateSandboxRequest {
     proto::CreateSandboxRequest { isolation: proto::Isolation::Process as i32, image: image.to_string(), ..Default::default() }
+}
+
+/// A TCP port free right now on 127.0.0.1 (for a daemon listener).
+pub fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("binding a probe socket")?;
+    Ok(l.local_addr()?.port())
 }

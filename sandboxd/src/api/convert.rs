@@ -94,6 +94,7 @@ pub fn sandbox(i: &SandboxInfo) -> pb::Sandbox {
         workdir: i.workdir.clone(),
         parent_snapshot_id: i.parent_snapshot_id.as_ref().map(|s| s.to_string()).unwrap_or_default(),
         expires_at: i.expires_at.map(timestamp),
+        isolation_reason: i.isolation_reason.clone().unwrap_or_default(),
     }
 }
 

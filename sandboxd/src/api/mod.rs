@@ -1,10 +1,14 @@
-//! The gRPC edge: each handler turns a protobuf message into a core call and the result back.
+//! The gRPC edge: each handler authenticates the caller, turns the protobuf message into a core
+//! call and the result back into a message, and audits what it mutated.
 
+pub mod auth;
 mod convert;
 mod status;
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures::Stream;
 use sandbox_proto::v1 as pb;
@@ -12,169 +16,296 @@ use sandbox_proto::v1::sandbox_service_server::SandboxService;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
+use crate::audit::{millis, AuditEntry, AuditLog};
 use crate::backend::OutputChunk;
 use crate::manager::Manager;
 
+pub use auth::Auth;
 pub use convert::{exec_request, isolation_from_proto};
 
 /// The `sandbox.v1.SandboxService` implementation.
 pub struct Api {
     manager: Arc<Manager>,
+    auth: Arc<Auth>,
+    audit: Arc<AuditLog>,
 }
 
 impl Api {
-    /// Serves `manager`.
-    pub fn new(manager: Arc<Manager>) -> Self {
-        Api { manager }
+    /// Serves `manager` to callers `auth` admits, auditing into `audit`.
+    pub fn new(manager: Arc<Manager>, auth: Arc<Auth>, audit: Arc<AuditLog>) -> Self {
+        Api { manager, auth, audit }
     }
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::ExecEvent, Status>> + Send>>;
 
+/// What the audit line of a mutating call says besides tenant, RPC, status and duration.
+#[derive(Default)]
+struct Audited {
+    sandbox_id: String,
+    argv: Option<Vec<String>>,
+    env: Option<std::collections::BTreeMap<String, String>>,
+    detail: String,
+}
+
+fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+impl Api {
+    /// Authenticates, runs `f` with the caller's tenant, and writes the audit line for mutating
+    /// calls (`audited` is Some) whatever the outcome.
+    async fn call<T, R, F, Fut>(&self, rpc: &'static str, request: Request<T>, audited: Option<Audited>, f: F) -> Result<Response<R>, Status>
+    where
+        F: FnOnce(String, T) -> Fut,
+        Fut: Future<Output = Result<R, Status>>,
+    {
+        let started = Instant::now();
+        let tenant = self.auth.tenant(&request);
+        let result = match &tenant {
+            Ok(t) => f(t.clone(), request.into_inner()).await,
+            Err(e) => Err(e.clone()),
+        };
+        if let Some(a) = audited {
+            let tenant = tenant.as_deref().unwrap_or("-");
+            let status = match &result {
+                Ok(_) => "OK",
+                Err(s) => code_name(s.code()),
+            };
+            self.audit.record(&AuditEntry {
+                tenant,
+                rpc,
+                sandbox_id: &a.sandbox_id,
+                argv: a.argv.as_deref(),
+                env: a.env,
+                detail: &a.detail,
+                status,
+                duration_ms: millis(started.elapsed()),
+            });
+        }
+        result.map(Response::new)
+    }
+
+    fn audited_exec(&self, req: &pb::ExecRequest) -> Audited {
+        Audited {
+            sandbox_id: req.sandbox_id.clone(),
+            argv: Some(req.argv.clone()),
+            env: self.audit.env(&req.env),
+            detail: if req.background { "background".into() } else { String::new() },
+        }
+    }
+}
+
+fn sandbox_only(id: &str) -> Option<Audited> {
+    Some(Audited { sandbox_id: id.to_string(), ..Default::default() })
+}
+
+fn chunk_event(chunk: OutputChunk) -> pb::ExecEvent {
+    let event = match chunk {
+        OutputChunk::Stdout(b) => pb::exec_event::Event::Stdout(b.to_vec()),
+        OutputChunk::Stderr(b) => pb::exec_event::Event::Stderr(b.to_vec()),
+    };
+    pb::ExecEvent { event: Some(event) }
+}
+
 #[tonic::async_trait]
 impl SandboxService for Api {
     async fn create_sandbox(&self, request: Request<pb::CreateSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
-        let req = convert::create_request(request.into_inner())?;
-        let info = self.manager.create(req).await?;
-        Ok(Response::new(convert::sandbox(&info)))
+        let m = self.manager.clone();
+        let r = request.get_ref();
+        let detail = format!("isolation={} image={} from_snapshot={}", r.isolation, r.image, r.from_snapshot_id);
+        self.call("CreateSandbox", request, Some(Audited { detail, ..Default::default() }), |tenant, req| async move {
+            let info = m.create(&tenant, convert::create_request(req)?).await?;
+            Ok(convert::sandbox(&info))
+        })
+        .await
     }
 
     async fn get_sandbox(&self, request: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
-        let info = self.manager.get(&request.into_inner().sandbox_id)?;
-        Ok(Response::new(convert::sandbox(&info)))
+        self.call("GetSandbox", request, None, |tenant, req| async move { Ok(convert::sandbox(&self.manager.get(&tenant, &req.sandbox_id)?)) })
+            .await
     }
 
     async fn list_sandboxes(&self, request: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
-        let selector = request.into_inner().label_selector.into_iter().collect();
-        let list = self.manager.list(&selector)?;
-        Ok(Response::new(pb::ListSandboxesResponse { sandboxes: list.iter().map(convert::sandbox).collect() }))
+        self.call("ListSandboxes", request, None, |tenant, req| async move {
+            let list = self.manager.list(&tenant, &req.label_selector.into_iter().collect())?;
+            Ok(pb::ListSandboxesResponse { sandboxes: list.iter().map(convert::sandbox).collect() })
+        })
+        .await
     }
 
     async fn destroy_sandbox(&self, request: Request<pb::DestroySandboxRequest>) -> Result<Response<pb::DestroySandboxResponse>, Status> {
-        self.manager.destroy(&request.into_inner().sandbox_id).await?;
-        Ok(Response::new(pb::DestroySandboxResponse {}))
+        let audited = sandbox_only(&request.get_ref().sandbox_id);
+        self.call("DestroySandbox", request, audited, |tenant, req| async move {
+            self.manager.destroy(&tenant, &req.sandbox_id).await?;
+            Ok(pb::DestroySandboxResponse {})
+        })
+        .await
     }
 
     async fn exec(&self, request: Request<pb::ExecRequest>) -> Result<Response<pb::ExecResult>, Status> {
-        let req = exec_request(request.into_inner());
-        let record = self.manager.exec(req, None).await?;
-        Ok(Response::new(convert::exec_result(&record, true)))
+        let audited = Some(self.audited_exec(request.get_ref()));
+        self.call("Exec", request, audited, |tenant, req| async move {
+            let record = self.manager.exec(&tenant, exec_request(req), None).await?;
+            Ok(convert::exec_result(&record, true))
+        })
+        .await
     }
 
     type ExecStreamStream = EventStream;
 
     async fn exec_stream(&self, request: Request<pb::ExecRequest>) -> Result<Response<Self::ExecStreamStream>, Status> {
-        let req = exec_request(request.into_inner());
-        // Validate before the stream starts, so bad input is a status, not a broken stream.
-        self.manager.get(&req.sandbox_id)?;
-        let (chunk_tx, mut chunk_rx) = mpsc::channel::<OutputChunk>(16);
-        let (event_tx, event_rx) = mpsc::channel::<Result<pb::ExecEvent, Status>>(16);
+        let audited = Some(self.audited_exec(request.get_ref()));
         let manager = self.manager.clone();
-        tokio::spawn(async move {
-            let exec = manager.exec(req, Some(chunk_tx));
-            tokio::pin!(exec);
-            let mut streamed = false;
-            let result = loop {
-                tokio::select! {
-                    r = &mut exec => break r,
-                    // The client went away: returning drops `exec`, which kills the command.
-                    _ = event_tx.closed() => return,
-                    Some(chunk) = chunk_rx.recv() => {
-                        streamed = true;
-                        let event = match chunk {
-                            OutputChunk::Stdout(b) => pb::exec_event::Event::Stdout(b.to_vec()),
-                            OutputChunk::Stderr(b) => pb::exec_event::Event::Stderr(b.to_vec()),
-                        };
+        self.call("ExecStream", request, audited, |tenant, req| async move {
+            let req = exec_request(req);
+            // Validated before the stream starts, so bad input is a status, not a broken stream.
+            manager.get(&tenant, &req.sandbox_id)?;
+            let (chunk_tx, mut chunk_rx) = mpsc::channel::<OutputChunk>(16);
+            let (event_tx, event_rx) = mpsc::channel::<Result<pb::ExecEvent, Status>>(16);
+            tokio::spawn(async move {
+                let exec = manager.exec(&tenant, req, Some(chunk_tx));
+                tokio::pin!(exec);
+                let mut streamed = false;
+                let result = loop {
+                    tokio::select! {
+                        r = &mut exec => break r,
                         // The client went away: returning drops `exec`, which kills the command.
-                        if event_tx.send(Ok(pb::ExecEvent { event: Some(event) })).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            };
-            // Output still queued after the exec ended.
-            while let Ok(chunk) = chunk_rx.try_recv() {
-                streamed = true;
-                let event = match chunk {
-                    OutputChunk::Stdout(b) => pb::exec_event::Event::Stdout(b.to_vec()),
-                    OutputChunk::Stderr(b) => pb::exec_event::Event::Stderr(b.to_vec()),
-                };
-                if event_tx.send(Ok(pb::ExecEvent { event: Some(event) })).await.is_err() {
-                    return;
-                }
-            }
-            let last = match result {
-                Ok(record) => {
-                    // A replayed idempotent exec streamed nothing: send its recorded output first.
-                    if !streamed {
-                        for event in [
-                            pb::exec_event::Event::Stdout(record.outcome.stdout.bytes.clone()),
-                            pb::exec_event::Event::Stderr(record.outcome.stderr.bytes.clone()),
-                        ] {
-                            let empty = matches!(&event, pb::exec_event::Event::Stdout(b) | pb::exec_event::Event::Stderr(b) if b.is_empty());
-                            if !empty && event_tx.send(Ok(pb::ExecEvent { event: Some(event) })).await.is_err() {
+                        _ = event_tx.closed() => return,
+                        Some(chunk) = chunk_rx.recv() => {
+                            streamed = true;
+                            if event_tx.send(Ok(chunk_event(chunk))).await.is_err() {
                                 return;
                             }
                         }
                     }
-                    Ok(pb::ExecEvent { event: Some(pb::exec_event::Event::Result(convert::exec_result(&record, false))) })
+                };
+                // Output still queued after the exec ended.
+                while let Ok(chunk) = chunk_rx.try_recv() {
+                    streamed = true;
+                    if event_tx.send(Ok(chunk_event(chunk))).await.is_err() {
+                        return;
+                    }
                 }
-                Err(e) => Err(Status::from(e)),
-            };
-            let _ = event_tx.send(last).await;
-        });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(event_rx))))
+                let last = match result {
+                    Ok(record) => {
+                        // A replayed idempotent exec streamed nothing: send its recorded output first.
+                        if !streamed {
+                            let out = &record.outcome;
+                            let replay = [
+                                (!out.stdout.bytes.is_empty()).then(|| pb::exec_event::Event::Stdout(out.stdout.bytes.clone())),
+                                (!out.stderr.bytes.is_empty()).then(|| pb::exec_event::Event::Stderr(out.stderr.bytes.clone())),
+                            ];
+                            for event in replay.into_iter().flatten() {
+                                if event_tx.send(Ok(pb::ExecEvent { event: Some(event) })).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                        Ok(pb::ExecEvent { event: Some(pb::exec_event::Event::Result(convert::exec_result(&record, false))) })
+                    }
+                    Err(e) => Err(Status::from(e)),
+                };
+                let _ = event_tx.send(last).await;
+            });
+            Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(event_rx)) as EventStream)
+        })
+        .await
     }
 
     async fn get_exec(&self, request: Request<pb::GetExecRequest>) -> Result<Response<pb::ExecResult>, Status> {
-        let req = request.into_inner();
-        let record = self.manager.get_exec(&req.exec_id, req.wait).await?;
-        Ok(Response::new(convert::exec_result(&record, true)))
+        self.call("GetExec", request, None, |tenant, req| async move {
+            Ok(convert::exec_result(&self.manager.get_exec(&tenant, &req.exec_id, req.wait).await?, true))
+        })
+        .await
     }
 
     async fn signal_exec(&self, request: Request<pb::SignalExecRequest>) -> Result<Response<pb::SignalExecResponse>, Status> {
-        let req = request.into_inner();
-        self.manager.signal_exec(&req.exec_id, req.signal).await?;
-        Ok(Response::new(pb::SignalExecResponse {}))
+        let r = request.get_ref();
+        let audited = Some(Audited { detail: format!("exec={} signal={}", r.exec_id, r.signal), ..Default::default() });
+        self.call("SignalExec", request, audited, |tenant, req| async move {
+            self.manager.signal_exec(&tenant, &req.exec_id, req.signal).await?;
+            Ok(pb::SignalExecResponse {})
+        })
+        .await
     }
 
     async fn list_execs(&self, request: Request<pb::ListExecsRequest>) -> Result<Response<pb::ListExecsResponse>, Status> {
-        let req = request.into_inner();
-        let records = self.manager.list_execs(&req.sandbox_id, req.limit)?;
-        Ok(Response::new(pb::ListExecsResponse { execs: records.iter().map(|r| convert::exec_result(r, true)).collect() }))
+        self.call("ListExecs", request, None, |tenant, req| async move {
+            let records = self.manager.list_execs(&tenant, &req.sandbox_id, req.limit)?;
+            Ok(pb::ListExecsResponse { execs: records.iter().map(|r| convert::exec_result(r, true)).collect() })
+        })
+        .await
     }
 
     async fn write_file(&self, request: Request<pb::WriteFileRequest>) -> Result<Response<pb::WriteFileResponse>, Status> {
-        let req = request.into_inner();
-        let n = self.manager.write_file(&req.sandbox_id, &req.path, &req.content, req.mode).await?;
-        Ok(Response::new(pb::WriteFileResponse { bytes_written: n }))
+        let r = request.get_ref();
+        let audited = Some(Audited { sandbox_id: r.sandbox_id.clone(), detail: format!("path={} bytes={}", r.path, r.content.len()), ..Default::default() });
+        self.call("WriteFile", request, audited, |tenant, req| async move {
+            let n = self.manager.write_file(&tenant, &req.sandbox_id, &req.path, &req.content, req.mode).await?;
+            Ok(pb::WriteFileResponse { bytes_written: n })
+        })
+        .await
     }
 
     async fn read_file(&self, request: Request<pb::ReadFileRequest>) -> Result<Response<pb::ReadFileResponse>, Status> {
-        let req = request.into_inner();
-        let chunk = self.manager.read_file(&req.sandbox_id, &req.path, req.offset, req.limit).await?;
-        Ok(Response::new(pb::ReadFileResponse { content: chunk.content, size: chunk.size, eof: chunk.eof }))
+        self.call("ReadFile", request, None, |tenant, req| async move {
+            let chunk = self.manager.read_file(&tenant, &req.sandbox_id, &req.path, req.offset, req.limit).await?;
+            Ok(pb::ReadFileResponse { content: chunk.content, size: chunk.size, eof: chunk.eof })
+        })
+        .await
     }
 
     async fn snapshot(&self, request: Request<pb::SnapshotRequest>) -> Result<Response<pb::SnapshotInfo>, Status> {
-        let req = request.into_inner();
-        let snap = self.manager.snapshot(&req.sandbox_id, &req.name).await?;
-        Ok(Response::new(convert::snapshot(&snap)))
+        let audited = sandbox_only(&request.get_ref().sandbox_id);
+        self.call("Snapshot", request, audited, |tenant, req| async move {
+            Ok(convert::snapshot(&self.manager.snapshot(&tenant, &req.sandbox_id, &req.name).await?))
+        })
+        .await
     }
 
     async fn list_snapshots(&self, request: Request<pb::ListSnapshotsRequest>) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
-        let snaps = self.manager.list_snapshots(&request.into_inner().sandbox_id)?;
-        Ok(Response::new(pb::ListSnapshotsResponse { snapshots: snaps.iter().map(convert::snapshot).collect() }))
+        self.call("ListSnapshots", request, None, |tenant, req| async move {
+            let snaps = self.manager.list_snapshots(&tenant, &req.sandbox_id)?;
+            Ok(pb::ListSnapshotsResponse { snapshots: snaps.iter().map(convert::snapshot).collect() })
+        })
+        .await
     }
 
     async fn rollback(&self, request: Request<pb::RollbackRequest>) -> Result<Response<pb::Sandbox>, Status> {
-        let req = request.into_inner();
-        let info = self.manager.rollback(&req.sandbox_id, &req.snapshot_id).await?;
-        Ok(Response::new(convert::sandbox(&info)))
+        let r = request.get_ref();
+        let audited = Some(Audited { sandbox_id: r.sandbox_id.clone(), detail: format!("snapshot={}", r.snapshot_id), ..Default::default() });
+        self.call("Rollback", request, audited, |tenant, req| async move {
+            Ok(convert::sandbox(&self.manager.rollback(&tenant, &req.sandbox_id, &req.snapshot_id).await?))
+        })
+        .await
     }
 
     async fn delete_snapshot(&self, request: Request<pb::DeleteSnapshotRequest>) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
-        self.manager.delete_snapshot(&request.into_inner().snapshot_id).await?;
-        Ok(Response::new(pb::DeleteSnapshotResponse {}))
+        let audited = Some(Audited { detail: format!("snapshot={}", request.get_ref().snapshot_id), ..Default::default() });
+        self.call("DeleteSnapshot", request, audited, |tenant, req| async move {
+            self.manager.delete_snapshot(&tenant, &req.snapshot_id).await?;
+            Ok(pb::DeleteSnapshotResponse {})
+        })
+        .await
     }
 }

@@ -13,6 +13,7 @@ impl From<Error> for Status {
             Error::InvalidArgument { .. } => Code::InvalidArgument,
             Error::IncorrectState { .. } | Error::Unavailable { .. } | Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
+            Error::PermissionDenied(_) => Code::PermissionDenied,
             Error::Internal(_) => {
                 tracing::error!(error = %e, "internal error");
                 Code::Internal

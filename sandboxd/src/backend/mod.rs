@@ -4,6 +4,7 @@
 //! sandbox of its tier exist, run things in it, and take it apart. Dispatch over tiers happens in
 //! one place: [`Backends`].
 
+pub mod container;
 pub mod process;
 
 use std::collections::HashMap;
@@ -20,6 +21,7 @@ use crate::ids::{ExecId, SandboxId, SnapshotId};
 
 /// Isolation level of a sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Isolation {
     Process,
     Container,

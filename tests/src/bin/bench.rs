@@ -31,7 +31,7 @@ use sandbox_tests::{
     images_dir, process_sandbox, proto, rss_bytes, sandboxd_bin, workspace_root, Daemon,
 };
 
-/// Where the Docker Engine listens.
+/// Where the Docker Engine listens, unless `DOCKER_HOST` names another `unix://` socket.
 const DOCKER_SOCKET: &str = "/var/run/docker.sock";
 /// The image the Docker baseline imports from the `minimal` rootfs (no registry involved).
 const DOCKER_IMAGE: &str = "sandboxd-bench-minimal:latest";
@@ -498,10 +498,13 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
          every exec is checked to have exited 0. Creates are timed apart from their destroys ({} cycles). \
          `GetSandbox` calls, unary execs back to back, unary execs {} ms apart (the pause is not timed: it is \
          an agent thinking between commands) and streamed execs each run in one sandbox; a few untimed \
-         calls before each section ({} creates, {} calls) take one-off costs out. The density section uses a second, fresh daemon: it creates {} \
+         calls before each section ({} creates, {} calls) take one-off costs out. Execs are timed both ways \
+         because on cgroup v1 moving the exec into its cgroups can wait for an RCU grace period, which \
+         back-to-back execs often skip and a lone one pays. The density section uses a second, fresh \
+         daemon: it creates {} \
          sandboxes in turn, reads the daemon's VmRSS from /proc/<pid>/status (and the PSS of its whole \
          process tree from /proc/<pid>/smaps_rollup), runs `true` in each sandbox 3 times round-robin, then \
-         destroys them. Docker is driven through its Engine API at {DOCKER_SOCKET} with `bollard` from the \
+         destroys them. Docker is driven through its Engine API at {} with `bollard` from the \
          same process, so API call is compared with API call: the image `{DOCKER_IMAGE}` is imported from \
          the same `minimal` rootfs (no registry); `run --rm` is create, start, wait, remove; `exec` is what \
          the CLI does (exec create, attached start, inspect for the exit code); containers use `--network none` \
@@ -514,6 +517,7 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
         plan.warmup,
         plan.warmup * 3,
         plan.live,
+        docker_socket(),
         machine.nproc,
     );
     let _ = writeln!(
@@ -1103,6 +1107,13 @@ async fn sandboxd_density(plan: &Plan, report: &mut Report) {
 // ---------------------------------------------------------------------------------------------
 // Docker
 
+fn docker_socket() -> String {
+    std::env::var("DOCKER_HOST")
+        .ok()
+        .and_then(|h| h.strip_prefix("unix://").map(str::to_string))
+        .unwrap_or_else(|| DOCKER_SOCKET.to_string())
+}
+
 /// The Docker side: the containers alive, so that each one is removed whatever happens.
 struct DockerBench {
     docker: Docker,
@@ -1112,11 +1123,13 @@ struct DockerBench {
 impl DockerBench {
     /// Connects (negotiating the API version down to the Engine's) and says which Engine it is.
     async fn connect() -> Result<(Self, String)> {
-        let docker = Docker::connect_with_unix(DOCKER_SOCKET, 120, bollard::API_DEFAULT_VERSION)
-            .with_context(|| format!("cannot reach Docker at {DOCKER_SOCKET}"))?
+        let socket = docker_socket();
+        // The Engine may be older than bollard's default API version (Debian 12 ships 1.41).
+        let docker = Docker::connect_with_unix(&socket, 120, bollard::API_DEFAULT_VERSION)
+            .with_context(|| format!("cannot reach Docker at {socket}"))?
             .negotiate_version()
             .await
-            .with_context(|| format!("cannot reach Docker at {DOCKER_SOCKET}"))?;
+            .with_context(|| format!("cannot reach Docker at {socket}"))?;
         let v = docker.version().await.context("Docker version")?;
         let desc = format!(
             "Engine {} (API {})",

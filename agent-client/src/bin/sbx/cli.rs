@@ -1,6 +1,8 @@
 //! The command line, as clap derive types.
 
 use agent_client::proto::{CreateSandboxRequest, Isolation, ResourceLimits};
+use std::path::PathBuf;
+
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::parse::{parse_cpus, parse_kv, parse_signal, parse_size};
@@ -104,6 +106,9 @@ pub enum Command {
         /// Exec id.
         exec_id: String,
     },
+    /// Drive an AI agent in a sandbox: `sbx agent run --task TEXT`, `resume RUN_ID`, `show RUN_ID`.
+    #[command(subcommand)]
+    Agent(AgentCommand),
     /// Send a signal to an exec's process tree.
     Kill {
         /// Exec id.
@@ -112,6 +117,92 @@ pub enum Command {
         #[arg(long, short, default_value = "TERM", value_parser = parse_signal)]
         signal: i32,
     },
+}
+
+/// `sbx agent …`.
+#[derive(Debug, Subcommand)]
+pub enum AgentCommand {
+    /// Run the agent on a task in a new sandbox until it is done, stopped or fails.
+    ///
+    /// The model endpoint is OPENAI_BASE_URL (e.g. http://127.0.0.1:8000/v1) with the key in
+    /// OPENAI_API_KEY. Exit code 0 only when the run is done; 3 when a budget, the step limit
+    /// or no progress stopped it; 1 when it failed.
+    Run(Box<AgentRunArgs>),
+    /// Continue an interrupted run from its checkpoint, without repeating side effects.
+    Resume {
+        /// The run id.
+        run_id: String,
+        /// Where runs are kept [env: SBX_AGENT_STATE_DIR; default: ./.sandboxd/agent].
+        #[arg(long, value_name = "DIR")]
+        state_dir: Option<PathBuf>,
+    },
+    /// Print a run's timeline with token and budget use.
+    Show {
+        /// The run id.
+        run_id: String,
+        /// Where runs are kept [env: SBX_AGENT_STATE_DIR; default: ./.sandboxd/agent].
+        #[arg(long, value_name = "DIR")]
+        state_dir: Option<PathBuf>,
+    },
+}
+
+/// `sbx agent run`.
+#[derive(Debug, Args)]
+pub struct AgentRunArgs {
+    /// What the agent should do.
+    #[arg(long, value_name = "TEXT")]
+    pub task: String,
+    /// Id of the run [default: generated].
+    #[arg(long, value_name = "ID")]
+    pub run_id: Option<String>,
+    /// Model name, as the endpoint knows it.
+    #[arg(long, env = "OPENAI_MODEL", default_value = "gpt-4o-mini", value_name = "NAME")]
+    pub model: String,
+    /// Isolation tier of the sandbox [default: the daemon's policy].
+    #[arg(long, value_enum)]
+    pub isolation: Option<IsolationArg>,
+    /// Image of the sandbox [default: minimal].
+    #[arg(long, value_name = "NAME")]
+    pub image: Option<String>,
+    /// Shell command that must pass (exit 0) before `finish` is accepted, e.g. "make test".
+    #[arg(long, value_name = "CMD")]
+    pub verify: Option<String>,
+    /// Step budget.
+    #[arg(long, default_value_t = 50, value_name = "N")]
+    pub max_steps: u64,
+    /// The model's context window in tokens [default: known for gpt-* models, else 32768].
+    #[arg(long, value_name = "TOKENS")]
+    pub context_window: Option<usize>,
+    /// Where runs are kept [env: SBX_AGENT_STATE_DIR; default: ./.sandboxd/agent].
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Token budget of the task (prompt + completion).
+    #[arg(long, value_name = "N")]
+    pub max_tokens: Option<u64>,
+    /// Cost budget of the task, USD (needs a known model price or --price).
+    #[arg(long, value_name = "USD")]
+    pub max_cost: Option<f64>,
+    /// Wall-time budget of the task, seconds.
+    #[arg(long, value_name = "SECS")]
+    pub max_time: Option<u64>,
+    /// Price per million prompt and completion tokens, USD: IN,OUT.
+    #[arg(long, value_name = "IN,OUT")]
+    pub price: Option<String>,
+    /// Wall-time budget of one step (its command's timeout), seconds.
+    #[arg(long, default_value_t = 300, value_name = "SECS")]
+    pub step_timeout: u64,
+    /// Completion tokens one model call may produce.
+    #[arg(long, default_value_t = 4096, value_name = "N")]
+    pub max_completion_tokens: u32,
+    /// Results of steps older than this many are folded to one line.
+    #[arg(long, value_name = "N")]
+    pub fold_after: Option<usize>,
+    /// Model calls per second (token-bucket rate limit).
+    #[arg(long, value_name = "N")]
+    pub llm_rate: Option<f64>,
+    /// Keep the full history in every prompt (no folding, no summaries): for comparisons.
+    #[arg(long, hide = true)]
+    pub no_context_management: bool,
 }
 
 /// `sbx create`.

@@ -4,6 +4,7 @@
 //! itself fails (connection, gRPC status, local I/O), with `sbx: <message>` on stderr; 2 for
 //! usage errors (clap's convention).
 
+mod agent;
 mod cli;
 mod exec;
 mod files;
@@ -71,6 +72,7 @@ async fn run(cli: Cli) -> Result<u8> {
         Command::Snapshots { id } => snapshot::list(&ctx, id).await,
         Command::Rollback { id, snapshot } => snapshot::rollback(&ctx, id, snapshot).await,
         Command::Rmsnap { snapshot } => snapshot::delete(&ctx, snapshot).await,
+        Command::Agent(command) => agent::agent(&ctx, command).await,
     }
 }
 

@@ -61,7 +61,20 @@ async fn pump(fd: OwnedFd, mut capture: OutputCapture, sink: OutputSink, is_stdo
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             },
-            _ = stop.cancelled() => break,
+            _ = stop.cancelled() => {
+                // Told to stop waiting for EOF (a background process holds the pipe): still
+                // take what is already in the pipe — a loaded machine may not have scheduled
+                // this task since the main process wrote it.
+                // A raw read: tokio's try_read trusts cached readiness the reactor may not have
+                // delivered yet. The fd is non-blocking, so this never waits.
+                while let Ok(n) = nix::unistd::read(rx.as_raw_fd(), &mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    capture.feed(&buf[..n]);
+                }
+                break;
+            }
         };
         capture.feed(&buf[..n]);
         if let Some(tx) = &sink {
@@ -90,14 +103,28 @@ fn describe_spawn_failure(stage: &str, errno: i32, argv0: &str, workdir: &str) -
     }
 }
 
+/// Runs a blocking cgroupfs operation off the async workers: under load (hundreds of execs) a
+/// cgroup mkdir, rmdir or kill can take milliseconds, and a starved worker delays every pipe.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, BackendError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| BackendError::Internal(format!("blocking task: {e}")))
+}
+
 impl ProcessSandbox {
     /// Runs `spec` to its end. See the module documentation.
     pub(super) async fn run_exec(self: &Arc<Self>, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
         let started_at = SystemTime::now();
         let exec_id = spec.exec_id.to_string();
-        let cgroup = Arc::new(self.cgroup.create_exec(&exec_id)?);
-        let result = self.run_in_cgroup(&spec, &cgroup, sink, started, cancel, started_at).await;
-        self.forget_exec(&exec_id, &cgroup);
+        let sb = self.clone();
+        let id = exec_id.clone();
+        let (cgroup, procs) = blocking(move || -> Result<_, BackendError> {
+            let cgroup = Arc::new(sb.cgroup.create_exec(&id)?);
+            let procs = cgroup.procs_files()?;
+            Ok((cgroup, procs))
+        })
+        .await??;
+        let result = self.run_in_cgroup(&spec, &cgroup, procs, sink, started, cancel, started_at).await;
+        let sb = self.clone();
+        let _ = blocking(move || sb.forget_exec(&exec_id, &cgroup)).await;
         result
     }
 
@@ -122,13 +149,13 @@ impl ProcessSandbox {
         self: &Arc<Self>,
         spec: &ExecSpec,
         cgroup: &Arc<ExecCgroup>,
+        procs: Vec<std::fs::File>,
         sink: OutputSink,
         started: StartSignal,
         cancel: CancellationToken,
         started_at: SystemTime,
     ) -> Result<ExecOutcome, BackendError> {
         let exec_id = spec.exec_id.to_string();
-        let procs = cgroup.procs_files()?;
         let (stdin_r, stdin_w) = pipe()?;
         let (stdout_r, stdout_w) = pipe()?;
         let (stderr_r, stderr_w) = pipe()?;
@@ -187,7 +214,8 @@ impl ProcessSandbox {
             _ = cancel.cancelled() => End::Cancelled,
         };
         if matches!(end, End::TimedOut | End::Cancelled) {
-            if let Err(e) = cgroup.kill_all() {
+            let cg = cgroup.clone();
+            if let Ok(Err(e)) = blocking(move || cg.kill_all()).await {
                 tracing::warn!(exec = %exec_id, error = %e, "killing exec process tree");
             }
             // The init reports the main process's death promptly once it is killed.
@@ -217,7 +245,8 @@ impl ProcessSandbox {
         };
         let stdout = stdout.unwrap_or_default();
         let stderr = stderr.unwrap_or_default();
-        let raw = cgroup.usage();
+        let cg = cgroup.clone();
+        let raw = blocking(move || cg.usage()).await?;
         let usage = ExecUsage { cpu_user_ms: raw.cpu_user_ms, cpu_system_ms: raw.cpu_system_ms, peak_memory_bytes: raw.peak_memory_bytes };
 
         let killed = (ExecStatus::Signaled, 128 + libc::SIGKILL, libc::SIGKILL, String::new());

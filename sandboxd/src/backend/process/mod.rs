@@ -331,7 +331,8 @@ impl ProcessBackend {
         let log = std::fs::File::create(run_dir.join("init.log")).map_err(|e| BackendError::io("creating init log", e))?;
         let exe = std::env::current_exe().map_err(|e| BackendError::io("locating sandboxd binary", e))?;
         let mut cmd = std::process::Command::new(exe);
-        cmd.arg(init::INIT_ARG).env_clear().stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(log);
+        // argv[0] is a name, not the daemon's host path, which the sandbox has no business seeing.
+        cmd.arg0("sandbox-init").arg(init::INIT_ARG).env_clear().stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(log);
         let child_fd = theirs.as_raw_fd();
         // SAFETY: dup2 is async-signal-safe; it only places the control socket on fd 3 (clearing
         // CLOEXEC) in the child between fork and exec.
@@ -548,9 +549,11 @@ impl Backend for ProcessBackend {
             self.stop_runtime(&sb, "the daemon shut down").await;
         }
         // The pool is unmounted (its loop device auto-clears); it is mounted again at start.
+        // Detached rather than unmounted: the pool's own directory fd stays open until the daemon
+        // exits, which would make a plain unmount EBUSY.
         if self.pool.is_some() {
             let pool_dir = self.cfg.state_dir.join("pool");
-            if let Err(e) = umount2(&pool_dir, MntFlags::empty()) {
+            if let Err(e) = umount2(&pool_dir, MntFlags::MNT_DETACH) {
                 tracing::warn!(path = %pool_dir.display(), error = %e, "unmounting storage pool");
             }
         }

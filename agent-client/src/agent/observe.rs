@@ -1,0 +1,342 @@
+//! Observation normalization: what the model reads after an action.
+//!
+//! Long output is cut to head + tail with a note saying where the whole of it is, so the model
+//! can page through it with `read_file` instead of drowning the context; empty output is said in
+//! words (an empty tool message reads like a failure to many models); how a command ended —
+//! timed out, out of memory, killed, not startable, lost — is said plainly, first.
+
+use serde::{Deserialize, Serialize};
+
+use crate::proto::{ExecResult, ExecStatus};
+
+/// The text the model gets for a command that succeeded silently.
+pub const NO_OUTPUT: &str = "command succeeded with no output";
+
+/// How much output an observation keeps.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct ObserveLimits {
+    /// Characters kept from the start of a long stream.
+    pub head_chars: usize,
+    /// Characters kept from the end of a long stream.
+    pub tail_chars: usize,
+}
+
+impl Default for ObserveLimits {
+    fn default() -> Self {
+        ObserveLimits {
+            head_chars: 2_000,
+            tail_chars: 2_000,
+        }
+    }
+}
+
+/// The normalized result of one action.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Observation {
+    /// What the model reads.
+    pub text: String,
+    /// Whether the action succeeded (exit 0, or a tool that did its job).
+    pub ok: bool,
+    /// The exec behind it, if any.
+    pub exec_id: Option<String>,
+    /// Exit code of a command.
+    pub exit_code: Option<i32>,
+    /// Whether the output was cut.
+    pub truncated: bool,
+    /// Streams that were cut and must be written to the sandbox so the model can page them:
+    /// (stream name, full text). Emptied once written.
+    #[serde(skip)]
+    pub to_spill: Vec<(String, String)>,
+}
+
+impl Observation {
+    /// A successful tool result with the given text.
+    pub fn ok(text: impl Into<String>) -> Self {
+        Observation {
+            text: text.into(),
+            ok: true,
+            ..Default::default()
+        }
+    }
+
+    /// A failed tool result, e.g. a file that does not exist.
+    pub fn error(text: impl Into<String>) -> Self {
+        Observation {
+            text: text.into(),
+            ok: false,
+            ..Default::default()
+        }
+    }
+
+    /// The first line of the text, for stubs and "failed because" notes.
+    pub fn headline(&self) -> String {
+        let line = self
+            .text
+            .lines()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("")
+            .trim();
+        cut_chars(line, 120)
+    }
+}
+
+/// Describes how an exec ended, in words, when it did not simply exit 0.
+pub fn status_line(r: &ExecResult) -> Option<String> {
+    match ExecStatus::try_from(r.status) {
+        Ok(ExecStatus::Exited) if r.exit_code == 0 => None,
+        Ok(ExecStatus::Exited) => Some(format!("exit code {}", r.exit_code)),
+        Ok(ExecStatus::TimedOut) => Some(format!(
+            "TIMED OUT: the command ran for {} ms, hit its time limit and was killed (exit {})",
+            r.duration_ms, r.exit_code
+        )),
+        Ok(ExecStatus::OomKilled) => Some(format!(
+            "OUT OF MEMORY: the command was killed by the kernel's OOM killer (peak {} MiB)",
+            r.peak_memory_bytes >> 20
+        )),
+        Ok(ExecStatus::Signaled) => Some(format!(
+            "KILLED by signal {} (exit {})",
+            r.signal, r.exit_code
+        )),
+        Ok(ExecStatus::SpawnFailed) => Some(format!(
+            "COULD NOT START: {} (exit {})",
+            if r.error.is_empty() {
+                "not found or not executable"
+            } else {
+                &r.error
+            },
+            r.exit_code
+        )),
+        Ok(ExecStatus::Lost) => Some(format!(
+            "LOST: {}",
+            if r.error.is_empty() {
+                "the sandbox or daemon died under the command; its effects are unknown"
+            } else {
+                &r.error
+            }
+        )),
+        Ok(ExecStatus::Running) => Some(format!(
+            "started in the background as exec {}; poll it with a command, it is still running",
+            r.exec_id
+        )),
+        Ok(ExecStatus::Unspecified) | Err(_) => Some(format!("ended with unknown status {}", r.status)),
+    }
+}
+
+/// Normalizes an exec's result.
+pub fn exec(r: &ExecResult, limits: ObserveLimits) -> Observation {
+    let running = r.status == ExecStatus::Running as i32;
+    let ok = (r.status == ExecStatus::Exited as i32 && r.exit_code == 0) || running;
+    let mut parts = Vec::new();
+    if let Some(status) = status_line(r) {
+        parts.push(status);
+    }
+    let mut truncated = false;
+    let mut to_spill = Vec::new();
+    for (name, bytes, daemon_cut, total, spill) in [
+        (
+            "stdout",
+            &r.stdout,
+            r.stdout_truncated,
+            r.stdout_total_bytes,
+            &r.stdout_spill_path,
+        ),
+        (
+            "stderr",
+            &r.stderr,
+            r.stderr_truncated,
+            r.stderr_total_bytes,
+            &r.stderr_spill_path,
+        ),
+    ] {
+        if bytes.is_empty() && !daemon_cut {
+            continue;
+        }
+        let text = clean(&String::from_utf8_lossy(bytes));
+        let (shown, cut) = head_tail(&text, limits);
+        let label = if name == "stderr" { "[stderr]\n" } else { "" };
+        let mut block = format!("{label}{shown}");
+        if cut || daemon_cut {
+            truncated = true;
+            let total = total.max(bytes.len() as u64);
+            let where_ = if daemon_cut && !spill.is_empty() {
+                format!("the whole {name} is in the sandbox at {spill}")
+            } else {
+                // The daemon kept all of it, but only this process has it: the loop writes it
+                // to the sandbox and fills in the path.
+                to_spill.push((name.to_owned(), text.clone()));
+                format!("the whole {name} is in the sandbox at {{spill:{name}}}")
+            };
+            block.push_str(&format!(
+                "\n[{name}: {total} bytes, {} lines shown of {}; {where_} — page it with read_file(path, start_line)]",
+                shown.lines().count(),
+                text.lines().count()
+            ));
+        }
+        parts.push(block);
+    }
+    if parts.is_empty() {
+        parts.push(NO_OUTPUT.to_owned());
+    } else if ok && !running && r.stdout.is_empty() && r.stderr.is_empty() {
+        parts.push(NO_OUTPUT.to_owned());
+    }
+    Observation {
+        text: parts.join("\n"),
+        ok,
+        exec_id: (!r.exec_id.is_empty()).then(|| r.exec_id.clone()),
+        exit_code: Some(r.exit_code),
+        truncated,
+        to_spill,
+    }
+}
+
+/// Replaces `{spill:stream}` placeholders with the path the stream was written to.
+pub fn fill_spill_path(obs: &mut Observation, stream: &str, path: &str) {
+    obs.text = obs.text.replace(&format!("{{spill:{stream}}}"), path);
+}
+
+/// Cuts text to head + tail on line boundaries where possible. Returns the text to show and
+/// whether anything was cut.
+pub fn head_tail(text: &str, limits: ObserveLimits) -> (String, bool) {
+    let total = text.chars().count();
+    if total <= limits.head_chars + limits.tail_chars + 200 {
+        return (text.to_owned(), false);
+    }
+    let head_end = char_boundary(text, limits.head_chars);
+    let head_end = text[..head_end].rfind('\n').map_or(head_end, |i| i + 1);
+    let tail_start = char_boundary(text, total - limits.tail_chars);
+    let tail_start = text[tail_start..]
+        .find('\n')
+        .map_or(tail_start, |i| tail_start + i + 1);
+    let omitted = &text[head_end..tail_start];
+    let shown = format!(
+        "{}[... {} lines, {} characters omitted ...]\n{}",
+        &text[..head_end],
+        omitted.lines().count(),
+        omitted.chars().count(),
+        &text[tail_start..]
+    );
+    (shown, true)
+}
+
+/// Byte index of the `n`th character.
+fn char_boundary(text: &str, n: usize) -> usize {
+    text.char_indices().nth(n).map_or(text.len(), |(i, _)| i)
+}
+
+/// Cuts a string to `n` characters, marking the cut.
+pub fn cut_chars(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_owned()
+    } else {
+        format!("{}…", s.chars().take(n).collect::<String>())
+    }
+}
+
+/// Drops ANSI escape sequences and collapses carriage-return progress lines to their last
+/// state: colors and spinners cost tokens and mean nothing to the model.
+pub fn clean(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            if chars.peek() == Some(&'[') {
+                chars.next();
+                // CSI: parameters and intermediates up to a final byte in @..~.
+                for n in chars.by_ref() {
+                    if ('@'..='~').contains(&n) {
+                        break;
+                    }
+                }
+            } else {
+                chars.next();
+            }
+            continue;
+        }
+        out.push(c);
+    }
+    if !out.contains('\r') {
+        return out;
+    }
+    out.split('\n')
+        .map(|line| {
+            let line = line.strip_suffix('\r').unwrap_or(line);
+            line.rsplit('\r').next().unwrap_or(line)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(status: ExecStatus, code: i32, stdout: &str, stderr: &str) -> ExecResult {
+        ExecResult {
+            exec_id: "ex-1".into(),
+            status: status as i32,
+            exit_code: code,
+            stdout: stdout.as_bytes().to_vec(),
+            stderr: stderr.as_bytes().to_vec(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn silence_is_said_in_words() {
+        let o = exec(&result(ExecStatus::Exited, 0, "", ""), ObserveLimits::default());
+        assert_eq!(o.text, NO_OUTPUT);
+        assert!(o.ok);
+        assert_eq!(o.exec_id.as_deref(), Some("ex-1"));
+    }
+
+    #[test]
+    fn failures_are_said_plainly() {
+        let mut r = result(ExecStatus::TimedOut, 137, "", "");
+        r.duration_ms = 5000;
+        let o = exec(&r, ObserveLimits::default());
+        assert!(o.text.starts_with("TIMED OUT"), "{}", o.text);
+        assert!(!o.ok);
+        let o = exec(&result(ExecStatus::OomKilled, 137, "", ""), ObserveLimits::default());
+        assert!(o.text.starts_with("OUT OF MEMORY"), "{}", o.text);
+        let o = exec(&result(ExecStatus::Exited, 2, "", "boom\n"), ObserveLimits::default());
+        assert_eq!(o.text, "exit code 2\n[stderr]\nboom\n");
+        assert_eq!(o.headline(), "exit code 2");
+    }
+
+    #[test]
+    fn long_output_keeps_head_and_tail_and_says_where_the_rest_is() {
+        let text: String = (0..5000).map(|i| format!("line {i}\n")).collect();
+        let limits = ObserveLimits {
+            head_chars: 100,
+            tail_chars: 100,
+        };
+        let o = exec(&result(ExecStatus::Exited, 0, &text, ""), limits);
+        assert!(o.truncated);
+        assert!(o.text.starts_with("line 0\n"));
+        assert!(o.text.contains("line 4999\n"));
+        assert!(o.text.contains("lines, "), "{}", o.text);
+        assert_eq!(o.to_spill.len(), 1, "cut here, so the loop must spill it");
+        assert!(o.text.len() < 600, "{}", o.text.len());
+
+        let mut r = result(ExecStatus::Exited, 0, "head\n", "");
+        r.stdout_truncated = true;
+        r.stdout_total_bytes = 9_000_000;
+        r.stdout_spill_path = "/tmp/.sandboxd/ex-1.stdout".into();
+        let o = exec(&r, limits);
+        assert!(o.text.contains("/tmp/.sandboxd/ex-1.stdout"), "{}", o.text);
+        assert!(o.to_spill.is_empty(), "the daemon already spilled it");
+    }
+
+    #[test]
+    fn spill_placeholder_is_filled() {
+        let mut o = Observation::ok("see {spill:stdout}");
+        fill_spill_path(&mut o, "stdout", "/tmp/x");
+        assert_eq!(o.text, "see /tmp/x");
+    }
+
+    #[test]
+    fn ansi_and_progress_lines_are_cleaned() {
+        assert_eq!(clean("\u{1b}[31mred\u{1b}[0m ok"), "red ok");
+        assert_eq!(clean("10%\r50%\r100%\ndone"), "100%\ndone");
+    }
+}

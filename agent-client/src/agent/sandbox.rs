@@ -1,0 +1,399 @@
+//! The daemon calls the loop makes, behind a trait: [`crate::Client`] in production, an
+//! in-memory [`FakeSandbox`] in unit tests and the benchmark, so the loop's logic (resume
+//! paths, termination, context) is testable without root or a daemon.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+
+use crate::error::{Error, Result};
+use crate::proto::{
+    CreateSandboxRequest, ExecRequest, ExecResult, ExecStatus, ReadFileResponse, Sandbox,
+    SandboxState, SnapshotInfo,
+};
+use crate::Client;
+
+/// What the agent loop needs from `sandboxd`.
+#[async_trait]
+pub trait SandboxApi: Send + Sync {
+    /// CreateSandbox.
+    async fn create(&self, request: CreateSandboxRequest) -> Result<Sandbox>;
+    /// GetSandbox.
+    async fn get(&self, sandbox_id: &str) -> Result<Sandbox>;
+    /// Exec.
+    async fn exec(&self, request: ExecRequest) -> Result<ExecResult>;
+    /// GetExec.
+    async fn get_exec(&self, exec_id: &str, wait: bool) -> Result<ExecResult>;
+    /// ListExecs, all of them.
+    async fn list_execs(&self, sandbox_id: &str) -> Result<Vec<ExecResult>>;
+    /// ReadFile.
+    async fn read_file(
+        &self,
+        sandbox_id: &str,
+        path: &str,
+        offset: u64,
+        limit: u64,
+    ) -> Result<ReadFileResponse>;
+    /// WriteFile.
+    async fn write_file(&self, sandbox_id: &str, path: &str, content: Vec<u8>) -> Result<u64>;
+    /// Snapshot.
+    async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotInfo>;
+    /// Rollback.
+    async fn rollback(&self, sandbox_id: &str, snapshot_id: &str) -> Result<Sandbox>;
+    /// DeleteSnapshot.
+    async fn delete_snapshot(&self, snapshot_id: &str) -> Result<()>;
+}
+
+#[async_trait]
+impl SandboxApi for Client {
+    async fn create(&self, request: CreateSandboxRequest) -> Result<Sandbox> {
+        Client::create(self, request).await
+    }
+    async fn get(&self, sandbox_id: &str) -> Result<Sandbox> {
+        Client::get(self, sandbox_id).await
+    }
+    async fn exec(&self, request: ExecRequest) -> Result<ExecResult> {
+        Client::exec(self, request).await
+    }
+    async fn get_exec(&self, exec_id: &str, wait: bool) -> Result<ExecResult> {
+        Client::get_exec(self, exec_id, wait).await
+    }
+    async fn list_execs(&self, sandbox_id: &str) -> Result<Vec<ExecResult>> {
+        Client::list_execs(self, sandbox_id, 0).await
+    }
+    async fn read_file(
+        &self,
+        sandbox_id: &str,
+        path: &str,
+        offset: u64,
+        limit: u64,
+    ) -> Result<ReadFileResponse> {
+        Client::read_file(self, sandbox_id, path, offset, limit).await
+    }
+    async fn write_file(&self, sandbox_id: &str, path: &str, content: Vec<u8>) -> Result<u64> {
+        Client::write_file(self, sandbox_id, path, content, 0).await
+    }
+    async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotInfo> {
+        Client::snapshot(self, sandbox_id, name).await
+    }
+    async fn rollback(&self, sandbox_id: &str, snapshot_id: &str) -> Result<Sandbox> {
+        Client::rollback(self, sandbox_id, snapshot_id).await
+    }
+    async fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
+        Client::delete_snapshot(self, snapshot_id).await
+    }
+}
+
+/// Files of a fake sandbox, by absolute path.
+pub type FakeFiles = HashMap<String, Vec<u8>>;
+
+/// Runs a command in the fake: gets the shell command line (the `-c` argument) and the files.
+pub type FakeHandler = Arc<dyn Fn(&str, &mut FakeFiles) -> (i32, String) + Send + Sync>;
+
+#[derive(Default)]
+struct FakeState {
+    sandboxes: HashMap<String, FakeFiles>,
+    execs: Vec<ExecResult>,
+    snapshots: HashMap<String, FakeFiles>,
+    next_id: u64,
+    /// The next exec with a key is recorded as started but ends LOST (a daemon crash).
+    lose_next: bool,
+}
+
+/// An in-memory stand-in for `sandboxd`: files in a map, commands run by a handler, snapshots
+/// as copies, idempotency keys replayed from the exec records like the daemon does.
+#[derive(Clone)]
+pub struct FakeSandbox {
+    state: Arc<Mutex<FakeState>>,
+    handler: FakeHandler,
+}
+
+impl FakeSandbox {
+    /// A fake whose commands are run by `handler`.
+    pub fn new(handler: FakeHandler) -> Self {
+        FakeSandbox {
+            state: Arc::new(Mutex::new(FakeState::default())),
+            handler,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FakeState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A file's content.
+    pub fn file(&self, sandbox_id: &str, path: &str) -> Option<Vec<u8>> {
+        self.lock()
+            .sandboxes
+            .get(sandbox_id)
+            .and_then(|f| f.get(path).cloned())
+    }
+
+    /// Destroys a sandbox (its snapshots stay), as a daemon losing it would.
+    pub fn destroy(&self, sandbox_id: &str) {
+        self.lock().sandboxes.remove(sandbox_id);
+    }
+
+    /// Makes the next keyed exec end LOST without running.
+    pub fn lose_next_exec(&self) {
+        self.lock().lose_next = true;
+    }
+
+    /// Every exec record, oldest first.
+    pub fn execs(&self) -> Vec<ExecResult> {
+        self.lock().execs.clone()
+    }
+
+    fn not_found(what: &str, id: &str) -> Error {
+        Error::Status(tonic::Status::not_found(format!("{what} {id} not found")))
+    }
+}
+
+fn sandbox(id: &str) -> Sandbox {
+    Sandbox {
+        id: id.to_owned(),
+        state: SandboxState::Running as i32,
+        workdir: "/workspace".into(),
+        ..Default::default()
+    }
+}
+
+#[async_trait]
+impl SandboxApi for FakeSandbox {
+    async fn create(&self, request: CreateSandboxRequest) -> Result<Sandbox> {
+        let mut s = self.lock();
+        s.next_id += 1;
+        let id = format!("sb-fake{}", s.next_id);
+        let files = if request.from_snapshot_id.is_empty() {
+            FakeFiles::new()
+        } else {
+            s.snapshots
+                .get(&request.from_snapshot_id)
+                .cloned()
+                .ok_or_else(|| Self::not_found("snapshot", &request.from_snapshot_id))?
+        };
+        s.sandboxes.insert(id.clone(), files);
+        Ok(sandbox(&id))
+    }
+
+    async fn get(&self, sandbox_id: &str) -> Result<Sandbox> {
+        if self.lock().sandboxes.contains_key(sandbox_id) {
+            Ok(sandbox(sandbox_id))
+        } else {
+            Err(Self::not_found("sandbox", sandbox_id))
+        }
+    }
+
+    async fn exec(&self, request: ExecRequest) -> Result<ExecResult> {
+        let mut s = self.lock();
+        if !request.idempotency_key.is_empty() {
+            if let Some(r) = s.execs.iter().find(|r| {
+                r.sandbox_id == request.sandbox_id && r.idempotency_key == request.idempotency_key
+            }) {
+                return Ok(r.clone());
+            }
+        }
+        s.next_id += 1;
+        let exec_id = format!("ex-fake{}", s.next_id);
+        let lose = std::mem::take(&mut s.lose_next) && !request.idempotency_key.is_empty();
+        let files = s
+            .sandboxes
+            .get_mut(&request.sandbox_id)
+            .ok_or_else(|| Self::not_found("sandbox", &request.sandbox_id))?;
+        let command = request.argv.last().cloned().unwrap_or_default();
+        let mut result = ExecResult {
+            exec_id,
+            sandbox_id: request.sandbox_id.clone(),
+            argv: request.argv.clone(),
+            idempotency_key: request.idempotency_key.clone(),
+            ..Default::default()
+        };
+        if lose {
+            result.status = ExecStatus::Lost as i32;
+            result.error = "the daemon restarted while the exec ran".into();
+        } else {
+            let (code, out) = (self.handler)(&command, files);
+            result.status = ExecStatus::Exited as i32;
+            result.exit_code = code;
+            result.stdout = out.into_bytes();
+            result.stdout_total_bytes = result.stdout.len() as u64;
+        }
+        s.execs.push(result.clone());
+        Ok(result)
+    }
+
+    async fn get_exec(&self, exec_id: &str, _wait: bool) -> Result<ExecResult> {
+        self.lock()
+            .execs
+            .iter()
+            .find(|r| r.exec_id == exec_id)
+            .cloned()
+            .ok_or_else(|| Self::not_found("exec", exec_id))
+    }
+
+    async fn list_execs(&self, sandbox_id: &str) -> Result<Vec<ExecResult>> {
+        Ok(self
+            .lock()
+            .execs
+            .iter()
+            .filter(|r| r.sandbox_id == sandbox_id)
+            .cloned()
+            .collect())
+    }
+
+    async fn read_file(
+        &self,
+        sandbox_id: &str,
+        path: &str,
+        offset: u64,
+        limit: u64,
+    ) -> Result<ReadFileResponse> {
+        let s = self.lock();
+        let files = s
+            .sandboxes
+            .get(sandbox_id)
+            .ok_or_else(|| Self::not_found("sandbox", sandbox_id))?;
+        let content = files
+            .get(path)
+            .ok_or_else(|| Self::not_found("file", path))?;
+        let start = (offset as usize).min(content.len());
+        let end = if limit == 0 {
+            content.len()
+        } else {
+            (start + limit as usize).min(content.len())
+        };
+        Ok(ReadFileResponse {
+            content: content[start..end].to_vec(),
+            size: content.len() as u64,
+            eof: end == content.len(),
+        })
+    }
+
+    async fn write_file(&self, sandbox_id: &str, path: &str, content: Vec<u8>) -> Result<u64> {
+        let mut s = self.lock();
+        let files = s
+            .sandboxes
+            .get_mut(sandbox_id)
+            .ok_or_else(|| Self::not_found("sandbox", sandbox_id))?;
+        let n = content.len() as u64;
+        files.insert(path.to_owned(), content);
+        Ok(n)
+    }
+
+    async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotInfo> {
+        let mut s = self.lock();
+        let files = s
+            .sandboxes
+            .get(sandbox_id)
+            .cloned()
+            .ok_or_else(|| Self::not_found("sandbox", sandbox_id))?;
+        s.next_id += 1;
+        let id = format!("sn-fake{}", s.next_id);
+        s.snapshots.insert(id.clone(), files);
+        Ok(SnapshotInfo {
+            snapshot_id: id,
+            sandbox_id: sandbox_id.to_owned(),
+            name: name.to_owned(),
+            ..Default::default()
+        })
+    }
+
+    async fn rollback(&self, sandbox_id: &str, snapshot_id: &str) -> Result<Sandbox> {
+        let mut s = self.lock();
+        let files = s
+            .snapshots
+            .get(snapshot_id)
+            .cloned()
+            .ok_or_else(|| Self::not_found("snapshot", snapshot_id))?;
+        if !s.sandboxes.contains_key(sandbox_id) {
+            return Err(Self::not_found("sandbox", sandbox_id));
+        }
+        s.sandboxes.insert(sandbox_id.to_owned(), files);
+        Ok(sandbox(sandbox_id))
+    }
+
+    async fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
+        self.lock().snapshots.remove(snapshot_id);
+        Ok(())
+    }
+}
+
+/// A handler understanding a few shell forms, enough for tests and the benchmark:
+/// `echo TEXT >> FILE` appends a line, `cat FILE` prints a file, `seq N` prints N lines,
+/// `exit N` fails, anything else succeeds printing `ran: CMD`.
+pub fn basic_handler() -> FakeHandler {
+    Arc::new(|cmd: &str, files: &mut FakeFiles| {
+        let cmd = cmd.trim();
+        if let Some((text, file)) = cmd
+            .strip_prefix("echo ")
+            .and_then(|rest| rest.split_once(" >> "))
+        {
+            let path = absolute(file.trim());
+            let entry = files.entry(path).or_default();
+            entry.extend_from_slice(text.trim().trim_matches('\'').as_bytes());
+            entry.push(b'\n');
+            return (0, String::new());
+        }
+        if let Some(file) = cmd.strip_prefix("cat ") {
+            return match files.get(&absolute(file.trim())) {
+                Some(c) => (0, String::from_utf8_lossy(c).into_owned()),
+                None => (1, format!("cat: {}: No such file or directory\n", file.trim())),
+            };
+        }
+        if let Some(n) = cmd.strip_prefix("seq ").and_then(|n| n.trim().parse::<u64>().ok()) {
+            return (0, (1..=n).map(|i| format!("{i}\n")).collect());
+        }
+        if let Some(code) = cmd.strip_prefix("exit ").and_then(|n| n.trim().parse::<i32>().ok()) {
+            return (code, String::new());
+        }
+        (0, format!("ran: {cmd}\n"))
+    })
+}
+
+fn absolute(path: &str) -> String {
+    if path.starts_with('/') {
+        path.to_owned()
+    } else {
+        format!("/workspace/{path}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(sandbox_id: &str, cmd: &str, key: &str) -> ExecRequest {
+        ExecRequest {
+            idempotency_key: key.into(),
+            ..crate::exec_request(sandbox_id, ["sh", "-c", cmd])
+        }
+    }
+
+    #[tokio::test]
+    async fn keys_replay_snapshots_restore() {
+        let fake = FakeSandbox::new(basic_handler());
+        let sb = fake.create(Default::default()).await.expect("create");
+        fake.exec(sh(&sb.id, "echo a >> f", "k1")).await.expect("exec");
+        fake.exec(sh(&sb.id, "echo a >> f", "k1")).await.expect("replay");
+        assert_eq!(fake.file(&sb.id, "/workspace/f"), Some(b"a\n".to_vec()));
+        let snap = fake.snapshot(&sb.id, "").await.expect("snap");
+        fake.exec(sh(&sb.id, "echo b >> f", "")).await.expect("exec");
+        fake.rollback(&sb.id, &snap.snapshot_id).await.expect("rollback");
+        let out = fake.exec(sh(&sb.id, "cat f", "")).await.expect("cat");
+        assert_eq!(out.stdout, b"a\n");
+        fake.lose_next_exec();
+        let lost = fake.exec(sh(&sb.id, "echo c >> f", "k2")).await.expect("lost");
+        assert_eq!(lost.status, ExecStatus::Lost as i32);
+        fake.destroy(&sb.id);
+        assert!(fake.get(&sb.id).await.is_err());
+        let fork = fake
+            .create(CreateSandboxRequest {
+                from_snapshot_id: snap.snapshot_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("fork");
+        assert_eq!(fake.file(&fork.id, "/workspace/f"), Some(b"a\n".to_vec()));
+    }
+}

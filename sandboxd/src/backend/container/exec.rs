@@ -1,0 +1,742 @@
+//! Running one command in a container sandbox, from the daemon's side.
+//!
+//! Docker's exec API starts a process in the container, but gives it no cgroup of its own, tells
+//! its host pid only when asked, and reports its exit code only after its output pipes closed —
+//! up to 2 s late when a background child holds them (and then it also delays the container's
+//! next exec). So every exec runs under a small POSIX `sh` wrapper (the image's `/bin/sh`) whose
+//! first act is to stop itself. The daemon then:
+//!
+//! 1. finds the wrapper's host pid (exec inspect) and waits until it is stopped;
+//! 2. moves it into the exec's own cgroup below the container's — nothing has forked yet, so the
+//!    whole tree will live there — and opens a pidfd on it;
+//! 3. continues it. The wrapper enters the working directory, resolves argv[0] through `$PATH`
+//!    like execvp, and execs the command; or, if it cannot, writes a marker line on stderr
+//!    (which the daemon strips) and exits 126/127, like the process tier;
+//! 4. pumps output into bounded captures while it waits on the pidfd for the exit, the timeout
+//!    or cancellation — the last two kill the exec's cgroup: every descendant, daemonized or not;
+//! 5. takes the raw wait status from the pidfd (`PIDFD_GET_INFO`, Linux 6.15+; Docker's exit
+//!    code otherwise), CPU and peak memory from the exec's cgroup, and moves spilled output into
+//!    the sandbox.
+//!
+//! Nothing of the command runs before step 3, so anything Docker writes on the stream before
+//! that (an "OCI runtime exec failed" when the sandbox is out of pids) is a start failure, never
+//! the user's output.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use bollard::container::LogOutput;
+use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
+use bollard::query_parameters::UploadToContainerOptions;
+use bollard::Docker;
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+use super::docker::{api_error, is_conflict, is_not_found};
+use super::process_cgroup::ExecCgroup;
+use super::{ContainerSandbox, Inner};
+use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
+use crate::output::{OutputCapture, SpillTarget};
+
+/// Directory inside the sandbox where truncated streams are kept whole (as in the process tier).
+pub const SPILL_DIR: &str = "/tmp/.sandboxd";
+
+/// How long an exec may take to reach the stopped wrapper before it counts as failed to start.
+const START_DEADLINE: Duration = Duration::from_secs(10);
+/// How long to wait for the exit after the exec's cgroup was killed.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// Start of the line the wrapper writes on stderr when it cannot run the command. The unit
+/// separator byte keeps it from matching anything a user would print first.
+const MARKER: &[u8] = b"\x1fsandboxd-spawn ";
+/// `$0` of the wrapper, visible in `ps` inside the sandbox until the command replaces it.
+const WRAPPER_NAME: &str = "sandboxd-exec";
+/// Environment variable carrying the wrapper script.
+const WRAPPER_VAR: &str = "__SBX_WRAPPER";
+
+/// The wrapper, run by `sh -c 'eval "$__SBX_WRAPPER"'`: `$1` is the working directory, the rest
+/// is argv. Variable names are prefixed so
+/// they cannot clash with the user's environment, and unset before the command runs; the shell's
+/// own `PWD`, `OLDPWD` and `SHLVL` are unset too unless the user's environment has them (see
+/// [`wrapper_script`]), so the command sees exactly the environment the manager resolved.
+const WRAPPER: &str = r#"kill -STOP $$
+__sbx_w=$1; shift
+if ! cd -P -- "$__sbx_w" 2>/dev/null; then
+  if [ ! -e "$__sbx_w" ]; then __sbx_r=ENOENT; elif [ ! -d "$__sbx_w" ]; then __sbx_r=ENOTDIR; else __sbx_r=EACCES; fi
+  printf '\037sandboxd-spawn workdir %s\n' "$__sbx_r" >&2; exit 127
+fi
+case $1 in
+*/*) if [ ! -e "$1" ]; then __sbx_r=notfound; elif [ -d "$1" ] || [ ! -x "$1" ]; then __sbx_r=notexec; else __sbx_r=; fi ;;
+*) __sbx_r=notfound; __sbx_o=$IFS; IFS=:
+   for __sbx_d in $PATH; do
+     __sbx_p=${__sbx_d:-.}/$1
+     if [ -f "$__sbx_p" ] && [ -x "$__sbx_p" ]; then __sbx_r=; break; fi
+     if [ -e "$__sbx_p" ]; then __sbx_r=notexec; fi
+   done
+   IFS=$__sbx_o ;;
+esac
+if [ -n "$__sbx_r" ]; then
+  case $__sbx_r in notfound) __sbx_c=127 ;; *) __sbx_c=126 ;; esac
+  printf '\037sandboxd-spawn %s\n' "$__sbx_r" >&2; exit $__sbx_c
+fi
+unset __SBX_WRAPPER __sbx_w __sbx_r __sbx_o __sbx_d __sbx_p __sbx_c"#;
+
+/// The wrapper with the shell's own variables unset unless the command's environment has them.
+fn wrapper_script(env: &[(String, String)]) -> String {
+    let mut script = WRAPPER.to_string();
+    for var in ["PWD", "OLDPWD", "SHLVL"] {
+        if !env.iter().any(|(k, _)| k == var) {
+            script.push(' ');
+            script.push_str(var);
+        }
+    }
+    script.push_str("\nexec \"$@\"\n");
+    script
+}
+
+/// The outcome and error sentence of a start failure the wrapper reported (same sentences as
+/// the process tier).
+fn describe_marker(marker: &str, argv0: &str, workdir: &str) -> (i32, String) {
+    let mut words = marker.split_whitespace();
+    match (words.next(), words.next()) {
+        (Some("notfound"), _) => (127, format!("executable not found: {argv0}")),
+        (Some("notexec"), _) => (126, format!("permission denied: {argv0} is not executable")),
+        (Some("workdir"), errno) => {
+            let why = match errno {
+                Some("ENOTDIR") => "Not a directory",
+                Some("EACCES") => "Permission denied",
+                _ => "No such file or directory",
+            };
+            (127, format!("cannot enter working directory {workdir}: {why}"))
+        }
+        _ => (127, format!("exec setup failed: {marker}")),
+    }
+}
+
+/// Holds back the first bytes of stderr until they are known not to be the wrapper's marker.
+#[derive(Default)]
+struct MarkerFilter {
+    /// Some while undecided.
+    pending: Option<Vec<u8>>,
+    found: Option<String>,
+}
+
+impl MarkerFilter {
+    fn new() -> Self {
+        MarkerFilter { pending: Some(Vec::new()), found: None }
+    }
+
+    /// The bytes of `chunk` (and of earlier held-back chunks) that are the command's.
+    fn filter(&mut self, chunk: &[u8]) -> Vec<u8> {
+        let Some(mut held) = self.pending.take() else { return chunk.to_vec() };
+        held.extend_from_slice(chunk);
+        if held.len() < MARKER.len() {
+            if MARKER.starts_with(&held) {
+                self.pending = Some(held);
+                return Vec::new();
+            }
+            return held;
+        }
+        if !held.starts_with(MARKER) {
+            return held;
+        }
+        match held.iter().position(|&b| b == b'\n') {
+            Some(nl) => {
+                self.found = Some(String::from_utf8_lossy(&held[MARKER.len()..nl]).into_owned());
+                held[nl + 1..].to_vec()
+            }
+            // A marker line is short; this is not one.
+            None if held.len() > 256 => held,
+            None => {
+                self.pending = Some(held);
+                Vec::new()
+            }
+        }
+    }
+
+    fn finish(&mut self) -> Vec<u8> {
+        self.pending.take().unwrap_or_default()
+    }
+}
+
+/// Spill file of one stream on the host, capped so a flood cannot fill the host's disk; moved
+/// into the sandbox when the exec ends.
+struct HostSpill {
+    host: PathBuf,
+    inner: String,
+    cap: u64,
+}
+
+struct CappedWriter {
+    out: std::io::BufWriter<File>,
+    left: u64,
+}
+
+impl Write for CappedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if buf.len() as u64 > self.left {
+            return Err(std::io::Error::other("the spill reached the sandbox's disk_bytes"));
+        }
+        self.left -= buf.len() as u64;
+        self.out.write_all(buf)?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
+impl SpillTarget for HostSpill {
+    fn open(&mut self) -> std::io::Result<Box<dyn Write + Send>> {
+        let file = File::create(&self.host)?;
+        Ok(Box::new(CappedWriter { out: std::io::BufWriter::with_capacity(64 << 10, file), left: self.cap }))
+    }
+    fn path(&self) -> String {
+        self.inner.clone()
+    }
+}
+
+/// What the output pump collected.
+struct Pumped {
+    stdout: CapturedOutput,
+    stderr: CapturedOutput,
+    marker: Option<String>,
+}
+
+type OutputStream = Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>;
+
+/// Reads the exec's multiplexed output into the captures (and the sink, if streaming) until EOF
+/// or `stop`.
+async fn pump(mut output: OutputStream, mut out: OutputCapture, mut err: OutputCapture, sink: OutputSink, stop: CancellationToken) -> Pumped {
+    let mut marker = MarkerFilter::new();
+    loop {
+        let item = tokio::select! {
+            biased;
+            item = output.next() => item,
+            _ = stop.cancelled() => break,
+        };
+        let (bytes, is_stdout) = match item {
+            Some(Ok(LogOutput::StdOut { message } | LogOutput::Console { message })) => (message, true),
+            Some(Ok(LogOutput::StdErr { message })) => (Bytes::from(marker.filter(&message)), false),
+            Some(Ok(LogOutput::StdIn { .. })) => continue,
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "exec output stream ended with an error");
+                break;
+            }
+            None => break,
+        };
+        if bytes.is_empty() {
+            continue;
+        }
+        if is_stdout { out.feed(&bytes) } else { err.feed(&bytes) }
+        if let Some(tx) = &sink {
+            let event = if is_stdout { OutputChunk::Stdout(bytes) } else { OutputChunk::Stderr(bytes) };
+            // A slow reader slows the command (back-pressure through Docker's pipe); a gone
+            // reader only stops the streaming, not the capture.
+            tokio::select! {
+                _ = tx.send(event) => {}
+                _ = stop.cancelled() => break,
+            }
+        }
+    }
+    let rest = marker.finish();
+    if !rest.is_empty() {
+        err.feed(&rest);
+        if let Some(tx) = &sink {
+            let _ = tx.try_send(OutputChunk::Stderr(Bytes::from(rest)));
+        }
+    }
+    Pumped { stdout: out.finish(), stderr: err.finish(), marker: marker.found }
+}
+
+/// The scheduler state of a process (`R`, `S`, `T`, …), None when it is gone.
+fn proc_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+}
+
+fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel returned a fresh descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `struct pidfd_info` of `<linux/pidfd.h>`, the first version (64 bytes).
+#[repr(C)]
+#[derive(Default)]
+struct PidfdInfo {
+    mask: u64,
+    cgroupid: u64,
+    ids: [u32; 11],
+    exit_code: i32,
+}
+const PIDFD_INFO_EXIT: u64 = 1 << 3;
+/// `_IOWR(0xFF, 11, struct pidfd_info)`.
+const PIDFD_GET_INFO: libc::c_ulong = 0xC040_FF0B;
+
+/// What the pidfd tells about an exited process's wait status.
+enum PidfdExit {
+    Status(i32),
+    /// Not reaped yet by its parent (containerd's shim reaps within microseconds).
+    NotYet,
+    /// The kernel predates `PIDFD_INFO_EXIT`.
+    Unsupported,
+}
+
+fn pidfd_exit(fd: &OwnedFd) -> PidfdExit {
+    let mut info = PidfdInfo { mask: PIDFD_INFO_EXIT, ..Default::default() };
+    // SAFETY: PIDFD_GET_INFO writes at most size_of::<PidfdInfo>() bytes (encoded in the request
+    // number) into the struct we pass.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), PIDFD_GET_INFO, &mut info as *mut PidfdInfo) };
+    if rc != 0 {
+        return PidfdExit::Unsupported;
+    }
+    if info.mask & PIDFD_INFO_EXIT != 0 {
+        PidfdExit::Status(info.exit_code)
+    } else {
+        PidfdExit::NotYet
+    }
+}
+
+/// How the command's main process ended.
+#[derive(Debug, Clone, Copy)]
+enum Exit {
+    Code(i32),
+    Signal(i32),
+    Unknown,
+}
+
+fn decode_wait_status(status: i32) -> Exit {
+    if libc::WIFSIGNALED(status) {
+        Exit::Signal(libc::WTERMSIG(status))
+    } else {
+        Exit::Code(libc::WEXITSTATUS(status))
+    }
+}
+
+/// How the wrapper's start went.
+enum Start {
+    /// Stopped at its first line, with this host pid.
+    Stopped(i32),
+    /// It never got there; Docker's exit code if it has one.
+    Failed(Option<i64>),
+}
+
+async fn await_stopped_wrapper(docker: &Docker, exec: &str) -> Result<Start, bollard::errors::Error> {
+    let deadline = Instant::now() + START_DEADLINE;
+    let mut pause = Duration::from_micros(300);
+    let pid = loop {
+        let info = docker.inspect_exec(exec).await?;
+        if let Some(pid) = info.pid.and_then(|p| i32::try_from(p).ok()).filter(|&p| p > 0) {
+            break pid;
+        }
+        if info.running == Some(false) && info.exit_code.is_some() {
+            return Ok(Start::Failed(info.exit_code));
+        }
+        if Instant::now() > deadline {
+            return Ok(Start::Failed(None));
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(10));
+    };
+    let mut pause = Duration::from_micros(100);
+    loop {
+        match proc_state(pid) {
+            Some('T') => return Ok(Start::Stopped(pid)),
+            None | Some('Z' | 'X') => return Ok(Start::Failed(None)),
+            Some(_) => {}
+        }
+        if Instant::now() > deadline {
+            return Ok(Start::Failed(None));
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(5));
+    }
+}
+
+/// Whatever Docker wrote on the stream of an exec that never started (bounded in time and size).
+async fn drain_start_error(output: &mut OutputStream) -> String {
+    let mut text = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_millis(300), async {
+        while let Some(Ok(item)) = output.next().await {
+            text.extend_from_slice(&item.into_bytes());
+            if text.len() > 4096 {
+                break;
+            }
+        }
+    })
+    .await;
+    String::from_utf8_lossy(&text).trim().chars().take(500).collect()
+}
+
+/// Moves a spilled stream from the host into the sandbox at `/tmp/.sandboxd/<name>`, streamed
+/// as a two-entry tar (the directory, then the file) through the archive API.
+async fn upload_spill(docker: &Docker, container: &str, host: &Path, name: &str) -> Result<(), String> {
+    let file = tokio::fs::File::open(host).await.map_err(|e| format!("opening {}: {e}", host.display()))?;
+    let size = file.metadata().await.map_err(|e| format!("stat {}: {e}", host.display()))?.len();
+    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let header = |path: &str, kind: tar::EntryType, mode: u32, size: u64| -> Result<Vec<u8>, String> {
+        let mut h = tar::Header::new_gnu();
+        h.set_path(path).map_err(|e| format!("tar header for {path}: {e}"))?;
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_size(size);
+        h.set_mtime(now);
+        h.set_cksum();
+        Ok(h.as_bytes().to_vec())
+    };
+    let mut head = header(".sandboxd/", tar::EntryType::Directory, 0o755, 0)?;
+    head.extend(header(&format!(".sandboxd/{name}"), tar::EntryType::Regular, 0o644, size)?);
+    let padding = ((512 - size % 512) % 512) as usize + 1024;
+    let content = futures::stream::unfold(Some(file), |file| async move {
+        let mut file = file?;
+        let mut buf = vec![0u8; 256 << 10];
+        match file.read(&mut buf).await {
+            Ok(0) => None,
+            Ok(n) => {
+                buf.truncate(n);
+                Some((Ok(Bytes::from(buf)), Some(file)))
+            }
+            Err(e) => Some((Err(e), None)),
+        }
+    });
+    let body = futures::stream::once(async move { Ok(Bytes::from(head)) })
+        .chain(content)
+        .chain(futures::stream::once(async move { Ok(Bytes::from(vec![0u8; padding])) }));
+    let options = UploadToContainerOptions { path: "/tmp".to_string(), ..Default::default() };
+    docker.upload_to_container(container, Some(options), bollard::body_try_stream(body)).await.map_err(|e| e.to_string())
+}
+
+impl ContainerSandbox {
+    /// Runs `spec` to its end. See the module documentation.
+    pub(super) async fn run_exec(self: &Arc<Self>, inner: &Inner, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+        let started_at = SystemTime::now();
+        let exec_id = spec.exec_id.to_string();
+        let cgroup = Arc::new(self.cgroup.create_exec(&exec_id).map_err(|e| BackendError::Internal(format!("exec cgroup: {e}")))?);
+        let result = self.exec_in_cgroup(inner, &spec, &cgroup, sink, started, cancel, started_at).await;
+        self.forget_exec(&exec_id, &cgroup);
+        result
+    }
+
+    fn forget_exec(&self, exec_id: &str, cgroup: &Arc<ExecCgroup>) {
+        if let Ok(mut running) = self.running.lock() {
+            running.remove(exec_id);
+        }
+        match cgroup.remove() {
+            Ok(true) => {}
+            // Processes the command left in the background keep their cgroup; it goes with the
+            // container.
+            Ok(false) => {
+                if let Ok(mut left) = self.leftovers.lock() {
+                    left.push(cgroup.clone());
+                }
+            }
+            Err(e) => tracing::warn!(exec = exec_id, error = %e, "cannot remove exec cgroup"),
+        }
+    }
+
+    /// The outcome of an exec whose container went away (or was never reachable).
+    fn lost_outcome(&self, fallback: impl FnOnce() -> String, started_at: SystemTime) -> ExecOutcome {
+        let error = match self.lost_reason() {
+            Some(reason) => format!("{reason} while the command ran"),
+            None => fallback(),
+        };
+        ExecOutcome::failed(ExecStatus::Lost, -1, error, started_at)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn exec_in_cgroup(
+        self: &Arc<Self>,
+        inner: &Inner,
+        spec: &ExecSpec,
+        cgroup: &Arc<ExecCgroup>,
+        sink: OutputSink,
+        started: StartSignal,
+        cancel: CancellationToken,
+        started_at: SystemTime,
+    ) -> Result<ExecOutcome, BackendError> {
+        let docker = inner.docker()?;
+        let exec_id = spec.exec_id.to_string();
+        // The script travels in the environment (and unsets itself), so `ps` inside the sandbox
+        // shows a short command line even for busybox applets that run inside the wrapper.
+        let mut cmd = vec!["/bin/sh".to_string(), "-c".to_string(), format!("eval \"${WRAPPER_VAR}\""), WRAPPER_NAME.to_string(), spec.workdir.clone()];
+        cmd.extend(spec.argv.iter().cloned());
+        let mut env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        env.push(format!("{WRAPPER_VAR}={}", wrapper_script(&spec.env)));
+        let with_stdin = !spec.stdin.is_empty();
+        let options = CreateExecOptions {
+            attach_stdin: Some(with_stdin),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            tty: Some(false),
+            env: Some(env),
+            cmd: Some(cmd),
+            // The wrapper changes into the exec's directory itself, so a missing one is reported
+            // like the process tier does rather than as Docker's error.
+            working_dir: Some("/".to_string()),
+            ..Default::default()
+        };
+        let docker_exec = match docker.create_exec(&self.container_id, options).await {
+            Ok(r) => r.id,
+            Err(e) if is_not_found(&e) || is_conflict(&e) => {
+                return Ok(self.lost_outcome(|| format!("the sandbox's container is not running: {e}"), started_at));
+            }
+            Err(e) => return Err(api_error("creating exec", e)),
+        };
+        let start = StartExecOptions { detach: false, tty: false, output_capacity: Some(64 << 10) };
+        let (mut output, input) = match docker.start_exec(&docker_exec, Some(start)).await {
+            Ok(StartExecResults::Attached { output, input }) => (output, input),
+            Ok(StartExecResults::Detached) => return Err(BackendError::Internal("Docker started the exec detached".into())),
+            Err(e) if is_not_found(&e) || is_conflict(&e) => {
+                return Ok(self.lost_outcome(|| format!("the sandbox's container is not running: {e}"), started_at));
+            }
+            Err(e) => return Err(api_error("starting exec", e)),
+        };
+
+        let pid = match await_stopped_wrapper(docker, &docker_exec).await {
+            Ok(Start::Stopped(pid)) => pid,
+            Ok(Start::Failed(code)) => {
+                if self.lost_reason().is_some() {
+                    return Ok(self.lost_outcome(String::new, started_at));
+                }
+                let said = drain_start_error(&mut output).await;
+                let error = if said.is_empty() { format!("the command could not be started (Docker exit code {code:?})") } else { format!("the command could not be started: {said}") };
+                return Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, 126, error, started_at));
+            }
+            Err(e) => return Ok(self.lost_outcome(|| format!("the sandbox's container stopped answering: {e}"), started_at)),
+        };
+        let continue_or_kill = |sig: Signal| {
+            if let Err(e) = kill(Pid::from_raw(pid), sig) {
+                tracing::debug!(exec = %exec_id, pid, error = %e, "signalling the stopped wrapper");
+            }
+        };
+        // 2. Into its own cgroup while it cannot fork, then a pidfd that outlives its reaping.
+        let joined = (|| -> Result<OwnedFd, String> {
+            for mut procs in cgroup.procs_files().map_err(|e| e.to_string())? {
+                procs.write_all(pid.to_string().as_bytes()).map_err(|e| format!("joining the exec cgroup: {e}"))?;
+            }
+            pidfd_open(pid).map_err(|e| format!("pidfd_open({pid}): {e}"))
+        })();
+        let pidfd = match joined {
+            Ok(fd) => fd,
+            Err(e) => {
+                continue_or_kill(Signal::SIGKILL);
+                return Err(BackendError::Internal(format!("exec {exec_id} setup: {e}")));
+            }
+        };
+        // SAFETY: an OwnedFd stays open and keeps returning the same descriptor until the
+        // AsyncFd that owns it is dropped.
+        let pidfd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
+            .map_err(|e| BackendError::io("watching the exec's pidfd", e.into()))?;
+        if let Ok(mut running) = self.running.lock() {
+            running.insert(exec_id.clone(), cgroup.clone());
+        }
+        // 3. Go.
+        continue_or_kill(Signal::SIGCONT);
+        let t0 = Instant::now();
+        if let Some(tx) = started {
+            let _ = tx.send(());
+        }
+        if with_stdin {
+            let stdin = spec.stdin.clone();
+            let mut input = input;
+            tokio::spawn(async move {
+                // A command that does not read its stdin closes it: a failed write is normal.
+                let _ = input.write_all(&stdin).await;
+                // Half-closing the connection is how Docker learns to close the process's stdin.
+                let _ = input.shutdown().await;
+            });
+        } else {
+            drop(input);
+        }
+
+        // 4. Output and the end.
+        let cap = usize::try_from(spec.max_output_bytes).unwrap_or(usize::MAX);
+        let spill = |stream: &str| -> Option<Box<dyn SpillTarget>> {
+            Some(Box::new(HostSpill {
+                host: inner.spill_dir.join(format!("{exec_id}.{stream}")),
+                inner: format!("{SPILL_DIR}/{exec_id}.{stream}"),
+                cap: self.spec.limits.disk_bytes,
+            }))
+        };
+        let stop = CancellationToken::new();
+        let mut pump_task = tokio::spawn(pump(output, OutputCapture::new(cap, spill("stdout")), OutputCapture::new(cap, spill("stderr")), sink, stop.clone()));
+
+        #[derive(Clone, Copy, PartialEq)]
+        enum End {
+            Exited,
+            TimedOut,
+            Cancelled,
+        }
+        let end = tokio::select! {
+            r = pidfd.readable() => {
+                if let Err(e) = r {
+                    tracing::warn!(exec = %exec_id, error = %e, "waiting on the exec's pidfd");
+                }
+                End::Exited
+            }
+            _ = tokio::time::sleep(spec.timeout) => End::TimedOut,
+            _ = cancel.cancelled() => End::Cancelled,
+        };
+        if end != End::Exited {
+            let cg = cgroup.clone();
+            match tokio::task::spawn_blocking(move || cg.kill_all()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(exec = %exec_id, error = %e, "killing exec process tree"),
+                Err(e) => tracing::warn!(exec = %exec_id, error = %e, "kill task failed"),
+            }
+            if tokio::time::timeout(KILL_WAIT, pidfd.readable()).await.is_err() {
+                tracing::warn!(exec = %exec_id, "the exec's process is still there {} s after the kill", KILL_WAIT.as_secs());
+            }
+        }
+        let duration = t0.elapsed();
+
+        // Bounded wait for the output: a grandchild left in the background may hold the pipes.
+        let pumped = match tokio::time::timeout(spec.io_drain_timeout, &mut pump_task).await {
+            Ok(r) => r,
+            Err(_) => {
+                stop.cancel();
+                pump_task.await
+            }
+        };
+        let Pumped { mut stdout, mut stderr, marker } = pumped.map_err(|e| BackendError::Internal(format!("output task: {e}")))?;
+        let exit = self.exit_of(docker, &docker_exec, pidfd.get_ref()).await;
+        let raw = cgroup.usage();
+        let usage = ExecUsage { cpu_user_ms: raw.cpu_user_ms, cpu_system_ms: raw.cpu_system_ms, peak_memory_bytes: raw.peak_memory_bytes };
+
+        // 5. Spilled streams move into the sandbox.
+        for (stream, captured) in [("stdout", &mut stdout), ("stderr", &mut stderr)] {
+            let host = inner.spill_dir.join(format!("{exec_id}.{stream}"));
+            if captured.spill_path.is_some() {
+                if let Err(e) = upload_spill(docker, &self.container_id, &host, &format!("{exec_id}.{stream}")).await {
+                    tracing::warn!(exec = %exec_id, stream, error = %e, "cannot move the spilled output into the sandbox");
+                    captured.spill_path = None;
+                }
+            }
+            if let Err(e) = tokio::fs::remove_file(&host).await {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %host.display(), error = %e, "removing spill file");
+                }
+            }
+        }
+
+        // The container was taken down under this exec (rollback, destroy, shutdown): whatever
+        // the kill made of it, the exec was lost with its sandbox.
+        if let Some(reason) = self.lost_reason() {
+            let error = format!("{reason} while the command ran");
+            return Ok(ExecOutcome { status: ExecStatus::Lost, exit_code: -1, signal: 0, stdout, stderr, started_at, duration, usage, error });
+        }
+        if let (Some(m), Exit::Code(126 | 127)) = (&marker, exit) {
+            let (code, error) = describe_marker(m, &spec.argv[0], &spec.workdir);
+            return Ok(ExecOutcome { status: ExecStatus::SpawnFailed, exit_code: code, signal: 0, stdout, stderr, started_at, duration, usage, error });
+        }
+        let kill9 = libc::SIGKILL;
+        let (status, exit_code, signal) = match (end, exit) {
+            (End::TimedOut, _) => (ExecStatus::TimedOut, 128 + kill9, kill9),
+            (End::Cancelled, _) => (ExecStatus::Signaled, 128 + kill9, kill9),
+            // The OOM killer fired in this exec's cgroup and the command did not succeed.
+            (_, Exit::Signal(s)) if s == kill9 && raw.oom_kills > 0 => (ExecStatus::OomKilled, 128 + s, s),
+            (_, Exit::Code(c)) if c != 0 && raw.oom_kills > 0 => (ExecStatus::OomKilled, 128 + kill9, kill9),
+            (_, Exit::Signal(s)) => (ExecStatus::Signaled, 128 + s, s),
+            (_, Exit::Code(c)) => (ExecStatus::Exited, c, 0),
+            (_, Exit::Unknown) => {
+                let error = "exit status unknown".to_string();
+                return Ok(ExecOutcome { status: ExecStatus::Lost, exit_code: -1, signal: 0, stdout, stderr, started_at, duration, usage, error });
+            }
+        };
+        Ok(ExecOutcome { status, exit_code, signal, stdout, stderr, started_at, duration, usage, error: String::new() })
+    }
+
+    /// The main process's end: from the pidfd when the kernel keeps it (exact), else from Docker
+    /// (which reports a signal death as 128+n, so on such kernels a command that exits with a
+    /// code above 128 is reported as signaled).
+    async fn exit_of(&self, docker: &Docker, docker_exec: &str, pidfd: &OwnedFd) -> Exit {
+        let deadline = Instant::now() + Duration::from_millis(500);
+        loop {
+            match pidfd_exit(pidfd) {
+                PidfdExit::Status(s) => return decode_wait_status(s),
+                PidfdExit::Unsupported => break,
+                PidfdExit::NotYet if Instant::now() > deadline => break,
+                PidfdExit::NotYet => tokio::time::sleep(Duration::from_millis(1)).await,
+            }
+        }
+        // Docker holds the record until the streams close (at most ~2 s after the exit).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match docker.inspect_exec(docker_exec).await {
+                Ok(info) if info.running == Some(false) => {
+                    return match info.exit_code.and_then(|c| i32::try_from(c).ok()) {
+                        Some(c) if (129..=128 + 64).contains(&c) => Exit::Signal(c - 128),
+                        Some(c) => Exit::Code(c),
+                        None => Exit::Unknown,
+                    };
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "inspecting an ended exec");
+                    return Exit::Unknown;
+                }
+            }
+            if Instant::now() > deadline {
+                return Exit::Unknown;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marker_is_stripped_and_ordinary_stderr_passes() {
+        let mut f = MarkerFilter::new();
+        assert!(f.filter(b"\x1fsandboxd").is_empty(), "a possible marker prefix is held back");
+        assert_eq!(f.filter(b"-spawn notfound\n"), b"");
+        assert_eq!(f.found.as_deref(), Some("notfound"));
+
+        let mut f = MarkerFilter::new();
+        assert_eq!(f.filter(b"hello"), b"hello");
+        assert_eq!(f.filter(b"\x1fsandboxd-spawn x\n"), b"\x1fsandboxd-spawn x\n", "only the first bytes can be a marker");
+        assert!(f.found.is_none());
+
+        let mut f = MarkerFilter::new();
+        assert!(f.filter(b"\x1f").is_empty());
+        assert_eq!(f.finish(), b"\x1f", "held bytes are released at the end");
+    }
+
+    #[test]
+    fn markers_become_the_process_tier_sentences() {
+        assert_eq!(describe_marker("notfound", "nope", "/w"), (127, "executable not found: nope".into()));
+        assert_eq!(describe_marker("notexec", "/x.sh", "/w").0, 126);
+        let (code, text) = describe_marker("workdir ENOENT", "pwd", "/no/such/dir");
+        assert_eq!(code, 127);
+        assert!(text.contains("/no/such/dir"), "{text}");
+    }
+
+    #[test]
+    fn wrapper_unsets_only_what_the_user_did_not_set() {
+        let s = wrapper_script(&[("PWD".into(), "/x".into())]);
+        assert!(s.contains(" OLDPWD SHLVL\nexec \"$@\"\n"), "{s}");
+        assert!(!s.contains("__sbx_c PWD"), "{s}");
+    }
+
+    #[test]
+    fn wait_status_decoding() {
+        assert!(matches!(decode_wait_status(3 << 8), Exit::Code(3)));
+        assert!(matches!(decode_wait_status(libc::SIGTERM), Exit::Signal(15)));
+    }
+}

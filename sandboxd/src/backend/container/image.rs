@@ -1,0 +1,185 @@
+//! Sandbox images as local Docker images, without a registry.
+//!
+//! The source of truth for an image is the same as for the process tier:
+//! `<images_dir>/<name>/rootfs` plus its `image.json`, which the build scripts write last. On
+//! first use of a name the daemon looks for the local Docker image
+//! `sandboxd/<name>:<hash of image.json>`; when it is missing, the rootfs is streamed as a tar
+//! into Docker's image import (`POST /images/create?fromSrc=-`), which makes a one-layer image.
+//! Rebuilding an image rewrites `image.json` (its `built_at` changes), so the tag changes and the
+//! next sandbox gets the new image; sandboxes already running keep the old one.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bollard::query_parameters::CreateImageOptions;
+use bollard::Docker;
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::mpsc;
+
+use super::docker::{api_error, is_not_found, stable_hash};
+use crate::backend::BackendError;
+
+/// Chunk size of the tar stream sent to Docker.
+const CHUNK: usize = 256 << 10;
+
+/// Docker images already known to exist, by sandbox image name, and a lock per name so two
+/// creates of a new image import it once.
+#[derive(Default)]
+pub struct ImageCache {
+    ready: Mutex<HashMap<String, String>>,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// Whether `s` can be a path component of a Docker repository name (lowercase alphanumerics
+/// separated by single `.`, `_` or `-`).
+fn valid_repo_component(s: &str) -> bool {
+    let bytes = s.as_bytes();
+    !bytes.is_empty()
+        && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(b))
+        && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
+        && bytes.last().is_some_and(u8::is_ascii_alphanumeric)
+        && !bytes.windows(2).any(|w| b"._-".contains(&w[0]) && b"._-".contains(&w[1]))
+}
+
+/// The Docker reference of image `name` whose `image.json` hashes to `hash`.
+fn reference(name: &str, hash: u64) -> String {
+    let repo = if valid_repo_component(name) { name.to_string() } else { format!("image-{:016x}", stable_hash(name.as_bytes())) };
+    format!("sandboxd/{repo}:{hash:016x}")
+}
+
+/// A `Write` that hands the tar stream to the async side in chunks.
+struct ChannelWriter {
+    tx: mpsc::Sender<std::io::Result<Bytes>>,
+    buf: Vec<u8>,
+}
+
+impl ChannelWriter {
+    fn send(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
+        self.tx.blocking_send(Ok(chunk)).map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "Docker stopped reading the image"))
+    }
+}
+
+impl Write for ChannelWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        if self.buf.len() >= CHUNK {
+            self.send()?;
+        }
+        Ok(data.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.send()
+    }
+}
+
+/// Writes `rootfs` as a tar (paths relative to it, symlinks kept as links, device nodes and
+/// FIFOs as such) into `tx`; a failure is sent down the stream so the import fails with it.
+fn stream_rootfs(rootfs: PathBuf, tx: mpsc::Sender<std::io::Result<Bytes>>) {
+    let err_tx = tx.clone();
+    let result = (|| -> std::io::Result<()> {
+        let mut builder = tar::Builder::new(ChannelWriter { tx, buf: Vec::with_capacity(CHUNK) });
+        builder.follow_symlinks(false);
+        builder.append_dir_all(".", &rootfs)?;
+        let mut w = builder.into_inner()?;
+        w.flush()
+    })();
+    if let Err(e) = result {
+        let _ = err_tx.blocking_send(Err(std::io::Error::new(e.kind(), format!("reading {}: {e}", rootfs.display()))));
+    }
+}
+
+impl ImageCache {
+    /// The Docker image for sandbox image `name`, imported from `images_dir` on first use.
+    pub async fn ensure(&self, docker: &Docker, images_dir: &Path, name: &str) -> Result<String, BackendError> {
+        let not_found = || BackendError::ImageNotFound { image: name.to_string(), dir: images_dir.display().to_string() };
+        let valid = !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) && !name.starts_with('.');
+        if !valid {
+            return Err(not_found());
+        }
+        let dir = images_dir.join(name);
+        let rootfs = dir.join("rootfs");
+        // image.json is written last by the build scripts: without it the image is incomplete.
+        let meta = match tokio::fs::read(dir.join("image.json")).await {
+            Ok(m) if rootfs.is_dir() => m,
+            _ => return Err(not_found()),
+        };
+        let tag = reference(name, stable_hash(&meta));
+        if self.ready.lock().ok().and_then(|r| r.get(name).cloned()).as_deref() == Some(tag.as_str()) {
+            return Ok(tag);
+        }
+        let lock = self
+            .locks
+            .lock()
+            .map_err(|_| BackendError::Internal("image lock table poisoned".into()))?
+            .entry(name.to_string())
+            .or_default()
+            .clone();
+        let _guard = lock.lock().await;
+        match docker.inspect_image(&tag).await {
+            Ok(_) => {}
+            Err(e) if is_not_found(&e) => self.import(docker, &rootfs, &tag).await?,
+            Err(e) => return Err(api_error(format!("inspecting image {tag}"), e)),
+        }
+        if let Ok(mut ready) = self.ready.lock() {
+            ready.insert(name.to_string(), tag.clone());
+        }
+        Ok(tag)
+    }
+
+    async fn import(&self, docker: &Docker, rootfs: &Path, tag: &str) -> Result<(), BackendError> {
+        let started = Instant::now();
+        tracing::info!(image = %tag, rootfs = %rootfs.display(), "Docker image missing; importing it from the image's rootfs (first use)");
+        let (repo, version) = tag.rsplit_once(':').unwrap_or((tag, "latest"));
+        let (tx, rx) = mpsc::channel(8);
+        let src = rootfs.to_path_buf();
+        let producer = tokio::task::spawn_blocking(move || stream_rootfs(src, tx));
+        let options = CreateImageOptions {
+            from_src: Some("-".to_string()),
+            repo: Some(repo.to_string()),
+            tag: Some(version.to_string()),
+            message: Some(format!("imported by sandboxd from {}", rootfs.display())),
+            ..Default::default()
+        };
+        let body = bollard::body_try_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let mut progress = docker.create_image(Some(options), Some(body), None);
+        let mut failure = None;
+        while let Some(item) = progress.next().await {
+            if let Err(e) = item {
+                failure = Some(e);
+                break;
+            }
+        }
+        // Dropping the stream ends the upload; the producer then sees a closed channel.
+        drop(progress);
+        let _ = producer.await;
+        if let Some(e) = failure {
+            return Err(api_error(format!("importing {} as {tag}", rootfs.display()), e));
+        }
+        docker.inspect_image(tag).await.map_err(|e| api_error(format!("image {tag} after import"), e))?;
+        tracing::info!(image = %tag, ms = started.elapsed().as_millis() as u64, "Docker image imported");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn references_are_valid_docker_names() {
+        assert_eq!(reference("minimal", 0xab), "sandboxd/minimal:00000000000000ab");
+        assert!(reference("My_Image", 1).starts_with("sandboxd/image-"));
+        assert!(reference("a..b", 1).starts_with("sandboxd/image-"));
+        assert!(valid_repo_component("debian-12.slim"));
+        assert!(!valid_repo_component("-x"));
+        assert!(!valid_repo_component("x_"));
+    }
+}

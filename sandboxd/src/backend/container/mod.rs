@@ -1,0 +1,337 @@
+//! The container tier: each sandbox is a Docker container, driven through the Docker Engine API
+//! with `bollard` (never the docker CLI).
+//!
+//! * [`image`] — sandbox images become local Docker images, imported from the same rootfs the
+//!   process tier uses (no registry).
+//! * [`setup`] — the container recipe: limits, capabilities, no-new-privileges, Docker's default
+//!   seccomp profile, network `none`, an init that reaps zombies, labels marking it as ours.
+//! * [`exec`] — commands run through the exec API, each moved into its own child cgroup of the
+//!   container's, which gives per-exec CPU and peak memory, OOM detection and a kill that reaches
+//!   the whole process tree.
+//! * [`files`] — WriteFile/ReadFile through the archive API: Docker resolves paths inside the
+//!   container.
+//! * [`snapshot`] and [`layer`] — snapshots copy the container's writable layer; rollback swaps
+//!   in a standby container prepared from the snapshot in the background.
+//!
+//! Containers are labelled `sandboxd.id=<sandbox>` and `sandboxd.owner=<hash of the state dir>`,
+//! and the container serving a sandbox is named `sandboxd-<sandbox>`; a restarted daemon finds
+//! its own by these ([`Backend::recover`]). Host layout under `--state-dir`:
+//! `container/snapshots/<snapshot>/` (copies of writable layers) and `container/spill/` (output
+//! spilled while an exec runs, moved into the sandbox when it ends).
+
+mod docker;
+mod exec;
+mod files;
+mod image;
+mod layer;
+mod recover;
+mod setup;
+mod snapshot;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bollard::Docker;
+use tokio_util::sync::CancellationToken;
+
+use super::process::cgroup as process_cgroup;
+use process_cgroup::{CgroupRoot, ExecCgroup, SandboxCgroup};
+use super::{Backend, BackendError, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal};
+use crate::ids::{ExecId, SandboxId, SnapshotId};
+
+/// Where the Docker Engine listens by default.
+pub const DEFAULT_DOCKER_SOCKET: &str = "/var/run/docker.sock";
+
+/// Settings of the container tier.
+#[derive(Debug, Clone)]
+pub struct ContainerConfig {
+    pub state_dir: PathBuf,
+    pub images_dir: PathBuf,
+    /// The Docker Engine's UNIX socket.
+    pub docker_socket: PathBuf,
+}
+
+/// Whether Docker can cap a container's writable layer (`StorageOpt size`): it depends on the
+/// storage driver (overlay2 on xfs with pquota, btrfs, zfs, devicemapper), and is learned from
+/// the driver's name or from the first create that asks for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DiskLimits {
+    Unknown,
+    Enforced,
+    Unsupported,
+}
+
+/// One live container sandbox: the container serving it now, and the execs running in it.
+pub(crate) struct ContainerSandbox {
+    spec: SandboxSpec,
+    container_id: String,
+    /// Host pid of the container's init (docker-init), for `/proc/<pid>/root`.
+    init_pid: i32,
+    /// The container's cgroup; exec cgroups are created below it.
+    cgroup: SandboxCgroup,
+    /// The container's writable layer on the host (overlay upper dir), when the storage driver
+    /// has one.
+    upper_dir: Option<PathBuf>,
+    /// Set (with the reason) when the container is taken down under running execs, which then
+    /// end as LOST rather than as whatever the kill made of them.
+    lost: Mutex<Option<String>>,
+    /// Cgroups of execs still running, for SignalExec.
+    running: Mutex<HashMap<String, Arc<ExecCgroup>>>,
+    /// Cgroups of finished execs whose background processes live on.
+    leftovers: Mutex<Vec<Arc<ExecCgroup>>>,
+}
+
+impl ContainerSandbox {
+    /// Records why the container is going away, before it does (first reason wins).
+    fn mark_lost(&self, reason: &str) {
+        if let Ok(mut lost) = self.lost.lock() {
+            lost.get_or_insert_with(|| reason.to_string());
+        }
+    }
+
+    fn lost_reason(&self) -> Option<String> {
+        self.lost.lock().ok().and_then(|l| l.clone())
+    }
+
+    /// SIGKILLs every process of the container (its init included, so the container stops),
+    /// race-free against forks through the freezer. Running execs see their process end.
+    async fn kill_everything(self: &Arc<Self>) {
+        let sb = self.clone();
+        let killed = tokio::task::spawn_blocking(move || sb.cgroup.kill_all()).await;
+        match killed {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(container = %self.container_id, error = %e, "killing the container's processes"),
+            Err(e) => tracing::warn!(container = %self.container_id, error = %e, "kill task failed"),
+        }
+    }
+
+    /// Removes the cgroups execs left behind (Docker removes the container's own).
+    fn remove_exec_cgroups(&self) {
+        let leftovers: Vec<_> = self.leftovers.lock().map(|mut l| std::mem::take(&mut *l)).unwrap_or_default();
+        for cg in leftovers {
+            if let Err(e) = cg.remove() {
+                tracing::debug!(container = %self.container_id, error = %e, "removing a leftover exec cgroup");
+            }
+        }
+    }
+}
+
+/// The state shared by the backend and its background tasks (standby preparation, removals).
+pub(crate) struct Inner {
+    cfg: ContainerConfig,
+    docker: Option<Docker>,
+    /// Why this host cannot run the tier, if it cannot.
+    unavailable: Option<String>,
+    owner: String,
+    images: image::ImageCache,
+    disk_limits: Mutex<DiskLimits>,
+    sandboxes: RwLock<HashMap<SandboxId, Arc<ContainerSandbox>>>,
+    standbys: Mutex<HashMap<SandboxId, snapshot::Standby>>,
+    /// Cgroup parents of containers (`docker` with the cgroupfs driver), opened once.
+    cgroup_roots: Mutex<HashMap<String, CgroupRoot>>,
+    snapshots_dir: PathBuf,
+    spill_dir: PathBuf,
+}
+
+/// The container-tier backend.
+pub struct ContainerBackend {
+    inner: Arc<Inner>,
+}
+
+impl ContainerBackend {
+    /// Connects to Docker. A host where Docker is unreachable gets a backend that reports why on
+    /// every create (the daemon still serves the other tiers); this never fails.
+    pub async fn new(cfg: ContainerConfig) -> Self {
+        let root = cfg.state_dir.join("container");
+        let snapshots_dir = root.join("snapshots");
+        let spill_dir = root.join("spill");
+        let owner = docker::owner_of(&cfg.state_dir);
+        let mut unavailable = None;
+        let (mut docker, mut host) = (None, None);
+        match docker::connect(&cfg.docker_socket).await {
+            Ok((d, h)) => {
+                tracing::info!(version = %h.server_version, api = %h.api_version, storage_driver = %h.storage_driver, cgroup_driver = %h.cgroup_driver, "Docker reachable");
+                docker = Some(d);
+                host = Some(h);
+            }
+            Err(reason) => unavailable = Some(reason),
+        }
+        for dir in [&snapshots_dir, &spill_dir] {
+            if let Err(e) = std::fs::create_dir_all(dir) {
+                unavailable.get_or_insert_with(|| format!("creating {}: {e}", dir.display()));
+            }
+        }
+        if let Some(reason) = &unavailable {
+            tracing::error!(%reason, "container tier unavailable");
+        }
+        let disk_limits = match host.as_ref().map(|h| h.storage_driver.as_str()) {
+            // fuse-overlayfs has no quota support at all; overlay2 only on xfs with pquota.
+            Some("fuse-overlayfs" | "vfs") => {
+                tracing::warn!(driver = %host.as_ref().map(|h| h.storage_driver.clone()).unwrap_or_default(), "Docker's storage driver cannot limit a container's disk: disk_bytes is not enforced for CONTAINER sandboxes");
+                DiskLimits::Unsupported
+            }
+            _ => DiskLimits::Unknown,
+        };
+        let inner = Inner {
+            cfg,
+            docker,
+            unavailable,
+            owner,
+            images: image::ImageCache::default(),
+            disk_limits: Mutex::new(disk_limits),
+            sandboxes: RwLock::new(HashMap::new()),
+            standbys: Mutex::new(HashMap::new()),
+            cgroup_roots: Mutex::new(HashMap::new()),
+            snapshots_dir,
+            spill_dir,
+        };
+        ContainerBackend { inner: Arc::new(inner) }
+    }
+}
+
+impl Inner {
+    fn docker(&self) -> Result<&Docker, BackendError> {
+        self.docker.as_ref().ok_or_else(|| self.unavailable_error())
+    }
+
+    fn unavailable_error(&self) -> BackendError {
+        BackendError::Unavailable { isolation: Isolation::Container, reason: self.unavailable.clone().unwrap_or_default() }
+    }
+
+    fn sandbox(&self, id: &SandboxId) -> Result<Arc<ContainerSandbox>, BackendError> {
+        let map = self.sandboxes.read().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?;
+        map.get(id).cloned().ok_or_else(|| BackendError::NoSuchSandbox(id.clone()))
+    }
+
+    fn take_sandbox(&self, id: &SandboxId) -> Option<Arc<ContainerSandbox>> {
+        self.sandboxes.write().ok().and_then(|mut m| m.remove(id))
+    }
+
+    fn insert_sandbox(&self, sb: Arc<ContainerSandbox>) -> Result<(), BackendError> {
+        self.sandboxes
+            .write()
+            .map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?
+            .insert(sb.spec.id.clone(), sb);
+        Ok(())
+    }
+
+    /// Removes a container (killing what runs in it), tolerating one that is already gone.
+    async fn remove_container(&self, container: &str) {
+        let Ok(docker) = self.docker() else { return };
+        let options = bollard::query_parameters::RemoveContainerOptions { force: true, v: true, ..Default::default() };
+        match docker.remove_container(container, Some(options)).await {
+            Ok(()) => tracing::debug!(%container, "container removed"),
+            Err(e) if docker::is_not_found(&e) => {}
+            Err(e) => tracing::warn!(%container, error = %e, "cannot remove container"),
+        }
+    }
+
+    /// Takes a sandbox's container down: execs end as LOST with `reason`, every process dies,
+    /// the container is removed. Idempotent.
+    async fn tear_down(&self, sb: &Arc<ContainerSandbox>, reason: &str) {
+        sb.mark_lost(reason);
+        sb.kill_everything().await;
+        sb.remove_exec_cgroups();
+        self.remove_container(&sb.container_id).await;
+    }
+}
+
+#[async_trait]
+impl Backend for ContainerBackend {
+    fn isolation(&self) -> Isolation {
+        Isolation::Container
+    }
+
+    fn availability(&self) -> Result<(), String> {
+        match &self.inner.unavailable {
+            Some(reason) => Err(reason.clone()),
+            None => Ok(()),
+        }
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
+        let inner = &self.inner;
+        inner.docker()?;
+        if let Some(snap) = &spec.from_snapshot {
+            if !inner.snapshot_dir(snap).is_dir() {
+                return Err(BackendError::NoSuchSnapshot(snap.clone()));
+            }
+        }
+        let sb = inner.launch(spec, &setup::Role::Active, spec.from_snapshot.as_ref()).await?;
+        inner.insert_sandbox(sb)
+    }
+
+    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        sb.run_exec(&self.inner, spec, sink, started, cancel).await
+    }
+
+    async fn signal_exec(&self, sandbox: &SandboxId, exec: &ExecId, signal: i32) -> Result<(), BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        let cg = sb.running.lock().ok().and_then(|r| r.get(exec.as_str()).cloned()).ok_or_else(|| BackendError::NoSuchExec(exec.clone()))?;
+        let sig = nix::sys::signal::Signal::try_from(signal).map_err(|_| BackendError::InvalidPath { path: String::new(), reason: format!("invalid signal {signal}") })?;
+        cg.signal_all(sig).map_err(|e| BackendError::Internal(format!("signalling exec {exec}: {e}")))
+    }
+
+    async fn write_file(&self, sandbox: &SandboxId, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::write_file(self.inner.docker()?, &sb, path, content, mode).await
+    }
+
+    async fn read_file(&self, sandbox: &SandboxId, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::read_file(self.inner.docker()?, &sb, path, offset, limit).await
+    }
+
+    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {
+        Inner::snapshot(&self.inner, sandbox, snapshot).await
+    }
+
+    async fn rollback(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<(), BackendError> {
+        Inner::rollback(&self.inner, sandbox, snapshot).await
+    }
+
+    async fn delete_snapshot(&self, snapshot: &SnapshotId) -> Result<(), BackendError> {
+        self.inner.delete_snapshot(snapshot).await
+    }
+
+    async fn destroy(&self, sandbox: &SandboxId) -> Result<(), BackendError> {
+        let inner = &self.inner;
+        inner.discard_standby(sandbox);
+        match inner.take_sandbox(sandbox) {
+            Some(sb) => {
+                inner.tear_down(&sb, "the sandbox was destroyed").await;
+                Ok(())
+            }
+            None => {
+                // A FAILED sandbox may still have a (stopped) container: it goes all the same.
+                inner.remove_container(&docker::active_name(sandbox)).await;
+                Err(BackendError::NoSuchSandbox(sandbox.clone()))
+            }
+        }
+    }
+
+    async fn recover(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
+        Inner::recover(&self.inner, sandboxes, snapshots).await
+    }
+
+    async fn shutdown(&self) {
+        let inner = &self.inner;
+        inner.discard_all_standbys().await;
+        let all: Vec<_> = match inner.sandboxes.write() {
+            Ok(mut map) => map.drain().map(|(_, sb)| sb).collect(),
+            Err(_) => Vec::new(),
+        };
+        // Containers are stopped, not removed: their writable layers are the sandboxes' disks,
+        // and the next start re-adopts them. Killing through the cgroup takes milliseconds.
+        let stops = all.iter().map(|sb| async move {
+            sb.mark_lost("the daemon shut down");
+            sb.kill_everything().await;
+            sb.remove_exec_cgroups();
+        });
+        let _ = tokio::time::timeout(Duration::from_secs(20), futures::future::join_all(stops)).await;
+    }
+}

@@ -1,0 +1,97 @@
+//! Reconciling with Docker when the daemon starts.
+//!
+//! Docker keeps containers across a daemon crash (and the daemon stops, without removing, its
+//! containers on a clean shutdown). At start, every container carrying this daemon's owner label
+//! is either re-adopted — it is named `sandboxd-<id>` and `<id>` is a sandbox on record — or
+//! removed (standbys, replaced containers, sandboxes no record knows). A re-adopted container is
+//! restarted, so like the process tier its filesystem is kept and its processes are not: the
+//! execs that ran in it were recorded LOST by the manager. Snapshot copies no record knows are
+//! deleted, and so are spill files of execs that never finished.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use bollard::query_parameters::{ListContainersOptions, RestartContainerOptions};
+
+use super::docker::{self, api_error, LABEL_OWNER};
+use super::Inner;
+use crate::backend::{BackendError, SandboxSpec};
+use crate::ids::{SandboxId, SnapshotId};
+
+impl Inner {
+    /// See the module documentation.
+    pub(super) async fn recover(self: &Arc<Self>, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
+        let docker = match self.docker() {
+            Ok(d) => d.clone(),
+            Err(_) => return sandboxes.iter().map(|s| (s.id.clone(), Err(self.unavailable_error()))).collect(),
+        };
+        self.remove_unknown_snapshots(snapshots);
+        if let Ok(entries) = std::fs::read_dir(&self.spill_dir) {
+            for e in entries.flatten() {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+
+        let filters = HashMap::from([("label".to_string(), vec![format!("{LABEL_OWNER}={}", self.owner)])]);
+        let options = ListContainersOptions { all: true, filters: Some(filters), ..Default::default() };
+        let listed = match docker.list_containers(Some(options)).await {
+            Ok(l) => l,
+            Err(e) => {
+                let reason = format!("docker: listing containers: {e}");
+                return sandboxes.iter().map(|s| (s.id.clone(), Err(BackendError::Internal(reason.clone())))).collect();
+            }
+        };
+        let wanted: HashMap<String, &SandboxSpec> = sandboxes.iter().map(|s| (format!("/{}", docker::active_name(&s.id)), s)).collect();
+        let mut adopt: HashMap<SandboxId, String> = HashMap::new();
+        let mut remove = Vec::new();
+        for c in listed {
+            let Some(id) = c.id else { continue };
+            match c.names.unwrap_or_default().iter().find_map(|n| wanted.get(n)) {
+                Some(spec) => {
+                    adopt.insert(spec.id.clone(), id);
+                }
+                None => remove.push(id),
+            }
+        }
+        let removals = remove.iter().map(|id| async move {
+            tracing::info!(container = %id, "removing a container no record refers to");
+            self.remove_container(id).await;
+        });
+        futures::future::join_all(removals).await;
+
+        let adoptions = sandboxes.iter().map(|spec| {
+            let container = adopt.get(&spec.id).cloned();
+            let docker = docker.clone();
+            async move {
+                let result = match container {
+                    None => Err(BackendError::Internal(format!("the container of {} is gone", spec.id))),
+                    Some(container) => {
+                        // Restart: the processes of the previous daemon's time end, the writable
+                        // layer stays. A stopped container simply starts.
+                        let options = RestartContainerOptions { t: Some(0), signal: None };
+                        match docker.restart_container(&container, Some(options)).await {
+                            Ok(()) => self.attach(spec, &container).await.and_then(|sb| self.insert_sandbox(sb)),
+                            Err(e) => Err(api_error(format!("restarting container {container}"), e)),
+                        }
+                    }
+                };
+                (spec.id.clone(), result)
+            }
+        });
+        futures::future::join_all(adoptions).await
+    }
+
+    fn remove_unknown_snapshots(&self, snapshots: &[SnapshotId]) {
+        let keep: HashSet<&str> = snapshots.iter().map(|s| s.as_str()).collect();
+        let Ok(entries) = std::fs::read_dir(&self.snapshots_dir) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !keep.contains(name.as_str()) {
+                tracing::info!(snapshot = %name, "removing a snapshot no record refers to");
+                if let Err(e) = std::fs::remove_dir_all(entry.path()) {
+                    tracing::warn!(path = %entry.path().display(), error = %e, "cannot remove stale snapshot");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,290 @@
+//! Making a container sandbox exist: the recipe, and finding the container's cgroup afterwards.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig, RestartPolicy, RestartPolicyNameEnum};
+use bollard::query_parameters::CreateContainerOptions;
+
+use super::docker::{self, api_error, LABEL_ID, LABEL_IMAGE, LABEL_OWNER, LABEL_STANDBY};
+use super::process_cgroup::CgroupRoot;
+use super::{layer, ContainerSandbox, DiskLimits, Inner};
+use crate::backend::{BackendError, SandboxSpec};
+use crate::ids::SnapshotId;
+
+/// Capabilities a container keeps: the same set as the process tier — Docker's default minus
+/// `MKNOD` (device nodes a sandbox makes could be opened by a careless host tool) and `NET_RAW`
+/// (no network anyway). Everything else is dropped.
+const KEPT_CAPS: [&str; 11] = [
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "NET_BIND_SERVICE",
+    "SYS_CHROOT",
+    "SETFCAP",
+];
+
+/// The container's main process under docker-init: a shell that sleeps forever. Execs are
+/// separate processes started through the exec API; this only keeps the container up. A loop of
+/// plain `sleep` works with every `sleep` (busybox's and coreutils'), unlike `sleep infinity`.
+const KEEPALIVE: [&str; 3] = ["/bin/sh", "-c", "while :; do sleep 86400; done"];
+
+/// Docker refuses a CPU limit below 0.01 CPU.
+const MIN_NANO_CPUS: i64 = 10_000_000;
+
+/// What a container is for.
+#[derive(Debug, Clone)]
+pub enum Role {
+    /// It serves the sandbox now.
+    Active,
+    /// A standby started from a snapshot, swapped in by a rollback (see `snapshot.rs`).
+    Standby(SnapshotId),
+}
+
+impl Role {
+    fn name(&self, spec: &SandboxSpec) -> String {
+        match self {
+            Role::Active => docker::active_name(&spec.id),
+            Role::Standby(snap) => format!("{}-standby-{snap}", docker::active_name(&spec.id)),
+        }
+    }
+}
+
+fn host_config(spec: &SandboxSpec, disk: Option<u64>) -> HostConfig {
+    let l = &spec.limits;
+    let memory = i64::try_from(l.memory_bytes).unwrap_or(i64::MAX);
+    let nano_cpus = (i64::from(l.cpu_millicores) * 1_000_000).max(MIN_NANO_CPUS);
+    HostConfig {
+        // Memory and memory+swap equal: the limit cannot be escaped by swapping.
+        memory: Some(memory),
+        memory_swap: Some(memory),
+        pids_limit: Some(i64::from(l.max_pids)),
+        nano_cpus: Some(nano_cpus),
+        cap_drop: Some(vec!["ALL".to_string()]),
+        cap_add: Some(KEPT_CAPS.iter().map(|c| c.to_string()).collect()),
+        // Docker's default seccomp profile applies because no `seccomp=` option overrides it.
+        security_opt: Some(vec!["no-new-privileges".to_string()]),
+        // docker-init (tini) as PID 1 reaps the zombies execs leave behind.
+        init: Some(true),
+        network_mode: Some("none".to_string()),
+        // The keepalive prints nothing and exec output is captured by the daemon: no log files.
+        log_config: Some(HostConfigLogConfig { typ: Some("none".to_string()), config: None }),
+        restart_policy: Some(RestartPolicy { name: Some(RestartPolicyNameEnum::NO), maximum_retry_count: None }),
+        storage_opt: disk.map(|bytes| HashMap::from([("size".to_string(), bytes.to_string())])),
+        ..Default::default()
+    }
+}
+
+/// Whether a create failed because the storage driver cannot limit the writable layer.
+fn is_storage_opt_refusal(e: &bollard::errors::Error) -> bool {
+    let text = e.to_string().to_lowercase();
+    text.contains("storage-opt") || text.contains("storageopt") || text.contains("storage opt") || text.contains("quota")
+}
+
+/// Parses `/proc/<pid>/cgroup` into the path of the hierarchy holding `controller` (v1), or the
+/// unified path (v2) — relative, without the leading `/`.
+fn cgroup_path(proc_cgroup: &str, controller: &str) -> Option<String> {
+    let mut unified = None;
+    for line in proc_cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        if controllers.split(',').any(|c| c == controller) {
+            return Some(path.trim_start_matches('/').to_string());
+        }
+        if controllers.is_empty() {
+            unified = Some(path.trim_start_matches('/').to_string());
+        }
+    }
+    unified
+}
+
+impl Inner {
+    fn disk_limits(&self) -> DiskLimits {
+        self.disk_limits.lock().map(|d| *d).unwrap_or(DiskLimits::Unsupported)
+    }
+
+    fn set_disk_limits(&self, value: DiskLimits) {
+        if let Ok(mut d) = self.disk_limits.lock() {
+            *d = value;
+        }
+    }
+
+    /// Creates and starts the container of `spec` in `role`, its writable layer copied from
+    /// `layer` when given (a fork, rollback or standby). On failure nothing is left behind.
+    pub(super) async fn launch(self: &Arc<Self>, spec: &SandboxSpec, role: &Role, layer_from: Option<&SnapshotId>) -> Result<Arc<ContainerSandbox>, BackendError> {
+        let docker = self.docker()?;
+        let image = self.images.ensure(docker, &self.cfg.images_dir, &spec.image).await?;
+        let name = role.name(spec);
+        let container_id = self.create_container(spec, role, &image, &name).await?;
+        match self.start_created(spec, &container_id, layer_from).await {
+            Ok(sb) => Ok(sb),
+            Err(e) => {
+                self.remove_container(&container_id).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// 1. The container: limits, privileges and labels, all fixed at create time.
+    async fn create_container(&self, spec: &SandboxSpec, role: &Role, image: &str, name: &str) -> Result<String, BackendError> {
+        let docker = self.docker()?;
+        let mut labels = HashMap::from([
+            (LABEL_ID.to_string(), spec.id.to_string()),
+            (LABEL_OWNER.to_string(), self.owner.clone()),
+            (LABEL_IMAGE.to_string(), spec.image.clone()),
+        ]);
+        if let Role::Standby(snap) = role {
+            labels.insert(LABEL_STANDBY.to_string(), snap.to_string());
+        }
+        let body = |disk: Option<u64>| ContainerCreateBody {
+            image: Some(image.to_string()),
+            cmd: Some(KEEPALIVE.iter().map(|s| s.to_string()).collect()),
+            // Same as the process tier: the hostname is the sandbox id.
+            hostname: Some(spec.id.to_string()),
+            // Docker creates the working directory at start when the image lacks it.
+            working_dir: Some(spec.workdir.clone()),
+            labels: Some(labels.clone()),
+            tty: Some(false),
+            open_stdin: Some(false),
+            attach_stdin: Some(false),
+            attach_stdout: Some(false),
+            attach_stderr: Some(false),
+            network_disabled: Some(true),
+            stop_timeout: Some(1),
+            host_config: Some(host_config(spec, disk)),
+            ..Default::default()
+        };
+        let options = || CreateContainerOptions { name: Some(name.to_string()), ..Default::default() };
+        let disk = (self.disk_limits() != DiskLimits::Unsupported).then_some(spec.limits.disk_bytes);
+        let created = match docker.create_container(Some(options()), body(disk)).await {
+            Ok(r) => {
+                if disk.is_some() {
+                    self.set_disk_limits(DiskLimits::Enforced);
+                }
+                r
+            }
+            Err(e) if disk.is_some() && is_storage_opt_refusal(&e) => {
+                tracing::warn!(error = %e, "Docker cannot limit a container's writable layer on this storage driver: disk_bytes is not enforced for CONTAINER sandboxes");
+                self.set_disk_limits(DiskLimits::Unsupported);
+                docker.create_container(Some(options()), body(None)).await.map_err(|e| api_error(format!("creating container {name}"), e))?
+            }
+            Err(e) => return Err(api_error(format!("creating container {name}"), e)),
+        };
+        for warning in &created.warnings {
+            tracing::warn!(container = %name, %warning, "Docker warning on create");
+        }
+        Ok(created.id)
+    }
+
+    /// 2. The writable layer (copied in before start, while no overlay is mounted on it),
+    ///    3. start, 4. what the daemon needs to reach into the running container.
+    async fn start_created(&self, spec: &SandboxSpec, container_id: &str, layer_from: Option<&SnapshotId>) -> Result<Arc<ContainerSandbox>, BackendError> {
+        let docker = self.docker()?;
+        if let Some(snap) = layer_from {
+            let upper = self.upper_dir_of(container_id).await?;
+            let src = self.snapshot_dir(snap);
+            let copied = tokio::task::spawn_blocking(move || layer::copy_tree(&src, &upper))
+                .await
+                .map_err(|e| BackendError::Internal(format!("layer copy task: {e}")))?
+                .map_err(|e| BackendError::io(format!("restoring snapshot {snap} into container {container_id}"), e))?;
+            tracing::debug!(container = %container_id, snapshot = %snap, bytes = copied.bytes, entries = copied.entries, "writable layer restored");
+        }
+        docker.start_container(container_id, None).await.map_err(|e| api_error(format!("starting container {container_id}"), e))?;
+        self.attach(spec, container_id).await
+    }
+
+    /// What the daemon needs to reach into a running container: its init's pid, its cgroup, its
+    /// writable layer.
+    pub(super) async fn attach(&self, spec: &SandboxSpec, container_id: &str) -> Result<Arc<ContainerSandbox>, BackendError> {
+        let docker = self.docker()?;
+        let info = docker.inspect_container(container_id, None).await.map_err(|e| api_error(format!("inspecting container {container_id}"), e))?;
+        let state = info.state.unwrap_or_default();
+        let pid = state.pid.and_then(|p| i32::try_from(p).ok()).filter(|&p| p > 0);
+        let Some(init_pid) = pid.filter(|_| state.running == Some(true)) else {
+            return Err(BackendError::Internal(format!(
+                "container {container_id} exited right after start (exit code {:?}, error {:?}): does the image have /bin/sh and sleep?",
+                state.exit_code, state.error
+            )));
+        };
+        let upper_dir = info.graph_driver.and_then(|g| g.data.get("UpperDir").map(PathBuf::from));
+        let cgroup = self.cgroup_of(container_id, init_pid)?;
+        tracing::debug!(sandbox = %spec.id, container = %container_id, pid = init_pid, "container running");
+        Ok(Arc::new(ContainerSandbox {
+            spec: spec.clone(),
+            container_id: container_id.to_string(),
+            init_pid,
+            cgroup,
+            upper_dir,
+            lost: Mutex::new(None),
+            running: Mutex::new(HashMap::new()),
+            leftovers: Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// The container's writable layer on the host, from the storage driver's data.
+    pub(super) async fn upper_dir_of(&self, container_id: &str) -> Result<PathBuf, BackendError> {
+        let info = self.docker()?.inspect_container(container_id, None).await.map_err(|e| api_error(format!("inspecting container {container_id}"), e))?;
+        let driver = info.graph_driver.unwrap_or_default();
+        driver.data.get("UpperDir").map(PathBuf::from).ok_or_else(|| {
+            BackendError::Internal(format!("Docker's storage driver {:?} has no writable layer directory; container snapshots need overlay2 or fuse-overlayfs", driver.name))
+        })
+    }
+
+    /// The container's cgroup (in every hierarchy), found from its init's `/proc/<pid>/cgroup`:
+    /// Docker's cgroupfs driver puts it at `docker/<container id>`.
+    pub(super) fn cgroup_of(&self, container_id: &str, init_pid: i32) -> Result<super::process_cgroup::SandboxCgroup, BackendError> {
+        let unsupported = |why: String| BackendError::Internal(format!("container {container_id}: {why}; per-exec cgroups need Docker's cgroupfs cgroup driver"));
+        let proc_cgroup = std::fs::read_to_string(format!("/proc/{init_pid}/cgroup")).map_err(|e| BackendError::io(format!("reading the cgroup of container {container_id}"), e))?;
+        let path = cgroup_path(&proc_cgroup, "freezer").ok_or_else(|| unsupported("no cgroup path".into()))?;
+        let (parent, leaf) = path.rsplit_once('/').ok_or_else(|| unsupported(format!("cgroup {path:?} has no parent")))?;
+        let root = {
+            let mut roots = self.cgroup_roots.lock().map_err(|_| BackendError::Internal("cgroup root table poisoned".into()))?;
+            match roots.get(parent) {
+                Some(r) => r.clone(),
+                None => {
+                    let r = CgroupRoot::detect(parent).map_err(|e| unsupported(format!("cgroup parent {parent:?}: {e}")))?;
+                    roots.insert(parent.to_string(), r.clone());
+                    r
+                }
+            }
+        };
+        root.open_sandbox(leaf).ok_or_else(|| unsupported(format!("cannot open cgroup {path:?}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cgroup_path_prefers_the_named_controller() {
+        let v1 = "12:freezer:/docker/abc\n4:memory:/docker/abc\n0::/docker/abc\n";
+        assert_eq!(cgroup_path(v1, "freezer").as_deref(), Some("docker/abc"));
+        let v2 = "0::/system.slice/docker-abc.scope\n";
+        assert_eq!(cgroup_path(v2, "freezer").as_deref(), Some("system.slice/docker-abc.scope"));
+    }
+
+    #[test]
+    fn limits_map_to_docker_fields() {
+        let spec = SandboxSpec {
+            id: crate::ids::SandboxId::generate(),
+            image: "minimal".into(),
+            limits: crate::config::Limits { cpu_millicores: 1, memory_bytes: 64 << 20, max_pids: 32, disk_bytes: 1 << 30, exec_timeout_ms: 1000 },
+            workdir: "/workspace".into(),
+            from_snapshot: None,
+        };
+        let hc = host_config(&spec, None);
+        assert_eq!((hc.memory, hc.memory_swap, hc.pids_limit), (Some(64 << 20), Some(64 << 20), Some(32)));
+        assert_eq!(hc.nano_cpus, Some(MIN_NANO_CPUS), "tiny CPU limits are rounded up to Docker's minimum");
+        assert_eq!(hc.init, Some(true));
+        assert_eq!(hc.network_mode.as_deref(), Some("none"));
+        assert!(hc.storage_opt.is_none());
+        assert!(!hc.cap_add.unwrap_or_default().iter().any(|c| c == "MKNOD" || c == "NET_RAW" || c == "SYS_ADMIN"));
+    }
+}

@@ -1,0 +1,342 @@
+//! Isolation policy: which tier a request gets, which limits apply, how many sandboxes and execs
+//! may exist — decided per request from its labels, as ops teams write it in `sandboxd.toml`.
+//!
+//! ```toml
+//! [policy]
+//! default_isolation = "process"
+//! allowed = ["process", "container", "microvm"]
+//! max_sandboxes = 500
+//! max_sandboxes_per_tenant = 50
+//! max_concurrent_execs = 256
+//!
+//! [[policy.rules]]
+//! name = "untrusted"
+//! match_labels = { trust = "untrusted" }
+//! min_isolation = "microvm"
+//! upgrade = true            # false: a weaker request is refused (PERMISSION_DENIED naming the rule)
+//! limits_max = { memory_bytes = 1073741824 }
+//! ```
+//!
+//! A tier the host cannot run is never swapped for a weaker one: the upgraded request fails with
+//! FAILED_PRECONDITION instead.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use crate::backend::Isolation;
+use crate::config::Limits;
+
+/// Limits a rule overrides; unset fields keep what applies already.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PartialLimits {
+    pub cpu_millicores: Option<u32>,
+    pub memory_bytes: Option<u64>,
+    pub max_pids: Option<u32>,
+    pub disk_bytes: Option<u64>,
+    pub exec_timeout_ms: Option<u64>,
+}
+
+impl PartialLimits {
+    /// `base` with these values laid over it.
+    pub fn over(&self, base: Limits) -> Limits {
+        Limits {
+            cpu_millicores: self.cpu_millicores.unwrap_or(base.cpu_millicores),
+            memory_bytes: self.memory_bytes.unwrap_or(base.memory_bytes),
+            max_pids: self.max_pids.unwrap_or(base.max_pids),
+            disk_bytes: self.disk_bytes.unwrap_or(base.disk_bytes),
+            exec_timeout_ms: self.exec_timeout_ms.unwrap_or(base.exec_timeout_ms),
+        }
+    }
+}
+
+fn min_limits(a: Limits, b: Limits) -> Limits {
+    Limits {
+        cpu_millicores: a.cpu_millicores.min(b.cpu_millicores),
+        memory_bytes: a.memory_bytes.min(b.memory_bytes),
+        max_pids: a.max_pids.min(b.max_pids),
+        disk_bytes: a.disk_bytes.min(b.disk_bytes),
+        exec_timeout_ms: a.exec_timeout_ms.min(b.exec_timeout_ms),
+    }
+}
+
+/// Names and values of each limit, for validation messages.
+fn fields(l: &Limits) -> [(&'static str, u64); 5] {
+    [
+        ("cpu_millicores", l.cpu_millicores.into()),
+        ("memory_bytes", l.memory_bytes),
+        ("max_pids", l.max_pids.into()),
+        ("disk_bytes", l.disk_bytes),
+        ("exec_timeout_ms", l.exec_timeout_ms),
+    ]
+}
+
+/// One rule: requests whose labels include all of `match_labels` get its minimum isolation and
+/// limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    pub name: String,
+    #[serde(default)]
+    pub match_labels: BTreeMap<String, String>,
+    pub min_isolation: Option<Isolation>,
+    /// Upgrade a weaker request to `min_isolation` (true) or refuse it (false).
+    #[serde(default)]
+    pub upgrade: bool,
+    #[serde(default)]
+    pub limits_default: PartialLimits,
+    #[serde(default)]
+    pub limits_max: PartialLimits,
+}
+
+impl Rule {
+    fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.match_labels.iter().all(|(k, v)| labels.get(k) == Some(v))
+    }
+}
+
+fn default_isolation() -> Isolation {
+    Isolation::Process
+}
+
+fn all_tiers() -> Vec<Isolation> {
+    Isolation::ALL.to_vec()
+}
+
+/// The `[policy]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    #[serde(default = "default_isolation")]
+    pub default_isolation: Isolation,
+    #[serde(default = "all_tiers")]
+    pub allowed: Vec<Isolation>,
+    pub max_sandboxes: Option<usize>,
+    pub max_sandboxes_per_tenant: Option<usize>,
+    pub max_concurrent_execs: Option<usize>,
+    #[serde(default)]
+    pub rules: Vec<toml::Spanned<Rule>>,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            default_isolation: default_isolation(),
+            allowed: all_tiers(),
+            max_sandboxes: None,
+            max_sandboxes_per_tenant: None,
+            max_concurrent_execs: None,
+            rules: Vec::new(),
+        }
+    }
+}
+
+/// Why a request is refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PolicyError {
+    #[error("isolation {} is not allowed by policy (allowed: {allowed})", .requested.name())]
+    NotAllowed { requested: Isolation, allowed: String },
+    #[error("policy rule {rule:?} requires isolation {} or stronger; the request asked for {}", .min.name(), .requested.name())]
+    BelowMinimum { rule: String, min: Isolation, requested: Isolation },
+}
+
+/// What the policy decided for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub isolation: Isolation,
+    /// Set when a rule raised the isolation: says which and from what.
+    pub reason: Option<String>,
+    pub defaults: Limits,
+    pub ceilings: Limits,
+}
+
+/// The policy in force.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    cfg: PolicyConfig,
+    global_defaults: Limits,
+    global_ceilings: Limits,
+}
+
+impl Policy {
+    /// A policy over the global `[limits]`.
+    pub fn new(cfg: PolicyConfig, global_defaults: Limits, global_ceilings: Limits) -> Self {
+        Policy { cfg, global_defaults, global_ceilings }
+    }
+
+    /// The capacity limits.
+    pub fn max_sandboxes(&self) -> Option<usize> {
+        self.cfg.max_sandboxes
+    }
+    pub fn max_sandboxes_per_tenant(&self) -> Option<usize> {
+        self.cfg.max_sandboxes_per_tenant
+    }
+    pub fn max_concurrent_execs(&self) -> Option<usize> {
+        self.cfg.max_concurrent_execs
+    }
+
+    /// Checks the policy against itself and the global limits. `line_of` turns a byte offset of
+    /// the config file into a line number, so the message points at the rule.
+    pub fn validate(&self, line_of: &dyn Fn(usize) -> usize) -> Result<(), String> {
+        let c = &self.cfg;
+        if c.allowed.is_empty() {
+            return Err("policy.allowed must name at least one isolation".into());
+        }
+        if !c.allowed.contains(&c.default_isolation) {
+            return Err(format!("policy.default_isolation {:?} is not in policy.allowed", c.default_isolation.name()));
+        }
+        for (name, v) in [("max_sandboxes", c.max_sandboxes), ("max_sandboxes_per_tenant", c.max_sandboxes_per_tenant), ("max_concurrent_execs", c.max_concurrent_execs)] {
+            if v == Some(0) {
+                return Err(format!("policy.{name} must be > 0 (leave it out for no limit)"));
+            }
+        }
+        let mut names = std::collections::HashSet::new();
+        for spanned in &c.rules {
+            let line = line_of(spanned.span().start);
+            let rule = spanned.get_ref();
+            let at = |msg: String| format!("line {line}: policy rule {:?}: {msg}", rule.name);
+            if rule.name.is_empty() {
+                return Err(format!("line {line}: a policy rule needs a name"));
+            }
+            if !names.insert(rule.name.clone()) {
+                return Err(at("the name is used twice".into()));
+            }
+            if let Some(min) = rule.min_isolation {
+                if !c.allowed.iter().any(|a| *a >= min) {
+                    return Err(at(format!("min_isolation {} cannot be met: no allowed isolation is that strong", min.name())));
+                }
+            }
+            let ceilings = rule.limits_max.over(self.global_ceilings);
+            for ((name, rule_max), (_, global_max)) in fields(&ceilings).into_iter().zip(fields(&self.global_ceilings)) {
+                if rule_max > global_max {
+                    return Err(at(format!("limits_max.{name} = {rule_max} is above the global ceiling limits.max.{name} = {global_max}")));
+                }
+                if rule_max == 0 {
+                    return Err(at(format!("limits_max.{name} must be > 0")));
+                }
+            }
+            let defaults = rule.limits_default.over(self.global_defaults);
+            for ((name, d), (_, m)) in fields(&defaults).into_iter().zip(fields(&ceilings)) {
+                if rule.limits_default != PartialLimits::default() && (d == 0 || d > m) {
+                    return Err(at(format!("limits_default.{name} = {d} must be > 0 and <= its ceiling {m}")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Decides the isolation and limits of a request.
+    pub fn decide(&self, requested: Option<Isolation>, labels: &BTreeMap<String, String>) -> Result<Decision, PolicyError> {
+        let asked = requested.unwrap_or(self.cfg.default_isolation);
+        let allowed = || self.cfg.allowed.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ");
+        if !self.cfg.allowed.contains(&asked) {
+            return Err(PolicyError::NotAllowed { requested: asked, allowed: allowed() });
+        }
+        let mut isolation = asked;
+        let mut reason = None;
+        let mut defaults = self.global_defaults;
+        let mut ceilings = self.global_ceilings;
+        for rule in self.cfg.rules.iter().map(|r| r.get_ref()).filter(|r| r.matches(labels)) {
+            if let Some(min) = rule.min_isolation {
+                if isolation < min {
+                    if !rule.upgrade {
+                        return Err(PolicyError::BelowMinimum { rule: rule.name.clone(), min, requested: asked });
+                    }
+                    // The weakest allowed tier that meets the minimum.
+                    let Some(&up) = self.cfg.allowed.iter().filter(|a| **a >= min).min() else {
+                        return Err(PolicyError::BelowMinimum { rule: rule.name.clone(), min, requested: asked });
+                    };
+                    reason = Some(format!("upgraded from {} to {} by policy rule {:?}", asked.name(), up.name(), rule.name));
+                    isolation = up;
+                }
+            }
+            defaults = rule.limits_default.over(defaults);
+            ceilings = min_limits(ceilings, rule.limits_max.over(ceilings));
+        }
+        Ok(Decision { isolation, reason, defaults: min_limits(defaults, ceilings), ceilings })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(toml_text: &str) -> Result<Policy, String> {
+        #[derive(Deserialize)]
+        struct File {
+            policy: PolicyConfig,
+        }
+        let f: File = toml::from_str(toml_text).map_err(|e| e.to_string())?;
+        let p = Policy::new(f.policy, Limits::DEFAULTS, Limits::CEILINGS);
+        let line_of = |off: usize| toml_text[..off].matches('\n').count() + 1;
+        p.validate(&line_of)?;
+        Ok(p)
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    const RULES: &str = r#"
+[policy]
+default_isolation = "process"
+allowed = ["process", "container", "microvm"]
+
+[[policy.rules]]
+name = "untrusted"
+match_labels = { trust = "untrusted" }
+min_isolation = "microvm"
+upgrade = true
+limits_max = { memory_bytes = 1073741824 }
+
+[[policy.rules]]
+name = "ci"
+match_labels = { team = "ci" }
+min_isolation = "container"
+upgrade = false
+"#;
+
+    #[test]
+    fn allowed_request_passes_through() {
+        let p = policy(RULES).expect("valid");
+        let d = p.decide(Some(Isolation::Container), &labels(&[])).expect("allowed");
+        assert_eq!(d.isolation, Isolation::Container);
+        assert_eq!(d.reason, None);
+        assert_eq!(p.decide(None, &labels(&[])).expect("default").isolation, Isolation::Process);
+    }
+
+    #[test]
+    fn weaker_request_is_upgraded_with_a_reason_and_tighter_limits() {
+        let p = policy(RULES).expect("valid");
+        let d = p.decide(Some(Isolation::Process), &labels(&[("trust", "untrusted")])).expect("upgraded");
+        assert_eq!(d.isolation, Isolation::MicroVm);
+        assert!(d.reason.as_deref().is_some_and(|r| r.contains("untrusted") && r.contains("PROCESS")), "{:?}", d.reason);
+        assert_eq!(d.ceilings.memory_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn weaker_request_is_refused_naming_the_rule_without_upgrade() {
+        let p = policy(RULES).expect("valid");
+        let err = p.decide(Some(Isolation::Process), &labels(&[("team", "ci")])).expect_err("refused");
+        assert!(err.to_string().contains("\"ci\""), "{err}");
+        assert!(p.decide(Some(Isolation::MicroVm), &labels(&[("team", "ci")])).is_ok(), "stronger than the minimum is fine");
+    }
+
+    #[test]
+    fn disallowed_tier_is_refused() {
+        let p = policy("[policy]\nallowed = [\"process\"]\n").expect("valid");
+        assert!(matches!(p.decide(Some(Isolation::Container), &labels(&[])), Err(PolicyError::NotAllowed { .. })));
+    }
+
+    #[test]
+    fn invalid_policies_name_the_line() {
+        let bad = "[policy]\nallowed = [\"process\"]\n\n[[policy.rules]]\nname = \"vm\"\nmin_isolation = \"microvm\"\n";
+        let err = policy(bad).expect_err("unsatisfiable");
+        assert!(err.contains("line 4") || err.contains("line 5"), "{err}");
+        let err = policy("[policy]\ndefault_isolation = \"hypervisor\"\n").expect_err("unknown tier");
+        assert!(err.contains("line 2"), "{err}");
+        let err = policy("[policy]\n[[policy.rules]]\nname = \"big\"\nlimits_max = { memory_bytes = 99999999999999999 }\n").expect_err("over ceiling");
+        assert!(err.contains("memory_bytes"), "{err}");
+    }
+}
