@@ -391,6 +391,16 @@ mod tests {
     }
 
     #[test]
+    fn the_commented_example_in_the_repo_is_valid() {
+        let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../sandboxd.toml.example");
+        let cfg = Config::load(Cli { config: Some(example), ..Default::default() }).expect("example loads");
+        assert_eq!(cfg.listen.len(), 2);
+        assert_eq!(cfg.auth.tokens.len(), 1);
+        assert_eq!(cfg.policy.max_sandboxes(), Some(500));
+        assert_eq!(cfg.limits.max.max_pids, Limits::CEILINGS.max_pids);
+    }
+
+    #[test]
     fn unknown_keys_and_bad_limits_are_refused() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("bad.toml");

@@ -1,0 +1,663 @@
+//! The tier-conformance suite: one end-to-end suite, run for every isolation tier, checking that
+//! each gives users the same API semantics — exec (output, exit codes, stdin, env, workdir,
+//! start failures, timeouts, caps and spill, streaming), limits (memory, pids), bad input,
+//! files, snapshots and rollback, forks, and a daemon killed with SIGKILL and restarted.
+//!
+//! Each case is a function taking the isolation level; [`conformance!`] instantiates all of
+//! them as `#[tokio::test]`s in a module per tier, so `cargo test --test conformance container`
+//! runs one tier. Every test starts its own daemon (its own state dir), so they run in parallel.
+//! Nothing skips: a tier the host cannot serve makes its tests fail with the daemon's reason —
+//! CI runs as root with Docker, where every tier here must work.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::{Duration, Instant, SystemTime};
+
+use agent_client::proto::{exec_event, CreateSandboxRequest, ExecRequest, ExecResult, ExecStatus, Isolation, ResourceLimits, SandboxState};
+use agent_client::{exec_request, Client};
+use sandbox_tests::Daemon;
+use tonic::Code;
+
+// ---------------------------------------------------------------------------------------------
+// Harness.
+
+/// A daemon, a client, and the tier under test. On a failing assertion the daemon's log is
+/// printed; on drop the daemon is stopped and, for the container tier, its containers removed
+/// (a stopped daemon keeps them for re-adoption, and a test's state dir is never reused).
+struct Harness {
+    daemon: Daemon,
+    client: Client,
+    isolation: Isolation,
+}
+
+impl Harness {
+    async fn start(isolation: Isolation) -> Harness {
+        let daemon = Daemon::start().await.expect("starting sandboxd");
+        let client = daemon.client().await.expect("connecting to sandboxd");
+        Harness { daemon, client, isolation }
+    }
+
+    fn request(&self, limits: ResourceLimits) -> CreateSandboxRequest {
+        CreateSandboxRequest { isolation: self.isolation as i32, image: "minimal".into(), limits: Some(limits), ..Default::default() }
+    }
+
+    /// Creates a sandbox of the tier under test; a tier the host cannot serve fails the test
+    /// with the daemon's reason.
+    async fn create(&self, request: CreateSandboxRequest) -> String {
+        let sandbox = match within(120, self.client.create(request)).await {
+            Ok(s) => s,
+            Err(e) if e.code() == Code::FailedPrecondition => panic!("the {:?} tier is unavailable on this host: {e}", self.isolation),
+            Err(e) => panic!("CreateSandbox: {e}"),
+        };
+        assert_eq!(sandbox.isolation, self.isolation as i32, "{sandbox:?}");
+        assert_eq!(sandbox.state, SandboxState::Running as i32, "{sandbox:?}");
+        sandbox.id
+    }
+
+    async fn sandbox_with(&self, limits: ResourceLimits) -> String {
+        self.create(self.request(limits)).await
+    }
+
+    async fn sandbox(&self) -> String {
+        self.sandbox_with(ResourceLimits::default()).await
+    }
+
+    async fn exec(&self, request: ExecRequest) -> ExecResult {
+        within(120, self.client.exec(request)).await.expect("Exec")
+    }
+
+    async fn sh(&self, id: &str, script: &str) -> ExecResult {
+        self.exec(exec_request(id, ["sh", "-c", script])).await
+    }
+
+    async fn sh_ok(&self, id: &str, script: &str) -> String {
+        let r = self.sh(id, script).await;
+        assert_exited(&r, 0);
+        text(&r.stdout)
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("---- sandboxd log ----\n{}\n---- end of sandboxd log ----", self.daemon.log());
+        }
+        if self.isolation == Isolation::Container {
+            let _ = self.daemon.stop();
+            remove_containers_of(&self.daemon.state_dir());
+        }
+    }
+}
+
+/// The owner label sandboxd puts on its containers: FNV-1a 64 of its state dir (see
+/// `sandboxd::backend::container::docker::owner_of`).
+fn owner_label(state_dir: &std::path::Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in state_dir.as_os_str().as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Removes every container of the daemon that used `state_dir` (from a plain thread: this runs
+/// in `Drop`, possibly inside a runtime).
+fn remove_containers_of(state_dir: &std::path::Path) {
+    let owner = owner_label(state_dir);
+    let cleanup = std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        rt.block_on(async move {
+            let Ok(docker) = bollard::Docker::connect_with_local_defaults() else { return };
+            let Ok(docker) = docker.negotiate_version().await else { return };
+            let filters = HashMap::from([("label".to_string(), vec![format!("sandboxd.owner={owner}")])]);
+            let options = bollard::query_parameters::ListContainersOptions { all: true, filters: Some(filters), ..Default::default() };
+            for c in docker.list_containers(Some(options)).await.unwrap_or_default() {
+                if let Some(id) = c.id {
+                    let rm = bollard::query_parameters::RemoveContainerOptions { force: true, v: true, ..Default::default() };
+                    let _ = docker.remove_container(&id, Some(rm)).await;
+                }
+            }
+        });
+    });
+    let _ = cleanup.join();
+}
+
+/// Awaits `fut`, failing the test if it takes more than `secs` seconds.
+async fn within<T>(secs: u64, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("call did not return within {secs} s"),
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn status(r: &ExecResult) -> ExecStatus {
+    ExecStatus::try_from(r.status).unwrap_or(ExecStatus::Unspecified)
+}
+
+fn describe(r: &ExecResult) -> String {
+    let short = |b: &[u8]| {
+        let s = text(b);
+        if s.len() > 400 {
+            format!("{}…({} bytes)", s.chars().take(400).collect::<String>(), b.len())
+        } else {
+            s
+        }
+    };
+    format!(
+        "argv={:?} status={:?} exit_code={} signal={} error={:?} stdout={:?} stderr={:?} duration_ms={}",
+        r.argv,
+        status(r),
+        r.exit_code,
+        r.signal,
+        r.error,
+        short(&r.stdout),
+        short(&r.stderr),
+        r.duration_ms
+    )
+}
+
+fn assert_exited(r: &ExecResult, code: i32) {
+    assert_eq!((status(r), r.exit_code), (ExecStatus::Exited, code), "{}", describe(r));
+}
+
+fn unique(prefix: &str) -> String {
+    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    format!("{prefix}-{}-{nanos}", std::process::id())
+}
+
+/// Polls `check` every 50 ms until it returns true or `secs` pass; returns whether it did.
+async fn eventually<F, Fut>(secs: u64, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Instantiates every case of the suite for one tier.
+macro_rules! conformance {
+    ($tier:ident, $isolation:expr) => {
+        mod $tier {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread")]
+            async fn exec_semantics() {
+                super::exec_semantics($isolation).await
+            }
+            #[tokio::test(flavor = "multi_thread")]
+            async fn timeout_kills_the_whole_tree() {
+                super::timeout_kills_the_whole_tree($isolation).await
+            }
+            #[tokio::test(flavor = "multi_thread")]
+            async fn output_cap_spill_and_streaming() {
+                super::output_cap_spill_and_streaming($isolation).await
+            }
+            #[tokio::test(flavor = "multi_thread")]
+            async fn memory_and_pid_limits() {
+                super::memory_and_pid_limits($isolation).await
+            }
+            #[tokio::test(flavor = "multi_thread")]
+            async fn bad_input_and_path_escapes() {
+                super::bad_input_and_path_escapes($isolation).await
+            }
+            #[tokio::test(flavor = "multi_thread")]
+            async fn files_round_trip() {
+                super::files_round_trip($isolation).await
+            }
+            #[tokio::test(flavor = "multi_thread")]
+            async fn snapshot_rollback_and_forks() {
+                super::snapshot_rollback_and_forks($isolation).await
+            }
+            #[tokio::test(flavor = "multi_thread")]
+            async fn kill9_restart_readopts() {
+                super::kill9_restart_readopts($isolation).await
+            }
+        }
+    };
+}
+
+conformance!(process, Isolation::Process);
+conformance!(container, Isolation::Container);
+
+// ---------------------------------------------------------------------------------------------
+// Exec.
+
+async fn exec_semantics(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let mut request = h.request(ResourceLimits::default());
+    request.env = HashMap::from([("FROM_SANDBOX".into(), "sb".into()), ("OVERRIDDEN".into(), "sb".into())]);
+    let id = h.create(request).await;
+
+    // Output, exit codes, the record's metadata.
+    let r = h.exec(exec_request(&id, ["echo", "hello"])).await;
+    assert_exited(&r, 0);
+    assert_eq!(r.stdout, b"hello\n");
+    assert!(r.stderr.is_empty() && r.error.is_empty(), "{}", describe(&r));
+    assert_eq!((r.sandbox_id.as_str(), r.signal, r.stdout_total_bytes), (id.as_str(), 0, 6));
+    assert_exited(&h.sh(&id, "exit 3").await, 3);
+    let r = h.sh(&id, "echo to-stderr >&2; exit 42").await;
+    assert_exited(&r, 42);
+    assert_eq!(r.stderr, b"to-stderr\n");
+    let r = h.sh(&id, "kill -TERM $$").await;
+    assert_eq!((status(&r), r.exit_code, r.signal), (ExecStatus::Signaled, 143, 15), "{}", describe(&r));
+
+    // Stdin, small and bigger than a pipe buffer; none at all reads as EOF.
+    let r = h.exec(ExecRequest { stdin: b"line one\nline two\n".to_vec(), ..exec_request(&id, ["cat"]) }).await;
+    assert_exited(&r, 0);
+    assert_eq!(r.stdout, b"line one\nline two\n");
+    let r = h.exec(ExecRequest { stdin: vec![b'z'; 1 << 20], ..exec_request(&id, ["wc", "-c"]) }).await;
+    assert_eq!(text(&r.stdout).trim(), "1048576", "{}", describe(&r));
+    let r = within(10, h.client.exec(exec_request(&id, ["cat"]))).await.expect("cat without stdin returns");
+    assert_exited(&r, 0);
+
+    // Env: the sandbox's is the default, the exec's wins, and nothing else leaks in.
+    let r = h
+        .exec(ExecRequest {
+            env: HashMap::from([("OVERRIDDEN".into(), "exec".into()), ("FROM_EXEC".into(), "ex".into())]),
+            ..exec_request(&id, ["sh", "-c", "echo $FROM_SANDBOX $OVERRIDDEN $FROM_EXEC"])
+        })
+        .await;
+    assert_eq!(text(&r.stdout), "sb exec ex\n", "{}", describe(&r));
+    assert_eq!(h.sh_ok(&id, "echo $OVERRIDDEN").await, "sb\n", "the exec override must not stick");
+    let env = h.exec(exec_request(&id, ["env"])).await;
+    let mut names: Vec<String> = text(&env.stdout).lines().filter_map(|l| l.split_once('=')).map(|(k, _)| k.to_string()).collect();
+    names.sort();
+    assert_eq!(names, ["FROM_SANDBOX", "HOME", "HOSTNAME", "OVERRIDDEN", "PATH"], "{}", describe(&env));
+
+    // Workdir: /workspace by default, per exec when asked; the hostname is the sandbox id.
+    assert_eq!(h.exec(exec_request(&id, ["pwd"])).await.stdout, b"/workspace\n");
+    let r = h.exec(ExecRequest { workdir: "/tmp".into(), ..exec_request(&id, ["pwd"]) }).await;
+    assert_eq!(r.stdout, b"/tmp\n", "{}", describe(&r));
+    assert_eq!(h.exec(exec_request(&id, ["hostname"])).await.stdout, format!("{id}\n").into_bytes());
+
+    // Commands that cannot start are results with the same codes and sentences on every tier.
+    let r = h.exec(exec_request(&id, ["does-not-exist-anywhere"])).await;
+    assert_eq!((status(&r), r.exit_code), (ExecStatus::SpawnFailed, 127), "{}", describe(&r));
+    assert_eq!(r.error, "executable not found: does-not-exist-anywhere");
+    assert!(r.stderr.is_empty() && r.stdout.is_empty(), "{}", describe(&r));
+    let r = h.exec(exec_request(&id, ["/bin/nope"])).await;
+    assert_eq!((status(&r), r.exit_code), (ExecStatus::SpawnFailed, 127), "{}", describe(&r));
+    h.client.write_file(&id, "/workspace/script.sh", b"#!/bin/sh\necho should-not-run\n".to_vec(), 0o644).await.expect("WriteFile");
+    let r = h.exec(exec_request(&id, ["/workspace/script.sh"])).await;
+    assert_eq!((status(&r), r.exit_code), (ExecStatus::SpawnFailed, 126), "{}", describe(&r));
+    assert_eq!(r.error, "permission denied: /workspace/script.sh is not executable");
+    let r = h.exec(ExecRequest { workdir: "/no/such/dir".into(), ..exec_request(&id, ["pwd"]) }).await;
+    assert_eq!((status(&r), r.exit_code), (ExecStatus::SpawnFailed, 127), "{}", describe(&r));
+    assert_eq!(r.error, "cannot enter working directory /no/such/dir: No such file or directory");
+    // A command that exits 127 by itself is not a start failure.
+    assert_exited(&h.sh(&id, "exit 127").await, 127);
+
+    // A background grandchild holding stdout does not hold the exec; it is the user's, it lives.
+    let t0 = Instant::now();
+    let r = h.sh(&id, "sleep 30 & echo done").await;
+    assert_exited(&r, 0);
+    assert_eq!(r.stdout, b"done\n");
+    assert!(t0.elapsed() < Duration::from_secs(2), "the exec waited {:?} for a background sleep", t0.elapsed());
+    assert!(h.sh_ok(&id, "ps -o args").await.contains("sleep 30"), "the background sleep is gone");
+
+    // Per-exec CPU time.
+    let r = h.sh(&id, "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done; echo $i").await;
+    assert_eq!(r.stdout, b"200000\n", "{}", describe(&r));
+    assert!(r.cpu_user_ms > 0, "a busy loop reported cpu_user_ms=0: {}", describe(&r));
+    assert!(r.cpu_user_ms + r.cpu_system_ms <= r.duration_ms + 200, "more CPU than wall time: {}", describe(&r));
+}
+
+async fn timeout_kills_the_whole_tree(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let id = h.sandbox().await;
+    let t0 = Instant::now();
+    let r = h.exec(ExecRequest { timeout_ms: 500, ..exec_request(&id, ["sleep", "30"]) }).await;
+    let elapsed = t0.elapsed();
+    assert_eq!((status(&r), r.exit_code, r.signal), (ExecStatus::TimedOut, 137, 9), "{}", describe(&r));
+    assert!((Duration::from_millis(450)..Duration::from_secs(5)).contains(&elapsed), "a 500 ms timeout returned after {elapsed:?}");
+
+    // The whole tree goes, also what left the process group and session.
+    let r = h.exec(ExecRequest { timeout_ms: 700, ..exec_request(&id, ["sh", "-c", "sleep 300 & (setsid sleep 301 &); sleep 302"]) }).await;
+    assert_eq!(status(&r), ExecStatus::TimedOut, "{}", describe(&r));
+    let ps = h.sh_ok(&id, "ps -o args").await;
+    assert!(!ps.contains("sleep 30"), "a timed-out exec left processes behind:\n{ps}");
+
+    // SignalExec reaches the whole tree of a background exec.
+    let bg = h.exec(ExecRequest { background: true, ..exec_request(&id, ["sh", "-c", "sleep 303 & sleep 304"]) }).await;
+    assert_eq!(status(&bg), ExecStatus::Running, "{}", describe(&bg));
+    within(10, h.client.signal_exec(&bg.exec_id, 15)).await.expect("SignalExec");
+    let ended = within(10, h.client.get_exec(&bg.exec_id, true)).await.expect("GetExec");
+    assert_eq!((status(&ended), ended.signal), (ExecStatus::Signaled, 15), "{}", describe(&ended));
+    let gone = eventually(5, || async { !h.sh_ok(&id, "ps -o args").await.contains("sleep 30") }).await;
+    assert!(gone, "SignalExec missed part of the tree:\n{}", h.sh_ok(&id, "ps -o args").await);
+
+    // The sandbox's default timeout applies when the exec gives none.
+    let id = h.sandbox_with(ResourceLimits { exec_timeout_ms: 400, ..Default::default() }).await;
+    let r = h.exec(exec_request(&id, ["sleep", "30"])).await;
+    assert_eq!(status(&r), ExecStatus::TimedOut, "{}", describe(&r));
+
+}
+
+async fn output_cap_spill_and_streaming(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let id = h.sandbox().await;
+    let r = h.exec(ExecRequest { max_output_bytes: 4096, ..exec_request(&id, ["sh", "-c", "yes | head -c 5000000; echo err >&2"]) }).await;
+    assert_exited(&r, 0);
+    assert!(r.stdout_truncated, "{}", describe(&r));
+    assert_eq!(r.stdout_total_bytes, 5_000_000);
+    assert!((1024..=4096).contains(&r.stdout.len()), "kept {} bytes of stdout with a 4096 cap", r.stdout.len());
+    assert!(r.stdout.starts_with(b"y\ny\n") && r.stdout.ends_with(b"y\n"), "{}", describe(&r));
+    assert!(!r.stderr_truncated && r.stderr_spill_path.is_empty() && r.stderr == b"err\n", "{}", describe(&r));
+    assert!(r.stdout_spill_path.starts_with("/tmp/.sandboxd/"), "spill path {:?}", r.stdout_spill_path);
+    let wc = h.exec(exec_request(&id, ["wc", "-c", &r.stdout_spill_path])).await;
+    assert_eq!(text(&wc.stdout).split_whitespace().next(), Some("5000000"), "{}", describe(&wc));
+    let head = h.client.read_file(&id, r.stdout_spill_path.as_str(), 0, 6).await.expect("ReadFile of the spill");
+    assert_eq!((head.content.as_slice(), head.size), (&b"y\ny\ny\n"[..], 5_000_000));
+    let r = h.exec(ExecRequest { max_output_bytes: 4096, ..exec_request(&id, ["sh", "-c", "yes | head -c 4096"]) }).await;
+    assert!(!r.stdout_truncated && r.stdout.len() == 4096 && r.stdout_spill_path.is_empty(), "{}", describe(&r));
+
+    // Streaming: events in the order they were produced, as they are produced, then one result.
+    let t0 = Instant::now();
+    let mut stream = within(10, h.client.exec_stream(exec_request(&id, ["sh", "-c", "echo a; sleep 0.5; echo b >&2; sleep 0.5; echo c"]))).await.expect("ExecStream");
+    let (mut events, mut first_at, mut result, mut result_at) = (Vec::new(), None, None, None);
+    while let Some(event) = within(30, stream.next_event()).await.expect("stream event") {
+        assert!(result.is_none(), "an event came after the result: {event:?}");
+        match event.event.expect("an event") {
+            exec_event::Event::Stdout(b) => {
+                first_at.get_or_insert(t0.elapsed());
+                events.push(format!("out:{}", text(&b)));
+            }
+            exec_event::Event::Stderr(b) => events.push(format!("err:{}", text(&b))),
+            exec_event::Event::Result(r) => {
+                result_at = Some(t0.elapsed());
+                result = Some(r);
+            }
+        }
+    }
+    assert_eq!(events, ["out:a\n", "err:b\n", "out:c\n"]);
+    let r = result.expect("the stream ends with a result");
+    assert_exited(&r, 0);
+    assert!(r.stdout.is_empty() && r.stderr.is_empty(), "the result repeats streamed output: {}", describe(&r));
+    let (first_at, result_at) = (first_at.expect("stdout arrived"), result_at.expect("result arrived"));
+    assert!(result_at.saturating_sub(first_at) >= Duration::from_millis(800), "first line at {first_at:?}, result at {result_at:?}: not streamed");
+    // A start failure streams as a result too.
+    let stream = within(10, h.client.exec_stream(exec_request(&id, ["no-such-command"]))).await.expect("ExecStream");
+    let r = within(30, stream.into_result()).await.expect("result");
+    assert_eq!(status(&r), ExecStatus::SpawnFailed, "{}", describe(&r));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Limits.
+
+async fn memory_and_pid_limits(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let limit: u64 = 64 << 20;
+    let id = h.sandbox_with(ResourceLimits { memory_bytes: limit, max_pids: 64, ..Default::default() }).await;
+
+    // A memory bomb is OOM-killed and reported as such; the sandbox survives it.
+    let bomb = ["sh", "-c", "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}"];
+    let r = h.exec(ExecRequest { timeout_ms: 60_000, ..exec_request(&id, bomb) }).await;
+    assert_eq!((status(&r), r.exit_code, r.signal), (ExecStatus::OomKilled, 137, 9), "{}", describe(&r));
+    assert!(r.peak_memory_bytes > 0 && r.peak_memory_bytes <= limit + limit / 8, "peak_memory_bytes {} with a {limit}-byte limit", r.peak_memory_bytes);
+    assert_eq!(h.sh_ok(&id, "echo alive").await, "alive\n");
+    // A modest allocation reports a peak of its own size, not the bomb's.
+    let r = h.sh(&id, "x=$(head -c 8000000 /dev/zero | tr '\\0' a); echo ${#x}").await;
+    assert_eq!(r.stdout, b"8000000\n", "{}", describe(&r));
+    assert!((8_000_000..limit).contains(&r.peak_memory_bytes), "peak {} for an 8 MB string", r.peak_memory_bytes);
+
+    // A fork bomb hits the pid limit: the exec ends, the daemon answers, the sandbox recovers.
+    let t0 = Instant::now();
+    let r = h.exec(ExecRequest { timeout_ms: 5_000, ..exec_request(&id, ["sh", "-c", "f(){ f|f& }; f; sleep 1"]) }).await;
+    assert!(t0.elapsed() < Duration::from_secs(30), "the fork bomb exec took {:?}: {}", t0.elapsed(), describe(&r));
+    assert!(h.client.list(HashMap::new()).await.is_ok(), "the daemon stopped answering");
+    let ok = eventually(20, || async { h.exec(exec_request(&id, ["echo", "ok"])).await.stdout == b"ok\n" }).await;
+    assert!(ok, "echo keeps failing after a fork bomb: {}", describe(&h.exec(exec_request(&id, ["echo", "ok"])).await));
+    // One that keeps its exec busy is killed whole at the timeout, forking as fast as it may.
+    let id = h.sandbox_with(ResourceLimits { max_pids: 64, ..Default::default() }).await;
+    let r = h.exec(ExecRequest { timeout_ms: 3_000, ..exec_request(&id, ["sh", "-c", "f(){ f|f; sleep 100; }; f"]) }).await;
+    assert_eq!(status(&r), ExecStatus::TimedOut, "{}", describe(&r));
+    let ps = h.sh_ok(&id, "ps -o args").await;
+    assert!(!ps.contains("sleep 100"), "the timed-out bomb left processes behind:\n{ps}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input.
+
+async fn bad_input_and_path_escapes(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let c = &h.client;
+    let id = h.sandbox().await;
+
+    for bad in ["sb-doesnotexist1", "xyz", ""] {
+        assert_eq!(c.get(bad).await.expect_err("unknown id").code(), Code::NotFound, "GetSandbox({bad:?})");
+        assert_eq!(c.exec(exec_request(bad, ["true"])).await.expect_err("unknown id").code(), Code::NotFound, "Exec({bad:?})");
+        assert_eq!(c.destroy(bad).await.expect_err("unknown id").code(), Code::NotFound, "Destroy({bad:?})");
+        assert_eq!(c.read_file(bad, "/etc/passwd", 0, 0).await.expect_err("unknown id").code(), Code::NotFound, "ReadFile({bad:?})");
+    }
+    let err = c.exec(exec_request(&id, Vec::<String>::new())).await.expect_err("empty argv");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("argv"), "{err}");
+    assert_eq!(c.exec(exec_request(&id, [""])).await.expect_err("empty argv[0]").code(), Code::InvalidArgument);
+    for (limits, field) in [
+        (ResourceLimits { memory_bytes: 1 << 50, ..Default::default() }, "memory_bytes"),
+        (ResourceLimits { max_pids: 1 << 30, ..Default::default() }, "max_pids"),
+        (ResourceLimits { cpu_millicores: u32::MAX, ..Default::default() }, "cpu_millicores"),
+    ] {
+        let err = c.create(h.request(limits)).await.expect_err("over the ceiling");
+        assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+        assert!(err.to_string().contains(field), "{err}");
+    }
+    let err = c.create(CreateSandboxRequest { image: "no-such-image".into(), ..h.request(ResourceLimits::default()) }).await.expect_err("unknown image");
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+    let err = c.create(CreateSandboxRequest { image: "../minimal".into(), ..h.request(ResourceLimits::default()) }).await.expect_err("image path trick");
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+
+    // `..` is clamped at the sandbox's root, for writes and reads.
+    let name = unique("sandboxd-escape");
+    let host_path = std::path::PathBuf::from("/etc").join(&name);
+    c.write_file(&id, format!("../../../../etc/{name}"), b"escaped?".to_vec(), 0).await.expect("WriteFile with ..");
+    assert!(!host_path.exists(), "WriteFile through .. created {} on the host", host_path.display());
+    assert_eq!(h.sh_ok(&id, &format!("cat /etc/{name}")).await, "escaped?", "the file landed inside at /etc/{name}");
+    let r = c.read_file(&id, format!("/workspace/../../../../../etc/{name}"), 0, 0).await.expect("ReadFile with ..");
+    assert_eq!(r.content, b"escaped?");
+
+    // Symlinks planted inside resolve inside, whatever they point to.
+    let secret_path = std::env::temp_dir().join(unique("sandboxd-secret"));
+    std::fs::write(&secret_path, b"HOST SECRET").expect("writing host secret");
+    let secret = secret_path.display().to_string();
+    h.sh_ok(&id, &format!("ln -s {secret} /workspace/abs && ln -s ../../../../../../../..{secret} /workspace/rel")).await;
+    for link in ["/workspace/abs", "/workspace/rel"] {
+        match c.read_file(&id, link, 0, 0).await {
+            Ok(r) => panic!("ReadFile({link}) returned {:?} although {secret} does not exist inside", text(&r.content)),
+            Err(e) => assert_eq!(e.code(), Code::NotFound, "ReadFile({link}): {e}"),
+        }
+    }
+    h.sh_ok(&id, &format!("mkdir -p {} && echo sandbox-copy > {secret}", std::env::temp_dir().display())).await;
+    for link in ["/workspace/abs", "/workspace/rel"] {
+        let r = c.read_file(&id, link, 0, 0).await.expect("ReadFile through a link");
+        assert_eq!(text(&r.content), "sandbox-copy\n", "ReadFile({link}) must read the sandbox's file");
+    }
+    let planted = unique("sandboxd-planted");
+    h.sh_ok(&id, &format!("ln -s {} /workspace/hostdir", std::env::temp_dir().display())).await;
+    c.write_file(&id, format!("/workspace/hostdir/{planted}"), b"x".to_vec(), 0).await.expect("WriteFile through a link");
+    assert!(!std::env::temp_dir().join(&planted).exists(), "WriteFile through a symlink wrote on the host");
+    assert_eq!(std::fs::read(&secret_path).expect("host secret"), b"HOST SECRET", "the host's file was changed");
+    let _ = std::fs::remove_file(&secret_path);
+
+    // After all that the daemon still answers and the sandbox works; failed creates left nothing.
+    assert_eq!(c.list(HashMap::new()).await.expect("ListSandboxes").len(), 1);
+    assert_eq!(h.exec(exec_request(&id, ["echo", "still here"])).await.stdout, b"still here\n");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Files.
+
+async fn files_round_trip(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let c = &h.client;
+    let id = h.sandbox().await;
+
+    let n = c.write_file(&id, "/workspace/a/b/c/hello.txt", b"hello world".to_vec(), 0o640).await.expect("WriteFile");
+    assert_eq!(n, 11);
+    let whole = c.read_file(&id, "/workspace/a/b/c/hello.txt", 0, 0).await.expect("ReadFile");
+    assert_eq!((whole.content.as_slice(), whole.size, whole.eof), (&b"hello world"[..], 11, true));
+    let head = c.read_file(&id, "/workspace/a/b/c/hello.txt", 0, 5).await.expect("ReadFile");
+    assert_eq!((head.content.as_slice(), head.size, head.eof), (&b"hello"[..], 11, false));
+    let tail = c.read_file(&id, "/workspace/a/b/c/hello.txt", 6, 100).await.expect("ReadFile");
+    assert_eq!((tail.content.as_slice(), tail.eof), (&b"world"[..], true));
+    let past = c.read_file(&id, "/workspace/a/b/c/hello.txt", 50, 0).await.expect("ReadFile past the end");
+    assert!(past.content.is_empty() && past.eof, "{past:?}");
+    assert_eq!(h.sh_ok(&id, "stat -c %a /workspace/a/b/c/hello.txt; stat -c %a /workspace/a/b; cat /workspace/a/b/c/hello.txt").await, "640\n755\nhello world");
+    // Existing parents keep their mode; relative paths are relative to the workdir; overwriting
+    // truncates; an empty file reads as empty.
+    h.sh_ok(&id, "mkdir -p /workspace/private && chmod 700 /workspace/private").await;
+    c.write_file(&id, "private/f", b"p".to_vec(), 0).await.expect("WriteFile");
+    assert_eq!(h.sh_ok(&id, "stat -c %a /workspace/private /workspace/private/f").await, "700\n644\n");
+    c.write_file(&id, "rel.txt", b"a much longer first version".to_vec(), 0).await.expect("WriteFile");
+    c.write_file(&id, "rel.txt", b"short".to_vec(), 0o755).await.expect("WriteFile");
+    assert_eq!(h.sh_ok(&id, "stat -c %a /workspace/rel.txt; cat /workspace/rel.txt").await, "755\nshort");
+    c.write_file(&id, "/workspace/empty", Vec::new(), 0).await.expect("WriteFile empty");
+    let empty = c.read_file(&id, "/workspace/empty", 0, 0).await.expect("ReadFile empty");
+    assert!(empty.content.is_empty() && empty.size == 0 && empty.eof, "{empty:?}");
+    // What the sandbox writes, ReadFile reads, across several slices; and a 6 MiB round trip.
+    h.sh_ok(&id, "seq 1 1000000 > /workspace/seq.txt").await;
+    let expected: String = (1..=1_000_000).map(|i| format!("{i}\n")).collect();
+    let got = within(60, c.read_file_all(&id, "/workspace/seq.txt")).await.expect("read_file_all");
+    assert!(got == expected.as_bytes(), "seq.txt read back differs ({} bytes, want {})", got.len(), expected.len());
+    let big: Vec<u8> = (0..(6u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    c.write_file(&id, "/workspace/big.bin", big.clone(), 0).await.expect("WriteFile 6 MiB");
+    assert!(within(60, c.read_file_all(&id, "/workspace/big.bin")).await.expect("read_file_all") == big, "6 MiB round trip differs");
+
+    // Directories, missing files, special files.
+    let err = c.read_file(&id, "/workspace", 0, 0).await.expect_err("ReadFile of a directory");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    let err = c.read_file(&id, "/workspace/missing.txt", 0, 0).await.expect_err("missing file");
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+    let err = c.write_file(&id, "/workspace/a", b"x".to_vec(), 0).await.expect_err("WriteFile over a directory");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert_eq!(h.sh_ok(&id, "ls /workspace/a").await, "b\n", "the directory is untouched");
+    h.sh_ok(&id, "mkfifo /workspace/fifo").await;
+    let err = within(10, c.read_file(&id, "/workspace/fifo", 0, 0)).await.expect_err("ReadFile of a FIFO");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    let err = within(10, c.write_file(&id, "/workspace/fifo", b"x".to_vec(), 0)).await.expect_err("WriteFile to a FIFO");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Snapshots, rollback, forks.
+
+async fn snapshot_rollback_and_forks(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let c = &h.client;
+    let sb = h.sandbox().await;
+    h.sh_ok(&sb, "echo v1 > /workspace/keep; chmod 640 /workspace/keep; mkdir -p /workspace/d; echo x > /workspace/d/f").await;
+    let t0 = Instant::now();
+    let snap = within(60, c.snapshot(&sb, "before")).await.expect("snapshot");
+    eprintln!("{isolation:?}: snapshot took {:?}", t0.elapsed());
+    assert_eq!(snap.sandbox_id, sb);
+    assert!(snap.size_bytes >= 5, "the snapshot holds the written bytes: {snap:?}");
+
+    // Changes of every kind, and a process that must not survive.
+    h.sh_ok(&sb, "echo v2 > /workspace/keep; chmod 777 /workspace/keep; rm -r /workspace/d; echo new > /workspace/new; rm /bin/ls").await;
+    let bg = c.exec(ExecRequest { background: true, ..exec_request(&sb, ["sleep", "300"]) }).await.expect("background exec");
+    assert_eq!(status(&bg), ExecStatus::Running);
+    let t0 = Instant::now();
+    let after = within(60, c.rollback(&sb, &snap.snapshot_id)).await.expect("rollback");
+    eprintln!("{isolation:?}: rollback took {:?}", t0.elapsed());
+    assert_eq!((after.id.as_str(), after.state), (sb.as_str(), SandboxState::Running as i32));
+    assert_eq!(h.sh_ok(&sb, "cat /workspace/keep; stat -c %a /workspace/keep").await, "v1\n640\n");
+    assert_eq!(h.sh_ok(&sb, "cat /workspace/d/f").await, "x\n", "deleted dir is back");
+    assert_eq!(h.sh(&sb, "test -e /workspace/new").await.exit_code, 1, "new file gone");
+    assert_eq!(h.sh(&sb, "test -e /bin/ls").await.exit_code, 0, "deleted image file back");
+    assert!(!h.sh_ok(&sb, "ps -o args").await.contains("sleep 300"), "background process gone");
+    let bg_end = within(10, c.get_exec(&bg.exec_id, true)).await.expect("GetExec");
+    assert_eq!(status(&bg_end), ExecStatus::Lost, "{}", describe(&bg_end));
+    assert!(bg_end.error.contains("rolled back"), "{}", bg_end.error);
+
+    // Rolling back again (agents retry) works the same, and the lineage is kept.
+    h.sh_ok(&sb, "echo v3 > /workspace/keep").await;
+    let t0 = Instant::now();
+    within(60, c.rollback(&sb, &snap.snapshot_id)).await.expect("second rollback");
+    eprintln!("{isolation:?}: second rollback took {:?}", t0.elapsed());
+    assert_eq!(h.sh_ok(&sb, "cat /workspace/keep").await, "v1\n");
+    let again = within(60, c.snapshot(&sb, "after")).await.expect("second snapshot");
+    assert_eq!(again.parent_snapshot_id, snap.snapshot_id, "lineage");
+    let names: Vec<String> = c.list_snapshots(&sb).await.expect("list").into_iter().map(|s| s.name).collect();
+    assert_eq!(names, ["before", "after"]);
+
+    // Forks: start from the snapshot, independent both ways, and they pin it.
+    let mut forks = Vec::new();
+    for _ in 0..2 {
+        let t0 = Instant::now();
+        let f = within(120, c.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() })).await.expect("fork");
+        eprintln!("{isolation:?}: fork took {:?}", t0.elapsed());
+        assert_eq!((f.parent_snapshot_id.as_str(), f.image.as_str(), f.isolation), (snap.snapshot_id.as_str(), "minimal", isolation as i32));
+        forks.push(f.id);
+    }
+    for (i, f) in forks.iter().enumerate() {
+        assert_eq!(h.sh_ok(f, "cat /workspace/keep; stat -c %a /workspace/keep; cat /workspace/d/f").await, "v1\n640\nx\n");
+        h.sh_ok(f, &format!("echo fork{i} > /workspace/keep")).await;
+    }
+    h.sh_ok(&sb, "echo origin > /workspace/keep").await;
+    for (i, f) in forks.iter().enumerate() {
+        assert_eq!(h.sh_ok(f, "cat /workspace/keep").await, format!("fork{i}\n"), "writes elsewhere never appear");
+    }
+    assert_eq!(h.sh_ok(&sb, "cat /workspace/keep").await, "origin\n");
+    let refused = c.delete_snapshot(&snap.snapshot_id).await.expect_err("snapshot in use");
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
+    for f in &forks {
+        within(60, c.destroy(f)).await.expect("destroy fork");
+    }
+    within(60, c.delete_snapshot(&snap.snapshot_id)).await.expect("delete once no fork depends on it");
+    let gone = c.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() }).await.expect_err("deleted");
+    assert_eq!(gone.code(), Code::NotFound);
+    assert_eq!(c.rollback(&sb, &snap.snapshot_id).await.expect_err("deleted").code(), Code::NotFound);
+    // The sandbox is fine afterwards.
+    assert_eq!(h.sh_ok(&sb, "echo ok").await, "ok\n");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Restart.
+
+async fn kill9_restart_readopts(isolation: Isolation) {
+    let mut h = Harness::start(isolation).await;
+    let keep = h.sandbox().await;
+    let doomed = h.sandbox().await;
+    h.client.write_file(&keep, "/workspace/data", b"precious".to_vec(), 0o600).await.expect("WriteFile");
+    h.sh_ok(&keep, "sleep 300 & echo started").await;
+    let running = h.exec(ExecRequest { background: true, ..exec_request(&keep, ["sleep", "301"]) }).await;
+    assert_eq!(status(&running), ExecStatus::Running, "{}", describe(&running));
+
+    h.daemon.kill9();
+    within(90, h.daemon.restart()).await.expect("restarting sandboxd on the same state dir");
+    h.client = h.daemon.client().await.expect("reconnecting");
+
+    let lost = h.client.get_exec(&running.exec_id, false).await.expect("the record survives");
+    assert_eq!(status(&lost), ExecStatus::Lost, "{}", describe(&lost));
+    // Re-adopted: same id, running, files and modes kept, old processes gone, usable.
+    let info = h.client.get(&keep).await.expect("re-adopted");
+    assert_eq!((info.state, info.isolation), (SandboxState::Running as i32, isolation as i32));
+    assert_eq!(h.sh_ok(&keep, "cat /workspace/data; stat -c %a /workspace/data").await, "precious600\n");
+    let ps = h.sh_ok(&keep, "ps -o args").await;
+    assert!(!ps.contains("sleep 30"), "processes of the killed daemon's time are still inside:\n{ps}");
+    let mut listed: Vec<String> = h.client.list(HashMap::new()).await.expect("list").into_iter().map(|s| s.id).collect();
+    listed.sort();
+    let mut want = vec![keep.clone(), doomed.clone()];
+    want.sort();
+    assert_eq!(listed, want);
+
+    within(60, h.client.destroy(&doomed)).await.expect("destroy after restart");
+    assert_eq!(h.client.get(&doomed).await.expect_err("destroyed").code(), Code::NotFound);
+    let new = h.sandbox().await;
+    assert_eq!(h.sh_ok(&new, "ls -A /workspace | wc -l").await.trim(), "0", "a new sandbox starts empty");
+    assert_eq!(h.sh_ok(&keep, "echo works").await, "works\n");
+}
