@@ -179,6 +179,16 @@ impl InitChannel {
         Ok(ExecWaiters { spawned, exited })
     }
 
+    /// Sends a message that has no reply.
+    pub async fn send(&self, msg: &ToInit, fds: &[RawFd]) -> Result<(), String> {
+        let bytes = encode(msg).map_err(|e| e.to_string())?;
+        if self.closed.is_cancelled() {
+            return Err("the sandbox's init is gone".to_string());
+        }
+        let _guard = self.send_lock.lock().await;
+        send_on(&self.fd, &bytes, fds).await.map_err(|e| format!("sending to init: {e}"))
+    }
+
     /// Stops the reader; the init sees EOF once the channel is dropped.
     pub fn close(&self) {
         self.closed.cancel();

@@ -110,19 +110,67 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 }
 
 impl ProcessSandbox {
+    /// Prepares the next exec's cgroup with a spare process already inside it (see
+    /// `ToInit::Prepare`), in the background. At most one slot is armed or being armed.
+    pub(super) fn arm_spare(self: &Arc<Self>) {
+        if self.arming.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return;
+        }
+        let sb = self.clone();
+        tokio::spawn(async move {
+            let slot = crate::ids::ExecId::generate().to_string().replace("ex-", "slot-");
+            let made = {
+                let sb = sb.clone();
+                let slot = slot.clone();
+                blocking(move || -> Result<_, BackendError> {
+                    let cgroup = Arc::new(sb.cgroup.create_exec(&slot)?);
+                    let procs = cgroup.procs_files()?;
+                    Ok((cgroup, procs))
+                })
+                .await
+            };
+            match made {
+                Ok(Ok((cgroup, procs))) => {
+                    let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+                    let sent = sb.channel.send(&ToInit::Prepare { slot: slot.clone() }, &fds).await;
+                    drop(procs);
+                    let armed = match (sent, sb.spare.lock()) {
+                        // A runtime being stopped must not get a slot it would leak.
+                        (Ok(()), Ok(mut spare)) if sb.lost.lock().map(|l| l.is_none()).unwrap_or(false) => {
+                            *spare = Some((slot, cgroup.clone()));
+                            true
+                        }
+                        _ => false,
+                    };
+                    if !armed {
+                        let _ = blocking(move || cgroup.kill_all().and_then(|_| cgroup.remove())).await;
+                    }
+                }
+                Ok(Err(e)) => tracing::debug!(sandbox = %sb.id, error = %e, "cannot arm an exec slot"),
+                Err(e) => tracing::debug!(sandbox = %sb.id, error = %e, "cannot arm an exec slot"),
+            }
+            sb.arming.store(false, std::sync::atomic::Ordering::Release);
+        });
+    }
+
     /// Runs `spec` to its end. See the module documentation.
     pub(super) async fn run_exec(self: &Arc<Self>, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
         let started_at = SystemTime::now();
         let exec_id = spec.exec_id.to_string();
+        // The armed slot's cgroup (its spare process already inside), or a fresh one.
+        let spare = self.spare.lock().ok().and_then(|mut s| s.take());
         let sb = self.clone();
         let id = exec_id.clone();
-        let (cgroup, procs) = blocking(move || -> Result<_, BackendError> {
-            let cgroup = Arc::new(sb.cgroup.create_exec(&id)?);
+        let (slot, cgroup, procs) = blocking(move || -> Result<_, BackendError> {
+            let (slot, cgroup) = match spare {
+                Some((slot, cgroup)) => (Some(slot), cgroup),
+                None => (None, Arc::new(sb.cgroup.create_exec(&id)?)),
+            };
             let procs = cgroup.procs_files()?;
-            Ok((cgroup, procs))
+            Ok((slot, cgroup, procs))
         })
         .await??;
-        let result = self.run_in_cgroup(&spec, &cgroup, procs, sink, started, cancel, started_at).await;
+        let result = self.run_in_cgroup(&spec, &cgroup, procs, slot, sink, started, cancel, started_at).await;
         let sb = self.clone();
         let _ = blocking(move || sb.forget_exec(&exec_id, &cgroup)).await;
         result
@@ -150,6 +198,7 @@ impl ProcessSandbox {
         spec: &ExecSpec,
         cgroup: &Arc<ExecCgroup>,
         procs: Vec<std::fs::File>,
+        slot: Option<String>,
         sink: OutputSink,
         started: StartSignal,
         cancel: CancellationToken,
@@ -161,7 +210,7 @@ impl ProcessSandbox {
         let (stderr_r, stderr_w) = pipe()?;
         let mut fds = vec![stdin_r.as_raw_fd(), stdout_w.as_raw_fd(), stderr_w.as_raw_fd()];
         fds.extend(procs.iter().map(|f| f.as_raw_fd()));
-        let msg = ToInit::Spawn { exec_id: exec_id.clone(), argv: spec.argv.clone(), env: spec.env.clone(), workdir: spec.workdir.clone() };
+        let msg = ToInit::Spawn { exec_id: exec_id.clone(), slot, argv: spec.argv.clone(), env: spec.env.clone(), workdir: spec.workdir.clone() };
         if let Ok(mut running) = self.running.lock() {
             running.insert(exec_id.clone(), cgroup.clone());
         }
@@ -181,6 +230,8 @@ impl ProcessSandbox {
             Err(_) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the sandbox's init exited before the exec started".into(), started_at)),
         }
         let t0 = Instant::now();
+        // Arm the next slot while this command runs, so the next exec skips the cgroup join.
+        self.arm_spare();
         if let Some(tx) = started {
             let _ = tx.send(());
         }

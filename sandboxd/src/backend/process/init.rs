@@ -323,7 +323,26 @@ fn drop_capabilities() -> StageResult {
     Ok(())
 }
 
-/// The serve loop: spawn requests from the daemon, child exits from the kernel.
+/// A process forked ahead of time into the next exec's cgroup, waiting for its command.
+struct Spare {
+    slot: String,
+    pid: Pid,
+    /// Where its [`Job`] is sent.
+    jobs: OwnedFd,
+    /// Closed by a successful execve; carries (stage, errno) otherwise.
+    err_r: OwnedFd,
+}
+
+/// The init's state while serving.
+struct Server {
+    ctrl: OwnedFd,
+    /// Main processes of running execs, by pid. Other processes that end up here (orphans
+    /// re-parented to PID 1) are reaped silently.
+    running: HashMap<Pid, String>,
+    spare: Option<Spare>,
+}
+
+/// The serve loop: spawn and prepare requests from the daemon, child exits from the kernel.
 fn serve(ctrl: OwnedFd) -> i32 {
     let mut chld = SigSet::empty();
     chld.add(Signal::SIGCHLD);
@@ -335,12 +354,10 @@ fn serve(ctrl: OwnedFd) -> i32 {
         }
     };
     let mut buf = vec![0u8; MAX_MESSAGE];
-    // Main processes of running execs, by pid. Other processes that end up here (orphans
-    // re-parented to PID 1) are reaped silently.
-    let mut running: HashMap<Pid, String> = HashMap::new();
+    let mut server = Server { ctrl, running: HashMap::new(), spare: None };
     loop {
         let (ctrl_ready, chld_ready) = {
-            let mut fds = [PollFd::new(ctrl.as_fd(), PollFlags::POLLIN), PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
+            let mut fds = [PollFd::new(server.ctrl.as_fd(), PollFlags::POLLIN), PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
             match poll(&mut fds, PollTimeout::NONE) {
                 Ok(_) => {}
                 Err(Errno::EINTR) => continue,
@@ -354,17 +371,18 @@ fn serve(ctrl: OwnedFd) -> i32 {
         };
         if chld_ready {
             while let Ok(Some(_)) = sfd.read_signal() {}
-            reap(&ctrl, &mut running);
+            server.reap();
         }
         if ctrl_ready {
-            match recv_raw(ctrl.as_fd(), &mut buf) {
+            match recv_raw(server.ctrl.as_fd(), &mut buf) {
                 // The daemon is gone: exiting as PID 1 kills everything in the sandbox.
                 Ok(None) => return 0,
                 Ok(Some((n, fds))) => match decode::<ToInit>(&buf[..n]) {
-                    Ok(ToInit::Spawn { exec_id, argv, env, workdir }) => {
-                        let reply = spawn(&exec_id, &argv, &env, &workdir, fds, &mut running);
-                        report(&ctrl, &reply);
+                    Ok(ToInit::Spawn { exec_id, slot, argv, env, workdir }) => {
+                        let reply = server.spawn(&exec_id, slot.as_deref(), &argv, &env, &workdir, fds);
+                        report(&server.ctrl, &reply);
                     }
+                    Ok(ToInit::Prepare { slot }) => server.prepare(slot, fds),
                     Err(e) => eprintln!("sandbox-init: ignoring malformed request: {e}"),
                 },
                 Err(e) => {
@@ -379,86 +397,168 @@ fn serve(ctrl: OwnedFd) -> i32 {
     }
 }
 
-fn reap(ctrl: &OwnedFd, running: &mut HashMap<Pid, String>) {
-    loop {
-        let (pid, code, signal) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::Exited(pid, code)) => (pid, Some(code), None),
-            Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, None, Some(sig as i32)),
-            Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return,
-            Ok(_) => continue,
-            Err(Errno::EINTR) => continue,
-            Err(e) => {
-                eprintln!("sandbox-init: waitpid: {e}");
-                return;
-            }
-        };
-        if let Some(exec_id) = running.remove(&pid) {
-            report(ctrl, &FromInit::Exited { exec_id, code, signal });
-        }
-    }
-}
-
 fn cstring(s: &str) -> Result<CString, Errno> {
     CString::new(s).map_err(|_| Errno::EINVAL)
 }
 
-/// Forks and execs one command. Returns the reply for the daemon.
-fn spawn(exec_id: &str, argv: &[String], env: &[(String, String)], workdir: &str, fds: Vec<OwnedFd>, running: &mut HashMap<Pid, String>) -> FromInit {
-    let failed = |stage: &str, errno: Errno| FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: stage.to_string(), errno: errno as i32 };
-    if fds.len() < 3 || argv.is_empty() {
-        return failed("request", Errno::EINVAL);
-    }
-    // Everything the child needs is prepared before fork, so the child only makes syscalls.
-    let prepared = (|| -> Result<_, Errno> {
-        let c_argv = argv.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>()?;
-        let c_env = env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<Vec<_>, _>>()?;
-        let path_var = env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str()).unwrap_or("/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
-        let candidates = if argv[0].contains('/') {
-            vec![cstring(&argv[0])?]
-        } else {
-            path_var
-                .split(':')
-                .map(|dir| if dir.is_empty() { "." } else { dir })
-                .map(|dir| cstring(&format!("{dir}/{}", argv[0])))
-                .collect::<Result<Vec<_>, _>>()?
+/// Everything an exec child needs, as C strings, prepared before it runs.
+struct Prepared {
+    argv: Vec<CString>,
+    env: Vec<CString>,
+    candidates: Vec<CString>,
+    workdir: CString,
+}
+
+fn prepare_command(argv: &[String], env: &[(String, String)], workdir: &str) -> Result<Prepared, Errno> {
+    let first = argv.first().ok_or(Errno::EINVAL)?;
+    let c_argv = argv.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>()?;
+    let c_env = env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<Vec<_>, _>>()?;
+    let path_var = env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str()).unwrap_or("/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
+    let candidates = if first.contains('/') {
+        vec![cstring(first)?]
+    } else {
+        path_var
+            .split(':')
+            .map(|dir| if dir.is_empty() { "." } else { dir })
+            .map(|dir| cstring(&format!("{dir}/{first}")))
+            .collect::<Result<Vec<_>, _>>()?
+    };
+    Ok(Prepared { argv: c_argv, env: c_env, candidates, workdir: cstring(workdir)? })
+}
+
+/// Reads an exec child's error pipe: EOF (nothing) means execve succeeded.
+fn spawn_reply(exec_id: &str, pid: Pid, err_r: &OwnedFd, running: &mut HashMap<Pid, String>) -> FromInit {
+    let mut report_buf = [0u8; 5];
+    if read_full(err_r, &mut report_buf) == report_buf.len() {
+        let stage = match report_buf[0] {
+            STAGE_CGROUP => "cgroup",
+            STAGE_WORKDIR => "workdir",
+            STAGE_STDIO => "stdio",
+            _ => "exec",
         };
-        Ok((c_argv, c_env, candidates, cstring(workdir)?))
-    })();
-    let (c_argv, c_env, candidates, c_workdir) = match prepared {
-        Ok(p) => p,
-        Err(e) => return failed("argv", e),
-    };
-    let (err_r, err_w) = match nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC) {
-        Ok(p) => p,
-        Err(e) => return failed("pipe", e),
-    };
-    // SAFETY: the init is single-threaded; the child only makes syscalls before execve/_exit.
-    match unsafe { fork() } {
-        Err(e) => failed("fork", e),
-        Ok(ForkResult::Child) => {
-            drop(err_r);
-            exec_child(&fds, &c_argv, &c_env, &candidates, &c_workdir, err_w)
-        }
-        Ok(ForkResult::Parent { child }) => {
-            drop(err_w);
-            drop(fds);
-            let mut report_buf = [0u8; 5];
-            let n = read_full(&err_r, &mut report_buf);
-            if n == report_buf.len() {
-                let stage = match report_buf[0] {
-                    STAGE_CGROUP => "cgroup",
-                    STAGE_WORKDIR => "workdir",
-                    STAGE_STDIO => "stdio",
-                    _ => "exec",
-                };
-                let errno = i32::from_le_bytes([report_buf[1], report_buf[2], report_buf[3], report_buf[4]]);
-                FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: stage.to_string(), errno }
-            } else {
-                // EOF without a report: execve succeeded (the pipe closed on exec).
-                running.insert(child, exec_id.to_string());
-                FromInit::Spawned { exec_id: exec_id.to_string(), pid: child.as_raw() }
+        let errno = i32::from_le_bytes([report_buf[1], report_buf[2], report_buf[3], report_buf[4]]);
+        return FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: stage.to_string(), errno };
+    }
+    running.insert(pid, exec_id.to_string());
+    FromInit::Spawned { exec_id: exec_id.to_string(), pid: pid.as_raw() }
+}
+
+impl Server {
+    fn reap(&mut self) {
+        loop {
+            let (pid, code, signal) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) => (pid, Some(code), None),
+                Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, None, Some(sig as i32)),
+                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return,
+                Ok(_) => continue,
+                Err(Errno::EINTR) => continue,
+                Err(e) => {
+                    eprintln!("sandbox-init: waitpid: {e}");
+                    return;
+                }
+            };
+            if self.spare.as_ref().is_some_and(|s| s.pid == pid) {
+                self.spare = None;
+            }
+            if let Some(exec_id) = self.running.remove(&pid) {
+                report(&self.ctrl, &FromInit::Exited { exec_id, code, signal });
             }
         }
+    }
+
+    /// Forks a spare into a slot's cgroup; it waits for its job (see [`spare_main`]).
+    fn prepare(&mut self, slot: String, cgroup_fds: Vec<OwnedFd>) {
+        if let Some(old) = self.spare.take() {
+            // Superseded: the daemon only ever keeps one slot armed.
+            let _ = nix::sys::signal::kill(old.pid, Signal::SIGKILL);
+        }
+        let pair = nix::sys::socket::socketpair(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::SeqPacket,
+            None,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        );
+        let (Ok((jobs, jobs_child)), Ok((err_r, err_w))) = (pair, nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)) else {
+            eprintln!("sandbox-init: cannot prepare slot {slot}: out of descriptors");
+            return;
+        };
+        // SAFETY: the init is single-threaded; the child only makes syscalls and allocates.
+        match unsafe { fork() } {
+            Err(e) => eprintln!("sandbox-init: cannot fork spare for {slot}: {e}"),
+            Ok(ForkResult::Child) => {
+                drop((jobs, err_r));
+                spare_main(jobs_child, cgroup_fds, err_w)
+            }
+            Ok(ForkResult::Parent { child }) => self.spare = Some(Spare { slot, pid: child, jobs, err_r }),
+        }
+    }
+
+    /// Starts one command: through the slot's spare when it is there, else by a fresh fork.
+    fn spawn(&mut self, exec_id: &str, slot: Option<&str>, argv: &[String], env: &[(String, String)], workdir: &str, fds: Vec<OwnedFd>) -> FromInit {
+        let failed = |stage: &str, errno: Errno| FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: stage.to_string(), errno: errno as i32 };
+        if fds.len() < 3 || argv.is_empty() {
+            return failed("request", Errno::EINVAL);
+        }
+        if let Some(spare) = self.spare.take_if(|s| Some(s.slot.as_str()) == slot) {
+            let job = super::wire::Job { argv: argv.to_vec(), env: env.to_vec(), workdir: workdir.to_string() };
+            let stdio: Vec<RawFd> = fds[..3].iter().map(|f| f.as_raw_fd()).collect();
+            let sent = encode(&job).and_then(|bytes| send_raw(spare.jobs.as_fd(), &bytes, &stdio));
+            if sent.is_ok() {
+                drop(fds);
+                drop(spare.jobs);
+                return spawn_reply(exec_id, spare.pid, &spare.err_r, &mut self.running);
+            }
+            // The spare is gone (it failed to join its cgroup, or was killed): fork afresh.
+            let _ = nix::sys::signal::kill(spare.pid, Signal::SIGKILL);
+        }
+        // Prepared before fork, so the child only makes syscalls.
+        let cmd = match prepare_command(argv, env, workdir) {
+            Ok(p) => p,
+            Err(e) => return failed("argv", e),
+        };
+        let (err_r, err_w) = match nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC) {
+            Ok(p) => p,
+            Err(e) => return failed("pipe", e),
+        };
+        // SAFETY: the init is single-threaded; the child only makes syscalls before execve/_exit.
+        match unsafe { fork() } {
+            Err(e) => failed("fork", e),
+            Ok(ForkResult::Child) => {
+                drop(err_r);
+                let _ = nix::unistd::setsid();
+                join_cgroup(&fds[3..], &err_w);
+                exec_child(&fds[..3], &cmd, err_w)
+            }
+            Ok(ForkResult::Parent { child }) => {
+                drop(err_w);
+                drop(fds);
+                spawn_reply(exec_id, child, &err_r, &mut self.running)
+            }
+        }
+    }
+}
+
+/// A spare: join the slot's cgroup now, then wait for the job and become it. Never returns.
+fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>, err_w: OwnedFd) -> ! {
+    // Its own session and process group, so signals to the exec reach its whole tree by group
+    // and a terminal-less shell does not stop on job control.
+    let _ = nix::unistd::setsid();
+    join_cgroup(&cgroup_fds, &err_w);
+    drop(cgroup_fds);
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    let (n, stdio) = match recv_raw(jobs.as_fd(), &mut buf) {
+        Ok(Some(m)) => m,
+        // Never used (superseded, or the sandbox is going away).
+        _ => {
+            // SAFETY: _exit in a forked child.
+            unsafe { libc::_exit(0) }
+        }
+    };
+    let cmd = decode::<super::wire::Job>(&buf[..n]).map_err(|_| Errno::EINVAL).and_then(|job| prepare_command(&job.argv, &job.env, &job.workdir));
+    drop(buf);
+    match cmd {
+        Ok(cmd) if stdio.len() == 3 => exec_child(&stdio, &cmd, err_w),
+        _ => fail_child(&err_w, STAGE_EXEC, Errno::EINVAL),
     }
 }
 
@@ -475,19 +575,31 @@ fn read_full(fd: &OwnedFd, buf: &mut [u8]) -> usize {
     n
 }
 
-/// In the forked child: become the exec's process. Never returns.
-fn exec_child(fds: &[OwnedFd], argv: &[CString], env: &[CString], candidates: &[CString], workdir: &CString, err_w: OwnedFd) -> ! {
-    let fail = |stage: u8, errno: Errno| -> ! {
-        let mut msg = [0u8; 5];
-        msg[0] = stage;
-        msg[1..].copy_from_slice(&(errno as i32).to_le_bytes());
-        let _ = nix::unistd::write(&err_w, &msg);
-        let code = if stage == STAGE_EXEC && errno != Errno::ENOENT && errno != Errno::ENOTDIR { 126 } else { 127 };
-        // SAFETY: _exit is always safe; it skips atexit handlers that belong to the init.
-        unsafe { libc::_exit(code) }
-    };
+/// Reports why a child could not become its command, and exits it.
+fn fail_child(err_w: &OwnedFd, stage: u8, errno: Errno) -> ! {
+    let mut msg = [0u8; 5];
+    msg[0] = stage;
+    msg[1..].copy_from_slice(&(errno as i32).to_le_bytes());
+    let _ = nix::unistd::write(err_w, &msg);
+    let code = if stage == STAGE_EXEC && errno != Errno::ENOENT && errno != Errno::ENOTDIR { 126 } else { 127 };
+    // SAFETY: _exit is always safe; it skips atexit handlers that belong to the init.
+    unsafe { libc::_exit(code) }
+}
+
+/// Moves the calling process into its exec cgroup: CPU and memory accounting per exec, and a kill
+/// that reaches every descendant even after they daemonize.
+fn join_cgroup(cgroup_fds: &[OwnedFd], err_w: &OwnedFd) {
+    for fd in cgroup_fds {
+        if let Err(e) = nix::unistd::write(fd, b"0") {
+            fail_child(err_w, STAGE_CGROUP, e);
+        }
+    }
+}
+
+/// In a forked child already in its cgroup and session: become the exec's process. Never returns.
+fn exec_child(stdio: &[OwnedFd], cmd: &Prepared, err_w: OwnedFd) -> ! {
     if nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None).is_err() {
-        fail(STAGE_STDIO, Errno::last());
+        fail_child(&err_w, STAGE_STDIO, Errno::last());
     }
     // Default dispositions: the Rust runtime of this binary ignores SIGPIPE, and an ignored
     // signal stays ignored across execve — `yes | head` would then print EPIPE errors.
@@ -497,37 +609,27 @@ fn exec_child(fds: &[OwnedFd], argv: &[CString], env: &[CString], candidates: &[
             unsafe { libc::signal(sig, libc::SIG_DFL) };
         }
     }
-    // Its own session and process group, so signals to the exec reach its whole tree by group
-    // and a terminal-less shell does not stop on job control.
-    let _ = nix::unistd::setsid();
-    // Its own cgroup: CPU and memory accounting per exec, and a kill that reaches every
-    // descendant even after they daemonize.
-    for fd in &fds[3..] {
-        if let Err(e) = nix::unistd::write(fd, b"0") {
-            fail(STAGE_CGROUP, e);
-        }
-    }
-    for (i, fd) in fds[..3].iter().enumerate() {
+    for (i, fd) in stdio.iter().enumerate() {
         if let Err(e) = nix::unistd::dup2(fd.as_raw_fd(), i as RawFd) {
-            fail(STAGE_STDIO, e);
+            fail_child(&err_w, STAGE_STDIO, e);
         }
     }
-    if let Err(e) = nix::unistd::chdir(workdir.as_c_str()) {
-        fail(STAGE_WORKDIR, e);
+    if let Err(e) = nix::unistd::chdir(cmd.workdir.as_c_str()) {
+        fail_child(&err_w, STAGE_WORKDIR, e);
     }
     // Nothing of the init (control socket, other execs' pipes) may leak into the command.
     // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only marks descriptors; err_w is already CLOEXEC.
     unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
     let mut last = Errno::ENOENT;
     let mut saw_eacces = false;
-    for path in candidates {
-        let Err(e) = nix::unistd::execve(path, argv, env);
+    for path in &cmd.candidates {
+        let Err(e) = nix::unistd::execve(path, &cmd.argv, &cmd.env);
         match e {
             Errno::EACCES => saw_eacces = true,
             Errno::ENOENT | Errno::ENOTDIR => {}
-            other => fail(STAGE_EXEC, other),
+            other => fail_child(&err_w, STAGE_EXEC, other),
         }
         last = e;
     }
-    fail(STAGE_EXEC, if saw_eacces { Errno::EACCES } else { last })
+    fail_child(&err_w, STAGE_EXEC, if saw_eacces { Errno::EACCES } else { last })
 }

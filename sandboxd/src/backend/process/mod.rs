@@ -90,6 +90,10 @@ pub(crate) struct ProcessSandbox {
     running: Mutex<HashMap<String, Arc<ExecCgroup>>>,
     /// Cgroups of finished execs whose background processes live on.
     leftovers: Mutex<Vec<Arc<ExecCgroup>>>,
+    /// The armed exec slot: a cgroup with a spare process already inside (see `arm_spare`).
+    spare: Mutex<Option<(String, Arc<ExecCgroup>)>>,
+    /// A slot is being armed.
+    arming: std::sync::atomic::AtomicBool,
 }
 
 /// The process-tier backend.
@@ -359,6 +363,8 @@ impl ProcessBackend {
             shim: tokio::sync::Mutex::new(Some(shim)),
             running: Mutex::new(HashMap::new()),
             leftovers: Mutex::new(Vec::new()),
+            spare: Mutex::new(None),
+            arming: std::sync::atomic::AtomicBool::new(false),
         });
         let config = wire::encode(&wire::InitConfig { rootfs: rootfs.display().to_string(), hostname: id.to_string() })
             .map_err(|e| BackendError::Internal(e.to_string()))?;
@@ -371,6 +377,7 @@ impl ProcessBackend {
             return Err(BackendError::Internal(format!("sandbox {id} setup: {reason} (init log: {log_tail})")));
         }
         sandbox.channel.start_reader(id.to_string());
+        sandbox.arm_spare();
         Ok(sandbox)
     }
 

@@ -29,7 +29,21 @@ pub struct InitConfig {
 #[derive(Debug, Serialize, Deserialize)]
 pub enum ToInit {
     /// Start a process. Fds: stdin, stdout, stderr, then the exec cgroup's `cgroup.procs` files.
-    Spawn { exec_id: String, argv: Vec<String>, env: Vec<(String, String)>, workdir: String },
+    /// With `slot`, the process prepared for that slot (already in the cgroup) is used if it is
+    /// still there; otherwise a fresh fork joins the cgroup through the passed fds.
+    Spawn { exec_id: String, slot: Option<String>, argv: Vec<String>, env: Vec<(String, String)>, workdir: String },
+    /// Fork a spare process into the next exec's cgroup now, off the exec's critical path
+    /// (joining a cgroup v1 can wait for an RCU grace period). Fds: that cgroup's
+    /// `cgroup.procs` files.
+    Prepare { slot: String },
+}
+
+/// Init → spare: the command the spare becomes. Fds: stdin, stdout, stderr.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Job {
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub workdir: String,
 }
 
 /// Init → daemon.
@@ -114,13 +128,13 @@ mod tests {
     #[test]
     fn messages_and_fds_cross_the_pair() {
         let (a, b) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).expect("socketpair");
-        let msg = ToInit::Spawn { exec_id: "ex-1".into(), argv: vec!["true".into()], env: vec![], workdir: "/".into() };
+        let msg = ToInit::Spawn { exec_id: "ex-1".into(), slot: None, argv: vec!["true".into()], env: vec![], workdir: "/".into() };
         let devnull = std::fs::File::open("/dev/null").expect("open");
         send_raw(a.as_fd(), &encode(&msg).expect("encode"), &[devnull.as_raw_fd()]).expect("send");
         let mut buf = vec![0u8; 4096];
         let (n, fds) = recv_raw(b.as_fd(), &mut buf).expect("recv").expect("not eof");
         assert_eq!(fds.len(), 1);
-        let ToInit::Spawn { exec_id, .. } = decode::<ToInit>(&buf[..n]).expect("decode");
+        let ToInit::Spawn { exec_id, .. } = decode::<ToInit>(&buf[..n]).expect("decode") else { panic!("not a spawn") };
         assert_eq!(exec_id, "ex-1");
         drop(a);
         assert!(recv_raw(b.as_fd(), &mut buf).expect("recv").is_none(), "EOF after close");
