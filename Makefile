@@ -33,9 +33,10 @@ run: deps release
 	@echo "sandboxd on unix://$(SOCKET) — in another terminal: export SANDBOXD_SOCKET=unix://$(SOCKET); target/release/sbx create"
 	target/release/sandboxd --listen unix://$(SOCKET) --state-dir $(RUN_DIR)/state --images-dir $(IMAGES_DIR)
 
-## test: unit tests and end-to-end tests against the real daemon (needs root).
+## test: unit tests and end-to-end tests against the real daemon (needs root; builds both images).
 test: deps
 	@[ -f $(IMAGES_DIR)/minimal/image.json ] || $(MAKE) images
+	@[ -f $(IMAGES_DIR)/debian/image.json ] || $(MAKE) image-debian
 	$(CARGO) build --workspace --bins
 	SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(CARGO) test --workspace
 
