@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::{Api, Auth};
 use crate::audit::AuditLog;
 use crate::metrics::{self, Metrics};
-use crate::backend::container::{ContainerBackend, ContainerConfig, DEFAULT_DOCKER_SOCKET};
+use crate::backend::container::{docker_socket_from_env, ContainerBackend, ContainerConfig};
 use crate::backend::process::{ProcessBackend, ProcessConfig};
 use crate::backend::Backends;
 use crate::config::{Config, ListenAddr};
@@ -37,7 +37,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let container = ContainerBackend::new(ContainerConfig {
         state_dir: cfg.state_dir.clone(),
         images_dir: cfg.images_dir.clone(),
-        docker_socket: DEFAULT_DOCKER_SOCKET.into(),
+        docker_socket: docker_socket_from_env(),
     })
     .await;
     backends.insert(Arc::new(container));

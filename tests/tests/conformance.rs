@@ -223,6 +223,10 @@ macro_rules! conformance {
                 super::snapshot_rollback_and_forks($isolation).await
             }
             #[tokio::test(flavor = "multi_thread")]
+            async fn concurrent_execs_keep_their_output() {
+                super::concurrent_execs_keep_their_output($isolation).await
+            }
+            #[tokio::test(flavor = "multi_thread")]
             async fn kill9_restart_readopts() {
                 super::kill9_restart_readopts($isolation).await
             }
@@ -422,8 +426,9 @@ async fn memory_and_pid_limits(isolation: Isolation) {
     let ok = eventually(20, || async { h.exec(exec_request(&id, ["echo", "ok"])).await.stdout == b"ok\n" }).await;
     assert!(ok, "echo keeps failing after a fork bomb: {}", describe(&h.exec(exec_request(&id, ["echo", "ok"])).await));
     // One that keeps its exec busy is killed whole at the timeout, forking as fast as it may.
+    // (The exec's own process only sleeps: a shell whose fork fails exits, ending the exec early.)
     let id = h.sandbox_with(ResourceLimits { max_pids: 64, ..Default::default() }).await;
-    let r = h.exec(ExecRequest { timeout_ms: 3_000, ..exec_request(&id, ["sh", "-c", "f(){ f|f; sleep 100; }; f"]) }).await;
+    let r = h.exec(ExecRequest { timeout_ms: 3_000, ..exec_request(&id, ["sh", "-c", "f(){ f|f; sleep 100; }; f & exec sleep 100"]) }).await;
     assert_eq!(status(&r), ExecStatus::TimedOut, "{}", describe(&r));
     let ps = h.sh_ok(&id, "ps -o args").await;
     assert!(!ps.contains("sleep 100"), "the timed-out bomb left processes behind:\n{ps}");
@@ -623,6 +628,27 @@ async fn snapshot_rollback_and_forks(isolation: Isolation) {
     assert_eq!(c.rollback(&sb, &snap.snapshot_id).await.expect_err("deleted").code(), Code::NotFound);
     // The sandbox is fine afterwards.
     assert_eq!(h.sh_ok(&sb, "echo ok").await, "ok\n");
+}
+
+async fn concurrent_execs_keep_their_output(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let ids = [h.sandbox().await, h.sandbox().await];
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let client = h.client.clone();
+        let id = ids[i % 2].clone();
+        tasks.push(tokio::spawn(async move {
+            let script = "echo \"$0 $1 $(hostname)\"; sleep 0.2; echo done >&2";
+            let r = within(60, client.exec(exec_request(&id, ["sh", "-c", script, "exec", &i.to_string()]))).await.expect("Exec");
+            (i, id, r)
+        }));
+    }
+    for task in tasks {
+        let (i, id, r) = task.await.expect("task");
+        assert_exited(&r, 0);
+        assert_eq!(text(&r.stdout), format!("exec {i} {id}\n"), "exec {i} got another exec's output");
+        assert_eq!(r.stderr, b"done\n");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -120,4 +120,16 @@ mod tests {
         assert_eq!(owner_of(Path::new("/var/lib/sandboxd")).len(), 16);
         assert_ne!(owner_of(Path::new("/a")), owner_of(Path::new("/b")));
     }
+
+    #[tokio::test]
+    async fn an_unreachable_docker_is_a_reason_not_a_failure() {
+        let err = connect(Path::new("/nonexistent/docker.sock")).await.expect_err("no Docker there");
+        assert!(err.starts_with("cannot reach Docker at /nonexistent/docker.sock: "), "{err}");
+        // A socket nobody answers on.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("docker.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        let err = connect(&path).await.expect_err("silent socket");
+        assert!(err.contains("cannot reach Docker at"), "{err}");
+    }
 }

@@ -16,7 +16,9 @@
 //!    or cancellation — the last two kill the exec's cgroup: every descendant, daemonized or not;
 //! 5. takes the raw wait status from the pidfd (`PIDFD_GET_INFO`, Linux 6.15+; Docker's exit
 //!    code otherwise), CPU and peak memory from the exec's cgroup, and moves spilled output into
-//!    the sandbox.
+//!    the sandbox. Usage is the exec's own, not the container's: concurrent execs do not blur
+//!    each other's numbers. As on the process tier it includes page cache the exec caused to be
+//!    charged, and here also the wrapper shell (a few hundred KiB, a millisecond of CPU).
 //!
 //! Nothing of the command runs before step 3, so anything Docker writes on the stream before
 //! that (an "OCI runtime exec failed" when the sandbox is out of pids) is a start failure, never
@@ -57,8 +59,9 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 /// Start of the line the wrapper writes on stderr when it cannot run the command. The unit
 /// separator byte keeps it from matching anything a user would print first.
 const MARKER: &[u8] = b"\x1fsandboxd-spawn ";
-/// `$0` of the wrapper, visible in `ps` inside the sandbox until the command replaces it.
-const WRAPPER_NAME: &str = "sandboxd-exec";
+/// `$0` of the wrapper is this followed by the exec id: how the daemon finds it on the host,
+/// and what `ps` inside the sandbox shows until the command replaces it.
+const WRAPPER_PREFIX: &str = "sandboxd-";
 /// Environment variable carrying the wrapper script.
 const WRAPPER_VAR: &str = "__SBX_WRAPPER";
 
@@ -334,36 +337,53 @@ enum Start {
     Failed(Option<i64>),
 }
 
-async fn await_stopped_wrapper(docker: &Docker, exec: &str) -> Result<Start, bollard::errors::Error> {
-    let deadline = Instant::now() + START_DEADLINE;
-    let mut pause = Duration::from_micros(300);
-    let pid = loop {
-        let info = docker.inspect_exec(exec).await?;
-        if let Some(pid) = info.pid.and_then(|p| i32::try_from(p).ok()).filter(|&p| p > 0) {
-            break pid;
-        }
-        if info.running == Some(false) && info.exit_code.is_some() {
-            return Ok(Start::Failed(info.exit_code));
-        }
-        if Instant::now() > deadline {
-            return Ok(Start::Failed(None));
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(10));
-    };
-    let mut pause = Duration::from_micros(100);
+/// Whether `pid` is the wrapper named `name` (its `$0`, which carries the exec id).
+fn is_wrapper(pid: i32, name: &str) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.split(|&b| b == 0).nth(3) == Some(name.as_bytes()))
+}
+
+/// Waits for the wrapper to appear in the container's cgroup and stop itself. The container's
+/// `cgroup.procs` is polled every millisecond (a few small reads; a Docker API round trip per
+/// poll would cost more than the exec); Docker is asked only now and then, to notice an exec
+/// that failed to start (the sandbox out of pids, say).
+async fn await_stopped_wrapper(docker: &Docker, exec: &str, sb: &ContainerSandbox, name: &str) -> Result<Start, bollard::errors::Error> {
+    let started = Instant::now();
+    let mut next_inspect = Duration::from_millis(20);
+    let mut found: Option<i32> = None;
     loop {
-        match proc_state(pid) {
-            Some('T') => return Ok(Start::Stopped(pid)),
-            None | Some('Z' | 'X') => return Ok(Start::Failed(None)),
-            Some(_) => {}
+        if found.is_none() {
+            found = sb.cgroup.pids().into_iter().find(|&p| is_wrapper(p, name));
         }
-        if Instant::now() > deadline {
+        if let Some(pid) = found {
+            match proc_state(pid) {
+                Some('T') => return Ok(Start::Stopped(pid)),
+                None | Some('Z' | 'X') => return Ok(Start::Failed(None)),
+                Some(_) => {}
+            }
+        }
+        let elapsed = started.elapsed();
+        if elapsed > START_DEADLINE {
             return Ok(Start::Failed(None));
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(5));
+        if elapsed > next_inspect {
+            next_inspect = elapsed + Duration::from_millis(100);
+            let info = docker.inspect_exec(exec).await?;
+            if info.running == Some(false) && info.exit_code.is_some() {
+                return Ok(Start::Failed(info.exit_code));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
+}
+
+/// Moves the stopped wrapper into the exec's cgroup (every hierarchy) and opens a pidfd on it.
+/// Blocking: on cgroup v1 a migration can wait for an RCU grace period (~10 ms here; joining the
+/// hierarchies in parallel was measured and does not help, they serialize in the kernel).
+fn join_cgroup(cgroup: &ExecCgroup, pid: i32) -> Result<OwnedFd, String> {
+    for mut procs in cgroup.procs_files().map_err(|e| e.to_string())? {
+        procs.write_all(pid.to_string().as_bytes()).map_err(|e| format!("joining the exec cgroup: {e}"))?;
+    }
+    pidfd_open(pid).map_err(|e| format!("pidfd_open({pid}): {e}"))
 }
 
 /// Whatever Docker wrote on the stream of an exec that never started (bounded in time and size).
@@ -469,9 +489,11 @@ impl ContainerSandbox {
     ) -> Result<ExecOutcome, BackendError> {
         let docker = inner.docker()?;
         let exec_id = spec.exec_id.to_string();
+        let phase0 = Instant::now();
+        let wrapper_name = format!("{WRAPPER_PREFIX}{exec_id}");
         // The script travels in the environment (and unsets itself), so `ps` inside the sandbox
         // shows a short command line even for busybox applets that run inside the wrapper.
-        let mut cmd = vec!["/bin/sh".to_string(), "-c".to_string(), format!("eval \"${WRAPPER_VAR}\""), WRAPPER_NAME.to_string(), spec.workdir.clone()];
+        let mut cmd = vec!["/bin/sh".to_string(), "-c".to_string(), format!("eval \"${WRAPPER_VAR}\""), wrapper_name.clone(), spec.workdir.clone()];
         cmd.extend(spec.argv.iter().cloned());
         let mut env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         env.push(format!("{WRAPPER_VAR}={}", wrapper_script(&spec.env)));
@@ -505,7 +527,8 @@ impl ContainerSandbox {
             Err(e) => return Err(api_error("starting exec", e)),
         };
 
-        let pid = match await_stopped_wrapper(docker, &docker_exec).await {
+        let started_ms = phase0.elapsed().as_micros() as u64;
+        let pid = match await_stopped_wrapper(docker, &docker_exec, self, &wrapper_name).await {
             Ok(Start::Stopped(pid)) => pid,
             Ok(Start::Failed(code)) => {
                 if self.lost_reason().is_some() {
@@ -517,18 +540,17 @@ impl ContainerSandbox {
             }
             Err(e) => return Ok(self.lost_outcome(|| format!("the sandbox's container stopped answering: {e}"), started_at)),
         };
+        let stopped_ms = phase0.elapsed().as_micros() as u64;
         let continue_or_kill = |sig: Signal| {
             if let Err(e) = kill(Pid::from_raw(pid), sig) {
                 tracing::debug!(exec = %exec_id, pid, error = %e, "signalling the stopped wrapper");
             }
         };
         // 2. Into its own cgroup while it cannot fork, then a pidfd that outlives its reaping.
-        let joined = (|| -> Result<OwnedFd, String> {
-            for mut procs in cgroup.procs_files().map_err(|e| e.to_string())? {
-                procs.write_all(pid.to_string().as_bytes()).map_err(|e| format!("joining the exec cgroup: {e}"))?;
-            }
-            pidfd_open(pid).map_err(|e| format!("pidfd_open({pid}): {e}"))
-        })();
+        let cg = cgroup.clone();
+        let joined = tokio::task::spawn_blocking(move || join_cgroup(&cg, pid))
+            .await
+            .unwrap_or_else(|e| Err(format!("join task: {e}")));
         let pidfd = match joined {
             Ok(fd) => fd,
             Err(e) => {
@@ -545,6 +567,7 @@ impl ContainerSandbox {
         }
         // 3. Go.
         continue_or_kill(Signal::SIGCONT);
+        let continued_ms = phase0.elapsed().as_micros() as u64;
         let t0 = Instant::now();
         if let Some(tx) = started {
             let _ = tx.send(());
@@ -602,6 +625,7 @@ impl ContainerSandbox {
             }
         }
         let duration = t0.elapsed();
+        let exited_ms = phase0.elapsed().as_micros() as u64;
 
         // Bounded wait for the output: a grandchild left in the background may hold the pipes.
         let pumped = match tokio::time::timeout(spec.io_drain_timeout, &mut pump_task).await {
@@ -614,6 +638,7 @@ impl ContainerSandbox {
         let Pumped { mut stdout, mut stderr, marker } = pumped.map_err(|e| BackendError::Internal(format!("output task: {e}")))?;
         let exit = self.exit_of(docker, &docker_exec, pidfd.get_ref()).await;
         let raw = cgroup.usage();
+        tracing::debug!(exec = %exec_id, started_us = started_ms, stopped_us = stopped_ms, continued_us = continued_ms, exited_us = exited_ms, drained_us = phase0.elapsed().as_micros() as u64, "exec phases");
         let usage = ExecUsage { cpu_user_ms: raw.cpu_user_ms, cpu_system_ms: raw.cpu_system_ms, peak_memory_bytes: raw.peak_memory_bytes };
 
         // 5. Spilled streams move into the sandbox.

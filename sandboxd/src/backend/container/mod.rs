@@ -48,10 +48,21 @@ pub const DEFAULT_DOCKER_SOCKET: &str = "/var/run/docker.sock";
 /// Settings of the container tier.
 #[derive(Debug, Clone)]
 pub struct ContainerConfig {
+    /// The daemon's state dir: snapshots live below it, and its hash marks our containers.
     pub state_dir: PathBuf,
+    /// Where images' rootfs come from (as for the process tier).
     pub images_dir: PathBuf,
     /// The Docker Engine's UNIX socket.
     pub docker_socket: PathBuf,
+}
+
+/// The Docker socket to use: `DOCKER_HOST` when it names a UNIX socket (as the docker CLI
+/// reads it), else [`DEFAULT_DOCKER_SOCKET`].
+pub fn docker_socket_from_env() -> PathBuf {
+    std::env::var("DOCKER_HOST")
+        .ok()
+        .and_then(|h| h.strip_prefix("unix://").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_DOCKER_SOCKET))
 }
 
 /// Whether Docker can cap a container's writable layer (`StorageOpt size`): it depends on the
@@ -134,6 +145,9 @@ pub(crate) struct Inner {
     cgroup_roots: Mutex<HashMap<String, CgroupRoot>>,
     snapshots_dir: PathBuf,
     spill_dir: PathBuf,
+    /// Clean-ups left running after a call returned (removing replaced containers, discarding
+    /// standbys), which shutdown waits for so none is cut off half way.
+    background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 /// The container-tier backend.
@@ -167,10 +181,12 @@ impl ContainerBackend {
         if let Some(reason) = &unavailable {
             tracing::error!(%reason, "container tier unavailable");
         }
-        let disk_limits = match host.as_ref().map(|h| h.storage_driver.as_str()) {
-            // fuse-overlayfs has no quota support at all; overlay2 only on xfs with pquota.
-            Some("fuse-overlayfs" | "vfs") => {
-                tracing::warn!(driver = %host.as_ref().map(|h| h.storage_driver.clone()).unwrap_or_default(), "Docker's storage driver cannot limit a container's disk: disk_bytes is not enforced for CONTAINER sandboxes");
+        let driver = host.as_ref().map(|h| h.storage_driver.clone()).unwrap_or_default();
+        let disk_limits = match driver.as_str() {
+            // fuse-overlayfs and vfs have no quota support at all (overlay2 has it only on xfs
+            // with pquota, which the first create finds out).
+            "fuse-overlayfs" | "vfs" => {
+                tracing::warn!(%driver, "Docker's storage driver cannot limit a container's disk: disk_bytes is not enforced for CONTAINER sandboxes");
                 DiskLimits::Unsupported
             }
             _ => DiskLimits::Unknown,
@@ -187,12 +203,27 @@ impl ContainerBackend {
             cgroup_roots: Mutex::new(HashMap::new()),
             snapshots_dir,
             spill_dir,
+            background: Mutex::new(Vec::new()),
         };
         ContainerBackend { inner: Arc::new(inner) }
     }
 }
 
 impl Inner {
+    /// Runs a clean-up after the current call returns; shutdown waits for it.
+    fn spawn_background(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        if let Ok(mut tasks) = self.background.lock() {
+            tasks.retain(|t| !t.is_finished());
+            tasks.push(tokio::spawn(task));
+        }
+    }
+
+    /// Waits (bounded) for the clean-ups still running.
+    async fn finish_background(&self) {
+        let tasks: Vec<_> = self.background.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+        let _ = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(tasks)).await;
+    }
+
     fn docker(&self) -> Result<&Docker, BackendError> {
         self.docker.as_ref().ok_or_else(|| self.unavailable_error())
     }
@@ -321,6 +352,7 @@ impl Backend for ContainerBackend {
     async fn shutdown(&self) {
         let inner = &self.inner;
         inner.discard_all_standbys().await;
+        inner.finish_background().await;
         let all: Vec<_> = match inner.sandboxes.write() {
             Ok(mut map) => map.drain().map(|(_, sb)| sb).collect(),
             Err(_) => Vec::new(),

@@ -18,8 +18,8 @@
 //!   sandbox's name and serves from it: tens of milliseconds. The old container is removed and a
 //!   new standby prepared in the background. A rollback with no standby ready (a snapshot other
 //!   than the latest, or one taken a moment ago) waits for it or falls back to the fork path.
-//!   One standby per sandbox at most: it costs a stopped-looking idle container (tini, sh,
-//!   sleep, a fuse-overlayfs process) while it waits.
+//!   One standby per sandbox at most: while it waits it costs an idle container (docker-init,
+//!   sh, sleep, a containerd shim and a fuse-overlayfs process).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -120,7 +120,7 @@ impl Inner {
         }
         let background = self.clone();
         let old_id = old.container_id.clone();
-        tokio::spawn(async move { background.remove_container(&old_id).await });
+        self.spawn_background(async move { background.remove_container(&old_id).await });
 
         let mut served = None;
         if let Some(task) = standby {
@@ -196,7 +196,7 @@ impl Inner {
     /// Removes a standby's container once it has started (in the background).
     fn spawn_discard(self: &Arc<Self>, standby: Standby) {
         let inner = self.clone();
-        tokio::spawn(async move { inner.discard(standby).await });
+        self.spawn_background(async move { inner.discard(standby).await });
     }
 
     async fn discard(&self, standby: Standby) {
