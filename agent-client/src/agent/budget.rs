@@ -230,7 +230,9 @@ mod tests {
         let mut b = Budget::new(limits(), BudgetUsed::default());
         assert_eq!(b.check(0, Duration::ZERO), Verdict::Ok);
         b.record_call(700, 100);
-        assert!(matches!(b.check(1, Duration::ZERO), Verdict::Warn(ref w) if w.contains("800 of 1000 tokens")));
+        assert!(
+            matches!(b.check(1, Duration::ZERO), Verdict::Warn(ref w) if w.contains("800 of 1000 tokens"))
+        );
         assert_eq!(b.check(2, Duration::ZERO), Verdict::Ok, "warned once only");
         b.record_call(150, 50);
         assert!(matches!(

@@ -51,7 +51,9 @@ pub enum CheckpointError {
         reason: String,
     },
     /// The file was written by a different format version.
-    #[error("checkpoint {path} has schema version {found}; this sbx reads version {SCHEMA_VERSION}")]
+    #[error(
+        "checkpoint {path} has schema version {found}; this sbx reads version {SCHEMA_VERSION}"
+    )]
     Incompatible {
         /// The file.
         path: PathBuf,
@@ -59,7 +61,9 @@ pub enum CheckpointError {
         found: u32,
     },
     /// A run id that cannot be a directory name.
-    #[error("invalid run id {0:?}: use 1-64 letters, digits, '.', '_' or '-', not starting with '.'")]
+    #[error(
+        "invalid run id {0:?}: use 1-64 letters, digits, '.', '_' or '-', not starting with '.'"
+    )]
     InvalidRunId(String),
     /// An I/O error.
     #[error("{what} {path}: {source}")]
@@ -214,7 +218,9 @@ pub fn validate_run_id(run_id: &str) -> Result<(), CheckpointError> {
     if ok {
         Ok(())
     } else {
-        Err(CheckpointError::InvalidRunId(run_id.chars().take(80).collect()))
+        Err(CheckpointError::InvalidRunId(
+            run_id.chars().take(80).collect(),
+        ))
     }
 }
 
@@ -290,7 +296,11 @@ impl FileStore {
 pub fn encode(checkpoint: &Checkpoint) -> Vec<u8> {
     let body = serde_json::to_vec(checkpoint).unwrap_or_default();
     let digest = hex(&Sha256::digest(&body));
-    let mut out = format!("{MAGIC} {SCHEMA_VERSION} sha256={digest} len={}\n", body.len()).into_bytes();
+    let mut out = format!(
+        "{MAGIC} {SCHEMA_VERSION} sha256={digest} len={}\n",
+        body.len()
+    )
+    .into_bytes();
     out.extend_from_slice(&body);
     out
 }
@@ -305,8 +315,8 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint, CheckpointError> 
         .iter()
         .position(|&b| b == b'\n')
         .ok_or_else(|| corrupt("no header line (empty or truncated file)".into()))?;
-    let header = std::str::from_utf8(&bytes[..newline])
-        .map_err(|_| corrupt("header is not text".into()))?;
+    let header =
+        std::str::from_utf8(&bytes[..newline]).map_err(|_| corrupt("header is not text".into()))?;
     let mut fields = header.split(' ');
     if fields.next() != Some(MAGIC) {
         return Err(corrupt(format!(
@@ -595,17 +605,27 @@ pub(crate) mod tests {
 
         // Not a checkpoint.
         fs::write(&path, b"{\"hello\": 1}\n").expect("write");
-        assert!(store.load("r").expect_err("foreign").to_string().contains("not a checkpoint"));
+        assert!(store
+            .load("r")
+            .expect_err("foreign")
+            .to_string()
+            .contains("not a checkpoint"));
 
         // Empty.
         fs::write(&path, b"").expect("write");
-        assert!(matches!(store.load("r"), Err(CheckpointError::Corrupt { .. })));
+        assert!(matches!(
+            store.load("r"),
+            Err(CheckpointError::Corrupt { .. })
+        ));
 
         // Future version.
         let text = String::from_utf8_lossy(&good).replacen("SBXCKPT 1 ", "SBXCKPT 7 ", 1);
         fs::write(&path, text.as_bytes()).expect("write");
         let err = store.load("r").expect_err("incompatible");
-        assert!(matches!(err, CheckpointError::Incompatible { found: 7, .. }), "{err}");
+        assert!(
+            matches!(err, CheckpointError::Incompatible { found: 7, .. }),
+            "{err}"
+        );
         assert!(err.to_string().contains("schema version 7"), "{err}");
     }
 

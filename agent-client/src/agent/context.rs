@@ -86,13 +86,20 @@ pub struct StepEntry {
     pub exec_id: Option<String>,
     /// Whether it succeeded.
     pub ok: bool,
+    /// The one-line stub shown once the result is folded.
+    #[serde(default)]
+    pub stub: String,
+    /// Set once the observation was dropped from memory (it is folded for good and the
+    /// daemon keeps the exec's record, which `recall` fetches).
+    #[serde(default)]
+    pub dropped: bool,
     tokens_full: usize,
     tokens_folded: usize,
 }
 
 impl StepEntry {
     /// The one-line stub that replaces the observation once folded.
-    pub fn stub(&self) -> String {
+    fn make_stub(&self) -> String {
         let lines = self.observation.lines().count();
         let first = self
             .observation
@@ -143,7 +150,7 @@ impl StepEntry {
         if folded {
             [
                 Message::assistant_call(self.folded_call(), None),
-                Message::tool(&self.call.id, self.stub()),
+                Message::tool(&self.call.id, &self.stub),
             ]
         } else {
             [
@@ -328,9 +335,12 @@ impl ContextManager {
             observation,
             exec_id,
             ok,
+            stub: String::new(),
+            dropped: false,
             tokens_full: 0,
             tokens_folded: 0,
         };
+        entry.stub = entry.make_stub();
         entry.tokens_full = self.count_messages(&entry.messages(false));
         entry.tokens_folded = self.count_messages(&entry.messages(true));
         self.state.reask = None;
@@ -338,6 +348,28 @@ impl ContextManager {
             self.state.first.push(entry);
         } else {
             self.state.working.push_back(entry);
+        }
+        self.drop_folded_observations();
+    }
+
+    /// Folded results whose exec the daemon keeps need not be held here too: dropping them
+    /// keeps memory and checkpoints small however long the run (`recall` fetches them back).
+    fn drop_folded_observations(&mut self) {
+        if !self.cfg.managed {
+            return;
+        }
+        let newest = self.state.working.back().map_or(0, |e| e.step);
+        let horizon = self.cfg.fold_after as u64;
+        for e in self
+            .state
+            .first
+            .iter_mut()
+            .chain(self.state.working.iter_mut())
+        {
+            if !e.dropped && e.exec_id.is_some() && newest.saturating_sub(e.step) >= horizon {
+                e.observation = String::new();
+                e.dropped = true;
+            }
         }
     }
 
@@ -352,13 +384,13 @@ impl ContextManager {
         self.state.reask = None;
     }
 
-    /// A step's full observation, if it is still held (first or working layer).
+    /// A step whose full observation is still held (first or working layer, not dropped).
     pub fn find_step(&self, step: u64) -> Option<&StepEntry> {
         self.state
             .first
             .iter()
             .chain(self.state.working.iter())
-            .find(|e| e.step == step)
+            .find(|e| e.step == step && !e.dropped)
     }
 
     fn count_messages(&self, messages: &[Message]) -> usize {
@@ -386,7 +418,9 @@ impl ContextManager {
         if self.state.pinned.is_empty() && self.state.failed.is_empty() {
             return None;
         }
-        let mut text = String::from("[agent memory: pinned facts and failed approaches, kept across summaries]\n");
+        let mut text = String::from(
+            "[agent memory: pinned facts and failed approaches, kept across summaries]\n",
+        );
         for (k, v) in &self.state.pinned {
             text.push_str(&format!("- {k}: {v}\n"));
         }
@@ -506,15 +540,26 @@ impl ContextManager {
         let target = (self.cfg.target * self.cfg.window as f64) as usize;
         // Leave room for the summary itself.
         let summary_budget = self.summary_max_tokens();
-        let fixed = self.fixed_tokens() + summary_budget;
-        // Grow the tail from the newest step back while it fits in the target, at most
-        // `fold_after` steps, at least `min_tail`.
+        let first: usize = self
+            .state
+            .first
+            .iter()
+            .map(|e| {
+                if self.folded(e.step) {
+                    e.tokens_folded
+                } else {
+                    e.tokens_full
+                }
+            })
+            .sum();
+        let fixed = self.fixed_tokens() + summary_budget + first;
+        // Grow the tail from the newest step back while it fits in the target, at least
+        // `min_tail` steps.
         let mut tail = 0;
         let mut used = fixed;
+        // Beyond `fold_after` the tail is folded and cheap, so it goes back as far as the
+        // target allows: the summary replaces only what must go.
         for e in self.state.working.iter().rev() {
-            if tail >= self.cfg.fold_after.max(self.cfg.min_tail) {
-                break;
-            }
             let cost = if tail < self.cfg.fold_after {
                 e.tokens_full
             } else {
@@ -559,7 +604,11 @@ impl ContextManager {
                     .map(|x| format!(" (exec {x})"))
                     .unwrap_or_default(),
                 e.action_line,
-                cut_chars(&e.observation.replace('\n', " | "), per_step_chars)
+                if e.dropped {
+                    e.stub.clone()
+                } else {
+                    cut_chars(&e.observation.replace('\n', " | "), per_step_chars)
+                }
             ));
         }
         let request = ChatRequest {
@@ -701,7 +750,10 @@ mod tests {
             TokenCounter::for_model("gpt-4o"),
             "You are an agent.",
             "Do the thing.",
-            crate::agent::tools::specs().iter().map(|s| s.to_wire()).collect(),
+            crate::agent::tools::specs()
+                .iter()
+                .map(|s| s.to_wire())
+                .collect(),
         )
     }
 
@@ -730,7 +782,11 @@ mod tests {
             .collect();
         assert_eq!(tool_texts.len(), 8);
         // Steps 1..=3 are more than 5 steps old by step 8.
-        assert!(tool_texts[0].starts_with("[step 1 result folded"), "{}", tool_texts[0]);
+        assert!(
+            tool_texts[0].starts_with("[step 1 result folded"),
+            "{}",
+            tool_texts[0]
+        );
         assert!(tool_texts[0].contains("recall(step=1)"));
         assert!(tool_texts[2].starts_with("[step 3 result folded"));
         assert!(tool_texts[3].starts_with("output of step 4"));
@@ -738,7 +794,10 @@ mod tests {
         for (i, msg) in msgs.iter().enumerate() {
             if msg.role == "tool" {
                 assert_eq!(msgs[i - 1].role, "assistant");
-                assert_eq!(msgs[i - 1].tool_calls[0].id, msg.tool_call_id.clone().unwrap_or_default());
+                assert_eq!(
+                    msgs[i - 1].tool_calls[0].id,
+                    msg.tool_call_id.clone().unwrap_or_default()
+                );
             }
         }
     }
@@ -766,7 +825,11 @@ mod tests {
         let mut step = 0;
         while !m.needs_compaction() {
             step += 1;
-            push(&mut m, step, &format!("result line for {step}\n").repeat(40));
+            push(
+                &mut m,
+                step,
+                &format!("result line for {step}\n").repeat(40),
+            );
             assert!(step < 500, "never triggered");
         }
         let before = m.prompt_tokens();
@@ -780,7 +843,11 @@ mod tests {
         assert!(after as f64 <= 0.55 * 8_000.0, "after {after}");
         assert_eq!(m.state().first.len(), 1);
         assert!(m.state().working.len() >= 2);
-        let text: String = m.render().iter().filter_map(|m| m.content.clone()).collect();
+        let text: String = m
+            .render()
+            .iter()
+            .filter_map(|m| m.content.clone())
+            .collect();
         assert!(text.contains("[summary of steps 2-"), "{text}");
     }
 
@@ -810,7 +877,10 @@ mod tests {
         m.apply_compaction(&plan, Some("summary".into()));
         let last = m.render().pop().and_then(|m| m.content).unwrap_or_default();
         assert!(last.contains("verified: make build passed"), "{last}");
-        assert!(last.contains("tried bash `make` (step 2), failed because: exit 2"), "{last}");
+        assert!(
+            last.contains("tried bash `make` (step 2), failed because: exit 2"),
+            "{last}"
+        );
         m.record_success("bash `make`");
         assert!(m.failed().is_empty());
     }

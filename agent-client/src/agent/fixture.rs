@@ -145,8 +145,12 @@ fn summarize(request: &Value) -> String {
         .and_then(|m| m["content"].as_str())
         .unwrap_or_default();
     let steps: Vec<&str> = input.lines().filter(|l| l.starts_with("step ")).collect();
-    let first = steps.first().map_or("", |l| l.split(':').next().unwrap_or(""));
-    let last = steps.last().map_or("", |l| l.split(':').next().unwrap_or(""));
+    let first = steps
+        .first()
+        .map_or("", |l| l.split(':').next().unwrap_or(""));
+    let last = steps
+        .last()
+        .map_or("", |l| l.split(':').next().unwrap_or(""));
     format!(
         "Summary ({first} to {last}): {} actions were taken; the most recent was {}.",
         steps.len(),
@@ -158,7 +162,11 @@ fn summarize(request: &Value) -> String {
 }
 
 /// Builds the chat completion body for a reply; `None` for an HTTP error.
-fn completion(reply: &Reply, request: &Value, index: usize) -> Result<Value, (u16, String, Option<u64>)> {
+fn completion(
+    reply: &Reply,
+    request: &Value,
+    index: usize,
+) -> Result<Value, (u16, String, Option<u64>)> {
     let prompt_chars: usize = request["messages"]
         .as_array()
         .map(|m| m.iter().map(|m| m.to_string().len()).sum())
@@ -257,11 +265,7 @@ impl FixtureServer {
 
     /// Every request body received, in order.
     pub fn requests(&self) -> Vec<Value> {
-        self.state
-            .log
-            .lock()
-            .map(|l| l.clone())
-            .unwrap_or_default()
+        self.state.log.lock().map(|l| l.clone()).unwrap_or_default()
     }
 }
 
@@ -394,8 +398,13 @@ mod tests {
         ]))
         .await
         .expect("start");
-        let p = OpenAiProvider::new(&server.base_url, Some("k".into()), "gpt-4o", Duration::from_secs(5))
-            .expect("client");
+        let p = OpenAiProvider::new(
+            &server.base_url,
+            Some("k".into()),
+            "gpt-4o",
+            Duration::from_secs(5),
+        )
+        .expect("client");
         let req = ChatRequest {
             messages: vec![Message::user("hi")],
             tools: vec![json!({"type": "function", "function": {"name": "bash"}})],
@@ -405,7 +414,10 @@ mod tests {
         assert_eq!(r.tool_calls[0].function.name, "bash");
         assert!(r.usage.is_some_and(|u| u.prompt_tokens > 0));
         let e = p.complete(&req).await.expect_err("turn 1 is a 429");
-        assert!(matches!(e, LlmError::Retryable { retry_after: Some(d), .. } if d == Duration::from_secs(1)), "{e:?}");
+        assert!(
+            matches!(e, LlmError::Retryable { retry_after: Some(d), .. } if d == Duration::from_secs(1)),
+            "{e:?}"
+        );
         let r = p.complete(&req).await.expect("turn 2");
         assert_eq!(r.tool_calls[0].function.name, "finish");
         // No tools: a summarization, not a turn.

@@ -338,14 +338,18 @@ fn classify(status: u16, body: &str, retry_after: Option<Duration>) -> Result<()
             message: format!("HTTP {status}: {message}"),
             retry_after,
         }),
-        400 | 413 if looks_like_context_overflow(&message) => Err(LlmError::ContextTooLong(message)),
+        400 | 413 if looks_like_context_overflow(&message) => {
+            Err(LlmError::ContextTooLong(message))
+        }
         _ => Err(LlmError::Fatal(format!("HTTP {status}: {message}"))),
     }
 }
 
 fn looks_like_context_overflow(message: &str) -> bool {
     let m = message.to_ascii_lowercase();
-    m.contains("context_length") || m.contains("context length") || m.contains("too many tokens")
+    m.contains("context_length")
+        || m.contains("context length")
+        || m.contains("too many tokens")
         || m.contains("maximum context")
 }
 
@@ -488,7 +492,9 @@ mod tests {
 
         let legacy = r#"{"choices":[{"message":{"function_call":{"name":"finish","arguments":"{\"answer\":\"4\"}"}}}]}"#;
         assert_eq!(
-            parse_response(legacy).expect("valid").tool_calls[0].function.name,
+            parse_response(legacy).expect("valid").tool_calls[0]
+                .function
+                .name,
             "finish"
         );
 
@@ -513,10 +519,17 @@ mod tests {
             Err(LlmError::Auth { status: 401, ref message }) if message == "bad key"
         ));
         assert!(matches!(
-            classify(400, r#"{"error":{"message":"This model's maximum context length is 8192 tokens"}}"#, None),
+            classify(
+                400,
+                r#"{"error":{"message":"This model's maximum context length is 8192 tokens"}}"#,
+                None
+            ),
             Err(LlmError::ContextTooLong(_))
         ));
-        assert!(matches!(classify(404, "nope", None), Err(LlmError::Fatal(_))));
+        assert!(matches!(
+            classify(404, "nope", None),
+            Err(LlmError::Fatal(_))
+        ));
         assert!(classify(200, "", None).is_ok());
     }
 

@@ -43,6 +43,9 @@ pub struct Observation {
     pub exit_code: Option<i32>,
     /// Whether the output was cut.
     pub truncated: bool,
+    /// The exec ended LOST: the sandbox or daemon died under it, its effect is unknown.
+    #[serde(default)]
+    pub lost: bool,
     /// Streams that were cut and must be written to the sandbox so the model can page them:
     /// (stream name, full text). Emptied once written.
     #[serde(skip)]
@@ -118,7 +121,9 @@ pub fn status_line(r: &ExecResult) -> Option<String> {
             "started in the background as exec {}; poll it with a command, it is still running",
             r.exec_id
         )),
-        Ok(ExecStatus::Unspecified) | Err(_) => Some(format!("ended with unknown status {}", r.status)),
+        Ok(ExecStatus::Unspecified) | Err(_) => {
+            Some(format!("ended with unknown status {}", r.status))
+        }
     }
 }
 
@@ -176,8 +181,6 @@ pub fn exec(r: &ExecResult, limits: ObserveLimits) -> Observation {
     }
     if parts.is_empty() {
         parts.push(NO_OUTPUT.to_owned());
-    } else if ok && !running && r.stdout.is_empty() && r.stderr.is_empty() {
-        parts.push(NO_OUTPUT.to_owned());
     }
     Observation {
         text: parts.join("\n"),
@@ -185,6 +188,7 @@ pub fn exec(r: &ExecResult, limits: ObserveLimits) -> Observation {
         exec_id: (!r.exec_id.is_empty()).then(|| r.exec_id.clone()),
         exit_code: Some(r.exit_code),
         truncated,
+        lost: r.status == ExecStatus::Lost as i32,
         to_spill,
     }
 }
@@ -283,7 +287,10 @@ mod tests {
 
     #[test]
     fn silence_is_said_in_words() {
-        let o = exec(&result(ExecStatus::Exited, 0, "", ""), ObserveLimits::default());
+        let o = exec(
+            &result(ExecStatus::Exited, 0, "", ""),
+            ObserveLimits::default(),
+        );
         assert_eq!(o.text, NO_OUTPUT);
         assert!(o.ok);
         assert_eq!(o.exec_id.as_deref(), Some("ex-1"));
@@ -296,9 +303,15 @@ mod tests {
         let o = exec(&r, ObserveLimits::default());
         assert!(o.text.starts_with("TIMED OUT"), "{}", o.text);
         assert!(!o.ok);
-        let o = exec(&result(ExecStatus::OomKilled, 137, "", ""), ObserveLimits::default());
+        let o = exec(
+            &result(ExecStatus::OomKilled, 137, "", ""),
+            ObserveLimits::default(),
+        );
         assert!(o.text.starts_with("OUT OF MEMORY"), "{}", o.text);
-        let o = exec(&result(ExecStatus::Exited, 2, "", "boom\n"), ObserveLimits::default());
+        let o = exec(
+            &result(ExecStatus::Exited, 2, "", "boom\n"),
+            ObserveLimits::default(),
+        );
         assert_eq!(o.text, "exit code 2\n[stderr]\nboom\n");
         assert_eq!(o.headline(), "exit code 2");
     }

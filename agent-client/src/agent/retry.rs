@@ -183,7 +183,10 @@ impl TokenBucket {
     /// Waits for a token.
     pub async fn take(&mut self) {
         while let Err(wait) = self.try_take(Instant::now()) {
-            tracing::debug!(wait_ms = wait.as_millis() as u64, "rate limit: waiting for the model call budget");
+            tracing::debug!(
+                wait_ms = wait.as_millis() as u64,
+                "rate limit: waiting for the model call budget"
+            );
             tokio::time::sleep(wait).await;
         }
     }
@@ -202,7 +205,8 @@ mod tests {
         };
         for attempt in 1..10 {
             let d = b.delay(attempt, None).expect("within attempts");
-            let ceiling = Duration::from_millis(100 * (1 << (attempt - 1))).min(Duration::from_millis(1_000));
+            let ceiling =
+                Duration::from_millis(100 * (1 << (attempt - 1))).min(Duration::from_millis(1_000));
             assert!(d >= ceiling / 2 && d <= ceiling, "attempt {attempt}: {d:?}");
         }
         assert_eq!(b.delay(10, None), None);
@@ -222,7 +226,10 @@ mod tests {
         }
         assert!(br.allow("bash", t0).is_ok(), "two failures: still closed");
         br.record("bash", false, t0);
-        assert!(matches!(br.allow("bash", t0), Err(RetryError::Open { failures: 3, .. })));
+        assert!(matches!(
+            br.allow("bash", t0),
+            Err(RetryError::Open { failures: 3, .. })
+        ));
         assert!(br.allow("read_file", t0).is_ok(), "per tool");
         let later = t0 + Duration::from_secs(11);
         assert!(br.allow("bash", later).is_ok(), "half-open probe");
@@ -233,7 +240,10 @@ mod tests {
         br.record("bash", true, much_later);
         assert!(!br.is_open("bash", much_later));
         br.record("bash", false, much_later);
-        assert!(br.allow("bash", much_later).is_ok(), "count restarted after success");
+        assert!(
+            br.allow("bash", much_later).is_ok(),
+            "count restarted after success"
+        );
     }
 
     #[test]
@@ -243,7 +253,10 @@ mod tests {
         assert!(tb.try_take(t0).is_ok());
         assert!(tb.try_take(t0).is_ok());
         let wait = tb.try_take(t0).expect_err("empty");
-        assert!(wait <= Duration::from_millis(100) && wait > Duration::ZERO, "{wait:?}");
+        assert!(
+            wait <= Duration::from_millis(100) && wait > Duration::ZERO,
+            "{wait:?}"
+        );
         assert!(tb.try_take(t0 + Duration::from_millis(100)).is_ok());
     }
 }

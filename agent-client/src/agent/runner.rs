@@ -22,7 +22,7 @@ use super::checkpoint::{
 };
 use super::context::{ContextConfig, ContextError, ContextManager};
 use super::llm::{ChatRequest, LlmError, LlmProvider, Message, ToolCall};
-use super::observe::{self, ObserveLimits, Observation};
+use super::observe::{self, Observation, ObserveLimits};
 use super::retry::{Backoff, Breakers, TokenBucket};
 use super::sandbox::SandboxApi;
 use super::state::{IllegalTransition, LoopState, RunStatus, StopReason};
@@ -31,7 +31,7 @@ use super::tokens::TokenCounter;
 use super::tools::{self, Action, CallError};
 use super::trace::Trace;
 use super::verify::{self, Level};
-use crate::proto::{CreateSandboxRequest, ExecRequest, ExecResult, ExecStatus, Isolation, SandboxState};
+use crate::proto::{CreateSandboxRequest, ExecRequest, ExecResult, Isolation};
 
 /// Where files the loop keeps inside the sandbox go (the diff base, spilled outputs).
 const AGENT_DIR: &str = "/tmp/.agent";
@@ -63,7 +63,9 @@ pub enum AgentError {
     #[error(transparent)]
     Context(#[from] ContextError),
     /// A run with this id exists already.
-    #[error("run {0} already exists; continue it with `sbx agent resume {0}` or pick another --run-id")]
+    #[error(
+        "run {0} already exists; continue it with `sbx agent resume {0}` or pick another --run-id"
+    )]
     RunExists(String),
     /// The checkpoint cannot be continued from.
     #[error("cannot resume run {run_id}: {reason}")]
@@ -209,7 +211,10 @@ pub fn new_run_id() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    format!("run-{secs}-{:06x}", rand::thread_rng().gen_range(0..0x100_0000u32))
+    format!(
+        "run-{secs}-{:06x}",
+        rand::thread_rng().gen_range(0..0x100_0000u32)
+    )
 }
 
 fn is_unavailable(e: &crate::Error) -> bool {
@@ -231,7 +236,7 @@ struct RetryPlan {
 }
 
 /// A run in progress.
-pub struct Agent<S: SandboxApi> {
+pub struct Agent<S: SandboxApi + Clone + 'static> {
     sandbox: S,
     llm: Arc<dyn LlmProvider>,
     opts: RunOptions,
@@ -249,6 +254,7 @@ pub struct Agent<S: SandboxApi> {
     session_start: Instant,
     retry: Option<RetryPlan>,
     llm_attempt: u32,
+    act_attempt: u32,
     reasks: u32,
     step_tokens: u64,
     last_obs: Option<Observation>,
@@ -282,7 +288,7 @@ fn tool_wire() -> Vec<Value> {
 }
 
 /// Starts a new run and drives it to its end.
-pub async fn start<S: SandboxApi>(
+pub async fn start<S: SandboxApi + Clone + 'static>(
     sandbox: S,
     llm: Arc<dyn LlmProvider>,
     spec: RunSpec,
@@ -306,7 +312,9 @@ pub async fn start<S: SandboxApi>(
         .create(CreateSandboxRequest {
             isolation: isolation as i32,
             image: spec.image.clone(),
-            labels: [(RUN_LABEL.to_owned(), run_id.clone())].into_iter().collect(),
+            labels: [(RUN_LABEL.to_owned(), run_id.clone())]
+                .into_iter()
+                .collect(),
             ..Default::default()
         })
         .await
@@ -359,7 +367,7 @@ pub async fn start<S: SandboxApi>(
 
 /// Picks up a run from its checkpoint and drives it to its end. `make_llm` builds the provider
 /// for the model the run was started with.
-pub async fn resume<S: SandboxApi>(
+pub async fn resume<S: SandboxApi + Clone + 'static>(
     sandbox: S,
     make_llm: impl FnOnce(&RunSpec) -> Result<Arc<dyn LlmProvider>, LlmError>,
     run_id: &str,
@@ -396,7 +404,16 @@ pub async fn resume<S: SandboxApi>(
         tool_wire(),
         ck.context.clone(),
     );
-    let mut agent = Agent::assemble(sandbox, llm, opts, store, ck, ctx, String::new(), Some(lock))?;
+    let mut agent = Agent::assemble(
+        sandbox,
+        llm,
+        opts,
+        store,
+        ck,
+        ctx,
+        String::new(),
+        Some(lock),
+    )?;
     agent.trace_event("resume", json!({"session": agent.ck.sessions, "pending": agent.ck.pending.as_ref().map(|p| p.action.describe())}));
     agent.reconcile().await?;
     Ok(agent.run().await)
@@ -410,7 +427,12 @@ fn percentile(sorted_ms: &[f64], p: f64) -> f64 {
     sorted_ms[idx.min(sorted_ms.len() - 1)]
 }
 
-fn report_of(ck: &Checkpoint, store: &FileStore, latencies: &[Duration], stalls: &[Duration]) -> RunReport {
+fn report_of(
+    ck: &Checkpoint,
+    store: &FileStore,
+    latencies: &[Duration],
+    stalls: &[Duration],
+) -> RunReport {
     let outcome = ck.outcome.clone().unwrap_or(Outcome {
         reason: StopReason::FatalError,
         answer: None,
@@ -437,19 +459,20 @@ fn report_of(ck: &Checkpoint, store: &FileStore, latencies: &[Duration], stalls:
         elapsed_ms: ck.budget.elapsed_ms_before,
         summary: outcome.summary.clone(),
         diff: observe::cut_chars(&outcome.diff, REPORT_DIFF_CHARS),
-        diff_path: diff_path
-            .exists()
-            .then(|| diff_path.display().to_string()),
+        diff_path: diff_path.exists().then(|| diff_path.display().to_string()),
         trace_path: Some(run_dir.join("trace.jsonl").display().to_string()),
         error: outcome.error.clone(),
         resumable: outcome.reason.resumable(),
         checkpoint_ms_p50: percentile(&ms, 0.5),
         checkpoint_ms_p99: percentile(&ms, 0.99),
-        checkpoint_stall_ms_max: stalls.iter().map(|d| d.as_secs_f64() * 1000.0).fold(0.0, f64::max),
+        checkpoint_stall_ms_max: stalls
+            .iter()
+            .map(|d| d.as_secs_f64() * 1000.0)
+            .fold(0.0, f64::max),
     }
 }
 
-impl<S: SandboxApi> Agent<S> {
+impl<S: SandboxApi + Clone + 'static> Agent<S> {
     #[allow(clippy::too_many_arguments)]
     fn assemble(
         sandbox: S,
@@ -468,7 +491,12 @@ impl<S: SandboxApi> Agent<S> {
                 path: dir.clone(),
                 source,
             })?;
-            Trace::open(&dir.join("trace.jsonl"), &ck.trace_id, &ck.run_id, ck.sessions)?
+            Trace::open(
+                &dir.join("trace.jsonl"),
+                &ck.trace_id,
+                &ck.run_id,
+                ck.sessions,
+            )?
         } else {
             Trace::disabled()
         };
@@ -491,6 +519,7 @@ impl<S: SandboxApi> Agent<S> {
             session_start: Instant::now(),
             retry: None,
             llm_attempt: 0,
+            act_attempt: 0,
             reasks: 0,
             step_tokens: 0,
             last_obs: None,
@@ -523,14 +552,20 @@ impl<S: SandboxApi> Agent<S> {
         let from = self.state;
         self.state = from.check(to)?;
         tracing::debug!(run = %self.ck.run_id, step = self.ck.step, %from, %to, why, "transition");
-        self.trace_event("transition", json!({"from": from.to_string(), "to": to.to_string(), "why": why}));
+        self.trace_event(
+            "transition",
+            json!({"from": from.to_string(), "to": to.to_string(), "why": why}),
+        );
         Ok(())
     }
 
     fn halt(&mut self, reason: StopReason, detail: impl Into<String>) -> Result<(), AgentError> {
         let detail = detail.into();
         tracing::info!(run = %self.ck.run_id, %reason, %detail, "stopping");
-        self.trace_event("decision", json!({"decision": "stop", "reason": reason.as_str(), "detail": detail}));
+        self.trace_event(
+            "decision",
+            json!({"decision": "stop", "reason": reason.as_str(), "detail": detail}),
+        );
         self.stop = Some((reason, detail));
         let to = if reason == StopReason::Finished {
             LoopState::Done
@@ -583,10 +618,7 @@ impl<S: SandboxApi> Agent<S> {
         ExecRequest {
             idempotency_key: key,
             timeout_ms: timeout.as_millis() as u64,
-            ..crate::exec_request(
-                self.ck.sandbox_id.as_str(),
-                [self.shell(), "-c", command],
-            )
+            ..crate::exec_request(self.ck.sandbox_id.as_str(), [self.shell(), "-c", command])
         }
     }
 
@@ -607,7 +639,10 @@ impl<S: SandboxApi> Agent<S> {
         self.ck.has_bash = String::from_utf8_lossy(&r.stdout).contains("bash");
         let snap = self
             .sandbox
-            .snapshot(&self.ck.sandbox_id, &format!("agent-{}-base", self.ck.run_id))
+            .snapshot(
+                &self.ck.sandbox_id,
+                &format!("agent-{}-base", self.ck.run_id),
+            )
             .await
             .map_err(|source| AgentError::Daemon {
                 what: "cannot snapshot the sandbox".into(),
@@ -616,167 +651,6 @@ impl<S: SandboxApi> Agent<S> {
         self.ck.base_snapshot_id = Some(snap.snapshot_id.clone());
         self.ck.snapshot_id = Some(snap.snapshot_id);
         Ok(())
-    }
-
-    // ---- resume ------------------------------------------------------------------------
-
-    /// Makes the sandbox agree with the checkpoint: the sandbox exists (forked from the last
-    /// snapshot if not), and the pending action's effect is there exactly once.
-    async fn reconcile(&mut self) -> Result<(), AgentError> {
-        let mut notes = Vec::new();
-        let sandbox = match self.sandbox.get(&self.ck.sandbox_id).await {
-            Ok(sb) if sb.state == SandboxState::Running as i32 => Some(sb),
-            Ok(_) => None,
-            Err(e) if e.code() == tonic::Code::NotFound => None,
-            Err(source) => {
-                return Err(AgentError::Daemon {
-                    what: format!("cannot look up sandbox {}", self.ck.sandbox_id),
-                    source,
-                })
-            }
-        };
-        let forked = match sandbox {
-            Some(sb) => {
-                self.workdir = sb.workdir;
-                false
-            }
-            None => {
-                let snap = self.ck.snapshot_id.clone().ok_or_else(|| AgentError::CannotResume {
-                    run_id: self.ck.run_id.clone(),
-                    reason: format!("sandbox {} is gone and no snapshot was taken", self.ck.sandbox_id),
-                })?;
-                let sb = self
-                    .sandbox
-                    .create(CreateSandboxRequest {
-                        from_snapshot_id: snap.clone(),
-                        labels: [(RUN_LABEL.to_owned(), self.ck.run_id.clone())].into_iter().collect(),
-                        ..Default::default()
-                    })
-                    .await
-                    .map_err(|source| AgentError::Daemon {
-                        what: format!("sandbox {} is gone and forking snapshot {snap} failed", self.ck.sandbox_id),
-                        source,
-                    })?;
-                notes.push(format!(
-                    "sandbox {} was gone; continued in {} forked from snapshot {snap} (the state after step {})",
-                    self.ck.sandbox_id, sb.id, self.ck.step
-                ));
-                self.trace_event("decision", json!({"decision": "fork", "old_sandbox": self.ck.sandbox_id, "new_sandbox": sb.id, "snapshot": snap}));
-                self.ck.sandbox_id = sb.id;
-                self.workdir = sb.workdir;
-                true
-            }
-        };
-        if self.workdir.is_empty() {
-            self.workdir = "/workspace".into();
-        }
-
-        let mut next = LoopState::Thinking;
-        if let Some(pending) = self.ck.pending.clone() {
-            let recorded = if forked || !matches!(pending.action, Action::Bash { .. }) && !pending.verifying {
-                None
-            } else {
-                self.recorded_exec(&pending.idempotency_key).await?
-            };
-            match recorded {
-                Some(r) if r.status != ExecStatus::Lost as i32 => {
-                    // The daemon ran it (or still runs it): its effect is in the filesystem
-                    // already, so take its result instead of running it again.
-                    let r = if r.status == ExecStatus::Running as i32 && !is_background(&pending.action) {
-                        self.sandbox.get_exec(&r.exec_id, true).await.map_err(|source| AgentError::Daemon {
-                            what: format!("cannot wait for exec {}", r.exec_id),
-                            source,
-                        })?
-                    } else {
-                        r
-                    };
-                    notes.push(format!(
-                        "the action of step {} ({}) had already run as exec {}; its recorded result is used",
-                        pending.step,
-                        pending.action.describe(),
-                        r.exec_id
-                    ));
-                    self.trace_event("decision", json!({"decision": "adopt_recorded_exec", "exec_id": r.exec_id, "key": pending.idempotency_key}));
-                    if pending.verifying {
-                        next = LoopState::Verifying;
-                    } else {
-                        let mut obs = observe::exec(&r, self.opts.observe);
-                        self.spill(&mut obs, pending.step).await;
-                        self.last_obs = Some(obs);
-                        next = LoopState::Acting; // straight to OBSERVING below
-                    }
-                }
-                other => {
-                    // Never started, or LOST half-way: put the files back to the last step's
-                    // snapshot so a half-done effect cannot stack, then run it again under a
-                    // new key.
-                    let why = if other.is_some() { "ended LOST" } else { "never started" };
-                    // A fork starts from that snapshot already.
-                    let needs_rollback = pending.action.may_mutate() && !forked;
-                    if needs_rollback {
-                        if let Some(snap) = self.ck.snapshot_id.clone() {
-                            self.sandbox
-                                .rollback(&self.ck.sandbox_id, &snap)
-                                .await
-                                .map_err(|source| AgentError::Daemon {
-                                    what: format!("cannot roll back to snapshot {snap}"),
-                                    source,
-                                })?;
-                            self.trace_event("decision", json!({"decision": "rollback", "snapshot": snap, "why": why}));
-                        }
-                    }
-                    let mut p = pending.clone();
-                    p.attempt += 1;
-                    p.idempotency_key = idempotency_key(
-                        &self.ck.run_id,
-                        p.step,
-                        p.attempt,
-                        if p.verifying { "verify" } else { "act" },
-                    );
-                    notes.push(format!(
-                        "the action of step {} ({}) {why}; {}it is run again",
-                        p.step,
-                        p.action.describe(),
-                        if needs_rollback { "the sandbox was rolled back to the last step's snapshot and " } else { "" }
-                    ));
-                    next = if p.verifying { LoopState::Verifying } else { LoopState::Acting };
-                    self.ck.pending = Some(p);
-                }
-            }
-        }
-        let done: Vec<String> = vec![self.ctx.brief(5)];
-        let note = format!(
-            "Resumed at step {} after an interruption (session {}). {} Done so far: {}",
-            self.ck.step,
-            self.ck.sessions,
-            notes.join(". "),
-            done.join("; ")
-        );
-        self.ctx.pin("recovery note", &observe::cut_chars(&note, 1_500));
-        self.trace_event("recovery", json!({"detail": note}));
-        self.state = LoopState::Idle;
-        self.writer.write_now(self.checkpoint()).await?;
-        match next {
-            LoopState::Acting if self.last_obs.is_some() => {
-                // The result is known: go through ACTING without sending anything.
-                self.go(LoopState::Acting, "resume: pending action already ran")?;
-                self.go(LoopState::Observing, "resume: recorded result")?;
-            }
-            other => self.go(other, "resume")?,
-        }
-        Ok(())
-    }
-
-    async fn recorded_exec(&self, key: &str) -> Result<Option<ExecResult>, AgentError> {
-        let execs = self
-            .sandbox
-            .list_execs(&self.ck.sandbox_id)
-            .await
-            .map_err(|source| AgentError::Daemon {
-                what: format!("cannot list the execs of sandbox {}", self.ck.sandbox_id),
-                source,
-            })?;
-        Ok(execs.into_iter().rev().find(|r| r.idempotency_key == key))
     }
 
     // ---- the loop ----------------------------------------------------------------------
@@ -808,10 +682,16 @@ impl<S: SandboxApi> Agent<S> {
     }
 
     async fn think(&mut self) -> Result<(), AgentError> {
-        match self.budget.check(self.ck.step, self.session_start.elapsed()) {
+        match self
+            .budget
+            .check(self.ck.step, self.session_start.elapsed())
+        {
             Verdict::Stop(reason, detail) => return self.halt(reason, detail),
             Verdict::Warn(text) => {
-                self.trace_event("decision", json!({"decision": "budget_warning", "detail": text}));
+                self.trace_event(
+                    "decision",
+                    json!({"decision": "budget_warning", "detail": text}),
+                );
                 self.ctx.pin("budget", &text);
             }
             Verdict::Ok => {}
@@ -838,40 +718,67 @@ impl<S: SandboxApi> Agent<S> {
         };
         self.llm_attempt = 0;
         let usage = response.usage.unwrap_or_default();
-        let completion_counted = self
-            .ctx
-            .counter()
-            .count(&(response.content.clone() + &response.tool_calls.iter().map(|c| c.function.arguments.clone()).collect::<String>()));
-        let prompt = if usage.prompt_tokens > 0 { usage.prompt_tokens } else { counted as u64 };
-        let completion = if usage.completion_tokens > 0 { usage.completion_tokens } else { completion_counted as u64 };
+        let completion_counted = self.ctx.counter().count(
+            &(response.content.clone()
+                + &response
+                    .tool_calls
+                    .iter()
+                    .map(|c| c.function.arguments.clone())
+                    .collect::<String>()),
+        );
+        let prompt = if usage.prompt_tokens > 0 {
+            usage.prompt_tokens
+        } else {
+            counted as u64
+        };
+        let completion = if usage.completion_tokens > 0 {
+            usage.completion_tokens
+        } else {
+            completion_counted as u64
+        };
         self.budget.record_call(prompt, completion);
         self.step_tokens += prompt + completion;
-        self.trace_event("llm_call", json!({
-            "purpose": "step",
-            "prompt_tokens": prompt,
-            "counted_prompt_tokens": counted,
-            "completion_tokens": completion,
-            "latency_ms": latency,
-            "finish_reason": response.finish_reason,
-            "tool_calls": response.tool_calls.len(),
-        }));
+        self.trace_event(
+            "llm_call",
+            json!({
+                "purpose": "step",
+                "prompt_tokens": prompt,
+                "counted_prompt_tokens": counted,
+                "completion_tokens": completion,
+                "latency_ms": latency,
+                "finish_reason": response.finish_reason,
+                "tool_calls": response.tool_calls.len(),
+            }),
+        );
 
         let Some(call) = response.tool_calls.first().cloned() else {
-            let text = if response.content.trim().is_empty() { "(empty answer)".to_owned() } else { response.content.clone() };
-            let assistant = Message { role: "assistant".into(), content: Some(text), ..Default::default() };
+            let text = if response.content.trim().is_empty() {
+                "(empty answer)".to_owned()
+            } else {
+                response.content.clone()
+            };
+            let assistant = Message {
+                role: "assistant".into(),
+                content: Some(text),
+                ..Default::default()
+            };
             let error = Message::user("Your answer did not call a tool. Respond with exactly one tool call; call finish(answer) when the task is done.");
             return self.reask(assistant, error, "no tool call");
         };
         match tools::parse_call(&call.function.name, &call.function.arguments) {
             Err(e) => {
-                let assistant = Message::assistant_call(call.clone(), Some(response.content.clone()));
+                let assistant =
+                    Message::assistant_call(call.clone(), Some(response.content.clone()));
                 let error = Message::tool(&call.id, reask_text(&e));
                 self.reask(assistant, error, &e.to_string())
             }
             Ok(parsed) => {
                 if !parsed.repairs.is_empty() {
                     tracing::info!(repairs = ?parsed.repairs, "repaired a tool call");
-                    self.trace_event("decision", json!({"decision": "repaired_call", "repairs": parsed.repairs}));
+                    self.trace_event(
+                        "decision",
+                        json!({"decision": "repaired_call", "repairs": parsed.repairs}),
+                    );
                 }
                 self.reasks = 0;
                 let repaired = ToolCall {
@@ -890,7 +797,12 @@ impl<S: SandboxApi> Agent<S> {
                     call_name: repaired.function.name.clone(),
                     call_arguments: repaired.function.arguments.clone(),
                     action: parsed.action,
-                    idempotency_key: idempotency_key(&self.ck.run_id, step, 0, if verifying { "verify" } else { "act" }),
+                    idempotency_key: idempotency_key(
+                        &self.ck.run_id,
+                        step,
+                        0,
+                        if verifying { "verify" } else { "act" },
+                    ),
                     attempt: 0,
                     verifying,
                 });
@@ -905,17 +817,26 @@ impl<S: SandboxApi> Agent<S> {
 
     fn reask(&mut self, assistant: Message, error: Message, why: &str) -> Result<(), AgentError> {
         self.reasks += 1;
-        self.trace_event("decision", json!({"decision": "reask", "attempt": self.reasks, "detail": why}));
+        self.trace_event(
+            "decision",
+            json!({"decision": "reask", "attempt": self.reasks, "detail": why}),
+        );
         if self.reasks > self.opts.max_reasks {
             return self.halt(
                 StopReason::MalformedOutput,
-                format!("the model's answer could not be used after {} re-asks: {why}", self.opts.max_reasks),
+                format!(
+                    "the model's answer could not be used after {} re-asks: {why}",
+                    self.opts.max_reasks
+                ),
             );
         }
         if self.step_tokens > self.budget.limits.step_tokens {
             return self.halt(
                 StopReason::MalformedOutput,
-                format!("the step spent {} tokens on re-asks (step budget {})", self.step_tokens, self.budget.limits.step_tokens),
+                format!(
+                    "the step spent {} tokens on re-asks (step budget {})",
+                    self.step_tokens, self.budget.limits.step_tokens
+                ),
             );
         }
         self.ctx.set_reask(assistant, error);
@@ -924,25 +845,42 @@ impl<S: SandboxApi> Agent<S> {
 
     async fn model_failed(&mut self, e: LlmError) -> Result<(), AgentError> {
         match e {
-            LlmError::Retryable { message, retry_after } => {
+            LlmError::Retryable {
+                message,
+                retry_after,
+            } => {
                 self.llm_attempt += 1;
                 match self.opts.backoff.delay(self.llm_attempt, retry_after) {
                     Some(delay) => {
-                        self.retry = Some(RetryPlan { attempt: self.llm_attempt, delay, then: LoopState::Thinking });
+                        self.retry = Some(RetryPlan {
+                            attempt: self.llm_attempt,
+                            delay,
+                            then: LoopState::Thinking,
+                        });
                         self.go(LoopState::Retrying, &message)
                     }
                     None => self.halt(
                         StopReason::FatalError,
-                        format!("the model endpoint kept failing ({} attempts): {message}", self.llm_attempt),
+                        format!(
+                            "the model endpoint kept failing ({} attempts): {message}",
+                            self.llm_attempt
+                        ),
                     ),
                 }
             }
             LlmError::ContextTooLong(message) => {
                 self.llm_attempt += 1;
                 if self.llm_attempt > 3 || !self.compact(true).await? {
-                    return self.halt(StopReason::FatalError, format!("the prompt does not fit the model: {message}"));
+                    return self.halt(
+                        StopReason::FatalError,
+                        format!("the prompt does not fit the model: {message}"),
+                    );
                 }
-                self.retry = Some(RetryPlan { attempt: self.llm_attempt, delay: Duration::ZERO, then: LoopState::Thinking });
+                self.retry = Some(RetryPlan {
+                    attempt: self.llm_attempt,
+                    delay: Duration::ZERO,
+                    then: LoopState::Thinking,
+                });
                 self.go(LoopState::Retrying, "prompt too long: compacted")
             }
             other => self.halt(StopReason::FatalError, other.to_string()),
@@ -953,7 +891,10 @@ impl<S: SandboxApi> Agent<S> {
         let Some(plan) = self.retry.take() else {
             return self.go(LoopState::Thinking, "retry");
         };
-        self.trace_event("retry", json!({"attempt": plan.attempt, "delay_ms": plan.delay.as_millis() as u64}));
+        self.trace_event(
+            "retry",
+            json!({"attempt": plan.attempt, "delay_ms": plan.delay.as_millis() as u64}),
+        );
         tokio::time::sleep(plan.delay).await;
         self.go(plan.then, "retry")
     }
@@ -972,7 +913,8 @@ impl<S: SandboxApi> Agent<S> {
         let summary = match self.llm.complete(&plan.request).await {
             Ok(r) => {
                 let usage = r.usage.unwrap_or_default();
-                self.budget.record_call(usage.prompt_tokens, usage.completion_tokens);
+                self.budget
+                    .record_call(usage.prompt_tokens, usage.completion_tokens);
                 self.step_tokens += usage.prompt_tokens + usage.completion_tokens;
                 self.trace_event("llm_call", json!({"purpose": "summary", "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "latency_ms": started.elapsed().as_millis() as u64}));
                 Some(r.content)
@@ -1006,13 +948,42 @@ impl<S: SandboxApi> Agent<S> {
         let obs = match self.execute(&pending).await {
             Ok(obs) => obs,
             Err(e) if e.code() == tonic::Code::NotFound && e.to_string().contains("sandbox") => {
-                return Err(AgentError::Daemon { what: format!("sandbox {} is gone", self.ck.sandbox_id), source: e });
+                return Err(AgentError::Daemon {
+                    what: format!("sandbox {} is gone", self.ck.sandbox_id),
+                    source: e,
+                });
             }
             Err(e) if is_unavailable(&e) => {
-                return Err(AgentError::Daemon { what: "the daemon is unreachable".into(), source: e });
+                // The key makes a re-send safe: the daemon runs the command at most once.
+                self.act_attempt += 1;
+                return match self.opts.backoff.delay(self.act_attempt, None) {
+                    Some(delay) => {
+                        self.retry = Some(RetryPlan {
+                            attempt: self.act_attempt,
+                            delay,
+                            then: LoopState::Acting,
+                        });
+                        self.go(LoopState::Retrying, &format!("daemon unavailable: {e}"))
+                    }
+                    None => Err(AgentError::Daemon {
+                        what: format!(
+                            "the daemon is unreachable after {} attempts",
+                            self.act_attempt
+                        ),
+                        source: e,
+                    }),
+                };
             }
-            Err(e) if matches!(e.code(), tonic::Code::Unauthenticated | tonic::Code::PermissionDenied) => {
-                return Err(AgentError::Daemon { what: "the daemon refused the credentials".into(), source: e });
+            Err(e)
+                if matches!(
+                    e.code(),
+                    tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+                ) =>
+            {
+                return Err(AgentError::Daemon {
+                    what: "the daemon refused the credentials".into(),
+                    source: e,
+                });
             }
             Err(e) => {
                 // Not retryable and not fatal: the model should know and adapt.
@@ -1024,164 +995,62 @@ impl<S: SandboxApi> Agent<S> {
                 return self.go(LoopState::Observing, "tool error");
             }
         };
+        if obs.lost && pending.attempt < 2 {
+            // The daemon died under the command (it came back: it answered). Same recovery
+            // as a resume: files back to the last step's snapshot, the action again under a
+            // new key, so a half-done effect cannot stack.
+            if let Some(snap) = self.ck.snapshot_id.clone() {
+                self.sandbox
+                    .rollback(&self.ck.sandbox_id, &snap)
+                    .await
+                    .map_err(|source| AgentError::Daemon {
+                        what: format!("cannot roll back to snapshot {snap} after a lost exec"),
+                        source,
+                    })?;
+            }
+            let mut p = pending.clone();
+            p.attempt += 1;
+            p.idempotency_key = idempotency_key(&self.ck.run_id, p.step, p.attempt, "act");
+            self.trace_event("decision", json!({"decision": "rollback_after_lost_exec", "snapshot": self.ck.snapshot_id, "exec_id": obs.exec_id, "new_key": p.idempotency_key}));
+            self.ck.pending = Some(p);
+            self.retry = Some(RetryPlan {
+                attempt: 1,
+                delay: Duration::ZERO,
+                then: LoopState::Acting,
+            });
+            return self.go(
+                LoopState::Retrying,
+                "exec lost: rolled back, running it again",
+            );
+        }
+        self.act_attempt = 0;
+        if tool != "bash" {
+            // bash judged its own outcome (a timeout counts against it); others got here
+            // because the daemon answered.
+            self.breakers.record(tool, true, Instant::now());
+        }
         self.last_obs = Some(obs);
         self.go(LoopState::Observing, "action done")
-    }
-
-    /// Runs one action. Errors are daemon errors; failures inside the sandbox are observations.
-    async fn execute(&mut self, p: &PendingAction) -> Result<Observation, crate::Error> {
-        let sid = self.ck.sandbox_id.clone();
-        let obs = match &p.action {
-            Action::Bash { command, timeout_secs, background } => {
-                let mut req = self.sh_request(command, p.idempotency_key.clone(), self.budget.step_timeout(*timeout_secs));
-                req.background = *background;
-                let r = self.exec(req).await?;
-                let failed_tool = matches!(ExecStatus::try_from(r.status), Ok(ExecStatus::SpawnFailed | ExecStatus::Lost | ExecStatus::TimedOut));
-                self.breakers.record("bash", !failed_tool, Instant::now());
-                let mut obs = observe::exec(&r, self.opts.observe);
-                self.spill(&mut obs, p.step).await;
-                obs
-            }
-            Action::ReadFile { path, start_line, max_lines } => {
-                let path = self.abs_path(path);
-                match self.sandbox.read_file(&sid, &path, 0, 8 << 20).await {
-                    Ok(resp) => {
-                        let text = String::from_utf8_lossy(&resp.content);
-                        let total = text.lines().count() as u64;
-                        let start = (*start_line).max(1);
-                        let mut out = String::new();
-                        for (i, line) in text.lines().enumerate().skip((start - 1) as usize).take(*max_lines as usize) {
-                            out.push_str(&format!("{:>6}\t{}\n", i + 1, line));
-                        }
-                        let end = (start + max_lines - 1).min(total);
-                        if out.is_empty() {
-                            Observation::ok(format!("{path}: {total} lines, nothing at line {start}"))
-                        } else {
-                            let more = if end < total { format!("; more from start_line={}", end + 1) } else { String::new() };
-                            let cut = if resp.eof { "" } else { " (file larger than 8 MiB: only its start was read)" };
-                            Observation::ok(format!("{path} lines {start}-{end} of {total}{more}{cut}\n{out}"))
-                        }
-                    }
-                    Err(e) if matches!(e.code(), tonic::Code::NotFound | tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition) && !e.to_string().contains("sandbox") => {
-                        Observation::error(format!("cannot read {path}: {}", e.status().map_or_else(|| e.to_string(), |s| s.message().to_owned())))
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-            Action::WriteFile { path, content } => {
-                let path = self.abs_path(path);
-                let n = self.sandbox.write_file(&sid, &path, content.clone().into_bytes()).await?;
-                Observation::ok(format!("wrote {n} bytes to {path}"))
-            }
-            Action::StrReplace { path, old_str, new_str, replace_all } => {
-                let path = self.abs_path(path);
-                let content = match self.sandbox.read_file(&sid, &path, 0, 8 << 20).await {
-                    Ok(r) => String::from_utf8_lossy(&r.content).into_owned(),
-                    Err(e) if e.code() == tonic::Code::NotFound && !e.to_string().contains("sandbox") => {
-                        return Ok(Observation::error(format!("cannot edit {path}: it does not exist (use write_file to create it)")));
-                    }
-                    Err(e) => return Err(e),
-                };
-                let count = if old_str.is_empty() { 0 } else { content.matches(old_str.as_str()).count() };
-                if count == 0 {
-                    Observation::error(format!("str_replace in {path}: old_str was not found; read the file and copy the text exactly (whitespace included)"))
-                } else if count > 1 && !replace_all {
-                    Observation::error(format!("str_replace in {path}: old_str occurs {count} times; include more surrounding text to make it unique, or set replace_all"))
-                } else {
-                    let updated = if *replace_all { content.replace(old_str.as_str(), new_str) } else { content.replacen(old_str.as_str(), new_str, 1) };
-                    self.sandbox.write_file(&sid, &path, updated.clone().into_bytes()).await?;
-                    let at = updated.find(new_str.as_str()).map_or(1, |i| updated[..i].lines().count().max(1));
-                    let snippet: String = updated.lines().enumerate().skip(at.saturating_sub(3)).take(new_str.lines().count() + 5)
-                        .map(|(i, l)| format!("{:>6}\t{l}\n", i + 1)).collect();
-                    Observation::ok(format!("replaced {count} occurrence{} in {path}:\n{snippet}", if count == 1 { "" } else { "s" }))
-                }
-            }
-            Action::Snapshot { name } => {
-                let info = self.sandbox.snapshot(&sid, name.as_deref().unwrap_or("")).await?;
-                let label = name.clone().unwrap_or_else(|| format!("step {}", p.step));
-                self.ctx.pin(&format!("snapshot {label}"), &info.snapshot_id);
-                Observation::ok(format!("snapshot {} taken (pinned as \"snapshot {label}\")", info.snapshot_id))
-            }
-            Action::Rollback { snapshot_id } => match self.sandbox.rollback(&sid, snapshot_id).await {
-                Ok(_) => Observation::ok(format!("rolled back to {snapshot_id}; processes that were running were stopped")),
-                Err(e) if e.code() == tonic::Code::NotFound && e.to_string().contains("snapshot") => {
-                    Observation::error(format!("no snapshot {snapshot_id}"))
-                }
-                Err(e) if e.code() == tonic::Code::FailedPrecondition => Observation::error(format!("cannot roll back: {e}")),
-                Err(e) => return Err(e),
-            },
-            Action::Pin { key, value } => match value {
-                Some(v) => {
-                    self.ctx.pin(key, v);
-                    Observation::ok(format!("pinned {key}"))
-                }
-                None => {
-                    self.ctx.unpin(key);
-                    Observation::ok(format!("unpinned {key}"))
-                }
-            },
-            Action::Subtask { title, check } => {
-                if let Some(previous) = self.ck.subtask_check.clone() {
-                    let key = idempotency_key(&self.ck.run_id, p.step, p.attempt, "subtask-check");
-                    let r = self.exec(self.sh_request(&previous, key, self.budget.limits.step_time)).await?;
-                    let c = verify::judge(Level::Subtask, &previous, &r);
-                    if !c.passed {
-                        return Ok(Observation::error(c.rejection("starting a new subtask")));
-                    }
-                    let prev_title = self.ctx.pinned().get("subtask").cloned().unwrap_or_default();
-                    self.ctx.pin(&format!("verified: {prev_title}"), &format!("check `{previous}` passed at step {}", p.step));
-                }
-                self.ctx.pin("subtask", title);
-                self.ck.subtask_check = check.clone();
-                Observation::ok(match check {
-                    Some(c) => format!("subtask set: {title} (check: `{c}`, run before the next subtask or finish)"),
-                    None => format!("subtask set: {title}"),
-                })
-            }
-            Action::Recall { step } => {
-                if let Some(e) = self.ctx.find_step(*step) {
-                    Observation::ok(format!("step {step} ({}):\n{}", e.action_line, e.observation))
-                } else if let Some(exec_id) = self.ck.exec_ids.get(step).cloned() {
-                    let r = self.sandbox.get_exec(&exec_id, false).await?;
-                    let mut obs = observe::exec(&r, self.opts.observe);
-                    self.spill(&mut obs, p.step).await;
-                    obs.ok = true;
-                    obs.text = format!("step {step} (exec {exec_id}):\n{}", obs.text);
-                    obs
-                } else {
-                    Observation::error(format!("step {step} ran no command and its result is no longer held; its summary is all that is left"))
-                }
-            }
-            Action::Finish { .. } => Observation::error("finish is handled by verification"),
-        };
-        Ok(obs)
-    }
-
-    /// Writes streams the observation cut (and the daemon did not spill) into the sandbox so
-    /// the model can page them, and fills in the path.
-    async fn spill(&mut self, obs: &mut Observation, step: u64) {
-        for (stream, text) in std::mem::take(&mut obs.to_spill) {
-            let path = format!("{AGENT_DIR}/spill/step-{step}.{stream}");
-            let shown = match self.sandbox.write_file(&self.ck.sandbox_id, &path, text.into_bytes()).await {
-                Ok(_) => path,
-                Err(e) => format!("(not kept: {e})"),
-            };
-            observe::fill_spill_path(obs, &stream, &shown);
-        }
     }
 
     async fn observe_step(&mut self) -> Result<(), AgentError> {
         let Some(pending) = self.ck.pending.take() else {
             return self.go(LoopState::Thinking, "nothing to observe");
         };
-        let obs = self.last_obs.take().unwrap_or_else(|| Observation::error("no result was recorded"));
+        let obs = self
+            .last_obs
+            .take()
+            .unwrap_or_else(|| Observation::error("no result was recorded"));
         self.ck.step = pending.step;
         self.step_tokens = 0;
         let action_line = pending.action.describe();
         let call = ToolCall {
             id: pending.call_id.clone(),
             kind: "function".into(),
-            function: super::llm::FunctionCall { name: pending.call_name.clone(), arguments: pending.call_arguments.clone() },
+            function: super::llm::FunctionCall {
+                name: pending.call_name.clone(),
+                arguments: pending.call_arguments.clone(),
+            },
         };
         if let Some(exec_id) = &obs.exec_id {
             self.ck.exec_ids.insert(pending.step, exec_id.clone());
@@ -1189,24 +1058,41 @@ impl<S: SandboxApi> Agent<S> {
         if obs.ok {
             self.ctx.record_success(&action_line);
         } else {
-            self.ctx.record_failure(pending.step, &action_line, &obs.headline());
+            self.ctx
+                .record_failure(pending.step, &action_line, &obs.headline());
         }
-        self.trace_event("step", json!({
-            "action": action_line,
-            "tool": pending.action.tool(),
-            "exec_id": obs.exec_id,
-            "exit_code": obs.exit_code,
-            "result": if obs.ok { "ok" } else { "failed" },
-            "truncated": obs.truncated,
-        }));
-        self.ctx.push_step(pending.step, call, action_line, obs.text.clone(), obs.exec_id.clone(), obs.ok);
+        self.trace_event(
+            "step",
+            json!({
+                "action": action_line,
+                "tool": pending.action.tool(),
+                "exec_id": obs.exec_id,
+                "exit_code": obs.exit_code,
+                "result": if obs.ok { "ok" } else { "failed" },
+                "truncated": obs.truncated,
+            }),
+        );
+        self.ctx.push_step(
+            pending.step,
+            call,
+            action_line,
+            obs.text.clone(),
+            obs.exec_id.clone(),
+            obs.ok,
+        );
 
         // Progress signals cost an exec, so they are gathered only for a repeated action.
         let canonical = pending.action.canonical();
         let workspace = if self.detector.wants_probe(&canonical) {
-            let req = self.sh_request(&termination::probe_command(&self.workdir), String::new(), Duration::from_secs(20));
+            let req = self.sh_request(
+                &termination::probe_command(&self.workdir),
+                String::new(),
+                Duration::from_secs(20),
+            );
             match self.exec(req).await {
-                Ok(r) if verify::action_ok(&r) => Some(String::from_utf8_lossy(&r.stdout).trim().to_owned()),
+                Ok(r) if verify::action_ok(&r) => {
+                    Some(String::from_utf8_lossy(&r.stdout).trim().to_owned())
+                }
                 _ => None,
             }
         } else {
@@ -1237,9 +1123,13 @@ impl<S: SandboxApi> Agent<S> {
                 self.ck.auto_snapshots.push(info.snapshot_id);
                 while self.ck.auto_snapshots.len() > 2 {
                     let old = self.ck.auto_snapshots.remove(0);
-                    if let Err(e) = self.sandbox.delete_snapshot(&old).await {
-                        tracing::debug!(snapshot = %old, error = %e, "cannot delete an old step snapshot");
-                    }
+                    // Off the hot path: a snapshot left behind costs only disk.
+                    let sandbox = self.sandbox.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = sandbox.delete_snapshot(&old).await {
+                            tracing::debug!(snapshot = %old, error = %e, "cannot delete an old step snapshot");
+                        }
+                    });
                 }
                 Ok(())
             }
@@ -1250,7 +1140,10 @@ impl<S: SandboxApi> Agent<S> {
             Err(e) => {
                 // A missing step snapshot only weakens a later resume; the run goes on.
                 tracing::warn!(error = %e, "cannot snapshot after the step");
-                self.trace_event("decision", json!({"decision": "snapshot_failed", "detail": e.to_string()}));
+                self.trace_event(
+                    "decision",
+                    json!({"decision": "snapshot_failed", "detail": e.to_string()}),
+                );
                 Ok(())
             }
         }
@@ -1274,13 +1167,22 @@ impl<S: SandboxApi> Agent<S> {
         let mut rejection = None;
         for (level, command, what) in checks {
             let key = idempotency_key(&self.ck.run_id, pending.step, pending.attempt, what);
-            let r = match self.exec(self.sh_request(&command, key, self.budget.limits.step_time)).await {
+            let r = match self
+                .exec(self.sh_request(&command, key, self.budget.limits.step_time))
+                .await
+            {
                 Ok(r) => r,
                 Err(e) if is_unavailable(&e) || e.code() == tonic::Code::NotFound => {
-                    return Err(AgentError::Daemon { what: "cannot run the check".into(), source: e })
+                    return Err(AgentError::Daemon {
+                        what: "cannot run the check".into(),
+                        source: e,
+                    })
                 }
                 Err(e) => {
-                    rejection = Some((format!("finish REJECTED: the check `{command}` could not run: {e}"), None));
+                    rejection = Some((
+                        format!("finish REJECTED: the check `{command}` could not run: {e}"),
+                        None,
+                    ));
                     break;
                 }
             };
@@ -1290,112 +1192,77 @@ impl<S: SandboxApi> Agent<S> {
                 rejection = Some((c.rejection("finish"), Some(c.exec_id.clone())));
                 break;
             }
-            self.ctx.pin(&format!("verified ({})", if level == Level::Task { "task" } else { "subtask" }), &format!("`{command}` passed at step {}", pending.step));
+            self.ctx.pin(
+                &format!(
+                    "verified ({})",
+                    if level == Level::Task {
+                        "task"
+                    } else {
+                        "subtask"
+                    }
+                ),
+                &format!("`{command}` passed at step {}", pending.step),
+            );
         }
         let call = ToolCall {
             id: pending.call_id.clone(),
             kind: "function".into(),
-            function: super::llm::FunctionCall { name: pending.call_name.clone(), arguments: pending.call_arguments.clone() },
+            function: super::llm::FunctionCall {
+                name: pending.call_name.clone(),
+                arguments: pending.call_arguments.clone(),
+            },
         };
         self.ck.pending = None;
         self.ck.step = pending.step;
         match rejection {
             None => {
-                self.ctx.push_step(pending.step, call, pending.action.describe(), "finish accepted".into(), None, true);
+                self.ctx.push_step(
+                    pending.step,
+                    call,
+                    pending.action.describe(),
+                    "finish accepted".into(),
+                    None,
+                    true,
+                );
                 self.answer = Some(answer);
                 self.halt(StopReason::Finished, "finish accepted")
             }
             Some((text, exec_id)) => {
                 self.ck.rejected_finishes += 1;
-                self.ctx.record_failure(pending.step, "finish", "the task check failed");
-                self.ctx.push_step(pending.step, call, pending.action.describe(), text, exec_id, false);
+                self.ctx
+                    .record_failure(pending.step, "finish", "the task check failed");
+                self.ctx.push_step(
+                    pending.step,
+                    call,
+                    pending.action.describe(),
+                    text,
+                    exec_id,
+                    false,
+                );
                 self.writer.start(self.checkpoint()).await?;
                 if self.ck.rejected_finishes >= self.opts.max_rejected_finishes {
-                    return self.halt(StopReason::VerifyFailed, format!("finish was rejected {} times by the check", self.ck.rejected_finishes));
+                    return self.halt(
+                        StopReason::VerifyFailed,
+                        format!(
+                            "finish was rejected {} times by the check",
+                            self.ck.rejected_finishes
+                        ),
+                    );
                 }
                 self.go(LoopState::Thinking, "finish rejected")
             }
         }
     }
-
-    // ---- the end -----------------------------------------------------------------------
-
-    /// Every stop ends here: final snapshot, workspace diff, summary, final checkpoint.
-    async fn salvage(mut self) -> RunReport {
-        let (reason, detail) = self.stop.clone().unwrap_or((StopReason::FatalError, "stopped".into()));
-        if let Err(e) = self.writer.flush().await {
-            tracing::warn!(error = %e, "a checkpoint write failed before the salvage");
-        }
-        let mut errors = Vec::new();
-        if reason == StopReason::FatalError {
-            errors.push(detail.clone());
-        }
-        let final_snapshot_id = match self
-            .sandbox
-            .snapshot(&self.ck.sandbox_id, &format!("agent-{}-final", self.ck.run_id))
-            .await
-        {
-            Ok(info) => Some(info.snapshot_id),
-            Err(e) => {
-                errors.push(format!("final snapshot failed: {e}"));
-                self.ck.snapshot_id.clone()
-            }
-        };
-        let diff_cmd = format!(
-            "cd {AGENT_DIR}/base 2>/dev/null || exit 0; diff -ruN . {} 2>&1; true",
-            tools::shell_quote(&self.workdir)
-        );
-        let diff = match self
-            .exec(ExecRequest {
-                max_output_bytes: 4 << 20,
-                timeout_ms: 60_000,
-                ..crate::exec_request(self.ck.sandbox_id.as_str(), ["sh", "-c", diff_cmd.as_str()])
-            })
-            .await
-        {
-            Ok(r) => String::from_utf8_lossy(&r.stdout).into_owned(),
-            Err(e) => {
-                errors.push(format!("workspace diff failed: {e}"));
-                String::new()
-            }
-        };
-        let run_dir = self.store.run_dir(&self.ck.run_id);
-        if self.opts.trace && !diff.is_empty() {
-            if let Err(e) = FileStore::write_atomic(&run_dir.join("final.diff"), diff.as_bytes()) {
-                errors.push(format!("cannot save the diff: {e}"));
-            }
-        }
-        let files_changed = diff.lines().filter(|l| l.starts_with("+++ ")).count();
-        let summary = format!(
-            "{} after {} steps ({}): {}. {} file{} changed. {}",
-            reason.status().as_str(),
-            self.ck.step,
-            reason,
-            detail,
-            files_changed,
-            if files_changed == 1 { "" } else { "s" },
-            self.ctx.brief(5)
-        );
-        self.ck.outcome = Some(Outcome {
-            reason,
-            answer: self.answer.clone(),
-            final_snapshot_id,
-            diff,
-            summary,
-            error: (!errors.is_empty()).then(|| errors.join("; ")),
-        });
-        let ck = self.checkpoint();
-        if let Err(e) = self.writer.write_now(ck.clone()).await {
-            tracing::error!(error = %e, "cannot write the final checkpoint");
-        }
-        self.trace_event("stop", json!({"reason": reason.as_str(), "status": reason.status().as_str(), "detail": detail,
-            "prompt_tokens": ck.budget.prompt_tokens, "completion_tokens": ck.budget.completion_tokens}));
-        report_of(&ck, &self.store, self.writer.latencies(), self.writer.stalls())
-    }
 }
 
 fn is_background(a: &Action) -> bool {
-    matches!(a, Action::Bash { background: true, .. })
+    matches!(
+        a,
+        Action::Bash {
+            background: true,
+            ..
+        }
+    )
 }
 
 /// The arguments of an action as the model should have written them.
@@ -1414,7 +1281,9 @@ fn action_arguments(action: &Action) -> String {
 fn reask_text(e: &CallError) -> String {
     let schema = match e {
         CallError::UnknownTool { .. } => String::new(),
-        CallError::BadJson { tool, .. } | CallError::Missing { tool, .. } | CallError::BadType { tool, .. } => tools::specs()
+        CallError::BadJson { tool, .. }
+        | CallError::Missing { tool, .. }
+        | CallError::BadType { tool, .. } => tools::specs()
             .iter()
             .find(|s| s.name == tool)
             .map(|s| format!(" Its parameters: {}", s.parameters))
@@ -1423,5 +1292,8 @@ fn reask_text(e: &CallError) -> String {
     format!("ERROR: your tool call could not be used: {e}.{schema} Call the tool again with valid JSON arguments.")
 }
 
+mod actions;
+mod resume;
+mod salvage;
 #[cfg(test)]
 mod tests;

@@ -99,6 +99,9 @@ struct FakeState {
     next_id: u64,
     /// The next exec with a key is recorded as started but ends LOST (a daemon crash).
     lose_next: bool,
+    /// Execs whose key contains the pattern are refused with UNAVAILABLE this many times (a
+    /// daemon restarting).
+    unavailable: Option<(String, u32)>,
 }
 
 /// An in-memory stand-in for `sandboxd`: files in a map, commands run by a handler, snapshots
@@ -138,6 +141,12 @@ impl FakeSandbox {
     /// Makes the next keyed exec end LOST without running.
     pub fn lose_next_exec(&self) {
         self.lock().lose_next = true;
+    }
+
+    /// Refuses the next `n` execs whose idempotency key contains `pattern` with UNAVAILABLE,
+    /// as a restarting daemon would.
+    pub fn refuse_execs(&self, pattern: &str, n: u32) {
+        self.lock().unavailable = Some((pattern.to_owned(), n));
     }
 
     /// Every exec record, oldest first.
@@ -187,6 +196,14 @@ impl SandboxApi for FakeSandbox {
 
     async fn exec(&self, request: ExecRequest) -> Result<ExecResult> {
         let mut s = self.lock();
+        if let Some((pattern, n)) = s.unavailable.as_mut() {
+            if *n > 0 && request.idempotency_key.contains(pattern.as_str()) {
+                *n -= 1;
+                return Err(Error::Status(tonic::Status::unavailable(
+                    "daemon restarting",
+                )));
+            }
+        }
         if !request.idempotency_key.is_empty() {
             if let Some(r) = s.execs.iter().find(|r| {
                 r.sandbox_id == request.sandbox_id && r.idempotency_key == request.idempotency_key
@@ -196,7 +213,10 @@ impl SandboxApi for FakeSandbox {
         }
         s.next_id += 1;
         let exec_id = format!("ex-fake{}", s.next_id);
-        let lose = std::mem::take(&mut s.lose_next) && !request.idempotency_key.is_empty();
+        let lose = s.lose_next && !request.idempotency_key.is_empty();
+        if lose {
+            s.lose_next = false;
+        }
         let files = s
             .sandboxes
             .get_mut(&request.sandbox_id)
@@ -338,13 +358,22 @@ pub fn basic_handler() -> FakeHandler {
         if let Some(file) = cmd.strip_prefix("cat ") {
             return match files.get(&absolute(file.trim())) {
                 Some(c) => (0, String::from_utf8_lossy(c).into_owned()),
-                None => (1, format!("cat: {}: No such file or directory\n", file.trim())),
+                None => (
+                    1,
+                    format!("cat: {}: No such file or directory\n", file.trim()),
+                ),
             };
         }
-        if let Some(n) = cmd.strip_prefix("seq ").and_then(|n| n.trim().parse::<u64>().ok()) {
+        if let Some(n) = cmd
+            .strip_prefix("seq ")
+            .and_then(|n| n.trim().parse::<u64>().ok())
+        {
             return (0, (1..=n).map(|i| format!("{i}\n")).collect());
         }
-        if let Some(code) = cmd.strip_prefix("exit ").and_then(|n| n.trim().parse::<i32>().ok()) {
+        if let Some(code) = cmd
+            .strip_prefix("exit ")
+            .and_then(|n| n.trim().parse::<i32>().ok())
+        {
             return (code, String::new());
         }
         (0, format!("ran: {cmd}\n"))
@@ -374,16 +403,27 @@ mod tests {
     async fn keys_replay_snapshots_restore() {
         let fake = FakeSandbox::new(basic_handler());
         let sb = fake.create(Default::default()).await.expect("create");
-        fake.exec(sh(&sb.id, "echo a >> f", "k1")).await.expect("exec");
-        fake.exec(sh(&sb.id, "echo a >> f", "k1")).await.expect("replay");
+        fake.exec(sh(&sb.id, "echo a >> f", "k1"))
+            .await
+            .expect("exec");
+        fake.exec(sh(&sb.id, "echo a >> f", "k1"))
+            .await
+            .expect("replay");
         assert_eq!(fake.file(&sb.id, "/workspace/f"), Some(b"a\n".to_vec()));
         let snap = fake.snapshot(&sb.id, "").await.expect("snap");
-        fake.exec(sh(&sb.id, "echo b >> f", "")).await.expect("exec");
-        fake.rollback(&sb.id, &snap.snapshot_id).await.expect("rollback");
+        fake.exec(sh(&sb.id, "echo b >> f", ""))
+            .await
+            .expect("exec");
+        fake.rollback(&sb.id, &snap.snapshot_id)
+            .await
+            .expect("rollback");
         let out = fake.exec(sh(&sb.id, "cat f", "")).await.expect("cat");
         assert_eq!(out.stdout, b"a\n");
         fake.lose_next_exec();
-        let lost = fake.exec(sh(&sb.id, "echo c >> f", "k2")).await.expect("lost");
+        let lost = fake
+            .exec(sh(&sb.id, "echo c >> f", "k2"))
+            .await
+            .expect("lost");
         assert_eq!(lost.status, ExecStatus::Lost as i32);
         fake.destroy(&sb.id);
         assert!(fake.get(&sb.id).await.is_err());

@@ -199,9 +199,7 @@ mod tests {
 
     #[test]
     fn the_happy_path_is_legal() {
-        let path = [
-            Idle, Thinking, Acting, Observing, Thinking, Verifying, Done,
-        ];
+        let path = [Idle, Thinking, Acting, Observing, Thinking, Verifying, Done];
         for pair in path.windows(2) {
             assert!(pair[0].can_go_to(pair[1]), "{} -> {}", pair[0], pair[1]);
         }
@@ -225,7 +223,10 @@ mod tests {
             })
         );
         assert!(!Acting.can_go_to(Thinking), "an action must be observed");
-        assert!(!Observing.can_go_to(Acting), "the model decides the next action");
+        assert!(
+            !Observing.can_go_to(Acting),
+            "the model decides the next action"
+        );
         assert!(Acting.can_go_to(Failed));
     }
 

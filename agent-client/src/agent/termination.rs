@@ -49,7 +49,7 @@ pub struct StepPrint {
     /// Hash of the observation, exactly.
     pub observation: u64,
     /// Hashed word shingles of the normalized observation (bounded), for near-duplicates.
-    pub shingles: Vec<u64>,
+    pub shingles: Vec<u32>,
     /// Content fingerprint of the workspace after the step, when it was probed.
     pub workspace: Option<String>,
     /// Test counts seen in the observation ("3 passed", "1 failed").
@@ -194,7 +194,9 @@ impl Detector {
         let k = self.cfg.repeat;
         if k >= 2 && n >= k {
             let tail = &r[n - k..];
-            if tail.iter().all(|p| self.same(p, tail[k - 1])) && !self.progressed_since(tail[0].step) {
+            if tail.iter().all(|p| self.same(p, tail[k - 1]))
+                && !self.progressed_since(tail[0].step)
+            {
                 return Some(Stuck::Repeating { times: k });
             }
         }
@@ -202,8 +204,8 @@ impl Detector {
         let len = 2 * c;
         if c >= 2 && n >= len {
             let tail = &r[n - len..];
-            let alternates = (2..len).all(|i| self.same(tail[i], tail[i - 2]))
-                && !self.same(tail[0], tail[1]);
+            let alternates =
+                (2..len).all(|i| self.same(tail[i], tail[i - 2])) && !self.same(tail[0], tail[1]);
             if alternates && !self.progressed_since(tail[0].step) {
                 return Some(Stuck::Alternating { cycles: c });
             }
@@ -219,10 +221,12 @@ pub fn normalize(text: &str) -> String {
     text.split_whitespace()
         .map(|w| {
             let digits = w.chars().filter(char::is_ascii_digit).count();
-            let hexish = w.len() >= 8
-                && w.chars().all(|c| c.is_ascii_hexdigit() || c == '-')
-                && digits > 0;
-            let clock = w.contains(':') && digits >= 4 && w.chars().all(|c| c.is_ascii_digit() || ":.-TZ+".contains(c));
+            let hexish =
+                w.len() >= 8 && w.chars().all(|c| c.is_ascii_hexdigit() || c == '-') && digits > 0;
+            let clock = w.contains(':')
+                && digits >= 4
+                && w.chars()
+                    .all(|c| c.is_ascii_digit() || ":.-TZ+".contains(c));
             let duration = digits > 0
                 && ["ms", "s", "sec", "secs"].iter().any(|u| {
                     w.strip_suffix(u).is_some_and(|n| {
@@ -240,28 +244,31 @@ pub fn normalize(text: &str) -> String {
         .join(" ")
 }
 
-/// Hashed word 3-shingles, the smallest 128 kept (a bottom-k sketch), so similarity of long
-/// outputs costs the same as of short ones.
-pub fn shingles(text: &str) -> Vec<u64> {
+/// Hashed word 3-shingles, the smallest 64 kept (a bottom-k sketch), so similarity of long
+/// outputs costs the same as of short ones and the checkpoint stays small.
+pub fn shingles(text: &str) -> Vec<u32> {
     let words: Vec<&str> = text.split(' ').filter(|w| !w.is_empty()).collect();
     let mut set = BTreeSet::new();
+    // The low 32 bits of a 64-bit hash: collisions among a few hundred shingles are rare
+    // enough not to move a 0.9 similarity threshold.
+    let h = |s: &str| hash_of(s) as u32;
     if words.len() < 3 {
-        set.insert(hash_of(&words.join(" ")));
+        set.insert(h(&words.join(" ")));
     } else {
         for w in words.windows(3) {
-            set.insert(hash_of(&w.join(" ")));
+            set.insert(h(&w.join(" ")));
         }
     }
-    set.into_iter().take(128).collect()
+    set.into_iter().take(64).collect()
 }
 
 /// Jaccard similarity of two bottom-k sketches.
-pub fn jaccard(a: &[u64], b: &[u64]) -> f64 {
+pub fn jaccard(a: &[u32], b: &[u32]) -> f64 {
     if a.is_empty() && b.is_empty() {
         return 1.0;
     }
-    let sa: BTreeSet<u64> = a.iter().copied().collect();
-    let sb: BTreeSet<u64> = b.iter().copied().collect();
+    let sa: BTreeSet<u32> = a.iter().copied().collect();
+    let sb: BTreeSet<u32> = b.iter().copied().collect();
     let inter = sa.intersection(&sb).count();
     let union = sa.union(&sb).count();
     inter as f64 / union.max(1) as f64
@@ -276,7 +283,10 @@ pub fn test_counts(text: &str) -> Vec<String> {
     let words: Vec<String> = text
         .split(|c: char| c.is_whitespace() || c == ',' || c == ';')
         .filter(|w| !w.is_empty())
-        .map(|w| w.trim_matches(|c: char| !c.is_alphanumeric()).to_ascii_lowercase())
+        .map(|w| {
+            w.trim_matches(|c: char| !c.is_alphanumeric())
+                .to_ascii_lowercase()
+        })
         .collect();
     let mut out = Vec::new();
     for pair in words.windows(2) {
@@ -325,7 +335,11 @@ mod tests {
         let mut d = Detector::default();
         for n in 1..=10 {
             let ws = format!("w{n}");
-            assert_eq!(step(&mut d, n, "check done", "waiting", Some(&ws)), None, "step {n}");
+            assert_eq!(
+                step(&mut d, n, "check done", "waiting", Some(&ws)),
+                None,
+                "step {n}"
+            );
         }
     }
 
@@ -333,7 +347,16 @@ mod tests {
     fn changing_output_is_not_stuck() {
         let mut d = Detector::default();
         for n in 1..=10 {
-            assert_eq!(step(&mut d, n, "cat progress", &format!("{}% done", n * 10), None), None);
+            assert_eq!(
+                step(
+                    &mut d,
+                    n,
+                    "cat progress",
+                    &format!("{}% done", n * 10),
+                    None
+                ),
+                None
+            );
         }
     }
 
@@ -372,7 +395,10 @@ mod tests {
             let obs = format!("{} passed, {} failed", n, 10 - n);
             assert_eq!(step(&mut d, n, "make test", &obs, Some("w")), None);
         }
-        assert_eq!(test_counts("== 3 passed, 1 failed in 0.2s =="), vec!["3 passed", "1 failed"]);
+        assert_eq!(
+            test_counts("== 3 passed, 1 failed in 0.2s =="),
+            vec!["3 passed", "1 failed"]
+        );
     }
 
     #[test]
@@ -386,7 +412,10 @@ mod tests {
 
     #[test]
     fn normalization_keeps_small_numbers() {
-        assert_eq!(normalize("took 0.31s at 12:01:02 pid 123456"), "took # at # pid #");
+        assert_eq!(
+            normalize("took 0.31s at 12:01:02 pid 123456"),
+            "took # at # pid #"
+        );
         assert_eq!(normalize("3 passed"), "3 passed");
     }
 }

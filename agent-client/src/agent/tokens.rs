@@ -49,10 +49,7 @@ impl TokenCounter {
         });
         match bpe {
             Some((name, bpe)) => TokenCounter {
-                kind: Kind::Bpe {
-                    name,
-                    bpe,
-                },
+                kind: Kind::Bpe { name, bpe },
             },
             None => Self::estimate(),
         }
@@ -133,8 +130,9 @@ mod tests {
 
     #[test]
     fn estimate_is_within_reason_of_the_bpe() {
-        let text = "fn main() { println!(\"hello\"); }\nThe quick brown fox jumps over the lazy dog.\n"
-            .repeat(20);
+        let text =
+            "fn main() { println!(\"hello\"); }\nThe quick brown fox jumps over the lazy dog.\n"
+                .repeat(20);
         let exact = TokenCounter::for_model("gpt-4o").count(&text) as f64;
         let est = estimate(&text) as f64;
         assert!(est / exact > 0.6 && est / exact < 1.8, "{est} vs {exact}");

@@ -880,7 +880,9 @@ mod tests {
             "str_replace",
             "{\"path\": \"a.py\", \"old_str\": \"x = 1\n\", \"new_str\": \"x = 2\", \"replace_all\": True}",
         );
-        assert!(matches!(p.action, Action::StrReplace { replace_all: true, ref old_str, .. } if old_str == "x = 1\n"));
+        assert!(
+            matches!(p.action, Action::StrReplace { replace_all: true, ref old_str, .. } if old_str == "x = 1\n")
+        );
     }
 
     #[test]
@@ -904,7 +906,9 @@ mod tests {
             }
         );
         let p = ok("Bash", r#"{"command": ["grep", "-r", "a b", "."]}"#);
-        assert!(matches!(p.action, Action::Bash { ref command, .. } if command == "grep -r 'a b' ."));
+        assert!(
+            matches!(p.action, Action::Bash { ref command, .. } if command == "grep -r 'a b' .")
+        );
         assert_eq!(ok("shell", r#"{"command":"x"}"#).action.tool(), "bash");
         assert_eq!(ok("finsh", r#"{"answer":"x"}"#).action.tool(), "finish");
     }

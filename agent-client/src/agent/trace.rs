@@ -35,7 +35,12 @@ pub struct Trace {
 
 impl Trace {
     /// Opens (creating) the trace of a run for appending.
-    pub fn open(path: &Path, trace_id: &str, run_id: &str, session: u32) -> Result<Self, TraceError> {
+    pub fn open(
+        path: &Path,
+        trace_id: &str,
+        run_id: &str,
+        session: u32,
+    ) -> Result<Self, TraceError> {
         let file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -125,7 +130,10 @@ pub fn prompt_tokens_per_call(events: &[Value]) -> Vec<u64> {
 
 /// Renders a trace as a timeline, one line per notable event.
 pub fn timeline(events: &[Value]) -> String {
-    let t0 = events.first().and_then(|e| e["ts_ms"].as_u64()).unwrap_or(0);
+    let t0 = events
+        .first()
+        .and_then(|e| e["ts_ms"].as_u64())
+        .unwrap_or(0);
     let mut out = String::new();
     out.push_str(&format!(
         "{:>8}  {:>4}  {:<10}  {:<12}  {}\n",
@@ -138,7 +146,10 @@ pub fn timeline(events: &[Value]) -> String {
                 "{} -> {}{}",
                 e["from"].as_str().unwrap_or("?"),
                 e["to"].as_str().unwrap_or("?"),
-                e["why"].as_str().map(|w| format!(" ({w})")).unwrap_or_default()
+                e["why"]
+                    .as_str()
+                    .map(|w| format!(" ({w})"))
+                    .unwrap_or_default()
             ),
             "llm_call" => format!(
                 "{}: prompt {} tok (counted {}), completion {} tok, {} ms{}",
@@ -147,28 +158,36 @@ pub fn timeline(events: &[Value]) -> String {
                 e["counted_prompt_tokens"].as_u64().unwrap_or(0),
                 e["completion_tokens"].as_u64().unwrap_or(0),
                 e["latency_ms"].as_u64().unwrap_or(0),
-                e["error"].as_str().map(|x| format!(", error: {x}")).unwrap_or_default()
+                e["error"]
+                    .as_str()
+                    .map(|x| format!(", error: {x}"))
+                    .unwrap_or_default()
             ),
             "action" | "step" => format!(
                 "{}{}{}",
                 e["action"].as_str().unwrap_or(""),
-                e["exec_id"].as_str().map(|x| format!(" [{x}]")).unwrap_or_default(),
-                e["result"].as_str().map(|x| format!(" -> {x}")).unwrap_or_default()
+                e["exec_id"]
+                    .as_str()
+                    .map(|x| format!(" [{x}]"))
+                    .unwrap_or_default(),
+                e["result"]
+                    .as_str()
+                    .map(|x| format!(" -> {x}"))
+                    .unwrap_or_default()
             ),
-            _ => e["detail"]
-                .as_str()
-                .map(str::to_owned)
-                .unwrap_or_else(|| {
-                    let mut o = e.as_object().cloned().unwrap_or_default();
-                    for k in ["ts_ms", "trace_id", "run_id", "session", "step", "state", "event"] {
-                        o.remove(k);
-                    }
-                    if o.is_empty() {
-                        String::new()
-                    } else {
-                        Value::Object(o).to_string()
-                    }
-                }),
+            _ => e["detail"].as_str().map(str::to_owned).unwrap_or_else(|| {
+                let mut o = e.as_object().cloned().unwrap_or_default();
+                for k in [
+                    "ts_ms", "trace_id", "run_id", "session", "step", "state", "event",
+                ] {
+                    o.remove(k);
+                }
+                if o.is_empty() {
+                    String::new()
+                } else {
+                    Value::Object(o).to_string()
+                }
+            }),
         };
         if kind == "transition" && e["to"] == "OBSERVING" {
             continue;
@@ -201,7 +220,12 @@ mod tests {
             "THINKING",
             json!({"purpose": "step", "counted_prompt_tokens": 120, "prompt_tokens": 118, "completion_tokens": 9, "latency_ms": 5}),
         );
-        t.event("step", 1, "OBSERVING", json!({"action": "bash `ls`", "exec_id": "ex-1", "result": "ok", "nothing": null}));
+        t.event(
+            "step",
+            1,
+            "OBSERVING",
+            json!({"action": "bash `ls`", "exec_id": "ex-1", "result": "ok", "nothing": null}),
+        );
         drop(t);
         // A torn line, as a crash mid-write would leave.
         std::fs::OpenOptions::new()

@@ -114,7 +114,10 @@ mod tests {
         let c = judge(Level::Task, "make test", &r);
         assert!(!c.passed);
         let msg = c.rejection("finish");
-        assert!(msg.starts_with("finish REJECTED: the task check failed."), "{msg}");
+        assert!(
+            msg.starts_with("finish REJECTED: the task check failed."),
+            "{msg}"
+        );
         assert!(msg.contains(r#""command":"make test""#), "{msg}");
         assert!(msg.contains(r#""expected":"exit code 0""#), "{msg}");
         assert!(msg.contains(r#""actual":"exit code 2""#), "{msg}");

@@ -42,16 +42,31 @@ fn llm(replies: Vec<Reply>) -> Arc<ScriptedLlm> {
     Arc::new(ScriptedLlm::new(Script::sequence(replies), "gpt-4o"))
 }
 
-async fn run(fake: &FakeSandbox, spec: RunSpec, replies: Vec<Reply>, dir: &std::path::Path) -> (RunReport, Arc<ScriptedLlm>) {
+async fn run(
+    fake: &FakeSandbox,
+    spec: RunSpec,
+    replies: Vec<Reply>,
+    dir: &std::path::Path,
+) -> (RunReport, Arc<ScriptedLlm>) {
     let model = llm(replies);
-    let report = start(fake.clone(), model.clone(), spec, Some("r1".into()), opts(dir))
-        .await
-        .expect("run starts");
+    let report = start(
+        fake.clone(),
+        model.clone(),
+        spec,
+        Some("r1".into()),
+        opts(dir),
+    )
+    .await
+    .expect("run starts");
     (report, model)
 }
 
 fn log_file(fake: &FakeSandbox, report: &RunReport) -> String {
-    String::from_utf8(fake.file(&report.sandbox_id, "/workspace/log").unwrap_or_default()).unwrap_or_default()
+    String::from_utf8(
+        fake.file(&report.sandbox_id, "/workspace/log")
+            .unwrap_or_default(),
+    )
+    .unwrap_or_default()
 }
 
 #[tokio::test]
@@ -78,23 +93,39 @@ async fn a_multi_step_task_completes() {
     assert!(report.prompt_tokens > 0 && report.completion_tokens > 0);
     assert_eq!(log_file(&fake, &report), "one\ntwo\n");
     // Every exec of a step carries the run's key.
-    let keys: Vec<String> = fake.execs().iter().map(|e| e.idempotency_key.clone()).filter(|k| k.contains(":act:")).collect();
+    let keys: Vec<String> = fake
+        .execs()
+        .iter()
+        .map(|e| e.idempotency_key.clone())
+        .filter(|k| k.contains(":act:"))
+        .collect();
     assert_eq!(keys, vec!["r1:1:act:0", "r1:2:act:0"]);
     // The trace has the transitions and the model calls.
     let events = crate::agent::trace::read(&dir.path().join("runs/r1/trace.jsonl")).expect("trace");
-    assert!(events.iter().any(|e| e["event"] == "transition" && e["to"] == "VERIFYING"));
-    assert_eq!(crate::agent::trace::prompt_tokens_per_call(&events).len(), 4);
+    assert!(events
+        .iter()
+        .any(|e| e["event"] == "transition" && e["to"] == "VERIFYING"));
+    assert_eq!(
+        crate::agent::trace::prompt_tokens_per_call(&events).len(),
+        4
+    );
 }
 
 #[tokio::test]
 async fn finish_is_accepted_only_when_the_task_check_passes() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let fake = FakeSandbox::new(Arc::new(|cmd: &str, files: &mut crate::agent::sandbox::FakeFiles| {
-        if cmd == "test -f /workspace/done" {
-            return if files.contains_key("/workspace/done") { (0, String::new()) } else { (1, "not done\n".into()) };
-        }
-        (basic_handler())(cmd, files)
-    }));
+    let fake = FakeSandbox::new(Arc::new(
+        |cmd: &str, files: &mut crate::agent::sandbox::FakeFiles| {
+            if cmd == "test -f /workspace/done" {
+                return if files.contains_key("/workspace/done") {
+                    (0, String::new())
+                } else {
+                    (1, "not done\n".into())
+                };
+            }
+            (basic_handler())(cmd, files)
+        },
+    ));
     let mut s = spec("make done exist");
     s.verify = Some("test -f /workspace/done".into());
     let (report, model) = run(
@@ -112,8 +143,14 @@ async fn finish_is_accepted_only_when_the_task_check_passes() {
     assert_eq!(report.answer.as_deref(), Some("now done"));
     let log = model.log.lock().map(|l| l.clone()).unwrap_or_default();
     let second = log[1].to_string();
-    assert!(second.contains("finish REJECTED: the task check failed"), "{second}");
-    assert!(second.contains(r#"\"expected\":\"exit code 0\""#), "{second}");
+    assert!(
+        second.contains("finish REJECTED: the task check failed"),
+        "{second}"
+    );
+    assert!(
+        second.contains(r#"\"expected\":\"exit code 0\""#),
+        "{second}"
+    );
 }
 
 #[tokio::test]
@@ -122,7 +159,13 @@ async fn repeated_rejections_fail_with_verify_failed() {
     let fake = FakeSandbox::new(basic_handler());
     let mut s = spec("x");
     s.verify = Some("exit 1".into());
-    let (report, _) = run(&fake, s, vec![Reply::finish("a"), Reply::finish("b"), Reply::finish("c")], dir.path()).await;
+    let (report, _) = run(
+        &fake,
+        s,
+        vec![Reply::finish("a"), Reply::finish("b"), Reply::finish("c")],
+        dir.path(),
+    )
+    .await;
     assert_eq!(report.status, RunStatus::Failed);
     assert_eq!(report.reason, StopReason::VerifyFailed);
 }
@@ -155,17 +198,32 @@ async fn malformed_calls_are_repaired_or_reasked_with_only_the_latest_error() {
     assert!(third.contains("needs the argument `content`"), "{third}");
     assert_eq!(third.matches("could not be used").count(), 1, "{third}");
     // The repaired call is kept as it should have been written.
-    assert!(log[1].to_string().contains(r#"{\"command\":\"echo one >> log\"}"#), "{}", log[1]);
+    assert!(
+        log[1]
+            .to_string()
+            .contains(r#"{\"command\":\"echo one >> log\"}"#),
+        "{}",
+        log[1]
+    );
     let fourth = log[4].to_string();
     assert!(fourth.contains("did not call a tool"), "{fourth}");
-    assert!(!fourth.contains("needs the argument"), "old errors are dropped: {fourth}");
+    assert!(
+        !fourth.contains("needs the argument"),
+        "old errors are dropped: {fourth}"
+    );
 }
 
 #[tokio::test]
 async fn endless_garbage_stops_as_malformed_output() {
     let dir = tempfile::tempdir().expect("tempdir");
     let fake = FakeSandbox::new(basic_handler());
-    let (report, _) = run(&fake, spec("x"), vec![Reply::raw("nope", "{}"); 10], dir.path()).await;
+    let (report, _) = run(
+        &fake,
+        spec("x"),
+        vec![Reply::raw("nope", "{}"); 10],
+        dir.path(),
+    )
+    .await;
     assert_eq!(report.reason, StopReason::MalformedOutput);
     assert_eq!(report.status, RunStatus::Failed);
 }
@@ -174,7 +232,13 @@ async fn endless_garbage_stops_as_malformed_output() {
 async fn a_stuck_loop_stops_as_no_progress_with_a_salvage() {
     let dir = tempfile::tempdir().expect("tempdir");
     let fake = FakeSandbox::new(basic_handler());
-    let (report, _) = run(&fake, spec("x"), vec![Reply::bash("cat missing"); 20], dir.path()).await;
+    let (report, _) = run(
+        &fake,
+        spec("x"),
+        vec![Reply::bash("cat missing"); 20],
+        dir.path(),
+    )
+    .await;
     assert_eq!(report.status, RunStatus::Stopped);
     assert_eq!(report.reason, StopReason::NoProgress);
     assert_eq!(report.steps, 4);
@@ -188,18 +252,34 @@ async fn budgets_stop_with_their_reason() {
     let fake = FakeSandbox::new(basic_handler());
     let mut s = spec("x");
     s.max_tokens = Some(6_000);
-    let replies: Vec<Reply> = (0..50).map(|i| Reply::bash(&format!("echo {i} >> log"))).collect();
+    let replies: Vec<Reply> = (0..50)
+        .map(|i| Reply::bash(&format!("echo {i} >> log")))
+        .collect();
     let (report, model) = run(&fake, s, replies, dir.path()).await;
     assert_eq!(report.reason, StopReason::BudgetTokens, "{report:?}");
     assert_eq!(report.status, RunStatus::Stopped);
     assert!(report.final_snapshot_id.is_some());
     let log = model.log.lock().map(|l| l.clone()).unwrap_or_default();
-    assert!(log.iter().any(|r| r.to_string().contains("BUDGET WARNING")), "soft warning before the stop");
+    assert!(
+        log.iter().any(|r| r.to_string().contains("BUDGET WARNING")),
+        "soft warning before the stop"
+    );
 
     let dir = tempfile::tempdir().expect("tempdir");
     let mut s = spec("x");
     s.max_steps = 3;
-    let (report, _) = run(&fake, s, vec![Reply::bash("echo a >> log"), Reply::bash("echo b >> log"), Reply::bash("echo c >> log"), Reply::bash("echo d >> log")], dir.path()).await;
+    let (report, _) = run(
+        &fake,
+        s,
+        vec![
+            Reply::bash("echo a >> log"),
+            Reply::bash("echo b >> log"),
+            Reply::bash("echo c >> log"),
+            Reply::bash("echo d >> log"),
+        ],
+        dir.path(),
+    )
+    .await;
     assert_eq!(report.reason, StopReason::MaxSteps);
     assert_eq!(report.steps, 3);
 }
@@ -208,8 +288,18 @@ async fn budgets_stop_with_their_reason() {
 async fn retryable_model_errors_are_retried() {
     let dir = tempfile::tempdir().expect("tempdir");
     let fake = FakeSandbox::new(basic_handler());
-    let busy = Reply::Status { code: 503, body: "busy".into(), retry_after: None };
-    let (report, _) = run(&fake, spec("x"), vec![busy.clone(), busy, Reply::finish("ok")], dir.path()).await;
+    let busy = Reply::Status {
+        code: 503,
+        body: "busy".into(),
+        retry_after: None,
+    };
+    let (report, _) = run(
+        &fake,
+        spec("x"),
+        vec![busy.clone(), busy, Reply::finish("ok")],
+        dir.path(),
+    )
+    .await;
     assert_eq!(report.status, RunStatus::Done, "{report:?}");
     let events = crate::agent::trace::read(&dir.path().join("runs/r1/trace.jsonl")).expect("trace");
     assert_eq!(events.iter().filter(|e| e["event"] == "retry").count(), 2);
@@ -222,16 +312,34 @@ async fn auth_failure_is_fatal_and_resumable() {
     let (report, _) = run(
         &fake,
         spec("x"),
-        vec![Reply::bash("echo one >> log"), Reply::Status { code: 401, body: "bad key".into(), retry_after: None }],
+        vec![
+            Reply::bash("echo one >> log"),
+            Reply::Status {
+                code: 401,
+                body: "bad key".into(),
+                retry_after: None,
+            },
+        ],
         dir.path(),
     )
     .await;
     assert_eq!(report.reason, StopReason::FatalError);
     assert!(report.resumable);
-    assert!(report.error.as_deref().is_some_and(|e| e.contains("bad key")), "{report:?}");
-    let resumed = resume(fake.clone(), |_| Ok(llm(vec![Reply::finish("ok")]) as Arc<dyn LlmProvider>), "r1", opts(dir.path()))
-        .await
-        .expect("resume");
+    assert!(
+        report
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("bad key")),
+        "{report:?}"
+    );
+    let resumed = resume(
+        fake.clone(),
+        |_| Ok(llm(vec![Reply::finish("ok")]) as Arc<dyn LlmProvider>),
+        "r1",
+        opts(dir.path()),
+    )
+    .await
+    .expect("resume");
     assert_eq!(resumed.status, RunStatus::Done, "{resumed:?}");
     assert_eq!(resumed.steps, 2);
     assert_eq!(log_file(&fake, &resumed), "one\n");
@@ -242,7 +350,14 @@ async fn crashed_run(dir: &std::path::Path, fake: &FakeSandbox) -> Checkpoint {
     let (report, _) = run(
         fake,
         spec("x"),
-        vec![Reply::bash("echo one >> log"), Reply::Status { code: 401, body: "x".into(), retry_after: None }],
+        vec![
+            Reply::bash("echo one >> log"),
+            Reply::Status {
+                code: 401,
+                body: "x".into(),
+                retry_after: None,
+            },
+        ],
         dir,
     )
     .await;
@@ -251,7 +366,11 @@ async fn crashed_run(dir: &std::path::Path, fake: &FakeSandbox) -> Checkpoint {
     let mut ck = store.load("r1").expect("checkpoint");
     ck.outcome = None;
     ck.state = LoopState::Acting;
-    let action = Action::Bash { command: "echo two >> log".into(), timeout_secs: None, background: false };
+    let action = Action::Bash {
+        command: "echo two >> log".into(),
+        timeout_secs: None,
+        background: false,
+    };
     ck.pending = Some(PendingAction {
         step: 2,
         call_id: "call_x".into(),
@@ -269,9 +388,14 @@ async fn crashed_run(dir: &std::path::Path, fake: &FakeSandbox) -> Checkpoint {
 async fn resume_to_end(dir: &std::path::Path, fake: &FakeSandbox) -> (RunReport, Arc<ScriptedLlm>) {
     let model = llm(vec![Reply::finish("ok")]);
     let m = model.clone();
-    let report = resume(fake.clone(), move |_| Ok(m as Arc<dyn LlmProvider>), "r1", opts(dir))
-        .await
-        .expect("resume");
+    let report = resume(
+        fake.clone(),
+        move |_| Ok(m as Arc<dyn LlmProvider>),
+        "r1",
+        opts(dir),
+    )
+    .await
+    .expect("resume");
     (report, model)
 }
 
@@ -289,8 +413,16 @@ async fn resume_adopts_an_exec_the_daemon_recorded() {
     let (report, model) = resume_to_end(dir.path(), &fake).await;
     assert_eq!(report.status, RunStatus::Done, "{report:?}");
     assert_eq!(report.steps, 3);
-    assert_eq!(log_file(&fake, &report), "one\ntwo\n", "the effect landed once");
-    let prompt = model.log.lock().map(|l| l[0].to_string()).unwrap_or_default();
+    assert_eq!(
+        log_file(&fake, &report),
+        "one\ntwo\n",
+        "the effect landed once"
+    );
+    let prompt = model
+        .log
+        .lock()
+        .map(|l| l[0].to_string())
+        .unwrap_or_default();
     assert!(prompt.contains("Resumed at step 1"), "{prompt}");
     assert!(prompt.contains("recorded result is used"), "{prompt}");
 }
@@ -303,7 +435,12 @@ async fn resume_reruns_an_action_that_never_started() {
     let (report, _) = resume_to_end(dir.path(), &fake).await;
     assert_eq!(report.status, RunStatus::Done, "{report:?}");
     assert_eq!(log_file(&fake, &report), "one\ntwo\n");
-    assert!(fake.execs().iter().any(|e| e.idempotency_key == "r1:2:act:1"), "re-run under a new key");
+    assert!(
+        fake.execs()
+            .iter()
+            .any(|e| e.idempotency_key == "r1:2:act:1"),
+        "re-run under a new key"
+    );
 }
 
 #[tokio::test]
@@ -318,10 +455,16 @@ async fn resume_rolls_back_a_lost_exec_before_running_it_again() {
         ..crate::exec_request(ck.sandbox_id.as_str(), ["sh", "-c", "echo two >> log"])
     };
     fake.exec(req).await.expect("lost exec");
-    fake.write_file(&ck.sandbox_id, "/workspace/log", b"one\ntw".to_vec()).await.expect("half a write");
+    fake.write_file(&ck.sandbox_id, "/workspace/log", b"one\ntw".to_vec())
+        .await
+        .expect("half a write");
     let (report, _) = resume_to_end(dir.path(), &fake).await;
     assert_eq!(report.status, RunStatus::Done, "{report:?}");
-    assert_eq!(log_file(&fake, &report), "one\ntwo\n", "rolled back, then run once");
+    assert_eq!(
+        log_file(&fake, &report),
+        "one\ntwo\n",
+        "rolled back, then run once"
+    );
 }
 
 #[tokio::test]
@@ -346,11 +489,18 @@ async fn corrupt_checkpoint_is_a_clear_error_not_a_fresh_start() {
     let n = bytes.len();
     bytes[n - 10] ^= 0x20;
     std::fs::write(&path, bytes).expect("write");
-    let err = resume(fake.clone(), |_| Ok(llm(vec![]) as Arc<dyn LlmProvider>), "r1", opts(dir.path()))
-        .await
-        .err()
-        .expect("refused");
-    assert!(err.to_string().contains("is corrupt: checksum mismatch"), "{err}");
+    let err = resume(
+        fake.clone(),
+        |_| Ok(llm(vec![]) as Arc<dyn LlmProvider>),
+        "r1",
+        opts(dir.path()),
+    )
+    .await
+    .expect_err("refused");
+    assert!(
+        err.to_string().contains("is corrupt: checksum mismatch"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
@@ -359,13 +509,26 @@ async fn a_finished_run_is_reported_not_rerun() {
     let fake = FakeSandbox::new(basic_handler());
     let (first, _) = run(&fake, spec("x"), vec![Reply::finish("42")], dir.path()).await;
     let execs = fake.execs().len();
-    let again = resume(fake.clone(), |_| Ok(llm(vec![]) as Arc<dyn LlmProvider>), "r1", opts(dir.path()))
-        .await
-        .expect("report");
+    let again = resume(
+        fake.clone(),
+        |_| Ok(llm(vec![]) as Arc<dyn LlmProvider>),
+        "r1",
+        opts(dir.path()),
+    )
+    .await
+    .expect("report");
     assert_eq!(again.answer.as_deref(), Some("42"));
     assert_eq!(again.status, first.status);
     assert_eq!(fake.execs().len(), execs);
-    let err = start(fake.clone(), llm(vec![]), spec("x"), Some("r1".into()), opts(dir.path())).await.err().expect("exists");
+    let err = start(
+        fake.clone(),
+        llm(vec![]),
+        spec("x"),
+        Some("r1".into()),
+        opts(dir.path()),
+    )
+    .await
+    .expect_err("exists");
     assert!(matches!(err, AgentError::RunExists(_)), "{err}");
 }
 
@@ -376,7 +539,9 @@ async fn context_stays_bounded_over_many_steps() {
     let mut s = spec("count");
     s.max_steps = 120;
     s.context_window = 8_000;
-    let replies: Vec<Reply> = (0..130).map(|i| Reply::bash(&format!("seq {}", 40 + i % 7))).collect();
+    let replies: Vec<Reply> = (0..130)
+        .map(|i| Reply::bash(&format!("seq {}", 40 + i % 7)))
+        .collect();
     let (report, _) = run(&fake, s, replies, dir.path()).await;
     assert_eq!(report.reason, StopReason::MaxSteps, "{report:?}");
     let events = crate::agent::trace::read(&dir.path().join("runs/r1/trace.jsonl")).expect("trace");
@@ -385,4 +550,73 @@ async fn context_stays_bounded_over_many_steps() {
     let max = per_call.iter().copied().max().unwrap_or(0);
     assert!(max <= 8_000 * 7 / 10 + 600, "prompt grew to {max}");
     assert!(events.iter().any(|e| e["event"] == "compaction"));
+}
+
+#[tokio::test]
+async fn a_daemon_outage_goes_through_retrying_with_the_same_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    fake.refuse_execs(":act:", 2);
+    let (report, _) = run(
+        &fake,
+        spec("x"),
+        vec![Reply::bash("echo one >> log"), Reply::finish("ok")],
+        dir.path(),
+    )
+    .await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    assert_eq!(log_file(&fake, &report), "one\n");
+    let events = crate::agent::trace::read(&dir.path().join("runs/r1/trace.jsonl")).expect("trace");
+    let retries = events
+        .iter()
+        .filter(|e| {
+            e["event"] == "transition"
+                && e["to"] == "RETRYING"
+                && e["why"]
+                    .as_str()
+                    .is_some_and(|w| w.contains("daemon unavailable"))
+        })
+        .count();
+    assert_eq!(retries, 2);
+    let keys: Vec<String> = fake
+        .execs()
+        .iter()
+        .map(|e| e.idempotency_key.clone())
+        .filter(|k| k.contains(":act:"))
+        .collect();
+    assert_eq!(
+        keys,
+        vec!["r1:1:act:0"],
+        "re-sent under the same key, run once"
+    );
+}
+
+#[tokio::test]
+async fn a_lost_exec_during_a_run_is_rolled_back_and_run_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    // Step 2's exec is lost (the daemon died under it); step 1 must run normally first.
+    let f = fake.clone();
+    let watcher = tokio::spawn(async move {
+        while !f.execs().iter().any(|e| e.idempotency_key == "r1:1:act:0") {
+            tokio::task::yield_now().await;
+        }
+        f.lose_next_exec();
+    });
+    let replies = vec![
+        Reply::bash("echo one >> log"),
+        Reply::bash("echo two >> log"),
+        Reply::finish("ok"),
+    ];
+    let (report, _) = run(&fake, spec("x"), replies, dir.path()).await;
+    watcher.abort();
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    assert_eq!(log_file(&fake, &report), "one\ntwo\n");
+    let keys: Vec<String> = fake
+        .execs()
+        .iter()
+        .map(|e| e.idempotency_key.clone())
+        .filter(|k| k.contains(":act:"))
+        .collect();
+    assert_eq!(keys, vec!["r1:1:act:0", "r1:2:act:0", "r1:2:act:1"]);
 }

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agent_client::agent::checkpoint::{CheckpointError, CheckpointStore, FileStore};
-use agent_client::agent::{self, trace, AgentError, LlmProvider, OpenAiProvider, RunOptions, RunReport, RunSpec, RunStatus};
+use agent_client::agent::{
+    self, trace, AgentError, LlmProvider, OpenAiProvider, RunOptions, RunReport, RunSpec, RunStatus,
+};
 use anyhow::{Context, Result};
 use serde_json::json;
 
@@ -42,7 +44,11 @@ fn init_logging() {
 
 fn state_dir(given: Option<PathBuf>) -> PathBuf {
     given
-        .or_else(|| std::env::var_os(agent::STATE_DIR_ENV).filter(|v| !v.is_empty()).map(PathBuf::from))
+        .or_else(|| {
+            std::env::var_os(agent::STATE_DIR_ENV)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        })
         .unwrap_or_else(|| PathBuf::from(agent::DEFAULT_STATE_DIR))
 }
 
@@ -77,7 +83,11 @@ async fn run(ctx: &Ctx, args: AgentRunArgs) -> Result<u8> {
     let spec = RunSpec {
         task: args.task,
         model: model.clone(),
-        isolation: args.isolation.map(isolation_name).unwrap_or_default().into(),
+        isolation: args
+            .isolation
+            .map(isolation_name)
+            .unwrap_or_default()
+            .into(),
         image: args.image.unwrap_or_default(),
         verify: args.verify.filter(|v| !v.trim().is_empty()),
         max_steps: args.max_steps,
@@ -92,8 +102,13 @@ async fn run(ctx: &Ctx, args: AgentRunArgs) -> Result<u8> {
     };
     let run_id = args.run_id.unwrap_or_else(agent::runner::new_run_id);
     let llm = provider(&model)?;
-    let client = ctx.client().await?;
-    output::note(&format!("agent run {run_id} (resume with: sbx agent resume {run_id})"))?;
+    let client = match ctx.client().await {
+        Ok(c) => c,
+        Err(e) => return Err(failed(ctx, &run_id, "fatal_error", e)),
+    };
+    output::note(&format!(
+        "agent run {run_id} (resume with: sbx agent resume {run_id})"
+    ))?;
     let opts = options(state_dir(args.state_dir), args.fold_after, args.llm_rate);
     let result = agent::start(client, llm, spec, Some(run_id.clone()), opts).await;
     finish(ctx, &run_id, result)
@@ -101,7 +116,10 @@ async fn run(ctx: &Ctx, args: AgentRunArgs) -> Result<u8> {
 
 async fn resume(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
     let opts = options(state_dir(dir), None, None);
-    let client = ctx.client().await?;
+    let client = match ctx.client().await {
+        Ok(c) => c,
+        Err(e) => return Err(failed(ctx, &run_id, "fatal_error", e)),
+    };
     let result = agent::resume(client, |spec| provider(&spec.model), &run_id, opts).await;
     finish(ctx, &run_id, result)
 }
@@ -111,29 +129,17 @@ fn finish(ctx: &Ctx, run_id: &str, result: Result<RunReport, AgentError>) -> Res
     let report = match result {
         Ok(r) => r,
         Err(e) => {
-            if ctx.json {
-                let reason = match &e {
-                    AgentError::Checkpoint(CheckpointError::Corrupt { .. }) => "checkpoint_corrupt",
-                    AgentError::Checkpoint(CheckpointError::Incompatible { .. }) => "checkpoint_incompatible",
-                    AgentError::Checkpoint(CheckpointError::NotFound { .. }) => "unknown_run",
-                    AgentError::Checkpoint(CheckpointError::Locked(_)) => "run_in_use",
-                    AgentError::RunExists(_) => "run_exists",
-                    _ => "fatal_error",
-                };
-                output::json(&json!({
-                    "run_id": run_id,
-                    "status": "failed",
-                    "reason": reason,
-                    "steps": 0,
-                    "prompt_tokens": 0,
-                    "completion_tokens": 0,
-                    "sandbox_id": null,
-                    "final_snapshot_id": null,
-                    "answer": null,
-                    "error": e.to_string(),
-                }))?;
-            }
-            return Err(anyhow::Error::new(e));
+            let reason = match &e {
+                AgentError::Checkpoint(CheckpointError::Corrupt { .. }) => "checkpoint_corrupt",
+                AgentError::Checkpoint(CheckpointError::Incompatible { .. }) => {
+                    "checkpoint_incompatible"
+                }
+                AgentError::Checkpoint(CheckpointError::NotFound { .. }) => "unknown_run",
+                AgentError::Checkpoint(CheckpointError::Locked(_)) => "run_in_use",
+                AgentError::RunExists(_) => "run_exists",
+                _ => "fatal_error",
+            };
+            return Err(failed(ctx, run_id, reason, anyhow::Error::new(e)));
         }
     };
     if ctx.json {
@@ -151,7 +157,11 @@ fn finish(ctx: &Ctx, run_id: &str, result: Result<RunReport, AgentError>) -> Res
                 "tokens: {} prompt + {} completion{}; {:.1}s",
                 report.prompt_tokens,
                 report.completion_tokens,
-                if report.cost_usd > 0.0 { format!("; ${:.4}", report.cost_usd) } else { String::new() },
+                if report.cost_usd > 0.0 {
+                    format!("; ${:.4}", report.cost_usd)
+                } else {
+                    String::new()
+                },
                 report.elapsed_ms as f64 / 1000.0
             ),
             format!(
@@ -181,15 +191,38 @@ fn finish(ctx: &Ctx, run_id: &str, result: Result<RunReport, AgentError>) -> Res
     })
 }
 
+/// With `--json`, prints the failure as the one JSON object scripts expect, then hands the
+/// error back for the `sbx: …` line and exit code 1.
+fn failed(ctx: &Ctx, run_id: &str, reason: &str, e: anyhow::Error) -> anyhow::Error {
+    if ctx.json {
+        let printed = output::json(&json!({
+            "run_id": run_id,
+            "status": "failed",
+            "reason": reason,
+            "steps": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "sandbox_id": null,
+            "final_snapshot_id": null,
+            "answer": null,
+            "error": crate::message(&e),
+        }));
+        if let Err(p) = printed {
+            return p;
+        }
+    }
+    e
+}
+
 fn show(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
     let store = FileStore::new(state_dir(dir));
     let ck = store.load(&run_id)?;
     let trace_path = store.run_dir(&run_id).join("trace.jsonl");
     let events = trace::read(&trace_path).unwrap_or_default();
-    let status = ck
-        .outcome
-        .as_ref()
-        .map_or_else(|| format!("in progress ({})", ck.state), |o| format!("{} ({})", o.reason.status().as_str(), o.reason));
+    let status = ck.outcome.as_ref().map_or_else(
+        || format!("in progress ({})", ck.state),
+        |o| format!("{} ({})", o.reason.status().as_str(), o.reason),
+    );
     let per_call = trace::prompt_tokens_per_call(&events);
     if ctx.json {
         output::json(&json!({
@@ -226,21 +259,67 @@ fn show(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
     };
     let rows = [
         ("RUN", ck.run_id.clone()),
-        ("TASK", output::ellipsize(&ck.spec.task.replace('\n', " "), 100)),
-        ("MODEL", format!("{} (window {} tokens)", ck.spec.model, ck.spec.context_window)),
+        (
+            "TASK",
+            output::ellipsize(&ck.spec.task.replace('\n', " "), 100),
+        ),
+        (
+            "MODEL",
+            format!(
+                "{} (window {} tokens)",
+                ck.spec.model, ck.spec.context_window
+            ),
+        ),
         ("STATUS", status),
-        ("STEPS", budget(ck.step.to_string(), Some(ck.spec.max_steps.to_string()))),
-        ("TOKENS", budget(
-            format!("{} ({} prompt + {} completion, {} calls)", ck.budget.tokens(), ck.budget.prompt_tokens, ck.budget.completion_tokens, ck.budget.llm_calls),
-            ck.spec.max_tokens.map(|t| t.to_string()),
-        )),
-        ("COST", budget(format!("${:.4}", ck.budget.cost_usd), ck.spec.max_cost.map(|c| format!("${c:.4}")))),
-        ("TIME", budget(format!("{:.1}s", ck.budget.elapsed_ms_before as f64 / 1000.0), ck.spec.max_time_secs.map(|s| format!("{s}s")))),
-        ("PROMPT/STEP", match (per_call.iter().min(), per_call.iter().max()) {
-            (Some(min), Some(max)) => format!("min {min}, max {max}, last {}", per_call.last().copied().unwrap_or(0)),
-            _ => "-".into(),
-        }),
-        ("SANDBOX", format!("{} (snapshot {})", ck.sandbox_id, ck.snapshot_id.as_deref().unwrap_or("-"))),
+        (
+            "STEPS",
+            budget(ck.step.to_string(), Some(ck.spec.max_steps.to_string())),
+        ),
+        (
+            "TOKENS",
+            budget(
+                format!(
+                    "{} ({} prompt + {} completion, {} calls)",
+                    ck.budget.tokens(),
+                    ck.budget.prompt_tokens,
+                    ck.budget.completion_tokens,
+                    ck.budget.llm_calls
+                ),
+                ck.spec.max_tokens.map(|t| t.to_string()),
+            ),
+        ),
+        (
+            "COST",
+            budget(
+                format!("${:.4}", ck.budget.cost_usd),
+                ck.spec.max_cost.map(|c| format!("${c:.4}")),
+            ),
+        ),
+        (
+            "TIME",
+            budget(
+                format!("{:.1}s", ck.budget.elapsed_ms_before as f64 / 1000.0),
+                ck.spec.max_time_secs.map(|s| format!("{s}s")),
+            ),
+        ),
+        (
+            "PROMPT/STEP",
+            match (per_call.iter().min(), per_call.iter().max()) {
+                (Some(min), Some(max)) => format!(
+                    "min {min}, max {max}, last {}",
+                    per_call.last().copied().unwrap_or(0)
+                ),
+                _ => "-".into(),
+            },
+        ),
+        (
+            "SANDBOX",
+            format!(
+                "{} (snapshot {})",
+                ck.sandbox_id,
+                ck.snapshot_id.as_deref().unwrap_or("-")
+            ),
+        ),
         ("SESSIONS", (ck.sessions + 1).to_string()),
         ("TRACE", ck.trace_id.clone()),
     ];
@@ -254,7 +333,10 @@ fn show(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
     if !ck.context.pinned.is_empty() {
         text.push_str("\nPinned facts:\n");
         for (k, v) in &ck.context.pinned {
-            text.push_str(&format!("  {k}: {}\n", output::ellipsize(&v.replace('\n', " "), 160)));
+            text.push_str(&format!(
+                "  {k}: {}\n",
+                output::ellipsize(&v.replace('\n', " "), 160)
+            ));
         }
     }
     text.push('\n');
@@ -273,9 +355,9 @@ fn isolation_name(i: IsolationArg) -> &'static str {
 
 /// `IN,OUT` in USD per million tokens.
 fn parse_price(s: &str) -> Result<(f64, f64)> {
-    let (a, b) = s
-        .split_once(',')
-        .with_context(|| format!("--price {s:?}: expected IN,OUT (USD per million prompt and completion tokens)"))?;
+    let (a, b) = s.split_once(',').with_context(|| {
+        format!("--price {s:?}: expected IN,OUT (USD per million prompt and completion tokens)")
+    })?;
     let parse = |x: &str| {
         x.trim()
             .parse::<f64>()

@@ -156,7 +156,12 @@ pub struct AgentRunArgs {
     #[arg(long, value_name = "ID")]
     pub run_id: Option<String>,
     /// Model name, as the endpoint knows it.
-    #[arg(long, env = "OPENAI_MODEL", default_value = "gpt-4o-mini", value_name = "NAME")]
+    #[arg(
+        long,
+        env = "OPENAI_MODEL",
+        default_value = "gpt-4o-mini",
+        value_name = "NAME"
+    )]
     pub model: String,
     /// Isolation tier of the sandbox [default: the daemon's policy].
     #[arg(long, value_enum)]
@@ -391,6 +396,51 @@ mod tests {
         assert!(parse(&["create", "--memory", "12X"]).is_err());
         assert!(parse(&["create", "--cpus", "1", "--cpu-millicores", "500"]).is_err());
         assert!(parse(&["kill", "ex-1", "--signal", "BOGUS"]).is_err());
+    }
+
+    #[test]
+    fn agent_run_takes_the_documented_flags() {
+        let cli = parse(&[
+            "agent",
+            "run",
+            "--task",
+            "fix it",
+            "--run-id",
+            "r1",
+            "--model",
+            "gpt-4o",
+            "--isolation",
+            "process",
+            "--image",
+            "debian",
+            "--verify",
+            "make test",
+            "--max-steps",
+            "7",
+            "--context-window",
+            "8000",
+            "--state-dir",
+            "/tmp/s",
+            "--json",
+        ])
+        .expect("valid");
+        assert!(cli.json);
+        let Command::Agent(AgentCommand::Run(args)) = cli.command else {
+            panic!("not agent run")
+        };
+        assert_eq!(args.task, "fix it");
+        assert_eq!(args.run_id.as_deref(), Some("r1"));
+        assert_eq!(args.verify.as_deref(), Some("make test"));
+        assert_eq!(args.max_steps, 7);
+        assert_eq!(args.context_window, Some(8000));
+        assert_eq!(args.state_dir, Some(PathBuf::from("/tmp/s")));
+        let cli =
+            parse(&["agent", "resume", "r1", "--json", "--state-dir", "/tmp/s"]).expect("valid");
+        assert!(
+            matches!(cli.command, Command::Agent(AgentCommand::Resume { ref run_id, .. }) if run_id == "r1")
+        );
+        assert!(parse(&["agent", "run"]).is_err(), "--task is required");
+        assert!(parse(&["agent", "show"]).is_err(), "RUN_ID is required");
     }
 
     #[test]
