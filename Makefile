@@ -24,7 +24,7 @@ build:
 	$(CARGO) build --workspace --bins
 
 release:
-	$(CARGO) build --release -p sandboxd -p agent-client
+	$(CARGO) build --release -p sandboxd -p agent-client --bins
 
 ## run: build, prepare the default image if missing, start sandboxd in the foreground.
 run: deps release
@@ -46,6 +46,7 @@ bench: deps release
 	@[ -f $(IMAGES_DIR)/debian/image.json ] || $(MAKE) image-debian
 	$(CARGO) build --release -p sandbox-tests --bin bench
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/bench --out BENCHMARKS.md
+	target/release/agent_bench --out BENCHMARKS.md
 
 clean:
 	$(CARGO) clean
