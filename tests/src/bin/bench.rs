@@ -1,20 +1,24 @@
-//! `bench`: latency and density of `sandboxd`, with Docker measured in the same run.
+//! `bench`: latency, snapshots, forks, exec throughput and density of `sandboxd`, with Docker
+//! measured in the same run.
 //!
 //! Starts the real daemon (`SANDBOXD_BIN`) through the test harness, drives it with the real
 //! client over its UNIX socket, measures the Docker Engine API the same way (one API client, one
 //! call after another), prints a markdown report and, with `--out`, writes it to a file.
-//! `make bench` runs it as `target/release/bench --out BENCHMARKS.md`.
+//! `make bench` runs it as `target/release/bench --out BENCHMARKS.md`. A `## Agent loop` section
+//! already in that file (another bench appends it) is carried over to the end of the new one.
 //!
-//! Every sandbox and container it makes is removed again, also when a section fails or the run
-//! is interrupted with Ctrl-C. Docker missing is not a failure (its rows say "unavailable");
-//! a sandboxd section that fails is, and the exit code says so. Targets that are missed are
-//! reported as MISS but do not change the exit code: this is a measurement, not a gate.
+//! Every sandbox, snapshot and container it makes is removed again, also when a section fails or
+//! the run is interrupted with Ctrl-C. Docker missing is not a failure (its rows, and those of
+//! sandboxd's container tier, say "unavailable"); a sandboxd section that fails is, and the exit
+//! code says so. Targets that are missed are reported as MISS but do not change the exit code:
+//! this is a measurement, not a gate.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use agent_client::{exec_request, Client};
@@ -37,11 +41,28 @@ const DOCKER_SOCKET: &str = "/var/run/docker.sock";
 const DOCKER_IMAGE: &str = "sandboxd-bench-minimal:latest";
 /// Label on every container the bench makes, so leftovers of a killed run can be found.
 const DOCKER_LABEL: &str = "sandboxd-bench";
-/// Targets from the issue.
+/// Targets from the issues (foundation, snapshots, container tier).
 const TARGET_CREATE_P50_MS: f64 = 20.0;
 const TARGET_EXEC_P50_MS: f64 = 3.0;
 const TARGET_LIVE: usize = 100;
 const TARGET_RSS_BYTES: u64 = 100 << 20;
+const TARGET_SNAPSHOT_P50_MS: f64 = 20.0;
+const TARGET_ROLLBACK_P50_MS: f64 = 30.0;
+/// How much slower snapshot and rollback may be over a 100× larger image (same bytes changed).
+const TARGET_LARGE_IMAGE_FACTOR: f64 = 2.0;
+/// How much a fork may cost beyond a plain create.
+const TARGET_FORK_OVER_CREATE_MS: f64 = 10.0;
+/// Container tier against the raw Docker API calls for the same work.
+const TARGET_CONTAINER_VS_DOCKER: f64 = 1.1;
+const TARGET_CONTAINER_ROLLBACK_P50_MS: f64 = 300.0;
+
+/// MiB written since the image before each snapshot: a small change and a large one.
+const CHANGED_SMALL_MIB: u32 = 1;
+const CHANGED_LARGE_MIB: u32 = 100;
+/// Forks taken of one snapshot in a row, timed together.
+const FORK_BATCH: usize = 10;
+/// Sandboxes the exec throughput section spreads its execs over.
+const THROUGHPUT_SANDBOXES: usize = 8;
 
 /// Pause between the execs of the spaced exec row: an agent that thinks between commands.
 /// Longer than a few RCU grace periods, so each exec meets the kernel as a lone one would.
@@ -65,7 +86,10 @@ struct Args {
     out: Option<PathBuf>,
     /// Samples in every latency section. Default: each section's own (100 creates, 1,000
     /// GetSandbox calls and execs back to back, 100 execs 100 ms apart, 200 streamed execs,
-    /// 30 docker runs and create+starts, 200 docker execs).
+    /// 20 snapshot+rollbacks with 1 MiB changed and 10 with 100 MiB, 30 forks, 5 batches of 10
+    /// forks, 20 container-tier creates, 100 container-tier execs, 10 container-tier
+    /// snapshot+rollbacks, 30 docker runs and create+starts, 200 docker execs). The exec
+    /// throughput section keeps its own counts.
     #[arg(long)]
     iterations: Option<usize>,
     /// Sandboxes kept alive at once in the density section (default 100; 10 with --quick).
@@ -74,7 +98,7 @@ struct Args {
     /// Smoke mode: a few samples per section, done in seconds. Not numbers to compare.
     #[arg(long)]
     quick: bool,
-    /// Leave out the Docker baseline.
+    /// Leave out everything that needs Docker: the baseline and sandboxd's container tier.
     #[arg(long)]
     no_docker: bool,
 }
@@ -88,6 +112,17 @@ struct Plan {
     stream: usize,
     spaced: usize,
     live: usize,
+    /// Snapshot+rollback samples with [`CHANGED_SMALL_MIB`] and [`CHANGED_LARGE_MIB`] written.
+    snap_small: usize,
+    snap_large: usize,
+    /// Single forks, and batches of [`FORK_BATCH`] forks.
+    fork: usize,
+    fork_batches: usize,
+    /// (concurrency, execs) of each level of the exec throughput section.
+    throughput: [(usize, usize); 3],
+    container_create: usize,
+    container_exec: usize,
+    container_snap: usize,
     docker_run: usize,
     docker_create: usize,
     docker_exec: usize,
@@ -106,6 +141,14 @@ impl Plan {
                 stream: 20,
                 spaced: 10,
                 live: 10,
+                snap_small: 5,
+                snap_large: 2,
+                fork: 5,
+                fork_batches: 1,
+                throughput: [(1, 50), (8, 100), (64, 200)],
+                container_create: 3,
+                container_exec: 10,
+                container_snap: 2,
                 docker_run: 3,
                 docker_create: 3,
                 docker_exec: 10,
@@ -119,6 +162,15 @@ impl Plan {
                 stream: 200,
                 spaced: 100,
                 live: TARGET_LIVE,
+                snap_small: 20,
+                snap_large: 10,
+                fork: 30,
+                fork_batches: 5,
+                // Sized so that each level runs a few seconds on a small machine.
+                throughput: [(1, 500), (8, 1500), (64, 2000)],
+                container_create: 20,
+                container_exec: 100,
+                container_snap: 10,
                 docker_run: 30,
                 docker_create: 30,
                 docker_exec: 200,
@@ -135,6 +187,15 @@ impl Plan {
                 p.docker_run,
                 p.docker_create,
                 p.docker_exec,
+            ) = (n, n, n, n, n, n, n);
+            (
+                p.snap_small,
+                p.snap_large,
+                p.fork,
+                p.fork_batches,
+                p.container_create,
+                p.container_exec,
+                p.container_snap,
             ) = (n, n, n, n, n, n, n);
         }
         if let Some(n) = args.live {
@@ -183,6 +244,23 @@ fn summarize(samples: &[Duration]) -> Option<Summary> {
 // ---------------------------------------------------------------------------------------------
 // The report
 
+/// An image the snapshot rows are measured over: `debian` (~280 MB) is over 100× `minimal`
+/// (~2 MB), which is what the "100× larger image" target needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Image {
+    Minimal,
+    Debian,
+}
+
+impl Image {
+    fn name(self) -> &'static str {
+        match self {
+            Image::Minimal => "minimal",
+            Image::Debian => "debian",
+        }
+    }
+}
+
 /// One row of the results table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Key {
@@ -195,6 +273,19 @@ enum Key {
     LiveCreate,
     LiveExec,
     LiveDestroy,
+    /// `Snapshot` of a process-tier sandbox of that image with that many MiB written since it.
+    Snapshot(Image, u32),
+    /// `Rollback` to such a snapshot.
+    Rollback(Image, u32),
+    Fork,
+    ForkDestroy,
+    /// [`FORK_BATCH`] forks of one snapshot, one after another: one sample is the whole batch.
+    ForkBatch,
+    ContainerCreate,
+    ContainerDestroy,
+    ContainerExec,
+    ContainerSnapshot,
+    ContainerRollback,
     DockerRun,
     DockerCreateStart,
     DockerCreateStartBridge,
@@ -213,6 +304,24 @@ impl Key {
         Key::LiveCreate,
         Key::LiveExec,
         Key::LiveDestroy,
+    ];
+    const SNAPSHOTS: [Key; 8] = [
+        Key::Snapshot(Image::Minimal, CHANGED_SMALL_MIB),
+        Key::Rollback(Image::Minimal, CHANGED_SMALL_MIB),
+        Key::Snapshot(Image::Minimal, CHANGED_LARGE_MIB),
+        Key::Rollback(Image::Minimal, CHANGED_LARGE_MIB),
+        Key::Snapshot(Image::Debian, CHANGED_SMALL_MIB),
+        Key::Rollback(Image::Debian, CHANGED_SMALL_MIB),
+        Key::Snapshot(Image::Debian, CHANGED_LARGE_MIB),
+        Key::Rollback(Image::Debian, CHANGED_LARGE_MIB),
+    ];
+    const FORKS: [Key; 3] = [Key::Fork, Key::ForkDestroy, Key::ForkBatch];
+    const CONTAINER: [Key; 5] = [
+        Key::ContainerCreate,
+        Key::ContainerDestroy,
+        Key::ContainerExec,
+        Key::ContainerSnapshot,
+        Key::ContainerRollback,
     ];
     const DOCKER: [Key; 5] = [
         Key::DockerRun,
@@ -236,6 +345,37 @@ impl Key {
             Key::LiveCreate => format!("sandboxd `CreateSandbox`, filling up to {live} live"),
             Key::LiveExec => format!("sandboxd `Exec` of `true` across {live} live sandboxes"),
             Key::LiveDestroy => format!("sandboxd `DestroySandbox`, emptying {live} live"),
+            Key::Snapshot(image, mib) => {
+                format!(
+                    "sandboxd `Snapshot`, {mib} MiB changed (image {})",
+                    image.name()
+                )
+            }
+            Key::Rollback(image, mib) => {
+                format!(
+                    "sandboxd `Rollback`, {mib} MiB changed (image {})",
+                    image.name()
+                )
+            }
+            Key::Fork => {
+                "sandboxd fork: `CreateSandbox{from_snapshot_id}` (image minimal, 1 MiB changed)"
+                    .into()
+            }
+            Key::ForkDestroy => "sandboxd `DestroySandbox` of a fork".into(),
+            Key::ForkBatch => {
+                format!("sandboxd {FORK_BATCH} forks of one snapshot, one after another (total)")
+            }
+            Key::ContainerCreate => {
+                "sandboxd container tier `CreateSandbox` (image minimal)".into()
+            }
+            Key::ContainerDestroy => "sandboxd container tier `DestroySandbox`".into(),
+            Key::ContainerExec => "sandboxd container tier `Exec` of `true`, back to back".into(),
+            Key::ContainerSnapshot => {
+                format!("sandboxd container tier `Snapshot`, {CHANGED_SMALL_MIB} MiB changed")
+            }
+            Key::ContainerRollback => {
+                format!("sandboxd container tier `Rollback`, {CHANGED_SMALL_MIB} MiB changed")
+            }
             Key::DockerRun => "Docker `run --rm` of `true` (create+start+wait+remove)".into(),
             Key::DockerCreateStart => "Docker container create+start (`--network none`)".into(),
             Key::DockerCreateStartBridge => {
@@ -269,12 +409,35 @@ struct Density {
     rss_after: Option<u64>,
 }
 
+/// One concurrency level of the exec throughput section.
+#[derive(Debug, Clone)]
+struct Throughput {
+    concurrency: usize,
+    execs: usize,
+    /// From the first exec sent to the last answer received.
+    wall: Duration,
+    /// Round trip of each exec, as its task saw it.
+    latency: Summary,
+}
+
+impl Throughput {
+    fn per_second(&self) -> f64 {
+        self.execs as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+}
+
 #[derive(Debug, Default)]
 struct Report {
     rows: BTreeMap<Key, Outcome>,
     density: Option<Result<Density, String>>,
     /// RSS of the latency daemon once its sections were done and nothing was live.
     rss_after_latency: Option<u64>,
+    /// `size_bytes` the daemon reported for the snapshots of each `Snapshot` row (median).
+    snapshot_sizes: BTreeMap<Key, u64>,
+    /// Each concurrency level, or why it failed.
+    throughput: Vec<(usize, Result<Throughput, String>)>,
+    /// Why the container tier's rows are unavailable.
+    container_unavailable: Option<String>,
     docker: Option<String>,
     docker_unavailable: Option<String>,
     docker_import: Option<Duration>,
@@ -322,11 +485,21 @@ impl Report {
     fn any_failed(&self) -> bool {
         self.rows.values().any(|o| matches!(o, Outcome::Failed(_)))
             || matches!(self.density, Some(Err(_)))
+            || self.throughput.iter().any(|(_, r)| r.is_err())
     }
 }
 
 fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+/// Like [`mib`], but small sizes stay readable.
+fn mib_of(bytes: u64) -> String {
+    if bytes < 1 << 20 {
+        format!("{:.0} KiB", bytes as f64 / 1024.0)
+    } else {
+        mib(bytes)
+    }
 }
 
 fn ms(v: f64) -> String {
@@ -336,6 +509,15 @@ fn ms(v: f64) -> String {
         format!("{v:.1}")
     } else {
         format!("{v:.0}")
+    }
+}
+
+/// A difference in milliseconds, with its sign.
+fn signed_ms(v: f64) -> String {
+    if v < 0.0 {
+        format!("-{}", ms(-v))
+    } else {
+        format!("+{}", ms(v))
     }
 }
 
@@ -378,7 +560,13 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
         w,
         "| measurement | n | p50 ms | p99 ms | mean ms | max ms |\n|---|---:|---:|---:|---:|---:|"
     );
-    for key in Key::SANDBOXD.iter().chain(Key::DOCKER.iter()) {
+    let all_rows = Key::SANDBOXD
+        .iter()
+        .chain(Key::SNAPSHOTS.iter())
+        .chain(Key::FORKS.iter())
+        .chain(Key::CONTAINER.iter())
+        .chain(Key::DOCKER.iter());
+    for key in all_rows {
         let label = key.label(plan.live);
         match report.rows.get(key) {
             Some(Outcome::Measured(s)) => {
@@ -400,6 +588,65 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
             }
             None => {
                 let _ = writeln!(w, "| {label} | — | not run | | | |");
+            }
+        }
+    }
+    if !report.snapshot_sizes.is_empty() {
+        let sizes: Vec<String> = Key::SNAPSHOTS
+            .iter()
+            .filter_map(|k| match (k, report.snapshot_sizes.get(k)) {
+                (Key::Snapshot(image, mib), Some(size)) => Some(format!(
+                    "{} with {mib} MiB changed: {}",
+                    image.name(),
+                    mib_of(*size)
+                )),
+                _ => None,
+            })
+            .collect();
+        let _ = writeln!(
+            w,
+            "\nThe snapshots' `size_bytes` as the daemon reported them (median): {}.",
+            sizes.join("; ")
+        );
+    }
+
+    let _ = writeln!(w, "\n## Exec throughput\n");
+    if report.throughput.is_empty() {
+        let _ = writeln!(w, "not run");
+    } else {
+        let _ = writeln!(
+            w,
+            "Unary `Exec` of `true` spread round-robin over {THROUGHPUT_SANDBOXES} process-tier sandboxes by \
+             concurrent client tasks; execs/s is the count over the wall time from the first send to the \
+             last answer, latency is each exec's round trip under that load.\n"
+        );
+        let _ = writeln!(
+            w,
+            "| concurrency | execs | wall s | execs/s | p50 ms | p99 ms | mean ms | max ms |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for (concurrency, result) in &report.throughput {
+            match result {
+                Ok(t) => {
+                    let _ = writeln!(
+                        w,
+                        "| {} | {} | {:.2} | {:.0} | {} | {} | {} | {} |",
+                        t.concurrency,
+                        t.execs,
+                        t.wall.as_secs_f64(),
+                        t.per_second(),
+                        ms(t.latency.p50),
+                        ms(t.latency.p99),
+                        ms(t.latency.mean),
+                        ms(t.latency.max)
+                    );
+                }
+                Err(why) => {
+                    let _ = writeln!(
+                        w,
+                        "| {concurrency} | — | | **FAILED** | | | | {} |",
+                        cell(why)
+                    );
+                }
             }
         }
     }
@@ -473,6 +720,21 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
             one_shot,
             report.p50(Key::DockerRun),
         ),
+        (
+            "container tier, a sandbox ready to exec: `CreateSandbox` vs container create+start (`--network none`)",
+            report.p50(Key::ContainerCreate),
+            report.p50(Key::DockerCreateStart),
+        ),
+        (
+            "container tier, run `true` in it: `Exec` vs `docker exec`",
+            report.p50(Key::ContainerExec),
+            report.p50(Key::DockerExec),
+        ),
+        (
+            "container tier, tear down: `DestroySandbox` vs `rm -f`",
+            report.p50(Key::ContainerDestroy),
+            report.p50(Key::DockerRemove),
+        ),
     ];
     for (what, ours, theirs) in comparisons {
         let f = |v: Option<f64>| v.map(ms).unwrap_or_else(|| "unavailable".into());
@@ -519,6 +781,40 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
         plan.live,
         docker_socket(),
         machine.nproc,
+    );
+    let _ = writeln!(
+        w,
+        "\nSnapshots, forks and exec throughput run on a third fresh daemon. Snapshot and rollback are \
+         measured in one process-tier sandbox per image (`minimal`, `debian`) and size ({CHANGED_SMALL_MIB} \
+         and {CHANGED_LARGE_MIB} MiB), {} and {} samples, after one untimed round. Each sample, untimed: \
+         `dd if=/dev/urandom of=/workspace/blob bs=1M count=N` and `sync` (a fresh write every time, so each \
+         snapshot holds N MiB changed since the image, and `sync` keeps the write-back of dirty pages out of \
+         the snapshot); then `Snapshot` (timed); then, untimed, the blob is deleted and a new file written; \
+         then `Rollback` to the snapshot (timed); then, untimed, an exec checks the blob is back at its full \
+         size and the new file gone, and the snapshot is deleted. Forks: one sandbox of `minimal` with \
+         {CHANGED_SMALL_MIB} MiB written is snapshotted once; `CreateSandbox{{from_snapshot_id}}` of it and \
+         the fork's `DestroySandbox` are timed apart ({} cycles; the first fork is checked to see the \
+         origin's file), then {} batches of {FORK_BATCH} forks created one after another are timed as a \
+         whole (destroyed untimed after each batch). Exec throughput: {THROUGHPUT_SANDBOXES} sandboxes, \
+         a few untimed execs in each, then for each concurrency level C that many tokio tasks share one \
+         client connection (HTTP/2 multiplexes their calls) and take the next of N exec numbers until all \
+         are done, exec k going to sandbox k mod {THROUGHPUT_SANDBOXES}. The container tier \
+         (`ISOLATION_CONTAINER`, image `minimal`) runs on a fourth daemon: one untimed create first (it may \
+         import the image into Docker); if that fails the rows say unavailable with the daemon's reason \
+         and the bench goes on; otherwise creates and destroys ({} cycles), execs of `true` in one sandbox \
+         ({}) and snapshot+rollback with {CHANGED_SMALL_MIB} MiB changed ({}, as above) are timed the same \
+         way as for the process tier.{}",
+        plan.snap_small,
+        plan.snap_large,
+        plan.fork,
+        plan.fork_batches,
+        plan.container_create,
+        plan.container_exec,
+        plan.container_snap,
+        match &report.container_unavailable {
+            Some(why) => format!(" In this run the container tier was unavailable: {}.", cell(why)),
+            None => String::new(),
+        },
     );
     let _ = writeln!(
         w,
@@ -600,6 +896,110 @@ fn targets(report: &Report) -> Vec<(String, String, String)> {
         ),
         Some(Err(e)) => (t, format!("failed: {e}"), "**MISS**".into()),
         None => (t, "not run".into(), "not measured".into()),
+    });
+
+    // Snapshots (issue 3): absolute targets with a small change over the small image...
+    let small = CHANGED_SMALL_MIB;
+    for (op, key, target) in [
+        (
+            "`Snapshot`",
+            Key::Snapshot(Image::Minimal, small),
+            TARGET_SNAPSHOT_P50_MS,
+        ),
+        (
+            "`Rollback`",
+            Key::Rollback(Image::Minimal, small),
+            TARGET_ROLLBACK_P50_MS,
+        ),
+    ] {
+        let t = format!("{op} p50 ≤ {target} ms with {small} MiB changed (image minimal)");
+        out.push(match report.p50(key) {
+            Some(p) => (t, format!("{} ms", ms(p)), verdict(p <= target)),
+            None => (t, "not measured".into(), "not measured".into()),
+        });
+    }
+    // ...and the same change over a 100× larger image costs at most twice as much.
+    for (op, large, base) in [
+        (
+            "`Snapshot`",
+            Key::Snapshot(Image::Debian, small),
+            Key::Snapshot(Image::Minimal, small),
+        ),
+        (
+            "`Rollback`",
+            Key::Rollback(Image::Debian, small),
+            Key::Rollback(Image::Minimal, small),
+        ),
+    ] {
+        let t = format!(
+            "{op} over the 100× larger image within {TARGET_LARGE_IMAGE_FACTOR}× of the small one \
+             (p50, debian vs minimal, {small} MiB changed)"
+        );
+        out.push(match (report.p50(large), report.p50(base)) {
+            (Some(l), Some(b)) => {
+                let ratio = l / b.max(1e-9);
+                (
+                    t,
+                    format!("{} ms vs {} ms: {ratio:.2}×", ms(l), ms(b)),
+                    verdict(ratio <= TARGET_LARGE_IMAGE_FACTOR),
+                )
+            }
+            _ => (t, "not measured".into(), "not measured".into()),
+        });
+    }
+    let t = format!("fork p50 ≤ `CreateSandbox` p50 + {TARGET_FORK_OVER_CREATE_MS} ms");
+    out.push(match (report.p50(Key::Fork), report.p50(Key::Create)) {
+        (Some(f), Some(c)) => (
+            t,
+            format!(
+                "fork {} ms, create {} ms: {} ms",
+                ms(f),
+                ms(c),
+                signed_ms(f - c)
+            ),
+            verdict(f <= c + TARGET_FORK_OVER_CREATE_MS),
+        ),
+        _ => (t, "not measured".into(), "not measured".into()),
+    });
+
+    // Container tier (issue 4).
+    for (what, ours, theirs) in [
+        (
+            "container tier `CreateSandbox`",
+            Key::ContainerCreate,
+            Key::DockerCreateStart,
+        ),
+        ("container tier `Exec`", Key::ContainerExec, Key::DockerExec),
+    ] {
+        let t = format!(
+            "{what} p50 within {TARGET_CONTAINER_VS_DOCKER}× of the raw Docker calls ({})",
+            match theirs {
+                Key::DockerCreateStart => "create+start",
+                _ => "`docker exec`",
+            }
+        );
+        out.push(match (report.p50(ours), report.p50(theirs)) {
+            (Some(o), Some(d)) => {
+                let ratio = o / d.max(1e-9);
+                (
+                    t,
+                    format!("{} ms vs Docker {} ms: {ratio:.2}×", ms(o), ms(d)),
+                    verdict(ratio <= TARGET_CONTAINER_VS_DOCKER),
+                )
+            }
+            _ => (t, "not measured".into(), "not measured".into()),
+        });
+    }
+    let t = format!(
+        "container tier `Rollback` p50 ≤ {TARGET_CONTAINER_ROLLBACK_P50_MS} ms ({small} MiB changed)"
+    );
+    out.push(match report.p50(Key::ContainerRollback) {
+        Some(p) => (
+            t,
+            format!("{} ms", ms(p)),
+            verdict(p <= TARGET_CONTAINER_ROLLBACK_P50_MS),
+        ),
+        None => (t, "not measured".into(), "not measured".into()),
     });
     out
 }
@@ -726,10 +1126,12 @@ impl Machine {
 // ---------------------------------------------------------------------------------------------
 // sandboxd
 
-/// The sandboxes of one daemon that are alive, so that each one is destroyed whatever happens.
+/// The sandboxes and snapshots of one daemon that are alive, so that each one is removed
+/// whatever happens.
 struct Sandboxes {
     client: Client,
     live: BTreeSet<String>,
+    snapshots: BTreeSet<String>,
 }
 
 impl Sandboxes {
@@ -737,16 +1139,28 @@ impl Sandboxes {
         Sandboxes {
             client,
             live: BTreeSet::new(),
+            snapshots: BTreeSet::new(),
         }
     }
 
     /// Creates a process-tier sandbox of image `minimal`; returns its id and the call's time.
     async fn create(&mut self, what: &str) -> Result<(String, Duration)> {
+        self.create_with(process_sandbox("minimal"), what).await
+    }
+
+    /// Creates a sandbox as asked; returns its id and the call's time. Fails unless it is
+    /// RUNNING in the tier asked for (a policy upgrade would measure another tier's numbers).
+    async fn create_with(
+        &mut self,
+        request: proto::CreateSandboxRequest,
+        what: &str,
+    ) -> Result<(String, Duration)> {
         check_interrupt()?;
+        let asked = request.isolation;
         let t = Instant::now();
         let sandbox = self
             .client
-            .create(process_sandbox("minimal"))
+            .create(request)
             .await
             .with_context(|| format!("CreateSandbox ({what})"))?;
         let took = t.elapsed();
@@ -758,7 +1172,62 @@ impl Sandboxes {
                 state_name(sandbox.state)
             );
         }
+        if asked != proto::Isolation::Unspecified as i32 && sandbox.isolation != asked {
+            bail!(
+                "CreateSandbox ({what}) asked for {} and got sandbox {} of {}{}",
+                isolation_name(asked),
+                sandbox.id,
+                isolation_name(sandbox.isolation),
+                if sandbox.isolation_reason.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", sandbox.isolation_reason)
+                }
+            );
+        }
         Ok((sandbox.id, took))
+    }
+
+    /// Snapshots sandbox `id`; returns the snapshot's id and size and the call's time.
+    async fn snapshot(&mut self, id: &str, what: &str) -> Result<(String, u64, Duration)> {
+        check_interrupt()?;
+        let t = Instant::now();
+        let snap = self
+            .client
+            .snapshot(id, "")
+            .await
+            .with_context(|| format!("Snapshot of {id} ({what})"))?;
+        let took = t.elapsed();
+        self.snapshots.insert(snap.snapshot_id.clone());
+        Ok((snap.snapshot_id, snap.size_bytes, took))
+    }
+
+    /// Rolls sandbox `id` back to `snapshot`; returns the call's time.
+    async fn rollback(&mut self, id: &str, snapshot: &str, what: &str) -> Result<Duration> {
+        check_interrupt()?;
+        let t = Instant::now();
+        let sandbox = self
+            .client
+            .rollback(id, snapshot)
+            .await
+            .with_context(|| format!("Rollback of {id} to {snapshot} ({what})"))?;
+        let took = t.elapsed();
+        if sandbox.state != proto::SandboxState::Running as i32 {
+            bail!(
+                "Rollback of {id} to {snapshot} ({what}) left the sandbox in state {}, not RUNNING",
+                state_name(sandbox.state)
+            );
+        }
+        Ok(took)
+    }
+
+    async fn delete_snapshot(&mut self, snapshot: &str) -> Result<()> {
+        self.client
+            .delete_snapshot(snapshot)
+            .await
+            .with_context(|| format!("DeleteSnapshot {snapshot}"))?;
+        self.snapshots.remove(snapshot);
+        Ok(())
     }
 
     /// Destroys one sandbox; returns the call's time.
@@ -773,14 +1242,57 @@ impl Sandboxes {
         Ok(took)
     }
 
-    /// Destroys whatever is still alive; says loudly what could not be.
+    /// Destroys whatever is still alive, then deletes the snapshots (forks first, or their
+    /// origin snapshot could not go); says loudly what could not be.
     async fn cleanup(&mut self) {
         for id in std::mem::take(&mut self.live) {
             if let Err(e) = self.client.destroy(id.as_str()).await {
                 eprintln!("bench: WARNING: could not destroy sandbox {id} while cleaning up: {e}");
             }
         }
+        for snap in std::mem::take(&mut self.snapshots) {
+            if let Err(e) = self.client.delete_snapshot(snap.as_str()).await {
+                eprintln!(
+                    "bench: WARNING: could not delete snapshot {snap} while cleaning up: {e}"
+                );
+            }
+        }
     }
+}
+
+fn isolation_name(isolation: i32) -> &'static str {
+    proto::Isolation::try_from(isolation)
+        .map(|i| i.as_str_name())
+        .unwrap_or("unknown")
+}
+
+/// Runs `script` with `sh -c` in sandbox `id` (untimed set-up and checks); fails unless it
+/// exits 0, with its stderr in the error.
+async fn sh(client: &Client, id: &str, script: &str, what: &str) -> Result<()> {
+    check_interrupt()?;
+    let result = client
+        .exec(exec_request(id, ["sh", "-c", script]))
+        .await
+        .with_context(|| format!("Exec of `{script}` in {id} ({what})"))?;
+    if result.status != proto::ExecStatus::Exited as i32 || result.exit_code != 0 {
+        let status = proto::ExecStatus::try_from(result.status)
+            .map(|s| s.as_str_name())
+            .unwrap_or("unknown");
+        bail!(
+            "{what}: `{script}` in {id} ended with status {status}, exit code {}: {}{}",
+            result.exit_code,
+            String::from_utf8_lossy(&result.stderr).trim(),
+            result.error
+        );
+    }
+    Ok(())
+}
+
+/// Writes `mib` MiB of fresh random bytes to /workspace/blob and flushes them to disk.
+async fn write_blob(client: &Client, id: &str, mib: u32, what: &str) -> Result<()> {
+    let script =
+        format!("dd if=/dev/urandom of=/workspace/blob bs=1M count={mib} 2>/dev/null && sync");
+    sh(client, id, &script, what).await
 }
 
 fn state_name(state: i32) -> &'static str {
@@ -958,6 +1470,405 @@ async fn sandboxd_latency(plan: &Plan, report: &mut Report) {
     report
         .section_times
         .push(("sandboxd latency".into(), started.elapsed()));
+}
+
+/// Snapshot and rollback samples in one new sandbox made by `request`, each over `mib` MiB
+/// freshly written since the image; returns the snapshot times, the rollback times and the
+/// snapshots' reported sizes. One untimed round first.
+async fn snapshot_rollback(
+    sb: &mut Sandboxes,
+    request: proto::CreateSandboxRequest,
+    mib: u32,
+    n: usize,
+) -> Result<(Vec<Duration>, Vec<Duration>, Vec<u64>)> {
+    let section = format!(
+        "snapshot+rollback, {mib} MiB changed, image {}",
+        request.image
+    );
+    let (id, _) = sb
+        .create_with(request, &format!("the sandbox of the {section} section"))
+        .await?;
+    let bytes = u64::from(mib) << 20;
+    // After the rollback the blob must be back whole and the file written after the snapshot gone.
+    let check = format!(
+        "[ \"$(wc -c < /workspace/blob)\" -eq {bytes} ] && [ ! -e /workspace/after-snapshot ]"
+    );
+    let warmup = 1;
+    let (mut snaps, mut rollbacks, mut sizes) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for i in 0..warmup + n {
+        let what = format!("{section}, sample {i}");
+        write_blob(&sb.client, &id, mib, &what).await?;
+        let (snap, size, took_snap) = sb.snapshot(&id, &what).await?;
+        sh(
+            &sb.client,
+            &id,
+            "rm /workspace/blob && echo changed > /workspace/after-snapshot",
+            &what,
+        )
+        .await?;
+        let took_rollback = sb.rollback(&id, &snap, &what).await?;
+        sh(
+            &sb.client,
+            &id,
+            &check,
+            &format!("{what}, after the rollback"),
+        )
+        .await
+        .with_context(|| format!("rollback to {snap} did not restore the filesystem"))?;
+        sb.delete_snapshot(&snap).await?;
+        if i >= warmup {
+            snaps.push(took_snap);
+            rollbacks.push(took_rollback);
+            sizes.push(size);
+        }
+    }
+    sb.destroy(&id).await?;
+    Ok((snaps, rollbacks, sizes))
+}
+
+/// What the fork section measured.
+struct Forks {
+    creates: Vec<Duration>,
+    destroys: Vec<Duration>,
+    batches: Vec<Duration>,
+}
+
+/// Forks of one snapshot of a `minimal` sandbox with [`CHANGED_SMALL_MIB`] MiB written: single
+/// forks (create and destroy timed apart), then batches of [`FORK_BATCH`].
+async fn forks(sb: &mut Sandboxes, plan: &Plan) -> Result<Forks> {
+    let (origin, _) = sb.create("the origin of the forks").await?;
+    write_blob(
+        &sb.client,
+        &origin,
+        CHANGED_SMALL_MIB,
+        "the origin of the forks",
+    )
+    .await?;
+    let (snap, _, _) = sb.snapshot(&origin, "the snapshot to fork").await?;
+    let fork_request = || proto::CreateSandboxRequest {
+        from_snapshot_id: snap.clone(),
+        ..process_sandbox("minimal")
+    };
+    let mut forks = Forks {
+        creates: Vec::with_capacity(plan.fork),
+        destroys: Vec::with_capacity(plan.fork),
+        batches: Vec::with_capacity(plan.fork_batches),
+    };
+    for i in 0..plan.warmup + plan.fork {
+        let (id, took) = sb
+            .create_with(fork_request(), &format!("fork {i} of {snap}"))
+            .await?;
+        if i == 0 {
+            let check = format!(
+                "[ \"$(wc -c < /workspace/blob)\" -eq {} ]",
+                u64::from(CHANGED_SMALL_MIB) << 20
+            );
+            sh(&sb.client, &id, &check, "the first fork")
+                .await
+                .context("a fork does not see its snapshot's files")?;
+        }
+        let destroyed = sb.destroy(&id).await?;
+        if i >= plan.warmup {
+            forks.creates.push(took);
+            forks.destroys.push(destroyed);
+        }
+    }
+    for b in 0..plan.fork_batches {
+        let mut ids = Vec::with_capacity(FORK_BATCH);
+        let t = Instant::now();
+        for k in 0..FORK_BATCH {
+            let (id, _) = sb
+                .create_with(fork_request(), &format!("fork {k} of batch {b}"))
+                .await?;
+            ids.push(id);
+        }
+        forks.batches.push(t.elapsed());
+        for id in &ids {
+            sb.destroy(id).await?;
+        }
+    }
+    sb.destroy(&origin).await?;
+    sb.delete_snapshot(&snap).await?;
+    Ok(forks)
+}
+
+/// `execs` unary execs of `true` over `ids` by `concurrency` tasks sharing one client.
+async fn throughput_level(
+    client: &Client,
+    ids: &Arc<Vec<String>>,
+    concurrency: usize,
+    execs: usize,
+) -> Result<Throughput> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    for _ in 0..concurrency {
+        let (client, ids, next) = (client.clone(), Arc::clone(ids), Arc::clone(&next));
+        tasks.spawn(async move {
+            let mut samples = Vec::new();
+            loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                if k >= execs {
+                    return Ok::<_, anyhow::Error>(samples);
+                }
+                let id = &ids[k % ids.len()];
+                let what = format!("exec {k} of {execs} at concurrency {concurrency}");
+                samples.push(exec_true(&client, id, &what).await?);
+            }
+        });
+    }
+    let mut samples = Vec::with_capacity(execs);
+    // The first error ends the level; dropping the JoinSet aborts the other tasks.
+    while let Some(joined) = tasks.join_next().await {
+        samples.extend(joined.context("an exec task panicked")??);
+    }
+    let wall = started.elapsed();
+    let latency = summarize(&samples).ok_or_else(|| anyhow!("no execs were run"))?;
+    Ok(Throughput {
+        concurrency,
+        execs: samples.len(),
+        wall,
+        latency,
+    })
+}
+
+/// Exec throughput at each concurrency level of the plan, over [`THROUGHPUT_SANDBOXES`]
+/// sandboxes made for it.
+async fn throughput(sb: &mut Sandboxes, plan: &Plan, report: &mut Report) -> Result<()> {
+    let mut ids = Vec::with_capacity(THROUGHPUT_SANDBOXES);
+    for i in 0..THROUGHPUT_SANDBOXES {
+        let (id, _) = sb.create(&format!("throughput sandbox {i}")).await?;
+        for w in 0..plan.warmup {
+            exec_true(
+                &sb.client,
+                &id,
+                &format!("warm-up {w} of throughput sandbox {i}"),
+            )
+            .await?;
+        }
+        ids.push(id);
+    }
+    let ids = Arc::new(ids);
+    for (concurrency, execs) in plan.throughput {
+        eprintln!("bench: sandboxd exec throughput, {execs} execs at concurrency {concurrency}");
+        let result = throughput_level(&sb.client, &ids, concurrency, execs).await;
+        if let Err(e) = &result {
+            eprintln!("bench: FAILED exec throughput at concurrency {concurrency}: {e:#}");
+        }
+        report
+            .throughput
+            .push((concurrency, result.map_err(|e| format!("{e:#}"))));
+        check_interrupt()?;
+    }
+    for id in ids.iter() {
+        sb.destroy(id).await?;
+    }
+    Ok(())
+}
+
+/// The median of some sizes (the lower middle of an even count).
+fn median(values: &[u64]) -> Option<u64> {
+    let mut v = values.to_vec();
+    v.sort_unstable();
+    v.get(v.len().checked_sub(1)? / 2).copied()
+}
+
+/// Snapshots, forks and exec throughput on a daemon of their own, so that neither the latency
+/// daemon's RSS nor the density daemon's is theirs.
+async fn sandboxd_snapshots(plan: &Plan, report: &mut Report) {
+    let started = Instant::now();
+    let keys: Vec<Key> = Key::SNAPSHOTS
+        .iter()
+        .chain(Key::FORKS.iter())
+        .copied()
+        .collect();
+    let fail_all = |report: &mut Report, e: &anyhow::Error| {
+        report.failed(&keys, e);
+        for (concurrency, _) in plan.throughput {
+            report.throughput.push((concurrency, Err(format!("{e:#}"))));
+        }
+    };
+    let daemon = match Daemon::start()
+        .await
+        .context("starting sandboxd for the snapshot, fork and throughput sections")
+    {
+        Ok(d) => d,
+        Err(e) => return fail_all(report, &e),
+    };
+    let client = match daemon.client().await {
+        Ok(c) => c,
+        Err(e) => return fail_all(report, &e),
+    };
+    let mut sb = Sandboxes::new(client);
+
+    for image in [Image::Minimal, Image::Debian] {
+        for (mib, n) in [
+            (CHANGED_SMALL_MIB, plan.snap_small),
+            (CHANGED_LARGE_MIB, plan.snap_large),
+        ] {
+            eprintln!(
+                "bench: sandboxd snapshot+rollback, {mib} MiB changed, image {} × {n}",
+                image.name()
+            );
+            let (snap_key, rollback_key) = (Key::Snapshot(image, mib), Key::Rollback(image, mib));
+            match snapshot_rollback(&mut sb, process_sandbox(image.name()), mib, n).await {
+                Ok((snaps, rollbacks, sizes)) => {
+                    report.measured(snap_key, &snaps);
+                    report.measured(rollback_key, &rollbacks);
+                    if let Some(size) = median(&sizes) {
+                        report.snapshot_sizes.insert(snap_key, size);
+                    }
+                }
+                Err(e) => report.failed(&[snap_key, rollback_key], &e),
+            }
+            sb.cleanup().await;
+        }
+    }
+
+    eprintln!(
+        "bench: sandboxd forks × {}, batches of {FORK_BATCH} × {}",
+        plan.fork, plan.fork_batches
+    );
+    match forks(&mut sb, plan).await {
+        Ok(f) => {
+            report.measured(Key::Fork, &f.creates);
+            report.measured(Key::ForkDestroy, &f.destroys);
+            report.measured(Key::ForkBatch, &f.batches);
+        }
+        Err(e) => report.failed(&Key::FORKS, &e),
+    }
+    sb.cleanup().await;
+
+    if let Err(e) = throughput(&mut sb, plan, report).await {
+        eprintln!("bench: FAILED exec throughput: {e:#}");
+        let done: BTreeSet<usize> = report.throughput.iter().map(|(c, _)| *c).collect();
+        for (concurrency, _) in plan.throughput {
+            if !done.contains(&concurrency) {
+                report.throughput.push((concurrency, Err(format!("{e:#}"))));
+            }
+        }
+    }
+    sb.cleanup().await;
+
+    drop(daemon);
+    report.section_times.push((
+        "sandboxd snapshots, forks, throughput".into(),
+        started.elapsed(),
+    ));
+}
+
+/// The container tier's rows, once a first container sandbox has been created.
+async fn container_sections(sb: &mut Sandboxes, plan: &Plan, report: &mut Report) -> Result<()> {
+    let request = || proto::CreateSandboxRequest {
+        isolation: proto::Isolation::Container as i32,
+        ..process_sandbox("minimal")
+    };
+    eprintln!(
+        "bench: sandboxd container tier create/destroy × {}",
+        plan.container_create
+    );
+    let (mut creates, mut destroys) = (Vec::new(), Vec::new());
+    for i in 0..plan.warmup.min(2) + plan.container_create {
+        let (id, took) = sb
+            .create_with(request(), &format!("container tier sample {i}"))
+            .await?;
+        let destroyed = sb.destroy(&id).await?;
+        if i >= plan.warmup.min(2) {
+            creates.push(took);
+            destroys.push(destroyed);
+        }
+    }
+    report.measured(Key::ContainerCreate, &creates);
+    report.measured(Key::ContainerDestroy, &destroys);
+
+    eprintln!(
+        "bench: sandboxd container tier Exec × {}",
+        plan.container_exec
+    );
+    let (id, _) = sb
+        .create_with(request(), "the sandbox of the container tier exec section")
+        .await?;
+    let mut execs = Vec::new();
+    for i in 0..plan.warmup * 3 + plan.container_exec {
+        let took = exec_true(&sb.client, &id, &format!("container tier exec {i}")).await?;
+        if i >= plan.warmup * 3 {
+            execs.push(took);
+        }
+    }
+    report.measured(Key::ContainerExec, &execs);
+    sb.destroy(&id).await?;
+
+    eprintln!(
+        "bench: sandboxd container tier snapshot+rollback, {CHANGED_SMALL_MIB} MiB changed × {}",
+        plan.container_snap
+    );
+    let (snaps, rollbacks, _) =
+        snapshot_rollback(sb, request(), CHANGED_SMALL_MIB, plan.container_snap).await?;
+    report.measured(Key::ContainerSnapshot, &snaps);
+    report.measured(Key::ContainerRollback, &rollbacks);
+    Ok(())
+}
+
+/// The container tier (`ISOLATION_CONTAINER`) on a daemon of its own. A container tier that
+/// cannot create a sandbox (no Docker, or not finished) marks its rows unavailable, loudly;
+/// one that creates and then fails is a failure like any other sandboxd section.
+async fn sandboxd_container(plan: &Plan, report: &mut Report) {
+    let started = Instant::now();
+    let unavailable = |report: &mut Report, why: String| {
+        let line = format!(
+            "!!!!! SANDBOXD CONTAINER TIER UNAVAILABLE: {why} — its rows say \"unavailable\" !!!!!"
+        );
+        eprintln!("{line}");
+        println!("{line}");
+        report.unavailable(&Key::CONTAINER, &why);
+        report.container_unavailable = Some(why);
+    };
+    let daemon = match Daemon::start()
+        .await
+        .context("starting sandboxd for the container tier")
+    {
+        Ok(d) => d,
+        Err(e) => return report.failed(&Key::CONTAINER, &e),
+    };
+    let client = match daemon.client().await {
+        Ok(c) => c,
+        Err(e) => return report.failed(&Key::CONTAINER, &e),
+    };
+    let mut sb = Sandboxes::new(client);
+    eprintln!("bench: sandboxd container tier: a first, untimed create (may import the image)");
+    let probe = proto::CreateSandboxRequest {
+        isolation: proto::Isolation::Container as i32,
+        ..process_sandbox("minimal")
+    };
+    let result = match sb.create_with(probe, "container tier, first create").await {
+        Err(e) => {
+            unavailable(
+                report,
+                format!("CreateSandbox with ISOLATION_CONTAINER failed: {e:#}"),
+            );
+            Ok(())
+        }
+        Ok((id, _)) => match sb.destroy(&id).await {
+            Ok(_) => container_sections(&mut sb, plan, report).await,
+            Err(e) => Err(e),
+        },
+    };
+    sb.cleanup().await;
+    if let Err(e) = result {
+        let missing: Vec<Key> = Key::CONTAINER
+            .into_iter()
+            .filter(|k| !report.rows.contains_key(k))
+            .collect();
+        report.failed(&missing, &e);
+    }
+    drop(daemon);
+    report
+        .section_times
+        .push(("sandboxd container tier".into(), started.elapsed()));
 }
 
 /// PSS of `root` and every process below it, and how many processes that is.
@@ -1451,6 +2362,35 @@ async fn docker_baseline(plan: &Plan, report: &mut Report) {
 
 // ---------------------------------------------------------------------------------------------
 
+/// The heading this bench leaves to another one, in a file it rewrites.
+const AGENT_LOOP_HEADING: &str = "## Agent loop";
+
+/// The `## Agent loop` section of an earlier BENCHMARKS.md, verbatim: from its heading to the
+/// next level-2 heading or the end of the file.
+fn agent_loop_section(text: &str) -> Option<&str> {
+    let mut offset = 0;
+    let mut start = None;
+    for line in text.split_inclusive('\n') {
+        let heading = line.trim_end();
+        match start {
+            None if heading == AGENT_LOOP_HEADING
+                || heading.starts_with(&format!("{AGENT_LOOP_HEADING} ")) =>
+            {
+                start = Some(offset);
+            }
+            Some(s) if heading.starts_with("## ") => return Some(&text[s..offset]),
+            _ => {}
+        }
+        offset += line.len();
+    }
+    start.map(|s| &text[s..])
+}
+
+/// A kept section as the end of the file: one blank line before it, one newline after.
+fn section_tail(section: &str) -> String {
+    format!("\n{}\n", section.trim_end())
+}
+
 async fn run(args: Args) -> Result<bool> {
     let plan = Plan::new(&args);
     let started = Instant::now();
@@ -1471,11 +2411,15 @@ async fn run(args: Args) -> Result<bool> {
     let mut report = Report::default();
     sandboxd_latency(&plan, &mut report).await;
     sandboxd_density(&plan, &mut report).await;
+    sandboxd_snapshots(&plan, &mut report).await;
     if args.no_docker {
         let why = "left out with --no-docker";
         report.docker_unavailable = Some(why.into());
         report.unavailable(&Key::DOCKER, why);
+        report.container_unavailable = Some(why.into());
+        report.unavailable(&Key::CONTAINER, why);
     } else {
+        sandboxd_container(&plan, &mut report).await;
         docker_baseline(&plan, &mut report).await;
     }
     if let Some(took) = report.docker_import {
@@ -1488,7 +2432,15 @@ async fn run(args: Args) -> Result<bool> {
     let md = render(&report, &plan, &machine, started.elapsed());
     println!("{md}");
     if let Some(out) = &args.out {
-        std::fs::write(out, &md).with_context(|| format!("writing {}", out.display()))?;
+        // The agent-loop bench appends its own section to the same file: keep it.
+        let kept = std::fs::read_to_string(out)
+            .ok()
+            .and_then(|old| agent_loop_section(&old).map(str::to_string));
+        let text = match kept {
+            Some(section) => format!("{}\n{}", md.trim_end(), section_tail(&section)),
+            None => md,
+        };
+        std::fs::write(out, &text).with_context(|| format!("writing {}", out.display()))?;
         eprintln!("bench: wrote {}", out.display());
     }
     check_interrupt()?;
@@ -1550,6 +2502,66 @@ mod tests {
             "{t:?}"
         );
         assert_eq!(t[2].2, "not measured");
+    }
+
+    #[test]
+    fn snapshot_and_fork_targets() {
+        let mut report = Report::default();
+        let ms = |v: u64| [Duration::from_millis(v)];
+        report.measured(Key::Create, &ms(10));
+        report.measured(Key::Fork, &ms(25));
+        report.measured(Key::Snapshot(Image::Minimal, CHANGED_SMALL_MIB), &ms(5));
+        report.measured(Key::Snapshot(Image::Debian, CHANGED_SMALL_MIB), &ms(9));
+        report.measured(Key::Rollback(Image::Minimal, CHANGED_SMALL_MIB), &ms(31));
+        report.measured(Key::Rollback(Image::Debian, CHANGED_SMALL_MIB), &ms(70));
+        let t = targets(&report);
+        let find = |start: &str| {
+            t.iter()
+                .find(|(target, _, _)| target.starts_with(start))
+                .unwrap_or_else(|| panic!("no target starting {start:?} in {t:?}"))
+                .clone()
+        };
+        assert_eq!(find("`Snapshot` p50").2, "PASS");
+        assert_eq!(find("`Rollback` p50").2, "**MISS**");
+        let large = find("`Snapshot` over the 100×");
+        assert_eq!(large.2, "PASS", "9 ms is 1.8× of 5 ms: {large:?}");
+        assert!(large.1.contains("1.80×"), "{large:?}");
+        assert_eq!(find("`Rollback` over the 100×").2, "**MISS**");
+        let fork = find("fork p50");
+        assert_eq!(fork.2, "**MISS**", "25 ms > 10 + 10 ms: {fork:?}");
+        assert!(fork.1.ends_with(": +15.0 ms"), "{fork:?}");
+        assert_eq!(signed_ms(-2.5), "-2.50");
+        // Container rows not measured say so rather than pass or miss.
+        assert_eq!(find("container tier `Rollback`").2, "not measured");
+    }
+
+    #[test]
+    fn agent_loop_section_is_kept_verbatim() {
+        let old = "# sandboxd benchmarks\n\n## Latency\n\nrows\n\n## Agent loop\n\n| a | b |\n### sub\nmore\n";
+        assert_eq!(
+            agent_loop_section(old),
+            Some("## Agent loop\n\n| a | b |\n### sub\nmore\n")
+        );
+        let middle = "# x\n## Agent loop\nloop rows\n\n## How measured\ntext\n";
+        assert_eq!(
+            agent_loop_section(middle),
+            Some("## Agent loop\nloop rows\n\n")
+        );
+        assert_eq!(
+            agent_loop_section("# x\n## Latency\n## Agent loops\n"),
+            None
+        );
+        assert_eq!(
+            section_tail("## Agent loop\nrows\n\n"),
+            "\n## Agent loop\nrows\n"
+        );
+    }
+
+    #[test]
+    fn median_of_sizes() {
+        assert_eq!(median(&[]), None);
+        assert_eq!(median(&[3, 1, 2]), Some(2));
+        assert_eq!(median(&[4, 1, 3, 2]), Some(2));
     }
 
     #[test]
