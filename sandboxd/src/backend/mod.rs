@@ -2,9 +2,12 @@
 //!
 //! The manager owns ids, lifecycle, limits and records; a backend only knows how to make a
 //! sandbox of its tier exist, run things in it, and take it apart. Dispatch over tiers happens in
-//! one place: [`Backends`].
+//! one place: [`Backends`]. `cgroup` and `mountinfo` are shared by the tiers that account and
+//! kill through cgroups (process, container).
 
+pub mod cgroup;
 pub mod container;
+pub mod mountinfo;
 pub mod process;
 
 use std::collections::HashMap;

@@ -37,7 +37,7 @@ use async_trait::async_trait;
 use bollard::Docker;
 use tokio_util::sync::CancellationToken;
 
-use super::process::cgroup as process_cgroup;
+use super::cgroup as process_cgroup;
 use process_cgroup::{CgroupRoot, ExecCgroup, SandboxCgroup};
 use super::{Backend, BackendError, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal};
 use crate::ids::{ExecId, SandboxId, SnapshotId};

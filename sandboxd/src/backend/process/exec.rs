@@ -14,7 +14,7 @@ use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-use super::cgroup::ExecCgroup;
+use crate::backend::cgroup::ExecCgroup;
 use super::files;
 use super::wire::ToInit;
 use super::ProcessSandbox;

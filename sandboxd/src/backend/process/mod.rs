@@ -11,12 +11,10 @@
 //! A sandbox is a shim + init pair started from this binary ([`init`]); the daemon talks to the
 //! init over a socket pair ([`channel`]).
 
-pub mod cgroup;
 mod channel;
 mod exec;
 pub mod files;
 pub mod init;
-mod mountinfo;
 pub mod seccomp;
 pub mod storage;
 mod wire;
@@ -32,7 +30,8 @@ use async_trait::async_trait;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use tokio_util::sync::CancellationToken;
 
-use self::cgroup::{CgroupLimits, CgroupRoot, ExecCgroup, SandboxCgroup};
+use super::cgroup::{self, CgroupLimits, CgroupRoot, ExecCgroup, SandboxCgroup};
+use super::mountinfo;
 use self::channel::InitChannel;
 use self::storage::Pool;
 use super::{Backend, BackendError, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal};

@@ -340,7 +340,7 @@ fn dup_fd(fd: &OwnedFd, shown: &Path) -> Result<OwnedFd, StorageError> {
 
 /// Filesystem type of the mount whose mount point is exactly `dir`.
 fn mount_fstype(mountinfo: &str, dir: &Path) -> Option<String> {
-    super::mountinfo::fstype_at(&super::mountinfo::parse(mountinfo), dir)
+    crate::backend::mountinfo::fstype_at(&crate::backend::mountinfo::parse(mountinfo), dir)
 }
 
 fn run(cmd: &mut Command, path: &Path) -> Result<(), StorageError> {

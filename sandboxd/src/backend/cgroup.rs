@@ -1,4 +1,4 @@
-//! Per-sandbox and per-exec cgroups for the process backend, on cgroup v1 and v2.
+//! Per-sandbox and per-exec cgroups (used by the process and container tiers), on cgroup v1 and v2.
 //!
 //! Layout (relative to every hierarchy's mount point; one hierarchy on v2, one per
 //! controller mount on v1 — memory, pids, cpu, cpuacct, freezer, de-duplicated when
