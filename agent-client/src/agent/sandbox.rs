@@ -99,6 +99,8 @@ struct FakeState {
     next_id: u64,
     /// The next exec with a key is recorded as started but ends LOST (a daemon crash).
     lose_next: bool,
+    /// The exec with exactly this key ends LOST.
+    lose_key: Option<String>,
     /// Execs whose key contains the pattern are refused with UNAVAILABLE this many times (a
     /// daemon restarting).
     unavailable: Option<(String, u32)>,
@@ -141,6 +143,11 @@ impl FakeSandbox {
     /// Makes the next keyed exec end LOST without running.
     pub fn lose_next_exec(&self) {
         self.lock().lose_next = true;
+    }
+
+    /// Makes the exec with idempotency key `key` end LOST without running.
+    pub fn lose_exec_keyed(&self, key: &str) {
+        self.lock().lose_key = Some(key.to_owned());
     }
 
     /// Refuses the next `n` execs whose idempotency key contains `pattern` with UNAVAILABLE,
@@ -213,8 +220,11 @@ impl SandboxApi for FakeSandbox {
         }
         s.next_id += 1;
         let exec_id = format!("ex-fake{}", s.next_id);
-        let lose = s.lose_next && !request.idempotency_key.is_empty();
-        if lose {
+        let lose_by_key = s.lose_key.as_deref() == Some(request.idempotency_key.as_str());
+        let lose = lose_by_key || (s.lose_next && !request.idempotency_key.is_empty());
+        if lose_by_key {
+            s.lose_key = None;
+        } else if lose {
             s.lose_next = false;
         }
         let files = s

@@ -595,21 +595,14 @@ async fn a_daemon_outage_goes_through_retrying_with_the_same_key() {
 async fn a_lost_exec_during_a_run_is_rolled_back_and_run_again() {
     let dir = tempfile::tempdir().expect("tempdir");
     let fake = FakeSandbox::new(basic_handler());
-    // Step 2's exec is lost (the daemon died under it); step 1 must run normally first.
-    let f = fake.clone();
-    let watcher = tokio::spawn(async move {
-        while !f.execs().iter().any(|e| e.idempotency_key == "r1:1:act:0") {
-            tokio::task::yield_now().await;
-        }
-        f.lose_next_exec();
-    });
+    // Step 2's exec is lost (the daemon died under it); step 1 runs normally first.
+    fake.lose_exec_keyed("r1:2:act:0");
     let replies = vec![
         Reply::bash("echo one >> log"),
         Reply::bash("echo two >> log"),
         Reply::finish("ok"),
     ];
     let (report, _) = run(&fake, spec("x"), replies, dir.path()).await;
-    watcher.abort();
     assert_eq!(report.status, RunStatus::Done, "{report:?}");
     assert_eq!(log_file(&fake, &report), "one\ntwo\n");
     let keys: Vec<String> = fake
