@@ -1178,6 +1178,56 @@ fn clock_ticks_per_sec() -> u64 {
     u64::try_from(hz).ok().filter(|&h| h > 0).unwrap_or(100)
 }
 
+/// The exec cgroups of one sandbox, for both tiers that run execs in cgroups: those of running
+/// execs (SignalExec finds them here) and those of finished execs whose background processes
+/// live on (removed when the sandbox goes).
+#[derive(Default)]
+pub struct ExecCgroups {
+    running: std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<ExecCgroup>>>,
+    leftovers: std::sync::Mutex<Vec<std::sync::Arc<ExecCgroup>>>,
+}
+
+impl ExecCgroups {
+    /// An exec started in `cgroup`.
+    pub fn started(&self, exec_id: &str, cgroup: std::sync::Arc<ExecCgroup>) {
+        if let Ok(mut running) = self.running.lock() {
+            running.insert(exec_id.to_string(), cgroup);
+        }
+    }
+
+    /// The cgroup of a running exec.
+    pub fn running(&self, exec_id: &str) -> Option<std::sync::Arc<ExecCgroup>> {
+        self.running.lock().ok().and_then(|r| r.get(exec_id).cloned())
+    }
+
+    /// An exec ended: its cgroup is removed, or kept for later if background processes it left
+    /// behind are still in it.
+    pub fn finished(&self, exec_id: &str, cgroup: &std::sync::Arc<ExecCgroup>) {
+        if let Ok(mut running) = self.running.lock() {
+            running.remove(exec_id);
+        }
+        match cgroup.remove() {
+            Ok(true) => {}
+            Ok(false) => {
+                if let Ok(mut left) = self.leftovers.lock() {
+                    left.push(cgroup.clone());
+                }
+            }
+            Err(e) => warn!(exec = exec_id, error = %e, "cannot remove exec cgroup"),
+        }
+    }
+
+    /// Removes the cgroups finished execs left behind (their processes are gone by now).
+    pub fn remove_leftovers(&self) {
+        let leftovers: Vec<_> = self.leftovers.lock().map(|mut l| std::mem::take(&mut *l)).unwrap_or_default();
+        for cg in leftovers {
+            if let Err(e) = cg.remove() {
+                debug!(error = %e, "removing a leftover exec cgroup");
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -446,26 +446,10 @@ impl ContainerSandbox {
         let exec_id = spec.exec_id.to_string();
         let cgroup = Arc::new(self.cgroup.create_exec(&exec_id).map_err(|e| BackendError::Internal(format!("exec cgroup: {e}")))?);
         let result = self.exec_in_cgroup(inner, &spec, &cgroup, sink, started, cancel, started_at).await;
-        self.forget_exec(&exec_id, &cgroup);
+        self.execs.finished(&exec_id, &cgroup);
         result
     }
 
-    fn forget_exec(&self, exec_id: &str, cgroup: &Arc<ExecCgroup>) {
-        if let Ok(mut running) = self.running.lock() {
-            running.remove(exec_id);
-        }
-        match cgroup.remove() {
-            Ok(true) => {}
-            // Processes the command left in the background keep their cgroup; it goes with the
-            // container.
-            Ok(false) => {
-                if let Ok(mut left) = self.leftovers.lock() {
-                    left.push(cgroup.clone());
-                }
-            }
-            Err(e) => tracing::warn!(exec = exec_id, error = %e, "cannot remove exec cgroup"),
-        }
-    }
 
     /// The outcome of an exec whose container went away (or was never reachable).
     fn lost_outcome(&self, fallback: impl FnOnce() -> String, started_at: SystemTime) -> ExecOutcome {
@@ -562,9 +546,7 @@ impl ContainerSandbox {
         // AsyncFd that owns it is dropped.
         let pidfd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
             .map_err(|e| BackendError::io("watching the exec's pidfd", e.into()))?;
-        if let Ok(mut running) = self.running.lock() {
-            running.insert(exec_id.clone(), cgroup.clone());
-        }
+        self.execs.started(&exec_id, cgroup.clone());
         // 3. Go.
         continue_or_kill(Signal::SIGCONT);
         let continued_ms = phase0.elapsed().as_micros() as u64;

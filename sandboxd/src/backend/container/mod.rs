@@ -38,7 +38,7 @@ use bollard::Docker;
 use tokio_util::sync::CancellationToken;
 
 use super::cgroup as process_cgroup;
-use process_cgroup::{CgroupRoot, ExecCgroup, SandboxCgroup};
+use process_cgroup::{CgroupRoot, SandboxCgroup};
 use super::{Backend, BackendError, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 
@@ -89,10 +89,8 @@ pub(crate) struct ContainerSandbox {
     /// Set (with the reason) when the container is taken down under running execs, which then
     /// end as LOST rather than as whatever the kill made of them.
     lost: Mutex<Option<String>>,
-    /// Cgroups of execs still running, for SignalExec.
-    running: Mutex<HashMap<String, Arc<ExecCgroup>>>,
-    /// Cgroups of finished execs whose background processes live on.
-    leftovers: Mutex<Vec<Arc<ExecCgroup>>>,
+    /// Cgroups of running execs and of finished ones with processes left behind.
+    execs: process_cgroup::ExecCgroups,
 }
 
 impl ContainerSandbox {
@@ -121,12 +119,7 @@ impl ContainerSandbox {
 
     /// Removes the cgroups execs left behind (Docker removes the container's own).
     fn remove_exec_cgroups(&self) {
-        let leftovers: Vec<_> = self.leftovers.lock().map(|mut l| std::mem::take(&mut *l)).unwrap_or_default();
-        for cg in leftovers {
-            if let Err(e) = cg.remove() {
-                tracing::debug!(container = %self.container_id, error = %e, "removing a leftover exec cgroup");
-            }
-        }
+        self.execs.remove_leftovers();
     }
 }
 
@@ -302,7 +295,7 @@ impl Backend for ContainerBackend {
 
     async fn signal_exec(&self, sandbox: &SandboxId, exec: &ExecId, signal: i32) -> Result<(), BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
-        let cg = sb.running.lock().ok().and_then(|r| r.get(exec.as_str()).cloned()).ok_or_else(|| BackendError::NoSuchExec(exec.clone()))?;
+        let cg = sb.execs.running(exec.as_str()).ok_or_else(|| BackendError::NoSuchExec(exec.clone()))?;
         let sig = nix::sys::signal::Signal::try_from(signal).map_err(|_| BackendError::InvalidPath { path: String::new(), reason: format!("invalid signal {signal}") })?;
         cg.signal_all(sig).map_err(|e| BackendError::Internal(format!("signalling exec {exec}: {e}")))
     }

@@ -222,8 +222,7 @@ impl Inner {
             cgroup,
             upper_dir,
             lost: Mutex::new(None),
-            running: Mutex::new(HashMap::new()),
-            leftovers: Mutex::new(Vec::new()),
+            execs: Default::default(),
         }))
     }
 

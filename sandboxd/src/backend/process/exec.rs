@@ -172,26 +172,10 @@ impl ProcessSandbox {
         .await??;
         let result = self.run_in_cgroup(&spec, &cgroup, procs, slot, sink, started, cancel, started_at).await;
         let sb = self.clone();
-        let _ = blocking(move || sb.forget_exec(&exec_id, &cgroup)).await;
+        let _ = blocking(move || sb.execs.finished(&exec_id, &cgroup)).await;
         result
     }
 
-    fn forget_exec(&self, exec_id: &str, cgroup: &Arc<ExecCgroup>) {
-        if let Ok(mut running) = self.running.lock() {
-            running.remove(exec_id);
-        }
-        match cgroup.remove() {
-            Ok(true) => {}
-            // Processes the command left behind in the background keep their cgroup; it is
-            // removed when the sandbox goes.
-            Ok(false) => {
-                if let Ok(mut left) = self.leftovers.lock() {
-                    left.push(cgroup.clone());
-                }
-            }
-            Err(e) => tracing::warn!(exec = exec_id, error = %e, "cannot remove exec cgroup"),
-        }
-    }
 
     async fn run_in_cgroup(
         self: &Arc<Self>,
@@ -211,9 +195,7 @@ impl ProcessSandbox {
         let mut fds = vec![stdin_r.as_raw_fd(), stdout_w.as_raw_fd(), stderr_w.as_raw_fd()];
         fds.extend(procs.iter().map(|f| f.as_raw_fd()));
         let msg = ToInit::Spawn { exec_id: exec_id.clone(), slot, argv: spec.argv.clone(), env: spec.env.clone(), workdir: spec.workdir.clone() };
-        if let Ok(mut running) = self.running.lock() {
-            running.insert(exec_id.clone(), cgroup.clone());
-        }
+        self.execs.started(&exec_id, cgroup.clone());
         let waiters = self.channel.spawn(&exec_id, &msg, &fds).await;
         // The init holds its own copies now; ours must close so EOF means "the process is done".
         drop((stdin_r, stdout_w, stderr_w, procs));

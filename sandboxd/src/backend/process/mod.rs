@@ -30,7 +30,7 @@ use async_trait::async_trait;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use tokio_util::sync::CancellationToken;
 
-use super::cgroup::{self, CgroupLimits, CgroupRoot, ExecCgroup, SandboxCgroup};
+use super::cgroup::{self, CgroupLimits, CgroupRoot, ExecCgroup, ExecCgroups, SandboxCgroup};
 use super::mountinfo;
 use self::channel::InitChannel;
 use self::storage::Pool;
@@ -85,10 +85,8 @@ pub(crate) struct ProcessSandbox {
     cgroup: SandboxCgroup,
     channel: InitChannel,
     shim: tokio::sync::Mutex<Option<tokio::process::Child>>,
-    /// Cgroups of execs still running, for SignalExec.
-    running: Mutex<HashMap<String, Arc<ExecCgroup>>>,
-    /// Cgroups of finished execs whose background processes live on.
-    leftovers: Mutex<Vec<Arc<ExecCgroup>>>,
+    /// Cgroups of running execs and of finished ones with processes left behind.
+    execs: ExecCgroups,
     /// The armed exec slot: a cgroup with a spare process already inside (see `arm_spare`).
     spare: Mutex<Option<(String, Arc<ExecCgroup>)>>,
     /// A slot is being armed.
@@ -360,8 +358,7 @@ impl ProcessBackend {
             cgroup,
             channel,
             shim: tokio::sync::Mutex::new(Some(shim)),
-            running: Mutex::new(HashMap::new()),
-            leftovers: Mutex::new(Vec::new()),
+            execs: ExecCgroups::default(),
             spare: Mutex::new(None),
             arming: std::sync::atomic::AtomicBool::new(false),
         });
@@ -400,12 +397,7 @@ impl ProcessBackend {
                 }
             }
         }
-        let leftovers: Vec<_> = sb.leftovers.lock().map(|mut l| std::mem::take(&mut *l)).unwrap_or_default();
-        for cg in leftovers {
-            if let Err(e) = cg.remove() {
-                tracing::warn!(sandbox = %sb.id, error = %e, "removing exec cgroup");
-            }
-        }
+        sb.execs.remove_leftovers();
         if let Err(e) = self.cgroups().map_err(|e| e.to_string()).and_then(|c| c.open_sandbox(sb.id.as_str()).map(|cg| cg.destroy().map_err(|e| e.to_string())).unwrap_or(Ok(()))) {
             tracing::warn!(sandbox = %sb.id, error = %e, "removing sandbox cgroup");
         }
@@ -462,7 +454,7 @@ impl Backend for ProcessBackend {
 
     async fn signal_exec(&self, sandbox: &SandboxId, exec: &ExecId, signal: i32) -> Result<(), BackendError> {
         let sb = self.sandbox(sandbox)?;
-        let cg = sb.running.lock().ok().and_then(|r| r.get(exec.as_str()).cloned()).ok_or_else(|| BackendError::NoSuchExec(exec.clone()))?;
+        let cg = sb.execs.running(exec.as_str()).ok_or_else(|| BackendError::NoSuchExec(exec.clone()))?;
         let sig = nix::sys::signal::Signal::try_from(signal).map_err(|_| BackendError::InvalidPath { path: String::new(), reason: format!("invalid signal {signal}") })?;
         cg.signal_all(sig)?;
         Ok(())
