@@ -11,7 +11,6 @@ pub mod error;
 pub mod ids;
 pub mod manager;
 pub mod metrics;
-pub mod output;
 pub mod policy;
 pub mod server;
 pub mod store;

@@ -99,17 +99,7 @@ pub enum ExecStatus {
     Lost,
 }
 
-/// Captured output of one stream: its head and tail within the cap.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct CapturedOutput {
-    /// Head followed by tail when truncated; everything otherwise.
-    pub bytes: Vec<u8>,
-    pub truncated: bool,
-    /// What the process wrote, in total.
-    pub total_bytes: u64,
-    /// Where inside the sandbox the whole stream was kept, when truncated.
-    pub spill_path: Option<String>,
-}
+pub use guest_agent::capture::CapturedOutput;
 
 /// Resource use of one exec, from its own cgroup.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -47,7 +47,7 @@ use super::docker::{api_error, is_conflict, is_not_found};
 use super::process_cgroup::ExecCgroup;
 use super::{ContainerSandbox, Inner};
 use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
-use crate::output::{OutputCapture, SpillTarget};
+use guest_agent::capture::{OutputCapture, SpillTarget};
 
 /// Directory inside the sandbox where truncated streams are kept whole (as in the process tier).
 pub const SPILL_DIR: &str = "/tmp/.sandboxd";

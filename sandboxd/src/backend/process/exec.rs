@@ -19,7 +19,7 @@ use super::files;
 use super::wire::ToInit;
 use super::ProcessSandbox;
 use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
-use crate::output::{OutputCapture, SpillTarget};
+use guest_agent::capture::{OutputCapture, SpillTarget};
 
 /// Directory inside the sandbox where truncated streams are kept whole.
 pub const SPILL_DIR: &str = "/tmp/.sandboxd";

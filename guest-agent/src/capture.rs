@@ -9,7 +9,17 @@
 use std::collections::VecDeque;
 use std::io::Write;
 
-use crate::backend::CapturedOutput;
+/// Captured output of one stream: its head and tail within the cap.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CapturedOutput {
+    /// Head followed by tail when truncated; everything otherwise.
+    pub bytes: Vec<u8>,
+    pub truncated: bool,
+    /// What the process wrote, in total.
+    pub total_bytes: u64,
+    /// Where inside the sandbox the whole stream was kept, when truncated.
+    pub spill_path: Option<String>,
+}
 
 /// Opens the file a stream spills into, lazily, only when the stream outgrows its cap.
 pub trait SpillTarget: Send {

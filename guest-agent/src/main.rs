@@ -1,0 +1,2 @@
+//! `sandbox-agent`: PID 1 of a sandboxd microVM. Placeholder until the agent lands.
+fn main() {}

@@ -1,0 +1,468 @@
+//! The host <-> guest wire protocol, spoken over the VM's virtio-serial port (a byte stream).
+//!
+//! # Framing
+//!
+//! ```text
+//! MAGIC "SBX1" | header_len: u32 BE | payload_len: u32 BE | header (JSON) | payload (raw bytes)
+//! ```
+//!
+//! The header is a JSON [`Envelope`]: a request id chosen by the host and the message. Bulk bytes
+//! (stdin, output, file contents) travel raw in the payload, never inside the JSON.
+//!
+//! Each side treats the other as hostile: the guest runs untrusted code and may be compromised,
+//! and the agent must survive whatever arrives on its port. So the [`Decoder`] never trusts a
+//! length beyond [`MAX_HEADER`] / [`MAX_PAYLOAD`], never allocates more than one frame, and after
+//! garbage it resynchronizes on the next magic instead of giving up — the caller gets a
+//! [`Decoded::Garbage`] event it can log and answer, and the stream goes on.
+//!
+//! # Conversation
+//!
+//! The host sends [`Request`]s, each with a fresh id. The guest answers every request with exactly
+//! one *final* [`Response`] carrying the same id; an `Exec` is preceded by `Started` and, when
+//! asked to stream, any number of `Output` frames with that id. Responses to different requests may
+//! interleave.
+
+use serde::{Deserialize, Serialize};
+
+/// Start of every frame.
+pub const MAGIC: [u8; 4] = *b"SBX1";
+/// Bytes before the header: magic and the two lengths.
+pub const PREFIX_LEN: usize = 12;
+/// Largest header accepted.
+pub const MAX_HEADER: u32 = 64 << 10;
+/// Largest payload accepted: the final record of an exec carries both captured streams, each at
+/// most the daemon's output ceiling (16 MiB), plus room.
+pub const MAX_PAYLOAD: u32 = 33 << 20;
+/// Largest file slice moved in one frame; larger reads and writes are split by the host.
+pub const FILE_CHUNK: u64 = 1 << 20;
+/// Protocol version, exchanged in `Hello`.
+pub const VERSION: u32 = 1;
+/// Name of the virtio-serial port the agent listens on (`/sys/class/virtio-ports/*/name`).
+pub const PORT_NAME: &str = "org.sandboxd.agent.0";
+
+/// The JSON header of a frame.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope<M> {
+    /// Chosen by the host per request; responses carry the id of their request. 0 is used by the
+    /// guest for events that answer no request (a garbage report).
+    pub id: u64,
+    pub msg: M,
+}
+
+/// What the host asks of the guest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Request {
+    /// First request on a fresh connection; answered by `Hello`.
+    Hello,
+    /// Limits of the sandbox inside the guest (the cgroup every exec runs under). Answered by `Ok`.
+    Configure(GuestLimits),
+    /// Runs a command. Payload: its stdin. Answered by `Started`, `Output`*, then `Exited`
+    /// (or `Error` when the request itself is bad).
+    Exec(ExecRequest),
+    /// Sends a signal to every process of a running exec. Answered by `Ok` or `Error{NoSuchExec}`.
+    Signal { exec_id: String, signal: i32 },
+    /// Writes a file, creating parent directories. Payload: the bytes. `append = false` creates or
+    /// truncates; `true` appends (the host splits big files into chunks). Answered by `Written`.
+    WriteFile { path: String, mode: u32, append: bool },
+    /// Reads at most `limit` (≤ [`FILE_CHUNK`]) bytes from `offset`. Answered by `FileData`.
+    ReadFile { path: String, offset: u64, limit: u64 },
+    /// `sync` then freeze the root filesystem (FIFREEZE) so the disk is consistent for a
+    /// snapshot. Answered by `Ok`. Always followed by `Thaw`.
+    Freeze,
+    /// Thaws the root filesystem (FITHAW). Answered by `Ok`.
+    Thaw,
+    /// Syncs and powers the VM off. Answered by `Ok` just before.
+    Shutdown,
+}
+
+/// Limits applied inside the guest to everything the agent runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestLimits {
+    pub memory_bytes: u64,
+    pub max_pids: u32,
+    pub cpu_millicores: u32,
+}
+
+/// One command to run in the guest, fully resolved by the host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    pub exec_id: String,
+    pub argv: Vec<String>,
+    /// The complete environment.
+    pub env: Vec<(String, String)>,
+    pub workdir: String,
+    pub timeout_ms: u64,
+    /// Per-stream cap on captured output (≤ 16 MiB).
+    pub max_output_bytes: u64,
+    /// How long to wait for the pipes to close after the main process ended.
+    pub io_drain_ms: u64,
+    /// Send `Output` frames as the command writes.
+    pub stream: bool,
+}
+
+/// One of the two output streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// What the guest answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Response {
+    Hello { version: u32, kernel: String, uptime_ms: u64 },
+    Ok,
+    /// The exec's process runs (signals can reach it).
+    Started,
+    /// Payload: bytes the exec wrote to `stream`.
+    Output { stream: Stream },
+    /// Final record of an exec. Payload: the captured stdout bytes, then the captured stderr
+    /// bytes (`stdout.len` + `stderr.len` == payload length).
+    Exited(ExecExit),
+    Written { size: u64 },
+    /// Payload: the bytes read.
+    FileData { size: u64, eof: bool },
+    Error { kind: ErrorKind, message: String },
+}
+
+impl Response {
+    /// True for the last frame of a request.
+    pub fn is_final(&self) -> bool {
+        !matches!(self, Response::Started | Response::Output { .. })
+    }
+}
+
+/// How an exec ended in the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitStatus {
+    Exited,
+    Signaled,
+    TimedOut,
+    OomKilled,
+    SpawnFailed,
+}
+
+/// A captured stream without its bytes (they are in the payload).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamMeta {
+    pub len: u64,
+    pub truncated: bool,
+    pub total_bytes: u64,
+    pub spill_path: Option<String>,
+}
+
+/// The final record of an exec.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecExit {
+    pub status: ExitStatus,
+    pub exit_code: i32,
+    pub signal: i32,
+    pub duration_ms: u64,
+    pub cpu_user_ms: u64,
+    pub cpu_system_ms: u64,
+    pub peak_memory_bytes: u64,
+    pub stdout: StreamMeta,
+    pub stderr: StreamMeta,
+    /// A sentence for SPAWN_FAILED.
+    pub error: String,
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The frame could not be understood.
+    BadRequest,
+    NotFound,
+    InvalidPath,
+    DiskFull,
+    NoSuchExec,
+    Internal,
+}
+
+/// A frame as it travels: header bytes are JSON of an [`Envelope`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawFrame {
+    pub header: Vec<u8>,
+    pub payload: Vec<u8>,
+}
+
+impl RawFrame {
+    /// Parses the header as an envelope of `M`.
+    pub fn envelope<M: for<'de> Deserialize<'de>>(&self) -> Result<Envelope<M>, serde_json::Error> {
+        serde_json::from_slice(&self.header)
+    }
+}
+
+/// Errors building a frame.
+#[derive(Debug)]
+pub enum EncodeError {
+    Json(serde_json::Error),
+    TooLarge { what: &'static str, len: usize, max: u32 },
+}
+
+impl std::error::Error for EncodeError {}
+
+impl std::fmt::Display for EncodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EncodeError::Json(e) => write!(f, "cannot encode frame header: {e}"),
+            EncodeError::TooLarge { what, len, max } => write!(f, "frame {what} of {len} bytes exceeds the limit of {max}"),
+        }
+    }
+}
+
+/// Encodes one frame.
+pub fn encode<M: Serialize>(id: u64, msg: &M, payload: &[u8]) -> Result<Vec<u8>, EncodeError> {
+    let header = serde_json::to_vec(&Envelope { id, msg }).map_err(EncodeError::Json)?;
+    if header.len() > MAX_HEADER as usize {
+        return Err(EncodeError::TooLarge { what: "header", len: header.len(), max: MAX_HEADER });
+    }
+    if payload.len() > MAX_PAYLOAD as usize {
+        return Err(EncodeError::TooLarge { what: "payload", len: payload.len(), max: MAX_PAYLOAD });
+    }
+    let mut out = Vec::with_capacity(PREFIX_LEN + header.len() + payload.len());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&(header.len() as u32).to_be_bytes());
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(&header);
+    out.extend_from_slice(payload);
+    Ok(out)
+}
+
+/// What the decoder found in the stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decoded {
+    Frame(RawFrame),
+    /// Bytes that were not a valid frame were skipped; the decoder is looking for the next magic.
+    Garbage { skipped: usize, reason: String },
+}
+
+/// Incremental, resynchronizing frame decoder (no I/O: feed it what was read).
+#[derive(Debug, Default)]
+pub struct Decoder {
+    buf: Vec<u8>,
+}
+
+impl Decoder {
+    pub fn new() -> Self {
+        Decoder::default()
+    }
+
+    /// Adds bytes read from the stream.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// Bytes held, waiting for the rest of a frame.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next complete frame or garbage report, or `None` until more bytes arrive.
+    pub fn next(&mut self) -> Option<Decoded> {
+        if self.buf.is_empty() {
+            return None;
+        }
+        // Find the magic; everything before it is garbage.
+        let start = match find_magic(&self.buf) {
+            Some(0) => 0,
+            Some(at) => return Some(self.skip(at, "bytes before the frame magic")),
+            None => {
+                // Keep a possible partial magic at the end.
+                let keep = partial_magic_suffix(&self.buf);
+                let skipped = self.buf.len() - keep;
+                if skipped == 0 {
+                    return None;
+                }
+                return Some(self.skip(skipped, "no frame magic"));
+            }
+        };
+        debug_assert_eq!(start, 0);
+        if self.buf.len() < PREFIX_LEN {
+            return None;
+        }
+        let header_len = u32::from_be_bytes([self.buf[4], self.buf[5], self.buf[6], self.buf[7]]);
+        let payload_len = u32::from_be_bytes([self.buf[8], self.buf[9], self.buf[10], self.buf[11]]);
+        if header_len == 0 || header_len > MAX_HEADER {
+            return Some(self.skip(MAGIC.len(), &format!("header length {header_len} outside 1..={MAX_HEADER}")));
+        }
+        if payload_len > MAX_PAYLOAD {
+            return Some(self.skip(MAGIC.len(), &format!("payload length {payload_len} over {MAX_PAYLOAD}")));
+        }
+        let total = PREFIX_LEN + header_len as usize + payload_len as usize;
+        if self.buf.len() < total {
+            return None;
+        }
+        let header = self.buf[PREFIX_LEN..PREFIX_LEN + header_len as usize].to_vec();
+        let payload = self.buf[PREFIX_LEN + header_len as usize..total].to_vec();
+        self.buf.drain(..total);
+        Some(Decoded::Frame(RawFrame { header, payload }))
+    }
+
+    fn skip(&mut self, n: usize, reason: &str) -> Decoded {
+        self.buf.drain(..n);
+        Decoded::Garbage { skipped: n, reason: reason.to_string() }
+    }
+}
+
+fn find_magic(buf: &[u8]) -> Option<usize> {
+    buf.windows(MAGIC.len()).position(|w| w == MAGIC)
+}
+
+/// Length of the longest suffix of `buf` that is a proper prefix of the magic.
+fn partial_magic_suffix(buf: &[u8]) -> usize {
+    (1..MAGIC.len()).rev().find(|&n| buf.len() >= n && buf[buf.len() - n..] == MAGIC[..n]).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frames(d: &mut Decoder) -> Vec<Decoded> {
+        std::iter::from_fn(|| d.next()).collect()
+    }
+
+    #[test]
+    fn round_trip_request_and_response() {
+        let req = Request::Exec(ExecRequest {
+            exec_id: "ex-1".into(),
+            argv: vec!["echo".into(), "hi".into()],
+            env: vec![("A".into(), "b".into())],
+            workdir: "/work".into(),
+            timeout_ms: 1000,
+            max_output_bytes: 1 << 20,
+            io_drain_ms: 300,
+            stream: true,
+        });
+        let bytes = encode(7, &req, b"stdin bytes").expect("encode");
+        let mut d = Decoder::new();
+        d.push(&bytes);
+        let Some(Decoded::Frame(f)) = d.next() else { panic!("no frame") };
+        let env: Envelope<Request> = f.envelope().expect("parse");
+        assert_eq!(env.id, 7);
+        assert_eq!(env.msg, req);
+        assert_eq!(f.payload, b"stdin bytes");
+        assert_eq!(d.next(), None);
+
+        let resp = Response::Exited(ExecExit {
+            status: ExitStatus::Exited,
+            exit_code: 3,
+            signal: 0,
+            duration_ms: 5,
+            cpu_user_ms: 1,
+            cpu_system_ms: 2,
+            peak_memory_bytes: 4096,
+            stdout: StreamMeta { len: 2, ..Default::default() },
+            stderr: StreamMeta::default(),
+            error: String::new(),
+        });
+        d.push(&encode(7, &resp, b"hi").expect("encode"));
+        let Some(Decoded::Frame(f)) = d.next() else { panic!("no frame") };
+        assert_eq!(f.envelope::<Response>().expect("parse").msg, resp);
+        assert!(resp.is_final());
+        assert!(!Response::Started.is_final());
+    }
+
+    #[test]
+    fn frames_split_at_every_byte_boundary_decode_the_same() {
+        let a = encode(1, &Request::Hello, b"").expect("encode");
+        let b = encode(2, &Request::ReadFile { path: "/x".into(), offset: 0, limit: 10 }, b"").expect("encode");
+        let stream: Vec<u8> = [a, b].concat();
+        for split in 0..stream.len() {
+            let mut d = Decoder::new();
+            d.push(&stream[..split]);
+            let mut got = frames(&mut d);
+            d.push(&stream[split..]);
+            got.extend(frames(&mut d));
+            let ids: Vec<u64> = got
+                .iter()
+                .map(|g| match g {
+                    Decoded::Frame(f) => f.envelope::<Request>().expect("parse").id,
+                    Decoded::Garbage { .. } => panic!("garbage at split {split}"),
+                })
+                .collect();
+            assert_eq!(ids, [1, 2], "split at {split}");
+        }
+    }
+
+    #[test]
+    fn garbage_before_a_frame_is_skipped_and_reported() {
+        let mut d = Decoder::new();
+        d.push(b"\x00\xffnoise SB");
+        d.push(&encode(5, &Request::Thaw, b"").expect("encode"));
+        let got = frames(&mut d);
+        assert!(matches!(&got[0], Decoded::Garbage { skipped: 10, .. }), "{got:?}");
+        let Decoded::Frame(f) = &got[1] else { panic!("{got:?}") };
+        assert_eq!(f.envelope::<Request>().expect("parse").msg, Request::Thaw);
+    }
+
+    #[test]
+    fn oversized_lengths_never_allocate_and_resync() {
+        let mut d = Decoder::new();
+        let mut bad = MAGIC.to_vec();
+        bad.extend_from_slice(&u32::MAX.to_be_bytes());
+        bad.extend_from_slice(&u32::MAX.to_be_bytes());
+        d.push(&bad);
+        let Some(Decoded::Garbage { reason, .. }) = d.next() else { panic!("expected garbage") };
+        assert!(reason.contains("header length"), "{reason}");
+        let mut huge_payload = MAGIC.to_vec();
+        huge_payload.extend_from_slice(&2u32.to_be_bytes());
+        huge_payload.extend_from_slice(&(MAX_PAYLOAD + 1).to_be_bytes());
+        d.push(&huge_payload);
+        d.push(&encode(9, &Request::Freeze, b"").expect("encode"));
+        let got = frames(&mut d);
+        assert!(got.iter().any(|g| matches!(g, Decoded::Garbage { reason, .. } if reason.contains("payload length"))), "{got:?}");
+        let Some(Decoded::Frame(f)) = got.last() else { panic!("{got:?}") };
+        assert_eq!(f.envelope::<Request>().expect("parse").id, 9);
+        assert!(d.buffered() == 0);
+    }
+
+    #[test]
+    fn a_valid_frame_with_a_bad_header_is_a_frame_whose_envelope_fails() {
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&5u32.to_be_bytes());
+        bytes.extend_from_slice(&0u32.to_be_bytes());
+        bytes.extend_from_slice(b"{nope");
+        let mut d = Decoder::new();
+        d.push(&bytes);
+        let Some(Decoded::Frame(f)) = d.next() else { panic!("expected a frame") };
+        assert!(f.envelope::<Request>().is_err());
+        let unknown = encode(3, &serde_json::json!({"type": "format_disk"}), b"").expect("encode");
+        d.push(&unknown);
+        let Some(Decoded::Frame(f)) = d.next() else { panic!("expected a frame") };
+        assert!(f.envelope::<Request>().is_err());
+    }
+
+    #[test]
+    fn random_bytes_never_panic_and_buffer_stays_bounded() {
+        // A deterministic xorshift stream of junk, with magics sprinkled in.
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut d = Decoder::new();
+        for round in 0..2000 {
+            let mut chunk = Vec::new();
+            for _ in 0..64 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                chunk.push(x as u8);
+            }
+            if round % 7 == 0 {
+                chunk.splice(10..10, MAGIC);
+            }
+            d.push(&chunk);
+            while let Some(ev) = d.next() {
+                if let Decoded::Frame(f) = ev {
+                    let _ = f.envelope::<Request>();
+                    let _ = f.envelope::<Response>();
+                }
+            }
+            assert!(d.buffered() <= PREFIX_LEN + (MAX_HEADER + MAX_PAYLOAD) as usize);
+        }
+        assert!(encode(1, &Request::Hello, &vec![0; MAX_PAYLOAD as usize + 1]).is_err());
+    }
+}
