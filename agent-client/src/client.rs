@@ -120,6 +120,11 @@ impl Client {
         Ok(Self::from_channel(channel))
     }
 
+    /// The underlying gRPC channel, for the daemon's other services (e.g. `grpc.health.v1`).
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
     /// Connects using the environment: the address in `SANDBOXD_SOCKET` (default
     /// `unix://./.sandboxd/sandboxd.sock`, resolved against the current directory) and the
     /// bearer token in `SANDBOXD_TOKEN`, if set and non-empty.

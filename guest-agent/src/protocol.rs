@@ -55,7 +55,9 @@ pub struct Envelope<M> {
 pub enum Request {
     /// First request on a fresh connection; answered by `Hello`.
     Hello,
-    /// Limits of the sandbox inside the guest (the cgroup every exec runs under). Answered by `Ok`.
+    /// Limits of the sandbox inside the guest (the cgroup every exec runs under), its hostname and
+    /// default workdir. Sent once after `Hello` (again after a VM is taken from the warm pool).
+    /// Answered by `Ok`.
     Configure(GuestLimits),
     /// Runs a command. Payload: its stdin. Answered by `Started`, `Output`*, then `Exited`
     /// (or `Error` when the request itself is bad).
@@ -76,12 +78,17 @@ pub enum Request {
     Shutdown,
 }
 
-/// Limits applied inside the guest to everything the agent runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// The sandbox as the guest applies it: limits on the cgroup every exec runs under, the
+/// hostname (the sandbox id) and the default working directory, created if missing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GuestLimits {
     pub memory_bytes: u64,
     pub max_pids: u32,
     pub cpu_millicores: u32,
+    #[serde(default)]
+    pub hostname: String,
+    #[serde(default)]
+    pub workdir: String,
 }
 
 /// One command to run in the guest, fully resolved by the host.

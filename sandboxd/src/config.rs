@@ -48,6 +48,13 @@ pub struct Cli {
     /// Serve Prometheus metrics over HTTP on this address (e.g. 127.0.0.1:9477).
     #[arg(long)]
     pub metrics: Option<std::net::SocketAddr>,
+    /// Keep this many microVMs booted ahead of time so MICROVM creates need not wait for a boot.
+    #[arg(long = "microvm-pool")]
+    pub microvm_pool: Option<usize>,
+    /// Export traces over OTLP/gRPC to this collector (e.g. http://127.0.0.1:4317); overrides
+    /// `[telemetry] otlp_endpoint`.
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// How log lines are written.
@@ -165,6 +172,68 @@ pub struct FileConfig {
     #[serde(default)]
     pub audit: AuditConfig,
     pub tls: Option<TlsConfig>,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+    #[serde(default)]
+    pub microvm: MicroVmConfig,
+}
+
+/// How microVM guests run their CPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum MicroVmAccel {
+    /// KVM when a probe boot succeeds on this host, else TCG (logged either way).
+    #[default]
+    Auto,
+    Kvm,
+    /// Software emulation: slower, works everywhere.
+    Tcg,
+}
+
+/// The `[microvm]` table: the QEMU-based tier.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MicroVmConfig {
+    /// The QEMU system emulator (a path, or a name looked up on PATH).
+    pub qemu: PathBuf,
+    /// qemu-img, for disk overlays.
+    pub qemu_img: PathBuf,
+    pub accel: MicroVmAccel,
+    /// How long a boot may take until the guest agent answers.
+    pub boot_timeout_ms: u64,
+    /// How long the KVM probe boot may take before KVM is declared unusable.
+    pub kvm_probe_timeout_ms: u64,
+    /// VMs kept booted ahead of time (also `--microvm-pool`). 0 = none.
+    pub pool_size: usize,
+    /// Image of the pooled VMs.
+    pub pool_image: String,
+    /// Guest memory of pooled VMs: a create asking for more boots its own VM.
+    pub pool_memory_bytes: u64,
+}
+
+impl Default for MicroVmConfig {
+    fn default() -> Self {
+        MicroVmConfig {
+            qemu: PathBuf::from("qemu-system-x86_64"),
+            qemu_img: PathBuf::from("qemu-img"),
+            accel: MicroVmAccel::Auto,
+            boot_timeout_ms: 30_000,
+            kvm_probe_timeout_ms: 5_000,
+            pool_size: 0,
+            pool_image: "minimal".into(),
+            pool_memory_bytes: 512 << 20,
+        }
+    }
+}
+
+impl MicroVmConfig {
+    pub fn boot_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.boot_timeout_ms)
+    }
+
+    pub fn kvm_probe_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.kvm_probe_timeout_ms)
+    }
 }
 
 /// One bearer token: its SHA-256 (hex) and the tenant it stands for. Tokens are never stored in
@@ -227,6 +296,54 @@ pub struct TlsConfig {
     pub key: PathBuf,
 }
 
+/// The `[telemetry]` table: OpenTelemetry trace export over OTLP/gRPC (see `telemetry`). Off
+/// unless `otlp_endpoint` is set.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// The collector: `http://host:4317`, or `https://…` (TLS, webpki roots). None: no export.
+    pub otlp_endpoint: Option<String>,
+    /// The `service.name` resource attribute of every span.
+    pub service_name: String,
+    /// Share of traces the daemon starts itself (no caller `traceparent`) that are exported,
+    /// 0.0 to 1.0. A caller's sampled flag is always followed, so its trace stays whole.
+    pub sample_ratio: f64,
+    /// Finished spans are sent in batches this often (and at shutdown).
+    pub batch_delay_ms: u64,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig { otlp_endpoint: None, service_name: "sandboxd".into(), sample_ratio: 1.0, batch_delay_ms: 5000 }
+    }
+}
+
+impl TelemetryConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(endpoint) = &self.otlp_endpoint {
+            // Caught here rather than by the exporter so the message names the key; a path is
+            // refused because gRPC has none (the collector's service path is fixed).
+            let uri = endpoint.parse::<http::Uri>().ok();
+            let scheme_ok = uri.as_ref().and_then(|u| u.scheme_str()).is_some_and(|s| s == "http" || s == "https");
+            let host_ok = uri.as_ref().and_then(|u| u.host()).is_some_and(|h| !h.is_empty());
+            let no_path = uri.as_ref().is_some_and(|u| u.path() == "/" && u.query().is_none());
+            if !(scheme_ok && host_ok && no_path) {
+                return Err(ConfigError::Invalid(format!("telemetry.otlp_endpoint {endpoint:?}: expected http://host:port or https://host:port")));
+            }
+        }
+        if self.service_name.is_empty() {
+            return Err(ConfigError::Invalid("telemetry.service_name must not be empty".into()));
+        }
+        if !(0.0..=1.0).contains(&self.sample_ratio) {
+            return Err(ConfigError::Invalid(format!("telemetry.sample_ratio = {} must be between 0.0 and 1.0", self.sample_ratio)));
+        }
+        if self.batch_delay_ms == 0 {
+            return Err(ConfigError::Invalid("telemetry.batch_delay_ms must be > 0".into()));
+        }
+        Ok(())
+    }
+}
+
 /// Where the daemon listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ListenAddr {
@@ -276,6 +393,8 @@ pub struct Config {
     pub auth: AuthConfig,
     pub audit: AuditConfig,
     pub tls: Option<TlsConfig>,
+    pub telemetry: TelemetryConfig,
+    pub microvm: MicroVmConfig,
 }
 
 impl Config {
@@ -310,6 +429,8 @@ impl Config {
             auth: file.auth,
             audit: file.audit,
             tls: file.tls,
+            telemetry: TelemetryConfig { otlp_endpoint: cli.otlp_endpoint.or(file.telemetry.otlp_endpoint), ..file.telemetry },
+            microvm: MicroVmConfig { pool_size: cli.microvm_pool.unwrap_or(file.microvm.pool_size), ..file.microvm },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -351,6 +472,13 @@ impl Config {
         }
         if self.listen.is_empty() {
             return Err(ConfigError::Invalid("no listen address".into()));
+        }
+        self.telemetry.validate()?;
+        if self.microvm.boot_timeout_ms == 0 || self.microvm.kvm_probe_timeout_ms == 0 {
+            return Err(ConfigError::Invalid("microvm.boot_timeout_ms and microvm.kvm_probe_timeout_ms must be > 0".into()));
+        }
+        if self.microvm.pool_image.is_empty() {
+            return Err(ConfigError::Invalid("microvm.pool_image must name an image".into()));
         }
         Ok(())
     }
@@ -398,6 +526,7 @@ mod tests {
         assert_eq!(cfg.auth.tokens.len(), 1);
         assert_eq!(cfg.policy.max_sandboxes(), Some(500));
         assert_eq!(cfg.limits.max.max_pids, Limits::CEILINGS.max_pids);
+        assert_eq!(cfg.telemetry.otlp_endpoint, None, "the example leaves trace export off");
     }
 
     #[test]
@@ -410,5 +539,45 @@ mod tests {
         std::fs::write(&path, "[limits.default]\nmax_pids = 100000\n").expect("write");
         let err = Config::load(Cli { config: Some(path), ..Default::default() }).expect_err("default over max");
         assert!(err.to_string().contains("max_pids"), "{err}");
+    }
+
+    #[test]
+    fn telemetry_is_off_by_default_and_the_flag_overrides_the_file() {
+        let cfg = Config::load(Cli::default()).expect("defaults");
+        assert_eq!(cfg.telemetry.otlp_endpoint, None, "no export unless asked for");
+        assert_eq!(cfg.telemetry.service_name, "sandboxd");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("t.toml");
+        std::fs::write(&path, "[telemetry]\notlp_endpoint = \"http://collector:4317\"\nservice_name = \"sbx-eu\"\nsample_ratio = 0.25\n").expect("write");
+        let cfg = Config::load(Cli { config: Some(path.clone()), ..Default::default() }).expect("load");
+        assert_eq!(cfg.telemetry.otlp_endpoint.as_deref(), Some("http://collector:4317"));
+        assert_eq!((cfg.telemetry.service_name.as_str(), cfg.telemetry.sample_ratio), ("sbx-eu", 0.25));
+        let cli = Cli { config: Some(path), otlp_endpoint: Some("https://otel.example:4317".into()), ..Default::default() };
+        let cfg = Config::load(cli).expect("load");
+        assert_eq!(cfg.telemetry.otlp_endpoint.as_deref(), Some("https://otel.example:4317"));
+        assert_eq!(cfg.telemetry.service_name, "sbx-eu", "the flag replaces only the endpoint");
+    }
+
+    #[test]
+    fn bad_telemetry_settings_are_refused_naming_the_key() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("t.toml");
+        for (toml, key) in [
+            ("otlp_endpoint = \"127.0.0.1:4317\"", "otlp_endpoint"),
+            ("otlp_endpoint = \"grpc://127.0.0.1:4317\"", "otlp_endpoint"),
+            ("otlp_endpoint = \"http://127.0.0.1:4317/v1/traces\"", "otlp_endpoint"),
+            ("sample_ratio = 1.5", "sample_ratio"),
+            ("sample_ratio = -0.1", "sample_ratio"),
+            ("service_name = \"\"", "service_name"),
+            ("batch_delay_ms = 0", "batch_delay_ms"),
+            ("endpoint = \"http://x:4317\"", "endpoint"),
+        ] {
+            std::fs::write(&path, format!("[telemetry]\n{toml}\n")).expect("write");
+            let err = Config::load(Cli { config: Some(path.clone()), ..Default::default() }).expect_err(toml);
+            assert!(err.to_string().contains(key), "{toml}: {err}");
+        }
+        let cli = Cli { otlp_endpoint: Some("not a url".into()), ..Default::default() };
+        let err = Config::load(cli).expect_err("bad flag");
+        assert!(err.to_string().contains("telemetry.otlp_endpoint"), "{err}");
     }
 }

@@ -14,3 +14,4 @@ pub mod metrics;
 pub mod policy;
 pub mod server;
 pub mod store;
+pub mod telemetry;

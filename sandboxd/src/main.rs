@@ -3,6 +3,10 @@
 use clap::Parser;
 use sandboxd::backend::process::init;
 use sandboxd::config::{Cli, Config, LogFormat};
+use sandboxd::telemetry::Telemetry;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::Layer;
 
 fn main() -> anyhow::Result<()> {
     // The same binary is each sandbox's init. This check comes before anything else: the init
@@ -11,13 +15,28 @@ fn main() -> anyhow::Result<()> {
         init::main();
     }
     let cfg = Config::load(Cli::parse())?;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match cfg.log_format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
-    tracing::info!(state_dir = %cfg.state_dir.display(), images_dir = %cfg.images_dir.display(), "sandboxd starting");
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(sandboxd::server::run(cfg))
+    // The OTLP exporter's gRPC channel is a task on the runtime, so it is built inside it, and
+    // the runtime lives until the exporter has flushed (below).
+    let telemetry = {
+        let _entered = runtime.enter();
+        Telemetry::start(&cfg.telemetry)?
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let log = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let log = match cfg.log_format {
+        LogFormat::Json => log.json().boxed(),
+        LogFormat::Text => log.boxed(),
+    };
+    tracing_subscriber::registry().with(filter).with(log).with(telemetry.as_ref().map(Telemetry::layer)).init();
+    tracing::info!(state_dir = %cfg.state_dir.display(), images_dir = %cfg.images_dir.display(), "sandboxd starting");
+    if let Some(endpoint) = &cfg.telemetry.otlp_endpoint {
+        tracing::info!(%endpoint, service_name = %cfg.telemetry.service_name, "exporting traces over OTLP/gRPC");
+    }
+    let result = runtime.block_on(sandboxd::server::run(cfg));
+    // After the listeners have drained, so the spans of the last RPCs are in the final batch.
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown();
+    }
+    result
 }

@@ -359,6 +359,7 @@ impl Manager {
     }
 
     /// Creates a sandbox (from an image, or from a snapshot: a fork) and returns when it is ready.
+    #[tracing::instrument(name = "manager.create", skip_all)]
     pub async fn create(&self, tenant: &str, req: CreateRequest) -> Result<SandboxInfo, Error> {
         self.check_capacity(tenant)?;
         let workdir = if req.workdir.is_empty() { "/workspace".to_string() } else { req.workdir };
@@ -457,6 +458,7 @@ impl Manager {
     }
 
     /// Destroys a sandbox: every process, mount, cgroup and exec record goes (snapshots stay).
+    #[tracing::instrument(name = "manager.destroy", skip_all)]
     pub async fn destroy(&self, tenant: &str, id: &str) -> Result<(), Error> {
         let (sid, entry) = self.entry(tenant, id)?;
         let started = std::time::Instant::now();
@@ -538,6 +540,7 @@ impl Manager {
     ///
     /// Dropping the returned future (a client that went away) kills a foreground exec without an
     /// idempotency key; one with a key runs on so its result can be collected later.
+    #[tracing::instrument(name = "manager.exec", skip_all)]
     pub async fn exec(self: &Arc<Self>, tenant: &str, req: ExecRequest, sink: OutputSink) -> Result<ExecRecord, Error> {
         let (sid, entry) = self.entry(tenant, &req.sandbox_id)?;
         let info = entry.info()?;
@@ -732,6 +735,7 @@ impl Manager {
     }
 
     /// Captures the sandbox's filesystem as a new snapshot.
+    #[tracing::instrument(name = "manager.snapshot", skip_all)]
     pub async fn snapshot(&self, tenant: &str, sandbox_id: &str, name: &str) -> Result<SnapshotRecord, Error> {
         let (sid, entry) = self.entry(tenant, sandbox_id)?;
         if name.len() > 256 {
@@ -777,6 +781,7 @@ impl Manager {
 
     /// Puts the sandbox's filesystem back to a snapshot. Running execs end as LOST; background
     /// processes are gone; id, limits and labels stay.
+    #[tracing::instrument(name = "manager.rollback", skip_all)]
     pub async fn rollback(&self, tenant: &str, sandbox_id: &str, snapshot_id: &str) -> Result<SandboxInfo, Error> {
         let (sid, entry) = self.entry(tenant, sandbox_id)?;
         let snap = self.snapshot_record(tenant, snapshot_id)?;

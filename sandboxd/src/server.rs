@@ -12,10 +12,12 @@ use crate::audit::AuditLog;
 use crate::metrics::{self, Metrics};
 use crate::backend::container::{docker_socket_from_env, ContainerBackend, ContainerConfig};
 use crate::backend::process::{ProcessBackend, ProcessConfig};
+use crate::backend::microvm::MicroVmBackend;
 use crate::backend::Backends;
 use crate::config::{Config, ListenAddr};
 use crate::manager::Manager;
 use crate::store::Store;
+use crate::telemetry;
 
 /// Largest gRPC message either way (WriteFile content, ExecResult with two 16 MiB streams).
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -41,6 +43,9 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     })
     .await;
     backends.insert(Arc::new(container));
+    // Never fails either: without QEMU or VM images the tier reports why.
+    let microvm = MicroVmBackend::new(cfg.microvm.clone(), &cfg.state_dir, &cfg.images_dir, cfg.limits.default);
+    backends.insert(Arc::new(microvm));
     let store = Store::open(&cfg.state_dir.join("state.db")).context("opening the state database")?;
     let metrics = Metrics::new().context("registering metrics")?;
     let manager = Manager::new(cfg.clone(), backends, store, metrics);
@@ -162,7 +167,8 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
 }
 
 /// The span of one RPC. It carries the caller's W3C `traceparent` (trace id and parent span id),
-/// so an agent's trace continues into the daemon's logs.
+/// so an agent's trace continues into the daemon's logs — and, with OTLP export on, into the
+/// exported trace (see [`telemetry::continue_trace`]).
 fn rpc_span(req: &http::Request<()>) -> tracing::Span {
     let (trace_id, parent_id) = req
         .headers()
@@ -171,7 +177,16 @@ fn rpc_span(req: &http::Request<()>) -> tracing::Span {
         .and_then(parse_traceparent)
         .map(|(t, p)| (t.to_string(), p.to_string()))
         .unwrap_or_default();
-    tracing::info_span!("rpc", method = %req.uri().path(), trace_id = %trace_id, parent_span_id = %parent_id)
+    let span = tracing::info_span!(
+        "rpc",
+        method = %req.uri().path(),
+        trace_id = %trace_id,
+        parent_span_id = %parent_id,
+        otel.name = tracing::field::Empty,
+        otel.kind = tracing::field::Empty,
+    );
+    telemetry::continue_trace(&span, req.uri().path(), req.headers());
+    span
 }
 
 /// `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>` → (trace id, parent id).

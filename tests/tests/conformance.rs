@@ -7,7 +7,8 @@
 //! them as `#[tokio::test]`s in a module per tier, so `cargo test --test conformance container`
 //! runs one tier. Every test starts its own daemon (its own state dir), so they run in parallel.
 //! Nothing skips: a tier the host cannot serve makes its tests fail with the daemon's reason —
-//! CI runs as root with Docker, where every tier here must work.
+//! CI runs as root with Docker and QEMU, where every tier here must work (MICROVM under TCG when
+//! KVM does not work on the host).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -236,6 +237,7 @@ macro_rules! conformance {
 
 conformance!(process, Isolation::Process);
 conformance!(container, Isolation::Container);
+conformance!(microvm, Isolation::Microvm);
 
 // ---------------------------------------------------------------------------------------------
 // Exec.

@@ -42,7 +42,7 @@ fn open_in_root(root: RawFd, path: &str, flags: i32, mode: u32) -> Result<OwnedF
 
 /// Splits a sandbox path into its normal components, resolving it against `workdir` when relative.
 /// `..` is kept for the kernel to clamp at the root; empty and NUL-containing paths are refused.
-fn components(path: &str, workdir: &str) -> Result<Vec<String>, BackendError> {
+pub(crate) fn components(path: &str, workdir: &str) -> Result<Vec<String>, BackendError> {
     let invalid = |reason: &str| BackendError::InvalidPath { path: path.to_string(), reason: reason.to_string() };
     if path.is_empty() {
         return Err(invalid("empty"));

@@ -132,7 +132,7 @@ fn tree_bytes(dir: &Path) -> u64 {
 
 /// Name of this daemon's cgroup: derived from the state dir, so two daemons (say, parallel test
 /// runs) never touch each other's sandboxes.
-fn cgroup_name(state_dir: &Path) -> String {
+pub(crate) fn cgroup_name(state_dir: &Path) -> String {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     state_dir.hash(&mut h);

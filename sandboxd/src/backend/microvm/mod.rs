@@ -1,0 +1,807 @@
+//! The microVM tier: each sandbox is its own Linux kernel in a QEMU `microvm` machine, with the
+//! guest agent (`guest-agent` crate) as PID 1 answering over a virtio-serial port.
+//!
+//! * [`vm`] — starting one confined QEMU and waiting for its agent; KVM or TCG.
+//! * [`agent`] — the host end of the agent protocol (many requests in flight, untrusted guest).
+//! * [`exec`] — execs and files as agent requests.
+//! * [`qmp`] — QEMU's monitor, for disk snapshots while the VM runs.
+//! * [`disk`] — qcow2 overlay chains, base copies and garbage collection.
+//! * [`pool`] — VMs booted ahead of time so a create does not wait for a boot.
+//!
+//! Host layout under `<state>/microvm/`: `vms/<sandbox>/` (the VM's directory and QEMU's chroot:
+//! sockets, console log, `top-<gen>.qcow2`), `snapshots/<snapshot>.qcow2`, `bases/`, `pool/`.
+//!
+//! KVM: `/dev/kvm` may exist where nested guests hang, so with `accel = "auto"` the first boot
+//! tries KVM under a short deadline and falls back to TCG, logging which it uses; the verdict is
+//! cached for this host boot in `/run/sandboxd/kvm-probe`.
+
+mod agent;
+mod disk;
+mod exec;
+mod pool;
+mod qmp;
+mod vm;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use guest_agent::protocol::{GuestLimits, Request};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use super::cgroup::{CgroupLimits, CgroupRoot};
+use super::{Backend, BackendError, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal};
+use crate::config::{Limits, MicroVmConfig, MicroVmAccel};
+use crate::ids::{ExecId, SandboxId, SnapshotId};
+pub use vm::Accel;
+use vm::{BootFiles, LaunchSpec, Vm};
+
+const MIB: u64 = 1 << 20;
+/// Guest RAM beyond the sandbox's memory limit: the guest kernel and the agent.
+const GUEST_OVERHEAD_BYTES: u64 = 96 << 20;
+/// Host memory QEMU may use beyond the guest's RAM (its own code, TCG translation cache).
+const QEMU_OVERHEAD_BYTES: u64 = 512 << 20;
+/// Tasks QEMU may have (vCPU, I/O worker and RCU threads).
+const QEMU_MAX_TASKS: u32 = 512;
+/// First uid QEMU processes drop to; each VM gets its own.
+const UID_BASE: u32 = 400_000;
+/// Where the KVM verdict is cached for this host boot.
+const KVM_PROBE_CACHE: &str = "/run/sandboxd/kvm-probe";
+
+/// A VM's boot files and base disk, from `<images>/<name>/vm/vm.json`.
+#[derive(Debug, Clone)]
+struct VmImage {
+    boot: BootFiles,
+    disk: PathBuf,
+}
+
+#[derive(serde::Deserialize)]
+struct VmJson {
+    kernel: String,
+    initramfs: String,
+    disk: String,
+}
+
+/// One microVM sandbox.
+struct MicroSandbox {
+    spec: SandboxSpec,
+    vm: RwLock<Arc<Vm>>,
+    /// Serializes snapshot, rollback and destroy of this sandbox.
+    op: tokio::sync::Mutex<()>,
+}
+
+impl MicroSandbox {
+    fn vm(&self) -> Result<Arc<Vm>, BackendError> {
+        self.vm.read().map(|v| v.clone()).map_err(|_| BackendError::Internal("sandbox VM slot poisoned".into()))
+    }
+}
+
+pub(crate) struct Inner {
+    cfg: MicroVmConfig,
+    images_dir: PathBuf,
+    default_limits: Limits,
+    vms_dir: PathBuf,
+    snapshots_dir: PathBuf,
+    bases_dir: PathBuf,
+    pool_dir: PathBuf,
+    probe_dir: PathBuf,
+    /// qemu-system and qemu-img, resolved once.
+    tools: Result<(PathBuf, PathBuf), String>,
+    cgroups: Result<CgroupRoot, String>,
+    accel: tokio::sync::OnceCell<Accel>,
+    uids: Mutex<BTreeSet<u32>>,
+    sandboxes: RwLock<HashMap<SandboxId, Arc<MicroSandbox>>>,
+    snapshots: Mutex<HashSet<SnapshotId>>,
+    /// Held while disk files are created, renamed or collected.
+    disk_lock: tokio::sync::Mutex<()>,
+    pool: pool::Pool,
+    vm_seq: std::sync::atomic::AtomicU64,
+    host_cpus: u32,
+}
+
+/// The microVM-tier backend.
+pub struct MicroVmBackend {
+    inner: Arc<Inner>,
+}
+
+/// Finds `name` as given (a path) or on PATH.
+fn resolve_tool(name: &Path) -> Result<PathBuf, String> {
+    if name.components().count() > 1 {
+        return if name.is_file() { Ok(name.to_path_buf()) } else { Err(format!("{} not found", name.display())) };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .ok_or_else(|| format!("{} not found on PATH (install qemu-system-x86 and qemu-utils: make deps)", name.display()))
+}
+
+impl MicroVmBackend {
+    /// Prepares the tier; never fails: a host without QEMU gets a backend that says why.
+    pub fn new(cfg: MicroVmConfig, state_dir: &Path, images_dir: &Path, default_limits: Limits) -> Self {
+        let root = state_dir.join("microvm");
+        let tools = resolve_tool(&cfg.qemu).and_then(|q| resolve_tool(&cfg.qemu_img).map(|i| (q, i)));
+        let mut dirs_err = None;
+        for d in ["vms", "snapshots", "bases", "pool", "probe"] {
+            if let Err(e) = std::fs::create_dir_all(root.join(d)) {
+                dirs_err.get_or_insert(format!("creating {}: {e}", root.join(d).display()));
+            }
+        }
+        let tools = match dirs_err {
+            Some(e) => Err(e),
+            None => tools,
+        };
+        let cgroups = CgroupRoot::detect(&format!("{}-vm", super::process::cgroup_name(state_dir))).map_err(|e| format!("cgroups: {e}"));
+        if let Some(reason) = tools.as_ref().err().or(cgroups.as_ref().err()) {
+            tracing::warn!(%reason, "microVM tier unavailable");
+        }
+        let host_cpus = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
+        let inner = Inner {
+            pool: pool::Pool::new(cfg.pool_size),
+            cfg,
+            images_dir: images_dir.to_path_buf(),
+            default_limits,
+            vms_dir: root.join("vms"),
+            snapshots_dir: root.join("snapshots"),
+            bases_dir: root.join("bases"),
+            pool_dir: root.join("pool"),
+            probe_dir: root.join("probe"),
+            tools,
+            cgroups,
+            accel: tokio::sync::OnceCell::new(),
+            uids: Mutex::new(BTreeSet::new()),
+            sandboxes: RwLock::new(HashMap::new()),
+            snapshots: Mutex::new(HashSet::new()),
+            disk_lock: tokio::sync::Mutex::new(()),
+            vm_seq: std::sync::atomic::AtomicU64::new(1),
+            host_cpus,
+        };
+        MicroVmBackend { inner: Arc::new(inner) }
+    }
+}
+
+impl Inner {
+    fn unavailable(&self, reason: String) -> BackendError {
+        BackendError::Unavailable { isolation: Isolation::MicroVm, reason }
+    }
+
+    fn tools(&self) -> Result<&(PathBuf, PathBuf), BackendError> {
+        self.tools.as_ref().map_err(|e| self.unavailable(e.clone()))
+    }
+
+    fn cgroups(&self) -> Result<&CgroupRoot, BackendError> {
+        self.cgroups.as_ref().map_err(|e| self.unavailable(e.clone()))
+    }
+
+    /// The VM artifacts of `image`.
+    fn image(&self, image: &str) -> Result<VmImage, BackendError> {
+        vm_image(&self.images_dir, image)
+    }
+
+    fn alloc_uid(&self) -> u32 {
+        let Ok(mut used) = self.uids.lock() else { return UID_BASE };
+        let uid = (UID_BASE..).find(|u| !used.contains(u)).unwrap_or(UID_BASE);
+        used.insert(uid);
+        uid
+    }
+
+    fn release_uid(&self, uid: u32) {
+        if let Ok(mut used) = self.uids.lock() {
+            used.remove(&uid);
+        }
+    }
+
+    fn sandbox(&self, id: &SandboxId) -> Result<Arc<MicroSandbox>, BackendError> {
+        let map = self.sandboxes.read().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?;
+        map.get(id).cloned().ok_or_else(|| BackendError::NoSuchSandbox(id.clone()))
+    }
+
+    fn snapshot_path(&self, snap: &SnapshotId) -> PathBuf {
+        self.snapshots_dir.join(format!("{snap}.qcow2"))
+    }
+
+    fn memory_mib(limits: &Limits) -> u64 {
+        (limits.memory_bytes + GUEST_OVERHEAD_BYTES).div_ceil(MIB)
+    }
+
+    fn vcpus(&self, limits: &Limits) -> u32 {
+        limits.cpu_millicores.div_ceil(1000).clamp(1, self.host_cpus)
+    }
+
+    /// KVM or TCG, decided once (see the module docs).
+    async fn accel(&self, image: &VmImage) -> Accel {
+        *self.accel.get_or_init(|| self.decide_accel(image)).await
+    }
+
+    async fn decide_accel(&self, image: &VmImage) -> Accel {
+        match self.cfg.accel {
+            MicroVmAccel::Tcg => {
+                tracing::info!("microVMs run under TCG (software emulation): configured");
+                return Accel::Tcg;
+            }
+            MicroVmAccel::Kvm => {
+                tracing::info!("microVMs run under KVM: configured");
+                return Accel::Kvm;
+            }
+            MicroVmAccel::Auto => {}
+        }
+        if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+            tracing::warn!(error = %e, "no usable /dev/kvm: microVMs run under TCG (software emulation)");
+            return Accel::Tcg;
+        }
+        let key = probe_key(&self.tools.as_ref().map(|t| t.0.clone()).unwrap_or_default(), &image.boot.kernel);
+        if let Some(cached) = read_probe_cache(&key) {
+            tracing::info!(accel = cached.name(), cache = KVM_PROBE_CACHE, "microVM acceleration from this boot's KVM probe");
+            return cached;
+        }
+        let verdict = match self.probe_kvm(image).await {
+            Ok(boot) => {
+                tracing::info!(boot_ms = boot.as_millis() as u64, "KVM probe booted a guest: microVMs run under KVM");
+                Accel::Kvm
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, timeout_ms = self.cfg.kvm_probe_timeout_ms as u64, "KVM probe failed (nested guests may hang here): falling back to TCG (software emulation)");
+                Accel::Tcg
+            }
+        };
+        write_probe_cache(&key, verdict);
+        verdict
+    }
+
+    /// Boots a throwaway VM under KVM with a short deadline.
+    async fn probe_kvm(&self, image: &VmImage) -> Result<Duration, BackendError> {
+        let dir = self.probe_dir.join(format!("probe-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| BackendError::io("creating the probe dir", e))?;
+        let result = async {
+            let top = dir.join("top-0.qcow2");
+            let base = disk::base_for("probe", &image.disk, &self.bases_dir)?;
+            disk::create_overlay(&self.tools()?.1, &base, &top, disk::read_header(&base)?.virtual_size).await?;
+            let uid = self.alloc_uid();
+            let spec = LaunchSpec {
+                qemu: self.tools()?.0.clone(),
+                dir: dir.clone(),
+                top,
+                gen: 0,
+                boot: image.boot.clone(),
+                memory_mib: 256,
+                vcpus: 1,
+                accel: Accel::Kvm,
+                uid,
+                boot_timeout: self.cfg.kvm_probe_timeout(),
+            };
+            let r = Vm::launch(&spec, None).await;
+            self.release_uid(uid);
+            let vm = r?;
+            let t = vm.boot_time;
+            vm.kill().await;
+            Ok(t)
+        }
+        .await;
+        let _ = std::fs::remove_dir_all(&dir);
+        result
+    }
+
+    /// Creates a VM directory with a fresh top over `backing` and boots it.
+    async fn boot_new(&self, name: &str, dir: &Path, gen: u64, backing: &Path, disk_bytes: u64, image: &VmImage, limits: &Limits) -> Result<Arc<Vm>, BackendError> {
+        let (qemu, qemu_img) = self.tools()?.clone();
+        std::fs::create_dir_all(dir).map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
+        let top = dir.join(format!("top-{gen}.qcow2"));
+        let size = disk_bytes.max(disk::read_header(backing)?.virtual_size);
+        disk::create_overlay(&qemu_img, backing, &top, size).await?;
+        self.boot_existing(name, dir, gen, &qemu, image, limits).await
+    }
+
+    /// Boots a VM over the top disk `dir/top-<gen>.qcow2` that already exists.
+    async fn boot_existing(&self, name: &str, dir: &Path, gen: u64, qemu: &Path, image: &VmImage, limits: &Limits) -> Result<Arc<Vm>, BackendError> {
+        let accel = self.accel(image).await;
+        let uid = self.alloc_uid();
+        let top = dir.join(format!("top-{gen}.qcow2"));
+        let prepared = (|| {
+            std::os::unix::fs::chown(&top, Some(uid), Some(uid)).map_err(|e| BackendError::io(format!("chown {}", top.display()), e))?;
+            let memory_bytes = Self::memory_mib(limits) * MIB + QEMU_OVERHEAD_BYTES;
+            self.cgroups()?
+                .create_sandbox(name, &CgroupLimits { memory_bytes, max_pids: QEMU_MAX_TASKS, cpu_millicores: 0 })
+                .map_err(|e| BackendError::Internal(format!("creating the VM's cgroup: {e}")))
+        })();
+        let cgroup = match prepared {
+            Ok(cg) => cg,
+            Err(e) => {
+                self.release_uid(uid);
+                return Err(e);
+            }
+        };
+        let spec = LaunchSpec {
+            qemu: qemu.to_path_buf(),
+            dir: dir.to_path_buf(),
+            top,
+            gen,
+            boot: image.boot.clone(),
+            memory_mib: Self::memory_mib(limits),
+            vcpus: self.vcpus(limits),
+            accel,
+            uid,
+            boot_timeout: self.cfg.boot_timeout(),
+        };
+        match Vm::launch(&spec, Some(cgroup)).await {
+            Ok(vm) => {
+                tracing::debug!(vm = name, accel = vm.accel.name(), boot_ms = vm.boot_time.as_millis() as u64, guest_kernel = %vm.hello.kernel, guest_uptime_ms = vm.hello.uptime_ms, "microVM booted");
+                Ok(Arc::new(vm))
+            }
+            Err(e) => {
+                if let Some(cg) = self.cgroups.as_ref().ok().and_then(|r| r.open_sandbox(name)) {
+                    let _ = cg.kill_all();
+                    let _ = cg.destroy();
+                }
+                self.release_uid(uid);
+                Err(e)
+            }
+        }
+    }
+
+    fn vm_name(&self) -> String {
+        format!("vm-{}", self.vm_seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Kills a VM and gives its uid back.
+    async fn stop_vm(&self, vm: &Vm) {
+        vm.kill().await;
+        self.release_uid(vm.uid);
+    }
+
+    /// Every disk file some live thing needs: tops of sandboxes and pooled VMs, live snapshots.
+    fn disk_roots(&self) -> Vec<PathBuf> {
+        let mut roots = Vec::new();
+        if let Ok(map) = self.sandboxes.read() {
+            for sb in map.values() {
+                if let Ok(vm) = sb.vm() {
+                    roots.push(top_of(&vm));
+                }
+            }
+        }
+        roots.extend(self.pool.tops());
+        if let Ok(snaps) = self.snapshots.lock() {
+            roots.extend(snaps.iter().map(|s| self.snapshot_path(s)));
+        }
+        roots
+    }
+
+    /// Removes snapshot files nothing needs any more.
+    async fn collect_snapshots(&self) {
+        let _g = self.disk_lock.lock().await;
+        let removed = disk::collect_garbage(&self.disk_roots(), &[&self.snapshots_dir]);
+        for p in removed {
+            tracing::debug!(file = %p.display(), "unreferenced snapshot disk removed");
+        }
+    }
+
+    async fn create(self: &Arc<Self>, spec: &SandboxSpec) -> Result<(), BackendError> {
+        self.tools()?;
+        let image = self.image(&spec.image)?;
+        let dir = self.vms_dir.join(spec.id.as_str());
+        let vm = match &spec.from_snapshot {
+            None => match self.pool.take(&spec.image, &spec.limits) {
+                Some(pooled) => {
+                    let vm = pooled.adopt(&dir)?;
+                    tracing::info!(sandbox = %spec.id, "microVM taken from the warm pool");
+                    pool::refill(self);
+                    vm
+                }
+                None => {
+                    let base = {
+                        let _g = self.disk_lock.lock().await;
+                        disk::base_for(&spec.image, &image.disk, &self.bases_dir)?
+                    };
+                    self.boot_new(&self.vm_name(), &dir, 0, &base, spec.limits.disk_bytes, &image, &spec.limits).await?
+                }
+            },
+            Some(snap) => {
+                let backing = self.snapshot_path(snap);
+                if !backing.is_file() || !self.snapshots.lock().is_ok_and(|s| s.contains(snap)) {
+                    return Err(BackendError::NoSuchSnapshot(snap.clone()));
+                }
+                self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits).await?
+            }
+        };
+        let configured = vm.configure(guest_config(spec)).await;
+        if let Err(e) = configured {
+            self.stop_vm(&vm).await;
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+        let sb = Arc::new(MicroSandbox { spec: spec.clone(), vm: RwLock::new(vm), op: tokio::sync::Mutex::new(()) });
+        self.sandboxes.write().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?.insert(spec.id.clone(), sb);
+        Ok(())
+    }
+
+    async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId) -> Result<u64, BackendError> {
+        let sb = self.sandbox(id)?;
+        let _op = sb.op.lock().await;
+        let vm = sb.vm()?;
+        // A consistent disk: the guest flushes and freezes its filesystem first.
+        let frozen = vm.agent.call(&Request::Freeze, &[], Duration::from_secs(30)).await.map_err(|e| vm.agent_error(e))?;
+        vm::expect_ok(frozen.msg, "freeze")?;
+        let taken = self.swap_top(&vm, snap).await;
+        match vm.agent.call(&Request::Thaw, &[], Duration::from_secs(30)).await {
+            Ok(r) => {
+                if let Err(e) = vm::expect_ok(r.msg, "thaw") {
+                    tracing::warn!(sandbox = %id, error = %e, "thawing the guest filesystem");
+                }
+            }
+            Err(e) => tracing::warn!(sandbox = %id, error = %e, "thawing the guest filesystem"),
+        }
+        taken?;
+        if let Ok(mut s) = self.snapshots.lock() {
+            s.insert(snap.clone());
+        }
+        Ok(disk::chain_bytes_above_base(&self.snapshot_path(snap), &self.bases_dir))
+    }
+
+    /// The live snapshot itself: the current top becomes the snapshot file and a new top is put
+    /// over it in the running QEMU (`blockdev-add` + `blockdev-snapshot`).
+    async fn swap_top(&self, vm: &Vm, snap: &SnapshotId) -> Result<(), BackendError> {
+        let (_, qemu_img) = self.tools()?.clone();
+        let _g = self.disk_lock.lock().await;
+        let gen = *vm.gen.lock().map_err(|_| BackendError::Internal("gen poisoned".into()))?;
+        let dir = vm.dir();
+        let old_top = dir.join(format!("top-{gen}.qcow2"));
+        let new_name = format!("top-{}.qcow2", gen + 1);
+        let new_top = dir.join(&new_name);
+        let snap_file = self.snapshot_path(snap);
+        let size = disk::read_header(&old_top)?.virtual_size;
+        disk::create_overlay(&qemu_img, &snap_file, &new_top, size).await?;
+        std::os::unix::fs::chown(&new_top, Some(vm.uid), Some(vm.uid)).map_err(|e| BackendError::io("chown the new top", e))?;
+        std::fs::rename(&old_top, &snap_file).map_err(|e| BackendError::io(format!("moving {} to {}", old_top.display(), snap_file.display()), e))?;
+        let undo = |why: String| {
+            let _ = std::fs::rename(&snap_file, &old_top);
+            let _ = std::fs::remove_file(&new_top);
+            BackendError::Internal(why)
+        };
+        let mut qmp = vm.qmp.lock().await;
+        let node = format!("disk{}", gen + 1);
+        // Inside QEMU's chroot the VM's directory is `/`.
+        let add = json!({ "driver": "qcow2", "node-name": node, "file": { "driver": "file", "filename": format!("/{new_name}") }, "backing": null });
+        if let Err(e) = qmp.execute("blockdev-add", add).await {
+            return Err(undo(e));
+        }
+        if let Err(e) = qmp.execute("blockdev-snapshot", json!({ "node": format!("disk{gen}"), "overlay": node })).await {
+            let _ = qmp.execute("blockdev-del", json!({ "node-name": node })).await;
+            return Err(undo(e));
+        }
+        drop(qmp);
+        if let Ok(mut g) = vm.gen.lock() {
+            *g = gen + 1;
+        }
+        // The snapshot file is never written again; forks open it read-only as root.
+        let _ = std::os::unix::fs::chown(&snap_file, Some(0), Some(0));
+        let _ = std::fs::set_permissions(&snap_file, std::os::unix::fs::PermissionsExt::from_mode(0o444));
+        Ok(())
+    }
+
+    async fn rollback(&self, id: &SandboxId, snap: &SnapshotId) -> Result<(), BackendError> {
+        let sb = self.sandbox(id)?;
+        let _op = sb.op.lock().await;
+        let backing = self.snapshot_path(snap);
+        if !backing.is_file() || !self.snapshots.lock().is_ok_and(|s| s.contains(snap)) {
+            return Err(BackendError::NoSuchSnapshot(snap.clone()));
+        }
+        let image = self.image(&sb.spec.image)?;
+        let old = sb.vm()?;
+        let dir = old.dir();
+        let gen = *old.gen.lock().map_err(|_| BackendError::Internal("gen poisoned".into()))?;
+        self.stop_vm(&old).await;
+        let _ = std::fs::remove_file(dir.join(format!("top-{gen}.qcow2")));
+        let vm = self.boot_new(&self.vm_name(), &dir, gen + 1, &backing, sb.spec.limits.disk_bytes, &image, &sb.spec.limits).await?;
+        vm.configure(guest_config(&sb.spec)).await?;
+        if let Ok(mut slot) = sb.vm.write() {
+            *slot = vm;
+        }
+        drop(_op);
+        self.collect_snapshots().await;
+        Ok(())
+    }
+
+    async fn destroy(&self, id: &SandboxId) -> Result<(), BackendError> {
+        let sb = self.sandboxes.write().ok().and_then(|mut m| m.remove(id));
+        let dir = self.vms_dir.join(id.as_str());
+        let Some(sb) = sb else {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(BackendError::NoSuchSandbox(id.clone()));
+        };
+        let _op = sb.op.lock().await;
+        if let Ok(vm) = sb.vm() {
+            self.stop_vm(&vm).await;
+        }
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!(dir = %dir.display(), error = %e, "removing a VM directory");
+        }
+        drop(_op);
+        self.collect_snapshots().await;
+        Ok(())
+    }
+
+    async fn recover(self: &Arc<Self>, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
+        // Whatever ran before died with the previous daemon (PR_SET_PDEATHSIG); make sure, and
+        // drop its cgroups.
+        if let Ok(root) = &self.cgroups {
+            for name in root.list_sandboxes() {
+                if let Some(cg) = root.open_sandbox(&name) {
+                    let _ = cg.kill_all();
+                    if let Err(e) = cg.destroy() {
+                        tracing::warn!(cgroup = %name, error = %e, "removing a leftover VM cgroup");
+                    }
+                }
+            }
+        }
+        for d in [&self.pool_dir, &self.probe_dir] {
+            let _ = std::fs::remove_dir_all(d);
+            let _ = std::fs::create_dir_all(d);
+        }
+        if let Ok(mut s) = self.snapshots.lock() {
+            s.extend(snapshots.iter().filter(|s| self.snapshot_path(s).is_file()).cloned());
+        }
+        let wanted: HashSet<&str> = sandboxes.iter().map(|s| s.id.as_str()).collect();
+        if let Ok(entries) = std::fs::read_dir(&self.vms_dir) {
+            for e in entries.flatten() {
+                if !e.file_name().to_str().is_some_and(|n| wanted.contains(n)) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let mut results = Vec::new();
+        // Boots are CPU-bound under TCG: a few at a time.
+        let mut boots = futures::stream::iter(sandboxes.iter().cloned().map(|spec| {
+            let inner = self.clone();
+            async move {
+                let r = inner.readopt(&spec).await;
+                (spec.id.clone(), r)
+            }
+        }))
+        .buffer_unordered(self.host_cpus as usize);
+        use futures::StreamExt;
+        while let Some(r) = boots.next().await {
+            results.push(r);
+        }
+        drop(boots);
+        // Bases and snapshot files nothing reaches any more.
+        {
+            let _g = self.disk_lock.lock().await;
+            disk::collect_garbage(&self.disk_roots(), &[&self.snapshots_dir, &self.bases_dir]);
+        }
+        pool::refill(self);
+        results
+    }
+
+    /// Boots a recorded sandbox again over its preserved top disk.
+    async fn readopt(self: &Arc<Self>, spec: &SandboxSpec) -> Result<(), BackendError> {
+        let (qemu, _) = self.tools()?.clone();
+        let image = self.image(&spec.image)?;
+        let dir = self.vms_dir.join(spec.id.as_str());
+        let mut tops: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
+            .map_err(|e| BackendError::io(format!("reading {}", dir.display()), e))?
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_str()?.to_string();
+                let gen = name.strip_prefix("top-")?.strip_suffix(".qcow2")?.parse().ok()?;
+                Some((gen, e.path()))
+            })
+            .collect();
+        tops.sort();
+        // The newest top whose whole chain is present (a crash mid-snapshot may leave a newer
+        // top whose backing was never put in place).
+        let (gen, _) = tops
+            .iter()
+            .rev()
+            .find(|(_, p)| disk::chain(p).is_ok_and(|c| c.iter().all(|f| f.is_file())))
+            .cloned()
+            .ok_or_else(|| BackendError::Internal(format!("sandbox {} has no usable disk in {}", spec.id, dir.display())))?;
+        for (g, p) in &tops {
+            if *g != gen {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        for f in ["agent.sock", "qmp.sock"] {
+            let _ = std::fs::remove_file(dir.join(f));
+        }
+        let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits).await?;
+        vm.configure(guest_config(spec)).await?;
+        let sb = Arc::new(MicroSandbox { spec: spec.clone(), vm: RwLock::new(vm), op: tokio::sync::Mutex::new(()) });
+        self.sandboxes.write().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?.insert(spec.id.clone(), sb);
+        Ok(())
+    }
+
+    async fn shutdown(&self) {
+        self.pool.close();
+        for vm in self.pool.drain() {
+            self.stop_vm(&vm).await;
+        }
+        let _ = std::fs::remove_dir_all(&self.pool_dir);
+        let all: Vec<Arc<MicroSandbox>> = self.sandboxes.write().map(|mut m| m.drain().map(|(_, v)| v).collect()).unwrap_or_default();
+        let stops = all.iter().map(|sb| async move {
+            if let Ok(vm) = sb.vm() {
+                // Flush the guest's page cache to the disk file before QEMU goes.
+                let _ = vm.agent.call(&Request::Freeze, &[], Duration::from_secs(3)).await;
+                self.stop_vm(&vm).await;
+            }
+        });
+        let _ = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(stops)).await;
+    }
+}
+
+/// The VM artifacts of `image` under `images_dir`: NOT_FOUND for an unknown image,
+/// FAILED_PRECONDITION (with what is missing) for an image without them.
+fn vm_image(images_dir: &Path, image: &str) -> Result<VmImage, BackendError> {
+    let unavailable = |reason: String| BackendError::Unavailable { isolation: Isolation::MicroVm, reason };
+    let dir = images_dir.join(image);
+    if image.is_empty() || image.contains('/') || image.starts_with('.') || !dir.join("image.json").is_file() {
+        return Err(BackendError::ImageNotFound { image: image.to_string(), dir: images_dir.display().to_string() });
+    }
+    let vm_dir = dir.join("vm");
+    let manifest = vm_dir.join("vm.json");
+    let text = std::fs::read_to_string(&manifest)
+        .map_err(|_| unavailable(format!("image {image:?} has no microVM artifacts ({} missing); build them with `make images`", manifest.display())))?;
+    let m: VmJson = serde_json::from_str(&text).map_err(|e| unavailable(format!("{}: {e}", manifest.display())))?;
+    let img = VmImage { boot: BootFiles { kernel: vm_dir.join(&m.kernel), initramfs: vm_dir.join(&m.initramfs) }, disk: vm_dir.join(&m.disk) };
+    for p in [&img.boot.kernel, &img.boot.initramfs, &img.disk] {
+        if !p.is_file() {
+            return Err(unavailable(format!("image {image:?}: {} is missing (kernel, initramfs and disk are needed)", p.display())));
+        }
+    }
+    Ok(img)
+}
+
+/// The sandbox as the guest applies it.
+fn guest_config(spec: &SandboxSpec) -> GuestLimits {
+    let l = &spec.limits;
+    GuestLimits { memory_bytes: l.memory_bytes, max_pids: l.max_pids, cpu_millicores: l.cpu_millicores, hostname: spec.id.to_string(), workdir: spec.workdir.clone() }
+}
+
+/// The current top disk of a VM.
+fn top_of(vm: &Vm) -> PathBuf {
+    let gen = vm.gen.lock().map(|g| *g).unwrap_or(0);
+    vm.dir().join(format!("top-{gen}.qcow2"))
+}
+
+fn probe_key(qemu: &Path, kernel: &Path) -> String {
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{} {} {}", boot_id.trim(), qemu.display(), kernel.display())
+}
+
+fn read_probe_cache(key: &str) -> Option<Accel> {
+    let text = std::fs::read_to_string(KVM_PROBE_CACHE).ok()?;
+    let (k, v) = text.trim_end().rsplit_once('\t')?;
+    if k != key {
+        return None;
+    }
+    match v {
+        "kvm" => Some(Accel::Kvm),
+        "tcg" => Some(Accel::Tcg),
+        _ => None,
+    }
+}
+
+fn write_probe_cache(key: &str, accel: Accel) {
+    let path = Path::new(KVM_PROBE_CACHE);
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    if std::fs::write(&tmp, format!("{key}\t{}\n", accel.name())).is_ok() {
+        let _ = std::fs::rename(&tmp, path);
+    }
+}
+
+#[async_trait]
+impl Backend for MicroVmBackend {
+    fn isolation(&self) -> Isolation {
+        Isolation::MicroVm
+    }
+
+    fn availability(&self) -> Result<(), String> {
+        let inner = &self.inner;
+        inner.tools.as_ref().map_err(|e| e.clone())?;
+        inner.cgroups.as_ref().map_err(|e| e.clone())?;
+        // At least one image must have its kernel, initramfs and disk.
+        let has_vm_image = std::fs::read_dir(&inner.images_dir)
+            .map(|rd| rd.flatten().any(|e| e.path().join("vm/vm.json").is_file()))
+            .unwrap_or(false);
+        if !has_vm_image {
+            return Err(format!(
+                "no image under {} has microVM artifacts (vm/vm.json: kernel, initramfs, disk); build them with `make images`",
+                inner.images_dir.display()
+            ));
+        }
+        Ok(())
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
+        Inner::create(&self.inner, spec).await
+    }
+
+    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+        let vm = self.inner.sandbox(sandbox)?.vm()?;
+        exec::run(&vm, spec, sink, started, cancel).await
+    }
+
+    async fn signal_exec(&self, sandbox: &SandboxId, exec_id: &ExecId, signal: i32) -> Result<(), BackendError> {
+        let vm = self.inner.sandbox(sandbox)?.vm()?;
+        let req = Request::Signal { exec_id: exec_id.to_string(), signal };
+        let reply = vm.agent.call(&req, &[], Duration::from_secs(10)).await.map_err(|e| vm.agent_error(e))?;
+        match reply.msg {
+            guest_agent::protocol::Response::Ok => Ok(()),
+            guest_agent::protocol::Response::Error { kind: guest_agent::protocol::ErrorKind::NoSuchExec, .. } => Err(BackendError::NoSuchExec(exec_id.clone())),
+            other => vm::expect_ok(other, "signal"),
+        }
+    }
+
+    async fn write_file(&self, sandbox: &SandboxId, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        exec::write_file(&*sb.vm()?, &sb.spec.workdir, path, content, mode).await
+    }
+
+    async fn read_file(&self, sandbox: &SandboxId, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        exec::read_file(&*sb.vm()?, &sb.spec.workdir, path, offset, limit).await
+    }
+
+    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {
+        self.inner.snapshot(sandbox, snapshot).await
+    }
+
+    async fn rollback(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<(), BackendError> {
+        self.inner.rollback(sandbox, snapshot).await
+    }
+
+    async fn delete_snapshot(&self, snapshot: &SnapshotId) -> Result<(), BackendError> {
+        let known = self.inner.snapshots.lock().map(|mut s| s.remove(snapshot)).unwrap_or(false);
+        if !known {
+            return Err(BackendError::NoSuchSnapshot(snapshot.clone()));
+        }
+        self.inner.collect_snapshots().await;
+        Ok(())
+    }
+
+    async fn destroy(&self, sandbox: &SandboxId) -> Result<(), BackendError> {
+        self.inner.destroy(sandbox).await
+    }
+
+    async fn recover(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
+        Inner::recover(&self.inner, sandboxes, snapshots).await
+    }
+
+    async fn shutdown(&self) {
+        self.inner.shutdown().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn images_without_vm_artifacts_are_refused_with_the_reason() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let img = dir.path().join("bare");
+        std::fs::create_dir_all(img.join("rootfs")).expect("mkdir");
+        std::fs::write(img.join("image.json"), "{}").expect("write");
+        match vm_image(dir.path(), "bare") {
+            Err(BackendError::Unavailable { reason, .. }) => assert!(reason.contains("vm.json") && reason.contains("make images"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(vm_image(dir.path(), "nope"), Err(BackendError::ImageNotFound { .. })));
+        assert!(matches!(vm_image(dir.path(), "../bare"), Err(BackendError::ImageNotFound { .. })));
+        std::fs::create_dir_all(img.join("vm")).expect("mkdir");
+        std::fs::write(img.join("vm/vm.json"), r#"{"kernel":"vmlinuz","initramfs":"initramfs.img","disk":"rootfs.qcow2"}"#).expect("write");
+        match vm_image(dir.path(), "bare") {
+            Err(BackendError::Unavailable { reason, .. }) => assert!(reason.contains("vmlinuz"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        for f in ["vmlinuz", "initramfs.img", "rootfs.qcow2"] {
+            std::fs::write(img.join("vm").join(f), b"x").expect("write");
+        }
+        assert!(vm_image(dir.path(), "bare").is_ok());
+    }
+}

@@ -1,0 +1,146 @@
+//! The warm pool: VMs of one image booted ahead of time (`--microvm-pool N`), so a create that
+//! fits them takes one instead of waiting for a boot.
+//!
+//! A pooled VM is booted with the pool's memory and every host CPU; the sandbox's own limits are
+//! applied inside the guest when it is taken (its cgroup), so any request at or below the pool's
+//! memory and with the default disk size fits. Taking a VM renames its directory to the
+//! sandbox's (QEMU, chrooted there, is unaffected) and starts a refill in the background.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::vm::Vm;
+use super::{top_of, Inner};
+use crate::backend::BackendError;
+use crate::config::Limits;
+
+/// A booted VM waiting for a sandbox.
+pub struct Pooled {
+    vm: Arc<Vm>,
+    image: String,
+    limits: Limits,
+}
+
+impl Pooled {
+    /// Moves the VM's directory to `dir` and hands the VM over.
+    pub fn adopt(self, dir: &Path) -> Result<Arc<Vm>, BackendError> {
+        let from = self.vm.dir();
+        std::fs::rename(&from, dir).map_err(|e| BackendError::io(format!("moving pooled VM {} to {}", from.display(), dir.display()), e))?;
+        if let Ok(mut d) = self.vm.dir.lock() {
+            *d = dir.to_path_buf();
+        }
+        Ok(self.vm)
+    }
+}
+
+/// Ready VMs and the state of the refill.
+pub struct Pool {
+    size: usize,
+    ready: Mutex<Vec<Pooled>>,
+    filling: AtomicBool,
+    closed: AtomicBool,
+}
+
+impl Pool {
+    pub fn new(size: usize) -> Pool {
+        Pool { size, ready: Mutex::new(Vec::new()), filling: AtomicBool::new(false), closed: AtomicBool::new(false) }
+    }
+
+    /// A ready VM that can serve a sandbox of `image` with `limits`.
+    pub fn take(&self, image: &str, limits: &Limits) -> Option<Pooled> {
+        let mut ready = self.ready.lock().ok()?;
+        let fits = |p: &Pooled| {
+            p.image == image
+                && limits.memory_bytes <= p.limits.memory_bytes
+                && limits.cpu_millicores <= p.limits.cpu_millicores
+                && limits.disk_bytes == p.limits.disk_bytes
+                && p.vm.exited().is_none()
+                && p.vm.agent.is_open()
+        };
+        let at = ready.iter().position(fits)?;
+        Some(ready.swap_remove(at))
+    }
+
+    /// Top disks of the pooled VMs (garbage collection roots).
+    pub fn tops(&self) -> Vec<PathBuf> {
+        self.ready.lock().map(|r| r.iter().map(|p| top_of(&p.vm)).collect()).unwrap_or_default()
+    }
+
+    fn len(&self) -> usize {
+        self.ready.lock().map(|r| r.len()).unwrap_or(0)
+    }
+
+    /// Stops refilling (shutdown).
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+    }
+
+    /// Takes every ready VM out (shutdown).
+    pub fn drain(&self) -> Vec<Arc<Vm>> {
+        self.ready.lock().map(|mut r| r.drain(..).map(|p| p.vm).collect()).unwrap_or_default()
+    }
+}
+
+/// Boots VMs in the background until the pool is full (no-op when a refill already runs).
+pub fn refill(inner: &Arc<Inner>) {
+    let pool = &inner.pool;
+    if pool.size == 0 || pool.closed.load(Ordering::SeqCst) || pool.filling.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    let inner = inner.clone();
+    tokio::spawn(async move {
+        let mut failures = 0u32;
+        while inner.pool.len() < inner.pool.size && !inner.pool.closed.load(Ordering::SeqCst) {
+            match boot_one(&inner).await {
+                Ok(p) => {
+                    failures = 0;
+                    if inner.pool.closed.load(Ordering::SeqCst) {
+                        inner.stop_vm(&p.vm).await;
+                        let _ = std::fs::remove_dir_all(p.vm.dir());
+                        break;
+                    }
+                    let (dir, boot_ms) = (p.vm.dir(), p.vm.boot_time.as_millis() as u64);
+                    if let Ok(mut r) = inner.pool.ready.lock() {
+                        r.push(p);
+                    }
+                    tracing::info!(vm = %dir.display(), boot_ms, "warm pool holds a booted microVM");
+                }
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(error = %e, failures, "booting a VM for the warm pool");
+                    if failures >= 3 {
+                        tracing::error!("warm pool refill stopped after 3 failures in a row; creates boot their own VM");
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            }
+        }
+        inner.pool.filling.store(false, Ordering::SeqCst);
+    });
+}
+
+async fn boot_one(inner: &Arc<Inner>) -> Result<Pooled, BackendError> {
+    let image_name = inner.cfg.pool_image.clone();
+    let image = inner.image(&image_name)?;
+    let limits = Limits {
+        memory_bytes: inner.cfg.pool_memory_bytes.max(inner.default_limits.memory_bytes),
+        cpu_millicores: inner.host_cpus * 1000,
+        ..inner.default_limits
+    };
+    let base = {
+        let _g = inner.disk_lock.lock().await;
+        super::disk::base_for(&image_name, &image.disk, &inner.bases_dir)?
+    };
+    let name = inner.vm_name();
+    let dir = inner.pool_dir.join(&name);
+    match inner.boot_new(&name, &dir, 0, &base, limits.disk_bytes, &image, &limits).await {
+        Ok(vm) => Ok(Pooled { vm, image: image_name, limits }),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            Err(e)
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! One QEMU `microvm` process: how it is started, confined, watched and stopped.
+//!
+//! QEMU runs with as little as it can: its own host cgroup (memory and pids bounded), a uid of
+//! its own with no capabilities (`-runas`), chrooted into the VM's directory (`-chroot`: after
+//! start-up it sees only its own top disk file), QEMU's seccomp sandbox, no network device, no
+//! default devices, and `PR_SET_PDEATHSIG` so it never outlives the daemon. Every file it needs
+//! (kernel, initramfs, backing disks) is opened before it drops privileges.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use guest_agent::protocol::{GuestLimits, Request, Response, PORT_NAME};
+use tokio::sync::oneshot;
+
+use super::agent::{AgentConn, AgentError, HelloInfo};
+use super::qmp::Qmp;
+use crate::backend::cgroup::SandboxCgroup;
+use crate::backend::BackendError;
+
+/// How the guest's CPU is run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl Accel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// The boot files of an image (from `<images>/<name>/vm/vm.json`).
+#[derive(Debug, Clone)]
+pub struct BootFiles {
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+}
+
+/// Everything needed to start one VM.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    pub qemu: PathBuf,
+    /// The VM's directory: sockets, console log, top disk; QEMU's chroot.
+    pub dir: PathBuf,
+    /// The top disk (inside `dir`) and its generation (node name `disk<gen>`).
+    pub top: PathBuf,
+    pub gen: u64,
+    pub boot: BootFiles,
+    pub memory_mib: u64,
+    pub vcpus: u32,
+    pub accel: Accel,
+    /// Uid and gid QEMU drops to.
+    pub uid: u32,
+    pub boot_timeout: Duration,
+}
+
+/// A running VM with its agent connected.
+pub struct Vm {
+    /// Current directory (renamed when a pooled VM is taken).
+    pub dir: Mutex<PathBuf>,
+    pub pid: u32,
+    pub uid: u32,
+    pub accel: Accel,
+    pub agent: AgentConn,
+    pub qmp: tokio::sync::Mutex<Qmp>,
+    /// Generation of the top disk; the node name is `disk<gen>`.
+    pub gen: Mutex<u64>,
+    /// The QEMU process's host cgroup.
+    pub cgroup: Mutex<Option<SandboxCgroup>>,
+    /// Set when QEMU has exited, with how.
+    exited: Arc<Mutex<Option<String>>>,
+    kill: Mutex<Option<oneshot::Sender<()>>>,
+    done: tokio::sync::watch::Receiver<bool>,
+    pub boot_time: Duration,
+    /// What the agent said when it came up.
+    pub hello: HelloInfo,
+}
+
+impl Vm {
+    /// Starts QEMU and waits until the guest agent answers. On failure QEMU is killed and the
+    /// error carries the end of the console log.
+    pub async fn launch(spec: &LaunchSpec, cgroup: Option<SandboxCgroup>) -> Result<Vm, BackendError> {
+        let t0 = Instant::now();
+        let agent_sock = spec.dir.join("agent.sock");
+        let qmp_sock = spec.dir.join("qmp.sock");
+        let console = spec.dir.join("console.log");
+        for p in [&agent_sock, &qmp_sock] {
+            let _ = std::fs::remove_file(p);
+        }
+        let mut cmd = tokio::process::Command::new(&spec.qemu);
+        cmd.args(qemu_args(spec, &agent_sock, &qmp_sock, &console));
+        cmd.stdin(std::process::Stdio::null());
+        let log = std::fs::File::create(spec.dir.join("qemu.log")).map_err(|e| BackendError::io("creating qemu.log", e))?;
+        let log2 = log.try_clone().map_err(|e| BackendError::io("creating qemu.log", e))?;
+        cmd.stdout(log).stderr(log2);
+        cmd.kill_on_drop(true);
+        let procs: Vec<std::fs::File> = match &cgroup {
+            Some(cg) => cg.procs_files().map_err(|e| BackendError::Internal(format!("opening the VM's cgroup: {e}")))?,
+            None => Vec::new(),
+        };
+        let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
+        // calls (write, prctl) on values prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                for fd in &fds {
+                    if libc::write(*fd, b"0".as_ptr().cast(), 1) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| BackendError::io(format!("starting {}", spec.qemu.display()), e))?;
+        drop(procs);
+        let pid = child.id().unwrap_or(0);
+        let exited: Arc<Mutex<Option<String>>> = Arc::default();
+        let (kill_tx, kill_rx) = oneshot::channel::<()>();
+        let (done_tx, done_rx) = tokio::sync::watch::channel(false);
+        {
+            let exited = exited.clone();
+            tokio::spawn(async move {
+                let status = tokio::select! {
+                    s = child.wait() => s,
+                    _ = kill_rx => {
+                        let _ = child.start_kill();
+                        child.wait().await
+                    }
+                };
+                let how = match status {
+                    Ok(s) => format!("QEMU exited ({s})"),
+                    Err(e) => format!("QEMU wait failed: {e}"),
+                };
+                if let Ok(mut x) = exited.lock() {
+                    *x = Some(how);
+                }
+                let _ = done_tx.send(true);
+            });
+        }
+        let deadline = tokio::time::Instant::now() + spec.boot_timeout;
+        let alive = {
+            let exited = exited.clone();
+            move || match exited.lock().ok().and_then(|x| x.clone()) {
+                Some(how) => Err(how),
+                None => Ok(()),
+            }
+        };
+        let booted = async {
+            let (agent, hello) = AgentConn::connect(&agent_sock, deadline, Duration::from_millis(200), alive).await?;
+            let qmp = Qmp::connect(&qmp_sock).await.map_err(AgentError::Closed)?;
+            Ok::<_, AgentError>((agent, hello, qmp))
+        }
+        .await;
+        let vm_parts = match booted {
+            Ok(parts) => parts,
+            Err(e) => {
+                let _ = kill_tx.send(());
+                let mut done = done_rx.clone();
+                let _ = tokio::time::timeout(Duration::from_secs(5), done.wait_for(|d| *d)).await;
+                let tail = console_tail(&console, 12);
+                let qemu_err = std::fs::read_to_string(spec.dir.join("qemu.log")).unwrap_or_default();
+                return Err(BackendError::Internal(format!(
+                    "microVM did not boot with {} ({e}); qemu: {}; console: {}",
+                    spec.accel.name(),
+                    qemu_err.trim(),
+                    tail
+                )));
+            }
+        };
+        let (agent, hello, qmp) = vm_parts;
+        Ok(Vm {
+            dir: Mutex::new(spec.dir.clone()),
+            pid,
+            uid: spec.uid,
+            accel: spec.accel,
+            agent,
+            qmp: tokio::sync::Mutex::new(qmp),
+            gen: Mutex::new(spec.gen),
+            cgroup: Mutex::new(cgroup),
+            exited,
+            kill: Mutex::new(Some(kill_tx)),
+            done: done_rx,
+            boot_time: t0.elapsed(),
+            hello,
+        })
+    }
+
+    /// Why QEMU is gone, if it is.
+    pub fn exited(&self) -> Option<String> {
+        self.exited.lock().ok().and_then(|x| x.clone())
+    }
+
+    pub fn dir(&self) -> PathBuf {
+        self.dir.lock().map(|d| d.clone()).unwrap_or_default()
+    }
+
+    /// Applies the sandbox's limits inside the guest.
+    pub async fn configure(&self, limits: GuestLimits) -> Result<(), BackendError> {
+        match self.agent.call(&Request::Configure(limits), &[], Duration::from_secs(10)).await {
+            Ok(r) => expect_ok(r.msg, "configure"),
+            Err(e) => Err(self.agent_error(e)),
+        }
+    }
+
+    /// Turns an agent failure into a backend error, naming QEMU's exit when that is the cause.
+    pub fn agent_error(&self, e: AgentError) -> BackendError {
+        match self.exited() {
+            Some(how) => BackendError::Internal(format!("the microVM is gone: {how}")),
+            None => BackendError::Internal(e.to_string()),
+        }
+    }
+
+    /// Kills QEMU and waits (bounded) for it to be reaped.
+    pub async fn kill(&self) {
+        if let Some(tx) = self.kill.lock().ok().and_then(|mut k| k.take()) {
+            let _ = tx.send(());
+        }
+        let mut done = self.done.clone();
+        if tokio::time::timeout(Duration::from_secs(10), done.wait_for(|d| *d)).await.is_err() {
+            tracing::warn!(pid = self.pid, "QEMU not reaped 10 s after SIGKILL");
+        }
+        let cg = self.cgroup.lock().ok().and_then(|mut c| c.take());
+        if let Some(cg) = cg {
+            let _ = tokio::task::spawn_blocking(move || {
+                let _ = cg.kill_all();
+                if let Err(e) = cg.destroy() {
+                    tracing::warn!(error = %e, "removing a VM's cgroup");
+                }
+            })
+            .await;
+        }
+    }
+}
+
+/// `Ok` from the agent, or its error as a backend error.
+pub fn expect_ok(msg: Response, what: &str) -> Result<(), BackendError> {
+    match msg {
+        Response::Ok => Ok(()),
+        Response::Error { message, .. } => Err(BackendError::Internal(format!("guest agent {what}: {message}"))),
+        other => Err(BackendError::Internal(format!("guest agent answered {what} with {other:?}"))),
+    }
+}
+
+/// The QEMU command line of a VM.
+fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Path) -> Vec<String> {
+    let p = |p: &Path| p.display().to_string();
+    let (accel, cpu) = match spec.accel {
+        Accel::Kvm => ("kvm", "host"),
+        Accel::Tcg => ("tcg", "max"),
+    };
+    let mut a: Vec<String> = Vec::new();
+    let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
+    push(&["-M", "microvm,x-option-roms=off,rtc=off,isa-serial=on"]);
+    push(&["-accel", accel, "-cpu", cpu]);
+    push(&["-m", &format!("{}M", spec.memory_mib), "-smp", &spec.vcpus.to_string()]);
+    push(&["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"]);
+    push(&["-kernel", &p(&spec.boot.kernel), "-initrd", &p(&spec.boot.initramfs)]);
+    push(&["-append", "console=ttyS0 quiet panic=-1"]);
+    push(&["-serial", &format!("file:{}", p(console))]);
+    push(&["-chardev", &format!("socket,id=agent,path={},server=on,wait=off", p(agent_sock))]);
+    push(&["-device", "virtio-serial-device", "-device", &format!("virtserialport,chardev=agent,name={PORT_NAME}")]);
+    push(&["-blockdev", &format!("driver=qcow2,node-name=disk{},file.driver=file,file.filename={}", spec.gen, p(&spec.top))]);
+    push(&["-device", &format!("virtio-blk-device,drive=disk{}", spec.gen)]);
+    push(&["-qmp", &format!("unix:{},server=on,wait=off", p(qmp_sock))]);
+    // No elevateprivileges=deny: QEMU 7.2 installs the filter before -runas drops privileges,
+    // and the setuid it needs would be killed. After -runas it holds no capabilities anyway.
+    push(&["-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny"]);
+    push(&["-runas", &format!("{}:{}", spec.uid, spec.uid), "-chroot", &p(&spec.dir)]);
+    a
+}
+
+/// The last `lines` lines of the console log, on one line.
+pub fn console_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let start = all.len().saturating_sub(lines);
+    if all.is_empty() {
+        "(empty)".into()
+    } else {
+        all[start..].join(" | ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_line_confines_qemu() {
+        let spec = LaunchSpec {
+            qemu: "qemu-system-x86_64".into(),
+            dir: "/s/vms/sb-1".into(),
+            top: "/s/vms/sb-1/top-3.qcow2".into(),
+            gen: 3,
+            boot: BootFiles { kernel: "/i/vmlinuz".into(), initramfs: "/i/initramfs.img".into() },
+            memory_mib: 576,
+            vcpus: 2,
+            accel: Accel::Tcg,
+            uid: 400_001,
+            boot_timeout: Duration::from_secs(1),
+        };
+        let args = qemu_args(&spec, Path::new("/s/vms/sb-1/agent.sock"), Path::new("/s/vms/sb-1/qmp.sock"), Path::new("/s/vms/sb-1/console.log")).join(" ");
+        for want in [
+            "-accel tcg -cpu max",
+            "-m 576M -smp 2",
+            "-nodefaults",
+            "node-name=disk3,file.driver=file,file.filename=/s/vms/sb-1/top-3.qcow2",
+            "virtio-blk-device,drive=disk3",
+            "-runas 400001:400001 -chroot /s/vms/sb-1",
+            "-sandbox on,",
+            "name=org.sandboxd.agent.0",
+        ] {
+            assert!(args.contains(want), "{want:?} missing from {args}");
+        }
+        assert!(!args.contains("-netdev") && !args.contains("-nic"), "no network device: {args}");
+    }
+}
