@@ -4,7 +4,7 @@ IMAGES_DIR ?= $(CURDIR)/images/build
 RUN_DIR    ?= $(CURDIR)/.sandboxd
 SOCKET     ?= $(RUN_DIR)/sandboxd.sock
 
-.PHONY: all deps images image-debian build release run test bench clean
+.PHONY: all deps images image-debian vm-images build release run test bench clean
 
 all: build
 
@@ -12,13 +12,21 @@ all: build
 deps:
 	@images/deps.sh
 
-## images: build the default image `minimal` (busybox-static) into images/build/.
+## images: build the default image `minimal` (busybox-static) into images/build/, with its
+## microVM boot files (vm/: kernel, initramfs with the guest agent, ext4 base disk).
 images: deps
 	images/build-minimal.sh $(IMAGES_DIR)
+	CARGO=$(CARGO) images/build-vm.sh $(IMAGES_DIR) minimal
 
-## image-debian: build the `debian` image (debootstrap bookworm + python3, bash, git).
+## image-debian: build the `debian` image (debootstrap bookworm + python3, bash, git), and its vm/.
 image-debian: deps
 	images/build-debian.sh $(IMAGES_DIR)
+	CARGO=$(CARGO) images/build-vm.sh $(IMAGES_DIR) debian
+
+## vm-images: refresh the microVM boot files of the built images (a no-op when the guest agent,
+## kernel and rootfs are unchanged; rebuilds the initramfs when the agent changed).
+vm-images:
+	@for img in minimal debian; do [ ! -f $(IMAGES_DIR)/$$img/image.json ] || CARGO=$(CARGO) images/build-vm.sh $(IMAGES_DIR) $$img || exit 1; done
 
 build:
 	$(CARGO) build --workspace --bins
@@ -28,22 +36,25 @@ release:
 
 ## run: build, prepare the default image if missing, start sandboxd in the foreground.
 run: deps release
-	@[ -f $(IMAGES_DIR)/minimal/image.json ] || $(MAKE) images
+	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) images
+	@$(MAKE) --no-print-directory vm-images
 	@mkdir -p $(RUN_DIR)
 	@echo "sandboxd on unix://$(SOCKET) — in another terminal: export SANDBOXD_SOCKET=unix://$(SOCKET); target/release/sbx create"
 	target/release/sandboxd --listen unix://$(SOCKET) --state-dir $(RUN_DIR)/state --images-dir $(IMAGES_DIR)
 
 ## test: unit tests and end-to-end tests against the real daemon (needs root; builds both images).
 test: deps
-	@[ -f $(IMAGES_DIR)/minimal/image.json ] || $(MAKE) images
-	@[ -f $(IMAGES_DIR)/debian/image.json ] || $(MAKE) image-debian
+	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) images
+	@[ -f $(IMAGES_DIR)/debian/image.json ] && [ -f $(IMAGES_DIR)/debian/vm/vm.json ] || $(MAKE) image-debian
+	@$(MAKE) --no-print-directory vm-images
 	$(CARGO) build --workspace --bins
 	SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(CARGO) test --workspace
 
 ## bench: latency and density numbers, with Docker measured in the same run; writes BENCHMARKS.md.
 bench: deps release
-	@[ -f $(IMAGES_DIR)/minimal/image.json ] || $(MAKE) images
-	@[ -f $(IMAGES_DIR)/debian/image.json ] || $(MAKE) image-debian
+	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) images
+	@[ -f $(IMAGES_DIR)/debian/image.json ] && [ -f $(IMAGES_DIR)/debian/vm/vm.json ] || $(MAKE) image-debian
+	@$(MAKE) --no-print-directory vm-images
 	$(CARGO) build --release -p sandbox-tests --bin bench
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/bench --out BENCHMARKS.md
 	target/release/agent_bench --out BENCHMARKS.md

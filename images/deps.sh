@@ -7,6 +7,14 @@
 #   debootstrap     builds the "debian" image
 #   iproute2        ip(8), sandbox network setup
 #   util-linux      mount, unshare, nsenter, flock, ...
+# and for the microVM tier (build-vm.sh, and QEMU itself):
+#   qemu-system-x86 qemu-system-x86_64, the VMM of the microVM tier
+#   qemu-utils      qemu-img: qcow2 base disks and per-sandbox overlays
+#   linux-image-amd64  the guest kernel (the distribution's, with its modules)
+#   e2fsprogs       mkfs.ext4 -d: the ext4 base disk from an image's rootfs
+#   cpio            the initramfs
+#   binutils        strip, readelf (agent and modules, the PVH kernel check)
+#   file, xz-utils  checking and unpacking the kernel
 #
 # Each package is checked with `dpkg -s` first, so on a machine that already
 # has everything this prints one line and changes nothing; `apt-get update`
@@ -17,7 +25,8 @@
 # will replace if it is installed.
 set -euo pipefail
 
-PACKAGES=(busybox-static btrfs-progs debootstrap iproute2 util-linux)
+PACKAGES=(busybox-static btrfs-progs debootstrap iproute2 util-linux
+    qemu-system-x86 qemu-utils linux-image-amd64 e2fsprogs cpio binutils file xz-utils)
 # How long to wait for another apt/dpkg run to release its locks.
 LOCK_WAIT_SECONDS=${LOCK_WAIT_SECONDS:-600}
 

@@ -25,7 +25,8 @@ async fn without_qemu_create_is_failed_precondition_and_health_says_so() {
     let client = daemon.client().await.expect("client");
     let err = client.create(microvm("minimal")).await.expect_err("no QEMU");
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
-    assert!(err.message().contains("MICROVM") && err.message().contains("/nonexistent/qemu-system-x86_64"), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("MICROVM") && text.contains("/nonexistent/qemu-system-x86_64"), "{text}");
     assert_eq!(tier_health(&client).await, ServingStatus::NotServing);
     // The other tiers are unaffected and nothing was left behind.
     let sb = client.create(CreateSandboxRequest { isolation: Isolation::Process as i32, image: "minimal".into(), ..Default::default() }).await.expect("process tier");

@@ -70,9 +70,10 @@ pub struct HelloInfo {
 impl AgentConn {
     /// Connects to the agent socket QEMU serves and waits until the agent answers `Hello`.
     ///
-    /// Bytes sent to the port before the agent opens it are discarded by the guest kernel, so
-    /// `Hello` is repeated every `retry` until one is answered or `deadline` passes. `alive` is
-    /// polled between attempts so a QEMU that died fails fast with its reason.
+    /// `Hello` is repeated every `retry` until one is answered or `deadline` passes (QEMU holds
+    /// what is sent before the agent opens its port and the agent then answers every queued one;
+    /// the answers to the older ids are dropped). `alive` is polled between attempts so a QEMU
+    /// that died fails fast with its reason.
     pub async fn connect(socket: &Path, deadline: tokio::time::Instant, retry: Duration, mut alive: impl FnMut() -> Result<(), String>) -> Result<(AgentConn, HelloInfo), AgentError> {
         let stream = loop {
             alive().map_err(AgentError::Closed)?;
@@ -165,8 +166,13 @@ impl AgentConn {
     /// Sends a request and waits for its final reply.
     pub async fn call(&self, req: &Request, payload: &[u8], timeout: Duration) -> Result<Reply, AgentError> {
         let what = request_name(req);
-        let (id, mut rx) = self.start(req, payload).await?;
-        let result = tokio::time::timeout(timeout, async {
+        let deadline = tokio::time::Instant::now() + timeout;
+        // A guest that stops reading fills the socket: the write is under the deadline too.
+        let (id, mut rx) = match tokio::time::timeout_at(deadline, self.start(req, payload)).await {
+            Ok(r) => r?,
+            Err(_) => return Err(AgentError::Timeout { what, timeout }),
+        };
+        let result = tokio::time::timeout_at(deadline, async {
             loop {
                 match rx.recv().await {
                     Some(r) if r.msg.is_final() => return Ok(r),

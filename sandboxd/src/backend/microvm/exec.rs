@@ -31,7 +31,10 @@ pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal
         io_drain_ms: spec.io_drain_timeout.as_millis().min(u64::MAX as u128) as u64,
         stream: sink.is_some(),
     });
-    let (id, mut rx) = vm.agent.start(&req, &spec.stdin).await.map_err(|e| vm.agent_error(e))?;
+    let (id, mut rx) = match tokio::time::timeout(REPORT_GRACE, vm.agent.start(&req, &spec.stdin)).await {
+        Ok(r) => r.map_err(|e| vm.agent_error(e))?,
+        Err(_) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the guest agent stopped reading requests".into(), started_at)),
+    };
     let mut started = started;
     let deadline = tokio::time::Instant::now() + spec.timeout + spec.io_drain_timeout + REPORT_GRACE;
     let mut cancelled_at: Option<tokio::time::Instant> = None;
@@ -54,9 +57,10 @@ pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal
             }
         };
         let Some(reply) = next else {
-            let error = match vm.exited() {
-                Some(how) => format!("the microVM went away while the command ran: {how}"),
-                None => "the guest agent connection closed while the command ran".to_string(),
+            let error = match (vm.lost_reason(), vm.exited()) {
+                (Some(reason), _) => format!("{reason} while the command ran"),
+                (None, Some(how)) => format!("the microVM went away while the command ran: {how}"),
+                (None, None) => "the guest agent connection closed while the command ran".to_string(),
             };
             return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, error, started_at));
         };

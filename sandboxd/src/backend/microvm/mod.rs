@@ -463,7 +463,7 @@ impl Inner {
         let mut qmp = vm.qmp.lock().await;
         let node = format!("disk{}", gen + 1);
         // Inside QEMU's chroot the VM's directory is `/`.
-        let add = json!({ "driver": "qcow2", "node-name": node, "file": { "driver": "file", "filename": format!("/{new_name}") }, "backing": null });
+        let add = json!({ "driver": "qcow2", "node-name": node, "cache": { "no-flush": true }, "file": { "driver": "file", "filename": format!("/{new_name}") }, "backing": null });
         if let Err(e) = qmp.execute("blockdev-add", add).await {
             return Err(undo(e));
         }
@@ -492,6 +492,7 @@ impl Inner {
         let old = sb.vm()?;
         let dir = old.dir();
         let gen = *old.gen.lock().map_err(|_| BackendError::Internal("gen poisoned".into()))?;
+        old.mark_lost(&format!("the sandbox was rolled back to {snap}"));
         self.stop_vm(&old).await;
         let _ = std::fs::remove_file(dir.join(format!("top-{gen}.qcow2")));
         let vm = self.boot_new(&self.vm_name(), &dir, gen + 1, &backing, sb.spec.limits.disk_bytes, &image, &sb.spec.limits).await?;
@@ -513,6 +514,7 @@ impl Inner {
         };
         let _op = sb.op.lock().await;
         if let Ok(vm) = sb.vm() {
+            vm.mark_lost("the sandbox was destroyed");
             self.stop_vm(&vm).await;
         }
         if let Err(e) = std::fs::remove_dir_all(&dir) {
@@ -622,6 +624,7 @@ impl Inner {
         let all: Vec<Arc<MicroSandbox>> = self.sandboxes.write().map(|mut m| m.drain().map(|(_, v)| v).collect()).unwrap_or_default();
         let stops = all.iter().map(|sb| async move {
             if let Ok(vm) = sb.vm() {
+                vm.mark_lost("the daemon shut down");
                 // Flush the guest's page cache to the disk file before QEMU goes.
                 let _ = vm.agent.call(&Request::Freeze, &[], Duration::from_secs(3)).await;
                 self.stop_vm(&vm).await;

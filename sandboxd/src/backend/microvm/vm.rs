@@ -76,6 +76,9 @@ pub struct Vm {
     pub cgroup: Mutex<Option<SandboxCgroup>>,
     /// Set when QEMU has exited, with how.
     exited: Arc<Mutex<Option<String>>>,
+    /// Why the VM is being taken down (rollback, destroy, shutdown), set before the kill, so
+    /// execs it cuts off end as LOST with that reason.
+    lost: Mutex<Option<String>>,
     kill: Mutex<Option<oneshot::Sender<()>>>,
     done: tokio::sync::watch::Receiver<bool>,
     pub boot_time: Duration,
@@ -188,11 +191,24 @@ impl Vm {
             gen: Mutex::new(spec.gen),
             cgroup: Mutex::new(cgroup),
             exited,
+            lost: Mutex::new(None),
             kill: Mutex::new(Some(kill_tx)),
             done: done_rx,
             boot_time: t0.elapsed(),
             hello,
         })
+    }
+
+    /// Records why the VM is going away, before it does (the first reason wins).
+    pub fn mark_lost(&self, reason: &str) {
+        if let Ok(mut l) = self.lost.lock() {
+            l.get_or_insert_with(|| reason.to_string());
+        }
+    }
+
+    /// Why the VM was taken down, if it was.
+    pub fn lost_reason(&self) -> Option<String> {
+        self.lost.lock().ok().and_then(|l| l.clone())
     }
 
     /// Why QEMU is gone, if it is.
@@ -260,16 +276,21 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
     };
     let mut a: Vec<String> = Vec::new();
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
-    push(&["-M", "microvm,x-option-roms=off,rtc=off,isa-serial=on"]);
+    // rtc=on: the guest gets the wall-clock time at boot (with it off the clock starts at 1970
+    // and the kernel waits twice for the missing RTC).
+    push(&["-M", "microvm,x-option-roms=off,rtc=on,isa-serial=on"]);
     push(&["-accel", accel, "-cpu", cpu]);
     push(&["-m", &format!("{}M", spec.memory_mib), "-smp", &spec.vcpus.to_string()]);
     push(&["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"]);
     push(&["-kernel", &p(&spec.boot.kernel), "-initrd", &p(&spec.boot.initramfs)]);
-    push(&["-append", "console=ttyS0 quiet panic=-1"]);
+    push(&["-append", &kernel_cmdline(spec.accel)]);
     push(&["-serial", &format!("file:{}", p(console))]);
     push(&["-chardev", &format!("socket,id=agent,path={},server=on,wait=off", p(agent_sock))]);
     push(&["-device", "virtio-serial-device", "-device", &format!("virtserialport,chardev=agent,name={PORT_NAME}")]);
-    push(&["-blockdev", &format!("driver=qcow2,node-name=disk{},file.driver=file,file.filename={}", spec.gen, p(&spec.top))]);
+    // cache.no-flush: the guest's flushes stop at the host page cache. The agent syncs after every
+    // exec and file write, which makes the changes survive QEMU or the daemon dying; only a host
+    // crash could lose them, as for the other tiers' files.
+    push(&["-blockdev", &format!("driver=qcow2,node-name=disk{},cache.no-flush=on,file.driver=file,file.filename={}", spec.gen, p(&spec.top))]);
     push(&["-device", &format!("virtio-blk-device,drive=disk{}", spec.gen)]);
     push(&["-qmp", &format!("unix:{},server=on,wait=off", p(qmp_sock))]);
     // No elevateprivileges=deny: QEMU 7.2 installs the filter before -runas drops privileges,
@@ -277,6 +298,48 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
     push(&["-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny"]);
     push(&["-runas", &format!("{}:{}", spec.uid, spec.uid), "-chroot", &p(&spec.dir)]);
     a
+}
+
+/// The guest kernel's command line. Under TCG the guest reads the host's TSC, and the kernel's
+/// own calibration of it under emulation fails now and then (about one boot in six here hung
+/// there), so it is told the frequency.
+fn kernel_cmdline(accel: Accel) -> String {
+    let mut line = String::from("console=ttyS0 quiet panic=-1");
+    if accel == Accel::Tcg {
+        if let Some(khz) = host_tsc_khz() {
+            line.push_str(&format!(" tsc_early_khz={khz}"));
+        }
+    }
+    line
+}
+
+/// The host's TSC frequency in kHz, measured once against CLOCK_MONOTONIC_RAW.
+fn host_tsc_khz() -> Option<u64> {
+    static KHZ: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *KHZ.get_or_init(measure_tsc_khz)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn measure_tsc_khz() -> Option<u64> {
+    let raw_ns = || {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes into the timespec we own.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_RAW, &mut ts) };
+        ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128
+    };
+    // SAFETY: rdtsc has no preconditions on x86_64.
+    let tsc = || unsafe { core::arch::x86_64::_rdtsc() } as u128;
+    let (t0, c0) = (raw_ns(), tsc());
+    std::thread::sleep(Duration::from_millis(20));
+    let (t1, c1) = (raw_ns(), tsc());
+    let ns = t1.checked_sub(t0)?;
+    let khz = (c1.checked_sub(c0)? * 1_000_000 / ns.max(1)) as u64;
+    (100_000..20_000_000).contains(&khz).then_some(khz)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn measure_tsc_khz() -> Option<u64> {
+    None
 }
 
 /// The last `lines` lines of the console log, on one line.
@@ -323,5 +386,8 @@ mod tests {
             assert!(args.contains(want), "{want:?} missing from {args}");
         }
         assert!(!args.contains("-netdev") && !args.contains("-nic"), "no network device: {args}");
+        assert!(args.contains("tsc_early_khz="), "TCG boots are told the TSC frequency: {args}");
+        let khz = host_tsc_khz().expect("a TSC on x86_64");
+        assert!((100_000..20_000_000).contains(&khz), "{khz}");
     }
 }

@@ -1,0 +1,107 @@
+//! What only the real VM may do — freeze the root filesystem, power off — behind a small trait,
+//! so request handling is testable on a developer's machine without freezing or powering off
+//! that machine.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+
+use guest_agent::protocol::ErrorKind;
+use nix::errno::Errno;
+
+use super::console::log;
+use super::RequestError;
+
+/// `_IOWR('X', 119, int)`: freeze a filesystem (flushes it first).
+const FIFREEZE: libc::c_ulong = 0xC004_5877;
+/// `_IOWR('X', 120, int)`: thaw it.
+const FITHAW: libc::c_ulong = 0xC004_5878;
+
+/// The VM-wide operations of the protocol.
+pub trait Machine: Send + Sync {
+    /// `sync`, then freeze the root filesystem.
+    fn freeze(&self) -> Result<(), RequestError>;
+    /// Thaw the root filesystem; thawing one that is not frozen is not an error.
+    fn thaw(&self) -> Result<(), RequestError>;
+    /// Sync and power off. Only returns where powering off is not possible (tests).
+    fn power_off(&self);
+    /// Sets the hostname (the sandbox's id).
+    fn set_hostname(&self, name: &str) -> Result<(), RequestError>;
+}
+
+/// The real VM: the root filesystem is the disk the agent switched into.
+pub struct Guest {
+    /// `/`, opened once after the switch of root (the ioctls need any fd on the filesystem).
+    root: File,
+}
+
+impl Guest {
+    pub fn new(root: File) -> Self {
+        Guest { root }
+    }
+
+    fn ioctl(&self, request: libc::c_ulong) -> Result<(), Errno> {
+        // SAFETY: FIFREEZE/FITHAW take no argument that is dereferenced; the fd is ours.
+        Errno::result(unsafe { libc::ioctl(self.root.as_raw_fd(), request, 0) }).map(drop)
+    }
+}
+
+impl Machine for Guest {
+    fn freeze(&self) -> Result<(), RequestError> {
+        sync();
+        match self.ioctl(FIFREEZE) {
+            // EBUSY: already frozen, which is what was asked.
+            Ok(()) | Err(Errno::EBUSY) => Ok(()),
+            Err(e) => Err(RequestError::new(ErrorKind::Internal, format!("FIFREEZE /: {}", e.desc()))),
+        }
+    }
+
+    fn thaw(&self) -> Result<(), RequestError> {
+        match self.ioctl(FITHAW) {
+            // EINVAL: not frozen.
+            Ok(()) | Err(Errno::EINVAL) => Ok(()),
+            Err(e) => Err(RequestError::new(ErrorKind::Internal, format!("FITHAW /: {}", e.desc()))),
+        }
+    }
+
+    fn power_off(&self) {
+        // A frozen filesystem would make the sync wait forever.
+        let _ = self.thaw();
+        sync();
+        log!("powering off");
+        // SAFETY: reboot(2) with a constant command; the agent is PID 1 and holds CAP_SYS_BOOT.
+        unsafe { libc::reboot(libc::RB_POWER_OFF) };
+        // Not reached on success; if it failed there is nothing better to do than to halt here.
+        log!("power off failed: {}", Errno::last());
+    }
+
+    fn set_hostname(&self, name: &str) -> Result<(), RequestError> {
+        nix::unistd::sethostname(name).map_err(|e| RequestError::new(ErrorKind::BadRequest, format!("cannot set hostname {name:?}: {}", e.desc())))
+    }
+}
+
+/// Flushes every filesystem.
+pub fn sync() {
+    // SAFETY: sync(2) takes no arguments and cannot fail.
+    unsafe { libc::sync() };
+}
+
+/// The running kernel's release (`uname -r`).
+pub fn kernel_release() -> String {
+    // SAFETY: utsname is plain old data; uname fills it and its fields are NUL-terminated.
+    unsafe {
+        let mut u: libc::utsname = std::mem::zeroed();
+        if libc::uname(&mut u) != 0 {
+            return String::new();
+        }
+        std::ffi::CStr::from_ptr(u.release.as_ptr()).to_string_lossy().into_owned()
+    }
+}
+
+/// Milliseconds since the kernel booted, from /proc/uptime.
+pub fn uptime_ms() -> u64 {
+    std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|f| f.parse::<f64>().ok()))
+        .map(|secs| (secs * 1000.0) as u64)
+        .unwrap_or(0)
+}

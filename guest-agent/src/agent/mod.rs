@@ -1,0 +1,225 @@
+//! `sandbox-agent`, PID 1 of a sandboxd microVM: boots the guest ([`boot`]), then serves the
+//! host's requests ([`guest_agent::protocol`]) on a virtio-serial port ([`port`]).
+//!
+//! One reader turns the byte stream into frames; every request runs on its own thread (execs run
+//! concurrently) and answers through the shared [`Conn`], whose lock keeps each frame whole. What
+//! the host sends is never trusted: garbage and malformed headers are answered with
+//! `Error{BadRequest}`, a panic while handling a request with `Error{Internal}`, and the agent
+//! goes on — PID 1 must never exit.
+
+pub mod boot;
+pub mod cgroup;
+pub mod console;
+pub mod exec;
+pub mod files;
+pub mod machine;
+pub mod port;
+pub mod reaper;
+pub mod spawn;
+
+use std::io::Write;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+
+use guest_agent::protocol::{encode, Decoded, Decoder, Envelope, ErrorKind, Request, Response, VERSION};
+
+use console::log;
+
+/// Stack of a request thread: request handlers are shallow, and a small VM runs many execs.
+const REQUEST_STACK: usize = 256 << 10;
+
+/// Why a request failed, as the host will see it.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct RequestError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl RequestError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        RequestError { kind, message: message.into() }
+    }
+}
+
+/// The sending half of the connection to the host, shared by every request thread.
+pub struct Conn {
+    writer: Mutex<Box<dyn Write + Send>>,
+}
+
+impl Conn {
+    pub fn new(writer: impl Write + Send + 'static) -> Arc<Self> {
+        Arc::new(Conn { writer: Mutex::new(Box::new(writer)) })
+    }
+
+    /// Sends one frame. A frame that cannot be encoded becomes an `Error{Internal}`; a write
+    /// that fails is logged (the host is gone; it will ask again).
+    pub fn send(&self, id: u64, resp: &Response, payload: &[u8]) {
+        let frame = encode(id, resp, payload).or_else(|e| {
+            log!("cannot encode the answer to request {id}: {e}");
+            encode(id, &Response::Error { kind: ErrorKind::Internal, message: e.to_string() }, &[])
+        });
+        let Ok(frame) = frame else { return };
+        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = w.write_all(&frame).and_then(|()| w.flush()) {
+            log!("cannot send the answer to request {id}: {e}");
+        }
+    }
+}
+
+/// Everything a request may touch.
+pub struct Agent {
+    files: files::Files,
+    /// Always present in the guest (boot fails without it); `None` only in unit tests.
+    cgroup: Option<cgroup::SandboxCgroup>,
+    running: exec::Running,
+    machine: Box<dyn machine::Machine>,
+}
+
+impl Agent {
+    /// The agent of a booted guest: files under `/`, execs under `cgroup`.
+    pub fn new(cgroup: cgroup::SandboxCgroup, machine: Box<dyn machine::Machine>) -> Arc<Self> {
+        Arc::new(Agent { files: files::Files::new("/"), cgroup: Some(cgroup), running: exec::Running::default(), machine })
+    }
+
+    /// Handles one event of the stream. A request gets a thread of its own; everything else is
+    /// answered here.
+    pub fn on_event(self: &Arc<Self>, event: Decoded, conn: &Arc<Conn>) {
+        let frame = match event {
+            Decoded::Frame(f) => f,
+            Decoded::Garbage { skipped, reason } => {
+                log!("skipped {skipped} bytes from the host: {reason}");
+                let message = format!("skipped {skipped} bytes: {reason}");
+                conn.send(0, &Response::Error { kind: ErrorKind::BadRequest, message }, &[]);
+                return;
+            }
+        };
+        let envelope: Envelope<Request> = match frame.envelope() {
+            Ok(e) => e,
+            Err(e) => {
+                // Answer with the request's id if at least that much can be read.
+                let id = serde_json::from_slice::<serde_json::Value>(&frame.header).ok().and_then(|v| v.get("id")?.as_u64()).unwrap_or(0);
+                let message = format!("cannot parse the request: {e}");
+                conn.send(id, &Response::Error { kind: ErrorKind::BadRequest, message }, &[]);
+                return;
+            }
+        };
+        let id = envelope.id;
+        let (agent, thread_conn) = (self.clone(), conn.clone());
+        let payload = frame.payload;
+        let spawned = std::thread::Builder::new()
+            .name(format!("req-{id}"))
+            .stack_size(REQUEST_STACK)
+            .spawn(move || agent.handle(id, envelope.msg, payload, &thread_conn));
+        if let Err(e) = spawned {
+            conn.send(id, &Response::Error { kind: ErrorKind::Internal, message: format!("cannot start a thread for the request: {e}") }, &[]);
+        }
+    }
+
+    /// Answers one request with its final frame, whatever happens while handling it.
+    fn handle(&self, id: u64, req: Request, payload: Vec<u8>, conn: &Conn) {
+        if req == Request::Shutdown {
+            conn.send(id, &Response::Ok, &[]);
+            self.machine.power_off();
+            return;
+        }
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.dispatch(id, req, payload, conn)));
+        let (resp, payload) = match outcome {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => (Response::Error { kind: e.kind, message: e.message }, Vec::new()),
+            Err(panic) => {
+                let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+                log!("request {id} panicked: {what}");
+                (Response::Error { kind: ErrorKind::Internal, message: format!("the agent failed handling the request: {what}") }, Vec::new())
+            }
+        };
+        conn.send(id, &resp, &payload);
+    }
+
+    fn dispatch(&self, id: u64, req: Request, payload: Vec<u8>, conn: &Conn) -> Result<(Response, Vec<u8>), RequestError> {
+        let ok = Ok((Response::Ok, Vec::new()));
+        match req {
+            Request::Hello => Ok((Response::Hello { version: VERSION, kernel: machine::kernel_release(), uptime_ms: machine::uptime_ms() }, Vec::new())),
+            Request::Configure(limits) => {
+                if let Some(cg) = &self.cgroup {
+                    cg.configure(&limits).map_err(|e| RequestError::new(ErrorKind::Internal, e.to_string()))?;
+                }
+                if !limits.hostname.is_empty() {
+                    self.machine.set_hostname(&limits.hostname)?;
+                }
+                if !limits.workdir.is_empty() {
+                    self.files.create_dir_all(&limits.workdir)?;
+                }
+                ok
+            }
+            Request::Exec(req) => {
+                let env = exec::Env { files: &self.files, cgroup: self.cgroup.as_ref(), running: &self.running };
+                let send = |resp: &Response, bytes: &[u8]| conn.send(id, resp, bytes);
+                let (exit, out) = exec::run(&env, &req, payload, &send)?;
+                persist();
+                Ok((Response::Exited(exit), out))
+            }
+            Request::Signal { exec_id, signal } => {
+                if !(1..=64).contains(&signal) {
+                    return Err(RequestError::new(ErrorKind::BadRequest, format!("invalid signal number {signal}")));
+                }
+                if self.running.signal(&exec_id, signal) {
+                    ok
+                } else {
+                    Err(RequestError::new(ErrorKind::NoSuchExec, format!("no running exec {exec_id}")))
+                }
+            }
+            Request::WriteFile { path, mode, append } => {
+                let size = self.files.write(&path, mode, append, &payload)?;
+                persist();
+                Ok((Response::Written { size }, Vec::new()))
+            }
+            Request::ReadFile { path, offset, limit } => {
+                let chunk = self.files.read(&path, offset, limit)?;
+                Ok((Response::FileData { size: chunk.size, eof: chunk.eof }, chunk.bytes))
+            }
+            Request::Freeze => self.machine.freeze().and(ok),
+            Request::Thaw => self.machine.thaw().and(ok),
+            // Answered in `handle`, before the power goes.
+            Request::Shutdown => ok,
+        }
+    }
+}
+
+/// Pushes what an exec or a file write changed out of the guest's page cache to the disk, before
+/// the answer: the host keeps the disk image in its own page cache (QEMU ignores flushes there),
+/// so a finished exec's files survive QEMU or the daemon being killed, as on the other tiers,
+/// for the cost of a `sync` (a few ms, nothing when nothing changed).
+fn persist() {
+    // SAFETY: sync(2) takes no arguments and cannot fail.
+    unsafe { libc::sync() };
+}
+
+/// The receiving half of a connection: bytes in, requests dispatched.
+pub struct Session {
+    decoder: Decoder,
+    agent: Arc<Agent>,
+    conn: Arc<Conn>,
+}
+
+impl Session {
+    pub fn new(agent: Arc<Agent>, conn: Arc<Conn>) -> Self {
+        Session { decoder: Decoder::new(), agent, conn }
+    }
+
+    /// Handles every complete frame (or garbage) in what was read so far.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        self.decoder.push(bytes);
+        while let Some(event) = self.decoder.next() {
+            self.agent.on_event(event, &self.conn);
+        }
+    }
+
+    /// The host went away: half a frame of the old connection must not prefix the new one's.
+    pub fn reset(&mut self) {
+        self.decoder = Decoder::new();
+    }
+}
+
+#[cfg(test)]
+mod tests;
