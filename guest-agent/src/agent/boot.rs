@@ -5,6 +5,7 @@
 //! (the caller prints it on the console and powers off): a guest without its disk, its cgroups
 //! or its port is of no use, and must not run commands with less isolation than asked for.
 
+use guest_agent::sys::loopback_up;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
@@ -269,25 +270,6 @@ fn set_hostname() {
     }
 }
 
-/// Brings up `lo`: the VM has no other network, but programs expect localhost to work.
-fn loopback_up() -> Result<(), Errno> {
-    // SAFETY: plain socket call; the fd is wrapped in a File right away.
-    let raw = Errno::result(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
-    // SAFETY: `raw` is a fresh descriptor we own.
-    let sock = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(raw) };
-    // SAFETY: ifreq is plain old data; all-zero is a valid value.
-    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
-        *dst = *src as libc::c_char;
-    }
-    // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS read and write the ifreq we pass, which outlives the calls.
-    unsafe {
-        Errno::result(libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr))?;
-        ifr.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
-        Errno::result(libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &ifr))?;
-    }
-    Ok(())
-}
 
 /// After a fatal boot error: give the console a moment, then power off, so the host sees the VM
 /// end instead of waiting for an answer that will never come.

@@ -6,10 +6,11 @@
 //! any byte moves (and without blocking on a FIFO or acquiring a terminal), and that a full disk
 //! is reported as such.
 
+use guest_agent::sys::open_in_root;
 use std::ffi::CString;
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
@@ -85,25 +86,6 @@ fn file_components(path: &str) -> Result<Vec<String>, RequestError> {
     }
 }
 
-fn open_in_root(root: RawFd, rel: &str, flags: i32, mode: u32) -> Result<OwnedFd, Errno> {
-    let c_path = CString::new(rel).map_err(|_| Errno::EINVAL)?;
-    // SAFETY: open_how is plain old data; zero is valid for every field.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (flags | libc::O_CLOEXEC) as u64;
-    how.mode = if flags & libc::O_CREAT != 0 { u64::from(mode) } else { 0 };
-    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
-    loop {
-        // SAFETY: openat2 with a valid dirfd, a NUL-terminated path and an open_how of the size
-        // we pass.
-        let fd = unsafe { libc::syscall(libc::SYS_openat2, root, c_path.as_ptr(), &how as *const libc::open_how, std::mem::size_of::<libc::open_how>()) };
-        match Errno::result(fd) {
-            // SAFETY: the kernel returned a fresh descriptor that we now own.
-            Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) }),
-            Err(Errno::EAGAIN | Errno::EINTR) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-}
 
 fn ensure_regular(file: &File, path: &str) -> Result<u64, RequestError> {
     let meta = file.metadata().map_err(|e| map_errno(path, io_errno(&e)))?;

@@ -377,7 +377,7 @@ mod tests {
             "-accel tcg -cpu max",
             "-m 576M -smp 2",
             "-nodefaults",
-            "node-name=disk3,file.driver=file,file.filename=/s/vms/sb-1/top-3.qcow2",
+            "node-name=disk3,cache.no-flush=on,file.driver=file,file.filename=/s/vms/sb-1/top-3.qcow2",
             "virtio-blk-device,drive=disk3",
             "-runas 400001:400001 -chroot /s/vms/sb-1",
             "-sandbox on,",

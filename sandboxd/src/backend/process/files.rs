@@ -7,10 +7,11 @@
 //! or device node planted by the sandbox is refused before any byte moves (and the overlay is
 //! mounted `nodev` besides).
 
+use guest_agent::sys::open_in_root;
 use std::ffi::CString;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 
@@ -21,24 +22,6 @@ use crate::backend::{BackendError, FileChunk};
 /// Largest slice one ReadFile returns.
 pub const MAX_READ: u64 = 4 << 20;
 
-fn open_in_root(root: RawFd, path: &str, flags: i32, mode: u32) -> Result<OwnedFd, Errno> {
-    let c_path = CString::new(path).map_err(|_| Errno::EINVAL)?;
-    // SAFETY: open_how is plain old data; zero is valid for every field.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (flags | libc::O_CLOEXEC) as u64;
-    how.mode = if flags & libc::O_CREAT != 0 { u64::from(mode) } else { 0 };
-    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
-    loop {
-        // SAFETY: openat2 with a valid dirfd, NUL-terminated path and an open_how of the size we pass.
-        let fd = unsafe { libc::syscall(libc::SYS_openat2, root, c_path.as_ptr(), &how as *const libc::open_how, std::mem::size_of::<libc::open_how>()) };
-        match Errno::result(fd) {
-            // SAFETY: the kernel returned a fresh descriptor that we now own.
-            Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) }),
-            Err(Errno::EAGAIN | Errno::EINTR) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-}
 
 /// Splits a sandbox path into its normal components, resolving it against `workdir` when relative.
 /// `..` is kept for the kernel to clamp at the root; empty and NUL-containing paths are refused.

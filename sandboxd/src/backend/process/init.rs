@@ -15,6 +15,7 @@
 //! Nothing here may panic or `unwrap`: after the fork an error that is not sent back over the
 //! control socket is lost, so every failure becomes a `SetupFailed` / `SpawnFailed` message.
 
+use guest_agent::sys::loopback_up;
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -287,24 +288,6 @@ fn mount_dev(root: &Path) -> StageResult {
     Ok(())
 }
 
-fn loopback_up() -> Result<(), Errno> {
-    // SAFETY: plain socket call; the fd is wrapped in OwnedFd right away.
-    let raw = Errno::result(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
-    // SAFETY: `raw` is a fresh descriptor we own.
-    let sock = unsafe { OwnedFd::from_raw_fd(raw) };
-    // SAFETY: ifreq is plain old data; all-zero is a valid value.
-    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
-        *dst = *src as libc::c_char;
-    }
-    // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS read and write the ifreq we pass, which outlives the calls.
-    unsafe {
-        Errno::result(libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr))?;
-        ifr.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
-        Errno::result(libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &ifr))?;
-    }
-    Ok(())
-}
 
 fn drop_capabilities() -> StageResult {
     use caps::CapSet;
