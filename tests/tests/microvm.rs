@@ -64,3 +64,27 @@ async fn the_guest_has_its_own_kernel_no_network_and_the_pool_serves_creates() {
     client.destroy(&sb.id).await.expect("destroy");
     client.destroy(&other.id).await.expect("destroy");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fork_boots_while_the_origin_still_runs_on_the_snapshot() {
+    // The snapshot file stays open in the origin's QEMU (as the backing file of its new top)
+    // while the fork's QEMU opens it too.
+    let daemon = Daemon::start().await.expect("daemon");
+    let client = daemon.client().await.expect("client");
+    let origin = client.create(microvm("minimal")).await.expect("create");
+    client.write_file(&origin.id, "/workspace/f", b"v1".to_vec(), 0).await.expect("write");
+    let snap = client.snapshot(&origin.id, "s").await.expect("snapshot");
+    client.write_file(&origin.id, "/workspace/f", b"v2".to_vec(), 0).await.expect("write");
+    let fork = client.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() }).await.expect("fork");
+    let read = |id: String| {
+        let client = client.clone();
+        async move { client.read_file(&id, "/workspace/f", 0, 0).await.expect("read").content }
+    };
+    assert_eq!(read(fork.id.clone()).await, b"v1");
+    assert_eq!(read(origin.id.clone()).await, b"v2");
+    // A second snapshot of the origin chains on the first; the fork is unaffected.
+    client.snapshot(&origin.id, "s2").await.expect("second snapshot");
+    client.write_file(&fork.id, "/workspace/f", b"fork".to_vec(), 0).await.expect("write");
+    assert_eq!(read(origin.id.clone()).await, b"v2");
+    assert_eq!(read(fork.id.clone()).await, b"fork");
+}

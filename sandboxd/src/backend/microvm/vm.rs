@@ -59,6 +59,8 @@ pub struct LaunchSpec {
     /// Uid and gid QEMU drops to.
     pub uid: u32,
     pub boot_timeout: Duration,
+    /// Scheduling niceness of QEMU (warm-pool boots run in the background at a lower priority).
+    pub nice: i32,
 }
 
 /// A running VM with its agent connected.
@@ -109,6 +111,7 @@ impl Vm {
             None => Vec::new(),
         };
         let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+        let nice = spec.nice;
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
         // calls (write, prctl) on values prepared before the fork.
         unsafe {
@@ -119,6 +122,9 @@ impl Vm {
                     }
                 }
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -220,6 +226,17 @@ impl Vm {
         self.dir.lock().map(|d| d.clone()).unwrap_or_default()
     }
 
+    /// Sets the niceness of every QEMU thread (a pooled VM taken by a sandbox goes back to 0).
+    pub fn renice(&self, nice: i32) {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid)) else { return };
+        for t in tasks.flatten() {
+            if let Some(tid) = t.file_name().to_str().and_then(|n| n.parse::<libc::id_t>().ok()) {
+                // SAFETY: setpriority with plain integers; a thread that is gone gives ESRCH.
+                unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
+            }
+        }
+    }
+
     /// Applies the sandbox's limits inside the guest.
     pub async fn configure(&self, limits: GuestLimits) -> Result<(), BackendError> {
         match self.agent.call(&Request::Configure(limits), &[], Duration::from_secs(10)).await {
@@ -290,7 +307,10 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
     // cache.no-flush: the guest's flushes stop at the host page cache. The agent syncs after every
     // exec and file write, which makes the changes survive QEMU or the daemon dying; only a host
     // crash could lose them, as for the other tiers' files.
-    push(&["-blockdev", &format!("driver=qcow2,node-name=disk{},cache.no-flush=on,file.driver=file,file.filename={}", spec.gen, p(&spec.top))]);
+    // file.locking=off: a snapshot file stays open (as a backing file, never written again) in
+    // the VM it was taken from while forks open it too; QEMU's image locks would refuse that,
+    // and the daemon itself guarantees that only the top of a chain is ever written.
+    push(&["-blockdev", &format!("driver=qcow2,node-name=disk{},cache.no-flush=on,file.driver=file,file.locking=off,file.filename={}", spec.gen, p(&spec.top))]);
     push(&["-device", &format!("virtio-blk-device,drive=disk{}", spec.gen)]);
     push(&["-qmp", &format!("unix:{},server=on,wait=off", p(qmp_sock))]);
     // No elevateprivileges=deny: QEMU 7.2 installs the filter before -runas drops privileges,
@@ -371,13 +391,14 @@ mod tests {
             accel: Accel::Tcg,
             uid: 400_001,
             boot_timeout: Duration::from_secs(1),
+            nice: 0,
         };
         let args = qemu_args(&spec, Path::new("/s/vms/sb-1/agent.sock"), Path::new("/s/vms/sb-1/qmp.sock"), Path::new("/s/vms/sb-1/console.log")).join(" ");
         for want in [
             "-accel tcg -cpu max",
             "-m 576M -smp 2",
             "-nodefaults",
-            "node-name=disk3,cache.no-flush=on,file.driver=file,file.filename=/s/vms/sb-1/top-3.qcow2",
+            "node-name=disk3,cache.no-flush=on,file.driver=file,file.locking=off,file.filename=/s/vms/sb-1/top-3.qcow2",
             "virtio-blk-device,drive=disk3",
             "-runas 400001:400001 -chroot /s/vms/sb-1",
             "-sandbox on,",
