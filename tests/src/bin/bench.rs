@@ -9,7 +9,8 @@
 //!
 //! Every sandbox, snapshot and container it makes is removed again, also when a section fails or
 //! the run is interrupted with Ctrl-C. Docker missing is not a failure (its rows, and those of
-//! sandboxd's container tier, say "unavailable"); a sandboxd section that fails is, and the exit
+//! sandboxd's container tier, say "unavailable"), nor is a host that cannot run microVMs, or KVM
+//! that does not work (the microVM rows say why); a sandboxd section that fails is, and the exit
 //! code says so. Targets that are missed are reported as MISS but do not change the exit code:
 //! this is a measurement, not a gate.
 
@@ -55,6 +56,27 @@ const TARGET_FORK_OVER_CREATE_MS: f64 = 10.0;
 /// Container tier against the raw Docker API calls for the same work.
 const TARGET_CONTAINER_VS_DOCKER: f64 = 1.1;
 const TARGET_CONTAINER_ROLLBACK_P50_MS: f64 = 300.0;
+/// MicroVM tier: boot to first exec without a pool, under TCG and under KVM; exec round trip;
+/// `CreateSandbox` served from the warm pool.
+const TARGET_MICROVM_TCG_BOOT_P50_MS: f64 = 2500.0;
+const TARGET_MICROVM_KVM_BOOT_P50_MS: f64 = 300.0;
+const TARGET_MICROVM_EXEC_P50_MS: f64 = 20.0;
+const TARGET_MICROVM_POOL_CREATE_P50_MS: f64 = 100.0;
+
+/// `RUST_LOG` directive added for the microVM daemons: `microVM booted` (with `accel=` and
+/// `boot_ms=`) is a debug line of this module. Only this module, so that the daemon does not
+/// log a line per exec.
+const MICROVM_LOG_DIRECTIVE: &str = "sandboxd::backend::microvm=debug";
+/// Log messages of the microVM tier the bench reads (sandboxd/src/backend/microvm/).
+const LOG_BOOTED: &str = "microVM booted";
+const LOG_POOL_READY: &str = "warm pool holds a booted microVM";
+const LOG_POOL_TAKEN: &str = "microVM taken from the warm pool";
+const LOG_POOL_GAVE_UP: &str = "warm pool refill stopped";
+/// Boot deadline of the daemon that tries KVM where the `auto` daemon chose TCG: long enough for
+/// a KVM boot, short enough not to wait the default 30 s for a guest that hangs.
+const KVM_TRY_BOOT_TIMEOUT_MS: u64 = 8000;
+/// How long to wait for the warm pool to hold a VM before a sample.
+const POOL_FILL_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// MiB written since the image before each snapshot: a small change and a large one.
 const CHANGED_SMALL_MIB: u32 = 1;
@@ -88,8 +110,10 @@ struct Args {
     /// GetSandbox calls and execs back to back, 100 execs 100 ms apart, 200 streamed execs,
     /// 20 snapshot+rollbacks with 1 MiB changed and 10 with 100 MiB, 30 forks, 5 batches of 10
     /// forks, 20 container-tier creates, 100 container-tier execs, 10 container-tier
-    /// snapshot+rollbacks, 30 docker runs and create+starts, 200 docker execs). The exec
-    /// throughput section keeps its own counts.
+    /// snapshot+rollbacks, 30 docker runs and create+starts, 200 docker execs, 5 cold microVM
+    /// boots per accelerator, 3 microVM creates from the warm pool, 50 microVM execs and 20
+    /// streamed, 5 microVM snapshot+rollbacks, 3 microVM forks). The exec throughput section
+    /// keeps its own counts.
     #[arg(long)]
     iterations: Option<usize>,
     /// Sandboxes kept alive at once in the density section (default 100; 10 with --quick).
@@ -101,6 +125,9 @@ struct Args {
     /// Leave out everything that needs Docker: the baseline and sandboxd's container tier.
     #[arg(long)]
     no_docker: bool,
+    /// Leave out sandboxd's microVM tier (its boots take seconds each under TCG).
+    #[arg(long)]
+    no_microvm: bool,
 }
 
 /// How many samples each section takes.
@@ -126,6 +153,14 @@ struct Plan {
     docker_run: usize,
     docker_create: usize,
     docker_exec: usize,
+    /// Cold microVM boots (per accelerator measured), creates from the warm pool, execs and
+    /// streamed execs in one microVM, snapshot+rollbacks and forks.
+    microvm_boot: usize,
+    microvm_pool: usize,
+    microvm_exec: usize,
+    microvm_stream: usize,
+    microvm_snap: usize,
+    microvm_fork: usize,
     /// Untimed calls before each section, so one-off costs (page faults, first connection,
     /// lazily built state) do not land in the first sample.
     warmup: usize,
@@ -152,6 +187,12 @@ impl Plan {
                 docker_run: 3,
                 docker_create: 3,
                 docker_exec: 10,
+                microvm_boot: 2,
+                microvm_pool: 1,
+                microvm_exec: 10,
+                microvm_stream: 5,
+                microvm_snap: 1,
+                microvm_fork: 1,
                 warmup: 1,
             }
         } else {
@@ -174,6 +215,13 @@ impl Plan {
                 docker_run: 30,
                 docker_create: 30,
                 docker_exec: 200,
+                // Modest: a boot under TCG takes seconds, and pool and rollback samples boot too.
+                microvm_boot: 5,
+                microvm_pool: 3,
+                microvm_exec: 50,
+                microvm_stream: 20,
+                microvm_snap: 5,
+                microvm_fork: 3,
                 warmup: 3,
             }
         };
@@ -197,6 +245,14 @@ impl Plan {
                 p.container_exec,
                 p.container_snap,
             ) = (n, n, n, n, n, n, n);
+            (
+                p.microvm_boot,
+                p.microvm_pool,
+                p.microvm_exec,
+                p.microvm_stream,
+                p.microvm_snap,
+                p.microvm_fork,
+            ) = (n, n, n, n, n, n);
         }
         if let Some(n) = args.live {
             p.live = n.max(1);
@@ -261,6 +317,45 @@ impl Image {
     }
 }
 
+/// How microVM guests ran their CPUs, as the daemon logged it (`accel=` of `microVM booted`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum VmAccel {
+    Tcg,
+    Kvm,
+}
+
+impl VmAccel {
+    fn name(self) -> &'static str {
+        match self {
+            VmAccel::Tcg => "TCG",
+            VmAccel::Kvm => "KVM",
+        }
+    }
+
+    /// The value of `[microvm] accel` that forces it, also how the daemon's log spells it.
+    fn config(self) -> &'static str {
+        match self {
+            VmAccel::Tcg => "tcg",
+            VmAccel::Kvm => "kvm",
+        }
+    }
+
+    fn from_log(value: &str) -> Option<VmAccel> {
+        match value {
+            "tcg" => Some(VmAccel::Tcg),
+            "kvm" => Some(VmAccel::Kvm),
+            _ => None,
+        }
+    }
+
+    fn other(self) -> VmAccel {
+        match self {
+            VmAccel::Tcg => VmAccel::Kvm,
+            VmAccel::Kvm => VmAccel::Tcg,
+        }
+    }
+}
+
 /// One row of the results table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Key {
@@ -291,6 +386,22 @@ enum Key {
     DockerCreateStartBridge,
     DockerRemove,
     DockerExec,
+    /// Cold microVM (no pool) under that accelerator: `CreateSandbox` + the first `Exec` of
+    /// `true`, timed as one.
+    MicroVmBoot(VmAccel),
+    /// The `CreateSandbox` alone of those boots.
+    MicroVmCreate(VmAccel),
+    MicroVmDestroy,
+    /// `CreateSandbox` served from the warm pool, and the same with its first `Exec` of `true`.
+    MicroVmPoolCreate,
+    MicroVmPoolReady,
+    MicroVmExec,
+    MicroVmExecStream,
+    MicroVmSnapshot,
+    MicroVmRollback,
+    /// Fork of a snapshot whose origin still runs, and of one whose origin was destroyed.
+    MicroVmFork,
+    MicroVmForkOriginGone,
 }
 
 impl Key {
@@ -329,6 +440,21 @@ impl Key {
         Key::DockerCreateStartBridge,
         Key::DockerRemove,
         Key::DockerExec,
+    ];
+    const MICROVM: [Key; 13] = [
+        Key::MicroVmBoot(VmAccel::Tcg),
+        Key::MicroVmCreate(VmAccel::Tcg),
+        Key::MicroVmBoot(VmAccel::Kvm),
+        Key::MicroVmCreate(VmAccel::Kvm),
+        Key::MicroVmDestroy,
+        Key::MicroVmPoolCreate,
+        Key::MicroVmPoolReady,
+        Key::MicroVmExec,
+        Key::MicroVmExecStream,
+        Key::MicroVmSnapshot,
+        Key::MicroVmRollback,
+        Key::MicroVmFork,
+        Key::MicroVmForkOriginGone,
     ];
 
     fn label(self, live: usize) -> String {
@@ -383,6 +509,36 @@ impl Key {
             }
             Key::DockerRemove => "Docker `rm -f` of a running container".into(),
             Key::DockerExec => "Docker `exec` of `true` (exec create+start+inspect)".into(),
+            Key::MicroVmBoot(accel) => format!(
+                "microVM boot to first exec, cold ({}, no pool): `CreateSandbox` + first `Exec` of `true`",
+                accel.name()
+            ),
+            Key::MicroVmCreate(accel) => format!(
+                "microVM `CreateSandbox` alone, cold ({}, no pool)",
+                accel.name()
+            ),
+            Key::MicroVmDestroy => "microVM `DestroySandbox`".into(),
+            Key::MicroVmPoolCreate => {
+                "microVM `CreateSandbox` from the warm pool (`--microvm-pool 1`)".into()
+            }
+            Key::MicroVmPoolReady => {
+                "microVM from the warm pool to first exec: `CreateSandbox` + first `Exec` of `true`"
+                    .into()
+            }
+            Key::MicroVmExec => "microVM `Exec` of `true` (unary), back to back".into(),
+            Key::MicroVmExecStream => "microVM `ExecStream` of `true`".into(),
+            Key::MicroVmSnapshot => {
+                format!("microVM `Snapshot`, {CHANGED_SMALL_MIB} MiB changed")
+            }
+            Key::MicroVmRollback => format!(
+                "microVM `Rollback`, {CHANGED_SMALL_MIB} MiB changed (boots a new VM over the snapshot)"
+            ),
+            Key::MicroVmFork => format!(
+                "microVM fork: `CreateSandbox{{from_snapshot_id}}`, the origin running ({CHANGED_SMALL_MIB} MiB changed)"
+            ),
+            Key::MicroVmForkOriginGone => format!(
+                "microVM fork of a snapshot whose origin was destroyed ({CHANGED_SMALL_MIB} MiB changed)"
+            ),
         }
     }
 }
@@ -426,6 +582,27 @@ impl Throughput {
     }
 }
 
+/// What the microVM section learnt from the daemons' logs, beyond its rows.
+#[derive(Debug, Default)]
+struct MicroVm {
+    /// The accelerator the daemon left at `accel = "auto"` used, and the lines of its log that
+    /// say why (KVM probe, cached verdict, no /dev/kvm).
+    auto_accel: Option<VmAccel>,
+    accel_log: Vec<String>,
+    /// Why that daemon did not use KVM (from its log), and what a daemon forced to KVM answered.
+    kvm_reason: Option<String>,
+    kvm_forced: Option<String>,
+    /// The daemon's own boot times of the timed cold boots (QEMU started → guest agent's hello,
+    /// `boot_ms` of `microVM booted`) and the guest kernel's uptime at that hello, per accelerator.
+    boot_logged: BTreeMap<VmAccel, (Vec<Duration>, Vec<Duration>)>,
+    /// `boot_ms` of the VMs the warm pool booted while its rows were measured.
+    pool_boot_logged: Vec<Duration>,
+    /// `size_bytes` of the snapshots of the `Snapshot` row (median).
+    snapshot_size: Option<u64>,
+    /// Why the whole tier is unavailable.
+    unavailable: Option<String>,
+}
+
 #[derive(Debug, Default)]
 struct Report {
     rows: BTreeMap<Key, Outcome>,
@@ -438,6 +615,8 @@ struct Report {
     throughput: Vec<(usize, Result<Throughput, String>)>,
     /// Why the container tier's rows are unavailable.
     container_unavailable: Option<String>,
+    /// What the microVM section found beyond its rows.
+    microvm: MicroVm,
     docker: Option<String>,
     docker_unavailable: Option<String>,
     docker_import: Option<Duration>,
@@ -521,15 +700,137 @@ fn signed_ms(v: f64) -> String {
     }
 }
 
+/// A text on one line (for a paragraph, which a newline would break).
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 /// Markdown table cells can hold neither newlines nor pipes.
 fn cell(s: &str) -> String {
-    let one_line = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let one_line = one_line(s);
     let short: String = if one_line.chars().count() > 160 {
         one_line.chars().take(160).chain("…".chars()).collect()
     } else {
         one_line
     };
     short.replace('|', "\\|")
+}
+
+/// One row of a latency table: n, p50, p99, mean, max, or why there are none.
+fn table_row(w: &mut String, report: &Report, key: Key, plan: &Plan) {
+    let label = key.label(plan.live);
+    match report.rows.get(&key) {
+        Some(Outcome::Measured(s)) => {
+            let _ = writeln!(
+                w,
+                "| {label} | {} | {} | {} | {} | {} |",
+                s.n,
+                ms(s.p50),
+                ms(s.p99),
+                ms(s.mean),
+                ms(s.max)
+            );
+        }
+        Some(Outcome::Unavailable(why)) => {
+            let _ = writeln!(w, "| {label} | — | unavailable | | | {} |", cell(why));
+        }
+        Some(Outcome::Failed(why)) => {
+            let _ = writeln!(w, "| {label} | — | **FAILED** | | | {} |", cell(why));
+        }
+        None => {
+            let _ = writeln!(w, "| {label} | — | not run | | | |");
+        }
+    }
+}
+
+/// p50 of some samples, for a sentence.
+fn p50_of(samples: &[Duration]) -> Option<String> {
+    summarize(samples).map(|s| format!("{} ms", ms(s.p50)))
+}
+
+/// The `## microVM tier` section: how the guests ran, the rows, what the daemon logged.
+fn render_microvm(w: &mut String, report: &Report, plan: &Plan) {
+    let vm = &report.microvm;
+    let _ = writeln!(w, "\n## microVM tier\n");
+    if let Some(why) = &vm.unavailable {
+        let _ = writeln!(w, "**Unavailable on this host**: {}\n", cell(why));
+    }
+    let _ = writeln!(
+        w,
+        "Each sandbox is a QEMU `microvm` guest with its own kernel (`ISOLATION_MICROVM`, image \
+         `minimal`, default limits). Milliseconds of wall time per API call, as the client sees it."
+    );
+    match vm.auto_accel {
+        Some(accel) => {
+            let _ = writeln!(
+                w,
+                "\nThe daemon left at `accel = \"auto\"` ran its guests under **{}**; it logged: {}. \
+                 Every row below that names no accelerator ran on that daemon (the warm pool on one \
+                 like it).\n",
+                accel.name(),
+                if vm.accel_log.is_empty() {
+                    "nothing about KVM or TCG".to_string()
+                } else {
+                    vm.accel_log
+                        .iter()
+                        .map(|l| format!("`{}`", one_line(l).replace('`', "'")))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                }
+            );
+        }
+        None => {
+            let _ = writeln!(w);
+        }
+    }
+    if let Some(forced) = &vm.kvm_forced {
+        let _ = writeln!(
+            w,
+            "KVM is unusable on this host: {}; then {}.\n",
+            vm.kvm_reason
+                .as_deref()
+                .map(one_line)
+                .unwrap_or_else(|| "the daemon left at `accel = \"auto\"` chose TCG".into()),
+            one_line(forced)
+        );
+    }
+    let _ = writeln!(
+        w,
+        "| measurement | n | p50 ms | p99 ms | mean ms | max ms |\n|---|---:|---:|---:|---:|---:|"
+    );
+    for key in Key::MICROVM {
+        table_row(w, report, key, plan);
+    }
+    let mut notes = Vec::new();
+    for (accel, (boot, uptime)) in &vm.boot_logged {
+        if let (Some(b), Some(u)) = (p50_of(boot), p50_of(uptime)) {
+            notes.push(format!(
+                "the daemon's own boot time of the timed cold boots under {} (QEMU started → the guest \
+                 agent's hello, `boot_ms` of its `{LOG_BOOTED}` lines): p50 {b}, of which the guest \
+                 kernel had been up p50 {u} at the hello",
+                accel.name()
+            ));
+        }
+    }
+    if let Some(b) = p50_of(&vm.pool_boot_logged) {
+        notes.push(format!(
+            "the warm pool's {} boots in the background (`boot_ms` of `{LOG_POOL_READY}`): p50 {b}; \
+             every timed pool create was checked to be served by the pool (`{LOG_POOL_TAKEN}` for its id)",
+            vm.pool_boot_logged.len()
+        ));
+    }
+    if let Some(size) = vm.snapshot_size {
+        notes.push(format!(
+            "the snapshots' `size_bytes` with {CHANGED_SMALL_MIB} MiB changed (median): {}",
+            mib_of(size)
+        ));
+    }
+    if !notes.is_empty() {
+        let _ = writeln!(w);
+    }
+    for note in notes {
+        let _ = writeln!(w, "- {note}");
+    }
 }
 
 fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> String {
@@ -567,29 +868,7 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
         .chain(Key::CONTAINER.iter())
         .chain(Key::DOCKER.iter());
     for key in all_rows {
-        let label = key.label(plan.live);
-        match report.rows.get(key) {
-            Some(Outcome::Measured(s)) => {
-                let _ = writeln!(
-                    w,
-                    "| {label} | {} | {} | {} | {} | {} |",
-                    s.n,
-                    ms(s.p50),
-                    ms(s.p99),
-                    ms(s.mean),
-                    ms(s.max)
-                );
-            }
-            Some(Outcome::Unavailable(why)) => {
-                let _ = writeln!(w, "| {label} | — | unavailable | | | {} |", cell(why));
-            }
-            Some(Outcome::Failed(why)) => {
-                let _ = writeln!(w, "| {label} | — | **FAILED** | | | {} |", cell(why));
-            }
-            None => {
-                let _ = writeln!(w, "| {label} | — | not run | | | |");
-            }
-        }
+        table_row(w, report, *key, plan);
     }
     if !report.snapshot_sizes.is_empty() {
         let sizes: Vec<String> = Key::SNAPSHOTS
@@ -682,6 +961,8 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
         );
     }
 
+    render_microvm(w, report, plan);
+
     let _ = writeln!(w, "\n## Against Docker\n");
     let _ = writeln!(
         w,
@@ -735,10 +1016,30 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
             report.p50(Key::ContainerDestroy),
             report.p50(Key::DockerRemove),
         ),
+        (
+            "microVM tier, cold: boot to first exec vs container create+start (`--network none`)",
+            report
+                .microvm
+                .auto_accel
+                .and_then(|a| report.p50(Key::MicroVmBoot(a))),
+            report.p50(Key::DockerCreateStart),
+        ),
+        (
+            "microVM tier, from the warm pool: `CreateSandbox` vs container create+start (`--network none`)",
+            report.p50(Key::MicroVmPoolCreate),
+            report.p50(Key::DockerCreateStart),
+        ),
+        (
+            "microVM tier, run `true` in it: `Exec` vs `docker exec`",
+            report.p50(Key::MicroVmExec),
+            report.p50(Key::DockerExec),
+        ),
     ];
     for (what, ours, theirs) in comparisons {
         let f = |v: Option<f64>| v.map(ms).unwrap_or_else(|| "unavailable".into());
         let ratio = match (ours, theirs) {
+            // A slower sandboxd (a microVM booting) keeps two digits instead of reading 0.0×.
+            (Some(o), Some(t)) if o > 0.0 && t / o < 0.1 => format!("{:.2}×", t / o),
             (Some(o), Some(t)) if o > 0.0 => format!("{:.1}×", t / o),
             _ => "—".into(),
         };
@@ -815,6 +1116,37 @@ fn render(report: &Report, plan: &Plan, machine: &Machine, total: Duration) -> S
             Some(why) => format!(" In this run the container tier was unavailable: {}.", cell(why)),
             None => String::new(),
         },
+    );
+    let _ = writeln!(
+        w,
+        "\nThe microVM tier (`ISOLATION_MICROVM`, image `minimal`, default limits) runs last, on daemons \
+         of its own logging JSON with `{MICROVM_LOG_DIRECTIVE}`, so the bench reads from their logs \
+         which accelerator the guests used (`accel=` of `{LOG_BOOTED}`) and why (the KVM probe lines). \
+         First a daemon left at `accel = \"auto\"`: one untimed boot (it may run the KVM probe), then \
+         {} cold boots with no pool, each timed from the `CreateSandbox` call to the answer of the first \
+         `Exec` of `true` in the new VM (the create alone is a row too; the destroy is timed apart); \
+         every boot must be logged under that accelerator. On the same daemon: unary and streamed execs \
+         of `true` in one VM ({} and {}, after untimed ones), snapshot+rollback with \
+         {CHANGED_SMALL_MIB} MiB changed ({} samples, as for the process tier; a microVM rollback boots \
+         a new VM over the snapshot) and forks (`CreateSandbox{{from_snapshot_id}}` of one snapshot, \
+         {} after an untimed one that checks the fork sees the origin's file, each destroyed before \
+         the next: first while the origin runs, then again after it is destroyed). Then a daemon \
+         forced to the other accelerator boots {} VMs the same way; when that is KVM and its first \
+         create fails (boot deadline {KVM_TRY_BOOT_TIMEOUT_MS} ms), the KVM rows say so with the \
+         reason. Last a daemon \
+         with `--microvm-pool 1`: before each of {} creates (after an untimed one) the bench waits for \
+         the log to show the pool holding a booted VM again (`{LOG_POOL_READY}`), times \
+         `CreateSandbox` and its first exec, and checks the log says the create took the pooled VM \
+         (`{LOG_POOL_TAKEN}`); the pool's refill boots in the background meanwhile, as it would in \
+         use. A host that cannot run the tier at all (FAILED_PRECONDITION: no QEMU, no VM artifacts) \
+         marks its rows unavailable.",
+        plan.microvm_boot,
+        plan.microvm_exec,
+        plan.microvm_stream,
+        plan.microvm_snap,
+        plan.microvm_fork,
+        plan.microvm_boot,
+        plan.microvm_pool,
     );
     let _ = writeln!(
         w,
@@ -1001,6 +1333,75 @@ fn targets(report: &Report) -> Vec<(String, String, String)> {
         ),
         None => (t, "not measured".into(), "not measured".into()),
     });
+
+    // MicroVM tier, with Docker's number for the same step of this run beside each.
+    let docker = |key: Key, what: &str| match report.p50(key) {
+        Some(d) => format!("; Docker {what} p50 {} ms", ms(d)),
+        None => String::new(),
+    };
+    let create_start = docker(Key::DockerCreateStart, "create+start");
+    for (accel, target) in [
+        (VmAccel::Tcg, TARGET_MICROVM_TCG_BOOT_P50_MS),
+        (VmAccel::Kvm, TARGET_MICROVM_KVM_BOOT_P50_MS),
+    ] {
+        let t = format!(
+            "microVM boot to first exec under {} p50 ≤ {target} ms (no pool){}",
+            accel.name(),
+            if accel == VmAccel::Kvm {
+                ", where KVM works"
+            } else {
+                ""
+            }
+        );
+        let boot = Key::MicroVmBoot(accel);
+        out.push(match report.rows.get(&boot) {
+            Some(Outcome::Measured(s)) => {
+                let create = report.p50(Key::MicroVmCreate(accel)).map(ms);
+                (
+                    t,
+                    format!(
+                        "{} ms (`CreateSandbox` alone {} ms){create_start}",
+                        ms(s.p50),
+                        create.unwrap_or_else(|| "?".into())
+                    ),
+                    verdict(s.p50 <= target),
+                )
+            }
+            Some(Outcome::Unavailable(why)) if accel == VmAccel::Kvm => {
+                (t, why.clone(), "not measured (no usable KVM)".into())
+            }
+            _ => (t, "not measured".into(), "not measured".into()),
+        });
+    }
+    let t = format!("microVM exec round trip p50 ≤ {TARGET_MICROVM_EXEC_P50_MS} ms");
+    out.push(match report.p50(Key::MicroVmExec) {
+        Some(p) => (
+            t,
+            format!(
+                "{} ms (unary `Exec` of `true`, back to back{}){}",
+                ms(p),
+                report
+                    .microvm
+                    .auto_accel
+                    .map(|a| format!(", under {}", a.name()))
+                    .unwrap_or_default(),
+                docker(Key::DockerExec, "exec")
+            ),
+            verdict(p <= TARGET_MICROVM_EXEC_P50_MS),
+        ),
+        None => (t, "not measured".into(), "not measured".into()),
+    });
+    let t = format!(
+        "microVM `CreateSandbox` from the warm pool p50 ≤ {TARGET_MICROVM_POOL_CREATE_P50_MS} ms"
+    );
+    out.push(match report.p50(Key::MicroVmPoolCreate) {
+        Some(p) => (
+            t,
+            format!("{} ms{create_start}", ms(p)),
+            verdict(p <= TARGET_MICROVM_POOL_CREATE_P50_MS),
+        ),
+        None => (t, "not measured".into(), "not measured".into()),
+    });
     out
 }
 
@@ -1020,6 +1421,8 @@ struct Machine {
     load_end: String,
     sandboxd_bin: String,
     commit: String,
+    /// `qemu-system-x86_64 --version` and whether /dev/kvm exists (the microVM tier).
+    qemu: String,
 }
 
 fn read_trimmed(path: &str) -> String {
@@ -1070,7 +1473,28 @@ impl Machine {
             .ok()
             .map(|o| !o.stdout.is_empty())
             .unwrap_or(false);
+        let qemu_version = std::process::Command::new("qemu-system-x86_64")
+            .arg("--version")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .and_then(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .next()
+                    .map(str::to_string)
+            });
+        let qemu = format!(
+            "{}; /dev/kvm {}",
+            qemu_version.unwrap_or_else(|| "qemu-system-x86_64 not found".into()),
+            if Path::new("/dev/kvm").exists() {
+                "present"
+            } else {
+                "absent"
+            }
+        );
         Machine {
+            qemu,
             date: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
             nproc: std::thread::available_parallelism()
                 .map(|n| n.get())
@@ -1119,6 +1543,7 @@ impl Machine {
                 format!("{} (commit {})", self.sandboxd_bin, self.commit),
             ),
             ("Docker", docker),
+            ("QEMU (microVM tier)", self.qemu.clone()),
         ]
     }
 }
@@ -1871,6 +2296,697 @@ async fn sandboxd_container(plan: &Plan, report: &mut Report) {
         .push(("sandboxd container tier".into(), started.elapsed()));
 }
 
+// ---------------------------------------------------------------------------------------------
+// sandboxd's microVM tier
+
+/// One line of a daemon's log, written with `--log-format json`.
+#[derive(Debug)]
+struct LogLine {
+    timestamp: String,
+    level: String,
+    message: String,
+    fields: serde_json::Map<String, serde_json::Value>,
+}
+
+impl LogLine {
+    fn parse(line: &str) -> Option<LogLine> {
+        let value: serde_json::Value = serde_json::from_str(line).ok()?;
+        let mut fields = value.get("fields")?.as_object()?.clone();
+        let message = fields.remove("message")?.as_str()?.to_string();
+        let level = value
+            .get("level")
+            .and_then(|l| l.as_str())
+            .unwrap_or_default()
+            .to_string();
+        let timestamp = value
+            .get("timestamp")
+            .and_then(|t| t.as_str())
+            .unwrap_or_default()
+            .to_string();
+        Some(LogLine {
+            timestamp,
+            level,
+            message,
+            fields,
+        })
+    }
+
+    /// A field as text (a string without its quotes).
+    fn field(&self, key: &str) -> Option<String> {
+        self.fields.get(key).map(|v| match v {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        })
+    }
+
+    fn millis(&self, key: &str) -> Option<Duration> {
+        self.fields.get(key)?.as_u64().map(Duration::from_millis)
+    }
+
+    /// `LEVEL message key=value …`, as the report quotes it.
+    fn text(&self) -> String {
+        let mut text = format!("{} {}", self.level, self.message);
+        for key in self.fields.keys() {
+            let _ = write!(text, " {key}={}", self.field(key).unwrap_or_default());
+        }
+        text
+    }
+}
+
+/// The lines of a daemon's JSON log (anything else, e.g. a panic message, is left out).
+fn log_lines(log: &str) -> Vec<LogLine> {
+    log.lines().filter_map(LogLine::parse).collect()
+}
+
+fn count_logged(lines: &[LogLine], message: &str) -> usize {
+    lines.iter().filter(|l| l.message == message).count()
+}
+
+/// The lines in which the daemon says how its microVMs run their CPUs (`decide_accel`: the
+/// configured accelerator, no /dev/kvm, the KVM probe and its verdict cached for this boot).
+fn accel_decision(lines: &[LogLine]) -> Vec<String> {
+    lines
+        .iter()
+        .filter(|l| l.message.contains("KVM") || l.message.contains("TCG"))
+        .map(LogLine::text)
+        .collect()
+}
+
+/// Says on stderr what the daemon logged, so a failing microVM section can be diagnosed after
+/// the daemon and its temp dir are gone.
+fn print_log_tail(daemon: &Daemon, what: &str) {
+    let log = daemon.log();
+    let lines: Vec<String> = log
+        .lines()
+        .map(|l| match LogLine::parse(l) {
+            Some(parsed) => format!("{} {}", parsed.timestamp, parsed.text()),
+            None => l.to_string(),
+        })
+        .collect();
+    let tail = &lines[lines.len().saturating_sub(60)..];
+    eprintln!(
+        "bench: the last {} lines of the log of the {what} daemon:\n{}",
+        tail.len(),
+        tail.join("\n")
+    );
+}
+
+/// Why a daemon left at `accel = "auto"` did not use KVM, in a few words from its log.
+fn kvm_reason(lines: &[LogLine]) -> Option<String> {
+    lines.iter().find_map(|l| {
+        let field = |k: &str| l.field(k).unwrap_or_else(|| "?".into());
+        if l.message.starts_with("KVM probe failed") {
+            Some(format!(
+                "the KVM probe boot failed ({}; deadline {} ms)",
+                field("error"),
+                field("timeout_ms")
+            ))
+        } else if l.message.starts_with("no usable /dev/kvm") {
+            Some(format!("no usable /dev/kvm ({})", field("error")))
+        } else if l
+            .message
+            .starts_with("microVM acceleration from this boot's KVM probe")
+            && l.field("accel").as_deref() == Some("tcg")
+        {
+            Some(format!(
+                "the KVM probe of this host boot failed (verdict cached in {})",
+                field("cache")
+            ))
+        } else {
+            None
+        }
+    })
+}
+
+/// The daemon's answer in an error (`CODE: message`), without the bench's context around it.
+fn daemon_answer(e: &anyhow::Error) -> String {
+    e.chain()
+        .find_map(|c| c.downcast_ref::<agent_client::Error>())
+        .map(|c| c.to_string())
+        .unwrap_or_else(|| format!("{e:#}"))
+}
+
+/// Whether the daemon refused because this host cannot provide the tier (no QEMU, no VM
+/// artifacts), as opposed to a tier that tried and failed.
+fn is_failed_precondition(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<agent_client::Error>()
+            .is_some_and(|e| e.code() == tonic::Code::FailedPrecondition)
+    })
+}
+
+/// A microVM sandbox of image `minimal` with the default limits (those of the warm pool).
+fn microvm_request() -> proto::CreateSandboxRequest {
+    proto::CreateSandboxRequest {
+        isolation: proto::Isolation::Microvm as i32,
+        ..process_sandbox("minimal")
+    }
+}
+
+/// Starts a daemon for the microVM tier: JSON log, with the tier's debug lines.
+async fn start_microvm_daemon(toml: &str, extra_args: &[&str], what: &str) -> Result<Daemon> {
+    // The harness gives the daemon `$SANDBOXD_TEST_LOG` as RUST_LOG when it spawns it. Set only
+    // around that spawn, so the other sections' daemons log as before; the sections run one
+    // after another, so nothing else reads the environment meanwhile.
+    const VAR: &str = "SANDBOXD_TEST_LOG";
+    let before = std::env::var(VAR).ok();
+    let filter = format!(
+        "{},{MICROVM_LOG_DIRECTIVE}",
+        before.as_deref().unwrap_or("info")
+    );
+    std::env::set_var(VAR, filter);
+    let mut args = vec!["--log-format", "json"];
+    args.extend_from_slice(extra_args);
+    let started = Daemon::start_with(toml, &args).await;
+    match before {
+        Some(v) => std::env::set_var(VAR, v),
+        None => std::env::remove_var(VAR),
+    }
+    started.with_context(|| format!("starting sandboxd for the microVM tier ({what})"))
+}
+
+/// One `Exec` of `true` timed from `since` (the start of its `CreateSandbox`).
+async fn first_exec(sb: &Sandboxes, id: &str, since: Instant, what: &str) -> Result<Duration> {
+    check_interrupt()?;
+    let result = sb
+        .client
+        .exec(exec_request(id, ["true"]))
+        .await
+        .with_context(|| format!("first Exec of `true` in {id} ({what})"))?;
+    let took = since.elapsed();
+    check_true(&result, what)?;
+    Ok(took)
+}
+
+/// What the cold boots measured.
+#[derive(Default)]
+struct ColdBoots {
+    boots: Vec<Duration>,
+    creates: Vec<Duration>,
+    destroys: Vec<Duration>,
+    /// `boot_ms` and `guest_uptime_ms` of their `microVM booted` lines.
+    logged: (Vec<Duration>, Vec<Duration>),
+}
+
+/// `n` cold boots on a daemon without a pool: `CreateSandbox` and the first `Exec` of `true`
+/// timed as one (and the create alone), the destroy apart. Fails unless the daemon logged each
+/// of them as booted under `accel`.
+async fn cold_boots(
+    daemon: &Daemon,
+    sb: &mut Sandboxes,
+    accel: VmAccel,
+    n: usize,
+) -> Result<ColdBoots> {
+    let before = count_logged(&log_lines(&daemon.log()), LOG_BOOTED);
+    let mut cold = ColdBoots::default();
+    for i in 0..n {
+        let what = format!("cold microVM boot {i} of {n} ({})", accel.name());
+        let t = Instant::now();
+        let (id, created) = sb.create_with(microvm_request(), &what).await?;
+        let booted = first_exec(sb, &id, t, &what).await?;
+        cold.destroys.push(sb.destroy(&id).await?);
+        cold.boots.push(booted);
+        cold.creates.push(created);
+    }
+    let lines = log_lines(&daemon.log());
+    let booted: Vec<&LogLine> = lines
+        .iter()
+        .filter(|l| l.message == LOG_BOOTED)
+        .skip(before)
+        .collect();
+    if booted.len() != n {
+        bail!(
+            "{n} cold boots under {} but {} `{LOG_BOOTED}` lines in the daemon's log",
+            accel.name(),
+            booted.len()
+        );
+    }
+    for line in booted {
+        if line.field("accel").as_deref() != Some(accel.config()) {
+            bail!(
+                "a cold boot meant to run under {} did not: {}",
+                accel.name(),
+                line.text()
+            );
+        }
+        cold.logged.0.extend(line.millis("boot_ms"));
+        cold.logged.1.extend(line.millis("guest_uptime_ms"));
+    }
+    Ok(cold)
+}
+
+fn record_cold_boots(report: &mut Report, accel: VmAccel, cold: ColdBoots) {
+    report.measured(Key::MicroVmBoot(accel), &cold.boots);
+    report.measured(Key::MicroVmCreate(accel), &cold.creates);
+    report.microvm.boot_logged.insert(accel, cold.logged);
+}
+
+/// Unary and streamed execs of `true` in one microVM, after untimed ones.
+async fn microvm_execs(sb: &mut Sandboxes, plan: &Plan) -> Result<(Vec<Duration>, Vec<Duration>)> {
+    let (id, _) = sb
+        .create_with(microvm_request(), "the microVM of the exec rows")
+        .await?;
+    let warmup = plan.warmup * 3;
+    let mut unary = Vec::with_capacity(plan.microvm_exec);
+    for i in 0..warmup + plan.microvm_exec {
+        let took = exec_true(&sb.client, &id, &format!("microVM exec {i}")).await?;
+        if i >= warmup {
+            unary.push(took);
+        }
+    }
+    let mut streamed = Vec::with_capacity(plan.microvm_stream);
+    for i in 0..warmup + plan.microvm_stream {
+        let took = exec_stream_true(&sb.client, &id, &format!("microVM ExecStream {i}")).await?;
+        if i >= warmup {
+            streamed.push(took);
+        }
+    }
+    sb.destroy(&id).await?;
+    Ok((unary, streamed))
+}
+
+/// `n` forks of microVM snapshot `snap` (each destroyed before the next), after an untimed one
+/// that checks the fork sees the origin's file.
+async fn microvm_fork_rounds(
+    sb: &mut Sandboxes,
+    snap: &str,
+    n: usize,
+    what: &str,
+) -> Result<Vec<Duration>> {
+    let warmup = 1;
+    let mut forks = Vec::with_capacity(n);
+    for i in 0..warmup + n {
+        let request = proto::CreateSandboxRequest {
+            from_snapshot_id: snap.to_string(),
+            ..microvm_request()
+        };
+        let (id, took) = sb
+            .create_with(request, &format!("microVM fork {i} of {snap}, {what}"))
+            .await?;
+        if i == 0 {
+            let check = format!(
+                "[ \"$(wc -c < /workspace/blob)\" -eq {} ]",
+                u64::from(CHANGED_SMALL_MIB) << 20
+            );
+            sh(
+                &sb.client,
+                &id,
+                &check,
+                &format!("the first microVM fork, {what}"),
+            )
+            .await
+            .context("a microVM fork does not see its snapshot's files")?;
+        }
+        sb.destroy(&id).await?;
+        if i >= warmup {
+            forks.push(took);
+        }
+    }
+    Ok(forks)
+}
+
+/// Forks of one snapshot of a microVM with [`CHANGED_SMALL_MIB`] MiB written: first while the
+/// origin still runs (how forks are used: the origin goes on), then once it is destroyed. The
+/// second set is measured even when the first fails, so a failure there still leaves a time.
+async fn microvm_forks(
+    sb: &mut Sandboxes,
+    n: usize,
+) -> Result<(Result<Vec<Duration>>, Result<Vec<Duration>>)> {
+    let (origin, _) = sb
+        .create_with(microvm_request(), "the origin of the microVM forks")
+        .await?;
+    write_blob(
+        &sb.client,
+        &origin,
+        CHANGED_SMALL_MIB,
+        "the origin of the microVM forks",
+    )
+    .await?;
+    let (snap, _, _) = sb.snapshot(&origin, "the microVM snapshot to fork").await?;
+    let running = microvm_fork_rounds(sb, &snap, n, "origin running").await;
+    // A fork that failed after its create is still alive: it goes, with the origin.
+    for id in sb.live.clone() {
+        sb.destroy(&id).await?;
+    }
+    let gone = microvm_fork_rounds(sb, &snap, n, "origin destroyed").await;
+    for id in sb.live.clone() {
+        sb.destroy(&id).await?;
+    }
+    sb.delete_snapshot(&snap).await?;
+    Ok((running, gone))
+}
+
+/// Waits until the daemon has logged `count` VMs put in its warm pool.
+async fn wait_for_pool(daemon: &Daemon, count: usize) -> Result<()> {
+    let deadline = Instant::now() + POOL_FILL_TIMEOUT;
+    loop {
+        check_interrupt()?;
+        let lines = log_lines(&daemon.log());
+        if count_logged(&lines, LOG_POOL_READY) >= count {
+            return Ok(());
+        }
+        let complaints = || {
+            lines
+                .iter()
+                .filter(|l| l.level == "WARN" || l.level == "ERROR")
+                .map(LogLine::text)
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        if lines
+            .iter()
+            .any(|l| l.message.starts_with(LOG_POOL_GAVE_UP))
+        {
+            bail!("the warm pool gave up booting VMs: {}", complaints());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the warm pool did not log its VM number {count} (`{LOG_POOL_READY}`) within {} s; warnings: {}",
+                POOL_FILL_TIMEOUT.as_secs(),
+                complaints()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Creates served by the warm pool of size 1: before each, wait for the pool to hold a VM again;
+/// after it, check the daemon says this create took it. Returns the creates, the creates with
+/// their first exec, and the boot times of the pool's VMs.
+async fn microvm_pool_creates(
+    daemon: &Daemon,
+    sb: &mut Sandboxes,
+    n: usize,
+) -> Result<(Vec<Duration>, Vec<Duration>, Vec<Duration>)> {
+    let warmup = 1;
+    let (mut creates, mut readies) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for i in 0..warmup + n {
+        wait_for_pool(daemon, i + 1).await?;
+        let what = format!("microVM create {i} from the warm pool");
+        let t = Instant::now();
+        let (id, created) = sb.create_with(microvm_request(), &what).await?;
+        let ready = first_exec(sb, &id, t, &what).await?;
+        let taken = log_lines(&daemon.log()).iter().any(|l| {
+            l.message == LOG_POOL_TAKEN && l.field("sandbox").as_deref() == Some(id.as_str())
+        });
+        if !taken {
+            bail!(
+                "{what}: the pool held a booted VM, yet the daemon did not log `{LOG_POOL_TAKEN}` for \
+                 sandbox {id} (it booted one of its own: not a create from the pool)"
+            );
+        }
+        sb.destroy(&id).await?;
+        if i >= warmup {
+            creates.push(created);
+            readies.push(ready);
+        }
+    }
+    let pool_boots = log_lines(&daemon.log())
+        .iter()
+        .filter(|l| l.message == LOG_POOL_READY)
+        .filter_map(|l| l.millis("boot_ms"))
+        .collect();
+    Ok((creates, readies, pool_boots))
+}
+
+/// The rows of the daemon left at `accel = "auto"`: cold boots, execs, snapshot+rollback and
+/// forks. Returns the accelerator it chose, or `None` when this host cannot run the tier.
+async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel>> {
+    let daemon = start_microvm_daemon("", &[], "accel = \"auto\"").await?;
+    let mut sb = Sandboxes::new(daemon.client().await?);
+    eprintln!("bench: sandboxd microVM tier: a first, untimed boot (may probe KVM)");
+    let t = Instant::now();
+    let first = match sb
+        .create_with(microvm_request(), "microVM tier, first create")
+        .await
+    {
+        Ok((id, _)) => first_exec(&sb, &id, t, "microVM tier, first boot")
+            .await
+            .map(|took| (id, took)),
+        Err(e) => Err(e),
+    };
+    let lines = log_lines(&daemon.log());
+    report.microvm.accel_log = accel_decision(&lines);
+    report.microvm.kvm_reason = kvm_reason(&lines);
+    let (id, took) = match first {
+        Ok(x) => x,
+        Err(e) if is_failed_precondition(&e) => {
+            let why = format!("CreateSandbox with ISOLATION_MICROVM: {e:#}");
+            let line = format!(
+                "!!!!! SANDBOXD MICROVM TIER UNAVAILABLE: {why} — its rows say \"unavailable\" !!!!!"
+            );
+            eprintln!("{line}");
+            println!("{line}");
+            report.unavailable(&Key::MICROVM, &why);
+            report.microvm.unavailable = Some(why);
+            sb.cleanup().await;
+            return Ok(None);
+        }
+        Err(e) => {
+            print_log_tail(&daemon, "microVM (auto)");
+            sb.cleanup().await;
+            return Err(e.context("the first microVM create and exec"));
+        }
+    };
+    let accel = lines
+        .iter()
+        .find(|l| l.message == LOG_BOOTED)
+        .and_then(|l| l.field("accel"))
+        .and_then(|a| VmAccel::from_log(&a));
+    let Some(accel) = accel else {
+        sb.cleanup().await;
+        bail!("the daemon booted a microVM but logged no `{LOG_BOOTED}` line with accel=tcg or accel=kvm");
+    };
+    report.microvm.auto_accel = Some(accel);
+    eprintln!(
+        "bench: the first microVM booted under {} to first exec in {:.2} s (the daemon said: {})",
+        accel.name(),
+        took.as_secs_f64(),
+        report.microvm.accel_log.join("; ")
+    );
+    sb.destroy(&id).await?;
+
+    eprintln!(
+        "bench: sandboxd microVM cold boots ({}) × {}",
+        accel.name(),
+        plan.microvm_boot
+    );
+    match cold_boots(&daemon, &mut sb, accel, plan.microvm_boot).await {
+        Ok(cold) => {
+            report.measured(Key::MicroVmDestroy, &cold.destroys);
+            record_cold_boots(report, accel, cold);
+        }
+        Err(e) => {
+            print_log_tail(&daemon, "microVM (auto)");
+            let keys = [
+                Key::MicroVmBoot(accel),
+                Key::MicroVmCreate(accel),
+                Key::MicroVmDestroy,
+            ];
+            report.failed(&keys, &e);
+        }
+    }
+    sb.cleanup().await;
+
+    eprintln!(
+        "bench: sandboxd microVM Exec × {}, ExecStream × {}",
+        plan.microvm_exec, plan.microvm_stream
+    );
+    match microvm_execs(&mut sb, plan).await {
+        Ok((unary, streamed)) => {
+            report.measured(Key::MicroVmExec, &unary);
+            report.measured(Key::MicroVmExecStream, &streamed);
+        }
+        Err(e) => {
+            print_log_tail(&daemon, "microVM (auto)");
+            report.failed(&[Key::MicroVmExec, Key::MicroVmExecStream], &e);
+        }
+    }
+    sb.cleanup().await;
+
+    eprintln!(
+        "bench: sandboxd microVM snapshot+rollback, {CHANGED_SMALL_MIB} MiB changed × {}",
+        plan.microvm_snap
+    );
+    match snapshot_rollback(
+        &mut sb,
+        microvm_request(),
+        CHANGED_SMALL_MIB,
+        plan.microvm_snap,
+    )
+    .await
+    {
+        Ok((snaps, rollbacks, sizes)) => {
+            report.measured(Key::MicroVmSnapshot, &snaps);
+            report.measured(Key::MicroVmRollback, &rollbacks);
+            report.microvm.snapshot_size = median(&sizes);
+        }
+        Err(e) => {
+            print_log_tail(&daemon, "microVM (auto)");
+            report.failed(&[Key::MicroVmSnapshot, Key::MicroVmRollback], &e);
+        }
+    }
+    sb.cleanup().await;
+
+    eprintln!(
+        "bench: sandboxd microVM forks × {}, origin running then destroyed",
+        plan.microvm_fork
+    );
+    let fork_keys = [Key::MicroVmFork, Key::MicroVmForkOriginGone];
+    match microvm_forks(&mut sb, plan.microvm_fork).await {
+        Ok((running, gone)) => {
+            for (key, result) in fork_keys.into_iter().zip([running, gone]) {
+                match result {
+                    Ok(forks) => report.measured(key, &forks),
+                    Err(e) => {
+                        print_log_tail(&daemon, "microVM (auto)");
+                        report.failed(&[key], &e);
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            print_log_tail(&daemon, "microVM (auto)");
+            report.failed(&fork_keys, &e);
+        }
+    }
+    sb.cleanup().await;
+    Ok(Some(accel))
+}
+
+/// Cold boots under the accelerator the `auto` daemon did not choose, on a daemon configured
+/// for it. KVM that cannot boot a guest on this host is no failure of the bench: its rows say
+/// why, with the `auto` daemon's reason and what the forced create answered.
+async fn microvm_other_accel(plan: &Plan, report: &mut Report, accel: VmAccel) -> Result<()> {
+    let toml = match accel {
+        VmAccel::Kvm => {
+            format!("[microvm]\naccel = \"kvm\"\nboot_timeout_ms = {KVM_TRY_BOOT_TIMEOUT_MS}\n")
+        }
+        VmAccel::Tcg => "[microvm]\naccel = \"tcg\"\n".to_string(),
+    };
+    let what = format!("accel = \"{}\"", accel.config());
+    let daemon = start_microvm_daemon(&toml, &[], &what).await?;
+    let mut sb = Sandboxes::new(daemon.client().await?);
+    eprintln!(
+        "bench: sandboxd microVM tier under {}: a first, untimed boot",
+        accel.name()
+    );
+    let t = Instant::now();
+    let first = match sb
+        .create_with(
+            microvm_request(),
+            &format!("first microVM create with {what}"),
+        )
+        .await
+    {
+        Ok((id, _)) => first_exec(&sb, &id, t, &format!("first microVM boot with {what}"))
+            .await
+            .map(|_| id),
+        Err(e) => Err(e),
+    };
+    let result = match first {
+        Ok(id) => {
+            sb.destroy(&id).await?;
+            eprintln!(
+                "bench: sandboxd microVM cold boots ({}) × {}",
+                accel.name(),
+                plan.microvm_boot
+            );
+            match cold_boots(&daemon, &mut sb, accel, plan.microvm_boot).await {
+                Ok(cold) => {
+                    record_cold_boots(report, accel, cold);
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        }
+        Err(e) if accel == VmAccel::Kvm => {
+            let reason = report
+                .microvm
+                .kvm_reason
+                .clone()
+                .unwrap_or_else(|| "the daemon left at accel = \"auto\" chose TCG".to_string());
+            let why =
+                format!("KVM unusable on this host: {reason}; a boot forced to KVM failed too");
+            let forced = format!(
+                "a daemon with {what} and boot_timeout_ms = {KVM_TRY_BOOT_TIMEOUT_MS} failed its \
+                 first create after {:.1} s: {}",
+                t.elapsed().as_secs_f64(),
+                daemon_answer(&e)
+            );
+            eprintln!("bench: {why}: {forced}");
+            report.unavailable(&[Key::MicroVmBoot(accel), Key::MicroVmCreate(accel)], &why);
+            report.microvm.kvm_forced = Some(forced);
+            Ok(())
+        }
+        Err(e) => Err(e),
+    };
+    if result.is_err() {
+        print_log_tail(&daemon, &format!("microVM ({what})"));
+    }
+    sb.cleanup().await;
+    result
+}
+
+/// Creates from the warm pool, on a daemon started with `--microvm-pool 1`.
+async fn microvm_pool(plan: &Plan, report: &mut Report) -> Result<()> {
+    let daemon = start_microvm_daemon("", &["--microvm-pool", "1"], "--microvm-pool 1").await?;
+    let mut sb = Sandboxes::new(daemon.client().await?);
+    eprintln!(
+        "bench: sandboxd microVM creates from the warm pool × {}",
+        plan.microvm_pool
+    );
+    let result = microvm_pool_creates(&daemon, &mut sb, plan.microvm_pool).await;
+    sb.cleanup().await;
+    match result {
+        Ok((creates, readies, pool_boots)) => {
+            report.measured(Key::MicroVmPoolCreate, &creates);
+            report.measured(Key::MicroVmPoolReady, &readies);
+            report.microvm.pool_boot_logged = pool_boots;
+            Ok(())
+        }
+        Err(e) => {
+            print_log_tail(&daemon, "microVM (--microvm-pool 1)");
+            Err(e)
+        }
+    }
+}
+
+/// The microVM tier (`ISOLATION_MICROVM`) on daemons of its own: cold boots, execs, snapshots
+/// and forks on one left at `accel = "auto"`; cold boots under the other accelerator on one
+/// configured for it; creates from the warm pool on one started with `--microvm-pool 1`. A tier
+/// this host cannot provide (FAILED_PRECONDITION: no QEMU, no VM artifacts) marks the rows
+/// unavailable, loudly; a tier that tries and fails is a failure like any other sandboxd section.
+async fn sandboxd_microvm(plan: &Plan, report: &mut Report) {
+    let started = Instant::now();
+    let fail_missing = |report: &mut Report, e: anyhow::Error| {
+        let missing: Vec<Key> = Key::MICROVM
+            .into_iter()
+            .filter(|k| !report.rows.contains_key(k))
+            .collect();
+        report.failed(&missing, &e);
+    };
+    match microvm_auto(plan, report).await {
+        Ok(Some(accel)) => {
+            if let Err(e) = microvm_other_accel(plan, report, accel.other()).await {
+                let keys = [
+                    Key::MicroVmBoot(accel.other()),
+                    Key::MicroVmCreate(accel.other()),
+                ];
+                report.failed(&keys, &e);
+            }
+            if let Err(e) = microvm_pool(plan, report).await {
+                report.failed(&[Key::MicroVmPoolCreate, Key::MicroVmPoolReady], &e);
+            }
+        }
+        Ok(None) => {}
+        Err(e) => fail_missing(report, e),
+    }
+    report
+        .section_times
+        .push(("sandboxd microVM tier".into(), started.elapsed()));
+}
+
 /// PSS of `root` and every process below it, and how many processes that is.
 fn pss_of_tree(root: u32) -> Option<(u64, usize)> {
     let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
@@ -2422,6 +3538,15 @@ async fn run(args: Args) -> Result<bool> {
         sandboxd_container(&plan, &mut report).await;
         docker_baseline(&plan, &mut report).await;
     }
+    // Last: its VMs are CPU-heavy under TCG and the pool boots in the background, so nothing
+    // else is measured beside them.
+    if args.no_microvm {
+        let why = "left out with --no-microvm";
+        report.microvm.unavailable = Some(why.into());
+        report.unavailable(&Key::MICROVM, why);
+    } else {
+        sandboxd_microvm(&plan, &mut report).await;
+    }
     if let Some(took) = report.docker_import {
         report
             .section_times
@@ -2533,6 +3658,67 @@ mod tests {
         assert_eq!(signed_ms(-2.5), "-2.50");
         // Container rows not measured say so rather than pass or miss.
         assert_eq!(find("container tier `Rollback`").2, "not measured");
+    }
+
+    #[test]
+    fn microvm_targets_pass_miss_and_say_why_kvm_is_missing() {
+        let mut report = Report::default();
+        let ms = |v: u64| [Duration::from_millis(v)];
+        report.measured(Key::MicroVmBoot(VmAccel::Tcg), &ms(2400));
+        report.measured(Key::MicroVmCreate(VmAccel::Tcg), &ms(2300));
+        report.measured(Key::MicroVmExec, &ms(25));
+        report.measured(Key::MicroVmPoolCreate, &ms(40));
+        report.measured(Key::DockerCreateStart, &ms(300));
+        report.unavailable(
+            &[Key::MicroVmBoot(VmAccel::Kvm)],
+            "KVM unusable on this host: KVM probe failed",
+        );
+        let t = targets(&report);
+        let find = |start: &str| {
+            t.iter()
+                .find(|(target, _, _)| target.starts_with(start))
+                .unwrap_or_else(|| panic!("no target starting {start:?} in {t:?}"))
+                .clone()
+        };
+        let tcg = find("microVM boot to first exec under TCG");
+        assert_eq!(tcg.2, "PASS", "{tcg:?}");
+        assert!(
+            tcg.1.contains("Docker create+start p50 300.0 ms"),
+            "{tcg:?}"
+        );
+        let kvm = find("microVM boot to first exec under KVM");
+        assert_eq!(kvm.2, "not measured (no usable KVM)", "{kvm:?}");
+        assert!(kvm.1.starts_with("KVM unusable on this host"), "{kvm:?}");
+        assert_eq!(find("microVM exec round trip").2, "**MISS**");
+        assert_eq!(find("microVM `CreateSandbox` from the warm pool").2, "PASS");
+    }
+
+    #[test]
+    fn json_log_lines_give_message_fields_and_accel() {
+        let log = concat!(
+            "not json: a panic message\n",
+            r#"{"timestamp":"t","level":"WARN","fields":{"message":"KVM probe failed (nested guests may hang here): falling back to TCG (software emulation)","error":"boot timed out","timeout_ms":5000},"target":"sandboxd::backend::microvm"}"#,
+            "\n",
+            r#"{"timestamp":"t","level":"DEBUG","fields":{"message":"microVM booted","vm":"vm-1","accel":"tcg","boot_ms":1834,"guest_uptime_ms":1200},"target":"sandboxd::backend::microvm"}"#,
+            "\n",
+            r#"{"timestamp":"t","level":"INFO","fields":{"message":"microVM taken from the warm pool","sandbox":"sb-1"},"target":"sandboxd::backend::microvm"}"#,
+        );
+        let lines = log_lines(log);
+        assert_eq!(lines.len(), 3);
+        assert_eq!(count_logged(&lines, LOG_BOOTED), 1);
+        assert_eq!(lines[1].field("accel").as_deref(), Some("tcg"));
+        assert_eq!(
+            lines[1].millis("boot_ms"),
+            Some(Duration::from_millis(1834))
+        );
+        assert_eq!(lines[2].field("sandbox").as_deref(), Some("sb-1"));
+        let decision = accel_decision(&lines);
+        assert_eq!(decision.len(), 1, "{decision:?}");
+        assert!(
+            decision[0].starts_with("WARN KVM probe failed")
+                && decision[0].contains("error=boot timed out"),
+            "{decision:?}"
+        );
     }
 
     #[test]

@@ -75,6 +75,7 @@ impl AgentConn {
     /// the answers to the older ids are dropped). `alive` is polled between attempts so a QEMU
     /// that died fails fast with its reason.
     pub async fn connect(socket: &Path, deadline: tokio::time::Instant, retry: Duration, mut alive: impl FnMut() -> Result<(), String>) -> Result<(AgentConn, HelloInfo), AgentError> {
+        let started = tokio::time::Instant::now();
         let stream = loop {
             alive().map_err(AgentError::Closed)?;
             match UnixStream::connect(socket).await {
@@ -86,11 +87,13 @@ impl AgentConn {
             }
         };
         let conn = AgentConn::over(stream);
+        // For messages: the whole wait, not one retry.
+        let boot_timeout = Duration::from_secs_f64(deadline.saturating_duration_since(started).as_secs_f64());
         loop {
             alive().map_err(AgentError::Closed)?;
             let now = tokio::time::Instant::now();
             if now >= deadline {
-                return Err(AgentError::Timeout { what: "hello", timeout: retry });
+                return Err(AgentError::Timeout { what: "hello", timeout: boot_timeout });
             }
             let wait = retry.min(deadline - now);
             match conn.call(&Request::Hello, &[], wait).await {

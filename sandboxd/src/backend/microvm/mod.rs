@@ -232,7 +232,7 @@ impl Inner {
             tracing::warn!(error = %e, "no usable /dev/kvm: microVMs run under TCG (software emulation)");
             return Accel::Tcg;
         }
-        let key = probe_key(&self.tools.as_ref().map(|t| t.0.clone()).unwrap_or_default(), &image.boot.kernel);
+        let key = probe_key(&self.tools.as_ref().map(|t| t.0.clone()).unwrap_or_default());
         if let Some(cached) = read_probe_cache(&key) {
             tracing::info!(accel = cached.name(), cache = KVM_PROBE_CACHE, "microVM acceleration from this boot's KVM probe");
             return cached;
@@ -671,9 +671,11 @@ fn top_of(vm: &Vm) -> PathBuf {
     vm.dir().join(format!("top-{gen}.qcow2"))
 }
 
-fn probe_key(qemu: &Path, kernel: &Path) -> String {
+/// What the KVM verdict depends on: this host boot (the hypervisor below us) and the QEMU
+/// binary; not the guest kernel, so every daemon on the host shares one probe.
+fn probe_key(qemu: &Path) -> String {
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{} {} {}", boot_id.trim(), qemu.display(), kernel.display())
+    format!("{} {}", boot_id.trim(), qemu.display())
 }
 
 fn read_probe_cache(key: &str) -> Option<Accel> {
