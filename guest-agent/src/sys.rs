@@ -48,3 +48,28 @@ pub fn loopback_up() -> Result<(), Errno> {
     }
     Ok(())
 }
+
+/// Creates every missing directory of `dirs` (path components, already split) below `root`,
+/// mode 0755, leaving existing ones as they are. Each lookup is confined to `root` and each
+/// `mkdirat` creates one name in a directory opened that way, so nothing outside is touched.
+/// A NUL byte in a component is `EINVAL`.
+pub fn mkdir_all_in_root(root: RawFd, dirs: &[String]) -> Result<(), Errno> {
+    for i in 0..dirs.len() {
+        let prefix = dirs[..=i].join("/");
+        match open_in_root(root, &prefix, libc::O_PATH | libc::O_DIRECTORY, 0) {
+            Ok(_) => continue,
+            Err(Errno::ENOENT) => {}
+            Err(e) => return Err(e),
+        }
+        let parent = if i == 0 { ".".to_string() } else { dirs[..i].join("/") };
+        let parent_fd = open_in_root(root, &parent, libc::O_PATH | libc::O_DIRECTORY, 0)?;
+        let name = CString::new(dirs[i].as_str()).map_err(|_| Errno::EINVAL)?;
+        // SAFETY: mkdirat on a directory fd we own with a single-component name (no slash).
+        let rc = unsafe { libc::mkdirat(parent_fd.as_raw_fd(), name.as_ptr(), 0o755) };
+        match Errno::result(rc) {
+            Ok(_) | Err(Errno::EEXIST) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}

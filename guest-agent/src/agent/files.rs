@@ -7,7 +7,6 @@
 //! is reported as such.
 
 use guest_agent::sys::open_in_root;
-use std::ffi::CString;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -107,24 +106,8 @@ impl Files {
 
     /// Creates every missing directory of `dirs`.
     fn mkdir_all(root: &File, dirs: &[String], display: &str) -> Result<(), RequestError> {
-        for i in 0..dirs.len() {
-            let prefix = dirs[..=i].join("/");
-            match open_in_root(root.as_raw_fd(), &prefix, libc::O_PATH | libc::O_DIRECTORY, 0) {
-                Ok(_) => continue,
-                Err(Errno::ENOENT) => {}
-                Err(e) => return Err(map_errno(display, e)),
-            }
-            let parent = if i == 0 { ".".to_string() } else { dirs[..i].join("/") };
-            let parent_fd = open_in_root(root.as_raw_fd(), &parent, libc::O_PATH | libc::O_DIRECTORY, 0).map_err(|e| map_errno(display, e))?;
-            let name = CString::new(dirs[i].as_str()).map_err(|_| invalid(display, "contains a NUL byte"))?;
-            // SAFETY: mkdirat on a directory fd we own with a single-component name.
-            let rc = unsafe { libc::mkdirat(parent_fd.as_raw_fd(), name.as_ptr(), 0o755) };
-            match Errno::result(rc) {
-                Ok(_) | Err(Errno::EEXIST) => {}
-                Err(e) => return Err(map_errno(display, e)),
-            }
-        }
-        Ok(())
+        // Components with a NUL byte were refused when the path was split.
+        guest_agent::sys::mkdir_all_in_root(root.as_raw_fd(), dirs).map_err(|e| map_errno(display, e))
     }
 
     /// Opens `path` for writing, creating it and its parents; refuses anything but a regular

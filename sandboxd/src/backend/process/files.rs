@@ -8,7 +8,6 @@
 //! mounted `nodev` besides).
 
 use guest_agent::sys::open_in_root;
-use std::ffi::CString;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
@@ -73,25 +72,7 @@ fn ensure_regular(file: &File, path: &str) -> Result<u64, BackendError> {
 
 /// Creates every missing directory of `dirs` (already split), each lookup confined to `root`.
 fn mkdir_all(root: &File, dirs: &[String], display: &str) -> Result<(), BackendError> {
-    for i in 0..dirs.len() {
-        let prefix = dirs[..=i].join("/");
-        match open_in_root(root.as_raw_fd(), &prefix, libc::O_PATH | libc::O_DIRECTORY, 0) {
-            Ok(_) => continue,
-            Err(Errno::ENOENT) => {}
-            Err(e) => return Err(map_errno(display, e)),
-        }
-        let parent = if i == 0 { ".".to_string() } else { dirs[..i].join("/") };
-        let parent_fd = open_in_root(root.as_raw_fd(), &parent, libc::O_PATH | libc::O_DIRECTORY, 0).map_err(|e| map_errno(display, e))?;
-        let name = CString::new(dirs[i].as_str()).map_err(|_| map_errno(display, Errno::EINVAL))?;
-        // SAFETY: mkdirat on a directory fd we own with a single-component name (no slash), so
-        // nothing outside that directory can be touched.
-        let rc = unsafe { libc::mkdirat(parent_fd.as_raw_fd(), name.as_ptr(), 0o755) };
-        match Errno::result(rc) {
-            Ok(_) | Err(Errno::EEXIST) => {}
-            Err(e) => return Err(map_errno(display, e)),
-        }
-    }
-    Ok(())
+    guest_agent::sys::mkdir_all_in_root(root.as_raw_fd(), dirs).map_err(|e| map_errno(display, e))
 }
 
 /// Creates a directory and its parents inside the root (used at setup for the workdir).
