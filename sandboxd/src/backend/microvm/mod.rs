@@ -272,7 +272,6 @@ impl Inner {
                 accel: Accel::Kvm,
                 uid,
                 boot_timeout: self.cfg.kvm_probe_timeout(),
-                nice: 0,
             };
             let r = Vm::launch(&spec, None).await;
             self.release_uid(uid);
@@ -287,17 +286,17 @@ impl Inner {
     }
 
     /// Creates a VM directory with a fresh top over `backing` and boots it.
-    async fn boot_new(&self, name: &str, dir: &Path, gen: u64, backing: &Path, disk_bytes: u64, image: &VmImage, limits: &Limits, nice: i32) -> Result<Arc<Vm>, BackendError> {
+    async fn boot_new(&self, name: &str, dir: &Path, gen: u64, backing: &Path, disk_bytes: u64, image: &VmImage, limits: &Limits) -> Result<Arc<Vm>, BackendError> {
         let (qemu, qemu_img) = self.tools()?.clone();
         std::fs::create_dir_all(dir).map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
         let top = dir.join(format!("top-{gen}.qcow2"));
         let size = disk_bytes.max(disk::read_header(backing)?.virtual_size);
         disk::create_overlay(&qemu_img, backing, &top, size).await?;
-        self.boot_existing(name, dir, gen, &qemu, image, limits, nice).await
+        self.boot_existing(name, dir, gen, &qemu, image, limits).await
     }
 
     /// Boots a VM over the top disk `dir/top-<gen>.qcow2` that already exists.
-    async fn boot_existing(&self, name: &str, dir: &Path, gen: u64, qemu: &Path, image: &VmImage, limits: &Limits, nice: i32) -> Result<Arc<Vm>, BackendError> {
+    async fn boot_existing(&self, name: &str, dir: &Path, gen: u64, qemu: &Path, image: &VmImage, limits: &Limits) -> Result<Arc<Vm>, BackendError> {
         let accel = self.accel(image).await;
         let uid = self.alloc_uid();
         let top = dir.join(format!("top-{gen}.qcow2"));
@@ -326,7 +325,6 @@ impl Inner {
             accel,
             uid,
             boot_timeout: self.cfg.boot_timeout(),
-            nice,
         };
         match Vm::launch(&spec, Some(cgroup)).await {
             Ok(vm) => {
@@ -388,7 +386,6 @@ impl Inner {
             None => match self.pool.take(&spec.image, &spec.limits) {
                 Some(pooled) => {
                     let vm = pooled.adopt(&dir)?;
-                    vm.renice(0);
                     tracing::info!(sandbox = %spec.id, "microVM taken from the warm pool");
                     pool::refill(self);
                     vm
@@ -398,7 +395,7 @@ impl Inner {
                         let _g = self.disk_lock.lock().await;
                         disk::base_for(&spec.image, &image.disk, &self.bases_dir)?
                     };
-                    self.boot_new(&self.vm_name(), &dir, 0, &base, spec.limits.disk_bytes, &image, &spec.limits, 0).await?
+                    self.boot_new(&self.vm_name(), &dir, 0, &base, spec.limits.disk_bytes, &image, &spec.limits).await?
                 }
             },
             Some(snap) => {
@@ -406,7 +403,7 @@ impl Inner {
                 if !backing.is_file() || !self.snapshots.lock().is_ok_and(|s| s.contains(snap)) {
                     return Err(BackendError::NoSuchSnapshot(snap.clone()));
                 }
-                self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits, 0).await?
+                self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits).await?
             }
         };
         let configured = vm.configure(guest_config(spec)).await;
@@ -498,7 +495,7 @@ impl Inner {
         old.mark_lost(&format!("the sandbox was rolled back to {snap}"));
         self.stop_vm(&old).await;
         let _ = std::fs::remove_file(dir.join(format!("top-{gen}.qcow2")));
-        let vm = self.boot_new(&self.vm_name(), &dir, gen + 1, &backing, sb.spec.limits.disk_bytes, &image, &sb.spec.limits, 0).await?;
+        let vm = self.boot_new(&self.vm_name(), &dir, gen + 1, &backing, sb.spec.limits.disk_bytes, &image, &sb.spec.limits).await?;
         vm.configure(guest_config(&sb.spec)).await?;
         if let Ok(mut slot) = sb.vm.write() {
             *slot = vm;
@@ -611,7 +608,7 @@ impl Inner {
         for f in ["agent.sock", "qmp.sock"] {
             let _ = std::fs::remove_file(dir.join(f));
         }
-        let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits, 0).await?;
+        let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits).await?;
         vm.configure(guest_config(spec)).await?;
         let sb = Arc::new(MicroSandbox { spec: spec.clone(), vm: RwLock::new(vm), op: tokio::sync::Mutex::new(()) });
         self.sandboxes.write().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?.insert(spec.id.clone(), sb);

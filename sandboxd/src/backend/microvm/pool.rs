@@ -1,7 +1,7 @@
 //! The warm pool: VMs of one image booted ahead of time (`--microvm-pool N`), so a create that
 //! fits them takes one instead of waiting for a boot.
 //!
-//! A pooled VM is booted with the pool's memory and every host CPU; the sandbox's own limits are
+//! A pooled VM is booted with the pool's memory and the default CPU limit; the sandbox's own limits are
 //! applied inside the guest when it is taken (its cgroup), so any request at or below the pool's
 //! memory and with the default disk size fits. Taking a VM renames its directory to the
 //! sandbox's (QEMU, chrooted there, is unaffected) and starts a refill in the background.
@@ -122,9 +122,6 @@ pub fn refill(inner: &Arc<Inner>) {
     });
 }
 
-/// Pool boots run in the background below the sandboxes' VMs (10 = `nice`'s default).
-const POOL_NICE: i32 = 10;
-
 /// One throwaway exec, so the first exec of the sandbox that takes the VM does not pay for the
 /// guest's cold page cache (the shell, libc, the cgroup code paths): ~150 ms under TCG here.
 async fn warm_up(vm: &Vm) {
@@ -148,7 +145,9 @@ async fn boot_one(inner: &Arc<Inner>) -> Result<Pooled, BackendError> {
     let image = inner.image(&image_name)?;
     let limits = Limits {
         memory_bytes: inner.cfg.pool_memory_bytes.max(inner.default_limits.memory_bytes),
-        cpu_millicores: inner.host_cpus * 1000,
+        // One vCPU, as a default sandbox: SMP guests under TCG on a loaded 2-core host were seen
+        // spinning on both vCPUs for minutes.
+        cpu_millicores: inner.default_limits.cpu_millicores,
         ..inner.default_limits
     };
     let base = {
@@ -157,7 +156,7 @@ async fn boot_one(inner: &Arc<Inner>) -> Result<Pooled, BackendError> {
     };
     let name = inner.vm_name();
     let dir = inner.pool_dir.join(&name);
-    match inner.boot_new(&name, &dir, 0, &base, limits.disk_bytes, &image, &limits, POOL_NICE).await {
+    match inner.boot_new(&name, &dir, 0, &base, limits.disk_bytes, &image, &limits).await {
         Ok(vm) => {
             warm_up(&vm).await;
             Ok(Pooled { vm, image: image_name, limits })

@@ -59,8 +59,6 @@ pub struct LaunchSpec {
     /// Uid and gid QEMU drops to.
     pub uid: u32,
     pub boot_timeout: Duration,
-    /// Scheduling niceness of QEMU (warm-pool boots run in the background at a lower priority).
-    pub nice: i32,
 }
 
 /// A running VM with its agent connected.
@@ -111,7 +109,6 @@ impl Vm {
             None => Vec::new(),
         };
         let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
-        let nice = spec.nice;
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
         // calls (write, prctl) on values prepared before the fork.
         unsafe {
@@ -122,9 +119,6 @@ impl Vm {
                     }
                 }
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -224,17 +218,6 @@ impl Vm {
 
     pub fn dir(&self) -> PathBuf {
         self.dir.lock().map(|d| d.clone()).unwrap_or_default()
-    }
-
-    /// Sets the niceness of every QEMU thread (a pooled VM taken by a sandbox goes back to 0).
-    pub fn renice(&self, nice: i32) {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid)) else { return };
-        for t in tasks.flatten() {
-            if let Some(tid) = t.file_name().to_str().and_then(|n| n.parse::<libc::id_t>().ok()) {
-                // SAFETY: setpriority with plain integers; a thread that is gone gives ESRCH.
-                unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
-            }
-        }
     }
 
     /// Applies the sandbox's limits inside the guest.
@@ -391,7 +374,6 @@ mod tests {
             accel: Accel::Tcg,
             uid: 400_001,
             boot_timeout: Duration::from_secs(1),
-            nice: 0,
         };
         let args = qemu_args(&spec, Path::new("/s/vms/sb-1/agent.sock"), Path::new("/s/vms/sb-1/qmp.sock"), Path::new("/s/vms/sb-1/console.log")).join(" ");
         for want in [
