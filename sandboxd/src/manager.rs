@@ -278,7 +278,7 @@ impl Manager {
         }
         for tier in Isolation::ALL {
             let mine: Vec<SandboxInfo> = records.iter().filter(|r| r.isolation == tier && r.state != SandboxState::Creating).cloned().collect();
-            let results: HashMap<SandboxId, Result<(), String>> = match self.backends.get(tier) {
+            let results: HashMap<SandboxId, Result<(), String>> = match self.backends.available(tier) {
                 Ok(backend) => {
                     let specs: Vec<SandboxSpec> = mine.iter().filter(|i| i.state == SandboxState::Running).map(spec_of).collect();
                     let snaps: Vec<SnapshotId> = snapshots.iter().filter(|s| s.isolation == tier).map(|s| s.snapshot_id.clone()).collect();
@@ -394,7 +394,7 @@ impl Manager {
             return Err(Error::invalid("limits.memory_bytes", "must be at least 4 MiB"));
         }
         // Never a weaker tier than decided: an unavailable tier is an error, not a fallback.
-        let backend = self.backends.get(isolation)?.clone();
+        let backend = self.backends.available(isolation)?.clone();
 
         let id = SandboxId::generate();
         let now = SystemTime::now();

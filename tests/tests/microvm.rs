@@ -48,12 +48,13 @@ async fn the_guest_has_its_own_kernel_no_network_and_the_pool_serves_creates() {
     assert!(daemon.log().contains("microVM taken from the warm pool"), "{}", daemon.log());
     // Its own kernel: its own boot id.
     let boot_id = client.exec(exec_request(&sb.id, ["cat", "/proc/sys/kernel/random/boot_id"])).await.expect("exec");
+    assert_eq!((boot_id.exit_code, boot_id.stdout.len()), (0, 37), "{boot_id:?}");
     let host_boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").expect("host boot id");
     assert_ne!(boot_id.stdout, host_boot_id.as_bytes(), "the guest shares the host's kernel");
     // No network device but loopback.
     let ifaces = client.exec(exec_request(&sb.id, ["ls", "/sys/class/net"])).await.expect("exec");
     let names: Vec<String> = String::from_utf8_lossy(&ifaces.stdout).split_whitespace().map(str::to_string).collect();
-    assert!(names.iter().all(|n| n == "lo"), "network interfaces in the guest: {names:?}");
+    assert_eq!(names, ["lo"], "network interfaces in the guest: {ifaces:?}");
     // The hostname is the sandbox id, limits apply inside (the pool VM was booted before them).
     let host = client.exec(exec_request(&sb.id, ["hostname"])).await.expect("exec");
     assert_eq!(String::from_utf8_lossy(&host.stdout).trim(), sb.id);

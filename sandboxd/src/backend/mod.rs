@@ -229,12 +229,19 @@ impl Backends {
         self.by_tier.insert(backend.isolation(), backend);
     }
 
-    /// The backend of `tier`, or why this host cannot serve it.
+    /// The backend of `tier`, for operations on sandboxes it already serves (no availability
+    /// check: that may cost I/O, and these calls are the hot path).
     pub fn get(&self, tier: Isolation) -> Result<&Arc<dyn Backend>, BackendError> {
-        let backend = self.by_tier.get(&tier).ok_or_else(|| BackendError::Unavailable {
+        self.by_tier.get(&tier).ok_or_else(|| BackendError::Unavailable {
             isolation: tier,
             reason: "not implemented by this build of sandboxd".to_string(),
-        })?;
+        })
+    }
+
+    /// The backend of `tier` if this host can serve it now, else why not: for creating
+    /// sandboxes and recovering them at start.
+    pub fn available(&self, tier: Isolation) -> Result<&Arc<dyn Backend>, BackendError> {
+        let backend = self.get(tier)?;
         backend.availability().map_err(|reason| BackendError::Unavailable { isolation: tier, reason })?;
         Ok(backend)
     }

@@ -88,7 +88,7 @@ impl AgentConn {
         };
         let conn = AgentConn::over(stream);
         // For messages: the whole wait, not one retry.
-        let boot_timeout = Duration::from_secs_f64(deadline.saturating_duration_since(started).as_secs_f64());
+        let boot_timeout = deadline.saturating_duration_since(started);
         loop {
             alive().map_err(AgentError::Closed)?;
             let now = tokio::time::Instant::now();

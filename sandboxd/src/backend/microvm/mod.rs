@@ -54,6 +54,7 @@ const KVM_PROBE_CACHE: &str = "/run/sandboxd/kvm-probe";
 /// A VM's boot files and base disk, from `<images>/<name>/vm/vm.json`.
 #[derive(Debug, Clone)]
 struct VmImage {
+    name: String,
     boot: BootFiles,
     disk: PathBuf,
 }
@@ -203,6 +204,16 @@ impl Inner {
         self.snapshots_dir.join(format!("{snap}.qcow2"))
     }
 
+    /// The disk file of a snapshot that is on record here and present.
+    fn live_snapshot(&self, snap: &SnapshotId) -> Result<PathBuf, BackendError> {
+        let path = self.snapshot_path(snap);
+        if path.is_file() && self.snapshots.lock().is_ok_and(|s| s.contains(snap)) {
+            Ok(path)
+        } else {
+            Err(BackendError::NoSuchSnapshot(snap.clone()))
+        }
+    }
+
     fn memory_mib(limits: &Limits) -> u64 {
         (limits.memory_bytes + GUEST_OVERHEAD_BYTES).div_ceil(MIB)
     }
@@ -258,7 +269,10 @@ impl Inner {
         std::fs::create_dir_all(&dir).map_err(|e| BackendError::io("creating the probe dir", e))?;
         let result = async {
             let top = dir.join("top-0.qcow2");
-            let base = disk::base_for("probe", &image.disk, &self.bases_dir)?;
+            let base = {
+                let _g = self.disk_lock.lock().await;
+                disk::base_for(&image.name, &image.disk, &self.bases_dir)?
+            };
             disk::create_overlay(&self.tools()?.1, &base, &top, disk::read_header(&base)?.virtual_size).await?;
             let uid = self.alloc_uid();
             let spec = LaunchSpec {
@@ -399,10 +413,7 @@ impl Inner {
                 }
             },
             Some(snap) => {
-                let backing = self.snapshot_path(snap);
-                if !backing.is_file() || !self.snapshots.lock().is_ok_and(|s| s.contains(snap)) {
-                    return Err(BackendError::NoSuchSnapshot(snap.clone()));
-                }
+                let backing = self.live_snapshot(snap)?;
                 self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits).await?
             }
         };
@@ -484,10 +495,7 @@ impl Inner {
     async fn rollback(&self, id: &SandboxId, snap: &SnapshotId) -> Result<(), BackendError> {
         let sb = self.sandbox(id)?;
         let _op = sb.op.lock().await;
-        let backing = self.snapshot_path(snap);
-        if !backing.is_file() || !self.snapshots.lock().is_ok_and(|s| s.contains(snap)) {
-            return Err(BackendError::NoSuchSnapshot(snap.clone()));
-        }
+        let backing = self.live_snapshot(snap)?;
         let image = self.image(&sb.spec.image)?;
         let old = sb.vm()?;
         let dir = old.dir();
@@ -647,7 +655,7 @@ fn vm_image(images_dir: &Path, image: &str) -> Result<VmImage, BackendError> {
     let text = std::fs::read_to_string(&manifest)
         .map_err(|_| unavailable(format!("image {image:?} has no microVM artifacts ({} missing); build them with `make images`", manifest.display())))?;
     let m: VmJson = serde_json::from_str(&text).map_err(|e| unavailable(format!("{}: {e}", manifest.display())))?;
-    let img = VmImage { boot: BootFiles { kernel: vm_dir.join(&m.kernel), initramfs: vm_dir.join(&m.initramfs) }, disk: vm_dir.join(&m.disk) };
+    let img = VmImage { name: image.to_string(), boot: BootFiles { kernel: vm_dir.join(&m.kernel), initramfs: vm_dir.join(&m.initramfs) }, disk: vm_dir.join(&m.disk) };
     for p in [&img.boot.kernel, &img.boot.initramfs, &img.disk] {
         if !p.is_file() {
             return Err(unavailable(format!("image {image:?}: {} is missing (kernel, initramfs and disk are needed)", p.display())));
