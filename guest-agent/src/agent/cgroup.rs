@@ -133,11 +133,39 @@ impl ExecCgroup {
     }
 
     /// Sends `signal` to every process of the exec.
+    ///
+    /// The cgroup is frozen while the pids are read and signalled, so a process forked in
+    /// between cannot escape the signal (a background child of a shell that is being killed
+    /// would otherwise outlive it); it is thawed again afterwards.
     pub fn signal(&self, signal: i32) {
+        let frozen = self.set_frozen(true);
         for pid in self.pids() {
             // SAFETY: kill(2) with plain integers; a pid that is gone gives ESRCH, ignored.
             unsafe { libc::kill(pid, signal) };
         }
+        if frozen {
+            self.set_frozen(false);
+        }
+    }
+
+    /// Freezes or thaws the cgroup (cgroup.freeze) and waits, bounded, until it is so.
+    fn set_frozen(&self, frozen: bool) -> bool {
+        if let Err(e) = write(&self.dir.join("cgroup.freeze"), if frozen { "1" } else { "0" }) {
+            log!("{e}");
+            return false;
+        }
+        let want = u64::from(frozen);
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        let mut pause = Duration::from_micros(100);
+        while std::fs::read_to_string(self.dir.join("cgroup.events")).ok().and_then(|s| keyed(&s, "frozen")) != Some(want) {
+            if Instant::now() >= deadline {
+                log!("cgroup {} not {} after {} ms", self.dir.display(), if frozen { "frozen" } else { "thawed" }, DRAIN_TIMEOUT.as_millis());
+                return frozen;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(10));
+        }
+        true
     }
 
     /// Kills every process of the exec (atomic against forks) and waits, bounded, until the
