@@ -8,6 +8,7 @@ pub mod audit;
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod hostfs;
 pub mod ids;
 pub mod manager;
 pub mod metrics;

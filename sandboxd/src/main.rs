@@ -14,6 +14,11 @@ fn main() -> anyhow::Result<()> {
     if std::env::args_os().nth(1).is_some_and(|a| a == init::INIT_ARG) {
         init::main();
     }
+    // Descriptors inherited from whoever started the daemon (`sandboxd 9>>/some/file`) must
+    // never reach anything it starts: mark them all close-on-exec before any thread exists.
+    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on descriptors; it closes
+    // nothing and no Rust object is invalidated.
+    unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
     let cfg = Config::load(Cli::parse())?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     // The OTLP exporter's gRPC channel is a task on the runtime, so it is built inside it, and

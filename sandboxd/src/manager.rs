@@ -90,6 +90,9 @@ pub struct SandboxInfo {
     /// The snapshot the filesystem last descended from (taken, rolled back to, or forked from):
     /// the parent of the next snapshot.
     pub head_snapshot: Option<SnapshotId>,
+    /// Why the sandbox is FAILED, when it is.
+    #[serde(default)]
+    pub failure_reason: Option<String>,
 }
 
 /// A snapshot of a sandbox's filesystem.
@@ -295,6 +298,7 @@ impl Manager {
                     Some(Err(reason)) => {
                         tracing::warn!(sandbox = %info.id, %reason, "sandbox could not be re-adopted; marked FAILED");
                         info.state = SandboxState::Failed;
+                        info.failure_reason = Some(format!("could not be brought back after a daemon restart: {reason}"));
                     }
                     None => info.state = SandboxState::Failed,
                 }
@@ -317,10 +321,34 @@ impl Manager {
         let sid = SandboxId::parse(id).map_err(|_| Error::SandboxNotFound(id.chars().take(80).collect()))?;
         let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
         let entry = map.get(&sid).cloned().ok_or_else(|| Error::SandboxNotFound(sid.to_string()))?;
-        if entry.info()?.tenant != tenant {
+        drop(map);
+        let info = entry.info()?;
+        if info.tenant != tenant {
             return Err(Error::SandboxNotFound(sid.to_string()));
         }
+        self.note_failure(&entry, &info);
         Ok((sid, entry))
+    }
+
+    /// Records a running sandbox whose backend reports it dead (its init or VM is gone) as FAILED
+    /// with the reason, so it never shows `running` while nothing in it can run.
+    fn note_failure(&self, entry: &SandboxEntry, info: &SandboxInfo) {
+        if info.state != SandboxState::Running {
+            return;
+        }
+        let Some(reason) = self.backends.get(info.isolation).ok().and_then(|b| b.failure(&info.id)) else { return };
+        tracing::warn!(sandbox = %info.id, %reason, "sandbox failed");
+        match entry.update(|i| {
+            i.state = SandboxState::Failed;
+            i.failure_reason = Some(reason);
+        }) {
+            Ok(updated) => {
+                if let Err(e) = self.store.put_sandbox(&updated) {
+                    tracing::error!(sandbox = %info.id, error = %e, "cannot record failed sandbox");
+                }
+            }
+            Err(e) => tracing::error!(sandbox = %info.id, error = %e, "cannot mark sandbox failed"),
+        }
     }
 
     fn resolve_limits(&self, r: &RequestedLimits, d: &Limits, m: &Limits) -> Result<Limits, Error> {
@@ -413,6 +441,7 @@ impl Manager {
             parent_snapshot_id: from_snapshot.clone(),
             expires_at: (req.ttl_seconds > 0).then(|| now + Duration::from_secs(req.ttl_seconds.into())),
             head_snapshot: from_snapshot,
+            failure_reason: None,
         };
         self.store.put_sandbox(&info)?;
         let entry = SandboxEntry::new(info.clone());
@@ -450,7 +479,11 @@ impl Manager {
         let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
         let mut out: Vec<SandboxInfo> = map
             .values()
-            .filter_map(|e| e.info().ok())
+            .filter_map(|e| {
+                let info = e.info().ok()?;
+                self.note_failure(e, &info);
+                e.info().ok()
+            })
             .filter(|i| i.tenant == tenant && selector.iter().all(|(k, v)| i.labels.get(k) == Some(v)))
             .collect();
         out.sort_by(|a, b| a.created_at.cmp(&b.created_at).then_with(|| a.id.cmp(&b.id)));

@@ -26,7 +26,8 @@ const MAX_MESSAGE_BYTES: usize = 64 << 20;
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
     use anyhow::Context;
     let cfg = Arc::new(cfg);
-    std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("creating state dir {}", cfg.state_dir.display()))?;
+    // Before anything writes there: the trees that will hold sandbox bytes are sealed.
+    crate::hostfs::seal_state_dir(&cfg.state_dir).with_context(|| format!("sealing state dir {}", cfg.state_dir.display()))?;
 
     let mut backends = Backends::default();
     let process = ProcessBackend::new(ProcessConfig {
@@ -159,6 +160,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     // In-flight calls get a moment to finish; sandboxes are then stopped, their files kept.
     let _ = tokio::time::timeout(Duration::from_secs(5), async { while servers.join_next().await.is_some() {} }).await;
     manager.shutdown().await;
+    crate::hostfs::unseal_state_dir(&cfg.state_dir);
     for path in unix_paths {
         let _ = std::fs::remove_file(path);
     }

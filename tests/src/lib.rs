@@ -60,6 +60,8 @@ pub struct Daemon {
     dir: tempfile::TempDir,
     config: Option<PathBuf>,
     extra_args: Vec<String>,
+    /// A host file the daemon inherits open (read-write) as fd 9, as if started with `9<>file`.
+    inherited: Option<PathBuf>,
     /// `unix:///…/sandboxd.sock`
     pub address: String,
 }
@@ -89,7 +91,18 @@ impl Daemon {
         };
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
         let extra_args = extra_args.iter().map(|a| a.to_string()).collect();
-        let mut daemon = Daemon { child: None, dir, config, extra_args, address };
+        let mut daemon = Daemon { child: None, dir, config, extra_args, inherited: None, address };
+        daemon.spawn().await?;
+        Ok(daemon)
+    }
+
+    /// Starts a daemon that inherits `host_file` open read-write on fd 9 (not close-on-exec),
+    /// the way a careless service manager or shell redirection would hand it one.
+    pub async fn start_inheriting(host_file: &Path) -> Result<Daemon> {
+        require_environment()?;
+        let dir = tempfile::Builder::new().prefix("sandboxd-test-").tempdir().context("creating temp dir")?;
+        let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
+        let mut daemon = Daemon { child: None, dir, config: None, extra_args: Vec::new(), inherited: Some(host_file.to_path_buf()), address };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -133,6 +146,25 @@ impl Daemon {
             cmd.arg("--config").arg(c);
         }
         cmd.args(&self.extra_args);
+        let inherited = match &self.inherited {
+            Some(path) => Some(std::fs::OpenOptions::new().read(true).append(true).open(path).with_context(|| format!("opening {}", path.display()))?),
+            None => None,
+        };
+        if let Some(file) = &inherited {
+            use std::os::fd::AsRawFd;
+            use std::os::unix::process::CommandExt;
+            let fd = file.as_raw_fd();
+            // SAFETY: dup2 is async-signal-safe; it only places the file on fd 9 (without
+            // CLOEXEC) in the child between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::dup2(fd, 9) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         let _ = std::fs::remove_file(self.socket_path());
         self.child = Some(cmd.spawn().context("starting sandboxd")?);
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -205,12 +237,31 @@ impl Drop for Daemon {
             // Graceful, so the daemon unmounts its pool and removes its cgroups.
             let _ = self.stop();
         }
-        // A killed daemon leaves its pool mounted; never let TempDir recurse into a mount.
-        let pool = self.state_dir().join("pool");
-        if mounted(&pool) {
-            let _ = nix::mount::umount2(&pool, nix::mount::MntFlags::MNT_DETACH);
+        // A killed daemon leaves its mounts (the state dir's own bind mount, the pool, overlay
+        // roots); never let TempDir recurse into a mount. Deepest first.
+        let mut mounts = mounts_under(&self.state_dir());
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
+        for m in mounts {
+            let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
         }
     }
+}
+
+/// Builds a hostile probe of `tests/probes/<name>.c` as a static binary (so it runs in any
+/// image, busybox included) into `out_dir`, and returns its bytes.
+pub fn build_probe(name: &str, out_dir: &Path) -> Result<Vec<u8>> {
+    let source = workspace_root().join("tests/probes").join(format!("{name}.c"));
+    let out = out_dir.join(name);
+    let status = Command::new("gcc")
+        .args(["-static", "-O1", "-Wall", "-o"])
+        .arg(&out)
+        .arg(&source)
+        .status()
+        .context("running gcc (apt-get install gcc libc6-dev) to build a probe")?;
+    if !status.success() {
+        bail!("building probe {} failed ({status})", source.display());
+    }
+    std::fs::read(&out).with_context(|| format!("reading built probe {}", out.display()))
 }
 
 /// Whether `path` is a mount point (from /proc/self/mountinfo).

@@ -95,6 +95,7 @@ pub fn sandbox(i: &SandboxInfo) -> pb::Sandbox {
         parent_snapshot_id: i.parent_snapshot_id.as_ref().map(|s| s.to_string()).unwrap_or_default(),
         expires_at: i.expires_at.map(timestamp),
         isolation_reason: i.isolation_reason.clone().unwrap_or_default(),
+        failure_reason: i.failure_reason.clone().unwrap_or_default(),
     }
 }
 

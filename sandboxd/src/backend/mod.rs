@@ -212,6 +212,11 @@ pub trait Backend: Send + Sync {
     /// sandbox (its processes died with that daemon), writable layers and snapshots not on record —
     /// and brings each recorded sandbox back up over its preserved filesystem.
     async fn recover(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)>;
+    /// Why a sandbox this backend runs has stopped working on its own (its init or VM died),
+    /// or `None` while it is healthy. The manager then records it as FAILED with this reason.
+    fn failure(&self, _sandbox: &SandboxId) -> Option<String> {
+        None
+    }
     /// Called once at daemon shutdown. Sandboxes are not destroyed: their filesystems stay for
     /// the next start to recover; their processes end with the daemon.
     async fn shutdown(&self);

@@ -40,7 +40,68 @@ pub struct InitChannel {
 fn would_block(e: WireError) -> std::io::Error {
     match e {
         WireError::Io(nix::errno::Errno::EAGAIN) => std::io::ErrorKind::WouldBlock.into(),
+        // One bad message (oversized, truncated): the channel itself is still sound.
+        WireError::TooLarge(_) | WireError::Malformed(_) => std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()),
         other => std::io::Error::other(other.to_string()),
+    }
+}
+
+/// How much of the init's stderr is kept for diagnostics, and how many lines are logged.
+const LOG_TAIL_BYTES: usize = 4096;
+const LOG_LINES: usize = 64;
+
+/// The last bytes the init wrote to its stderr (a pipe to the daemon, never a host file that
+/// code in the sandbox could write through, and bounded however much arrives).
+#[derive(Clone, Default)]
+pub struct InitLog(Arc<Mutex<String>>);
+
+impl InitLog {
+    /// Drains the read end of the init's stderr pipe until EOF: every line is logged (the first
+    /// [`LOG_LINES`]), the last [`LOG_TAIL_BYTES`] kept. Draining never stops, so the init can
+    /// never block on a full pipe.
+    pub fn drain(fd: OwnedFd, sandbox: String) -> std::io::Result<InitLog> {
+        let log = InitLog::default();
+        let tail = log.0.clone();
+        let rx = tokio::net::unix::pipe::Receiver::from_owned_fd(fd)?;
+        tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let mut rx = rx;
+            let mut buf = vec![0u8; 4096];
+            let mut lines = 0usize;
+            loop {
+                let n = match rx.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                let text = String::from_utf8_lossy(&buf[..n]);
+                for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                    lines += 1;
+                    if lines <= LOG_LINES {
+                        tracing::warn!(%sandbox, line = %line.chars().take(512).collect::<String>(), "sandbox init");
+                    } else if lines == LOG_LINES + 1 {
+                        tracing::warn!(%sandbox, "sandbox init: further lines are not logged");
+                    }
+                }
+                if let Ok(mut t) = tail.lock() {
+                    t.push_str(&text);
+                    if t.len() > LOG_TAIL_BYTES {
+                        let mut cut = t.len() - LOG_TAIL_BYTES;
+                        while !t.is_char_boundary(cut) {
+                            cut += 1;
+                        }
+                        t.drain(..cut);
+                    }
+                }
+            }
+        });
+        Ok(log)
+    }
+
+    /// The last few lines, joined on one line.
+    pub fn tail(&self) -> String {
+        let text = self.0.lock().map(|t| t.clone()).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        lines[lines.len().saturating_sub(5)..].join(" | ")
     }
 }
 
@@ -117,6 +178,10 @@ impl InitChannel {
                 let (n, _fds) = match msg {
                     Ok(Some(m)) => m,
                     Ok(None) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                        tracing::warn!(%sandbox, error = %e, "dropping a bad message from init");
+                        continue;
+                    }
                     Err(e) => {
                         tracing::warn!(%sandbox, error = %e, "control channel read failed");
                         break;
@@ -192,5 +257,18 @@ impl InitChannel {
     /// Stops the reader; the init sees EOF once the channel is dropped.
     pub fn close(&self) {
         self.closed.cancel();
+    }
+
+    /// Whether the channel is closed: by [`InitChannel::close`], or because the init is gone.
+    pub fn is_closed(&self) -> bool {
+        self.closed.is_cancelled()
+    }
+
+    /// Forgets an exec's pending replies (its spawn reply never came in time).
+    pub fn forget(&self, exec_id: &str) {
+        if let Ok(mut p) = self.pending.lock() {
+            p.spawns.remove(exec_id);
+            p.exits.remove(exec_id);
+        }
     }
 }

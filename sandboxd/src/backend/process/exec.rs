@@ -21,6 +21,10 @@ use super::ProcessSandbox;
 use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
 use guest_agent::capture::{OutputCapture, SpillTarget};
 
+/// How long the init may take to answer a spawn request (normally well under a millisecond;
+/// joining a cgroup v1 on a loaded host can take a few).
+const SPAWN_REPLY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Directory inside the sandbox where truncated streams are kept whole.
 pub const SPILL_DIR: &str = "/tmp/.sandboxd";
 
@@ -203,13 +207,24 @@ impl ProcessSandbox {
             Ok(w) => w,
             Err(e) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, format!("sandbox unavailable: {e}"), started_at)),
         };
-        match waiters.spawned.await {
-            Ok(Ok(_pid)) => {}
-            Ok(Err((stage, errno))) => {
+        // The init's answer is bounded in time like everything from inside: an init that never
+        // answers must not leave the exec RUNNING forever.
+        match tokio::time::timeout(SPAWN_REPLY_DEADLINE, waiters.spawned).await {
+            Ok(Ok(Ok(_pid))) => {}
+            Ok(Ok(Err((stage, errno)))) => {
                 let (code, error) = describe_spawn_failure(&stage, errno, &spec.argv[0], &spec.workdir);
                 return Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, code, error, started_at));
             }
-            Err(_) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the sandbox's init exited before the exec started".into(), started_at)),
+            Ok(Err(_)) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the sandbox's init exited before the exec started".into(), started_at)),
+            Err(_) => {
+                self.channel.forget(&exec_id);
+                let cg = cgroup.clone();
+                if let Ok(Err(e)) = blocking(move || cg.kill_all()).await {
+                    tracing::warn!(exec = %exec_id, error = %e, "killing an exec whose spawn was never confirmed");
+                }
+                let error = format!("the sandbox's init did not answer the spawn request within {} s", SPAWN_REPLY_DEADLINE.as_secs());
+                return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, error, started_at));
+            }
         }
         let t0 = Instant::now();
         // Arm the next slot while this command runs, so the next exec skips the cgroup join.

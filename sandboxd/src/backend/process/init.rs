@@ -90,6 +90,13 @@ fn setup_failed(ctrl: &OwnedFd, stage: &str, err: impl std::fmt::Display) -> i32
 
 /// Reads the configuration, makes the pid namespace and forks the init; then waits for it.
 fn shim(ctrl: OwnedFd) -> i32 {
+    // Only stdin, stdout, stderr (the log pipe) and the control socket may reach the sandbox:
+    // a descriptor the daemon inherited from whoever started it (`sandboxd 9>>/host/file`)
+    // must not become the init's, where code in the sandbox could look for it.
+    // SAFETY: close_range only closes descriptors; none above 3 is owned by anything here.
+    if unsafe { libc::syscall(libc::SYS_close_range, (CONTROL_FD + 1) as u32, u32::MAX, 0u32) } != 0 {
+        return setup_failed(&ctrl, "close inherited descriptors", Errno::last());
+    }
     let mut buf = vec![0u8; 64 << 10];
     let (n, cgroup_fds) = match recv_raw(ctrl.as_fd(), &mut buf) {
         Ok(Some(m)) => m,
@@ -205,6 +212,14 @@ fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
     drop_capabilities()?;
     // SAFETY: prctl with integer arguments only.
     stage("no_new_privs", Errno::result(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }))?;
+    // Out of reach of the code it runs: exec'd code has the init's uid and capabilities, so
+    // only dumpability stands between it and ptrace, pidfd_getfd, /proc/1/{fd,mem,exe,environ}
+    // of the init (and so the control socket). A non-dumpable process can be inspected only with
+    // CAP_SYS_PTRACE, which nothing in the sandbox has. Set after every credential change above
+    // (a capset may reset it); exec children get a dumpable state again from their own execve,
+    // so strace and gdb work on them inside.
+    // SAFETY: prctl with integer arguments only.
+    stage("not dumpable", Errno::result(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) }))?;
     // Seccomp at the very end: the filter denies mount and friends, which setup used.
     stage("seccomp", seccomp::install())?;
     Ok(())

@@ -6,7 +6,10 @@
 //! * `pool/` — the btrfs pool ([`storage`]); `pool/sandboxes/<id>/{upper,work}` is a sandbox's
 //!   writable layer, `pool/snapshots/<id>` a read-only snapshot of one;
 //! * `run/<id>/rootfs` — the merged overlay (image rootfs below, the subvolume above), which
-//!   becomes `/` in the sandbox; `run/<id>/init.log` — the init's stderr.
+//!   becomes `/` in the sandbox. The init's stderr is a pipe to the daemon (see
+//!   [`channel::InitLog`]), never a host file.
+//!
+//! The state dir is 0700 and mounted nosuid,nodev,noexec ([`crate::hostfs`]), the pool too.
 //!
 //! A sandbox is a shim + init pair started from this binary ([`init`]); the daemon talks to the
 //! init over a socket pair ([`channel`]).
@@ -84,6 +87,8 @@ pub(crate) struct ProcessSandbox {
     workdir: String,
     cgroup: SandboxCgroup,
     channel: InitChannel,
+    /// The tail of the init's stderr, for error messages.
+    log: channel::InitLog,
     shim: tokio::sync::Mutex<Option<tokio::process::Child>>,
     /// Cgroups of running execs and of finished ones with processes left behind.
     execs: ExecCgroups,
@@ -329,11 +334,13 @@ impl ProcessBackend {
             nix::sys::socket::SockFlag::SOCK_CLOEXEC,
         )
         .map_err(|e| BackendError::io("creating control socket", e.into()))?;
-        let log = std::fs::File::create(run_dir.join("init.log")).map_err(|e| BackendError::io("creating init log", e))?;
+        // The init's stderr is a pipe the daemon drains, bounded; a file on the host would be a
+        // way out of the disk quota for whoever could write to it.
+        let (log_r, log_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::io("creating init log pipe", e.into()))?;
         let exe = std::env::current_exe().map_err(|e| BackendError::io("locating sandboxd binary", e))?;
         let mut cmd = std::process::Command::new(exe);
         // argv[0] is a name, not the daemon's host path, which the sandbox has no business seeing.
-        cmd.arg0("sandbox-init").arg(init::INIT_ARG).env_clear().stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(log);
+        cmd.arg0("sandbox-init").arg(init::INIT_ARG).env_clear().stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::from(log_w));
         let child_fd = theirs.as_raw_fd();
         // SAFETY: dup2 is async-signal-safe; it only places the control socket on fd 3 (clearing
         // CLOEXEC) in the child between fork and exec.
@@ -347,6 +354,7 @@ impl ProcessBackend {
         }
         let shim = tokio::process::Command::from(cmd).spawn().map_err(|e| BackendError::io("starting sandbox init", e))?;
         drop(theirs);
+        let log = channel::InitLog::drain(log_r, id.to_string()).map_err(|e| BackendError::io("init log pipe", e))?;
         let channel = InitChannel::new(ours).map_err(|e| BackendError::io("control socket", e))?;
         let sandbox = Arc::new(ProcessSandbox {
             id: id.clone(),
@@ -357,6 +365,7 @@ impl ProcessBackend {
             workdir: spec.workdir.clone(),
             cgroup,
             channel,
+            log,
             shim: tokio::sync::Mutex::new(Some(shim)),
             execs: ExecCgroups::default(),
             spare: Mutex::new(None),
@@ -367,8 +376,7 @@ impl ProcessBackend {
         let procs = sandbox.cgroup.procs_files()?;
         let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
         if let Err(reason) = sandbox.channel.handshake(&config, &fds, SETUP_DEADLINE).await {
-            let log_tail = std::fs::read_to_string(sandbox.run_dir.join("init.log")).unwrap_or_default();
-            let log_tail: String = log_tail.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+            let log_tail = sandbox.log.tail();
             self.stop_runtime(&sandbox, "setup failed").await;
             return Err(BackendError::Internal(format!("sandbox {id} setup: {reason} (init log: {log_tail})")));
         }
@@ -446,6 +454,18 @@ impl Backend for ProcessBackend {
             }
             None => self.start(spec, Layer::Fresh).await,
         }
+    }
+
+    fn failure(&self, sandbox: &SandboxId) -> Option<String> {
+        // Sandboxes being stopped on purpose are out of the table before their channel closes,
+        // so a closed channel here means the init died on its own.
+        let sb = self.sandbox(sandbox).ok()?;
+        if !sb.channel.is_closed() {
+            return None;
+        }
+        let tail = sb.log.tail();
+        let said = if tail.is_empty() { String::new() } else { format!(" (it said: {tail})") };
+        Some(format!("the sandbox's init exited{said}; nothing in it can run any more (its files are kept: snapshot, roll back or destroy it)"))
     }
 
     async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {

@@ -491,7 +491,12 @@ impl Pool {
         let mi = Path::new("/proc/self/mountinfo");
         let mountinfo = fs::read_to_string(mi).map_err(io_err("read", mi))?;
         match mount_fstype(&mountinfo, &root).as_deref() {
-            Some("btrfs") => debug!(pool = %root.display(), "reusing mounted pool"),
+            Some("btrfs") => {
+                debug!(pool = %root.display(), "reusing mounted pool");
+                // A pool mounted by an older daemon may lack the flags: sandbox files (setuid
+                // binaries, device nodes) must mean nothing on the host.
+                run(Command::new("mount").args(["-o", "remount,nosuid,nodev,noexec"]).arg(&root), &root)?;
+            }
             Some(other) => {
                 warn!(pool = %root.display(), fstype = other, "pool dir is another mount");
                 return Err(StorageError::NotBtrfs { path: root });
@@ -501,10 +506,12 @@ impl Pool {
                     Self::make_image(&image, size_bytes)?;
                 }
                 // noatime: with snapshots sharing inodes, atime updates on reads would
-                // turn every read into a metadata copy-on-write.
+                // turn every read into a metadata copy-on-write. nosuid,nodev,noexec: the pool
+                // holds what sandboxes wrote (setuid binaries, device nodes); on the host it is
+                // data only. Execs inside still run: they go through the overlay mount.
                 run(
                     Command::new("mount")
-                        .args(["-t", "btrfs", "-o", "loop,noatime"])
+                        .args(["-t", "btrfs", "-o", "loop,noatime,nosuid,nodev,noexec"])
                         .arg(&image)
                         .arg(&root),
                     &root,

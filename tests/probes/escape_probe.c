@@ -1,0 +1,145 @@
+/* Hostile probes for the escape suite (tests/tests/escape.rs). Built static by the tests
+ * (gcc -static), copied into a sandbox and run there as root, like untrusted code would be.
+ *
+ * Usage: escape_probe <attack>
+ * Exit 0 with "BLOCKED: ..." when the attack failed, 1 with "ESCAPE: ..." when it worked,
+ * 2 on a usage error. Never trust a probe that cannot fail: each one reports what it did.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ptrace.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static int escaped = 0;
+
+static void verdict(int worked, const char *what, int err) {
+    if (worked) {
+        printf("ESCAPE: %s\n", what);
+        escaped = 1;
+    } else {
+        printf("BLOCKED: %s (%s)\n", what, strerror(err));
+    }
+}
+
+/* A setuid-root binary's payload: what uid do we end up with? */
+static int do_setuid(void) {
+    setresuid(0, 0, 0);
+    setresgid(0, 0, 0);
+    printf("uid=%d euid=%d\n", (int)getuid(), (int)geteuid());
+    return 0;
+}
+
+/* PID 1 is the sandbox's init, which holds the daemon's control socket. */
+static int do_pid1(void) {
+    long r = ptrace(PTRACE_SEIZE, 1, 0, 0);
+    verdict(r == 0, "PTRACE_SEIZE of PID 1", errno);
+    if (r == 0) ptrace(PTRACE_DETACH, 1, 0, 0);
+
+    errno = 0;
+    r = ptrace(PTRACE_ATTACH, 1, 0, 0);
+    verdict(r == 0, "PTRACE_ATTACH of PID 1", errno);
+    if (r == 0) { waitpid(1, 0, __WALL); ptrace(PTRACE_DETACH, 1, 0, 0); }
+
+    int pidfd = (int)syscall(SYS_pidfd_open, 1, 0);
+    if (pidfd < 0) {
+        verdict(0, "pidfd_open(1)", errno);
+    } else {
+        for (int target = 0; target < 16; target++) {
+            int fd = (int)syscall(SYS_pidfd_getfd, pidfd, target, 0);
+            if (fd >= 0) {
+                char what[64];
+                snprintf(what, sizeof what, "pidfd_getfd(PID 1, %d)", target);
+                verdict(1, what, 0);
+                close(fd);
+            }
+        }
+        verdict(0, "pidfd_getfd of PID 1's descriptors 0-15", errno);
+    }
+
+    const char *paths[] = {"/proc/1/fd/0", "/proc/1/fd/1", "/proc/1/fd/2", "/proc/1/fd/3", "/proc/1/mem", "/proc/1/environ"};
+    for (unsigned i = 0; i < sizeof paths / sizeof *paths; i++) {
+        int fd = open(paths[i], O_RDWR);
+        if (fd < 0) fd = open(paths[i], O_WRONLY);
+        if (fd < 0) fd = open(paths[i], O_RDONLY);
+        char what[64];
+        snprintf(what, sizeof what, "open %s", paths[i]);
+        verdict(fd >= 0, what, errno);
+        if (fd >= 0) close(fd);
+    }
+    /* runc CVE-2019-5736: re-open the runtime's executable through /proc/<pid>/exe. */
+    int fd = open("/proc/1/exe", O_RDONLY);
+    verdict(fd >= 0, "open /proc/1/exe", errno);
+    if (fd >= 0) close(fd);
+    char link[256];
+    ssize_t n = readlink("/proc/1/exe", link, sizeof link - 1);
+    verdict(n >= 0, "readlink /proc/1/exe", errno);
+    /* Root may list PID 1's descriptor numbers; it must not follow or resolve any of them. */
+    DIR *d = opendir("/proc/1/fd");
+    if (d) {
+        struct dirent *e;
+        int resolved = 0, last = 0;
+        while ((e = readdir(d))) {
+            if (e->d_name[0] == '.') continue;
+            char path[300], target[256];
+            snprintf(path, sizeof path, "/proc/1/fd/%s", e->d_name);
+            if (readlink(path, target, sizeof target - 1) >= 0) resolved = 1; else last = errno;
+        }
+        closedir(d);
+        verdict(resolved, "readlink of PID 1's descriptors", last);
+    }
+
+    /* Signals from inside cannot end the namespace's init. */
+    kill(1, SIGKILL);
+    kill(1, SIGTERM);
+    usleep(200 * 1000);
+    verdict(kill(1, 0) != 0, "PID 1 killed from inside", 0);
+    return escaped;
+}
+
+/* Every descriptor of this process must be one it was given (0, 1, 2): runc CVE-2024-21626. */
+static int do_fds(void) {
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) { printf("cannot list /proc/self/fd: %s\n", strerror(errno)); return 2; }
+    int dfd = dirfd(d);
+    struct dirent *e;
+    int leaked = 0;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        int fd = atoi(e->d_name);
+        if (fd <= 2 || fd == dfd) continue;
+        char path[64], target[512] = {0};
+        snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+        readlink(path, target, sizeof target - 1);
+        printf("ESCAPE: inherited fd %d -> %s\n", fd, target);
+        leaked = 1;
+    }
+    closedir(d);
+    if (!leaked) printf("BLOCKED: no descriptor beyond stdio\n");
+    return leaked;
+}
+
+static int do_io_uring(void) {
+    char params[120] = {0};
+    long r = syscall(SYS_io_uring_setup, 4, params);
+    verdict(r >= 0, "io_uring_setup", errno);
+    return escaped;
+}
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IONBF, 0);
+    if (argc < 2) return 2;
+    if (!strcmp(argv[1], "setuid")) return do_setuid();
+    if (!strcmp(argv[1], "pid1")) return do_pid1();
+    if (!strcmp(argv[1], "fds")) return do_fds();
+    if (!strcmp(argv[1], "io_uring")) return do_io_uring();
+    fprintf(stderr, "unknown probe %s\n", argv[1]);
+    return 2;
+}

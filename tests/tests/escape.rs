@@ -1,0 +1,255 @@
+//! The escape suite: hostile probes against the host boundary, run the way an attacker would
+//! (as root inside a sandbox, knowing our source) and the way an unprivileged local user on
+//! the host would. Each probe is a small static program (tests/probes/escape_probe.c) built by
+//! the test, copied into a sandbox and run there; it prints `ESCAPE: …` when an attack works.
+//! A test here fails — never skips — when any probe gets through.
+//!
+//! The rest of the suite for issue #11 lives beside the features it checks: bounded exec
+//! records (records.rs), admission and fairness (admission.rs), atomic writes (conformance.rs),
+//! QEMU dying with the daemon (microvm.rs), the seccomp list (a unit test per syscall family in
+//! sandboxd's backend/process/seccomp.rs).
+
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use agent_client::proto::{CreateSandboxRequest, ExecResult, ExecStatus, Isolation, SandboxState};
+use agent_client::{exec_request, Client};
+use sandbox_tests::{build_probe, process_sandbox, Daemon};
+
+const PROBE: &str = "/workspace/escape_probe";
+
+async fn within<T>(secs: u64, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), fut).await.unwrap_or_else(|_| panic!("no answer within {secs} s"))
+}
+
+fn text(r: &ExecResult) -> String {
+    format!("status {:?} code {} error {:?}\nstdout: {}\nstderr: {}", r.status(), r.exit_code, r.error, String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr))
+}
+
+/// Creates a sandbox of `isolation` with the probe in /workspace; returns its id.
+async fn sandbox_with_probe(client: &Client, isolation: Isolation, probe: &[u8]) -> String {
+    let request = CreateSandboxRequest { isolation: isolation as i32, ..process_sandbox("minimal") };
+    let sandbox = within(120, client.create(request)).await.expect("CreateSandbox");
+    within(60, client.write_file(&sandbox.id, PROBE, probe.to_vec(), 0o755)).await.expect("uploading the probe");
+    sandbox.id
+}
+
+async fn run(client: &Client, id: &str, argv: &[&str]) -> ExecResult {
+    within(120, client.exec(exec_request(id, argv.iter().copied()))).await.expect("Exec")
+}
+
+/// Runs one probe attack and asserts that it was blocked (and that it really ran).
+async fn assert_blocked(client: &Client, id: &str, attack: &str) -> ExecResult {
+    let r = run(client, id, &[PROBE, attack]).await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert!(!out.contains("ESCAPE"), "probe {attack} got through:\n{}", text(&r));
+    assert_eq!((r.status(), r.exit_code), (ExecStatus::Exited, 0), "probe {attack} did not run to the end:\n{}", text(&r));
+    assert!(out.contains("BLOCKED"), "probe {attack} reported nothing:\n{}", text(&r));
+    r
+}
+
+/// Runs `path` (held open by this root process as an O_PATH descriptor) as user nobody through
+/// /proc/self/fd: the exec reaches the file without traversing any directory, so only the
+/// mount's nosuid stands between a setuid-root file and a root shell for nobody.
+fn run_as_nobody_through_fd(path: &Path) -> String {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(path)
+        .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
+    let fd = file.as_raw_fd();
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "/proc/self/fd/7", "setuid"]);
+    // SAFETY: dup2 is async-signal-safe; it only places the O_PATH fd on 7 (without CLOEXEC).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(fd, 7) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = cmd.output().expect("running setpriv");
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// Files named `name` below `root` (not following symlinks).
+fn find_named(root: &Path, name: &str) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for e in entries.flatten() {
+            let Ok(meta) = e.path().symlink_metadata() else { continue };
+            if meta.is_dir() {
+                stack.push(e.path());
+            } else if e.file_name() == name {
+                found.push(e.path());
+            }
+        }
+    }
+    found
+}
+
+/// Makes a setuid-root copy of the probe inside the sandbox, the way hostile code would.
+async fn plant_setuid_file(client: &Client, id: &str) {
+    let r = run(client, id, &["sh", "-c", "cp /workspace/escape_probe /workspace/suidprobe && chown 0:0 /workspace/suidprobe && chmod 4755 /workspace/suidprobe && ls -ln /workspace/suidprobe"]).await;
+    assert_eq!((r.status(), r.exit_code), (ExecStatus::Exited, 0), "planting the setuid file:\n{}", text(&r));
+}
+
+/// The planted file as the host sees it must be setuid root (the attack's precondition, so the
+/// test cannot pass vacuously), unreachable for other users, and inert even when reached.
+fn assert_setuid_file_is_inert(state_dir: &Path, host_copy: &Path) {
+    let meta = std::fs::metadata(host_copy).expect("stat planted file");
+    assert_eq!(meta.uid(), 0, "{} owner", host_copy.display());
+    assert_eq!(meta.mode() & 0o4000, 0o4000, "{} kept its setuid bit on the host (the precondition)", host_copy.display());
+    let state_mode = std::fs::metadata(state_dir).expect("stat state dir").permissions().mode() & 0o777;
+    assert_eq!(state_mode, 0o700, "the state dir must not be traversable by other users");
+    // As nobody by path: the 0700 state dir stops it.
+    let by_path = Command::new("setpriv").args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(host_copy).arg("setuid").output().expect("setpriv");
+    let by_path = format!("{}{}", String::from_utf8_lossy(&by_path.stdout), String::from_utf8_lossy(&by_path.stderr));
+    assert!(!by_path.contains("euid=0"), "nobody ran the sandbox's setuid file as root by path: {by_path}");
+    // As nobody through a descriptor (no traversal): the nosuid mount stops it.
+    let by_fd = run_as_nobody_through_fd(host_copy);
+    assert!(!by_fd.contains("euid=0"), "nobody ran the sandbox's setuid file as root: {by_fd}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn setuid_files_made_inside_are_inert_on_the_host_process_tier() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let probe = build_probe("escape_probe", tmp.path()).expect("building the probe");
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let id = sandbox_with_probe(&client, Isolation::Process, &probe).await;
+    plant_setuid_file(&client, &id).await;
+    let state = daemon.state_dir();
+    let host_copy = state.join("pool/sandboxes").join(&id).join("upper/workspace/suidprobe");
+    assert_setuid_file_is_inert(&state, &host_copy);
+    // Snapshots hold the same bytes: same rule.
+    let snap = within(60, client.snapshot(&id, "s")).await.expect("Snapshot");
+    let snap_copy = state.join("pool/snapshots").join(&snap.snapshot_id).join("upper/workspace/suidprobe");
+    assert_setuid_file_is_inert(&state, &snap_copy);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn setuid_files_made_inside_are_inert_on_the_host_container_snapshots() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let probe = build_probe("escape_probe", tmp.path()).expect("building the probe");
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let id = sandbox_with_probe(&client, Isolation::Container, &probe).await;
+    plant_setuid_file(&client, &id).await;
+    within(120, client.snapshot(&id, "s")).await.expect("Snapshot");
+    let state = daemon.state_dir();
+    let copies = find_named(&state.join("container"), "suidprobe");
+    assert!(!copies.is_empty(), "the container snapshot holds no copy of the planted file under {}", state.join("container").display());
+    for copy in copies {
+        assert_setuid_file_is_inert(&state, &copy);
+    }
+    within(120, client.destroy(&id)).await.expect("DestroySandbox");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pid1_fds_and_kernel_surface_are_out_of_reach_process_tier() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let probe = build_probe("escape_probe", tmp.path()).expect("building the probe");
+    // The daemon inherits a host file on fd 9, as `sandboxd 9>>file` would give it.
+    let host_file = tmp.path().join("host-secret");
+    std::fs::write(&host_file, b"host secret\n").expect("host file");
+    let daemon = Daemon::start_inheriting(&host_file).await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let id = sandbox_with_probe(&client, Isolation::Process, &probe).await;
+
+    assert_blocked(&client, &id, "fds").await;
+    assert_blocked(&client, &id, "pid1").await;
+    assert_blocked(&client, &id, "io_uring").await;
+
+    // The quota bypass through PID 1's stderr and the daemon's inherited descriptor.
+    for target in ["/proc/1/fd/2", "/proc/1/fd/9"] {
+        let r = run(&client, &id, &["sh", "-c", &format!("dd if=/dev/zero of={target} bs=1M count=20 2>&1; echo done")]).await;
+        let out = String::from_utf8_lossy(&r.stdout).to_string();
+        assert!(!out.contains("20+0 records out"), "wrote 20 MiB through {target}:\n{}", text(&r));
+    }
+    let r = run(&client, &id, &["sh", "-c", "cat /proc/1/fd/9 2>&1; true"]).await;
+    assert!(!String::from_utf8_lossy(&r.stdout).contains("host secret"), "read the daemon's inherited file:\n{}", text(&r));
+    assert_eq!(std::fs::read(&host_file).expect("host file"), b"host secret\n", "the host file was changed from inside");
+
+    // The sandbox still works after all that: the init survived every attack.
+    let r = run(&client, &id, &["echo", "alive"]).await;
+    assert_eq!((r.status(), String::from_utf8_lossy(&r.stdout).trim().to_string()), (ExecStatus::Exited, "alive".to_string()), "{}", text(&r));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn container_and_microvm_execs_get_only_their_stdio() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let probe = build_probe("escape_probe", tmp.path()).expect("building the probe");
+    let host_file = tmp.path().join("host-secret");
+    std::fs::write(&host_file, b"host secret\n").expect("host file");
+    let daemon = Daemon::start_inheriting(&host_file).await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let container = sandbox_with_probe(&client, Isolation::Container, &probe).await;
+    assert_blocked(&client, &container, "fds").await;
+    assert_blocked(&client, &container, "io_uring").await;
+    within(120, client.destroy(&container)).await.expect("DestroySandbox");
+    let vm = sandbox_with_probe(&client, Isolation::Microvm, &probe).await;
+    assert_blocked(&client, &vm, "fds").await;
+    within(120, client.destroy(&vm)).await.expect("DestroySandbox");
+}
+
+/// The pid of the init of process-tier sandbox `id`: the child of a shim (a child of the
+/// daemon) whose root is the sandbox's rootfs.
+fn init_pid_of(daemon_pid: u32, id: &str) -> Option<i32> {
+    let children = |pid: i32| -> Vec<i32> {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+        tasks
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+            .flat_map(|c| c.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>())
+            .collect()
+    };
+    for shim in children(daemon_pid as i32) {
+        for init in children(shim) {
+            // Its cgroup path (as the host sees it) names the sandbox.
+            let cgroups = std::fs::read_to_string(format!("/proc/{init}/cgroup")).unwrap_or_default();
+            if cgroups.contains(id) {
+                return Some(init);
+            }
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_init_makes_the_sandbox_failed_with_a_reason() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let victim = within(60, client.create(process_sandbox("minimal"))).await.expect("CreateSandbox").id;
+    let bystander = within(60, client.create(process_sandbox("minimal"))).await.expect("CreateSandbox").id;
+    let init = init_pid_of(daemon.pid().expect("daemon pid"), &victim).expect("finding the sandbox's init");
+    // Something outside the sandbox's control kills its init (the OOM killer, an operator).
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(init), nix::sys::signal::Signal::SIGKILL).expect("kill init");
+    let mut failed = None;
+    for _ in 0..100 {
+        let sb = within(10, client.get(&victim)).await.expect("GetSandbox");
+        if sb.state() == SandboxState::Failed {
+            failed = Some(sb);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sb = failed.expect("the sandbox still shows RUNNING 5 s after its init died");
+    assert!(sb.failure_reason.contains("init exited"), "failure reason: {:?}", sb.failure_reason);
+    // It says so on exec instead of recording a LOST exec, and can still be destroyed.
+    let err = within(30, client.exec(exec_request(&victim, ["true"]))).await.expect_err("exec in a failed sandbox");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    // The listing agrees, the other sandbox is untouched, and the failed one is destroyable.
+    let listed = within(10, client.list(Default::default())).await.expect("ListSandboxes");
+    assert!(listed.iter().any(|s| s.id == victim && s.state() == SandboxState::Failed));
+    let r = run(&client, &bystander, &["echo", "ok"]).await;
+    assert_eq!(r.status(), ExecStatus::Exited, "{}", text(&r));
+    within(60, client.destroy(&victim)).await.expect("destroying the failed sandbox");
+}
