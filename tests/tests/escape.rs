@@ -253,3 +253,25 @@ async fn a_dead_init_makes_the_sandbox_failed_with_a_reason() {
     assert_eq!(r.status(), ExecStatus::Exited, "{}", text(&r));
     within(60, client.destroy(&victim)).await.expect("destroying the failed sandbox");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn real_time_signals_reach_the_exec() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let id = within(60, client.create(process_sandbox("minimal"))).await.expect("CreateSandbox").id;
+    for signal in [34, 40, 64] {
+        let mut request = exec_request(&id, ["sleep", "30"]);
+        request.background = true;
+        let started = within(30, client.exec(request)).await.expect("background exec");
+        within(10, client.signal_exec(&started.exec_id, signal)).await.unwrap_or_else(|e| panic!("SignalExec {signal}: {e:?}"));
+        let ended = within(30, client.get_exec(&started.exec_id, true)).await.expect("GetExec");
+        assert_eq!((ended.status(), ended.signal), (ExecStatus::Signaled, signal), "{}", text(&ended));
+    }
+    // Out of range stays INVALID_ARGUMENT naming the field.
+    let mut request = exec_request(&id, ["sleep", "30"]);
+    request.background = true;
+    let started = within(30, client.exec(request)).await.expect("background exec");
+    let err = within(10, client.signal_exec(&started.exec_id, 65)).await.expect_err("signal 65");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.to_string().contains("signal"), "{err}");
+}

@@ -34,8 +34,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::sys::signal::{self, Signal};
-use nix::unistd::Pid;
 use tracing::{debug, warn};
 
 const CGROUP_MOUNT: &str = "/sys/fs/cgroup";
@@ -97,10 +95,10 @@ pub enum CgroupError {
         waited_ms: u64,
     },
     /// Sending a signal failed for a reason other than the process being gone.
-    #[error("sending {signal} to pid {pid} of {path}: {source}")]
+    #[error("sending signal {signal} to pid {pid} of {path}: {source}")]
     Signal {
         pid: i32,
-        signal: Signal,
+        signal: i32,
         path: PathBuf,
         #[source]
         source: Errno,
@@ -377,7 +375,7 @@ impl Node {
                 }
             };
             for pid in self.pids_recursive() {
-                send_signal(pid, Signal::SIGKILL, &primary)?;
+                send_signal(pid, libc::SIGKILL, &primary)?;
             }
             // SIGKILL is only acted on once the task runs again.
             if frozen {
@@ -392,7 +390,7 @@ impl Node {
         }
     }
 
-    fn signal_all(&self, sig: Signal) -> Result<(), CgroupError> {
+    fn signal_all(&self, sig: i32) -> Result<(), CgroupError> {
         let path = self.primary_dir().unwrap_or_default();
         for pid in self.pids_recursive() {
             send_signal(pid, sig, &path)?;
@@ -465,14 +463,16 @@ fn wait_state(
     }
 }
 
-fn send_signal(pid: i32, sig: Signal, cgroup: &Path) -> Result<(), CgroupError> {
+/// Sends signal number `sig` (1-64: real-time signals included, which `nix::Signal` cannot name).
+fn send_signal(pid: i32, sig: i32, cgroup: &Path) -> Result<(), CgroupError> {
     // pid 0 or negative would address process groups; cgroup.procs never lists them,
     // but a corrupt read must not turn into a broadcast signal.
     if pid <= 0 {
         return Ok(());
     }
-    match signal::kill(Pid::from_raw(pid), sig) {
-        Ok(()) | Err(Errno::ESRCH) => Ok(()),
+    // SAFETY: kill(2) with a positive pid and a plain signal number touches no memory.
+    match Errno::result(unsafe { libc::kill(pid, sig) }) {
+        Ok(_) | Err(Errno::ESRCH) => Ok(()),
         Err(source) => Err(CgroupError::Signal {
             pid,
             signal: sig,
@@ -1143,7 +1143,8 @@ impl ExecCgroup {
     }
 
     /// Sends `sig` to every process in this exec cgroup.
-    pub fn signal_all(&self, sig: Signal) -> Result<(), CgroupError> {
+    /// Sends signal number `sig` to every process of this exec.
+    pub fn signal_all(&self, sig: i32) -> Result<(), CgroupError> {
         self.node.signal_all(sig)
     }
 
@@ -1533,7 +1534,7 @@ mod tests {
             },
             "both children in the sandbox",
         );
-        ex.signal_all(Signal::SIGTERM).expect("signal");
+        ex.signal_all(libc::SIGTERM).expect("signal");
         assert_eq!(a.wait().expect("wait").signal(), Some(libc::SIGTERM));
         sb.freeze().expect("freeze");
         sb.thaw().expect("thaw");
