@@ -35,8 +35,15 @@ pub const MAX_HEADER: u32 = 64 << 10;
 pub const MAX_PAYLOAD: u32 = 33 << 20;
 /// Largest file slice moved in one frame; larger reads and writes are split by the host.
 pub const FILE_CHUNK: u64 = 1 << 20;
-/// Protocol version, exchanged in `Hello`.
-pub const VERSION: u32 = 1;
+/// Protocol version, exchanged in `Hello`. 2 added `WriteStaged`, `AbortWrite` and
+/// `RemoveFile`; everything of 1 is unchanged, so a host speaks to either.
+pub const VERSION: u32 = 2;
+/// Oldest guest protocol a host still accepts.
+pub const MIN_VERSION: u32 = 1;
+/// Longest transfer id of a `WriteStaged`.
+pub const MAX_TRANSFER_ID: usize = 64;
+/// Staged writes a guest keeps open at once; more are refused.
+pub const MAX_STAGED_WRITES: usize = 16;
 /// Name of the virtio-serial port the agent listens on (`/sys/class/virtio-ports/*/name`).
 pub const PORT_NAME: &str = "org.sandboxd.agent.0";
 
@@ -69,6 +76,23 @@ pub enum Request {
     WriteFile { path: String, mode: u32, append: bool },
     /// Reads at most `limit` (≤ [`FILE_CHUNK`]) bytes from `offset`. Answered by `FileData`.
     ReadFile { path: String, offset: u64, limit: u64 },
+    /// One chunk of an atomic replacement of `path` (protocol 2). Payload: the bytes for
+    /// `[offset, offset + len)`. The first chunk (`offset` 0) creates `path`'s parents, follows
+    /// its last component through symlinks, refuses anything but a regular file there, and
+    /// creates a hidden temporary file beside the target, kept open under `transfer` (chosen by
+    /// the host, ≤ [`MAX_TRANSFER_ID`] bytes; at most [`MAX_STAGED_WRITES`] at once). Later
+    /// chunks must follow on. `commit` syncs the temporary file, gives it `mode` and the old
+    /// file's owner, and renames it over the target. Any failure removes the temporary file and
+    /// forgets the transfer: the old file is never touched before the rename. Answered by
+    /// `Written` with the bytes staged so far.
+    WriteStaged { transfer: String, path: String, mode: u32, offset: u64, commit: bool },
+    /// Drops an unfinished `WriteStaged` and its temporary file (protocol 2). Answered by `Ok`,
+    /// also when there is no such transfer.
+    AbortWrite { transfer: String },
+    /// Removes a regular file or a symlink — the link itself, never its target (protocol 2).
+    /// A path that does not exist is not an error; a directory or special file is
+    /// `Error{InvalidPath}`. Answered by `Ok`.
+    RemoveFile { path: String },
     /// `sync` then freeze the root filesystem (FIFREEZE) so the disk is consistent for a
     /// snapshot. Answered by `Ok`. Always followed by `Thaw`.
     Freeze,
@@ -395,6 +419,24 @@ mod tests {
                 .collect();
             assert_eq!(ids, [1, 2], "split at {split}");
         }
+    }
+
+    #[test]
+    fn version_2_requests_round_trip_and_version_1_ones_are_unchanged() {
+        let staged = Request::WriteStaged { transfer: "t1".into(), path: "/w/f".into(), mode: 0o644, offset: 0, commit: true };
+        let json = serde_json::to_value(Envelope { id: 1, msg: &staged }).expect("json");
+        assert_eq!(json["msg"]["type"], "write_staged");
+        for req in [staged, Request::AbortWrite { transfer: "t1".into() }, Request::RemoveFile { path: "/w/f".into() }] {
+            let mut d = Decoder::new();
+            d.push(&encode(4, &req, b"x").expect("encode"));
+            let Some(Decoded::Frame(f)) = d.next() else { panic!("no frame") };
+            assert_eq!(f.envelope::<Request>().expect("parse").msg, req);
+        }
+        // What a version-1 host sends still parses the same.
+        let v1 = br#"{"id":3,"msg":{"type":"write_file","path":"/f","mode":420,"append":false}}"#;
+        let env: Envelope<Request> = serde_json::from_slice(v1).expect("v1 write_file");
+        assert_eq!(env.msg, Request::WriteFile { path: "/f".into(), mode: 0o644, append: false });
+        const { assert!(MIN_VERSION <= VERSION) };
     }
 
     #[test]

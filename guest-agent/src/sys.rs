@@ -1,9 +1,21 @@
 //! Small Linux helpers the process tier's init (in sandboxd) and the microVM guest agent share.
+//!
+//! The file helpers below work inside a root directory: every lookup of a path with more than
+//! one component goes through [`open_in_root`], and everything else is an `*at` call on a
+//! directory opened that way with a single-component name, so nothing outside the root is ever
+//! reached, whatever symlinks the sandbox plants.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
+use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use nix::errno::Errno;
+
+/// Symlinks followed at the end of a path before giving up with `ELOOP` (the kernel's limit).
+pub const MAX_LINK_HOPS: usize = 40;
+/// Longest name of one path component (`NAME_MAX`).
+pub const NAME_MAX: usize = 255;
 
 /// Opens `rel` below the directory `root` with `openat2(RESOLVE_IN_ROOT)`: `..` and symlinks,
 /// absolute ones included, resolve as if `root` were `/`, so nothing outside is ever reached.
@@ -72,4 +84,248 @@ pub fn mkdir_all_in_root(root: RawFd, dirs: &[String]) -> Result<(), Errno> {
         }
     }
     Ok(())
+}
+
+/// Where a file that is about to be written lives: its directory, opened confined to the root,
+/// and its name there, once the last component was followed through symlinks (inside the root,
+/// as `open(2)` would follow them).
+#[derive(Debug)]
+pub struct FileSlot {
+    /// `O_PATH` descriptor of the directory that holds the file.
+    pub dir: OwnedFd,
+    /// The file's name in `dir`: one component.
+    pub name: CString,
+    /// What is there now, never a symlink or a directory; `None` when nothing is.
+    pub existing: Option<libc::stat>,
+}
+
+/// `rel` of a list of components for [`open_in_root`] (`.` for none).
+fn rel_path(comps: &[String]) -> String {
+    if comps.is_empty() {
+        ".".to_string()
+    } else {
+        comps.join("/")
+    }
+}
+
+/// Splits a symlink target the way the kernel reads it: empty and `.` components dropped.
+fn split_target(target: &str) -> impl Iterator<Item = String> + '_ {
+    target.split('/').filter(|c| !c.is_empty() && *c != ".").map(str::to_string)
+}
+
+/// `fstatat(dir, name, AT_SYMLINK_NOFOLLOW)`; `None` when nothing has that name.
+pub fn stat_at(dir: RawFd, name: &CStr) -> Result<Option<libc::stat>, Errno> {
+    // SAFETY: stat is plain old data; the kernel fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatat on a directory fd with a NUL-terminated name, writing into `st`, which
+    // outlives the call.
+    let rc = unsafe { libc::fstatat(dir, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
+    match Errno::result(rc) {
+        Ok(_) => Ok(Some(st)),
+        Err(Errno::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The file type bits of a stat (`S_IFREG`, `S_IFDIR`, …).
+pub fn file_type(st: &libc::stat) -> libc::mode_t {
+    st.st_mode & libc::S_IFMT
+}
+
+/// The target of the symlink `name` in `dir`. A target that is not UTF-8 is `EILSEQ`.
+fn readlink_at(dir: RawFd, name: &CStr) -> Result<String, Errno> {
+    let mut buf = vec![0u8; libc::PATH_MAX as usize];
+    // SAFETY: readlinkat writes at most `buf.len()` bytes into the buffer we own.
+    let n = unsafe { libc::readlinkat(dir, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let n = Errno::result(n)? as usize;
+    if n >= buf.len() {
+        return Err(Errno::ENAMETOOLONG);
+    }
+    buf.truncate(n);
+    String::from_utf8(buf).map_err(|_| Errno::EILSEQ)
+}
+
+/// Finds where a write to `comps` (below `root`) lands. A symlink as the last component is
+/// followed, inside the root, up to [`MAX_LINK_HOPS`] times (`ELOOP` after); a directory, the
+/// root itself or a path ending in `..` is `EISDIR`. Parents are not created here.
+pub fn resolve_file_slot(root: RawFd, comps: &[String]) -> Result<FileSlot, Errno> {
+    let mut comps = comps.to_vec();
+    for _ in 0..=MAX_LINK_HOPS {
+        let Some((name, dirs)) = comps.split_last() else { return Err(Errno::EISDIR) };
+        if name == ".." {
+            return Err(Errno::EISDIR);
+        }
+        let dir = open_in_root(root, &rel_path(dirs), libc::O_PATH | libc::O_DIRECTORY, 0)?;
+        let c_name = CString::new(name.as_str()).map_err(|_| Errno::EINVAL)?;
+        match stat_at(dir.as_raw_fd(), &c_name)? {
+            None => return Ok(FileSlot { dir, name: c_name, existing: None }),
+            Some(st) if file_type(&st) == libc::S_IFLNK => {
+                let target = readlink_at(dir.as_raw_fd(), &c_name)?;
+                // A relative target is relative to the link's directory: the same lexical
+                // prefix, which `open_in_root` resolves to that directory again.
+                let mut next: Vec<String> = if target.starts_with('/') { Vec::new() } else { dirs.to_vec() };
+                next.extend(split_target(&target));
+                comps = next;
+            }
+            Some(st) if file_type(&st) == libc::S_IFDIR => return Err(Errno::EISDIR),
+            Some(st) => return Ok(FileSlot { dir, name: c_name, existing: Some(st) }),
+        }
+    }
+    Err(Errno::ELOOP)
+}
+
+/// Opens the directory holding the last component of `comps` (confined to `root`) and returns
+/// it with that component's name, without following the last component. The root itself and
+/// a path ending in `..` are `EISDIR`.
+pub fn open_parent_in_root(root: RawFd, comps: &[String]) -> Result<(OwnedFd, CString), Errno> {
+    let Some((name, dirs)) = comps.split_last() else { return Err(Errno::EISDIR) };
+    if name == ".." {
+        return Err(Errno::EISDIR);
+    }
+    let dir = open_in_root(root, &rel_path(dirs), libc::O_PATH | libc::O_DIRECTORY, 0)?;
+    let c_name = CString::new(name.as_str()).map_err(|_| Errno::EINVAL)?;
+    Ok((dir, c_name))
+}
+
+/// `unlinkat(dir, name, 0)`: removes a file or symlink (never what a symlink points to).
+pub fn unlink_at(dir: RawFd, name: &CStr) -> Result<(), Errno> {
+    // SAFETY: unlinkat on a directory fd with a NUL-terminated single-component name.
+    Errno::result(unsafe { libc::unlinkat(dir, name.as_ptr(), 0) }).map(drop)
+}
+
+/// A temporary file being filled before it replaces its target.
+#[derive(Debug)]
+pub struct TempFile {
+    /// Its name in the slot's directory (hidden, unique).
+    pub name: CString,
+    pub file: File,
+}
+
+/// Creates a hidden, uniquely named, empty file (mode 0600) in `dir` with `O_EXCL`: nothing
+/// that already has the name — a file, a symlink planted by the sandbox — is ever opened.
+pub fn create_temp_in(dir: RawFd) -> Result<TempFile, Errno> {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    for _ in 0..8 {
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let name = CString::new(format!(".sbx-write-{}-{seq}-{nanos:08x}.tmp", std::process::id())).map_err(|_| Errno::EINVAL)?;
+        let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_NOCTTY | libc::O_CLOEXEC;
+        // SAFETY: openat on a directory fd with a NUL-terminated single-component name.
+        let fd = unsafe { libc::openat(dir, name.as_ptr(), flags, 0o600 as libc::c_uint) };
+        match Errno::result(fd) {
+            // SAFETY: the kernel returned a fresh descriptor that we now own.
+            Ok(fd) => return Ok(TempFile { name, file: File::from(unsafe { OwnedFd::from_raw_fd(fd) }) }),
+            Err(Errno::EEXIST | Errno::EINTR) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(Errno::EEXIST)
+}
+
+/// Puts a filled temporary file in place of the slot's file: the owner of the file it replaces
+/// (if any) is kept, `mode` is set (after the chown, which clears set-id bits), the data is
+/// synced, and `renameat` swaps it in — atomically: a reader sees the old file or the new one,
+/// never a mix. A symlink put there meanwhile is replaced itself, never followed. On error the
+/// temporary file is left for the caller to remove.
+pub fn commit_temp(slot: &FileSlot, temp: &TempFile, mode: u32) -> Result<(), Errno> {
+    let fd = temp.file.as_raw_fd();
+    if let Some(st) = &slot.existing {
+        // SAFETY: fchown on a descriptor we own.
+        Errno::result(unsafe { libc::fchown(fd, st.st_uid, st.st_gid) })?;
+    }
+    // SAFETY: fchmod on a descriptor we own.
+    Errno::result(unsafe { libc::fchmod(fd, (mode & 0o7777) as libc::mode_t) })?;
+    temp.file.sync_all().map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))?;
+    let dir = slot.dir.as_raw_fd();
+    // SAFETY: renameat between two single-component names in the same directory fd.
+    Errno::result(unsafe { libc::renameat(dir, temp.name.as_ptr(), dir, slot.name.as_ptr()) }).map(drop)
+}
+
+/// Writes `content` to a fresh temporary file beside the slot's file and replaces it with
+/// [`commit_temp`]. On any failure the temporary file is removed and the old file (if any) is
+/// exactly as it was.
+pub fn replace_file(slot: &FileSlot, content: &[u8], mode: u32) -> Result<(), Errno> {
+    use std::io::Write;
+    let mut temp = create_temp_in(slot.dir.as_raw_fd())?;
+    let done = temp
+        .file
+        .write_all(content)
+        .map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))
+        .and_then(|()| commit_temp(slot, &temp, mode));
+    if done.is_err() {
+        let _ = unlink_at(slot.dir.as_raw_fd(), &temp.name);
+    }
+    done
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn comps(path: &str) -> Vec<String> {
+        path.split('/').filter(|c| !c.is_empty()).map(str::to_string).collect()
+    }
+
+    fn root_fd(dir: &std::path::Path) -> File {
+        File::open(dir).expect("open root")
+    }
+
+    #[test]
+    fn replace_keeps_the_owner_sets_the_mode_and_leaves_no_temp() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("f"), b"old").expect("write");
+        std::os::unix::fs::chown(dir.path().join("f"), Some(1234), Some(4321)).ok();
+        let owner = std::fs::metadata(dir.path().join("f")).map(|m| (m.uid(), m.gid())).expect("stat");
+        let root = root_fd(dir.path());
+        let slot = resolve_file_slot(root.as_raw_fd(), &comps("f")).expect("slot");
+        assert!(slot.existing.is_some());
+        replace_file(&slot, b"new content", 0o640).expect("replace");
+        let meta = std::fs::metadata(dir.path().join("f")).expect("stat");
+        assert_eq!(std::fs::read(dir.path().join("f")).expect("read"), b"new content");
+        assert_eq!(meta.permissions().mode() & 0o7777, 0o640);
+        assert_eq!((meta.uid(), meta.gid()), owner);
+        let names: Vec<_> = std::fs::read_dir(dir.path()).expect("ls").flatten().map(|e| e.file_name()).collect();
+        assert_eq!(names, ["f"], "no temporary file is left");
+    }
+
+    #[test]
+    fn last_component_links_are_followed_inside_the_root_and_loops_end() {
+        let outer = tempfile::tempdir().expect("tempdir");
+        let r = outer.path().join("root");
+        std::fs::create_dir_all(r.join("d")).expect("mkdir");
+        std::os::unix::fs::symlink("/d/target", r.join("abs")).expect("symlink");
+        std::os::unix::fs::symlink("../../../d/rel-target", r.join("d/rel")).expect("symlink");
+        std::os::unix::fs::symlink("loop-b", r.join("loop-a")).expect("symlink");
+        std::os::unix::fs::symlink("loop-a", r.join("loop-b")).expect("symlink");
+        std::os::unix::fs::symlink("/d", r.join("to-dir")).expect("symlink");
+        let root = root_fd(&r);
+        let slot = resolve_file_slot(root.as_raw_fd(), &comps("abs")).expect("abs");
+        replace_file(&slot, b"a", 0o644).expect("write");
+        assert_eq!(std::fs::read(r.join("d/target")).expect("read"), b"a");
+        let slot = resolve_file_slot(root.as_raw_fd(), &comps("d/rel")).expect("rel");
+        replace_file(&slot, b"b", 0o644).expect("write");
+        assert_eq!(std::fs::read(r.join("d/rel-target")).expect("read"), b"b", "`..` clamped at the root");
+        assert!(std::fs::symlink_metadata(r.join("abs")).expect("lstat").file_type().is_symlink(), "the link itself stays");
+        assert_eq!(resolve_file_slot(root.as_raw_fd(), &comps("loop-a")).map(drop), Err(Errno::ELOOP));
+        assert_eq!(resolve_file_slot(root.as_raw_fd(), &comps("to-dir")).map(drop), Err(Errno::EISDIR));
+        assert_eq!(resolve_file_slot(root.as_raw_fd(), &[]).map(drop), Err(Errno::EISDIR));
+        assert_eq!(resolve_file_slot(root.as_raw_fd(), &comps("d/..")).map(drop), Err(Errno::EISDIR));
+    }
+
+    #[test]
+    fn temp_names_are_exclusive_and_unlink_does_not_follow_links() {
+        let outer = tempfile::tempdir().expect("tempdir");
+        std::fs::write(outer.path().join("precious"), b"keep").expect("write");
+        let dir = File::open(outer.path()).expect("open");
+        let a = create_temp_in(dir.as_raw_fd()).expect("temp");
+        let b = create_temp_in(dir.as_raw_fd()).expect("temp");
+        assert_ne!(a.name, b.name);
+        assert!(a.name.to_bytes().starts_with(b"."), "hidden");
+        std::os::unix::fs::symlink(outer.path().join("precious"), outer.path().join("link")).expect("symlink");
+        let link = CString::new("link").expect("cstring");
+        unlink_at(dir.as_raw_fd(), &link).expect("unlink");
+        assert_eq!(std::fs::read(outer.path().join("precious")).expect("read"), b"keep");
+        assert_eq!(stat_at(dir.as_raw_fd(), &link), Ok(None));
+    }
 }

@@ -1,7 +1,8 @@
 //! The tier-conformance suite: one end-to-end suite, run for every isolation tier, checking that
 //! each gives users the same API semantics — exec (output, exit codes, stdin, env, workdir,
 //! start failures, timeouts, caps and spill, streaming), limits (memory, pids), bad input,
-//! files, snapshots and rollback, forks, and a daemon killed with SIGKILL and restarted.
+//! files (atomic overwrites under a full disk included), snapshots and rollback, forks, and a
+//! daemon killed with SIGKILL and restarted.
 //!
 //! Each case is a function taking the isolation level; [`conformance!`] instantiates all of
 //! them as `#[tokio::test]`s in a module per tier, so `cargo test --test conformance container`
@@ -218,6 +219,10 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread")]
             async fn files_round_trip() {
                 super::files_round_trip($isolation).await
+            }
+            #[tokio::test(flavor = "multi_thread")]
+            async fn atomic_write_refused_by_the_quota_leaves_the_old_file() {
+                super::atomic_write_refused_by_the_quota_leaves_the_old_file($isolation).await
             }
             #[tokio::test(flavor = "multi_thread")]
             async fn snapshot_rollback_and_forks() {
@@ -467,8 +472,10 @@ async fn bad_input_and_path_escapes(isolation: Isolation) {
     }
     let err = c.create(CreateSandboxRequest { image: "no-such-image".into(), ..h.request(ResourceLimits::default()) }).await.expect_err("unknown image");
     assert_eq!(err.code(), Code::NotFound, "{err}");
+    // A name that cannot be an image (a path trick) is malformed, not unknown.
     let err = c.create(CreateSandboxRequest { image: "../minimal".into(), ..h.request(ResourceLimits::default()) }).await.expect_err("image path trick");
-    assert_eq!(err.code(), Code::NotFound, "{err}");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("image"), "{err}");
 
     // `..` is clamped at the sandbox's root, for writes and reads.
     let name = unique("sandboxd-escape");
@@ -559,6 +566,63 @@ async fn files_round_trip(isolation: Isolation) {
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
     let err = within(10, c.write_file(&id, "/workspace/fifo", b"x".to_vec(), 0)).await.expect_err("WriteFile to a FIFO");
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert_eq!(h.sh_ok(&id, "test -p /workspace/fifo && echo fifo").await, "fifo\n", "the FIFO is left as it was");
+
+    // A name over 255 bytes and a symlink loop are the caller's mistakes, not INTERNAL: both
+    // name the path, for reads and writes alike.
+    let long = format!("/workspace/{}", "n".repeat(300));
+    h.sh_ok(&id, "ln -s loop-b /workspace/loop-a && ln -s loop-a /workspace/loop-b").await;
+    for path in [long.as_str(), "/workspace/loop-a", "/workspace/loop-a/below"] {
+        let err = within(10, c.write_file(&id, path, b"x".to_vec(), 0)).await.expect_err("WriteFile of a bad path");
+        assert_eq!(err.code(), Code::InvalidArgument, "WriteFile({path:.40}…): {err}");
+        assert!(err.to_string().contains(&path[..path.len().min(24)]), "WriteFile({path:.40}…) does not name the path: {err}");
+        let err = within(10, c.read_file(&id, path, 0, 0)).await.expect_err("ReadFile of a bad path");
+        assert_eq!(err.code(), Code::InvalidArgument, "ReadFile({path:.40}…): {err}");
+        assert!(err.to_string().contains(&path[..path.len().min(24)]), "ReadFile({path:.40}…) does not name the path: {err}");
+    }
+}
+
+/// A WriteFile over an existing file that the disk quota refuses leaves the old file as it was
+/// (the new bytes go to a temporary file renamed over it only once they are all on disk).
+async fn atomic_write_refused_by_the_quota_leaves_the_old_file(isolation: Isolation) {
+    const DISK: u64 = 64 << 20;
+    let h = Harness::start(isolation).await;
+    let c = &h.client;
+    let id = h.sandbox_with(ResourceLimits { disk_bytes: DISK, ..Default::default() }).await;
+    // Where a write can run out of room. The container tier caps its writable layer only where
+    // Docker's storage driver can (not fuse-overlayfs, as on the reference host), so there the
+    // container's /dev/shm — a 64 MiB tmpfs — fills up instead: the same atomic-replace path.
+    let dir = if isolation == Isolation::Container { "/dev/shm" } else { "/workspace" };
+    let keep = format!("{dir}/keep.bin");
+    let old: Vec<u8> = (0..(1u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    c.write_file(&id, &keep, old.clone(), 0o640).await.expect("WriteFile of the first version");
+
+    // Fill the disk from inside: more than disk_bytes, so the write must stop short (bounded, so
+    // a tier that does not enforce disk_bytes fails here instead of filling the host's disk).
+    let fill = format!("dd if=/dev/zero of={dir}/filler bs=1M count={} 2>&1; sync", (DISK >> 20) + 32);
+    let r = within(120, h.sh(&id, &fill)).await;
+    let filler: u64 = h.sh_ok(&id, &format!("stat -c %s {dir}/filler")).await.trim().parse().expect("a size");
+    assert!(
+        filler < DISK,
+        "{isolation:?}: {filler} bytes written under disk_bytes = {DISK}: the tier does not enforce disk_bytes on this host ({})\n{}",
+        describe(&r),
+        h.daemon.log().lines().filter(|l| l.contains("disk_bytes")).collect::<Vec<_>>().join("\n")
+    );
+
+    let bigger = vec![7u8; 4 << 20];
+    let err = within(60, c.write_file(&id, &keep, bigger.clone(), 0o600)).await.expect_err("an overwrite the full disk cannot hold");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{isolation:?}: {err}");
+    let back = within(60, c.read_file_all(&id, &keep)).await.expect("ReadFile after the refused write");
+    assert!(back == old, "{isolation:?}: the old file changed: {} bytes read back, {} expected", back.len(), old.len());
+    assert_eq!(h.sh_ok(&id, &format!("stat -c %a {keep}")).await, "640\n", "the old mode is kept");
+    assert_eq!(h.sh_ok(&id, &format!("ls -A {dir}")).await, "filler\nkeep.bin\n", "no temporary file is left behind");
+
+    // With room again the overwrite goes through, whole.
+    h.sh_ok(&id, &format!("rm -f {dir}/filler; sync")).await;
+    let written = within(60, c.write_file(&id, &keep, bigger.clone(), 0o600)).await.expect("WriteFile once there is room");
+    assert_eq!(written, bigger.len() as u64);
+    assert!(within(60, c.read_file_all(&id, &keep)).await.expect("ReadFile") == bigger, "the new version reads back whole");
+    assert_eq!(h.sh_ok(&id, &format!("stat -c %a {keep}; ls -A {dir}")).await, "600\nkeep.bin\n");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -5,26 +5,61 @@
 //! so symlinks are followed; what matters here is that a FIFO or device node is refused before
 //! any byte moves (and without blocking on a FIFO or acquiring a terminal), and that a full disk
 //! is reported as such.
+//!
+//! Replacing a file is atomic: the bytes go to a hidden temporary file beside the target
+//! (`O_EXCL`), which is synced, given its mode and renamed over it, so a write the disk refuses
+//! leaves the old file byte for byte. A big file arrives in chunks (`WriteStaged`): the
+//! temporary file stays open between them under the host's transfer id, a bounded number at a
+//! time, and is dropped when a chunk fails, when the host aborts, or when it sits idle too long.
 
-use guest_agent::sys::open_in_root;
+use guest_agent::sys::{open_in_root, FileSlot, TempFile};
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use guest_agent::protocol::{ErrorKind, FILE_CHUNK};
+use guest_agent::protocol::{ErrorKind, FILE_CHUNK, MAX_STAGED_WRITES, MAX_TRANSFER_ID};
 use nix::errno::Errno;
 
 use super::RequestError;
 
 /// Mode of a created file when the request says 0.
 const DEFAULT_MODE: u32 = 0o644;
+/// A staged write with no chunk for this long was abandoned by the host; its temporary file is
+/// removed when the next staged write starts.
+const STAGED_IDLE: Duration = Duration::from_secs(600);
+
+/// A file being replaced in chunks.
+struct Staged {
+    slot: FileSlot,
+    temp: TempFile,
+    /// Bytes written so far; the next chunk must start here.
+    size: u64,
+    touched: Instant,
+}
+
+impl Staged {
+    /// Removes the temporary file (the target was never touched).
+    fn discard(self) {
+        let _ = guest_agent::sys::unlink_at(self.slot.dir.as_raw_fd(), &self.temp.name);
+    }
+}
 
 /// File access below one root directory.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Files {
     root: PathBuf,
+    staged: Arc<Mutex<HashMap<String, Staged>>>,
+}
+
+impl std::fmt::Debug for Files {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Files").field("root", &self.root).finish_non_exhaustive()
+    }
 }
 
 /// A slice of a file.
@@ -47,6 +82,9 @@ fn map_errno(path: &str, e: Errno) -> RequestError {
         Errno::EISDIR => invalid(path, "is a directory"),
         Errno::ENOTDIR => invalid(path, "a parent is not a directory"),
         Errno::ELOOP => invalid(path, "too many levels of symbolic links"),
+        Errno::ENAMETOOLONG => invalid(path, "file name too long"),
+        Errno::EILSEQ => invalid(path, "a symbolic link on the way is not valid UTF-8"),
+        Errno::EBUSY => invalid(path, "a mount point"),
         Errno::ENXIO | Errno::ENODEV | Errno::EACCES | Errno::EPERM | Errno::EROFS | Errno::ETXTBSY => invalid(path, e.desc()),
         other => RequestError::new(ErrorKind::Internal, format!("{path}: {}", other.desc())),
     }
@@ -67,6 +105,7 @@ fn components(path: &str) -> Result<Vec<String>, RequestError> {
     let mut out = Vec::new();
     for c in Path::new(path).components() {
         match c {
+            Component::Normal(s) if s.len() > guest_agent::sys::NAME_MAX => return Err(map_errno(path, Errno::ENAMETOOLONG)),
             Component::Normal(s) => out.push(s.to_string_lossy().into_owned()),
             Component::ParentDir => out.push("..".to_string()),
             Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
@@ -97,7 +136,7 @@ fn ensure_regular(file: &File, path: &str) -> Result<u64, RequestError> {
 impl Files {
     /// Files below `root` (`/` in the guest).
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        Files { root: root.into() }
+        Files { root: root.into(), staged: Arc::default() }
     }
 
     fn open_root(&self) -> Result<File, RequestError> {
@@ -134,20 +173,129 @@ impl Files {
         Ok(file)
     }
 
-    /// `WriteFile`: creates or truncates (or appends to) `path`, sets `mode` (0 = 0644) and
-    /// returns the file's size afterwards.
+    /// Where a write to `path` lands (parents created, last-component links followed); a
+    /// directory or special file there is refused before any byte moves.
+    fn writable_slot(&self, path: &str) -> Result<FileSlot, RequestError> {
+        let comps = file_components(path)?;
+        let root = self.open_root()?;
+        Self::mkdir_all(&root, &comps[..comps.len() - 1], path)?;
+        let slot = guest_agent::sys::resolve_file_slot(root.as_raw_fd(), &comps).map_err(|e| map_errno(path, e))?;
+        if slot.existing.as_ref().is_some_and(|st| guest_agent::sys::file_type(st) != libc::S_IFREG) {
+            return Err(invalid(path, "not a regular file"));
+        }
+        Ok(slot)
+    }
+
+    /// `WriteFile`: replaces `path` atomically (or appends to it in place), sets `mode`
+    /// (0 = 0644) and returns the file's size afterwards.
     pub fn write(&self, path: &str, mode: u32, append: bool, bytes: &[u8]) -> Result<u64, RequestError> {
         let mode = if mode == 0 { DEFAULT_MODE } else { mode & 0o7777 };
-        let mut file = self.open_for_write(path, mode, append)?;
         if !append {
-            file.set_len(0).map_err(|e| map_errno(path, io_errno(&e)))?;
+            let slot = self.writable_slot(path)?;
+            guest_agent::sys::replace_file(&slot, bytes, mode).map_err(|e| map_errno(path, e))?;
+            return Ok(bytes.len() as u64);
         }
+        let mut file = self.open_for_write(path, mode, append)?;
         file.write_all(bytes).map_err(|e| map_errno(path, io_errno(&e)))?;
         // Explicitly: the mode given at creation is filtered by the umask and ignored for an
         // existing file.
         file.set_permissions(std::fs::Permissions::from_mode(mode)).map_err(|e| map_errno(path, io_errno(&e)))?;
         let size = file.metadata().map_err(|e| map_errno(path, io_errno(&e)))?.len();
         Ok(size)
+    }
+
+    /// `WriteStaged`: one chunk of an atomic replacement of `path` (see the module docs).
+    /// Returns the bytes staged so far.
+    pub fn write_staged(&self, transfer: &str, path: &str, mode: u32, offset: u64, commit: bool, bytes: &[u8]) -> Result<u64, RequestError> {
+        if transfer.is_empty() || transfer.len() > MAX_TRANSFER_ID {
+            return Err(RequestError::new(ErrorKind::BadRequest, format!("transfer id of {} bytes (1..={MAX_TRANSFER_ID})", transfer.len())));
+        }
+        let mode = if mode == 0 { DEFAULT_MODE } else { mode & 0o7777 };
+        let mut staged = if offset == 0 {
+            self.abort_staged(transfer);
+            self.reserve_staged()?;
+            let slot = self.writable_slot(path)?;
+            let temp = guest_agent::sys::create_temp_in(slot.dir.as_raw_fd()).map_err(|e| map_errno(path, e))?;
+            Staged { slot, temp, size: 0, touched: Instant::now() }
+        } else {
+            // Out of the table while it is written: a duplicate chunk finds nothing.
+            let taken = self.staged.lock().unwrap_or_else(|p| p.into_inner()).remove(transfer);
+            let Some(staged) = taken else {
+                return Err(RequestError::new(ErrorKind::BadRequest, format!("no staged write {transfer:?} (it failed, expired or was aborted)")));
+            };
+            if staged.size != offset {
+                let at = staged.size;
+                staged.discard();
+                return Err(RequestError::new(ErrorKind::BadRequest, format!("chunk at offset {offset} of staged write {transfer:?}, which holds {at} bytes")));
+            }
+            staged
+        };
+        if let Err(e) = staged.temp.file.write_all_at(bytes, offset) {
+            staged.discard();
+            return Err(map_errno(path, io_errno(&e)));
+        }
+        staged.size += bytes.len() as u64;
+        if commit {
+            let size = staged.size;
+            if let Err(e) = guest_agent::sys::commit_temp(&staged.slot, &staged.temp, mode) {
+                staged.discard();
+                return Err(map_errno(path, e));
+            }
+            return Ok(size);
+        }
+        staged.touched = Instant::now();
+        let size = staged.size;
+        self.staged.lock().unwrap_or_else(|p| p.into_inner()).insert(transfer.to_string(), staged);
+        Ok(size)
+    }
+
+    /// Makes room for one more staged write: drops the abandoned ones, refuses past the bound.
+    fn reserve_staged(&self) -> Result<(), RequestError> {
+        let expired: Vec<Staged> = {
+            let mut table = self.staged.lock().unwrap_or_else(|p| p.into_inner());
+            let old: Vec<String> = table.iter().filter(|(_, s)| s.touched.elapsed() > STAGED_IDLE).map(|(k, _)| k.clone()).collect();
+            let expired = old.iter().filter_map(|k| table.remove(k)).collect();
+            if table.len() >= MAX_STAGED_WRITES {
+                return Err(RequestError::new(ErrorKind::Internal, format!("{MAX_STAGED_WRITES} staged writes are already in progress")));
+            }
+            expired
+        };
+        expired.into_iter().for_each(Staged::discard);
+        Ok(())
+    }
+
+    /// `AbortWrite`: drops a staged write and its temporary file (nothing if there is none).
+    pub fn abort_staged(&self, transfer: &str) {
+        let taken = self.staged.lock().unwrap_or_else(|p| p.into_inner()).remove(transfer);
+        if let Some(staged) = taken {
+            staged.discard();
+        }
+    }
+
+    /// `RemoveFile`: unlinks a regular file or a symlink (the link, never its target). A path
+    /// that does not exist is fine; a directory or special file is refused.
+    pub fn remove(&self, path: &str) -> Result<(), RequestError> {
+        let comps = file_components(path)?;
+        let root = self.open_root()?;
+        let (dir, name) = match guest_agent::sys::open_parent_in_root(root.as_raw_fd(), &comps) {
+            Ok(parent) => parent,
+            Err(Errno::ENOENT) => return Ok(()),
+            Err(e) => return Err(map_errno(path, e)),
+        };
+        let st = match guest_agent::sys::stat_at(dir.as_raw_fd(), &name) {
+            Ok(Some(st)) => st,
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(map_errno(path, e)),
+        };
+        match guest_agent::sys::file_type(&st) {
+            libc::S_IFREG | libc::S_IFLNK => {}
+            libc::S_IFDIR => return Err(invalid(path, "is a directory")),
+            _ => return Err(invalid(path, "not a regular file or symbolic link")),
+        }
+        match guest_agent::sys::unlink_at(dir.as_raw_fd(), &name) {
+            Ok(()) | Err(Errno::ENOENT) => Ok(()),
+            Err(e) => Err(map_errno(path, e)),
+        }
     }
 
     /// `ReadFile`: at most `min(limit, FILE_CHUNK)` bytes from `offset` (`limit` 0 = a chunk).
@@ -267,5 +415,81 @@ mod tests {
         std::os::unix::fs::symlink("/target", root.join("link")).expect("symlink");
         files.write("/link", 0, false, b"via link").expect("write through link");
         assert_eq!(std::fs::read(root.join("target")).expect("read"), b"via link");
+        assert!(std::fs::symlink_metadata(root.join("link")).expect("lstat").file_type().is_symlink());
+        // Removing the link removes the link, not what it points to.
+        files.remove("/link").expect("remove");
+        assert!(root.join("target").exists() && std::fs::symlink_metadata(root.join("link")).is_err());
+    }
+
+    #[test]
+    fn long_names_and_loops_are_invalid_paths() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let files = Files::new(dir.path());
+        let long = format!("/{}", "x".repeat(256));
+        assert_eq!(kind(files.write(&long, 0, false, b"x")), ErrorKind::InvalidPath);
+        assert_eq!(kind(files.read(&long, 0, 0)), ErrorKind::InvalidPath);
+        assert_eq!(kind(files.remove(&long)), ErrorKind::InvalidPath);
+        std::os::unix::fs::symlink("b", dir.path().join("a")).expect("symlink");
+        std::os::unix::fs::symlink("a", dir.path().join("b")).expect("symlink");
+        assert_eq!(kind(files.write("/a", 0, false, b"x")), ErrorKind::InvalidPath);
+        assert_eq!(kind(files.write_staged("t", "/a", 0, 0, true, b"x")), ErrorKind::InvalidPath);
+        assert_eq!(kind(files.read("/a", 0, 0)), ErrorKind::InvalidPath);
+        assert_eq!(kind(files.write("/a/f", 0, false, b"x")), ErrorKind::InvalidPath);
+        assert_eq!(map_errno("/p", Errno::ENAMETOOLONG).kind, ErrorKind::InvalidPath);
+    }
+
+    #[test]
+    fn staged_writes_are_bounded_and_abandoned_ones_expire() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let files = Files::new(dir.path());
+        for i in 0..MAX_STAGED_WRITES {
+            files.write_staged(&format!("t{i}"), &format!("/f{i}"), 0, 0, false, b"x").expect("stage");
+        }
+        assert_eq!(kind(files.write_staged("one-more", "/g", 0, 0, false, b"x")), ErrorKind::Internal);
+        assert_eq!(kind(files.write_staged(&"t".repeat(MAX_TRANSFER_ID + 1), "/g", 0, 0, false, b"x")), ErrorKind::BadRequest);
+        // Make every transfer look abandoned: the next one clears them all away.
+        for s in files.staged.lock().expect("lock").values_mut() {
+            s.touched = Instant::now() - STAGED_IDLE - Duration::from_secs(1);
+        }
+        files.write_staged("fresh", "/g", 0, 0, true, b"done").expect("room again");
+        assert_eq!(files.staged.lock().expect("lock").len(), 0);
+        let mut names: Vec<String> = std::fs::read_dir(dir.path()).expect("ls").flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        assert_eq!(names, ["g"], "expired temporary files are removed and targets never created");
+    }
+
+    #[test]
+    fn a_write_the_full_disk_refuses_leaves_the_old_file_byte_for_byte() {
+        use nix::mount::{mount, MsFlags};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().to_path_buf();
+        // In a thread of its own with a private mount namespace: a 1 MiB tmpfs as the disk
+        // (root only, as CI runs the tests).
+        std::thread::spawn(move || {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("unshare a mount namespace (run the tests as root)");
+            mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>).expect("make mounts private");
+            mount(Some("tmpfs"), &root, Some("tmpfs"), MsFlags::empty(), Some("size=1048576")).expect("mount a small tmpfs");
+            let files = Files::new(&root);
+            let old: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+            files.write("/w/f", 0o640, false, &old).expect("first version");
+            let mut filler = File::create(root.join("filler")).expect("create");
+            while filler.write_all(&[1u8; 64 << 10]).is_ok() {}
+            drop(filler);
+            assert_eq!(kind(files.write("/w/f", 0, false, &vec![2u8; 300_000])), ErrorKind::DiskFull);
+            assert_eq!(files.write_staged("t", "/w/f", 0, 0, false, &vec![3u8; 150_000]).map(drop).err().map(|e| e.kind), Some(ErrorKind::DiskFull));
+            // A transfer that fails at a later chunk leaves the file as it was too.
+            std::fs::remove_file(root.join("filler")).expect("rm");
+            let mut filler = File::create(root.join("filler")).expect("create");
+            filler.write_all(&vec![1u8; 700_000]).expect("fill most");
+            drop(filler);
+            files.write_staged("t", "/w/f", 0, 0, false, &vec![4u8; 100_000]).expect("first chunk fits");
+            assert_eq!(kind(files.write_staged("t", "/w/f", 0, 100_000, true, &vec![4u8; 300_000])), ErrorKind::DiskFull);
+            assert_eq!(std::fs::read(root.join("w/f")).expect("read"), old, "the old file is intact");
+            assert_eq!(std::fs::metadata(root.join("w/f")).expect("stat").permissions().mode() & 0o7777, 0o640);
+            let names: Vec<String> = std::fs::read_dir(root.join("w")).expect("ls").flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+            assert_eq!(names, ["f"], "the temporary files were removed");
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p));
     }
 }

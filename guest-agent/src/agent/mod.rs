@@ -174,6 +174,22 @@ impl Agent {
                 persist();
                 Ok((Response::Written { size }, Vec::new()))
             }
+            Request::WriteStaged { transfer, path, mode, offset, commit } => {
+                let size = self.files.write_staged(&transfer, &path, mode, offset, commit, &payload)?;
+                if commit {
+                    persist();
+                }
+                Ok((Response::Written { size }, Vec::new()))
+            }
+            Request::AbortWrite { transfer } => {
+                self.files.abort_staged(&transfer);
+                ok
+            }
+            Request::RemoveFile { path } => {
+                self.files.remove(&path)?;
+                persist();
+                ok
+            }
             Request::ReadFile { path, offset, limit } => {
                 let chunk = self.files.read(&path, offset, limit)?;
                 Ok((Response::FileData { size: chunk.size, eof: chunk.eof }, chunk.bytes))

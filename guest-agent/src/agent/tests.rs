@@ -258,6 +258,38 @@ fn files_round_trip_through_the_protocol() {
 }
 
 #[test]
+fn staged_writes_replace_the_file_only_at_commit_and_remove_file_unlinks() {
+    let mut host = Host::start();
+    let f = host.root.path().join("w/f");
+    let (resp, _) = host.call(&Request::WriteFile { path: "/w/f".into(), mode: 0, append: false }, b"old");
+    assert_eq!(resp, Response::Written { size: 3 });
+    let chunk = |offset: u64, commit: bool| Request::WriteStaged { transfer: "t-1".into(), path: "/w/f".into(), mode: 0o600, offset, commit };
+    assert_eq!(host.call(&chunk(0, false), b"new ").0, Response::Written { size: 4 });
+    assert_eq!(host.call(&chunk(4, false), b"cont").0, Response::Written { size: 8 });
+    assert_eq!(std::fs::read(&f).expect("read"), b"old", "untouched until the commit");
+    assert_eq!(host.call(&chunk(8, true), b"ent").0, Response::Written { size: 11 });
+    assert_eq!(std::fs::read(&f).expect("read"), b"new content");
+    // A chunk out of order, or of a transfer that is gone, is refused and changes nothing.
+    assert_eq!(host.call(&chunk(0, false), b"abc").0, Response::Written { size: 3 });
+    let (resp, _) = host.call(&chunk(5, true), b"x");
+    assert!(matches!(resp, Response::Error { kind: ErrorKind::BadRequest, .. }), "{resp:?}");
+    let (resp, _) = host.call(&chunk(3, true), b"x");
+    assert!(matches!(resp, Response::Error { kind: ErrorKind::BadRequest, .. }), "{resp:?}");
+    assert_eq!(std::fs::read(&f).expect("read"), b"new content");
+    // An aborted transfer leaves nothing behind.
+    assert_eq!(host.call(&chunk(0, false), b"abc").0, Response::Written { size: 3 });
+    assert_eq!(host.call(&Request::AbortWrite { transfer: "t-1".into() }, b"").0, Response::Ok);
+    assert_eq!(host.call(&Request::AbortWrite { transfer: "never".into() }, b"").0, Response::Ok);
+    let names: Vec<String> = std::fs::read_dir(host.root.path().join("w")).expect("ls").flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["f"], "no temporary file is left");
+    assert_eq!(host.call(&Request::RemoveFile { path: "/w/f".into() }, b"").0, Response::Ok);
+    assert!(!f.exists());
+    assert_eq!(host.call(&Request::RemoveFile { path: "/w/f".into() }, b"").0, Response::Ok, "a missing file is fine");
+    let (resp, _) = host.call(&Request::RemoveFile { path: "/w".into() }, b"");
+    assert!(matches!(resp, Response::Error { kind: ErrorKind::InvalidPath, .. }), "{resp:?}");
+}
+
+#[test]
 fn exec_captures_output_exit_code_and_stdin() {
     let mut host = Host::start();
     let (before, exit, payload) = host.exec(exec_req("ex-echo", &["echo", "hi"]), b"");

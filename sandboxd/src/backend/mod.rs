@@ -10,6 +10,7 @@ pub mod container;
 pub mod microvm;
 pub mod mountinfo;
 pub mod process;
+pub mod seccomp;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -199,6 +200,10 @@ pub trait Backend: Send + Sync {
     async fn write_file(&self, sandbox: &SandboxId, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError>;
     /// Reads part of a file inside the sandbox.
     async fn read_file(&self, sandbox: &SandboxId, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError>;
+    /// Removes a regular file or a symlink (the link itself, never its target) inside the
+    /// sandbox, confined like the other file operations. A path that does not exist is `Ok`; a
+    /// directory or special file is `InvalidPath`. Not an API call: the daemon's own clean-up.
+    async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError>;
     /// Captures the sandbox's filesystem as `snapshot`; returns the bytes it holds beyond the image.
     async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError>;
     /// Puts the sandbox's filesystem back to `snapshot`; every process in it is ended.

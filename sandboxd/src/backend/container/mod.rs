@@ -3,13 +3,14 @@
 //!
 //! * [`image`] — sandbox images become local Docker images, imported from the same rootfs the
 //!   process tier uses (no registry).
-//! * [`setup`] — the container recipe: limits, capabilities, no-new-privileges, Docker's default
-//!   seccomp profile, network `none`, an init that reaps zombies, labels marking it as ours.
+//! * [`setup`] — the container recipe: limits, capabilities, no-new-privileges, a
+//!   seccomp profile built from the same deny list as the process tier (`backend::seccomp`),
+//!   network `none`, an init that reaps zombies, labels marking it as ours.
 //! * [`exec`] — commands run through the exec API, each moved into its own child cgroup of the
 //!   container's, which gives per-exec CPU and peak memory, OOM detection and a kill that reaches
 //!   the whole process tree.
-//! * [`files`] — WriteFile/ReadFile through the archive API: Docker resolves paths inside the
-//!   container.
+//! * [`files`] — WriteFile/ReadFile through the container's root (`/proc/<init>/root`) with
+//!   the process tier's confined lookups; writes replace files atomically.
 //! * [`snapshot`] and [`layer`] — snapshots copy the container's writable layer; rollback swaps
 //!   in a standby container prepared from the snapshot in the background.
 //!
@@ -276,6 +277,19 @@ impl Backend for ContainerBackend {
         }
     }
 
+    fn failure(&self, sandbox: &SandboxId) -> Option<String> {
+        // Rollback and destroy take a sandbox out of the table (and mark it lost) before they
+        // kill its container, so a dead init here died on its own: code inside can end it
+        // (docker-init forwards a SIGTERM from inside to the keepalive and exits with it).
+        let sb = self.inner.sandbox(sandbox).ok()?;
+        if sb.lost_reason().is_some() {
+            return None;
+        }
+        // SAFETY: kill with signal 0 sends nothing; it only asks whether the pid exists.
+        let gone = unsafe { libc::kill(sb.init_pid, 0) } == -1 && nix::errno::Errno::last() == nix::errno::Errno::ESRCH;
+        gone.then(|| format!("the container's init (host pid {}) exited, so the container stopped; nothing in it can run any more (destroy it; its snapshots are kept)", sb.init_pid))
+    }
+
     async fn create(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
         let inner = &self.inner;
         inner.docker()?;
@@ -302,12 +316,17 @@ impl Backend for ContainerBackend {
 
     async fn write_file(&self, sandbox: &SandboxId, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
-        files::write_file(self.inner.docker()?, &sb, path, content, mode).await
+        files::write_file(&sb, path, content, mode).await
     }
 
     async fn read_file(&self, sandbox: &SandboxId, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
-        files::read_file(self.inner.docker()?, &sb, path, offset, limit).await
+        files::read_file(&sb, path, offset, limit).await
+    }
+
+    async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::remove_file(&sb, path).await
     }
 
     async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {

@@ -65,6 +65,8 @@ impl Drop for AgentConn {
 pub struct HelloInfo {
     pub kernel: String,
     pub uptime_ms: u64,
+    /// The protocol the agent speaks ([`protocol::MIN_VERSION`]..=[`protocol::VERSION`]).
+    pub version: u32,
 }
 
 impl AgentConn {
@@ -98,10 +100,16 @@ impl AgentConn {
             let wait = retry.min(deadline - now);
             match conn.call(&Request::Hello, &[], wait).await {
                 Ok(Reply { msg: Response::Hello { version, kernel, uptime_ms }, .. }) => {
-                    if version != protocol::VERSION {
-                        return Err(AgentError::Protocol(format!("guest agent speaks protocol {version}, sandboxd {}", protocol::VERSION)));
+                    // Newer protocols only add requests, so an older agent is served with
+                    // what it knows (see the callers of `HelloInfo::version`).
+                    if !(protocol::MIN_VERSION..=protocol::VERSION).contains(&version) {
+                        return Err(AgentError::Protocol(format!(
+                            "guest agent speaks protocol {version}, sandboxd {}..={}",
+                            protocol::MIN_VERSION,
+                            protocol::VERSION
+                        )));
                     }
-                    return Ok((conn, HelloInfo { kernel, uptime_ms }));
+                    return Ok((conn, HelloInfo { kernel, uptime_ms, version }));
                 }
                 Ok(other) => return Err(AgentError::Protocol(format!("unexpected answer to hello: {:?}", other.msg))),
                 Err(AgentError::Timeout { .. }) => continue,
@@ -204,6 +212,9 @@ pub fn request_name(req: &Request) -> &'static str {
         Request::Signal { .. } => "signal",
         Request::WriteFile { .. } => "write_file",
         Request::ReadFile { .. } => "read_file",
+        Request::WriteStaged { .. } => "write_staged",
+        Request::AbortWrite { .. } => "abort_write",
+        Request::RemoveFile { .. } => "remove_file",
         Request::Freeze => "freeze",
         Request::Thaw => "thaw",
         Request::Shutdown => "shutdown",

@@ -152,22 +152,88 @@ fn guest_path(path: &str, workdir: &str) -> Result<String, BackendError> {
     Ok(format!("/{}", comps.join("/")))
 }
 
-/// Writes a file in chunks of at most [`protocol::FILE_CHUNK`]; returns the bytes written.
-pub async fn write_file(vm: &Vm, workdir: &str, api_path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
+/// The guest protocol that brought atomic staged writes and `RemoveFile`.
+const STAGED_WRITES: u32 = 2;
+
+/// The absolute guest path of an API path that names a file (not the root, not ending in `..`).
+fn guest_file_path(api_path: &str, workdir: &str) -> Result<String, BackendError> {
     let comps = crate::backend::process::files::components(api_path, workdir)?;
     match comps.last().map(String::as_str) {
-        None => return Err(BackendError::InvalidPath { path: api_path.to_string(), reason: "names the root directory".into() }),
-        Some("..") => return Err(BackendError::InvalidPath { path: api_path.to_string(), reason: "ends in ..".into() }),
-        Some(_) => {}
+        None => Err(BackendError::InvalidPath { path: api_path.to_string(), reason: "names the root directory".into() }),
+        Some("..") => Err(BackendError::InvalidPath { path: api_path.to_string(), reason: "ends in ..".into() }),
+        Some(_) => Ok(format!("/{}", comps.join("/"))),
     }
-    let path_owned = format!("/{}", comps.join("/"));
-    let path = path_owned.as_str();
-    let mode = if mode == 0 { 0o644 } else { mode & 0o7777 };
+}
+
+/// `content` in chunks of at most [`protocol::FILE_CHUNK`] (one empty chunk for no content).
+fn chunks_of(content: &[u8]) -> Vec<&[u8]> {
     let mut chunks: Vec<&[u8]> = content.chunks(protocol::FILE_CHUNK as usize).collect();
     if chunks.is_empty() {
         chunks.push(&[]);
     }
+    chunks
+}
+
+/// Writes a file, replacing an old one atomically: the chunks (at most
+/// [`protocol::FILE_CHUNK`] each) are staged in a temporary file in the guest, which the last
+/// chunk renames over the target. A failure anywhere leaves the old file as it was. Returns the
+/// bytes written.
+pub async fn write_file(vm: &Vm, workdir: &str, api_path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
+    static TRANSFERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let path = guest_file_path(api_path, workdir)?;
+    let mode = if mode == 0 { 0o644 } else { mode & 0o7777 };
+    if vm.hello.version < STAGED_WRITES {
+        tracing::warn!(version = vm.hello.version, "the guest agent predates atomic writes: rebuild the VM images (make vm-images)");
+        return write_file_in_place(vm, api_path, &path, content, mode).await;
+    }
+    let transfer = format!("w{}", TRANSFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    let chunks = chunks_of(content);
+    let last = chunks.len() - 1;
+    let mut offset = 0u64;
     for (i, chunk) in chunks.into_iter().enumerate() {
+        let req = Request::WriteStaged { transfer: transfer.clone(), path: path.clone(), mode, offset, commit: i == last };
+        let failure = match vm.agent.call(&req, chunk, FILE_TIMEOUT).await {
+            Ok(reply) => match reply.msg {
+                Response::Written { size } if size == offset + chunk.len() as u64 => {
+                    offset = size;
+                    continue;
+                }
+                // The guest dropped the transfer itself.
+                Response::Error { kind, message } => return Err(agent_failure(kind, message, api_path)),
+                other => BackendError::Internal(format!("guest agent answered write_staged with {other:?} (expected {} bytes staged)", offset + chunk.len() as u64)),
+            },
+            Err(e) => vm.agent_error(e),
+        };
+        // Best effort: a guest that is gone or stuck drops abandoned transfers on its own.
+        if let Err(e) = vm.agent.call(&Request::AbortWrite { transfer: transfer.clone() }, &[], Duration::from_secs(5)).await {
+            tracing::debug!(%transfer, error = %e, "aborting a staged write in the guest");
+        }
+        return Err(failure);
+    }
+    Ok(content.len() as u64)
+}
+
+/// Removes a regular file or symlink in the guest (a missing one is fine).
+pub async fn remove_file(vm: &Vm, workdir: &str, api_path: &str) -> Result<(), BackendError> {
+    let path = guest_file_path(api_path, workdir)?;
+    if vm.hello.version < STAGED_WRITES {
+        return Err(BackendError::Internal(format!(
+            "the guest agent of this microVM speaks protocol {}, which cannot remove files: rebuild the VM images (make vm-images)",
+            vm.hello.version
+        )));
+    }
+    let reply = vm.agent.call(&Request::RemoveFile { path }, &[], FILE_TIMEOUT).await.map_err(|e| vm.agent_error(e))?;
+    match reply.msg {
+        Response::Ok | Response::Error { kind: ErrorKind::NotFound, .. } => Ok(()),
+        Response::Error { kind, message } => Err(agent_failure(kind, message, api_path)),
+        other => Err(BackendError::Internal(format!("guest agent answered remove_file with {other:?}"))),
+    }
+}
+
+/// The protocol-1 write: the first chunk truncates the file in place, the others append (not
+/// atomic; only for a guest agent that knows nothing better).
+async fn write_file_in_place(vm: &Vm, api_path: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
+    for (i, chunk) in chunks_of(content).into_iter().enumerate() {
         let req = Request::WriteFile { path: path.to_string(), mode, append: i > 0 };
         let reply = vm.agent.call(&req, chunk, FILE_TIMEOUT).await.map_err(|e| vm.agent_error(e))?;
         match reply.msg {

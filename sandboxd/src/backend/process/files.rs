@@ -6,12 +6,17 @@
 //! ones included — as if the sandbox root were `/`. Only regular files are read or written; a FIFO
 //! or device node planted by the sandbox is refused before any byte moves (and the overlay is
 //! mounted `nodev` besides).
+//!
+//! A write never changes the old file in place: the bytes go to a hidden temporary file beside
+//! the target (`O_EXCL`), which is synced and renamed over it, so a write the disk quota refuses
+//! leaves the old file exactly as it was. The container tier uses the same code through the
+//! container's root (`/proc/<init>/root`).
 
-use guest_agent::sys::open_in_root;
+use guest_agent::sys::{open_in_root, FileSlot, NAME_MAX};
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
@@ -32,10 +37,14 @@ pub(crate) fn components(path: &str, workdir: &str) -> Result<Vec<String>, Backe
     if path.contains('\0') {
         return Err(invalid("contains a NUL byte"));
     }
+    if path.len() >= libc::PATH_MAX as usize {
+        return Err(invalid(&format!("longer than {} bytes", libc::PATH_MAX - 1)));
+    }
     let full: PathBuf = if path.starts_with('/') { PathBuf::from(path) } else { Path::new(workdir).join(path) };
     let mut out = Vec::new();
     for c in full.components() {
         match c {
+            Component::Normal(s) if s.len() > NAME_MAX => return Err(invalid(&format!("a component is longer than {NAME_MAX} bytes"))),
             Component::Normal(s) => out.push(s.to_string_lossy().into_owned()),
             Component::ParentDir => out.push("..".to_string()),
             Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
@@ -44,16 +53,21 @@ pub(crate) fn components(path: &str, workdir: &str) -> Result<Vec<String>, Backe
     Ok(out)
 }
 
-fn map_errno(path: &str, e: Errno) -> BackendError {
+/// The API error of a failed system call on `path`: what the caller can fix (a bad path, a
+/// loop, a name too long, a full disk) is never INTERNAL.
+pub(crate) fn map_errno(path: &str, e: Errno) -> BackendError {
+    let invalid = |reason: &str| BackendError::InvalidPath { path: path.to_string(), reason: reason.to_string() };
     match e {
         Errno::ENOENT => BackendError::FileNotFound { path: path.to_string() },
         Errno::ENOSPC | Errno::EDQUOT => BackendError::DiskFull { path: path.to_string() },
-        Errno::EISDIR => BackendError::InvalidPath { path: path.to_string(), reason: "is a directory".into() },
-        Errno::ENOTDIR => BackendError::InvalidPath { path: path.to_string(), reason: "a parent is not a directory".into() },
-        Errno::ELOOP => BackendError::InvalidPath { path: path.to_string(), reason: "too many levels of symbolic links".into() },
-        Errno::ENXIO | Errno::ENODEV | Errno::EACCES | Errno::EPERM => {
-            BackendError::InvalidPath { path: path.to_string(), reason: format!("not accessible: {}", e.desc()) }
-        }
+        Errno::EISDIR => invalid("is a directory"),
+        Errno::ENOTDIR => invalid("a parent is not a directory"),
+        Errno::ELOOP => invalid("too many levels of symbolic links"),
+        Errno::ENAMETOOLONG => invalid("file name too long"),
+        Errno::EILSEQ => invalid("a symbolic link on the way is not valid UTF-8"),
+        Errno::EROFS => invalid("on a read-only file system"),
+        Errno::EBUSY => invalid("a mount point"),
+        Errno::ENXIO | Errno::ENODEV | Errno::EACCES | Errno::EPERM => invalid(&format!("not accessible: {}", e.desc())),
         other => BackendError::io(format!("accessing {path} in the sandbox"), std::io::Error::from(other)),
     }
 }
@@ -70,6 +84,18 @@ fn ensure_regular(file: &File, path: &str) -> Result<u64, BackendError> {
     Ok(meta.len())
 }
 
+/// Refuses a file of a kernel pseudo-filesystem (a container's `/proc` and `/sys` are reachable
+/// through its root): the daemon opens files as host root, which would read what code in the
+/// sandbox itself may not (kernel addresses in `/proc/kallsyms`, other processes' state).
+fn refuse_kernel_fs(file: &File, path: &str) -> Result<(), BackendError> {
+    use nix::sys::statfs::{fstatfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC, DEBUGFS_MAGIC, PROC_SUPER_MAGIC, SECURITYFS_MAGIC, SYSFS_MAGIC};
+    let fs = fstatfs(file).map_err(|e| map_errno(path, e))?.filesystem_type();
+    if [PROC_SUPER_MAGIC, SYSFS_MAGIC, CGROUP_SUPER_MAGIC, CGROUP2_SUPER_MAGIC, DEBUGFS_MAGIC, SECURITYFS_MAGIC].contains(&fs) {
+        return Err(BackendError::InvalidPath { path: path.to_string(), reason: "is on a kernel filesystem (/proc, /sys), which the file API does not read; read it with an exec".into() });
+    }
+    Ok(())
+}
+
 /// Creates every missing directory of `dirs` (already split), each lookup confined to `root`.
 fn mkdir_all(root: &File, dirs: &[String], display: &str) -> Result<(), BackendError> {
     guest_agent::sys::mkdir_all_in_root(root.as_raw_fd(), dirs).map_err(|e| map_errno(display, e))
@@ -82,35 +108,91 @@ pub fn create_dir_all(root: &Path, path: &str) -> Result<(), BackendError> {
     mkdir_all(&root_file, &comps, path)
 }
 
-/// Writes a whole file (creating parents), with `mode` (0 = 0644). Returns the bytes written.
-pub fn write_file(root: &Path, workdir: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
+/// The components of a path that names a file: not the root, not ending in `..`.
+fn file_components(path: &str, workdir: &str) -> Result<Vec<String>, BackendError> {
     let comps = components(path, workdir)?;
-    let Some((name, dirs)) = comps.split_last() else {
-        return Err(BackendError::InvalidPath { path: path.to_string(), reason: "names the root directory".into() });
-    };
-    if name == ".." {
-        return Err(BackendError::InvalidPath { path: path.to_string(), reason: "ends in ..".into() });
+    match comps.last().map(String::as_str) {
+        None => Err(BackendError::InvalidPath { path: path.to_string(), reason: "names the root directory".into() }),
+        Some("..") => Err(BackendError::InvalidPath { path: path.to_string(), reason: "ends in ..".into() }),
+        Some(_) => Ok(comps),
     }
-    let root_file = open_root(root)?;
-    mkdir_all(&root_file, dirs, path)?;
+}
+
+/// Where a write to `comps` lands; anything there but a regular file is refused before any
+/// byte moves.
+fn writable_slot(root: &File, comps: &[String], path: &str) -> Result<FileSlot, BackendError> {
+    let slot = guest_agent::sys::resolve_file_slot(root.as_raw_fd(), comps).map_err(|e| map_errno(path, e))?;
+    if slot.existing.as_ref().is_some_and(|st| guest_agent::sys::file_type(st) != libc::S_IFREG) {
+        return Err(BackendError::InvalidPath { path: path.to_string(), reason: "not a regular file".into() });
+    }
+    Ok(slot)
+}
+
+/// Writes a whole file (creating parents), with `mode` (0 = 0644), replacing any old one
+/// atomically (see the module docs). Returns the bytes written.
+pub fn write_file(root: &Path, workdir: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
+    write_file_at(&open_root(root)?, workdir, path, content, mode)
+}
+
+/// [`write_file`] below an open root directory.
+pub(crate) fn write_file_at(root: &File, workdir: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
+    let comps = file_components(path, workdir)?;
+    mkdir_all(root, &comps[..comps.len() - 1], path)?;
+    let slot = writable_slot(root, &comps, path)?;
     let mode = if mode == 0 { 0o644 } else { mode & 0o7777 };
-    let fd = open_in_root(root_file.as_raw_fd(), &comps.join("/"), libc::O_WRONLY | libc::O_CREAT | libc::O_NONBLOCK, mode)
-        .map_err(|e| map_errno(path, e))?;
-    let mut file = File::from(fd);
-    ensure_regular(&file, path)?;
-    file.set_len(0).map_err(|e| map_errno(path, Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))))?;
-    file.write_all(content).map_err(|e| map_errno(path, Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))))?;
-    file.set_permissions(std::fs::Permissions::from_mode(mode)).map_err(|e| BackendError::io(format!("chmod {path}"), e))?;
+    guest_agent::sys::replace_file(&slot, content, mode).map_err(|e| map_errno(path, e))?;
     Ok(content.len() as u64)
+}
+
+/// Removes a regular file or a symlink (the link itself, never its target). A path that does
+/// not exist is not an error; a directory or special file is refused.
+pub fn remove_file(root: &Path, workdir: &str, path: &str) -> Result<(), BackendError> {
+    remove_file_at(&open_root(root)?, workdir, path)
+}
+
+/// [`remove_file`] below an open root directory.
+pub(crate) fn remove_file_at(root: &File, workdir: &str, path: &str) -> Result<(), BackendError> {
+    let comps = file_components(path, workdir)?;
+    let (dir, name) = match guest_agent::sys::open_parent_in_root(root.as_raw_fd(), &comps) {
+        Ok(parent) => parent,
+        Err(Errno::ENOENT) => return Ok(()),
+        Err(e) => return Err(map_errno(path, e)),
+    };
+    let st = match guest_agent::sys::stat_at(dir.as_raw_fd(), &name) {
+        Ok(Some(st)) => st,
+        Ok(None) => return Ok(()),
+        Err(e) => return Err(map_errno(path, e)),
+    };
+    match guest_agent::sys::file_type(&st) {
+        libc::S_IFREG | libc::S_IFLNK => {}
+        libc::S_IFDIR => return Err(map_errno(path, Errno::EISDIR)),
+        _ => return Err(BackendError::InvalidPath { path: path.to_string(), reason: "not a regular file or symbolic link".into() }),
+    }
+    match guest_agent::sys::unlink_at(dir.as_raw_fd(), &name) {
+        Ok(()) | Err(Errno::ENOENT) => Ok(()),
+        Err(e) => Err(map_errno(path, e)),
+    }
 }
 
 /// Reads up to `limit` bytes (0 = [`MAX_READ`]) from `offset`.
 pub fn read_file(root: &Path, workdir: &str, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
+    read_file_at(&open_root(root)?, workdir, path, offset, limit)
+}
+
+/// [`read_file`] below an open root directory. What the path names is looked at (`O_PATH`)
+/// before it is opened, and exactly that inode is then opened through `/proc/self/fd`: a device
+/// node (a container's `/dev` has real ones) or FIFO is never opened, not even in a race.
+pub(crate) fn read_file_at(root: &File, workdir: &str, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
     let comps = components(path, workdir)?;
-    let root_file = open_root(root)?;
     let rel = if comps.is_empty() { ".".to_string() } else { comps.join("/") };
-    let fd = open_in_root(root_file.as_raw_fd(), &rel, libc::O_RDONLY | libc::O_NONBLOCK, 0).map_err(|e| map_errno(path, e))?;
-    let mut file = File::from(fd);
+    let found = File::from(open_in_root(root.as_raw_fd(), &rel, libc::O_PATH, 0).map_err(|e| map_errno(path, e))?);
+    ensure_regular(&found, path)?;
+    refuse_kernel_fs(&found, path)?;
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(format!("/proc/self/fd/{}", found.as_raw_fd()))
+        .map_err(|e| map_errno(path, Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))))?;
     let size = ensure_regular(&file, path)?;
     let limit = if limit == 0 { MAX_READ } else { limit.min(MAX_READ) };
     let want = size.saturating_sub(offset).min(limit);
@@ -141,6 +223,7 @@ pub fn create_for_write(root: &Path, path: &str) -> Result<File, BackendError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 
     fn root() -> tempfile::TempDir {
         tempfile::tempdir().expect("tempdir")
@@ -202,5 +285,126 @@ mod tests {
         assert!(matches!(read_file(r.path(), "/", "/d", 0, 0), Err(BackendError::InvalidPath { .. })));
         assert!(matches!(write_file(r.path(), "/", "/", b"x", 0), Err(BackendError::InvalidPath { .. })));
         assert!(matches!(read_file(r.path(), "/", "", 0, 0), Err(BackendError::InvalidPath { .. })));
+        // A FIFO is refused for writes too, and left a FIFO.
+        assert!(matches!(write_file(r.path(), "/", "/fifo", b"x", 0), Err(BackendError::InvalidPath { .. })));
+        assert!(std::fs::symlink_metadata(r.path().join("fifo")).expect("lstat").file_type().is_fifo());
+    }
+
+    /// The gRPC status a backend error ends up as.
+    fn status_of(e: BackendError) -> tonic::Status {
+        tonic::Status::from(crate::error::Error::from(e))
+    }
+
+    #[test]
+    fn long_names_and_symlink_loops_are_invalid_arguments_naming_the_path() {
+        let r = root();
+        let long = format!("/workspace/{}", "n".repeat(300));
+        std::fs::create_dir_all(r.path().join("workspace")).expect("mkdir");
+        std::os::unix::fs::symlink("loop-b", r.path().join("workspace/loop-a")).expect("symlink");
+        std::os::unix::fs::symlink("loop-a", r.path().join("workspace/loop-b")).expect("symlink");
+        let cases: Vec<(&str, Result<(), BackendError>)> = vec![
+            ("write long", write_file(r.path(), "/", &long, b"x", 0).map(drop)),
+            ("read long", read_file(r.path(), "/", &long, 0, 0).map(drop)),
+            ("remove long", remove_file(r.path(), "/", &long)),
+            ("write loop", write_file(r.path(), "/", "/workspace/loop-a", b"x", 0).map(drop)),
+            ("read loop", read_file(r.path(), "/", "/workspace/loop-a", 0, 0).map(drop)),
+            ("write below a loop", write_file(r.path(), "/", "/workspace/loop-a/f", b"x", 0).map(drop)),
+        ];
+        for (what, result) in cases {
+            let err = result.expect_err(what);
+            assert!(matches!(err, BackendError::InvalidPath { .. }), "{what}: {err:?}");
+            let status = status_of(err);
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{what}: {status:?}");
+            assert!(status.message().contains("/workspace/"), "{what}: the message names the path: {}", status.message());
+        }
+        // The kernel's own ENAMETOOLONG and ELOOP map the same way.
+        for e in [Errno::ENAMETOOLONG, Errno::ELOOP] {
+            assert_eq!(status_of(map_errno("/p", e)).code(), tonic::Code::InvalidArgument, "{e}");
+        }
+        assert_eq!(status_of(map_errno("/p", Errno::ENOSPC)).code(), tonic::Code::ResourceExhausted);
+    }
+
+    #[test]
+    fn overwrite_replaces_the_file_atomically_and_keeps_links_and_owner() {
+        let r = root();
+        std::fs::create_dir_all(r.path().join("w")).expect("mkdir");
+        std::fs::write(r.path().join("w/f"), b"a much longer first version").expect("write");
+        std::os::unix::fs::chown(r.path().join("w/f"), Some(1000), Some(1000)).expect("chown");
+        let before = std::fs::metadata(r.path().join("w/f")).expect("stat").ino();
+        write_file(r.path(), "/", "/w/f", b"short", 0o600).expect("overwrite");
+        let meta = std::fs::metadata(r.path().join("w/f")).expect("stat");
+        assert_eq!(std::fs::read(r.path().join("w/f")).expect("read"), b"short");
+        assert_ne!(meta.ino(), before, "a new file was renamed into place");
+        assert_eq!((meta.uid(), meta.gid(), meta.permissions().mode() & 0o7777), (1000, 1000, 0o600));
+        // A link as the last component is written through (inside the root), and stays a link.
+        std::os::unix::fs::symlink("/w/f", r.path().join("w/link")).expect("symlink");
+        write_file(r.path(), "/", "/w/link", b"via link", 0).expect("write through link");
+        assert_eq!(std::fs::read(r.path().join("w/f")).expect("read"), b"via link");
+        assert!(std::fs::symlink_metadata(r.path().join("w/link")).expect("lstat").file_type().is_symlink());
+        let names: Vec<String> = std::fs::read_dir(r.path().join("w")).expect("ls").flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        assert!(names.iter().all(|n| !n.starts_with('.')), "temporary files left: {names:?}");
+    }
+
+    #[test]
+    fn remove_file_unlinks_files_and_links_only() {
+        let outer = root();
+        let r = outer.path().join("rootfs");
+        std::fs::create_dir_all(r.join("d")).expect("mkdir");
+        std::fs::write(outer.path().join("host"), b"host").expect("write");
+        std::fs::write(r.join("f"), b"x").expect("write");
+        std::os::unix::fs::symlink(outer.path().join("host"), r.join("link")).expect("symlink");
+        remove_file(&r, "/", "/f").expect("remove a file");
+        assert!(!r.join("f").exists());
+        remove_file(&r, "/", "/link").expect("remove a link");
+        assert!(std::fs::symlink_metadata(r.join("link")).is_err(), "the link is gone");
+        assert_eq!(std::fs::read(outer.path().join("host")).expect("read"), b"host", "its target is not touched");
+        remove_file(&r, "/", "/f").expect("a missing file is fine");
+        remove_file(&r, "/", "/no/such/dir/f").expect("a missing parent is fine");
+        remove_file(&r, "/w", "../../../f").expect("clamped at the root");
+        assert!(matches!(remove_file(&r, "/", "/d"), Err(BackendError::InvalidPath { .. })));
+        assert!(r.join("d").is_dir());
+        nix::unistd::mkfifo(&r.join("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o644)).expect("mkfifo");
+        assert!(matches!(remove_file(&r, "/", "/fifo"), Err(BackendError::InvalidPath { .. })));
+        assert!(matches!(remove_file(&r, "/", "/"), Err(BackendError::InvalidPath { .. })));
+        // Through a directory link that points out of the root: resolved inside, nothing there.
+        std::os::unix::fs::symlink(outer.path(), r.join("hostdir")).expect("symlink");
+        remove_file(&r, "/", "/hostdir/host").expect("nothing inside by that name");
+        assert!(outer.path().join("host").exists(), "the host's file is untouched");
+    }
+
+    /// Runs `f` in this thread with a private mount namespace holding a tmpfs of `bytes` (root
+    /// only, as CI runs: a test that cannot get one fails).
+    fn with_small_fs(bytes: u64, f: impl FnOnce(&Path) + Send) {
+        use nix::mount::{mount, MsFlags};
+        let dir = root();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("unshare a mount namespace (run the tests as root)");
+                mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>).expect("make mounts private");
+                mount(Some("tmpfs"), dir.path(), Some("tmpfs"), MsFlags::empty(), Some(format!("size={bytes}").as_str())).expect("mount a small tmpfs");
+                f(dir.path());
+            })
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        });
+    }
+
+    #[test]
+    fn a_write_the_full_disk_refuses_leaves_the_old_file_byte_for_byte() {
+        with_small_fs(1 << 20, |r| {
+            let old: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+            write_file(r, "/", "/w/f", &old, 0o640).expect("first version");
+            // Fill the rest of the disk.
+            let mut filler = std::fs::File::create(r.join("filler")).expect("create");
+            let block = vec![1u8; 64 << 10];
+            while std::io::Write::write_all(&mut filler, &block).is_ok() {}
+            drop(filler);
+            let err = write_file(r, "/", "/w/f", &vec![2u8; 300_000], 0).expect_err("no room for the new version");
+            assert!(matches!(err, BackendError::DiskFull { .. }), "{err:?}");
+            assert_eq!(std::fs::read(r.join("w/f")).expect("read"), old, "the old file is intact");
+            assert_eq!(std::fs::metadata(r.join("w/f")).expect("stat").permissions().mode() & 0o7777, 0o640);
+            let names: Vec<String> = std::fs::read_dir(r.join("w")).expect("ls").flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+            assert_eq!(names, ["f"], "the temporary file was removed");
+        });
     }
 }

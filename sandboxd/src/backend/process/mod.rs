@@ -18,7 +18,6 @@ mod channel;
 mod exec;
 pub mod files;
 pub mod init;
-pub mod seccomp;
 pub mod storage;
 mod wire;
 
@@ -492,6 +491,14 @@ impl Backend for ProcessBackend {
         let sb = self.sandbox(sandbox)?;
         let path = path.to_string();
         tokio::task::spawn_blocking(move || files::read_file(&sb.rootfs, &sb.workdir, &path, offset, limit))
+            .await
+            .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
+    }
+
+    async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {
+        let sb = self.sandbox(sandbox)?;
+        let path = path.to_string();
+        tokio::task::spawn_blocking(move || files::remove_file(&sb.rootfs, &sb.workdir, &path))
             .await
             .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
     }
