@@ -1,5 +1,6 @@
 //! MicroVM-tier cases beyond the shared conformance suite: what a host without QEMU answers,
-//! the warm pool, and the guest's view of its own isolation (its own kernel, no network).
+//! the warm pool, the guest's view of its own isolation (its own kernel, no network), QEMU
+//! dying with a daemon killed by SIGKILL, and QEMU uids never shared by two daemons.
 
 use agent_client::proto::{CreateSandboxRequest, Isolation, ResourceLimits, SandboxState};
 use agent_client::{exec_request, Client};
@@ -88,4 +89,96 @@ async fn a_fork_boots_while_the_origin_still_runs_on_the_snapshot() {
     client.write_file(&fork.id, "/workspace/f", b"fork".to_vec(), 0).await.expect("write");
     assert_eq!(read(origin.id.clone()).await, b"v2");
     assert_eq!(read(fork.id.clone()).await, b"fork");
+}
+
+/// A process on the host: pid, uid, argv.
+#[derive(Debug)]
+struct HostProcess {
+    pid: u32,
+    uid: u32,
+    argv: Vec<String>,
+}
+
+/// Every process on the host whose command line mentions `needle` (a daemon's state dir: QEMU
+/// runs chrooted into `<state>/microvm/vms/<id>`, and its guard carries QEMU's command line).
+fn processes_mentioning(needle: &str) -> Vec<HostProcess> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("reading /proc").flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let argv: Vec<String> = cmdline.split(|&b| b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        if !argv.iter().any(|a| a.contains(needle)) {
+            continue;
+        }
+        let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+        let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next()).and_then(|u| u.parse().ok()).unwrap_or(u32::MAX);
+        found.push(HostProcess { pid, uid, argv });
+    }
+    found
+}
+
+/// The QEMU processes (not their guards) of the daemon with state dir `state`.
+fn qemus_of(state: &std::path::Path) -> Vec<HostProcess> {
+    let needle = format!("{}/", state.join("microvm").display());
+    processes_mentioning(&needle).into_iter().filter(|p| p.argv.first().is_some_and(|a| a.contains("qemu-system"))).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn qemu_dies_with_a_daemon_killed_by_sigkill() {
+    let mut daemon = Daemon::start().await.expect("daemon");
+    let client = daemon.client().await.expect("client");
+    let sb = client.create(microvm("minimal")).await.expect("create");
+    let state = daemon.state_dir();
+    let needle = format!("{}/", state.join("microvm").display());
+    let qemus = qemus_of(&state);
+    assert_eq!(qemus.len(), 1, "one QEMU for one VM: {qemus:?}");
+    // The case that used to leak: QEMU changed its uid (-runas), which clears PR_SET_PDEATHSIG.
+    assert!(qemus[0].uid >= 400_000, "QEMU runs as its own uid: {qemus:?}");
+    let daemon_pid = daemon.pid().expect("daemon pid");
+    let ppid = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|s| s.rsplit(')').next()?.split_whitespace().nth(1)?.parse::<u32>().ok());
+    assert_ne!(ppid(qemus[0].pid), Some(daemon_pid), "QEMU runs under its guard, not directly under the daemon");
+
+    daemon.kill9();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let left = processes_mentioning(&needle);
+        if left.is_empty() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "5 s after the daemon was killed, its VM processes still run: {left:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+
+    // The next start brings the sandbox back over its disk, as before.
+    daemon.restart().await.expect("restart");
+    let client = daemon.client().await.expect("client");
+    let r = client.exec(exec_request(&sb.id, ["echo", "back"])).await.expect("exec after restart");
+    assert_eq!(r.stdout, b"back\n", "{r:?}");
+    assert_eq!(qemus_of(&state).len(), 1);
+    client.destroy(&sb.id).await.expect("destroy");
+    assert!(qemus_of(&state).is_empty(), "destroy leaves no QEMU");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_daemons_never_hand_out_the_same_qemu_uid() {
+    let (a, b) = tokio::join!(Daemon::start(), Daemon::start());
+    let (a, b) = (a.expect("daemon a"), b.expect("daemon b"));
+    let (ca, cb) = (a.client().await.expect("client"), b.client().await.expect("client"));
+    // Each daemon's first VM: with per-daemon allocation both got uid 400000.
+    let (sa, sb) = tokio::join!(ca.create(microvm("minimal")), cb.create(microvm("minimal")));
+    let (sa, sb) = (sa.expect("create on a"), sb.expect("create on b"));
+    let uids = |d: &Daemon| -> Vec<u32> { qemus_of(&d.state_dir()).iter().map(|p| p.uid).collect() };
+    let (ua, ub) = (uids(&a), uids(&b));
+    assert_eq!((ua.len(), ub.len()), (1, 1), "one QEMU each: {ua:?} {ub:?}");
+    assert_ne!(ua[0], ub[0], "two daemons' QEMUs share uid {}", ua[0]);
+    assert!(ua.iter().chain(&ub).all(|&u| u >= 400_000), "{ua:?} {ub:?}");
+    // A second VM of b while a's runs: still none shared (other daemons on the host may hold
+    // uids too, so which ones is not fixed).
+    let again = cb.create(microvm("minimal")).await.expect("second create on b");
+    let ub2 = uids(&b);
+    assert_eq!(ub2.len(), 2, "{ub2:?}");
+    assert!(ub2[0] != ub2[1] && !ub2.contains(&ua[0]), "uids shared: a {ua:?}, b {ub2:?}");
+    ca.destroy(&sa.id).await.expect("destroy");
+    cb.destroy(&sb.id).await.expect("destroy");
+    cb.destroy(&again.id).await.expect("destroy");
 }

@@ -7,6 +7,8 @@
 //! * [`qmp`] — QEMU's monitor, for disk snapshots while the VM runs.
 //! * [`disk`] — qcow2 overlay chains, base copies and garbage collection.
 //! * [`pool`] — VMs booted ahead of time so a create does not wait for a boot.
+//! * [`guard`] — the process QEMU runs under so it dies with the daemon (`__vm-guard`).
+//! * [`uids`] — the uids QEMU drops to, allocated host-wide so two daemons never share one.
 //!
 //! Host layout under `<state>/microvm/`: `vms/<sandbox>/` (the VM's directory and QEMU's chroot:
 //! sockets, console log, `top-<gen>.qcow2`), `snapshots/<snapshot>.qcow2`, `bases/`, `pool/`.
@@ -18,11 +20,13 @@
 mod agent;
 mod disk;
 mod exec;
+pub mod guard;
 mod pool;
 mod qmp;
+mod uids;
 mod vm;
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -46,8 +50,10 @@ const GUEST_OVERHEAD_BYTES: u64 = 96 << 20;
 const QEMU_OVERHEAD_BYTES: u64 = 512 << 20;
 /// Tasks QEMU may have (vCPU, I/O worker and RCU threads).
 const QEMU_MAX_TASKS: u32 = 512;
-/// First uid QEMU processes drop to; each VM gets its own.
+/// First uid QEMU processes drop to; each VM gets its own, unique on the host.
 const UID_BASE: u32 = 400_000;
+/// How many uids from [`UID_BASE`] VMs may use (every daemon on the host together).
+const UID_COUNT: u32 = 1 << 16;
 /// Where the KVM verdict is cached for this host boot.
 const KVM_PROBE_CACHE: &str = "/run/sandboxd/kvm-probe";
 
@@ -93,7 +99,7 @@ pub(crate) struct Inner {
     tools: Result<(PathBuf, PathBuf), String>,
     cgroups: Result<CgroupRoot, String>,
     accel: tokio::sync::OnceCell<Accel>,
-    uids: Mutex<BTreeSet<u32>>,
+    uids: uids::UidAllocator,
     sandboxes: RwLock<HashMap<SandboxId, Arc<MicroSandbox>>>,
     snapshots: Mutex<HashSet<SnapshotId>>,
     /// Held while disk files are created, renamed or collected.
@@ -153,7 +159,7 @@ impl MicroVmBackend {
             tools,
             cgroups,
             accel: tokio::sync::OnceCell::new(),
-            uids: Mutex::new(BTreeSet::new()),
+            uids: uids::UidAllocator::new(uids::UID_LOCK_DIR, UID_BASE, UID_COUNT),
             sandboxes: RwLock::new(HashMap::new()),
             snapshots: Mutex::new(HashSet::new()),
             disk_lock: tokio::sync::Mutex::new(()),
@@ -182,17 +188,13 @@ impl Inner {
         vm_image(&self.images_dir, image)
     }
 
-    fn alloc_uid(&self) -> u32 {
-        let Ok(mut used) = self.uids.lock() else { return UID_BASE };
-        let uid = (UID_BASE..).find(|u| !used.contains(u)).unwrap_or(UID_BASE);
-        used.insert(uid);
-        uid
+    /// A uid for one QEMU, free on the whole host (see [`uids`]).
+    fn alloc_uid(&self) -> Result<u32, BackendError> {
+        self.uids.alloc().map_err(|e| BackendError::Internal(format!("allocating a uid for QEMU: {e}")))
     }
 
     fn release_uid(&self, uid: u32) {
-        if let Ok(mut used) = self.uids.lock() {
-            used.remove(&uid);
-        }
+        self.uids.release(uid);
     }
 
     fn sandbox(&self, id: &SandboxId) -> Result<Arc<MicroSandbox>, BackendError> {
@@ -274,7 +276,7 @@ impl Inner {
                 disk::base_for(&image.name, &image.disk, &self.bases_dir)?
             };
             disk::create_overlay(&self.tools()?.1, &base, &top, disk::read_header(&base)?.virtual_size).await?;
-            let uid = self.alloc_uid();
+            let uid = self.alloc_uid()?;
             let spec = LaunchSpec {
                 qemu: self.tools()?.0.clone(),
                 dir: dir.clone(),
@@ -312,7 +314,7 @@ impl Inner {
     /// Boots a VM over the top disk `dir/top-<gen>.qcow2` that already exists.
     async fn boot_existing(&self, name: &str, dir: &Path, gen: u64, qemu: &Path, image: &VmImage, limits: &Limits) -> Result<Arc<Vm>, BackendError> {
         let accel = self.accel(image).await;
-        let uid = self.alloc_uid();
+        let uid = self.alloc_uid()?;
         let top = dir.join(format!("top-{gen}.qcow2"));
         let prepared = (|| {
             std::os::unix::fs::chown(&top, Some(uid), Some(uid)).map_err(|e| BackendError::io(format!("chown {}", top.display()), e))?;
@@ -534,8 +536,8 @@ impl Inner {
     }
 
     async fn recover(self: &Arc<Self>, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
-        // Whatever ran before died with the previous daemon (PR_SET_PDEATHSIG); make sure, and
-        // drop its cgroups.
+        // Whatever ran before died with the previous daemon (see `guard`); make sure, and drop
+        // its cgroups.
         if let Ok(root) = &self.cgroups {
             for name in root.list_sandboxes() {
                 if let Some(cg) = root.open_sandbox(&name) {
@@ -758,6 +760,11 @@ impl Backend for MicroVmBackend {
     async fn read_file(&self, sandbox: &SandboxId, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
         exec::read_file(&*sb.vm()?, &sb.spec.workdir, path, offset, limit).await
+    }
+
+    async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        exec::remove_file(&*sb.vm()?, &sb.spec.workdir, path).await
     }
 
     async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {

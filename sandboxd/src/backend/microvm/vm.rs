@@ -1,10 +1,12 @@
 //! One QEMU `microvm` process: how it is started, confined, watched and stopped.
 //!
 //! QEMU runs with as little as it can: its own host cgroup (memory and pids bounded), a uid of
-//! its own with no capabilities (`-runas`), chrooted into the VM's directory (`-chroot`: after
-//! start-up it sees only its own top disk file), QEMU's seccomp sandbox, no network device, no
-//! default devices, and `PR_SET_PDEATHSIG` so it never outlives the daemon. Every file it needs
-//! (kernel, initramfs, backing disks) is opened before it drops privileges.
+//! its own, unique on the host, with no capabilities (`-runas`), chrooted into the VM's
+//! directory (`-chroot`: after start-up it sees only its own top disk file), QEMU's seccomp
+//! sandbox, no network device, no default devices, and it never outlives the daemon: it runs in
+//! a pid namespace of its own under a guard process that dies with the daemon ([`super::guard`];
+//! `PR_SET_PDEATHSIG` on QEMU itself would be cleared by `-runas`). Every file it needs (kernel,
+//! initramfs, backing disks) is opened before it drops privileges.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -65,6 +67,7 @@ pub struct LaunchSpec {
 pub struct Vm {
     /// Current directory (renamed when a pooled VM is taken).
     pub dir: Mutex<PathBuf>,
+    /// Pid of the VM's guard, the daemon's child (QEMU is its grandchild, in a pid namespace).
     pub pid: u32,
     pub uid: u32,
     pub accel: Accel,
@@ -97,7 +100,10 @@ impl Vm {
         for p in [&agent_sock, &qmp_sock] {
             let _ = std::fs::remove_file(p);
         }
-        let mut cmd = tokio::process::Command::new(&spec.qemu);
+        // QEMU runs under the guard (see `guard`): `sandboxd __vm-guard <our pid> <qemu> <args>`.
+        let exe = std::env::current_exe().map_err(|e| BackendError::io("locating the sandboxd binary (the VM guard)", e))?;
+        let mut cmd = tokio::process::Command::new(exe);
+        cmd.arg0(super::guard::GUARD_ARG0).arg(super::guard::GUARD_ARG).arg(std::process::id().to_string()).arg(&spec.qemu);
         cmd.args(qemu_args(spec, &agent_sock, &qmp_sock, &console));
         cmd.stdin(std::process::Stdio::null());
         let log = std::fs::File::create(spec.dir.join("qemu.log")).map_err(|e| BackendError::io("creating qemu.log", e))?;
@@ -110,7 +116,8 @@ impl Vm {
         };
         let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
-        // calls (write, prctl) on values prepared before the fork.
+        // calls (write, prctl) on values prepared before the fork. The guard keeps the death
+        // signal across its exec (it is not set-id) and never changes its uid.
         unsafe {
             cmd.pre_exec(move || {
                 for fd in &fds {
@@ -124,7 +131,7 @@ impl Vm {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(|e| BackendError::io(format!("starting {}", spec.qemu.display()), e))?;
+        let mut child = cmd.spawn().map_err(|e| BackendError::io(format!("starting {} under the VM guard", spec.qemu.display()), e))?;
         drop(procs);
         let pid = child.id().unwrap_or(0);
         let exited: Arc<Mutex<Option<String>>> = Arc::default();
@@ -236,7 +243,8 @@ impl Vm {
         }
     }
 
-    /// Kills QEMU and waits (bounded) for it to be reaped.
+    /// Kills QEMU and waits (bounded) for it to be reaped: SIGKILL to its guard (whose death
+    /// tears down QEMU's pid namespace), then the VM's cgroup is emptied and removed.
     pub async fn kill(&self) {
         if let Some(tx) = self.kill.lock().ok().and_then(|mut k| k.take()) {
             let _ = tx.send(());
