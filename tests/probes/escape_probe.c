@@ -133,6 +133,23 @@ static int do_io_uring(void) {
     return escaped;
 }
 
+/* Not an attack: what must keep working. Code in a sandbox traces its own children (strace,
+ * gdb). Exit 0 with "OK" when a child could be seized, stopped and inspected. */
+static int do_ptrace_child(void) {
+    pid_t child = fork();
+    if (child == 0) { pause(); _exit(0); }
+    if (ptrace(PTRACE_SEIZE, child, 0, 0) != 0) { printf("FAILED: PTRACE_SEIZE of own child: %s\n", strerror(errno)); kill(child, SIGKILL); return 1; }
+    if (ptrace(PTRACE_INTERRUPT, child, 0, 0) != 0) { printf("FAILED: PTRACE_INTERRUPT: %s\n", strerror(errno)); kill(child, SIGKILL); return 1; }
+    int status = 0;
+    waitpid(child, &status, __WALL);
+    long word = ptrace(PTRACE_PEEKUSER, child, 0, 0);
+    int ok = WIFSTOPPED(status) && !(word == -1 && errno);
+    kill(child, SIGKILL);
+    waitpid(child, &status, __WALL);
+    printf(ok ? "OK: traced own child\n" : "FAILED: own child not stopped\n");
+    return ok ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
     if (argc < 2) return 2;
@@ -140,6 +157,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "pid1")) return do_pid1();
     if (!strcmp(argv[1], "fds")) return do_fds();
     if (!strcmp(argv[1], "io_uring")) return do_io_uring();
+    if (!strcmp(argv[1], "ptrace_child")) return do_ptrace_child();
     fprintf(stderr, "unknown probe %s\n", argv[1]);
     return 2;
 }

@@ -167,6 +167,9 @@ async fn pid1_fds_and_kernel_surface_are_out_of_reach_process_tier() {
     assert_blocked(&client, &id, "fds").await;
     assert_blocked(&client, &id, "pid1").await;
     assert_blocked(&client, &id, "io_uring").await;
+    // What must keep working: tracing one's own children (strace, gdb inside the sandbox).
+    let r = run(&client, &id, &[PROBE, "ptrace_child"]).await;
+    assert!(r.exit_code == 0 && String::from_utf8_lossy(&r.stdout).contains("OK: traced own child"), "{}", text(&r));
 
     // The quota bypass through PID 1's stderr and the daemon's inherited descriptor.
     for target in ["/proc/1/fd/2", "/proc/1/fd/9"] {
@@ -194,6 +197,12 @@ async fn container_and_microvm_execs_get_only_their_stdio() {
     let container = sandbox_with_probe(&client, Isolation::Container, &probe).await;
     assert_blocked(&client, &container, "fds").await;
     assert_blocked(&client, &container, "io_uring").await;
+    // The daemon reads files as host root: never the container's /proc or /sys (kernel
+    // addresses in /proc/kallsyms would be real ones for it).
+    for path in ["/proc/kallsyms", "/proc/1/environ", "/sys/kernel/notes"] {
+        let err = within(30, client.read_file(&container, path, 0, 0)).await.expect_err(path);
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "ReadFile {path}: {err:?}");
+    }
     within(120, client.destroy(&container)).await.expect("DestroySandbox");
     let vm = sandbox_with_probe(&client, Isolation::Microvm, &probe).await;
     assert_blocked(&client, &vm, "fds").await;
@@ -274,4 +283,29 @@ async fn real_time_signals_reach_the_exec() {
     let err = within(10, client.signal_exec(&started.exec_id, 65)).await.expect_err("signal 65");
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
     assert!(err.to_string().contains("signal"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_container_whose_init_is_ended_from_inside_becomes_failed() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let request = CreateSandboxRequest { isolation: Isolation::Container as i32, ..process_sandbox("minimal") };
+    let id = within(120, client.create(request)).await.expect("CreateSandbox").id;
+    // docker-init forwards SIGTERM to the keepalive, which dies, and docker-init exits with it.
+    let r = run(&client, &id, &["sh", "-c", "kill -TERM 1; sleep 2; echo still-here"]).await;
+    assert_ne!(r.status(), ExecStatus::Exited, "the exec outlived its container: {}", text(&r));
+    let mut failed = None;
+    for _ in 0..100 {
+        let sb = within(10, client.get(&id)).await.expect("GetSandbox");
+        if sb.state() == SandboxState::Failed {
+            failed = Some(sb);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sb = failed.expect("the sandbox still shows RUNNING after its container stopped");
+    assert!(sb.failure_reason.contains("init"), "failure reason: {:?}", sb.failure_reason);
+    let err = within(30, client.exec(exec_request(&id, ["true"]))).await.expect_err("exec in a failed sandbox");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    within(120, client.destroy(&id)).await.expect("destroying the failed sandbox");
 }

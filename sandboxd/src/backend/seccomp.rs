@@ -26,67 +26,74 @@ pub enum SeccompError {
     Install(String),
 }
 
+/// A syscall by its libc constant's name (`SYS_mount`) and number.
+macro_rules! sys {
+    ($name:ident) => {
+        (stringify!($name), libc::$name)
+    };
+}
+
 /// Syscalls denied outright with EPERM, by family: the single list for the process tier (the
 /// container tier runs under Docker's default profile, the microVM tier behind a guest kernel).
 /// At least as strict as Docker's default profile for a container without added capabilities;
 /// each family has a test below that fails when any of its calls gets through.
-pub const DENIED_FAMILIES: &[(&str, &[i64])] = &[
+pub const DENIED_FAMILIES: &[(&str, &[(&str, i64)])] = &[
     (
         "mount",
         &[
-            libc::SYS_mount,
-            libc::SYS_umount2,
-            libc::SYS_pivot_root,
-            libc::SYS_move_mount,
-            libc::SYS_open_tree,
-            libc::SYS_fsopen,
-            libc::SYS_fsconfig,
-            libc::SYS_fsmount,
-            libc::SYS_fspick,
-            libc::SYS_mount_setattr,
+            sys!(SYS_mount),
+            sys!(SYS_umount2),
+            sys!(SYS_pivot_root),
+            sys!(SYS_move_mount),
+            sys!(SYS_open_tree),
+            sys!(SYS_fsopen),
+            sys!(SYS_fsconfig),
+            sys!(SYS_fsmount),
+            sys!(SYS_fspick),
+            sys!(SYS_mount_setattr),
         ],
     ),
-    ("namespaces", &[libc::SYS_unshare, libc::SYS_setns]),
+    ("namespaces", &[sys!(SYS_unshare), sys!(SYS_setns)]),
     (
         "kernel modules and kexec",
         &[
-            libc::SYS_init_module,
-            libc::SYS_finit_module,
-            libc::SYS_delete_module,
-            libc::SYS_kexec_load,
-            libc::SYS_kexec_file_load,
+            sys!(SYS_init_module),
+            sys!(SYS_finit_module),
+            sys!(SYS_delete_module),
+            sys!(SYS_kexec_load),
+            sys!(SYS_kexec_file_load),
         ],
     ),
-    ("bpf", &[libc::SYS_bpf]),
-    ("keyring", &[libc::SYS_keyctl, libc::SYS_add_key, libc::SYS_request_key]),
-    ("perf and tracing", &[libc::SYS_perf_event_open, libc::SYS_lookup_dcookie, libc::SYS_fanotify_init]),
-    ("userfaultfd", &[libc::SYS_userfaultfd]),
+    ("bpf", &[sys!(SYS_bpf)]),
+    ("keyring", &[sys!(SYS_keyctl), sys!(SYS_add_key), sys!(SYS_request_key)]),
+    ("perf and tracing", &[sys!(SYS_perf_event_open), sys!(SYS_lookup_dcookie), sys!(SYS_fanotify_init)]),
+    ("userfaultfd", &[sys!(SYS_userfaultfd)]),
     // A large kernel surface that bypasses seccomp for the operations it queues (Docker denies
     // it since 25.0).
-    ("io_uring", &[libc::SYS_io_uring_setup, libc::SYS_io_uring_enter, libc::SYS_io_uring_register]),
+    ("io_uring", &[sys!(SYS_io_uring_setup), sys!(SYS_io_uring_enter), sys!(SYS_io_uring_register)]),
     // Reaching into other processes' memory and descriptors: Docker allows these only with
     // CAP_SYS_PTRACE. ptrace itself stays (strace, gdb); the init is non-dumpable.
-    ("process inspection", &[libc::SYS_process_vm_readv, libc::SYS_process_vm_writev, libc::SYS_kcmp, libc::SYS_pidfd_getfd]),
-    ("file handles", &[libc::SYS_open_by_handle_at, libc::SYS_name_to_handle_at]),
-    ("clock", &[libc::SYS_settimeofday, libc::SYS_clock_settime, libc::SYS_clock_adjtime, libc::SYS_adjtimex]),
+    ("process inspection", &[sys!(SYS_process_vm_readv), sys!(SYS_process_vm_writev), sys!(SYS_kcmp), sys!(SYS_pidfd_getfd)]),
+    ("file handles", &[sys!(SYS_open_by_handle_at), sys!(SYS_name_to_handle_at)]),
+    ("clock", &[sys!(SYS_settimeofday), sys!(SYS_clock_settime), sys!(SYS_clock_adjtime), sys!(SYS_adjtimex)]),
     (
         "system administration",
         &[
-            libc::SYS_reboot,
-            libc::SYS_swapon,
-            libc::SYS_swapoff,
-            libc::SYS_acct,
-            libc::SYS_syslog,
-            libc::SYS_quotactl,
-            libc::SYS_iopl,
-            libc::SYS_ioperm,
-            libc::SYS_vhangup,
-            libc::SYS_uselib,
-            libc::SYS__sysctl,
-            libc::SYS_nfsservctl,
+            sys!(SYS_reboot),
+            sys!(SYS_swapon),
+            sys!(SYS_swapoff),
+            sys!(SYS_acct),
+            sys!(SYS_syslog),
+            sys!(SYS_quotactl),
+            sys!(SYS_iopl),
+            sys!(SYS_ioperm),
+            sys!(SYS_vhangup),
+            sys!(SYS_uselib),
+            sys!(SYS__sysctl),
+            sys!(SYS_nfsservctl),
         ],
     ),
-    ("numa placement", &[libc::SYS_mbind, libc::SYS_set_mempolicy, libc::SYS_migrate_pages, libc::SYS_move_pages]),
+    ("numa placement", &[sys!(SYS_mbind), sys!(SYS_set_mempolicy), sys!(SYS_migrate_pages), sys!(SYS_move_pages)]),
 ];
 
 /// `clone` flags that would create namespaces (a way around the unshare/setns denial).
@@ -107,7 +114,7 @@ fn arch() -> Result<TargetArch, SeccompError> {
 /// The deny-list program (EPERM on match).
 fn deny_program() -> Result<BpfProgram, SeccompError> {
     let build = |e: seccompiler::BackendError| SeccompError::Build(e.to_string());
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED_FAMILIES.iter().flat_map(|(_, calls)| calls.iter()).map(|&nr| (nr, vec![])).collect();
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED_FAMILIES.iter().flat_map(|(_, calls)| calls.iter()).map(|&(_, nr)| (nr, vec![])).collect();
     let clone_rules = NAMESPACE_CLONE_FLAGS
         .iter()
         .map(|&flag| {
@@ -138,9 +145,49 @@ pub fn install() -> Result<(), SeccompError> {
     Ok(())
 }
 
+/// The same filter as a Docker seccomp profile (the JSON `security_opt: seccomp=…` takes), for
+/// the container tier: allow by default, deny every call of [`DENIED_FAMILIES`] with EPERM,
+/// `clone` with a namespace flag too, and `clone3` with ENOSYS. One list for both tiers that
+/// share the host kernel: Docker's own default profile differs between Engine versions (20.10
+/// still allows io_uring).
+pub fn docker_profile() -> String {
+    let denied: Vec<&str> = DENIED_FAMILIES.iter().flat_map(|(_, calls)| calls.iter()).map(|(name, _)| name.trim_start_matches("SYS_")).collect();
+    let mut syscalls = vec![
+        serde_json::json!({ "names": denied, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM }),
+        serde_json::json!({ "names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::ENOSYS }),
+    ];
+    for &flag in NAMESPACE_CLONE_FLAGS {
+        syscalls.push(serde_json::json!({
+            "names": ["clone"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": libc::EPERM,
+            "args": [{ "index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ" }],
+        }));
+    }
+    serde_json::json!({
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        "syscalls": syscalls,
+    })
+    .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_docker_profile_denies_the_same_list() {
+        let profile: serde_json::Value = serde_json::from_str(&docker_profile()).expect("json");
+        assert_eq!(profile["defaultAction"], "SCMP_ACT_ALLOW");
+        let names: Vec<String> = profile["syscalls"][0]["names"].as_array().expect("names").iter().filter_map(|n| n.as_str().map(str::to_string)).collect();
+        for (_, calls) in DENIED_FAMILIES {
+            for (name, _) in calls.iter() {
+                assert!(names.iter().any(|n| format!("SYS_{n}") == *name), "{name} missing from the Docker profile");
+            }
+        }
+        assert!(names.contains(&"io_uring_setup".to_string()));
+    }
 
     #[test]
     fn filters_compile_for_this_arch() {
@@ -165,7 +212,7 @@ mod tests {
                 if install().is_err() {
                     code = 99;
                 } else {
-                    for (i, &nr) in calls.iter().enumerate() {
+                    for (i, &(_, nr)) in calls.iter().enumerate() {
                         // SAFETY: a raw syscall with zero arguments; the filter refuses it before
                         // the kernel reads any of them.
                         let r = unsafe { libc::syscall(nr, 0, 0, 0, 0, 0, 0) };
@@ -182,7 +229,7 @@ mod tests {
                 let status = nix::sys::wait::waitpid(child, None).expect("waitpid");
                 let nix::sys::wait::WaitStatus::Exited(_, code) = status else { panic!("child ended with {status:?}") };
                 assert!(code != 99, "the filter could not be installed");
-                assert_eq!(code, 0, "family {family}: syscall {} got through the filter", calls[(code - 100).max(0) as usize]);
+                assert_eq!(code, 0, "family {family}: syscall {} got through the filter", calls[(code - 100).max(0) as usize].0);
             }
         }
     }

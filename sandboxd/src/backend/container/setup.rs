@@ -68,8 +68,9 @@ fn host_config(spec: &SandboxSpec, disk: Option<u64>) -> HostConfig {
         nano_cpus: Some(nano_cpus),
         cap_drop: Some(vec!["ALL".to_string()]),
         cap_add: Some(KEPT_CAPS.iter().map(|c| c.to_string()).collect()),
-        // Docker's default seccomp profile applies because no `seccomp=` option overrides it.
-        security_opt: Some(vec!["no-new-privileges".to_string()]),
+        // The process tier's seccomp list as a profile (see `backend::seccomp`): Docker's own
+        // default differs between Engine versions, and 20.10's still allows io_uring.
+        security_opt: Some(vec!["no-new-privileges".to_string(), format!("seccomp={}", crate::backend::seccomp::docker_profile())]),
         // docker-init (tini) as PID 1 reaps the zombies execs leave behind.
         init: Some(true),
         network_mode: Some("none".to_string()),

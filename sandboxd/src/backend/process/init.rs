@@ -28,10 +28,9 @@ use nix::sched::{unshare, CloneFlags};
 use nix::sys::signal::{SigSet, SigmaskHow, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
-use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{fork, ForkResult, Pid};
 
-use super::seccomp;
+use crate::backend::seccomp;
 use super::wire::{decode, encode, recv_raw, send_raw, FromInit, InitConfig, ToInit, MAX_MESSAGE};
 
 /// The hidden first argument that turns the `sandboxd` binary into a sandbox init.
@@ -125,13 +124,41 @@ fn shim(ctrl: OwnedFd) -> i32 {
             drop(ctrl);
             drop(cgroup_fds);
             loop {
-                match waitpid(child, None) {
-                    Ok(WaitStatus::Exited(_, code)) => return code,
-                    Ok(WaitStatus::Signaled(_, sig, _)) => return 128 + sig as i32,
+                match wait_child(child.as_raw(), 0) {
+                    Ok(Some(Ended { code: Some(code), .. })) => return code,
+                    Ok(Some(Ended { signal: Some(sig), .. })) => return 128 + sig,
                     Ok(_) | Err(Errno::EINTR) => continue,
                     Err(_) => return 1,
                 }
             }
+        }
+    }
+}
+
+/// A child that ended: its exit code, or the signal that killed it.
+struct Ended {
+    pid: Pid,
+    code: Option<i32>,
+    signal: Option<i32>,
+}
+
+/// `waitpid(pid, flags)` for an ended child (stopped and continued children are skipped).
+/// Raw rather than nix's, which refuses to decode a death by a real-time signal (34-64) — and
+/// by then the child is already reaped, so its end would be lost and its exec never finish.
+fn wait_child(pid: libc::pid_t, flags: libc::c_int) -> Result<Option<Ended>, Errno> {
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid with a valid pointer to a local.
+        let got = Errno::result(unsafe { libc::waitpid(pid, &mut status, flags) })?;
+        if got == 0 {
+            return Ok(None);
+        }
+        let pid = Pid::from_raw(got);
+        if libc::WIFEXITED(status) {
+            return Ok(Some(Ended { pid, code: Some(libc::WEXITSTATUS(status)), signal: None }));
+        }
+        if libc::WIFSIGNALED(status) {
+            return Ok(Some(Ended { pid, code: None, signal: Some(libc::WTERMSIG(status)) }));
         }
     }
 }
@@ -444,11 +471,9 @@ fn spawn_reply(exec_id: &str, pid: Pid, err_r: &OwnedFd, running: &mut HashMap<P
 impl Server {
     fn reap(&mut self) {
         loop {
-            let (pid, code, signal) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::Exited(pid, code)) => (pid, Some(code), None),
-                Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, None, Some(sig as i32)),
-                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return,
-                Ok(_) => continue,
+            let (pid, code, signal) = match wait_child(-1, libc::WNOHANG) {
+                Ok(Some(Ended { pid, code, signal })) => (pid, code, signal),
+                Ok(None) | Err(Errno::ECHILD) => return,
                 Err(Errno::EINTR) => continue,
                 Err(e) => {
                     eprintln!("sandbox-init: waitpid: {e}");
