@@ -18,8 +18,9 @@ use crate::proto::sandbox_service_client::SandboxServiceClient;
 use crate::proto::{
     exec_event, CreateSandboxRequest, DeleteSnapshotRequest, DestroySandboxRequest, ExecEvent,
     ExecRequest, ExecResult, GetExecRequest, GetSandboxRequest, ListExecsRequest,
-    ListSandboxesRequest, ListSnapshotsRequest, ReadFileRequest, ReadFileResponse, RollbackRequest,
-    Sandbox, SignalExecRequest, SnapshotInfo, SnapshotRequest, WriteFileRequest,
+    ListExecsResponse, ListSandboxesRequest, ListSnapshotsRequest, ReadFileRequest,
+    ReadFileResponse, RollbackRequest, Sandbox, SignalExecRequest, SnapshotInfo, SnapshotRequest,
+    WriteFileRequest,
 };
 
 /// How long dialling the daemon may take before [`Client::connect`] gives up.
@@ -235,17 +236,37 @@ impl Client {
         Ok(())
     }
 
-    /// Lists a sandbox's exec records, oldest first; `limit` 0 means all.
+    /// Lists a sandbox's exec records, oldest first (the newest `limit`; 0 means all), following
+    /// the pages to the end. Records come without their output (`stdout`/`stderr` empty): use
+    /// [`Client::get_exec`] for one record's output, or [`Client::list_execs_page`] with
+    /// `include_output`.
     pub async fn list_execs(
         &self,
         sandbox_id: impl Into<String>,
         limit: u32,
     ) -> Result<Vec<ExecResult>> {
-        let request = ListExecsRequest {
+        let mut request = ListExecsRequest {
             sandbox_id: sandbox_id.into(),
             limit,
+            ..Default::default()
         };
-        Ok(self.raw().list_execs(request).await?.into_inner().execs)
+        let mut execs = Vec::new();
+        loop {
+            let page = self.list_execs_page(request.clone()).await?;
+            execs.extend(page.execs);
+            if page.next_page_token.is_empty() {
+                return Ok(execs);
+            }
+            request.page_token = page.next_page_token;
+        }
+    }
+
+    /// One page of a sandbox's exec records, oldest first. Pass the response's
+    /// `next_page_token` as the next request's `page_token` (same `sandbox_id`) until it comes
+    /// back empty; a page holds at most 100 records, and with `include_output` stops before
+    /// about 4 MiB of output.
+    pub async fn list_execs_page(&self, request: ListExecsRequest) -> Result<ListExecsResponse> {
+        Ok(self.raw().list_execs(request).await?.into_inner())
     }
 
     // Files.

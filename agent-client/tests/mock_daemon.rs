@@ -173,9 +173,22 @@ impl SandboxService for Mock {
         &self,
         r: Request<ListExecsRequest>,
     ) -> Result<Response<ListExecsResponse>, Status> {
-        sandbox(&r.into_inner().sandbox_id)?;
+        // Two pages of one record each, like a daemon with more records than a page holds.
+        let req = r.into_inner();
+        sandbox(&req.sandbox_id)?;
+        let (word, exec_id, next) = match req.page_token.as_str() {
+            "" => ("a", "ex-1", "page-2"),
+            "page-2" => ("b", "ex-2", ""),
+            other => return Err(Status::invalid_argument(format!("page_token {other:?}"))),
+        };
+        let mut record = run(&exec_request("sb-1", ["echo", word]))?;
+        record.exec_id = exec_id.into();
+        if !req.include_output {
+            record.stdout.clear();
+        }
         Ok(Response::new(ListExecsResponse {
-            execs: vec![run(&exec_request("sb-1", ["echo", "a"]))?],
+            execs: vec![record],
+            next_page_token: next.into(),
         }))
     }
     async fn write_file(
@@ -346,6 +359,14 @@ async fn client_round_trips() {
     let first = client.read_file("sb-1", "/w/f", 0, 0).await.expect("read");
     assert_eq!((first.content.as_slice(), first.eof), (&b"mor"[..], false));
 
+    let execs = client.list_execs("sb-1", 0).await.expect("list execs");
+    assert_eq!(
+        execs.iter().map(|e| e.exec_id.as_str()).collect::<Vec<_>>(),
+        ["ex-1", "ex-2"],
+        "every page, in order"
+    );
+    assert!(execs.iter().all(|e| e.stdout.is_empty()), "metadata only");
+
     let err = client.delete_snapshot("snap-1").await.expect_err("in use");
     assert_eq!(err.code(), tonic::Code::FailedPrecondition);
 }
@@ -428,6 +449,11 @@ async fn sbx_json_output() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON value");
     assert_eq!(v["status"], "EXEC_STATUS_EXITED");
     assert_eq!(v["exit_code"], 5);
+
+    let out = daemon.sbx(&["execs", "--json", "sb-1"], b"").await;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON value");
+    assert_eq!(v[1]["exec_id"], "ex-2", "sbx execs follows the pages: {v}");
+    assert_eq!(v[1]["output_discarded"], false);
 
     let out = daemon.sbx(&["ls", "--json"], b"").await;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON value");

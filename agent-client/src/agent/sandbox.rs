@@ -25,7 +25,7 @@ pub trait SandboxApi: Send + Sync {
     async fn exec(&self, request: ExecRequest) -> Result<ExecResult>;
     /// GetExec.
     async fn get_exec(&self, exec_id: &str, wait: bool) -> Result<ExecResult>;
-    /// ListExecs, all of them.
+    /// ListExecs, all of them (every page), without their output: GetExec has it.
     async fn list_execs(&self, sandbox_id: &str) -> Result<Vec<ExecResult>>;
     /// ReadFile.
     async fn read_file(
@@ -263,12 +263,17 @@ impl SandboxApi for FakeSandbox {
     }
 
     async fn list_execs(&self, sandbox_id: &str) -> Result<Vec<ExecResult>> {
+        // Like the daemon: metadata only.
         Ok(self
             .lock()
             .execs
             .iter()
             .filter(|r| r.sandbox_id == sandbox_id)
-            .cloned()
+            .map(|r| ExecResult {
+                stdout: Vec::new(),
+                stderr: Vec::new(),
+                ..r.clone()
+            })
             .collect())
     }
 

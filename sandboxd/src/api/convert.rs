@@ -7,7 +7,7 @@ use sandbox_proto::v1 as pb;
 use tonic::Status;
 
 use crate::backend::{ExecStatus, Isolation};
-use crate::manager::{CreateRequest, ExecRecord, ExecRequest, RequestedLimits, SandboxInfo, SandboxState, SnapshotRecord};
+use crate::manager::{CreateRequest, ExecRecord, ExecRequest, ListExecsQuery, RequestedLimits, SandboxInfo, SandboxState, SnapshotRecord};
 
 fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
@@ -139,7 +139,13 @@ pub fn exec_result(record: &ExecRecord, with_output: bool) -> pb::ExecResult {
         idempotency_key: record.idempotency_key.clone(),
         stdout_spill_path: r.stdout.spill_path.clone().unwrap_or_default(),
         stderr_spill_path: r.stderr.spill_path.clone().unwrap_or_default(),
+        output_discarded: record.output_discarded,
     }
+}
+
+/// ListExecsRequest → core.
+pub fn list_execs_query(r: pb::ListExecsRequest) -> ListExecsQuery {
+    ListExecsQuery { sandbox_id: r.sandbox_id, limit: r.limit, page_token: r.page_token, page_size: r.page_size, include_output: r.include_output }
 }
 
 /// Core snapshot → proto.

@@ -251,8 +251,9 @@ impl SandboxService for Api {
 
     async fn list_execs(&self, request: Request<pb::ListExecsRequest>) -> Result<Response<pb::ListExecsResponse>, Status> {
         self.call("ListExecs", request, None, |tenant, req| async move {
-            let records = self.manager.list_execs(&tenant, &req.sandbox_id, req.limit)?;
-            Ok(pb::ListExecsResponse { execs: records.iter().map(|r| convert::exec_result(r, true)).collect() })
+            let page = self.manager.list_execs(&tenant, &convert::list_execs_query(req))?;
+            // Bodies are empty unless the query asked for them.
+            Ok(pb::ListExecsResponse { execs: page.records.iter().map(|r| convert::exec_result(r, true)).collect(), next_page_token: page.next_page_token })
         })
         .await
     }

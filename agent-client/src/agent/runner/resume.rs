@@ -193,6 +193,8 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         Ok(())
     }
 
+    /// The newest exec recorded under `key`, with its output once it has ended (ListExecs
+    /// returns metadata only, so the one record needed is read again with GetExec).
     async fn recorded_exec(&self, key: &str) -> Result<Option<ExecResult>, AgentError> {
         let execs = self
             .sandbox
@@ -202,6 +204,21 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 what: format!("cannot list the execs of sandbox {}", self.ck.sandbox_id),
                 source,
             })?;
-        Ok(execs.into_iter().rev().find(|r| r.idempotency_key == key))
+        let Some(found) = execs.into_iter().rev().find(|r| r.idempotency_key == key) else {
+            return Ok(None);
+        };
+        if found.status == ExecStatus::Running as i32 {
+            // The caller waits for it with GetExec when it needs the end.
+            return Ok(Some(found));
+        }
+        let full = self
+            .sandbox
+            .get_exec(&found.exec_id, false)
+            .await
+            .map_err(|source| AgentError::Daemon {
+                what: format!("cannot read exec {}", found.exec_id),
+                source,
+            })?;
+        Ok(Some(full))
     }
 }

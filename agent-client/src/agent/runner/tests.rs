@@ -428,6 +428,32 @@ async fn resume_adopts_an_exec_the_daemon_recorded() {
 }
 
 #[tokio::test]
+async fn resume_shows_the_adopted_exec_output_though_listexecs_has_none() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let ck = crashed_run(dir.path(), &fake).await;
+    // The recorded exec printed something; ListExecs returns metadata only, so the output has
+    // to come from GetExec.
+    let req = ExecRequest {
+        idempotency_key: idempotency_key("r1", 2, 0, "act"),
+        ..crate::exec_request(ck.sandbox_id.as_str(), ["sh", "-c", "seq 3"])
+    };
+    fake.exec(req).await.expect("exec");
+    let (report, model) = resume_to_end(dir.path(), &fake).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let prompt = model
+        .log
+        .lock()
+        .map(|l| l[0].to_string())
+        .unwrap_or_default();
+    assert!(prompt.contains("recorded result is used"), "{prompt}");
+    assert!(
+        prompt.contains("1\\n2\\n3"),
+        "the adopted exec's output: {prompt}"
+    );
+}
+
+#[tokio::test]
 async fn resume_reruns_an_action_that_never_started() {
     let dir = tempfile::tempdir().expect("tempdir");
     let fake = FakeSandbox::new(basic_handler());

@@ -54,7 +54,8 @@ pub enum Command {
         #[arg(required = true)]
         ids: Vec<String>,
     },
-    /// List a sandbox's execs, oldest first.
+    /// List a sandbox's execs, oldest first: every page, without their output (`sbx wait EXEC`
+    /// prints one exec's output).
     Execs {
         /// Sandbox id.
         id: String,

@@ -81,7 +81,8 @@ pub async fn kill(ctx: &Ctx, exec_id: String, signal: i32) -> Result<u8> {
     Ok(0)
 }
 
-/// Lists a sandbox's execs.
+/// Lists a sandbox's execs, following ListExecs' pages to the end (metadata only, so the
+/// whole history of a sandbox stays small).
 pub async fn list(ctx: &Ctx, sandbox_id: String, limit: u32) -> Result<u8> {
     let execs = ctx.client().await?.list_execs(sandbox_id, limit).await?;
     if ctx.json {

@@ -63,6 +63,7 @@ pub fn exec_result(r: &ExecResult) -> Value {
         "idempotency_key": r.idempotency_key,
         "stdout_spill_path": r.stdout_spill_path,
         "stderr_spill_path": r.stderr_spill_path,
+        "output_discarded": r.output_discarded,
     })
 }
 
@@ -141,7 +142,7 @@ mod tests {
         assert_eq!(v["error"], "");
         assert_eq!(
             v.as_object().map(Map::len),
-            Some(21),
+            Some(22),
             "one key per ExecResult field"
         );
     }
