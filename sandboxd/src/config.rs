@@ -93,6 +93,18 @@ impl Limits {
         disk_bytes: 64 << 30,
         exec_timeout_ms: 24 * 3600 * 1000,
     };
+    /// Floors: a sandbox below one could not run anything, so a request below one is refused
+    /// at create (INVALID_ARGUMENT naming the field) and a configured default or ceiling below
+    /// one stops the daemon at start. 4 MiB of memory runs a shell; 8 pids let a shell run a
+    /// pipeline next to the sandbox's init; 16 MiB of disk hold the writable layer's own files
+    /// (workdir, spilled output) with room to work.
+    pub const MINIMUMS: Limits = Limits {
+        cpu_millicores: 1,
+        memory_bytes: 4 << 20,
+        max_pids: 8,
+        disk_bytes: 16 << 20,
+        exec_timeout_ms: 1,
+    };
 }
 
 /// The `[limits]` table: defaults and ceilings. Each names only what it changes: a field left
@@ -138,6 +150,11 @@ pub struct ExecConfig {
     pub io_drain_timeout_ms: u64,
     /// Exec records kept per sandbox for ListExecs (oldest dropped first).
     pub max_records_per_sandbox: usize,
+    /// Bytes of recorded stdout+stderr kept on the host per sandbox, under
+    /// `<state_dir>/outputs/<sandbox>/`; past it the oldest finished records lose their output
+    /// (their metadata stays, marked `output_discarded`). 0 keeps no output once an exec has
+    /// returned it.
+    pub max_output_storage_bytes_per_sandbox: u64,
 }
 
 impl Default for ExecConfig {
@@ -147,8 +164,35 @@ impl Default for ExecConfig {
             max_output_bytes_ceiling: 16 << 20,
             io_drain_timeout_ms: 300,
             max_records_per_sandbox: 1000,
+            max_output_storage_bytes_per_sandbox: 64 << 20,
         }
     }
+}
+
+/// The `[files]` table: WriteFile/ReadFile bounds.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FilesConfig {
+    /// WriteFile calls served at once; more wait, before their message is decoded, so the
+    /// daemon holds at most this many file contents (each up to the 64 MiB message limit, about
+    /// twice that while it is decoded and handed to the backend) however many callers write.
+    pub max_concurrent_writes: usize,
+}
+
+impl Default for FilesConfig {
+    fn default() -> Self {
+        FilesConfig { max_concurrent_writes: 4 }
+    }
+}
+
+/// The `[container]` table: the Docker-based tier.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ContainerTierConfig {
+    /// Bytes of disk that CONTAINER sandboxes may be promised in total (the sum of their
+    /// `disk_bytes`). Unset: the size of the filesystem holding Docker's data root
+    /// (`/var/lib/docker`, else the state dir), measured at start — see `admission`.
+    pub disk_pool_bytes: Option<u64>,
 }
 
 /// The TOML file, as written by users.
@@ -176,6 +220,10 @@ pub struct FileConfig {
     pub telemetry: TelemetryConfig,
     #[serde(default)]
     pub microvm: MicroVmConfig,
+    #[serde(default)]
+    pub container: ContainerTierConfig,
+    #[serde(default)]
+    pub files: FilesConfig,
 }
 
 /// How microVM guests run their CPUs.
@@ -209,6 +257,10 @@ pub struct MicroVmConfig {
     pub pool_image: String,
     /// Guest memory of pooled VMs: a create asking for more boots its own VM.
     pub pool_memory_bytes: u64,
+    /// Bytes of disk that MICROVM sandboxes may be promised in total (the sum of their
+    /// `disk_bytes`; their qcow2 disks are sparse files under the state dir). Unset: the size
+    /// of the state dir's filesystem at start — see `admission`.
+    pub disk_pool_bytes: Option<u64>,
 }
 
 impl Default for MicroVmConfig {
@@ -222,6 +274,7 @@ impl Default for MicroVmConfig {
             pool_size: 0,
             pool_image: "minimal".into(),
             pool_memory_bytes: 512 << 20,
+            disk_pool_bytes: None,
         }
     }
 }
@@ -395,6 +448,8 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     pub telemetry: TelemetryConfig,
     pub microvm: MicroVmConfig,
+    pub container: ContainerTierConfig,
+    pub files: FilesConfig,
 }
 
 impl Config {
@@ -431,6 +486,8 @@ impl Config {
             tls: file.tls,
             telemetry: TelemetryConfig { otlp_endpoint: cli.otlp_endpoint.or(file.telemetry.otlp_endpoint), ..file.telemetry },
             microvm: MicroVmConfig { pool_size: cli.microvm_pool.unwrap_or(file.microvm.pool_size), ..file.microvm },
+            container: file.container,
+            files: file.files,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -452,12 +509,26 @@ impl Config {
             ("disk_bytes", d.disk_bytes, m.disk_bytes),
             ("exec_timeout_ms", d.exec_timeout_ms, m.exec_timeout_ms),
         ];
-        for (name, default, max) in checks {
+        let floors = Limits::MINIMUMS;
+        let floors: [u64; 5] = [floors.cpu_millicores.into(), floors.memory_bytes, floors.max_pids.into(), floors.disk_bytes, floors.exec_timeout_ms];
+        for ((name, default, max), floor) in checks.into_iter().zip(floors) {
             if default == 0 || default > max {
                 return Err(ConfigError::Invalid(format!(
                     "limits.default.{name} = {default} must be > 0 and <= limits.max.{name} = {max}"
                 )));
             }
+            // Below the floor every create that leaves the limit at 0 would be refused.
+            if default < floor {
+                return Err(ConfigError::Invalid(format!("limits.default.{name} = {default} is below the minimum {floor} a sandbox needs to run anything")));
+            }
+        }
+        for (key, value) in [("pool_size_bytes", Some(self.pool_size_bytes)), ("microvm.disk_pool_bytes", self.microvm.disk_pool_bytes), ("container.disk_pool_bytes", self.container.disk_pool_bytes)] {
+            if value.is_some_and(|v| v < floors[3]) {
+                return Err(ConfigError::Invalid(format!("{key} must be at least {} (the smallest disk_bytes a sandbox may have)", floors[3])));
+            }
+        }
+        if !(1..=4096).contains(&self.files.max_concurrent_writes) {
+            return Err(ConfigError::Invalid(format!("files.max_concurrent_writes = {} must be between 1 and 4096", self.files.max_concurrent_writes)));
         }
         if self.exec.default_max_output_bytes == 0 || self.exec.default_max_output_bytes > self.exec.max_output_bytes_ceiling {
             return Err(ConfigError::Invalid("exec.default_max_output_bytes must be > 0 and <= exec.max_output_bytes_ceiling".into()));
@@ -502,14 +573,14 @@ mod tests {
         let path = dir.path().join("sandboxd.toml");
         std::fs::write(
             &path,
-            "state_dir = \"/srv/state\"\nimages_dir = \"/srv/images\"\n[limits.default]\nmemory_bytes = 1048576\n",
+            "state_dir = \"/srv/state\"\nimages_dir = \"/srv/images\"\n[limits.default]\nmemory_bytes = 8388608\n",
         )
         .expect("write");
         let cli = Cli { config: Some(path), images_dir: Some("/flag/images".into()), ..Default::default() };
         let cfg = Config::load(cli).expect("load");
         assert_eq!(cfg.state_dir, PathBuf::from("/srv/state"));
         assert_eq!(cfg.images_dir, PathBuf::from("/flag/images"));
-        assert_eq!(cfg.limits.default.memory_bytes, 1 << 20);
+        assert_eq!(cfg.limits.default.memory_bytes, 8 << 20);
         assert_eq!(cfg.limits.default.max_pids, Limits::DEFAULTS.max_pids);
         assert_eq!(cfg.limits.max, Limits::CEILINGS, "an untouched table keeps every ceiling");
         std::fs::write(dir.path().join("max.toml"), "[limits.max]\nmemory_bytes = 1073741824\n").expect("write");
@@ -537,8 +608,33 @@ mod tests {
         let err = Config::load(Cli { config: Some(path.clone()), ..Default::default() }).expect_err("typo refused");
         assert!(err.to_string().contains("stat_dir"), "{err}");
         std::fs::write(&path, "[limits.default]\nmax_pids = 100000\n").expect("write");
-        let err = Config::load(Cli { config: Some(path), ..Default::default() }).expect_err("default over max");
+        let err = Config::load(Cli { config: Some(path.clone()), ..Default::default() }).expect_err("default over max");
         assert!(err.to_string().contains("max_pids"), "{err}");
+        // A default below the floor would make every create that leaves the limit at 0 fail.
+        for (toml, key) in [
+            ("[limits.default]\ndisk_bytes = 1048576\n", "limits.default.disk_bytes"),
+            ("[limits.default]\nmax_pids = 2\n", "limits.default.max_pids"),
+            ("[files]\nmax_concurrent_writes = 0\n", "files.max_concurrent_writes"),
+            ("[microvm]\ndisk_pool_bytes = 0\n", "microvm.disk_pool_bytes"),
+            ("[container]\ndisk_pool_bytes = 1\n", "container.disk_pool_bytes"),
+            ("pool_size_bytes = 1024\n", "pool_size_bytes"),
+        ] {
+            std::fs::write(&path, toml).expect("write");
+            let err = Config::load(Cli { config: Some(path.clone()), ..Default::default() }).expect_err(toml);
+            assert!(err.to_string().contains(key), "{toml}: {err}");
+        }
+    }
+
+    #[test]
+    fn admission_keys_have_defaults_and_load() {
+        let cfg = Config::load(Cli::default()).expect("defaults");
+        assert_eq!(cfg.files.max_concurrent_writes, 4);
+        assert_eq!((cfg.microvm.disk_pool_bytes, cfg.container.disk_pool_bytes), (None, None), "measured at start unless set");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.toml");
+        std::fs::write(&path, "[files]\nmax_concurrent_writes = 1\n[microvm]\ndisk_pool_bytes = 1073741824\n[container]\ndisk_pool_bytes = 2147483648\n").expect("write");
+        let cfg = Config::load(Cli { config: Some(path), ..Default::default() }).expect("load");
+        assert_eq!((cfg.files.max_concurrent_writes, cfg.microvm.disk_pool_bytes, cfg.container.disk_pool_bytes), (1, Some(1 << 30), Some(2 << 30)));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! Layers, outside in: [`server`] (listeners, health, reflection, shutdown) → [`api`] (protobuf ↔
 //! core) → [`manager`] (ids, lifecycle, limits, records) → [`backend`] (one folder per tier).
 
+pub mod admission;
 pub mod api;
 pub mod audit;
 pub mod backend;

@@ -14,12 +14,19 @@ fn main() -> anyhow::Result<()> {
     if std::env::args_os().nth(1).is_some_and(|a| a == init::INIT_ARG) {
         init::main();
     }
+    // And the guard each microVM's QEMU runs under (it forks too).
+    if std::env::args_os().nth(1).is_some_and(|a| a == sandboxd::backend::microvm::guard::GUARD_ARG) {
+        sandboxd::backend::microvm::guard::main();
+    }
     // Descriptors inherited from whoever started the daemon (`sandboxd 9>>/some/file`) must
     // never reach anything it starts: mark them all close-on-exec before any thread exists.
     // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on descriptors; it closes
     // nothing and no Rust object is invalidated.
     unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
     let cfg = Config::load(Cli::parse())?;
+    // Every running exec holds descriptors; the usual soft limit of 1024 would let a few hundred
+    // of them starve every other call. Logged below, once logging is up.
+    let nofile = sandboxd::admission::raise_nofile_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     // The OTLP exporter's gRPC channel is a task on the runtime, so it is built inside it, and
     // the runtime lives until the exporter has flushed (below).
@@ -35,6 +42,7 @@ fn main() -> anyhow::Result<()> {
     };
     tracing_subscriber::registry().with(filter).with(log).with(telemetry.as_ref().map(Telemetry::layer)).init();
     tracing::info!(state_dir = %cfg.state_dir.display(), images_dir = %cfg.images_dir.display(), "sandboxd starting");
+    log_nofile(&cfg, nofile);
     if let Some(endpoint) = &cfg.telemetry.otlp_endpoint {
         tracing::info!(%endpoint, service_name = %cfg.telemetry.service_name, "exporting traces over OTLP/gRPC");
     }
@@ -44,4 +52,21 @@ fn main() -> anyhow::Result<()> {
         telemetry.shutdown();
     }
     result
+}
+
+/// Logs the open-file limit the daemon runs with and how many execs it leaves room for, warning
+/// when a configured exec cap is above that.
+fn log_nofile(cfg: &Config, nofile: Result<sandboxd::admission::NofileLimit, String>) {
+    let limit = match nofile {
+        Ok(l) => l,
+        Err(e) => return tracing::warn!(error = %e, "cannot raise the open-file limit; execs may fail with \"Too many open files\" under load"),
+    };
+    let budget = limit.exec_budget();
+    tracing::info!(soft = limit.soft, hard = limit.hard, previous_soft = limit.previous_soft, exec_budget = budget, "open-file limit raised to the hard limit; descriptors for about exec_budget running execs");
+    let caps = cfg.policy.exec_caps();
+    for (key, cap) in [("policy.max_concurrent_execs", cfg.policy.max_concurrent_execs()), ("policy.max_running_execs_per_tenant", Some(caps.running_per_tenant))] {
+        if let Some(cap) = cap.filter(|&c| c as u64 > budget) {
+            tracing::warn!(key, cap, exec_budget = budget, "an exec cap is above what the open-file limit leaves room for: lower it or raise the hard RLIMIT_NOFILE");
+        }
+    }
 }

@@ -13,12 +13,13 @@ use tokio_util::sync::CancellationToken;
 
 use serde::{Deserialize, Serialize};
 
+use crate::admission::{human_bytes, DiskPools, ExecSlot, ExecSlots};
 use crate::backend::{Backends, ExecOutcome, ExecSpec, ExecStatus, FileChunk, Isolation, OutputSink, SandboxSpec};
 use crate::config::{Config, Limits};
 use crate::error::Error;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 use crate::metrics::{Metrics, Op};
-use crate::store::{Store, StoreError};
+use crate::store::{PageQuery, PageToken, Retention, Store, StoreError, Trimmed};
 
 /// Lifecycle of a sandbox. Transitions: Creating → Running | Failed; Running → Destroyed;
 /// Running → Failed when a restart or rollback cannot bring it back.
@@ -134,13 +135,51 @@ pub struct ExecRecord {
     pub idempotency_key: String,
     #[serde(flatten)]
     pub outcome: ExecOutcome,
+    /// The stdout/stderr bodies were dropped to keep the sandbox's stored output within
+    /// `exec.max_output_storage_bytes_per_sandbox` (the rest of the record stays). Kept by the
+    /// store in a column of its own, not in the JSON document.
+    #[serde(skip)]
+    pub output_discarded: bool,
 }
 
 impl ExecRecord {
     fn running(exec_id: ExecId, sandbox_id: SandboxId, argv: Vec<String>, idempotency_key: String) -> Self {
         let outcome = ExecOutcome::failed(ExecStatus::Running, 0, String::new(), SystemTime::now());
-        ExecRecord { exec_id, sandbox_id, argv, idempotency_key, outcome }
+        ExecRecord { exec_id, sandbox_id, argv, idempotency_key, outcome, output_discarded: false }
     }
+}
+
+/// Most records on one ListExecs page (also what `page_size` 0 means).
+pub const MAX_EXECS_PAGE_SIZE: usize = 100;
+
+/// A ListExecs page stops before its records pass this many bytes, far below the gRPC message
+/// limit: 100 records of 16 MiB output each would not fit in any response.
+pub const MAX_EXECS_PAGE_BYTES: u64 = 4 << 20;
+
+/// A ListExecs call.
+///
+/// Without a token, the listing is the newest `limit` records (0 = all) as of this call, oldest
+/// first; its first page is returned with a `next_page_token` while records remain. Passing the
+/// token (with the same sandbox id) returns the next page of that same listing: `limit` and
+/// records started after the first page play no part any more, records trimmed meanwhile are
+/// skipped, and no record comes twice.
+#[derive(Debug, Clone, Default)]
+pub struct ListExecsQuery {
+    pub sandbox_id: String,
+    pub limit: u32,
+    pub page_token: String,
+    /// Records per page; 0 or above [`MAX_EXECS_PAGE_SIZE`] means that maximum.
+    pub page_size: u32,
+    /// Read stdout/stderr too (otherwise they are empty; GetExec returns them for one record).
+    pub include_output: bool,
+}
+
+/// One ListExecs page.
+#[derive(Debug, Clone, Default)]
+pub struct ExecList {
+    pub records: Vec<ExecRecord>,
+    /// Empty on the last page.
+    pub next_page_token: String,
 }
 
 /// A running exec: its record, a signal when it ends, and the way to stop it. Finished execs
@@ -201,6 +240,10 @@ pub struct Manager {
     metrics: Arc<Metrics>,
     sandboxes: RwLock<HashMap<SandboxId, Arc<SandboxEntry>>>,
     running: Mutex<Running>,
+    /// The storage pools `disk_bytes` are promised from (see `admission`).
+    disk_pools: DiskPools,
+    /// Execs running now per sandbox and tenant, against the policy's exec caps.
+    exec_slots: Arc<Mutex<ExecSlots>>,
 }
 
 impl From<StoreError> for Error {
@@ -233,10 +276,50 @@ fn resolve_limit<T: Copy + PartialOrd + Default + Into<u64>>(field: &str, reques
     Ok(requested)
 }
 
+/// What argv and env of one exec may take together (the kernel allows more, but this keeps a
+/// request's command line a command line: large data goes on stdin or in a file).
+const MAX_ARGV_ENV_BYTES: usize = 256 << 10;
+/// The kernel's MAX_ARG_STRLEN: one argument or `NAME=value` string (with its NUL) longer than
+/// this makes execve fail with E2BIG.
+const MAX_ARG_STRLEN: usize = 32 * 4096;
+/// Room a sandbox's env must leave within [`MAX_ARGV_ENV_BYTES`] for the argv of its execs.
+const ARGV_ROOM_BYTES: usize = 4 << 10;
+/// Longest workdir (the kernel's PATH_MAX, with its NUL) and path component (NAME_MAX).
+const PATH_MAX: usize = 4095;
+const NAME_MAX: usize = 255;
+/// Bounds of labels: they are stored with the sandbox and matched on every ListSandboxes.
+const MAX_LABELS: usize = 64;
+const MAX_LABEL_KEY_BYTES: usize = 128;
+const MAX_LABEL_VALUE_BYTES: usize = 1024;
+/// Longest image name (the backends look images up as `<images_dir>/<name>`).
+const MAX_IMAGE_NAME_BYTES: usize = 64;
+/// Longest idempotency key (it is stored with the exec record and looked up by value).
+const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
+
+/// The variables every exec starts with, under the sandbox's and the request's own.
+fn base_env(id: &SandboxId) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("PATH".to_string(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string()),
+        ("HOME".to_string(), "/root".to_string()),
+        ("HOSTNAME".to_string(), id.to_string()),
+    ])
+}
+
+/// Bytes an environment takes in an exec's argv+env budget (`NAME=value\0` each).
+fn env_bytes<'a>(env: impl IntoIterator<Item = (&'a String, &'a String)>) -> usize {
+    env.into_iter().map(|(k, v)| k.len() + v.len() + 2).sum()
+}
+
 fn validate_env(field: &str, env: &BTreeMap<String, String>) -> Result<(), Error> {
     for (k, v) in env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
             return Err(Error::invalid(field, format!("bad variable {:?}: names must be non-empty without '=' or NUL", k.chars().take(64).collect::<String>())));
+        }
+        if k.len() + v.len() + 2 > MAX_ARG_STRLEN {
+            return Err(Error::invalid(
+                field,
+                format!("variable {:?} is {} bytes; one variable may take at most {MAX_ARG_STRLEN} (execve refuses longer)", k.chars().take(64).collect::<String>(), k.len() + v.len() + 2),
+            ));
         }
     }
     Ok(())
@@ -244,7 +327,62 @@ fn validate_env(field: &str, env: &BTreeMap<String, String>) -> Result<(), Error
 
 fn validate_abs_path(field: &str, path: &str) -> Result<(), Error> {
     if !path.starts_with('/') || path.contains('\0') || path.split('/').any(|c| c == "..") {
-        return Err(Error::invalid(field, format!("{path:?} must be an absolute path without '..'")));
+        return Err(Error::invalid(field, format!("{:?} must be an absolute path without '..'", path.chars().take(256).collect::<String>())));
+    }
+    if path.len() > PATH_MAX || path.split('/').any(|c| c.len() > NAME_MAX) {
+        return Err(Error::invalid(field, format!("path of {} bytes: at most {PATH_MAX} bytes, {NAME_MAX} per component", path.len())));
+    }
+    Ok(())
+}
+
+fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), Error> {
+    if labels.len() > MAX_LABELS {
+        return Err(Error::invalid("labels", format!("{} labels; at most {MAX_LABELS}", labels.len())));
+    }
+    for (k, v) in labels {
+        let key_ok = !k.is_empty() && k.len() <= MAX_LABEL_KEY_BYTES && !k.chars().any(char::is_control);
+        if !key_ok || v.len() > MAX_LABEL_VALUE_BYTES || v.contains('\0') {
+            return Err(Error::invalid(
+                "labels",
+                format!(
+                    "label {:?}: keys are 1-{MAX_LABEL_KEY_BYTES} bytes without control characters, values at most {MAX_LABEL_VALUE_BYTES} bytes without NUL",
+                    k.chars().take(64).collect::<String>()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Image names are directory names under the images dir: no path, nothing hidden.
+fn validate_image(image: &str) -> Result<(), Error> {
+    let ok = !image.is_empty()
+        && image.len() <= MAX_IMAGE_NAME_BYTES
+        && !image.starts_with('.')
+        && image.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if !ok {
+        return Err(Error::invalid(
+            "image",
+            format!("{:?}: 1-{MAX_IMAGE_NAME_BYTES} of [A-Za-z0-9._-], not starting with '.'", image.chars().take(80).collect::<String>()),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses limits below [`Limits::MINIMUMS`]: a sandbox with them could not run anything.
+fn validate_minimums(limits: &Limits) -> Result<(), Error> {
+    let m = Limits::MINIMUMS;
+    if limits.memory_bytes < m.memory_bytes {
+        return Err(Error::invalid("limits.memory_bytes", format!("{} is below the minimum {}", limits.memory_bytes, human_bytes(m.memory_bytes))));
+    }
+    if limits.max_pids < m.max_pids {
+        return Err(Error::invalid("limits.max_pids", format!("{} is below the minimum {} (a shell running a pipeline needs that many)", limits.max_pids, m.max_pids)));
+    }
+    if limits.disk_bytes < m.disk_bytes {
+        return Err(Error::invalid(
+            "limits.disk_bytes",
+            format!("{} is below the minimum {} (the writable layer must hold the sandbox's own files)", limits.disk_bytes, human_bytes(m.disk_bytes)),
+        ));
     }
     Ok(())
 }
@@ -252,7 +390,17 @@ fn validate_abs_path(field: &str, path: &str) -> Result<(), Error> {
 impl Manager {
     /// A manager over the given backends and store. Call [`Manager::recover`] before serving.
     pub fn new(cfg: Arc<Config>, backends: Backends, store: Store, metrics: Arc<Metrics>) -> Arc<Self> {
-        Arc::new(Manager { cfg, backends, store, metrics, sandboxes: RwLock::new(HashMap::new()), running: Mutex::new(Running::default()) })
+        let disk_pools = DiskPools::from_config(&cfg);
+        Arc::new(Manager {
+            cfg,
+            backends,
+            store,
+            metrics,
+            sandboxes: RwLock::new(HashMap::new()),
+            running: Mutex::new(Running::default()),
+            disk_pools,
+            exec_slots: Arc::new(Mutex::new(ExecSlots::default())),
+        })
     }
 
     /// The metrics text, with the state gauges filled in.
@@ -272,6 +420,10 @@ impl Manager {
         let lost = self.store.mark_running_lost("the daemon stopped while the exec ran")?;
         if lost > 0 {
             tracing::warn!(count = lost, "execs running when the daemon stopped recorded as LOST");
+        }
+        let pruned = self.store.prune_orphans()?;
+        if pruned > 0 {
+            tracing::info!(count = pruned, "orphaned exec records and output files removed");
         }
         let records = self.store.sandboxes()?;
         let snapshots = self.store.snapshots(None)?;
@@ -369,9 +521,10 @@ impl Manager {
         }
     }
 
-    /// Refuses a create past the configured capacity, naming the limit.
-    fn check_capacity(&self, tenant: &str) -> Result<(), Error> {
-        let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
+    /// Refuses a create past the configured capacity or the disk pool of `tier`, naming the
+    /// limit. Called with the table's write lock held by the create that then inserts itself, so
+    /// two concurrent creates never both take the last room.
+    fn check_capacity(&self, map: &HashMap<SandboxId, Arc<SandboxEntry>>, tenant: &str, tier: Isolation, disk_bytes: u64) -> Result<(), Error> {
         if let Some(max) = self.cfg.policy.max_sandboxes() {
             if map.len() >= max {
                 return Err(Error::ResourceExhausted(format!("policy.max_sandboxes ({max}) reached")));
@@ -383,24 +536,77 @@ impl Manager {
                 return Err(Error::ResourceExhausted(format!("policy.max_sandboxes_per_tenant ({max}) reached for tenant {tenant:?}")));
             }
         }
-        Ok(())
+        // Every sandbox in the table holds its layer until destroyed (FAILED ones too), and a
+        // fork or a rolled-back sandbox as much as one made from an image.
+        let promised: u64 = map
+            .values()
+            .filter_map(|e| e.info().ok())
+            .filter(|i| self.disk_pools.same_pool(i.isolation, tier))
+            .map(|i| i.limits.disk_bytes)
+            .fold(0, u64::saturating_add);
+        self.disk_pools.admit(tier, promised, disk_bytes).map_err(Error::ResourceExhausted)
+    }
+
+    /// Logs each storage pool with what is promised from it (at start, after recovery: the
+    /// re-adopted sandboxes count), warning when a smaller pool than last time is overcommitted.
+    pub fn log_admission(&self) {
+        let infos: Vec<SandboxInfo> = match self.sandboxes.read() {
+            Ok(map) => map.values().filter_map(|e| e.info().ok()).collect(),
+            Err(_) => return,
+        };
+        for (pool, tiers) in self.disk_pools.pools() {
+            let Some(&first) = tiers.first() else { continue };
+            let mine: Vec<&SandboxInfo> = infos.iter().filter(|i| self.disk_pools.same_pool(i.isolation, first)).collect();
+            let promised = mine.iter().map(|i| i.limits.disk_bytes).fold(0, u64::saturating_add);
+            let names: Vec<&str> = tiers.iter().map(|t| t.name()).collect();
+            let (capacity, promised_h) = (human_bytes(pool.capacity), human_bytes(promised));
+            if promised > pool.capacity {
+                tracing::warn!(tiers = ?names, key = %pool.key, capacity = %capacity, promised = %promised_h, sandboxes = mine.len(), "storage pool overcommitted by the sandboxes on record: creates on it are refused until enough are destroyed");
+            } else {
+                tracing::info!(tiers = ?names, key = %pool.key, capacity = %capacity, origin = %pool.origin, promised = %promised_h, sandboxes = mine.len(), "storage pool admission");
+            }
+        }
+        let caps = self.cfg.policy.exec_caps();
+        tracing::info!(
+            running_per_sandbox = caps.running_per_sandbox,
+            background_per_sandbox = caps.background_per_sandbox,
+            running_per_tenant = caps.running_per_tenant,
+            background_per_tenant = caps.background_per_tenant,
+            "exec caps"
+        );
     }
 
     /// Creates a sandbox (from an image, or from a snapshot: a fork) and returns when it is ready.
     #[tracing::instrument(name = "manager.create", skip_all)]
     pub async fn create(&self, tenant: &str, req: CreateRequest) -> Result<SandboxInfo, Error> {
-        self.check_capacity(tenant)?;
+        // Everything a request says is checked before anything is made: a sandbox in which
+        // nothing could run (no room for a command line, no pids for a shell, no disk for its
+        // own files) is refused here, naming the field, rather than failing later.
         let workdir = if req.workdir.is_empty() { "/workspace".to_string() } else { req.workdir };
         validate_abs_path("workdir", &workdir)?;
-        validate_env("env", &req.env)?;
-        for (k, v) in &req.labels {
-            if k.is_empty() || k.len() > 128 || v.len() > 1024 {
-                return Err(Error::invalid("labels", format!("label {k:?}: keys are 1-128 bytes, values at most 1024")));
-            }
+        // The sandbox's /proc, /dev and /sys are mounted over whatever the layer holds there, so
+        // a workdir made below them would not exist once the sandbox runs.
+        if let Some(top) = ["/proc", "/dev", "/sys"].into_iter().find(|m| workdir == *m || workdir.starts_with(&format!("{m}/"))) {
+            return Err(Error::invalid("workdir", format!("{workdir:?} is under {top}, which the sandbox's own mount hides")));
         }
+        validate_env("env", &req.env)?;
+        let id = SandboxId::generate();
+        let env_size = env_bytes(base_env(&id).iter().chain(req.env.iter()));
+        if env_size + ARGV_ROOM_BYTES > MAX_ARGV_ENV_BYTES {
+            return Err(Error::invalid(
+                "env",
+                format!(
+                    "{env_size} bytes with the default variables; every exec's argv and env must fit in {} KiB, so the sandbox env may take at most {} bytes (pass large data as a file)",
+                    MAX_ARGV_ENV_BYTES >> 10,
+                    MAX_ARGV_ENV_BYTES - ARGV_ROOM_BYTES
+                ),
+            ));
+        }
+        validate_labels(&req.labels)?;
         // A fork inherits its tier and image from the snapshot: its layer only makes sense there.
         let (requested, image, from_snapshot) = if req.from_snapshot_id.is_empty() {
             let image = if req.image.is_empty() { "minimal".to_string() } else { req.image };
+            validate_image(&image)?;
             (req.isolation, image, None)
         } else {
             let snap = self.snapshot_record(tenant, &req.from_snapshot_id)?;
@@ -418,13 +624,10 @@ impl Manager {
         }
         let isolation = decision.isolation;
         let limits = self.resolve_limits(&req.limits, &decision.defaults, &decision.ceilings)?;
-        if limits.memory_bytes < 4 << 20 {
-            return Err(Error::invalid("limits.memory_bytes", "must be at least 4 MiB"));
-        }
+        validate_minimums(&limits)?;
         // Never a weaker tier than decided: an unavailable tier is an error, not a fallback.
         let backend = self.backends.available(isolation)?.clone();
 
-        let id = SandboxId::generate();
         let now = SystemTime::now();
         let info = SandboxInfo {
             id: id.clone(),
@@ -443,9 +646,23 @@ impl Manager {
             head_snapshot: from_snapshot,
             failure_reason: None,
         };
-        self.store.put_sandbox(&info)?;
         let entry = SandboxEntry::new(info.clone());
-        self.sandboxes.write().map_err(|_| Error::Internal("sandbox table poisoned".into()))?.insert(id.clone(), entry.clone());
+        {
+            // Admission and the claim in one critical section: once in the table, this
+            // sandbox's disk_bytes count against its pool for every later create.
+            let mut map = self.sandboxes.write().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
+            if let Err(e) = self.check_capacity(&map, tenant, isolation, limits.disk_bytes) {
+                tracing::info!(tenant, tier = isolation.name(), disk_bytes = limits.disk_bytes, reason = %e, "create refused");
+                return Err(e);
+            }
+            map.insert(id.clone(), entry.clone());
+        }
+        if let Err(e) = self.store.put_sandbox(&info) {
+            if let Ok(mut map) = self.sandboxes.write() {
+                map.remove(&id);
+            }
+            return Err(e.into());
+        }
 
         let started = std::time::Instant::now();
         match backend.create(&spec_of(&info)).await {
@@ -464,7 +681,12 @@ impl Manager {
                 }
                 self.store.delete_sandbox(id.as_str())?;
                 tracing::warn!(sandbox = %id, error = %e, "sandbox create failed");
-                Err(e.into())
+                // The only path a create hands its backend is the workdir (e.g. one under a file
+                // of the image): name the request field.
+                Err(match Error::from(e) {
+                    Error::InvalidArgument { field, message } if field == "path" => Error::invalid("workdir", message),
+                    e => e,
+                })
             }
         }
     }
@@ -509,6 +731,9 @@ impl Manager {
             Ok(backend) => backend.destroy(&sid).await.map_err(Error::from),
             Err(e) => Err(e.into()),
         };
+        // The backend killed its execs; once they have ended (and, the sandbox being out of the
+        // table, recorded nothing) its records and output files can go for good.
+        self.wait_for_execs_of(&sid, Duration::from_secs(5)).await;
         self.store.delete_sandbox(sid.as_str())?;
         self.metrics.observe(Op::Destroy, info.isolation, started.elapsed());
         tracing::info!(sandbox = %sid, "sandbox destroyed");
@@ -530,7 +755,13 @@ impl Manager {
         if req.argv.iter().any(|a| a.contains('\0')) {
             return Err(Error::invalid("argv", "arguments must not contain NUL bytes"));
         }
+        if let Some((i, a)) = req.argv.iter().enumerate().find(|(_, a)| a.len() + 1 > MAX_ARG_STRLEN) {
+            return Err(Error::invalid("argv", format!("argv[{i}] is {} bytes; one argument may take at most {MAX_ARG_STRLEN} (execve refuses longer)", a.len())));
+        }
         validate_env("env", &req.env)?;
+        if req.idempotency_key.len() > MAX_IDEMPOTENCY_KEY_BYTES || req.idempotency_key.contains('\0') {
+            return Err(Error::invalid("idempotency_key", format!("{} bytes: at most {MAX_IDEMPOTENCY_KEY_BYTES}, without NUL", req.idempotency_key.len())));
+        }
         let workdir = if req.workdir.is_empty() { info.workdir.clone() } else { req.workdir.clone() };
         validate_abs_path("workdir", &workdir)?;
         let timeout_ms = if req.timeout_ms == 0 { info.limits.exec_timeout_ms } else { req.timeout_ms };
@@ -544,15 +775,18 @@ impl Manager {
                 format!("{max_output} is above the configured ceiling {}", self.cfg.exec.max_output_bytes_ceiling),
             ));
         }
-        let mut env: BTreeMap<String, String> = BTreeMap::new();
-        env.insert("PATH".into(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
-        env.insert("HOME".into(), "/root".into());
-        env.insert("HOSTNAME".into(), info.id.to_string());
+        let mut env = base_env(&info.id);
         env.extend(info.env.clone());
         env.extend(req.env.clone());
-        let size: usize = req.argv.iter().map(|a| a.len() + 1).sum::<usize>() + env.iter().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>();
-        if size > 256 << 10 {
-            return Err(Error::invalid("argv", format!("argv and env together are {size} bytes; the limit is 256 KiB (pass large data on stdin or as a file)")));
+        let argv_size: usize = req.argv.iter().map(|a| a.len() + 1).sum();
+        let size = argv_size + env_bytes(&env);
+        if size > MAX_ARGV_ENV_BYTES {
+            // Named after the part the request made large.
+            let field = if env_bytes(&req.env) > argv_size { "env" } else { "argv" };
+            return Err(Error::invalid(
+                field,
+                format!("argv and env together are {size} bytes; the limit is {} KiB (pass large data on stdin or as a file)", MAX_ARGV_ENV_BYTES >> 10),
+            ));
         }
         Ok(ExecSpec {
             exec_id,
@@ -589,6 +823,9 @@ impl Manager {
         let record = ExecRecord::running(exec_id.clone(), sid.clone(), req.argv.clone(), req.idempotency_key.clone());
         let exec = Arc::new(ExecEntry { record: Mutex::new(record.clone()), done: done_rx, cancel: cancel.clone() });
         let key = (!req.idempotency_key.is_empty()).then(|| (sid.clone(), req.idempotency_key.clone()));
+        // The exec's claim on its sandbox's and tenant's exec slots, held by the task that runs
+        // it until the process has ended.
+        let mut slot: Option<ExecSlot> = None;
         // Check and claim the key under one lock, so two racing calls run the command once.
         let replay: Option<Arc<ExecEntry>> = {
             let mut running = self.running.lock().map_err(|_| Error::Internal("exec table poisoned".into()))?;
@@ -608,6 +845,16 @@ impl Manager {
                                 running.by_key.remove(k);
                             }
                             return Err(Error::ResourceExhausted(format!("policy.max_concurrent_execs ({max}) reached")));
+                        }
+                    }
+                    match ExecSlot::take(&self.exec_slots, &self.cfg.policy.exec_caps(), tenant, &sid, req.background) {
+                        Ok(s) => slot = Some(s),
+                        Err(reason) => {
+                            if let Some(k) = &key {
+                                running.by_key.remove(k);
+                            }
+                            tracing::info!(sandbox = %sid, tenant, background = req.background, %reason, "exec refused");
+                            return Err(Error::ResourceExhausted(reason));
                         }
                     }
                     running.by_id.insert(exec_id.clone(), exec.clone());
@@ -638,6 +885,8 @@ impl Manager {
                 Ok(o) => o,
                 Err(e) => ExecOutcome::failed(ExecStatus::Lost, -1, e.to_string(), started_at),
             };
+            // The process has ended: its slot is free before anyone can see the end.
+            drop(slot);
             let finished = task_exec.record.lock().map(|mut r| {
                 r.outcome = outcome;
                 r.clone()
@@ -667,20 +916,61 @@ impl Manager {
         record
     }
 
-    /// Persists an ended exec, then drops it from the in-flight tables (in that order, so an
-    /// idempotent retry always finds it in one place or the other).
+    /// Persists an ended exec and applies the sandbox's record retention, then drops it from the
+    /// in-flight tables (in that order, so an idempotent retry always finds it in one place or
+    /// the other). An exec whose sandbox is being destroyed is not recorded: its records are
+    /// about to go, and writing them now would leave orphans behind.
     fn exec_finished(&self, record: &ExecRecord, key: Option<&(SandboxId, String)>) {
-        if let Err(e) = self.store.put_exec(record) {
-            tracing::error!(exec = %record.exec_id, error = %e, "cannot record exec result");
-        }
-        if let Err(e) = self.store.trim_execs(record.sandbox_id.as_str(), self.cfg.exec.max_records_per_sandbox) {
-            tracing::warn!(sandbox = %record.sandbox_id, error = %e, "cannot trim exec records");
+        let live = self.sandboxes.read().ok().and_then(|m| m.get(&record.sandbox_id).and_then(|e| e.info().ok()));
+        if let Some(info) = live {
+            if let Err(e) = self.store.put_exec(record) {
+                tracing::error!(exec = %record.exec_id, error = %e, "cannot record exec result");
+            }
+            let retention = Retention {
+                max_records: self.cfg.exec.max_records_per_sandbox,
+                max_output_bytes: self.cfg.exec.max_output_storage_bytes_per_sandbox,
+            };
+            match self.store.trim_execs(record.sandbox_id.as_str(), retention) {
+                Ok(trimmed) => self.remove_spill_files(&info, trimmed),
+                Err(e) => tracing::warn!(sandbox = %record.sandbox_id, error = %e, "cannot trim exec records"),
+            }
         }
         if let Ok(mut running) = self.running.lock() {
             running.by_id.remove(&record.exec_id);
             if let Some(key) = key {
                 running.by_key.remove(key);
             }
+        }
+    }
+
+    /// Removes, in the background, the spill files inside the sandbox of records trimmed from the
+    /// store: they count against the sandbox's disk quota and nothing names them any more. Best
+    /// effort: a failure is logged, and never holds up the end of the exec that caused the trim.
+    fn remove_spill_files(&self, info: &SandboxInfo, trimmed: Vec<Trimmed>) {
+        let paths: Vec<String> = trimmed.into_iter().flat_map(|t| t.spill_paths).collect();
+        if paths.is_empty() || !info.state.can_exec() {
+            return;
+        }
+        let Ok(backend) = self.backends.get(info.isolation).cloned() else { return };
+        let sid = info.id.clone();
+        tokio::spawn(async move {
+            for path in paths {
+                if let Err(e) = backend.remove_file(&sid, &path).await {
+                    tracing::warn!(sandbox = %sid, %path, error = %e, "cannot remove the spill file of a trimmed exec record");
+                }
+            }
+        });
+    }
+
+    /// Waits, up to `timeout` in all, for the in-flight execs of a sandbox to end.
+    async fn wait_for_execs_of(&self, sid: &SandboxId, timeout: Duration) {
+        let execs: Vec<Arc<ExecEntry>> = match self.running.lock() {
+            Ok(r) => r.by_id.values().filter(|e| e.snapshot().is_ok_and(|r| &r.sandbox_id == sid)).cloned().collect(),
+            Err(_) => return,
+        };
+        let all = futures::future::join_all(execs.iter().map(|e| e.wait()));
+        if tokio::time::timeout(timeout, all).await.is_err() {
+            tracing::warn!(sandbox = %sid, "execs still running after destroy; their records may outlive the sandbox until the next start");
         }
     }
 
@@ -712,7 +1002,7 @@ impl Manager {
         }
         let eid = ExecId::parse(exec_id).map_err(|_| Error::ExecNotFound(exec_id.chars().take(80).collect()))?;
         let Some(exec) = self.running_exec(&eid) else {
-            return match self.store.exec(eid.as_str())? {
+            return match self.store.exec_meta(eid.as_str())? {
                 Some(r) => {
                     self.check_exec_tenant(tenant, &r)?;
                     Err(Error::FailedPrecondition(format!("exec {eid} has already ended")))
@@ -728,11 +1018,23 @@ impl Manager {
         Ok(())
     }
 
-    /// The sandbox's exec records, oldest first; `limit` > 0 keeps the newest `limit`.
-    pub fn list_execs(&self, tenant: &str, sandbox_id: &str, limit: u32) -> Result<Vec<ExecRecord>, Error> {
-        let (sid, _) = self.entry(tenant, sandbox_id)?;
-        let mut records = self.store.execs(sid.as_str(), limit)?;
-        // Running ones are stored as they started; show their live state.
+    /// One page of the sandbox's exec records, oldest first (see [`ListExecsQuery`]). Memory and
+    /// the response stay O(page): at most [`MAX_EXECS_PAGE_SIZE`] records, and a page stops
+    /// before [`MAX_EXECS_PAGE_BYTES`] of records (with at least one record on it).
+    pub fn list_execs(&self, tenant: &str, q: &ListExecsQuery) -> Result<ExecList, Error> {
+        let (sid, _) = self.entry(tenant, &q.sandbox_id)?;
+        let token = match q.page_token.as_str() {
+            "" => None,
+            t => Some(PageToken::parse(t).ok_or_else(|| Error::invalid("page_token", "not a token from a previous ListExecs response"))?),
+        };
+        let page_size = match q.page_size {
+            0 => MAX_EXECS_PAGE_SIZE,
+            n => (n as usize).min(MAX_EXECS_PAGE_SIZE),
+        };
+        let query = PageQuery { limit: q.limit, token, page_size, include_output: q.include_output, max_bytes: MAX_EXECS_PAGE_BYTES };
+        let page = self.store.exec_page(sid.as_str(), &query)?;
+        let mut records = page.records;
+        // Running ones are stored as they started; show their live state (no output until the end).
         for r in &mut records {
             if r.outcome.status == ExecStatus::Running {
                 if let Some(live) = self.running_exec(&r.exec_id).and_then(|e| e.snapshot().ok()) {
@@ -740,7 +1042,7 @@ impl Manager {
                 }
             }
         }
-        Ok(records)
+        Ok(ExecList { records, next_page_token: page.next.map(|t| t.encode()).unwrap_or_default() })
     }
 
     fn running_entry(&self, tenant: &str, sandbox_id: &str, op: &'static str) -> Result<(SandboxId, Arc<SandboxEntry>, SandboxInfo), Error> {
@@ -937,5 +1239,194 @@ mod tests {
         assert!(validate_abs_path("workdir", "relative").is_err());
         assert!(validate_abs_path("workdir", "/a/../b").is_err());
         assert!(validate_abs_path("workdir", "/workspace/x").is_ok());
+        assert!(validate_abs_path("workdir", &format!("/{}", "x".repeat(256))).is_err(), "component over NAME_MAX");
+        assert!(validate_abs_path("workdir", &"/x".repeat(2100)).is_err(), "over PATH_MAX");
+        let big = BTreeMap::from([("BIG".to_string(), "x".repeat(MAX_ARG_STRLEN))]);
+        assert!(validate_env("env", &big).is_err(), "one variable over MAX_ARG_STRLEN");
+    }
+
+    #[test]
+    fn create_time_floors_and_names_are_validated() {
+        let ok = Limits::DEFAULTS;
+        assert!(validate_minimums(&ok).is_ok());
+        assert!(validate_minimums(&Limits::MINIMUMS).is_ok(), "the floors themselves are allowed");
+        for (limits, field) in [
+            (Limits { disk_bytes: 1, ..ok }, "limits.disk_bytes"),
+            (Limits { max_pids: 7, ..ok }, "limits.max_pids"),
+            (Limits { memory_bytes: 1 << 20, ..ok }, "limits.memory_bytes"),
+        ] {
+            let err = validate_minimums(&limits).expect_err(field);
+            assert!(err.to_string().contains(field), "{err}");
+        }
+        for good in ["minimal", "debian-12", "img_v1.2"] {
+            assert!(validate_image(good).is_ok(), "{good}");
+        }
+        for bad in ["", "../etc", "a/b", ".hidden", "with space", &"x".repeat(65)] {
+            assert!(validate_image(bad).is_err(), "{bad:?}");
+        }
+        assert!(validate_labels(&BTreeMap::from([("team".to_string(), "ci".to_string())])).is_ok());
+        assert!(validate_labels(&BTreeMap::from([("x".repeat(129), String::new())])).is_err());
+        assert!(validate_labels(&BTreeMap::from([("a\nb".to_string(), String::new())])).is_err());
+        assert!(validate_labels(&(0..=MAX_LABELS).map(|i| (format!("k{i}"), String::new())).collect()).is_err());
+    }
+
+    // ---- The manager over a fake backend: admission without root. ----
+
+    use crate::backend::{Backend, BackendError, StartSignal};
+    use crate::ids::{ExecId, SnapshotId};
+
+    /// A PROCESS backend that makes nothing: `sleep <ms>` runs that long (or until cancelled),
+    /// anything else ends at once.
+    struct FakeBackend;
+
+    #[async_trait::async_trait]
+    impl Backend for FakeBackend {
+        fn isolation(&self) -> Isolation {
+            Isolation::Process
+        }
+        fn availability(&self) -> Result<(), String> {
+            Ok(())
+        }
+        async fn create(&self, _spec: &SandboxSpec) -> Result<(), BackendError> {
+            // Long enough for concurrent creates to overlap.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok(())
+        }
+        async fn exec(&self, _sandbox: &SandboxId, spec: ExecSpec, _sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+            let started_at = SystemTime::now();
+            if let Some(s) = started {
+                let _ = s.send(());
+            }
+            if spec.argv[0] == "sleep" {
+                let ms = spec.argv.get(1).and_then(|a| a.parse().ok()).unwrap_or(0);
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(ms)) => {}
+                    _ = cancel.cancelled() => return Ok(ExecOutcome::failed(ExecStatus::Signaled, 137, String::new(), started_at)),
+                }
+            }
+            Ok(ExecOutcome::failed(ExecStatus::Exited, 0, String::new(), started_at))
+        }
+        async fn signal_exec(&self, _sandbox: &SandboxId, exec: &ExecId, _signal: i32) -> Result<(), BackendError> {
+            Err(BackendError::NoSuchExec(exec.clone()))
+        }
+        async fn write_file(&self, _sandbox: &SandboxId, _path: &str, content: &[u8], _mode: u32) -> Result<u64, BackendError> {
+            Ok(content.len() as u64)
+        }
+        async fn read_file(&self, _sandbox: &SandboxId, _path: &str, _offset: u64, _limit: u64) -> Result<FileChunk, BackendError> {
+            Ok(FileChunk::default())
+        }
+        async fn remove_file(&self, _sandbox: &SandboxId, _path: &str) -> Result<(), BackendError> {
+            Ok(())
+        }
+        async fn snapshot(&self, _sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<u64, BackendError> {
+            Ok(0)
+        }
+        async fn rollback(&self, _sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<(), BackendError> {
+            Ok(())
+        }
+        async fn delete_snapshot(&self, _snapshot: &SnapshotId) -> Result<(), BackendError> {
+            Ok(())
+        }
+        async fn destroy(&self, _sandbox: &SandboxId) -> Result<(), BackendError> {
+            Ok(())
+        }
+        async fn recover(&self, sandboxes: &[SandboxSpec], _snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
+            sandboxes.iter().map(|s| (s.id.clone(), Ok(()))).collect()
+        }
+        async fn shutdown(&self) {}
+    }
+
+    /// A manager over [`FakeBackend`] with a `pool_size_bytes` pool and `toml` as its config.
+    fn fake_manager(dir: &std::path::Path, pool_size_bytes: u64, toml: &str) -> Arc<Manager> {
+        let path = dir.join("sandboxd.toml");
+        std::fs::write(&path, toml).expect("write config");
+        let cli = crate::config::Cli { state_dir: Some(dir.to_path_buf()), pool_size_bytes: Some(pool_size_bytes), config: Some(path), ..Default::default() };
+        let cfg = Arc::new(Config::load(cli).expect("config"));
+        let mut backends = Backends::default();
+        backends.insert(Arc::new(FakeBackend));
+        let store = Store::open(&dir.join("state.db")).expect("store");
+        Manager::new(cfg, backends, store, Metrics::new().expect("metrics"))
+    }
+
+    fn with_disk(disk_bytes: u64) -> CreateRequest {
+        CreateRequest { isolation: Some(Isolation::Process), limits: RequestedLimits { disk_bytes, ..Default::default() }, ..Default::default() }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_creates_never_overcommit_the_pool_and_forks_count() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let creates = (0..12).map(|_| {
+            let m = m.clone();
+            tokio::spawn(async move { m.create("t", with_disk(1 << 30)).await })
+        });
+        let results = futures::future::join_all(creates).await;
+        let (ok, refused): (Vec<_>, Vec<_>) = results.into_iter().map(|r| r.expect("task")).partition(|r| r.is_ok());
+        assert_eq!((ok.len(), refused.len()), (8, 4), "exactly the pool's worth is admitted");
+        for r in refused {
+            let err = r.expect_err("refused");
+            assert!(matches!(err, Error::ResourceExhausted(_)) && err.to_string().contains("(pool_size_bytes)"), "{err}");
+        }
+        let first = ok.into_iter().next().and_then(Result::ok).expect("a sandbox");
+        m.destroy("t", first.id.as_str()).await.expect("destroy");
+        let sb = m.create("t", with_disk(1 << 30)).await.expect("a destroy frees its disk");
+        let snap = m.snapshot("t", sb.id.as_str(), "s").await.expect("snapshot");
+        m.destroy("t", sb.id.as_str()).await.expect("destroy");
+        let fork = CreateRequest { from_snapshot_id: snap.snapshot_id.to_string(), ..Default::default() };
+        m.create("t", fork.clone()).await.expect("the fork fits the freed room");
+        let err = m.create("t", fork).await.expect_err("a second fork does not");
+        assert!(err.to_string().contains("8 GiB of 8 GiB"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn create_refuses_what_could_not_run_naming_the_field() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let cases: Vec<(CreateRequest, &str)> = vec![
+            (with_disk(1), "limits.disk_bytes"),
+            (CreateRequest { limits: RequestedLimits { max_pids: 1, ..Default::default() }, ..Default::default() }, "limits.max_pids"),
+            (CreateRequest { env: BTreeMap::from([("BIG".into(), "x".repeat(130 << 10))]), ..Default::default() }, "env"),
+            (CreateRequest { env: (0..3000).map(|i| (format!("V{i}"), "x".repeat(96))).collect(), ..Default::default() }, "env"),
+            (CreateRequest { image: "../x".into(), ..Default::default() }, "image"),
+            (CreateRequest { workdir: format!("/{}", "w".repeat(300)), ..Default::default() }, "workdir"),
+        ];
+        for (req, field) in cases {
+            let Err(err) = m.create("t", req).await else { panic!("{field}: accepted") };
+            assert!(matches!(&err, Error::InvalidArgument { field: f, .. } if f == field), "{field}: {err}");
+        }
+        // An env that leaves room for a command line is fine, and every exec then fits.
+        let env = BTreeMap::from([("DATA".to_string(), "x".repeat(120 << 10))]);
+        let sb = m.create("t", CreateRequest { env, ..Default::default() }).await.expect("120 KiB of env");
+        let r = m.exec("t", ExecRequest { sandbox_id: sb.id.to_string(), argv: vec!["true".into()], ..Default::default() }, None).await.expect("exec");
+        assert_eq!(r.outcome.status, ExecStatus::Exited);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn exec_caps_refuse_naming_the_key_and_free_when_execs_end() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "[policy]\nmax_background_execs_per_sandbox = 2\nmax_running_execs_per_tenant = 3\n");
+        let a = m.create("t", CreateRequest::default()).await.expect("a").id.to_string();
+        let b = m.create("t", CreateRequest::default()).await.expect("b").id.to_string();
+        let run = |sandbox: &str, argv: &[&str], background: bool| ExecRequest {
+            sandbox_id: sandbox.to_string(),
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            background,
+            ..Default::default()
+        };
+        for _ in 0..2 {
+            let r = m.exec("t", run(&a, &["sleep", "300"], true), None).await.expect("background");
+            assert_eq!(r.outcome.status, ExecStatus::Running);
+        }
+        let err = m.exec("t", run(&a, &["sleep", "300"], true), None).await.expect_err("third background");
+        assert!(matches!(&err, Error::ResourceExhausted(m) if m.contains("policy.max_background_execs_per_sandbox (2)")), "{err}");
+        m.exec("t", run(&b, &["true"], false), None).await.expect("a foreground exec elsewhere runs");
+        m.exec("t", run(&b, &["sleep", "300"], true), None).await.expect("the tenant's third");
+        let err = m.exec("t", run(&b, &["true"], false), None).await.expect_err("the tenant's fourth");
+        assert!(err.to_string().contains("policy.max_running_execs_per_tenant (3)"), "{err}");
+        // Ended execs free their slots.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let slots = m.exec_slots.lock().map(|s| (s.of_tenant("t").running, s.of_tenant("t").background)).expect("lock");
+        assert_eq!(slots, (0, 0), "nothing runs any more");
+        m.exec("t", run(&a, &["true"], false), None).await.expect("room again");
     }
 }

@@ -8,6 +8,10 @@
 //! max_sandboxes = 500
 //! max_sandboxes_per_tenant = 50
 //! max_concurrent_execs = 256
+//! max_running_execs_per_sandbox = 64      # these four have defaults (below); 0 is refused
+//! max_background_execs_per_sandbox = 32
+//! max_running_execs_per_tenant = 1024
+//! max_background_execs_per_tenant = 256
 //!
 //! [[policy.rules]]
 //! name = "untrusted"
@@ -104,6 +108,41 @@ fn all_tiers() -> Vec<Isolation> {
     Isolation::ALL.to_vec()
 }
 
+/// Caps on the execs that run at once, each with the config key that names it in messages.
+/// Every running exec holds daemon resources (two pipe descriptors on the process tier, an
+/// output buffer, a task), so one sandbox or tenant must not be able to take them all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExecCaps {
+    /// `policy.max_running_execs_per_sandbox`: foreground and background.
+    pub running_per_sandbox: usize,
+    /// `policy.max_background_execs_per_sandbox`.
+    pub background_per_sandbox: usize,
+    /// `policy.max_running_execs_per_tenant`, over all its sandboxes.
+    pub running_per_tenant: usize,
+    /// `policy.max_background_execs_per_tenant`.
+    pub background_per_tenant: usize,
+}
+
+impl ExecCaps {
+    /// Built-in caps. A tenant's 1024 running execs hold about 2048 descriptors, well inside
+    /// the open-file limit the daemon raises itself to at start (logged); 500 short execs at
+    /// once from one tenant is a tested load.
+    pub const DEFAULTS: ExecCaps = ExecCaps { running_per_sandbox: 64, background_per_sandbox: 32, running_per_tenant: 1024, background_per_tenant: 256 };
+}
+
+fn default_running_per_sandbox() -> usize {
+    ExecCaps::DEFAULTS.running_per_sandbox
+}
+fn default_background_per_sandbox() -> usize {
+    ExecCaps::DEFAULTS.background_per_sandbox
+}
+fn default_running_per_tenant() -> usize {
+    ExecCaps::DEFAULTS.running_per_tenant
+}
+fn default_background_per_tenant() -> usize {
+    ExecCaps::DEFAULTS.background_per_tenant
+}
+
 /// The `[policy]` table.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -115,6 +154,18 @@ pub struct PolicyConfig {
     pub max_sandboxes: Option<usize>,
     pub max_sandboxes_per_tenant: Option<usize>,
     pub max_concurrent_execs: Option<usize>,
+    /// Execs running at once in one sandbox (see [`ExecCaps`]).
+    #[serde(default = "default_running_per_sandbox")]
+    pub max_running_execs_per_sandbox: usize,
+    /// Background execs running at once in one sandbox.
+    #[serde(default = "default_background_per_sandbox")]
+    pub max_background_execs_per_sandbox: usize,
+    /// Execs running at once over all the sandboxes of one tenant.
+    #[serde(default = "default_running_per_tenant")]
+    pub max_running_execs_per_tenant: usize,
+    /// Background execs running at once over all the sandboxes of one tenant.
+    #[serde(default = "default_background_per_tenant")]
+    pub max_background_execs_per_tenant: usize,
     #[serde(default)]
     pub rules: Vec<toml::Spanned<Rule>>,
 }
@@ -127,6 +178,10 @@ impl Default for PolicyConfig {
             max_sandboxes: None,
             max_sandboxes_per_tenant: None,
             max_concurrent_execs: None,
+            max_running_execs_per_sandbox: default_running_per_sandbox(),
+            max_background_execs_per_sandbox: default_background_per_sandbox(),
+            max_running_execs_per_tenant: default_running_per_tenant(),
+            max_background_execs_per_tenant: default_background_per_tenant(),
             rules: Vec::new(),
         }
     }
@@ -175,6 +230,15 @@ impl Policy {
     pub fn max_concurrent_execs(&self) -> Option<usize> {
         self.cfg.max_concurrent_execs
     }
+    /// The per-sandbox and per-tenant caps on running and background execs.
+    pub fn exec_caps(&self) -> ExecCaps {
+        ExecCaps {
+            running_per_sandbox: self.cfg.max_running_execs_per_sandbox,
+            background_per_sandbox: self.cfg.max_background_execs_per_sandbox,
+            running_per_tenant: self.cfg.max_running_execs_per_tenant,
+            background_per_tenant: self.cfg.max_background_execs_per_tenant,
+        }
+    }
 
     /// Checks the policy against itself and the global limits. `line_of` turns a byte offset of
     /// the config file into a line number, so the message points at the rule.
@@ -189,6 +253,16 @@ impl Policy {
         for (name, v) in [("max_sandboxes", c.max_sandboxes), ("max_sandboxes_per_tenant", c.max_sandboxes_per_tenant), ("max_concurrent_execs", c.max_concurrent_execs)] {
             if v == Some(0) {
                 return Err(format!("policy.{name} must be > 0 (leave it out for no limit)"));
+            }
+        }
+        for (name, v) in [
+            ("max_running_execs_per_sandbox", c.max_running_execs_per_sandbox),
+            ("max_background_execs_per_sandbox", c.max_background_execs_per_sandbox),
+            ("max_running_execs_per_tenant", c.max_running_execs_per_tenant),
+            ("max_background_execs_per_tenant", c.max_background_execs_per_tenant),
+        ] {
+            if v == 0 {
+                return Err(format!("policy.{name} must be > 0"));
             }
         }
         let mut names = std::collections::HashSet::new();
@@ -214,6 +288,12 @@ impl Policy {
                 }
                 if rule_max == 0 {
                     return Err(at(format!("limits_max.{name} must be > 0")));
+                }
+            }
+            // A ceiling below the floor would refuse every request the rule matches.
+            for ((name, rule_max), (_, floor)) in fields(&ceilings).into_iter().zip(fields(&Limits::MINIMUMS)) {
+                if rule_max < floor {
+                    return Err(at(format!("limits_max.{name} = {rule_max} is below the minimum {floor} a sandbox needs to run anything")));
                 }
             }
             let defaults = rule.limits_default.over(self.global_defaults);
@@ -338,5 +418,18 @@ upgrade = false
         assert!(err.contains("line 2"), "{err}");
         let err = policy("[policy]\n[[policy.rules]]\nname = \"big\"\nlimits_max = { memory_bytes = 99999999999999999 }\n").expect_err("over ceiling");
         assert!(err.contains("memory_bytes"), "{err}");
+        let err = policy("[policy]\n[[policy.rules]]\nname = \"tiny\"\nlimits_max = { max_pids = 2 }\n").expect_err("under the floor");
+        assert!(err.contains("tiny") && err.contains("max_pids"), "{err}");
+    }
+
+    #[test]
+    fn exec_caps_have_defaults_and_refuse_zero() {
+        let p = policy("[policy]\n").expect("valid");
+        assert_eq!(p.exec_caps(), ExecCaps::DEFAULTS);
+        let p = policy("[policy]\nmax_background_execs_per_sandbox = 3\nmax_running_execs_per_tenant = 10\n").expect("valid");
+        assert_eq!((p.exec_caps().background_per_sandbox, p.exec_caps().running_per_tenant), (3, 10));
+        assert_eq!(p.exec_caps().running_per_sandbox, ExecCaps::DEFAULTS.running_per_sandbox, "unnamed caps keep their default");
+        let err = policy("[policy]\nmax_running_execs_per_sandbox = 0\n").expect_err("zero");
+        assert!(err.contains("policy.max_running_execs_per_sandbox"), "{err}");
     }
 }

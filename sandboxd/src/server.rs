@@ -1,7 +1,10 @@
 //! Listeners, health, reflection, TTL reaping and graceful shutdown around the API.
 
+use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
 use sandbox_proto::v1::sandbox_service_server::SandboxServiceServer;
@@ -21,6 +24,9 @@ use crate::telemetry;
 
 /// Largest gRPC message either way (WriteFile content, ExecResult with two 16 MiB streams).
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// The gRPC path of WriteFile, the call whose request carries a whole file.
+const WRITE_FILE_PATH: &str = "/sandbox.v1.SandboxService/WriteFile";
 
 /// Runs the daemon until SIGTERM or SIGINT, then shuts down cleanly.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
@@ -54,6 +60,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let audit = Arc::new(AuditLog::open(&cfg.audit, cfg.state_dir.join("audit.jsonl")).context("opening the audit log")?);
     // Before serving: re-adopt the sandboxes on record and clean whatever a crash left behind.
     manager.recover().await.context("recovering state from the previous run")?;
+    manager.log_admission();
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<SandboxServiceServer<Api>>().await;
@@ -83,6 +90,13 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         None => None,
     };
     let mut unix_paths = Vec::new();
+    // One bound for all listeners: it is the daemon's memory it protects.
+    let write_limit = WriteFileLimit::new(cfg.files.max_concurrent_writes);
+    tracing::info!(
+        max_concurrent_writes = cfg.files.max_concurrent_writes,
+        max_message_bytes = MAX_MESSAGE_BYTES,
+        "WriteFile calls beyond the limit wait before their content is read"
+    );
     for addr in &cfg.listen {
         let api = SandboxServiceServer::new(Api::new(manager.clone(), auth.clone(), audit.clone()))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -91,7 +105,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         if let (ListenAddr::Tcp(_), Some(tls)) = (addr, &tls) {
             builder = builder.tls_config(tls.clone()).context("configuring TLS")?;
         }
-        let router = builder.add_service(health_service.clone()).add_service(reflection.clone()).add_service(api);
+        let router = builder.layer(write_limit.clone()).add_service(health_service.clone()).add_service(reflection.clone()).add_service(api);
         let shutdown = stop.clone().cancelled_owned();
         match addr {
             ListenAddr::Unix(path) => {
@@ -168,6 +182,69 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Admits at most N WriteFile calls at once; the others wait *before* the service reads their
+/// message, so only the admitted calls' contents are ever in the daemon's memory: each up to
+/// `MAX_MESSAGE_BYTES`, about twice that while it is decoded and then copied for the blocking
+/// write. A waiting call's bytes stay with the client: HTTP/2 flow control stops them at the
+/// stream and connection windows (1 MiB each by default). A count and not a byte budget
+/// because a gRPC message's size is only known once it is read.
+#[derive(Clone)]
+struct WriteFileLimit {
+    permits: Arc<tokio::sync::Semaphore>,
+}
+
+impl WriteFileLimit {
+    fn new(max: usize) -> Self {
+        WriteFileLimit { permits: Arc::new(tokio::sync::Semaphore::new(max)) }
+    }
+}
+
+impl<S> tower::Layer<S> for WriteFileLimit {
+    type Service = WriteFileLimited<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        WriteFileLimited { inner, permits: self.permits.clone() }
+    }
+}
+
+/// The service [`WriteFileLimit`] wraps around the gRPC routes.
+#[derive(Clone)]
+struct WriteFileLimited<S> {
+    inner: S,
+    permits: Arc<tokio::sync::Semaphore>,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for WriteFileLimited<S>
+where
+    S: tower::Service<http::Request<B>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    B: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if req.uri().path() != WRITE_FILE_PATH {
+            return Box::pin(self.inner.call(req));
+        }
+        // The service poll_ready readied is the one to call later; a clone takes its place.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let permits = self.permits.clone();
+        Box::pin(async move {
+            // The semaphore is never closed, so this waits for a permit and holds it until the
+            // response is made (the content is dropped by then).
+            let _permit = permits.acquire_owned().await;
+            inner.call(req).await
+        })
+    }
+}
+
 /// The span of one RPC. It carries the caller's W3C `traceparent` (trace id and parent span id),
 /// so an agent's trace continues into the daemon's logs — and, with OTLP export on, into the
 /// exported trace (see [`telemetry::continue_trace`]).
@@ -202,6 +279,68 @@ fn parse_traceparent(v: &str) -> Option<(&str, &str)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A route that counts how many calls run at once and holds each until `release` says so.
+    #[derive(Clone)]
+    struct Counting {
+        now: Arc<std::sync::atomic::AtomicUsize>,
+        peak: Arc<std::sync::atomic::AtomicUsize>,
+        release: Arc<tokio::sync::Semaphore>,
+    }
+
+    impl tower::Service<http::Request<()>> for Counting {
+        type Response = ();
+        type Error = std::convert::Infallible;
+        type Future = Pin<Box<dyn Future<Output = Result<(), Self::Error>> + Send>>;
+
+        fn poll_ready(&mut self, _cx: &mut TaskContext<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _req: http::Request<()>) -> Self::Future {
+            use std::sync::atomic::Ordering::SeqCst;
+            let me = self.clone();
+            Box::pin(async move {
+                let n = me.now.fetch_add(1, SeqCst) + 1;
+                me.peak.fetch_max(n, SeqCst);
+                if let Ok(p) = me.release.acquire().await {
+                    p.forget();
+                }
+                me.now.fetch_sub(1, SeqCst);
+                Ok(())
+            })
+        }
+    }
+
+    fn request(path: &str) -> http::Request<()> {
+        let mut r = http::Request::new(());
+        *r.uri_mut() = path.parse().expect("uri");
+        r
+    }
+
+    #[tokio::test]
+    async fn write_files_past_the_limit_wait_and_other_calls_do_not() {
+        use std::sync::atomic::Ordering::SeqCst;
+        use tower::{Layer, Service};
+        let counting = Counting { now: Arc::default(), peak: Arc::default(), release: Arc::new(tokio::sync::Semaphore::new(0)) };
+        let mut svc = WriteFileLimit::new(2).layer(counting.clone());
+        let mut writes = tokio::task::JoinSet::new();
+        for _ in 0..6 {
+            writes.spawn(svc.call(request(WRITE_FILE_PATH)));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(counting.now.load(SeqCst), 2, "two writes admitted, four waiting");
+        // Another RPC is not held up by the waiting writes.
+        let read = tokio::spawn(svc.call(request("/sandbox.v1.SandboxService/ReadFile")));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(counting.now.load(SeqCst), 3);
+        counting.release.add_permits(7);
+        while let Some(done) = writes.join_next().await {
+            assert!(done.expect("task").is_ok());
+        }
+        assert!(read.await.expect("task").is_ok());
+        assert_eq!(counting.peak.load(SeqCst), 3, "never more than two writes (plus the read) at once");
+    }
 
     #[test]
     fn traceparent_parses_and_rejects_garbage() {

@@ -54,6 +54,9 @@ pub fn require_environment() -> Result<()> {
     Ok(())
 }
 
+/// The storage pool of a test daemon unless the test passes `--pool-size-bytes` itself.
+pub const TEST_POOL_BYTES: u64 = 256 << 30;
+
 /// A running daemon with its own state dir and socket.
 pub struct Daemon {
     child: Option<Child>,
@@ -135,15 +138,18 @@ impl Daemon {
             .arg(self.state_dir())
             .arg("--images-dir")
             .arg(images_dir())
-            // Sparse: only what sandboxes write is ever allocated.
-            .arg("--pool-size-bytes")
-            .arg((8u64 << 30).to_string())
             .env("RUST_LOG", std::env::var("SANDBOXD_TEST_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
         if let Some(c) = &self.config {
             cmd.arg("--config").arg(c);
+        }
+        // Sparse: only what sandboxes write is ever allocated. Large, because the daemon admits
+        // no more sandboxes than the pool holds at their disk_bytes (1 GiB by default) and load
+        // tests keep a hundred alive; a test about the pool passes its own size.
+        if !self.extra_args.iter().any(|a| a.starts_with("--pool-size-bytes")) {
+            cmd.arg("--pool-size-bytes").arg(TEST_POOL_BYTES.to_string());
         }
         cmd.args(&self.extra_args);
         let inherited = match &self.inherited {

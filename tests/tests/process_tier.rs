@@ -397,8 +397,10 @@ async fn bad_input_is_refused_with_the_right_code() {
     // Unknown image; invalid isolation number.
     let err = c.create(process_sandbox("no-such-image")).await.expect_err("unknown image");
     assert_eq!(err.code(), Code::NotFound, "{err}");
+    // A name that cannot be an image (a path trick) is malformed, not unknown.
     let err = c.create(process_sandbox("../minimal")).await.expect_err("image path trick");
-    assert_eq!(err.code(), Code::NotFound, "{err}");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("image"), "{err}");
     let err = c
         .create(agent_client::proto::CreateSandboxRequest { isolation: 42, ..process_sandbox("minimal") })
         .await
