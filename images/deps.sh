@@ -15,6 +15,8 @@
 #   cpio            the initramfs
 #   binutils        strip, readelf (agent and modules, the PVH kernel check)
 #   file, xz-utils  checking and unpacking the kernel
+# and for the escape suite (tests/probes: small static programs the tests build):
+#   gcc, libc6-dev  gcc -static
 #
 # Each package is checked with `dpkg -s` first, so on a machine that already
 # has everything this prints one line and changes nothing; `apt-get update`
@@ -26,7 +28,8 @@
 set -euo pipefail
 
 PACKAGES=(busybox-static btrfs-progs debootstrap iproute2 util-linux
-    qemu-system-x86 qemu-utils linux-image-amd64 e2fsprogs cpio binutils file xz-utils)
+    qemu-system-x86 qemu-utils linux-image-amd64 e2fsprogs cpio binutils file xz-utils
+    gcc libc6-dev)
 # How long to wait for another apt/dpkg run to release its locks.
 LOCK_WAIT_SECONDS=${LOCK_WAIT_SECONDS:-600}
 
