@@ -193,6 +193,41 @@ pub fn unlink_at(dir: RawFd, name: &CStr) -> Result<(), Errno> {
     Errno::result(unsafe { libc::unlinkat(dir, name.as_ptr(), 0) }).map(drop)
 }
 
+/// Why [`remove_file_in_root`] refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoveError {
+    /// A directory: never removed through the file API.
+    IsDirectory,
+    /// A device, FIFO or socket.
+    NotAFile,
+    /// The lookup or the unlink failed.
+    Sys(Errno),
+}
+
+/// Removes the regular file or symbolic link (the link itself, never its target) that `comps`
+/// names below `root`, every lookup confined to it. A path that does not exist is not an error.
+pub fn remove_file_in_root(root: RawFd, comps: &[String]) -> Result<(), RemoveError> {
+    let (dir, name) = match open_parent_in_root(root, comps) {
+        Ok(parent) => parent,
+        Err(Errno::ENOENT) => return Ok(()),
+        Err(e) => return Err(RemoveError::Sys(e)),
+    };
+    let st = match stat_at(dir.as_raw_fd(), &name) {
+        Ok(Some(st)) => st,
+        Ok(None) => return Ok(()),
+        Err(e) => return Err(RemoveError::Sys(e)),
+    };
+    match file_type(&st) {
+        libc::S_IFREG | libc::S_IFLNK => {}
+        libc::S_IFDIR => return Err(RemoveError::IsDirectory),
+        _ => return Err(RemoveError::NotAFile),
+    }
+    match unlink_at(dir.as_raw_fd(), &name) {
+        Ok(()) | Err(Errno::ENOENT) => Ok(()),
+        Err(e) => Err(RemoveError::Sys(e)),
+    }
+}
+
 /// A temporary file being filled before it replaces its target.
 #[derive(Debug)]
 pub struct TempFile {

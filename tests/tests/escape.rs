@@ -209,6 +209,18 @@ async fn container_and_microvm_execs_get_only_their_stdio() {
     within(120, client.destroy(&vm)).await.expect("DestroySandbox");
 }
 
+/// The sandbox once it shows FAILED (polled for 5 s); panics if it still shows anything else.
+async fn failed_within_5s(client: &Client, id: &str) -> agent_client::proto::Sandbox {
+    for _ in 0..100 {
+        let sb = within(10, client.get(id)).await.expect("GetSandbox");
+        if sb.state() == SandboxState::Failed {
+            return sb;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("sandbox {id} does not show FAILED 5 s after what runs it died");
+}
+
 /// The pid of the init of process-tier sandbox `id`: the child of a shim (a child of the
 /// daemon) whose root is the sandbox's rootfs.
 fn init_pid_of(daemon_pid: u32, id: &str) -> Option<i32> {
@@ -241,16 +253,7 @@ async fn a_dead_init_makes_the_sandbox_failed_with_a_reason() {
     let init = init_pid_of(daemon.pid().expect("daemon pid"), &victim).expect("finding the sandbox's init");
     // Something outside the sandbox's control kills its init (the OOM killer, an operator).
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(init), nix::sys::signal::Signal::SIGKILL).expect("kill init");
-    let mut failed = None;
-    for _ in 0..100 {
-        let sb = within(10, client.get(&victim)).await.expect("GetSandbox");
-        if sb.state() == SandboxState::Failed {
-            failed = Some(sb);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let sb = failed.expect("the sandbox still shows RUNNING 5 s after its init died");
+    let sb = failed_within_5s(&client, &victim).await;
     assert!(sb.failure_reason.contains("init exited"), "failure reason: {:?}", sb.failure_reason);
     // It says so on exec instead of recording a LOST exec, and can still be destroyed.
     let err = within(30, client.exec(exec_request(&victim, ["true"]))).await.expect_err("exec in a failed sandbox");
@@ -294,16 +297,7 @@ async fn a_container_whose_init_is_ended_from_inside_becomes_failed() {
     // docker-init forwards SIGTERM to the keepalive, which dies, and docker-init exits with it.
     let r = run(&client, &id, &["sh", "-c", "kill -TERM 1; sleep 2; echo still-here"]).await;
     assert_ne!(r.status(), ExecStatus::Exited, "the exec outlived its container: {}", text(&r));
-    let mut failed = None;
-    for _ in 0..100 {
-        let sb = within(10, client.get(&id)).await.expect("GetSandbox");
-        if sb.state() == SandboxState::Failed {
-            failed = Some(sb);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let sb = failed.expect("the sandbox still shows RUNNING after its container stopped");
+    let sb = failed_within_5s(&client, &id).await;
     assert!(sb.failure_reason.contains("init"), "failure reason: {:?}", sb.failure_reason);
     let err = within(30, client.exec(exec_request(&id, ["true"]))).await.expect_err("exec in a failed sandbox");
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");

@@ -277,25 +277,12 @@ impl Files {
     pub fn remove(&self, path: &str) -> Result<(), RequestError> {
         let comps = file_components(path)?;
         let root = self.open_root()?;
-        let (dir, name) = match guest_agent::sys::open_parent_in_root(root.as_raw_fd(), &comps) {
-            Ok(parent) => parent,
-            Err(Errno::ENOENT) => return Ok(()),
-            Err(e) => return Err(map_errno(path, e)),
-        };
-        let st = match guest_agent::sys::stat_at(dir.as_raw_fd(), &name) {
-            Ok(Some(st)) => st,
-            Ok(None) => return Ok(()),
-            Err(e) => return Err(map_errno(path, e)),
-        };
-        match guest_agent::sys::file_type(&st) {
-            libc::S_IFREG | libc::S_IFLNK => {}
-            libc::S_IFDIR => return Err(invalid(path, "is a directory")),
-            _ => return Err(invalid(path, "not a regular file or symbolic link")),
-        }
-        match guest_agent::sys::unlink_at(dir.as_raw_fd(), &name) {
-            Ok(()) | Err(Errno::ENOENT) => Ok(()),
-            Err(e) => Err(map_errno(path, e)),
-        }
+        use guest_agent::sys::RemoveError;
+        guest_agent::sys::remove_file_in_root(root.as_raw_fd(), &comps).map_err(|e| match e {
+            RemoveError::IsDirectory => invalid(path, "is a directory"),
+            RemoveError::NotAFile => invalid(path, "not a regular file or symbolic link"),
+            RemoveError::Sys(e) => map_errno(path, e),
+        })
     }
 
     /// `ReadFile`: at most `min(limit, FILE_CHUNK)` bytes from `offset` (`limit` 0 = a chunk).

@@ -153,25 +153,12 @@ pub fn remove_file(root: &Path, workdir: &str, path: &str) -> Result<(), Backend
 /// [`remove_file`] below an open root directory.
 pub(crate) fn remove_file_at(root: &File, workdir: &str, path: &str) -> Result<(), BackendError> {
     let comps = file_components(path, workdir)?;
-    let (dir, name) = match guest_agent::sys::open_parent_in_root(root.as_raw_fd(), &comps) {
-        Ok(parent) => parent,
-        Err(Errno::ENOENT) => return Ok(()),
-        Err(e) => return Err(map_errno(path, e)),
-    };
-    let st = match guest_agent::sys::stat_at(dir.as_raw_fd(), &name) {
-        Ok(Some(st)) => st,
-        Ok(None) => return Ok(()),
-        Err(e) => return Err(map_errno(path, e)),
-    };
-    match guest_agent::sys::file_type(&st) {
-        libc::S_IFREG | libc::S_IFLNK => {}
-        libc::S_IFDIR => return Err(map_errno(path, Errno::EISDIR)),
-        _ => return Err(BackendError::InvalidPath { path: path.to_string(), reason: "not a regular file or symbolic link".into() }),
-    }
-    match guest_agent::sys::unlink_at(dir.as_raw_fd(), &name) {
-        Ok(()) | Err(Errno::ENOENT) => Ok(()),
-        Err(e) => Err(map_errno(path, e)),
-    }
+    use guest_agent::sys::RemoveError;
+    guest_agent::sys::remove_file_in_root(root.as_raw_fd(), &comps).map_err(|e| match e {
+        RemoveError::IsDirectory => map_errno(path, Errno::EISDIR),
+        RemoveError::NotAFile => BackendError::InvalidPath { path: path.to_string(), reason: "not a regular file or symbolic link".into() },
+        RemoveError::Sys(e) => map_errno(path, e),
+    })
 }
 
 /// Reads up to `limit` bytes (0 = [`MAX_READ`]) from `offset`.
