@@ -303,3 +303,20 @@ async fn a_container_whose_init_is_ended_from_inside_becomes_failed() {
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
     within(120, client.destroy(&id)).await.expect("destroying the failed sandbox");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_microvm_rebooted_from_inside_becomes_failed() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let request = CreateSandboxRequest { isolation: Isolation::Microvm as i32, ..process_sandbox("minimal") };
+    let id = within(120, client.create(request)).await.expect("CreateSandbox").id;
+    // Guest root may end its own VM (QEMU runs with -no-reboot, so a reboot is an exit): the
+    // sandbox must then say it failed, not show RUNNING with every exec LOST.
+    let r = run(&client, &id, &["reboot", "-f"]).await;
+    assert_ne!(r.status(), ExecStatus::Exited, "the exec outlived its VM: {}", text(&r));
+    let sb = failed_within_5s(&client, &id).await;
+    assert!(sb.failure_reason.contains("VM exited"), "failure reason: {:?}", sb.failure_reason);
+    let err = within(30, client.exec(exec_request(&id, ["true"]))).await.expect_err("exec in a failed sandbox");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    within(120, client.destroy(&id)).await.expect("destroying the failed sandbox");
+}

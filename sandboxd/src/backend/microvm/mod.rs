@@ -732,6 +732,16 @@ impl Backend for MicroVmBackend {
         Ok(())
     }
 
+    fn failure(&self, sandbox: &SandboxId) -> Option<String> {
+        // Rollback, destroy and shutdown mark a VM lost before they kill it; a VM that exited
+        // without that died on its own (the guest powered off, QEMU crashed or was killed).
+        let vm = self.inner.sandbox(sandbox).ok()?.vm().ok()?;
+        if vm.lost_reason().is_some() {
+            return None;
+        }
+        vm.exited().map(|how| format!("the sandbox's VM exited ({how}); nothing in it can run any more (its disk is kept: snapshot or destroy it)"))
+    }
+
     async fn create(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
         Inner::create(&self.inner, spec).await
     }
