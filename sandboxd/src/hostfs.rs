@@ -48,6 +48,8 @@ pub fn seal_state_dir(dir: &Path) -> Result<PathBuf, HostFsError> {
         let path = dir.clone();
         move |source| HostFsError::Sys { op, path, source }
     };
+    // A mount point already there is either our own bind mount (a daemon killed with -9 left
+    // it) or the operator's (a dedicated disk): both are sealed in place, neither stacked on.
     if !mountinfo::is_mount_point(&dir) {
         mount(Some(&dir), &dir, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(sys("bind-mounting"))?;
     }
@@ -73,19 +75,91 @@ pub fn check_sealed(dir: &Path) -> Result<(), HostFsError> {
     Ok(())
 }
 
-/// Detaches the state dir's bind mount at shutdown (lazily: the store may still hold files).
+/// Detaches the state dir's bind mount at shutdown (lazily: the store may still hold files) —
+/// only our own: an operator's filesystem mounted there stays.
 pub fn unseal_state_dir(dir: &Path) {
     let dir = &dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-    if mountinfo::is_mount_point(dir) {
+    if is_self_bind(dir) {
         if let Err(e) = umount2(dir, MntFlags::MNT_DETACH) {
             tracing::warn!(state_dir = %dir.display(), error = %e, "cannot detach the state dir's bind mount");
         }
     }
 }
 
+/// One line of mountinfo, the fields [`is_self_bind`] compares.
+struct MountLine {
+    id: u32,
+    parent: u32,
+    device: String,
+    root: PathBuf,
+    mount_point: PathBuf,
+}
+
+fn mount_lines(text: &str) -> Vec<MountLine> {
+    text.lines()
+        .filter_map(|line| {
+            // "id parent maj:min root mount_point options ..."
+            let mut f = line.split(' ');
+            Some(MountLine {
+                id: f.next()?.parse().ok()?,
+                parent: f.next()?.parse().ok()?,
+                device: f.next()?.to_string(),
+                root: mountinfo::unescape(f.next()?),
+                mount_point: mountinfo::unescape(f.next()?),
+            })
+        })
+        .collect()
+}
+
+/// Whether the topmost mount at `dir` is a bind mount of `dir` onto itself (what
+/// [`seal_state_dir`] makes): the same filesystem as its parent mount, showing exactly the
+/// directory that sits under it. An operator's own filesystem mounted there never is.
+fn is_self_bind(dir: &Path) -> bool {
+    let lines = mount_lines(&std::fs::read_to_string(mountinfo::PATH).unwrap_or_default());
+    self_bind_in(&lines, dir)
+}
+
+fn self_bind_in(lines: &[MountLine], dir: &Path) -> bool {
+    let Some(m) = lines.iter().rev().find(|l| l.mount_point == dir) else { return false };
+    let Some(parent) = lines.iter().find(|l| l.id == m.parent) else { return false };
+    let Ok(rel) = dir.strip_prefix(&parent.mount_point) else { return false };
+    m.device == parent.device && m.root == parent.root.join(rel)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_self_bind_counts_as_ours() {
+        let text = "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
+                    30 22 8:1 /var/lib/sandboxd /var/lib/sandboxd rw - ext4 /dev/sda1 rw\n\
+                    31 22 8:17 / /srv/state rw - xfs /dev/sdb1 rw\n\
+                    32 22 8:1 /elsewhere /srv/other rw - ext4 /dev/sda1 rw\n";
+        let lines = mount_lines(text);
+        assert!(self_bind_in(&lines, Path::new("/var/lib/sandboxd")), "the daemon's own bind");
+        assert!(!self_bind_in(&lines, Path::new("/srv/state")), "an operator's disk");
+        assert!(!self_bind_in(&lines, Path::new("/srv/other")), "a bind of another directory");
+        assert!(!self_bind_in(&lines, Path::new("/not/mounted")));
+    }
+
+    #[test]
+    fn an_operators_own_mount_is_sealed_but_left_mounted_at_shutdown() {
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test needs root (mounts); CI runs as root");
+        }
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path().join("disk");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        mount(Some("tmpfs"), &dir, Some("tmpfs"), MsFlags::empty(), Some("size=1m")).expect("mount tmpfs");
+        let sealed = seal_state_dir(&dir).expect("seal");
+        check_sealed(&sealed).expect("sealed");
+        let count = mountinfo::read().iter().filter(|m| m.mount_point == sealed).count();
+        assert_eq!(count, 1, "no bind stacked on the operator's mount");
+        unseal_state_dir(&sealed);
+        assert!(mountinfo::is_mount_point(&sealed), "the operator's filesystem must stay mounted");
+        umount2(&sealed, MntFlags::MNT_DETACH).expect("cleanup");
+    }
 
     #[test]
     fn a_sealed_state_dir_is_0700_nosuid_nodev_noexec_and_resealing_is_idempotent() {

@@ -17,7 +17,7 @@ pub struct Mount {
 }
 
 /// mountinfo escapes space, tab, newline and backslash as `\ooo` octal.
-fn unescape(s: &str) -> PathBuf {
+pub(crate) fn unescape(s: &str) -> PathBuf {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
