@@ -4,7 +4,7 @@ IMAGES_DIR ?= $(CURDIR)/images/build
 RUN_DIR    ?= $(CURDIR)/.sandboxd
 SOCKET     ?= $(RUN_DIR)/sandboxd.sock
 
-.PHONY: all deps images image-debian vm-images build release run test bench clean
+.PHONY: all deps pydeps images image-debian vm-images build release run test bench clean
 
 all: build
 
@@ -42,8 +42,12 @@ run: deps release
 	@echo "sandboxd on unix://$(SOCKET) — in another terminal: export SANDBOXD_SOCKET=unix://$(SOCKET); target/release/sbx create"
 	target/release/sandboxd --listen unix://$(SOCKET) --state-dir $(RUN_DIR)/state --images-dir $(IMAGES_DIR)
 
+## pydeps: Python's grpcio and grpcio-tools from PyPI, for the stock-client test (tests/tests/grpcio.rs).
+pydeps:
+	@python3 -c 'import grpc, grpc_tools' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check grpcio grpcio-tools
+
 ## test: unit tests and end-to-end tests against the real daemon (needs root; builds both images).
-test: deps
+test: deps pydeps
 	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) images
 	@[ -f $(IMAGES_DIR)/debian/image.json ] && [ -f $(IMAGES_DIR)/debian/vm/vm.json ] || $(MAKE) image-debian
 	@$(MAKE) --no-print-directory vm-images

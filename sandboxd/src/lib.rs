@@ -6,6 +6,7 @@
 pub mod admission;
 pub mod api;
 pub mod audit;
+pub mod authority;
 pub mod backend;
 pub mod config;
 pub mod error;

@@ -122,7 +122,8 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
                 // configured uid/gid lists decide (see api::auth).
                 std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.auth.unix_socket_mode)).with_context(|| format!("chmod {}", path.display()))?;
                 unix_paths.push(path.clone());
-                let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+                // Stock gRPC clients name the socket path as :authority; see `authority`.
+                let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(listener), |conn| conn.map(crate::authority::FixAuthority::new));
                 servers.spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await });
             }
             ListenAddr::Tcp(sock) => {
