@@ -99,6 +99,11 @@ async fn sbx_exec_passes_output_and_exit_code_through() {
     assert_eq!(result["stdout"], serde_json::json!("json\n"), "{result}");
     assert_eq!(result["exit_code"], serde_json::json!(3), "{result}");
     assert_eq!(result["status"], serde_json::json!("EXEC_STATUS_EXITED"), "{result}");
+    // Binary output survives --json: base64, flagged, never a lossy replacement character.
+    let out = sbx(&daemon, &["--json", "exec", &id, "--", "printf", "\\377\\000x"]).await;
+    let result: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", show(&out)));
+    assert_eq!((result["stdout"].as_str(), result["stdout_encoding"].as_str()), (Some("/wB4"), Some("base64")), "{result}");
+    assert_eq!(result["stderr_encoding"], serde_json::json!("utf-8"), "{result}");
 
     let out = sbx(&daemon, &["exec", &id, "--", "no-such-command"]).await;
     assert_eq!(out.status.code(), Some(127), "{}", show(&out));

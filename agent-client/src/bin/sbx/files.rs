@@ -123,7 +123,11 @@ async fn download(ctx: &Ctx, sandbox_id: &str, path: &str, local: Location) -> R
         let mut report = json!({ "sandbox_id": sandbox_id, "path": path, "bytes": offset });
         match &target {
             Some(target) => report["local_path"] = json!(target.display().to_string()),
-            None => report["content"] = json!(String::from_utf8_lossy(&gathered)),
+            None => {
+                let (content, encoding) = crate::json::bytes_text(&gathered);
+                report["content"] = json!(content);
+                report["content_encoding"] = json!(encoding);
+            }
         }
         output::json(&report)?;
     }

@@ -1,8 +1,9 @@
 //! `--json` output: hand-written conversions of the protobuf messages.
 //!
 //! Written out field by field rather than derived, so the JSON shape is a deliberate interface:
-//! enums appear under their proto names (`EXEC_STATUS_EXITED`), bytes as UTF-8 (lossy) strings
-//! and timestamps as RFC 3339 strings (`null` when unset).
+//! enums appear under their proto names (`EXEC_STATUS_EXITED`), bytes as UTF-8 strings when they
+//! are UTF-8 and base64 otherwise (with `<field>_encoding` saying which: nothing is lost), and
+//! timestamps as RFC 3339 strings (`null` when unset).
 
 use std::collections::HashMap;
 
@@ -25,6 +26,8 @@ pub fn sandbox(s: &Sandbox) -> Value {
         "expires_at": timestamp(s.expires_at.as_ref()),
         "workdir": s.workdir,
         "parent_snapshot_id": s.parent_snapshot_id,
+        "isolation_reason": s.isolation_reason,
+        "failure_reason": s.failure_reason,
     })
 }
 
@@ -41,6 +44,8 @@ pub fn limits(l: &ResourceLimits) -> Value {
 
 /// An exec's result, output included.
 pub fn exec_result(r: &ExecResult) -> Value {
+    let (stdout, stdout_encoding) = bytes_text(&r.stdout);
+    let (stderr, stderr_encoding) = bytes_text(&r.stderr);
     json!({
         "exec_id": r.exec_id,
         "sandbox_id": r.sandbox_id,
@@ -48,8 +53,10 @@ pub fn exec_result(r: &ExecResult) -> Value {
         "status": exec_status_name(r.status),
         "exit_code": r.exit_code,
         "signal": r.signal,
-        "stdout": String::from_utf8_lossy(&r.stdout),
-        "stderr": String::from_utf8_lossy(&r.stderr),
+        "stdout": stdout,
+        "stdout_encoding": stdout_encoding,
+        "stderr": stderr,
+        "stderr_encoding": stderr_encoding,
         "stdout_truncated": r.stdout_truncated,
         "stderr_truncated": r.stderr_truncated,
         "stdout_total_bytes": r.stdout_total_bytes,
@@ -65,6 +72,17 @@ pub fn exec_result(r: &ExecResult) -> Value {
         "stderr_spill_path": r.stderr_spill_path,
         "output_discarded": r.output_discarded,
     })
+}
+
+/// Output bytes as JSON text without loss: the text itself when it is UTF-8, else base64.
+pub fn bytes_text(bytes: &[u8]) -> (String, &'static str) {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => (text.to_string(), "utf-8"),
+        Err(_) => {
+            use base64::Engine;
+            (base64::engine::general_purpose::STANDARD.encode(bytes), "base64")
+        }
+    }
 }
 
 /// A snapshot.
@@ -135,15 +153,17 @@ mod tests {
         assert_eq!(v["status"], "EXEC_STATUS_EXITED");
         assert_eq!(v["exit_code"], 3);
         assert_eq!(v["stdout"], "hi\n");
-        assert_eq!(v["stderr"], "\u{fffd}x");
+        assert_eq!(v["stdout_encoding"], "utf-8");
+        // Not UTF-8: base64, never a lossy replacement character.
+        assert_eq!((v["stderr"].as_str(), v["stderr_encoding"].as_str()), (Some("/3g="), Some("base64")));
         assert_eq!(v["stdout_truncated"], false);
         assert_eq!(v["started_at"], "2023-11-14T22:13:20Z");
         assert_eq!(v["duration_ms"], 12);
         assert_eq!(v["error"], "");
         assert_eq!(
             v.as_object().map(Map::len),
-            Some(22),
-            "one key per ExecResult field"
+            Some(24),
+            "one key per ExecResult field, plus the two output encodings"
         );
     }
 
@@ -155,6 +175,18 @@ mod tests {
         };
         assert_eq!(exec_result(&result)["status"], 42);
         assert_eq!(exec_result(&result)["started_at"], Value::Null);
+    }
+
+    #[test]
+    fn binary_output_is_base64_and_says_so() {
+        let bytes: Vec<u8> = vec![0xff, 0x00, b'a', 0xc3, 0x28];
+        let result = ExecResult { stdout: bytes.clone(), stderr: "ünïcode\n".as_bytes().to_vec(), ..Default::default() };
+        let v = exec_result(&result);
+        assert_eq!(v["stdout_encoding"], "base64");
+        use base64::Engine;
+        let back = base64::engine::general_purpose::STANDARD.decode(v["stdout"].as_str().expect("a string")).expect("base64");
+        assert_eq!(back, bytes, "nothing is lost");
+        assert_eq!((v["stderr"].as_str(), v["stderr_encoding"].as_str()), (Some("ünïcode\n"), Some("utf-8")));
     }
 
     #[test]
