@@ -6,6 +6,13 @@
 //! and from then on every byte goes to the file, while memory keeps the first `cap/2` bytes and a
 //! ring of the last `cap - cap/2`.
 
+/// Where, inside a sandbox, every tier keeps an exec's whole stream once it passes its cap
+/// (`<exec id>.stdout` / `.stderr`); the record's `*_spill_path` names the file.
+pub const SPILL_DIR: &str = "/tmp/.sandboxd";
+
+/// `PATH` of an exec whose environment sets none, on every tier.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
 use std::collections::VecDeque;
 use std::io::Write;
 

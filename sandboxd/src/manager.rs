@@ -299,7 +299,7 @@ const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
 /// The variables every exec starts with, under the sandbox's and the request's own.
 fn base_env(id: &SandboxId) -> BTreeMap<String, String> {
     BTreeMap::from([
-        ("PATH".to_string(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string()),
+        ("PATH".to_string(), guest_agent::capture::DEFAULT_PATH.to_string()),
         ("HOME".to_string(), "/root".to_string()),
         ("HOSTNAME".to_string(), id.to_string()),
     ])

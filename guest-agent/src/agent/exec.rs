@@ -25,8 +25,7 @@ use super::reaper::{ChildExit, Reaper};
 use super::spawn::{self, ChildFds, Command};
 use super::RequestError;
 
-/// Directory where truncated streams are kept whole, as in the other tiers.
-pub const SPILL_DIR: &str = "/tmp/.sandboxd";
+pub use guest_agent::capture::SPILL_DIR;
 /// Largest `Output` frame payload, and the read size.
 const CHUNK: usize = 64 << 10;
 /// The daemon's ceiling per stream; both streams must fit one final frame.

@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use nix::errno::Errno;
 
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+use guest_agent::capture::DEFAULT_PATH;
 
 /// Where a child failed before it became the command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -49,8 +49,7 @@ use super::{ContainerSandbox, Inner};
 use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
 use guest_agent::capture::{OutputCapture, SpillTarget};
 
-/// Directory inside the sandbox where truncated streams are kept whole (as in the process tier).
-pub const SPILL_DIR: &str = "/tmp/.sandboxd";
+pub use guest_agent::capture::SPILL_DIR;
 
 /// How long an exec may take to reach the stopped wrapper before it counts as failed to start.
 const START_DEADLINE: Duration = Duration::from_secs(10);

@@ -25,8 +25,7 @@ use guest_agent::capture::{OutputCapture, SpillTarget};
 /// joining a cgroup v1 on a loaded host can take a few).
 const SPAWN_REPLY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Directory inside the sandbox where truncated streams are kept whole.
-pub const SPILL_DIR: &str = "/tmp/.sandboxd";
+pub use guest_agent::capture::SPILL_DIR;
 
 /// Spill file of one stream, created through the confined file API.
 struct SandboxSpill {

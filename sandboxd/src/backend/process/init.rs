@@ -438,7 +438,7 @@ fn prepare_command(argv: &[String], env: &[(String, String)], workdir: &str) -> 
     let first = argv.first().ok_or(Errno::EINVAL)?;
     let c_argv = argv.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>()?;
     let c_env = env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<Vec<_>, _>>()?;
-    let path_var = env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str()).unwrap_or("/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
+    let path_var = env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str()).unwrap_or(guest_agent::capture::DEFAULT_PATH);
     let candidates = if first.contains('/') {
         vec![cstring(first)?]
     } else {
