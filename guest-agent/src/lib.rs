@@ -6,4 +6,5 @@
 
 pub mod capture;
 pub mod protocol;
+pub mod spawn_failure;
 pub mod sys;

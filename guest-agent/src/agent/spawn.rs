@@ -13,38 +13,7 @@ use nix::errno::Errno;
 
 use guest_agent::capture::DEFAULT_PATH;
 
-/// Where a child failed before it became the command.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stage {
-    Cgroup = 1,
-    Workdir = 2,
-    Exec = 3,
-    Stdio = 4,
-}
-
-impl Stage {
-    fn from_byte(b: u8) -> Stage {
-        match b {
-            1 => Stage::Cgroup,
-            2 => Stage::Workdir,
-            4 => Stage::Stdio,
-            _ => Stage::Exec,
-        }
-    }
-}
-
-/// Why a command did not start: exit code (127 not found, 126 not executable) and a sentence.
-pub fn describe_failure(stage: Stage, errno: Errno, argv0: &str, workdir: &str) -> (i32, String) {
-    match (stage, errno) {
-        (Stage::Exec, Errno::ENOENT | Errno::ENOTDIR) => (127, format!("executable not found: {argv0}")),
-        (Stage::Exec, Errno::EACCES) => (126, format!("permission denied: {argv0} is not executable")),
-        (Stage::Exec, Errno::ENOEXEC) => (126, format!("{argv0} is not an executable format (a script without #!?)")),
-        (Stage::Exec, e) => (126, format!("cannot execute {argv0}: {}", e.desc())),
-        (Stage::Workdir, e) => (127, format!("cannot enter working directory {workdir}: {}", e.desc())),
-        (Stage::Cgroup, e) => (127, format!("cannot join the exec's cgroup: {}", e.desc())),
-        (Stage::Stdio, e) => (127, format!("cannot set up the command's stdio: {}", e.desc())),
-    }
-}
+pub use guest_agent::spawn_failure::{describe_failure, Stage};
 
 /// A command ready to be exec'd from a forked child.
 pub struct Command {
@@ -153,7 +122,7 @@ fn fail(err_w: RawFd, stage: Stage, errno: Errno) -> ! {
     let mut msg = [0u8; 5];
     msg[0] = stage as u8;
     msg[1..].copy_from_slice(&(errno as i32).to_le_bytes());
-    let code = if stage == Stage::Exec && errno != Errno::ENOENT && errno != Errno::ENOTDIR { 126 } else { 127 };
+    let code = stage.exit_code(errno);
     // SAFETY: write and _exit are async-signal-safe; msg lives on this stack.
     unsafe {
         libc::write(err_w, msg.as_ptr().cast(), msg.len());

@@ -104,20 +104,22 @@ fn wrapper_script(env: &[(String, String)]) -> String {
     script
 }
 
-/// The outcome and error sentence of a start failure the wrapper reported (same sentences as
-/// the process tier).
+/// The outcome and error sentence of a start failure the wrapper reported (the sentences every
+/// tier uses, `guest_agent::spawn_failure`).
 fn describe_marker(marker: &str, argv0: &str, workdir: &str) -> (i32, String) {
+    use guest_agent::spawn_failure::{describe_failure, Stage};
+    use nix::errno::Errno;
     let mut words = marker.split_whitespace();
     match (words.next(), words.next()) {
-        (Some("notfound"), _) => (127, format!("executable not found: {argv0}")),
-        (Some("notexec"), _) => (126, format!("permission denied: {argv0} is not executable")),
+        (Some("notfound"), _) => describe_failure(Stage::Exec, Errno::ENOENT, argv0, workdir),
+        (Some("notexec"), _) => describe_failure(Stage::Exec, Errno::EACCES, argv0, workdir),
         (Some("workdir"), errno) => {
-            let why = match errno {
-                Some("ENOTDIR") => "Not a directory",
-                Some("EACCES") => "Permission denied",
-                _ => "No such file or directory",
+            let errno = match errno {
+                Some("ENOTDIR") => Errno::ENOTDIR,
+                Some("EACCES") => Errno::EACCES,
+                _ => Errno::ENOENT,
             };
-            (127, format!("cannot enter working directory {workdir}: {why}"))
+            describe_failure(Stage::Workdir, errno, argv0, workdir)
         }
         _ => (127, format!("exec setup failed: {marker}")),
     }

@@ -95,14 +95,12 @@ async fn pump(fd: OwnedFd, mut capture: OutputCapture, sink: OutputSink, is_stdo
 }
 
 fn describe_spawn_failure(stage: &str, errno: i32, argv0: &str, workdir: &str) -> (i32, String) {
+    use guest_agent::spawn_failure::{describe_failure, Stage};
     let err = nix::errno::Errno::from_raw(errno);
-    match (stage, err) {
-        ("exec", nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR) => (127, format!("executable not found: {argv0}")),
-        ("exec", nix::errno::Errno::EACCES) => (126, format!("permission denied: {argv0} is not executable")),
-        ("exec", nix::errno::Errno::ENOEXEC) => (126, format!("{argv0} is not an executable format (a script without #!?)")),
-        ("exec", e) => (126, format!("cannot execute {argv0}: {}", e.desc())),
-        ("workdir", e) => (127, format!("cannot enter working directory {workdir}: {}", e.desc())),
-        (stage, e) => (127, format!("exec setup failed at {stage}: {}", e.desc())),
+    match Stage::from_name(stage) {
+        Some(stage) => describe_failure(stage, err, argv0, workdir),
+        // The init's own steps before the fork (request, argv, pipe, fork).
+        None => (127, format!("exec setup failed at {stage}: {}", err.desc())),
     }
 }
 

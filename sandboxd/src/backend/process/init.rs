@@ -38,11 +38,8 @@ pub const INIT_ARG: &str = "__sandbox-init";
 /// The control socket's descriptor number in the init.
 pub const CONTROL_FD: RawFd = 3;
 
-/// Stage codes a failed exec child reports through its error pipe.
-const STAGE_CGROUP: u8 = 1;
-const STAGE_WORKDIR: u8 = 2;
-const STAGE_EXEC: u8 = 3;
-const STAGE_STDIO: u8 = 4;
+/// Stages a failed exec child reports through its error pipe (one byte, then the errno).
+use guest_agent::spawn_failure::Stage;
 
 /// Capabilities processes in a sandbox keep: Docker's default set minus CAP_MKNOD (device nodes
 /// are provided; one made by the sandbox could be opened by the daemon's file API) and CAP_NET_RAW.
@@ -455,12 +452,7 @@ fn prepare_command(argv: &[String], env: &[(String, String)], workdir: &str) -> 
 fn spawn_reply(exec_id: &str, pid: Pid, err_r: &OwnedFd, running: &mut HashMap<Pid, String>) -> FromInit {
     let mut report_buf = [0u8; 5];
     if read_full(err_r, &mut report_buf) == report_buf.len() {
-        let stage = match report_buf[0] {
-            STAGE_CGROUP => "cgroup",
-            STAGE_WORKDIR => "workdir",
-            STAGE_STDIO => "stdio",
-            _ => "exec",
-        };
+        let stage = Stage::from_byte(report_buf[0]).name();
         let errno = i32::from_le_bytes([report_buf[1], report_buf[2], report_buf[3], report_buf[4]]);
         return FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: stage.to_string(), errno };
     }
@@ -581,7 +573,7 @@ fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>, err_w: OwnedFd) -> ! {
     drop(buf);
     match cmd {
         Ok(cmd) if stdio.len() == 3 => exec_child(&stdio, &cmd, err_w),
-        _ => fail_child(&err_w, STAGE_EXEC, Errno::EINVAL),
+        _ => fail_child(&err_w, Stage::Exec, Errno::EINVAL),
     }
 }
 
@@ -599,12 +591,12 @@ fn read_full(fd: &OwnedFd, buf: &mut [u8]) -> usize {
 }
 
 /// Reports why a child could not become its command, and exits it.
-fn fail_child(err_w: &OwnedFd, stage: u8, errno: Errno) -> ! {
+fn fail_child(err_w: &OwnedFd, stage: Stage, errno: Errno) -> ! {
     let mut msg = [0u8; 5];
-    msg[0] = stage;
+    msg[0] = stage as u8;
     msg[1..].copy_from_slice(&(errno as i32).to_le_bytes());
     let _ = nix::unistd::write(err_w, &msg);
-    let code = if stage == STAGE_EXEC && errno != Errno::ENOENT && errno != Errno::ENOTDIR { 126 } else { 127 };
+    let code = stage.exit_code(errno);
     // SAFETY: _exit is always safe; it skips atexit handlers that belong to the init.
     unsafe { libc::_exit(code) }
 }
@@ -614,7 +606,7 @@ fn fail_child(err_w: &OwnedFd, stage: u8, errno: Errno) -> ! {
 fn join_cgroup(cgroup_fds: &[OwnedFd], err_w: &OwnedFd) {
     for fd in cgroup_fds {
         if let Err(e) = nix::unistd::write(fd, b"0") {
-            fail_child(err_w, STAGE_CGROUP, e);
+            fail_child(err_w, Stage::Cgroup, e);
         }
     }
 }
@@ -622,7 +614,7 @@ fn join_cgroup(cgroup_fds: &[OwnedFd], err_w: &OwnedFd) {
 /// In a forked child already in its cgroup and session: become the exec's process. Never returns.
 fn exec_child(stdio: &[OwnedFd], cmd: &Prepared, err_w: OwnedFd) -> ! {
     if nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None).is_err() {
-        fail_child(&err_w, STAGE_STDIO, Errno::last());
+        fail_child(&err_w, Stage::Stdio, Errno::last());
     }
     // Default dispositions: the Rust runtime of this binary ignores SIGPIPE, and an ignored
     // signal stays ignored across execve — `yes | head` would then print EPIPE errors.
@@ -634,11 +626,11 @@ fn exec_child(stdio: &[OwnedFd], cmd: &Prepared, err_w: OwnedFd) -> ! {
     }
     for (i, fd) in stdio.iter().enumerate() {
         if let Err(e) = nix::unistd::dup2(fd.as_raw_fd(), i as RawFd) {
-            fail_child(&err_w, STAGE_STDIO, e);
+            fail_child(&err_w, Stage::Stdio, e);
         }
     }
     if let Err(e) = nix::unistd::chdir(cmd.workdir.as_c_str()) {
-        fail_child(&err_w, STAGE_WORKDIR, e);
+        fail_child(&err_w, Stage::Workdir, e);
     }
     // Nothing of the init (control socket, other execs' pipes) may leak into the command.
     // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only marks descriptors; err_w is already CLOEXEC.
@@ -650,9 +642,9 @@ fn exec_child(stdio: &[OwnedFd], cmd: &Prepared, err_w: OwnedFd) -> ! {
         match e {
             Errno::EACCES => saw_eacces = true,
             Errno::ENOENT | Errno::ENOTDIR => {}
-            other => fail_child(&err_w, STAGE_EXEC, other),
+            other => fail_child(&err_w, Stage::Exec, other),
         }
         last = e;
     }
-    fail_child(&err_w, STAGE_EXEC, if saw_eacces { Errno::EACCES } else { last })
+    fail_child(&err_w, Stage::Exec, if saw_eacces { Errno::EACCES } else { last })
 }
