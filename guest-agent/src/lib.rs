@@ -5,6 +5,7 @@
 //! binary (`sandbox-agent`, `src/main.rs`) is built statically into each VM's initramfs.
 
 pub mod capture;
+pub mod outcome;
 pub mod protocol;
 pub mod spawn_failure;
 pub mod sys;

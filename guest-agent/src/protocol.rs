@@ -175,6 +175,8 @@ pub enum ExitStatus {
     TimedOut,
     OomKilled,
     SpawnFailed,
+    /// Its end could not be observed (see `outcome::classify`).
+    Lost,
 }
 
 /// A captured stream without its bytes (they are in the payload).

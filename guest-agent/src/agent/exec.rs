@@ -385,16 +385,21 @@ fn run_in_group(env: &Env<'_>, req: &ExecRequest, cmd: &Command, group: &Arc<Gro
     let usage = group.usage();
     let (stdout, stderr) = io.finish();
 
-    let (status, exit_code, signal) = match (timed_out, exit) {
-        (true, _) => (ExitStatus::TimedOut, 128 + libc::SIGKILL, libc::SIGKILL),
-        // The OOM killer fired in this exec's cgroup and the command did not succeed: the
-        // command (or the child it was waiting for) was the victim.
-        (false, Some(ChildExit::Code(c))) if c != 0 && usage.oom_kills > 0 => (ExitStatus::OomKilled, 128 + libc::SIGKILL, libc::SIGKILL),
-        (false, Some(ChildExit::Signal(s))) if s == libc::SIGKILL && usage.oom_kills > 0 => (ExitStatus::OomKilled, 128 + s, s),
-        (false, Some(ChildExit::Signal(s))) => (ExitStatus::Signaled, 128 + s, s),
-        (false, Some(ChildExit::Code(c))) => (ExitStatus::Exited, c, 0),
-        (false, None) => (ExitStatus::Signaled, 128 + libc::SIGKILL, libc::SIGKILL),
+    use guest_agent::outcome::{classify, Cause, EndStatus, Exit};
+    let observed = match exit {
+        Some(ChildExit::Code(c)) => Exit::Code(c),
+        Some(ChildExit::Signal(s)) => Exit::Signal(s),
+        None => Exit::Unknown,
     };
+    let end = classify(if timed_out { Cause::TimedOut } else { Cause::Ended }, observed, usage.oom_kills);
+    let status = match end.status {
+        EndStatus::Exited => ExitStatus::Exited,
+        EndStatus::Signaled => ExitStatus::Signaled,
+        EndStatus::TimedOut => ExitStatus::TimedOut,
+        EndStatus::OomKilled => ExitStatus::OomKilled,
+        EndStatus::Lost => ExitStatus::Lost,
+    };
+    let (exit_code, signal) = (end.exit_code, end.signal);
     let meta = |c: &CapturedOutput| StreamMeta { len: c.bytes.len() as u64, truncated: c.truncated, total_bytes: c.total_bytes, spill_path: c.spill_path.clone() };
     let exit = ExecExit {
         status,
@@ -406,7 +411,7 @@ fn run_in_group(env: &Env<'_>, req: &ExecRequest, cmd: &Command, group: &Arc<Gro
         peak_memory_bytes: usage.peak_memory_bytes,
         stdout: meta(&stdout),
         stderr: meta(&stderr),
-        error: String::new(),
+        error: if end.status == EndStatus::Lost { guest_agent::outcome::UNKNOWN_EXIT.to_string() } else { String::new() },
     };
     let mut payload = stdout.bytes;
     payload.extend_from_slice(&stderr.bytes);

@@ -103,6 +103,19 @@ pub enum ExecStatus {
 
 pub use guest_agent::capture::CapturedOutput;
 
+impl From<guest_agent::outcome::EndStatus> for ExecStatus {
+    fn from(s: guest_agent::outcome::EndStatus) -> Self {
+        use guest_agent::outcome::EndStatus;
+        match s {
+            EndStatus::Exited => ExecStatus::Exited,
+            EndStatus::Signaled => ExecStatus::Signaled,
+            EndStatus::TimedOut => ExecStatus::TimedOut,
+            EndStatus::OomKilled => ExecStatus::OomKilled,
+            EndStatus::Lost => ExecStatus::Lost,
+        }
+    }
+}
+
 /// Resource use of one exec, from its own cgroup.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ExecUsage {

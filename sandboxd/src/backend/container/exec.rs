@@ -314,13 +314,8 @@ fn pidfd_exit(fd: &OwnedFd) -> PidfdExit {
     }
 }
 
-/// How the command's main process ended.
-#[derive(Debug, Clone, Copy)]
-enum Exit {
-    Code(i32),
-    Signal(i32),
-    Unknown,
-}
+/// How the command's main process ended (the type every tier classifies).
+use guest_agent::outcome::Exit;
 
 fn decode_wait_status(status: i32) -> Exit {
     if libc::WIFSIGNALED(status) {
@@ -650,21 +645,16 @@ impl ContainerSandbox {
             let (code, error) = describe_marker(m, &spec.argv[0], &spec.workdir);
             return Ok(ExecOutcome { status: ExecStatus::SpawnFailed, exit_code: code, signal: 0, stdout, stderr, started_at, duration, usage, error });
         }
-        let kill9 = libc::SIGKILL;
-        let (status, exit_code, signal) = match (end, exit) {
-            (End::TimedOut, _) => (ExecStatus::TimedOut, 128 + kill9, kill9),
-            (End::Cancelled, _) => (ExecStatus::Signaled, 128 + kill9, kill9),
-            // The OOM killer fired in this exec's cgroup and the command did not succeed.
-            (_, Exit::Signal(s)) if s == kill9 && raw.oom_kills > 0 => (ExecStatus::OomKilled, 128 + s, s),
-            (_, Exit::Code(c)) if c != 0 && raw.oom_kills > 0 => (ExecStatus::OomKilled, 128 + kill9, kill9),
-            (_, Exit::Signal(s)) => (ExecStatus::Signaled, 128 + s, s),
-            (_, Exit::Code(c)) => (ExecStatus::Exited, c, 0),
-            (_, Exit::Unknown) => {
-                let error = "exit status unknown".to_string();
-                return Ok(ExecOutcome { status: ExecStatus::Lost, exit_code: -1, signal: 0, stdout, stderr, started_at, duration, usage, error });
-            }
+        use guest_agent::outcome::{classify, Cause, UNKNOWN_EXIT};
+        let cause = match end {
+            End::TimedOut => Cause::TimedOut,
+            End::Cancelled => Cause::Cancelled,
+            _ => Cause::Ended,
         };
-        Ok(ExecOutcome { status, exit_code, signal, stdout, stderr, started_at, duration, usage, error: String::new() })
+        let end = classify(cause, exit, raw.oom_kills);
+        let status = ExecStatus::from(end.status);
+        let error = if status == ExecStatus::Lost { UNKNOWN_EXIT.to_string() } else { String::new() };
+        Ok(ExecOutcome { status, exit_code: end.exit_code, signal: end.signal, stdout, stderr, started_at, duration, usage, error })
     }
 
     /// The main process's end: from the pidfd when the kernel keeps it (exact), else from Docker

@@ -119,6 +119,7 @@ pub fn outcome_of(exit: ExecExit, payload: Vec<u8>, started_at: SystemTime) -> R
         ExitStatus::TimedOut => (ExecStatus::TimedOut, 128 + libc::SIGKILL, libc::SIGKILL),
         ExitStatus::OomKilled => (ExecStatus::OomKilled, 128 + libc::SIGKILL, libc::SIGKILL),
         ExitStatus::SpawnFailed => (ExecStatus::SpawnFailed, exit.exit_code, 0),
+        ExitStatus::Lost => (ExecStatus::Lost, -1, 0),
     };
     Ok(ExecOutcome {
         status,

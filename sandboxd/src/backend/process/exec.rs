@@ -253,7 +253,7 @@ impl ProcessSandbox {
             Lost,
         }
         let mut exited = waiters.exited;
-        let mut end = tokio::select! {
+        let end = tokio::select! {
             r = &mut exited => match r { Ok((c, s)) => End::Exited(c, s), Err(_) => End::Lost },
             _ = tokio::time::sleep(spec.timeout) => End::TimedOut,
             _ = cancel.cancelled() => End::Cancelled,
@@ -294,28 +294,27 @@ impl ProcessSandbox {
         let raw = blocking(move || cg.usage()).await?;
         let usage = ExecUsage { cpu_user_ms: raw.cpu_user_ms, cpu_system_ms: raw.cpu_system_ms, peak_memory_bytes: raw.peak_memory_bytes };
 
-        let killed = (ExecStatus::Signaled, 128 + libc::SIGKILL, libc::SIGKILL, String::new());
-        if let End::Exited(Some(c), _) = end {
-            // The OOM killer fired in this exec's cgroup and the command did not succeed.
-            if c != 0 && raw.oom_kills > 0 {
-                end = End::Exited(None, Some(libc::SIGKILL));
-            }
-        }
         // The runtime was taken down under this exec (rollback, destroy, shutdown): whatever
         // the kill made of it, the exec was lost with its sandbox.
         if let Some(reason) = self.lost.lock().ok().and_then(|l| l.clone()) {
             let error = format!("{reason} while the command ran");
             return Ok(ExecOutcome { status: ExecStatus::Lost, exit_code: -1, signal: 0, stdout, stderr, started_at, duration, usage, error });
         }
-        let (status, exit_code, signal, error) = match end {
-            End::Lost => (ExecStatus::Lost, -1, 0, "the sandbox's init exited while the command ran".to_string()),
-            End::TimedOut => (ExecStatus::TimedOut, 128 + libc::SIGKILL, libc::SIGKILL, String::new()),
-            End::Cancelled => killed,
-            End::Exited(_, Some(s)) if s == libc::SIGKILL && raw.oom_kills > 0 => (ExecStatus::OomKilled, 128 + s, s, String::new()),
-            End::Exited(_, Some(s)) => (ExecStatus::Signaled, 128 + s, s, String::new()),
-            End::Exited(Some(c), None) => (ExecStatus::Exited, c, 0, String::new()),
-            End::Exited(None, None) => (ExecStatus::Lost, -1, 0, "exit status unknown".to_string()),
+        use guest_agent::outcome::{classify, Cause, Exit, UNKNOWN_EXIT};
+        let (cause, exit) = match end {
+            End::Lost => {
+                let error = "the sandbox's init exited while the command ran".to_string();
+                return Ok(ExecOutcome { status: ExecStatus::Lost, exit_code: -1, signal: 0, stdout, stderr, started_at, duration, usage, error });
+            }
+            End::TimedOut => (Cause::TimedOut, Exit::Unknown),
+            End::Cancelled => (Cause::Cancelled, Exit::Unknown),
+            End::Exited(_, Some(s)) => (Cause::Ended, Exit::Signal(s)),
+            End::Exited(Some(c), None) => (Cause::Ended, Exit::Code(c)),
+            End::Exited(None, None) => (Cause::Ended, Exit::Unknown),
         };
-        Ok(ExecOutcome { status, exit_code, signal, stdout, stderr, started_at, duration, usage, error })
+        let end = classify(cause, exit, raw.oom_kills);
+        let status = ExecStatus::from(end.status);
+        let error = if status == ExecStatus::Lost { UNKNOWN_EXIT.to_string() } else { String::new() };
+        Ok(ExecOutcome { status, exit_code: end.exit_code, signal: end.signal, stdout, stderr, started_at, duration, usage, error })
     }
 }
