@@ -26,17 +26,6 @@ pub struct Metrics {
     tier_available: GaugeVec,
 }
 
-fn status_label(s: ExecStatus) -> &'static str {
-    match s {
-        ExecStatus::Exited => "exited",
-        ExecStatus::Signaled => "signaled",
-        ExecStatus::TimedOut => "timed_out",
-        ExecStatus::OomKilled => "oom_killed",
-        ExecStatus::SpawnFailed => "spawn_failed",
-        ExecStatus::Running => "running",
-        ExecStatus::Lost => "lost",
-    }
-}
 
 fn state_label(s: SandboxState) -> &'static str {
     match s {
@@ -91,7 +80,7 @@ impl Metrics {
 
     /// An exec ended.
     pub fn exec_ended(&self, tier: Isolation, status: ExecStatus, duration: Duration) {
-        self.execs.with_label_values(&[status_label(status)]).inc();
+        self.execs.with_label_values(&[status.name()]).inc();
         match status {
             ExecStatus::OomKilled => self.oom_kills.inc(),
             ExecStatus::TimedOut => self.timeouts.inc(),

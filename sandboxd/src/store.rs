@@ -139,17 +139,6 @@ fn decode<T: serde::de::DeserializeOwned>(id: &str, text: &str) -> Result<T, Sto
     serde_json::from_str(text).map_err(|e| StoreError::Corrupt { id: id.to_string(), message: e.to_string() })
 }
 
-fn status_name(s: ExecStatus) -> &'static str {
-    match s {
-        ExecStatus::Exited => "exited",
-        ExecStatus::Signaled => "signaled",
-        ExecStatus::TimedOut => "timed_out",
-        ExecStatus::OomKilled => "oom_killed",
-        ExecStatus::SpawnFailed => "spawn_failed",
-        ExecStatus::Running => "running",
-        ExecStatus::Lost => "lost",
-    }
-}
 
 /// A record's metadata: everything but the output bodies (which are not cloned).
 fn without_bodies(rec: &ExecRecord) -> ExecRecord {
@@ -501,7 +490,7 @@ impl Store {
                 id,
                 sandbox_id,
                 rec.idempotency_key,
-                status_name(rec.outcome.status),
+                rec.outcome.status.name(),
                 data,
                 rec.outcome.stdout.bytes.len() as i64,
                 rec.outcome.stderr.bytes.len() as i64

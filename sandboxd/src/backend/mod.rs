@@ -103,6 +103,21 @@ pub enum ExecStatus {
 
 pub use guest_agent::capture::CapturedOutput;
 
+impl ExecStatus {
+    /// Its lower-case name: a metrics label and the store's status column.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExecStatus::Exited => "exited",
+            ExecStatus::Signaled => "signaled",
+            ExecStatus::TimedOut => "timed_out",
+            ExecStatus::OomKilled => "oom_killed",
+            ExecStatus::SpawnFailed => "spawn_failed",
+            ExecStatus::Running => "running",
+            ExecStatus::Lost => "lost",
+        }
+    }
+}
+
 impl From<guest_agent::outcome::EndStatus> for ExecStatus {
     fn from(s: guest_agent::outcome::EndStatus) -> Self {
         use guest_agent::outcome::EndStatus;
