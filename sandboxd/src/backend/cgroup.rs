@@ -37,6 +37,16 @@ use nix::errno::Errno;
 use tracing::{debug, warn};
 
 const CGROUP_MOUNT: &str = "/sys/fs/cgroup";
+
+/// Name of this daemon's cgroup: derived from the state dir, so two daemons (say, parallel test
+/// runs) never touch each other's sandboxes. Every tier's cgroups live below it (the microVM
+/// tier's QEMUs below `<name>-vm`).
+pub fn daemon_cgroup_name(state_dir: &Path) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    state_dir.hash(&mut h);
+    format!("sandboxd-{:012x}", h.finish() & 0xffff_ffff_ffff)
+}
 const MOUNTINFO: &str = "/proc/self/mountinfo";
 /// v1 controllers the daemon needs, each of which must be mounted somewhere.
 const V1_CONTROLLERS: [&str; 5] = ["memory", "pids", "cpu", "cpuacct", "freezer"];

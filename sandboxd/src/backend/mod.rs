@@ -7,6 +7,7 @@
 
 pub mod cgroup;
 pub mod container;
+pub mod files;
 pub mod microvm;
 pub mod mountinfo;
 pub mod process;

@@ -3,7 +3,7 @@
 //! Docker's archive API is not used for files: its upload removes an existing file before it
 //! extracts the new one (a write the disk quota refuses would lose the old file), it has no
 //! rename or delete, and its errors (an empty status 500 for a symlink loop) cannot tell a bad
-//! path from a broken daemon. Instead the process tier's code ([`process::files`]) runs on the
+//! path from a broken daemon. Instead the shared confined file code ([`backend::files`]) runs on the
 //! container's root as its init sees it, `/proc/<init>/root`: every lookup is
 //! `openat2(RESOLVE_IN_ROOT)` below it (`..` and symlinks, absolute ones included, never lead
 //! out), only regular files are read or written (a device node in the container's `/dev` is
@@ -13,7 +13,7 @@
 //! root belong to the same process — shows the container's cgroup: a pid reused by a host
 //! process after the container died is refused, never read or written through.
 //!
-//! [`process::files`]: crate::backend::process::files
+//! [`backend::files`]: crate::backend::files
 
 use std::ffi::CString;
 use std::fs::File;
@@ -21,7 +21,7 @@ use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use super::ContainerSandbox;
-use crate::backend::process::files as root_files;
+use crate::backend::files as root_files;
 use crate::backend::{BackendError, FileChunk};
 
 /// The container's root directory as its init (`init_pid`) sees it, checked to belong to

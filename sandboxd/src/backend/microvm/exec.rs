@@ -149,7 +149,7 @@ pub fn agent_failure(kind: ErrorKind, message: String, path: &str) -> BackendErr
 /// `..` is kept for the guest kernel to clamp at `/` (the same rule as the process tier's
 /// RESOLVE_IN_ROOT; inside the VM the whole filesystem is the sandbox's).
 fn guest_path(path: &str, workdir: &str) -> Result<String, BackendError> {
-    let comps = crate::backend::process::files::components(path, workdir)?;
+    let comps = crate::backend::files::components(path, workdir)?;
     Ok(format!("/{}", comps.join("/")))
 }
 
@@ -158,7 +158,7 @@ const STAGED_WRITES: u32 = 2;
 
 /// The absolute guest path of an API path that names a file (not the root, not ending in `..`).
 fn guest_file_path(api_path: &str, workdir: &str) -> Result<String, BackendError> {
-    let comps = crate::backend::process::files::components(api_path, workdir)?;
+    let comps = crate::backend::files::components(api_path, workdir)?;
     match comps.last().map(String::as_str) {
         None => Err(BackendError::InvalidPath { path: api_path.to_string(), reason: "names the root directory".into() }),
         Some("..") => Err(BackendError::InvalidPath { path: api_path.to_string(), reason: "ends in ..".into() }),
@@ -248,7 +248,7 @@ async fn write_file_in_place(vm: &Vm, api_path: &str, path: &str, content: &[u8]
 
 /// Reads up to `limit` bytes (0 = the most one ReadFile returns) from `offset`, in chunks.
 pub async fn read_file(vm: &Vm, workdir: &str, api_path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
-    let max = crate::backend::process::files::MAX_READ;
+    let max = crate::backend::files::MAX_READ;
     let limit = if limit == 0 { max } else { limit.min(max) };
     let path_owned = guest_path(api_path, workdir)?;
     let path = path_owned.as_str();

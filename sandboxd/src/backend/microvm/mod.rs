@@ -141,7 +141,7 @@ impl MicroVmBackend {
             Some(e) => Err(e),
             None => tools,
         };
-        let cgroups = CgroupRoot::detect(&format!("{}-vm", super::process::cgroup_name(state_dir))).map_err(|e| format!("cgroups: {e}"));
+        let cgroups = CgroupRoot::detect(&format!("{}-vm", super::cgroup::daemon_cgroup_name(state_dir))).map_err(|e| format!("cgroups: {e}"));
         if let Some(reason) = tools.as_ref().err().or(cgroups.as_ref().err()) {
             tracing::warn!(%reason, "microVM tier unavailable");
         }

@@ -16,7 +16,6 @@
 
 mod channel;
 mod exec;
-pub mod files;
 pub mod init;
 pub mod storage;
 mod wire;
@@ -33,6 +32,7 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use tokio_util::sync::CancellationToken;
 
 use super::cgroup::{self, CgroupLimits, CgroupRoot, ExecCgroup, ExecCgroups, SandboxCgroup};
+use super::files;
 use super::mountinfo;
 use self::channel::InitChannel;
 use self::storage::Pool;
@@ -134,14 +134,6 @@ fn tree_bytes(dir: &Path) -> u64 {
     total
 }
 
-/// Name of this daemon's cgroup: derived from the state dir, so two daemons (say, parallel test
-/// runs) never touch each other's sandboxes.
-pub(crate) fn cgroup_name(state_dir: &Path) -> String {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    state_dir.hash(&mut h);
-    format!("sandboxd-{:012x}", h.finish() & 0xffff_ffff_ffff)
-}
 
 
 impl ProcessBackend {
@@ -160,7 +152,7 @@ impl ProcessBackend {
         if !nix::unistd::geteuid().is_root() {
             return Err("sandboxd must run as root for the process tier".to_string());
         }
-        let cgroups = CgroupRoot::detect(&cgroup_name(&self.cfg.state_dir)).map_err(|e| format!("cgroups: {e}"))?;
+        let cgroups = CgroupRoot::detect(&cgroup::daemon_cgroup_name(&self.cfg.state_dir)).map_err(|e| format!("cgroups: {e}"))?;
         tracing::info!(version = ?cgroups.version(), "cgroup hierarchy detected");
         let pool = Pool::open_or_create(&self.cfg.state_dir.join("pool"), self.cfg.pool_size_bytes).map_err(|e| format!("storage pool: {e}"))?;
         std::fs::create_dir_all(self.cfg.state_dir.join("run")).map_err(|e| format!("creating run dir: {e}"))?;
