@@ -230,6 +230,79 @@ async fn kill_9_mid_run_then_resume_lands_the_side_effect_once() -> Result<()> {
     Ok(())
 }
 
+/// Steps of ~1 MB output each before the kill in the long resume test.
+const LONG_STEPS: usize = 105;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_after_a_hundred_steps_of_megabyte_outputs() -> Result<()> {
+    let env = Env::new(Script::from_fn(|t: &Turn| {
+        if t.index < LONG_STEPS {
+            // ~1 MB each, distinct, so it is neither a stuck loop nor small.
+            return Reply::bash(&format!("yes step-{} | head -c 1000000", t.index));
+        }
+        match t.index - LONG_STEPS {
+            // The agent is killed while this runs.
+            0 => Reply::bash("echo once >> /workspace/log; sleep 3"),
+            1 => Reply::bash("cat /workspace/log"),
+            _ => Reply::finish("logged"),
+        }
+    }))
+    .await?;
+    let mut child = env
+        .command(&[
+            "agent",
+            "run",
+            "--task",
+            "print a lot, then log once",
+            "--run-id",
+            "long",
+            "--max-steps",
+            "300",
+            "--json",
+        ])?
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while env.model.turns() < LONG_STEPS + 1 {
+        if Instant::now() > deadline {
+            bail!("the agent reached only turn {}", env.model.turns());
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("the agent ended early: {status}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let pid = child.id().context("child pid")?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    child.wait().await?;
+
+    let started = Instant::now();
+    let out = env.sbx(&["agent", "resume", "long", "--json"]).await?;
+    let resume_time = started.elapsed();
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(r["steps"], LONG_STEPS as u64 + 3);
+    let sid = r["sandbox_id"].as_str().unwrap_or_default();
+    assert_eq!(
+        file(&env, sid, "/workspace/log").await?,
+        "once\n",
+        "landed once"
+    );
+    let events = env.trace("long")?;
+    assert!(events
+        .iter()
+        .any(|e| e["decision"] == "adopt_recorded_exec"));
+    // Two more model turns and the lookups: seconds, not a scan of 100 MB of outputs.
+    eprintln!("resume after {LONG_STEPS} steps of 1 MB outputs: {resume_time:?}");
+    assert!(resume_time < Duration::from_secs(60), "{resume_time:?}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_daemon_restart_mid_exec_rolls_back_and_runs_the_action_once() -> Result<()> {
     let mut env = Env::new(Script::sequence(vec![
@@ -618,6 +691,466 @@ async fn malformed_tool_calls_are_repaired_or_reasked() -> Result<()> {
     assert!(
         reasked.contains("needs the argument `content`"),
         "{reasked}"
+    );
+    Ok(())
+}
+
+// ---- long unattended runs (issue 13) --------------------------------------------------------
+
+/// The text of the last tool message of a request.
+fn last_tool_text(request: &Value) -> String {
+    request["messages"]
+        .as_array()
+        .and_then(|m| m.iter().rev().find(|m| m["role"] == "tool").cloned())
+        .and_then(|m| m["content"].as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_call_is_never_executed_and_reasoning_is_kept() -> Result<()> {
+    let env = Env::new(Script::sequence(vec![
+        Reply::raw(
+            "write_file",
+            r#"{"path": "f.py", "content": "def g():\n    return f("#,
+        )
+        .cut(),
+        Reply::call(
+            "write_file",
+            json!({"path": "f.py", "content": "def g():\n    return f(1)\n"}),
+        )
+        .saying("Writing f.py in full; left: clean the build dir"),
+        Reply::bash(
+            "mkdir -p /workspace/build/x && rm -rf /workspace/build && mkdir -p /workspace/bui",
+        )
+        .cut(),
+        Reply::bash("ls /workspace"),
+        Reply::finish("done"),
+    ]))
+    .await?;
+    let out = env
+        .sbx(&[
+            "agent",
+            "run",
+            "--task",
+            "write f.py",
+            "--run-id",
+            "cut",
+            "--json",
+        ])
+        .await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}");
+    assert_eq!(r["steps"], 3, "{r:#}");
+    let sid = r["sandbox_id"].as_str().unwrap_or_default();
+    assert_eq!(
+        file(&env, sid, "/workspace/f.py").await?,
+        "def g():\n    return f(1)\n"
+    );
+    let requests = env.model.requests();
+    let told = last_tool_text(&requests[1]);
+    assert!(
+        told.contains("NOT executed") && !told.contains("wrote"),
+        "{told}"
+    );
+    assert_eq!(requests[0]["max_tokens"], 4096);
+    assert_eq!(
+        requests[1]["max_tokens"], 8192,
+        "asked again with a larger limit"
+    );
+    // The cut `mkdir -p /workspace/bui` never ran.
+    let ls = last_tool_text(&requests[4]);
+    assert!(!ls.contains("bui"), "{ls}");
+    // The reasoning is in the next prompt and in the trace.
+    assert!(requests[2]
+        .to_string()
+        .contains("Writing f.py in full; left: clean the build dir"));
+    let events = env.trace("cut")?;
+    assert!(events.iter().any(|e| e["event"] == "step"
+        && e["reasoning"] == "Writing f.py in full; left: clean the build dir"));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_big_read_file_is_paged_not_fatal() -> Result<()> {
+    // The endpoint refuses prompts above 8k tokens, as a real one does.
+    let env = Env::new(
+        Script::sequence(vec![
+            Reply::bash("yes x | tr -d '\\n' | head -c 400000 > /workspace/min.js"),
+            Reply::call("read_file", json!({"path": "min.js"})),
+            Reply::call(
+                "read_file",
+                json!({"path": "min.js", "start_line": 1, "start_char": 500}),
+            ),
+            Reply::finish("read it"),
+        ])
+        .with_context_limit(8_000),
+    )
+    .await?;
+    let out = env
+        .sbx(&[
+            "agent",
+            "run",
+            "--task",
+            "read min.js",
+            "--run-id",
+            "bigread",
+            "--context-window",
+            "8000",
+            "--max-completion-tokens",
+            "1000",
+            "--json",
+        ])
+        .await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    let requests = env.model.requests();
+    let page = last_tool_text(&requests[2]);
+    assert!(page.len() < 1_500, "{}", page.len());
+    assert!(page.contains("start_line=1, start_char=500"), "{page}");
+    let next = last_tool_text(&requests[3]);
+    assert!(
+        next.len() < 11_000 && next.contains("start_char="),
+        "{}",
+        next.len()
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_a_background_job_outside_the_workspace_is_not_stuck() -> Result<()> {
+    // The job writes nothing in /workspace and its poll answers the same until it ends.
+    let env = Env::new(Script::from_fn(|t: &Turn| {
+        if t.index == 0 {
+            return Reply::call(
+                "bash",
+                json!({"command": "sleep 8; echo done > /tmp/job.out", "background": true}),
+            );
+        }
+        if t.last_result().starts_with("done") {
+            return Reply::finish("the job finished");
+        }
+        Reply::Delay(
+            Duration::from_secs(1),
+            Box::new(Reply::bash("cat /tmp/job.out 2>/dev/null || echo waiting")),
+        )
+    }))
+    .await?;
+    let out = env
+        .sbx(&[
+            "agent",
+            "run",
+            "--task",
+            "wait for the job",
+            "--run-id",
+            "bgpoll",
+            "--json",
+        ])
+        .await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}");
+    assert_eq!(r["reason"], "finished");
+    assert!(r["steps"].as_u64().unwrap_or(0) >= 7, "{r:#}");
+
+    // A real stuck loop is still stopped, after a warning one step before.
+    let env = Env::new(Script::from_fn(|_| {
+        Reply::bash("cat /workspace/missing.txt")
+    }))
+    .await?;
+    let out = env
+        .sbx(&[
+            "agent",
+            "run",
+            "--task",
+            "x",
+            "--run-id",
+            "stuck",
+            "--stuck-after",
+            "5",
+            "--json",
+        ])
+        .await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 3, "{r:#}");
+    assert_eq!(r["reason"], "no_progress");
+    assert_eq!(r["steps"], 5, "--stuck-after is honoured");
+    let requests = env.model.requests();
+    assert!(last_tool_text(&requests[4]).contains("NO-PROGRESS WARNING"));
+    assert!(!last_tool_text(&requests[3]).contains("NO-PROGRESS WARNING"));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn summaries_do_not_thrash_in_a_small_window() -> Result<()> {
+    let env = Env::new(Script::from_fn(|t: &Turn| {
+        // ~6 KB of dense output per step, each step different.
+        Reply::bash(&format!("seq {} 7 {} | md5sum; seq 1 1500 | sed 's/$/ {}/' | sha256sum; od -An -tx8 -N 3000 /dev/urandom", t.index, 1000 + t.index, t.index))
+    }))
+    .await?;
+    let out = env
+        .sbx(&[
+            "agent",
+            "run",
+            "--task",
+            "print",
+            "--run-id",
+            "thrash",
+            "--context-window",
+            "8000",
+            "--max-completion-tokens",
+            "500",
+            "--max-steps",
+            "25",
+            "--json",
+        ])
+        .await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 3, "{r:#}");
+    assert_eq!(r["reason"], "max_steps", "{r:#}");
+    // Each step adds a third of the window here, so compaction is due often; a summary at
+    // most every other turn (the turns between fold harder without the model).
+    let summaries = env.model.summaries();
+    assert!(summaries <= 13, "{summaries} summaries in 25 steps");
+    let mut turns_since = usize::MAX;
+    for req in env.model.requests() {
+        if req["tools"].as_array().is_some_and(|t| !t.is_empty()) {
+            turns_since = turns_since.saturating_add(1);
+        } else {
+            assert!(turns_since >= 2, "summaries on consecutive turns");
+            turns_since = 0;
+        }
+    }
+    for e in env
+        .trace("thrash")?
+        .iter()
+        .filter(|e| e["event"] == "compaction")
+    {
+        assert!(
+            e["tokens_after"].as_u64().unwrap_or(u64::MAX) < 5_600,
+            "{e}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_llm_outage_and_command_timeouts_are_survived() -> Result<()> {
+    let t0 = Instant::now();
+    let timeouts = std::sync::atomic::AtomicUsize::new(0);
+    let env = Env::new(Script::from_fn(move |t: &Turn| {
+        // The endpoint is down for the first 7 s.
+        if t0.elapsed() < Duration::from_secs(7) {
+            return Reply::Status {
+                code: 503,
+                body: "down".into(),
+                retry_after: None,
+            };
+        }
+        // Six commands that hit their own time limit: more than the bash breaker's threshold.
+        if timeouts.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 6 {
+            return Reply::call(
+                "bash",
+                json!({"command": format!("sleep 5; echo {}", t.index), "timeout_secs": 1}),
+            );
+        }
+        if t.last_result().starts_with("hi") {
+            return Reply::finish("ok");
+        }
+        Reply::bash("echo hi")
+    }))
+    .await?;
+    let out = env
+        .sbx(&[
+            "agent", "run", "--task", "x", "--run-id", "outage", "--json",
+        ])
+        .await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}");
+    let events = env.trace("outage")?;
+    assert!(events.iter().filter(|e| e["event"] == "retry").count() >= 3);
+    let requests = env.model.requests();
+    assert!(
+        !requests.iter().any(|r| r.to_string().contains("NOT RUN")),
+        "bash was disabled"
+    );
+    assert!(
+        requests.iter().any(|r| last_tool_text(r).starts_with("hi")),
+        "echo ran after the timeouts"
+    );
+    let timed_out = events
+        .iter()
+        .filter(|e| e["event"] == "step" && e["exit_code"] == 137)
+        .count();
+    assert!(timed_out >= 6, "{timed_out} timeouts");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_run_continues_with_new_budgets_and_runs_are_listed() -> Result<()> {
+    let env = Env::new(Script::sequence(vec![
+        Reply::bash("echo a >> /workspace/log"),
+        Reply::bash("echo b >> /workspace/log"),
+        Reply::bash("echo c >> /workspace/log"),
+        Reply::finish("abc"),
+    ]))
+    .await?;
+    let out = env
+        .command(&[
+            "agent",
+            "run",
+            "--task",
+            "log",
+            "--run-id",
+            "budget",
+            "--max-steps",
+            "2",
+            "--keep-sandbox",
+            "3600",
+            "--json",
+        ])?
+        .env("SBX_PROGRESS", "1")
+        .output()
+        .await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 3, "{r:#}");
+    assert_eq!(r["reason"], "max_steps");
+    // Live progress on stderr: a line per step and the end.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("[budget step 1/2 · "), "{stderr}");
+    assert!(
+        stderr.contains("bash `echo b >> /workspace/log` -> ok"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("stopped (max_steps)"), "{stderr}");
+
+    let out = env.sbx(&["agent", "ls", "--json"]).await?;
+    let list: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(list[0]["run_id"], "budget", "{list:#}");
+    assert_eq!(list[0]["status"], "stopped");
+    assert_eq!(list[0]["reason"], "max_steps");
+    assert_eq!(list[0]["steps"], 2);
+
+    let out = env
+        .sbx(&["agent", "resume", "budget", "--max-steps", "10", "--json"])
+        .await?;
+    let (code, r2) = report(&out)?;
+    assert_eq!(code, 0, "{r2:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(r2["steps"], 4);
+    assert_eq!(r2["sandbox_id"], r["sandbox_id"], "same sandbox");
+    let sid = r2["sandbox_id"].as_str().unwrap_or_default();
+    assert_eq!(file(&env, sid, "/workspace/log").await?, "a\nb\nc\n");
+
+    // A damaged checkpoint: `show` tells the run from its trace.
+    let path = env.run_dir("budget").join("checkpoint");
+    let mut bytes = std::fs::read(&path)?;
+    let at = bytes.len() - 20;
+    bytes[at] ^= 0x04;
+    std::fs::write(&path, &bytes)?;
+    let out = env.sbx(&["agent", "show", "budget", "--json"]).await?;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let shown: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(shown["from_trace"], true);
+    assert_eq!(shown["reason"], "finished");
+    assert_eq!(shown["steps"], 4);
+    assert_eq!(shown["task"], "log");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("checkpoint is damaged"));
+    let out = env.sbx(&["agent", "ls", "--json"]).await?;
+    let list: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(list[0]["status"], "checkpoint_damaged", "{list:#}");
+    assert_eq!(list[0]["steps"], 4);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxes_of_ended_runs_are_removed_after_their_keep_time() -> Result<()> {
+    let env = Env::new(Script::from_fn(|_| Reply::finish("nothing to do"))).await?;
+    let out = env
+        .sbx(&[
+            "agent",
+            "run",
+            "--task",
+            "t",
+            "--run-id",
+            "short",
+            "--keep-sandbox",
+            "0",
+            "--json",
+        ])
+        .await?;
+    let (code, first) = report(&out)?;
+    assert_eq!(code, 0, "{first:#}");
+    let out = env
+        .sbx(&["agent", "run", "--task", "t", "--run-id", "kept", "--json"])
+        .await?;
+    let (code, second) = report(&out)?;
+    assert_eq!(code, 0, "{second:#}");
+    let client = env.daemon.client().await?;
+    let gone = match client
+        .get(first["sandbox_id"].as_str().unwrap_or_default())
+        .await
+    {
+        Err(e) => e.code() == tonic::Code::NotFound,
+        Ok(sb) => sb.state == agent_client::proto::SandboxState::Destroyed as i32,
+    };
+    assert!(gone, "the ended run's sandbox was removed by the next run");
+    let kept = client
+        .get(second["sandbox_id"].as_str().unwrap_or_default())
+        .await?;
+    assert_eq!(
+        kept.state,
+        agent_client::proto::SandboxState::Running as i32,
+        "kept for a day"
+    );
+    let out = env.sbx(&["agent", "ls", "--json"]).await?;
+    let list: Value = serde_json::from_slice(&out.stdout)?;
+    let short = list
+        .as_array()
+        .and_then(|l| l.iter().find(|r| r["run_id"] == "short").cloned())
+        .unwrap_or_default();
+    assert_eq!(short["sandbox_removed"], true, "{list:#}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_follow_tails_a_running_run_to_its_end() -> Result<()> {
+    let slow = |r: Reply| Reply::Delay(Duration::from_millis(600), Box::new(r));
+    let env = Env::new(Script::sequence(vec![
+        slow(Reply::bash("echo a >> /workspace/log")),
+        slow(Reply::bash("echo b >> /workspace/log")),
+        slow(Reply::finish("ab")),
+    ]))
+    .await?;
+    let mut child = env
+        .command(&[
+            "agent", "run", "--task", "log", "--run-id", "tail", "--json",
+        ])?
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while env.model.turns() < 1 {
+        if Instant::now() > deadline {
+            bail!("the run never asked the model");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        env.sbx(&["agent", "show", "tail", "--follow"]),
+    )
+    .await
+    .context("show --follow did not end with the run")??;
+    assert!(child.wait().await?.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("echo b >> /workspace/log"), "{text}");
+    assert!(
+        text.lines().last().is_some_and(|l| l.contains("stop")),
+        "{text}"
     );
     Ok(())
 }

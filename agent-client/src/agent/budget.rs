@@ -197,7 +197,13 @@ impl Budget {
     /// Completion tokens one call may produce, shrunk near the end of a token budget so the
     /// last call cannot overshoot it by much.
     pub fn call_completion_tokens(&self) -> u32 {
-        let cap = self.limits.call_completion_tokens;
+        self.call_completion_tokens_up_to(self.limits.call_completion_tokens)
+    }
+
+    /// Like [`Budget::call_completion_tokens`] with a per-call cap of `cap` instead of the
+    /// configured one (a call re-asked after being cut off gets a larger one), still shrunk
+    /// near the end of the token budget.
+    pub fn call_completion_tokens_up_to(&self, cap: u32) -> u32 {
         match self.limits.max_tokens {
             Some(max) => {
                 let left = max.saturating_sub(self.used.tokens());

@@ -102,6 +102,9 @@ pub struct PendingAction {
     /// Set when the action is the task check run for `finish`.
     #[serde(default)]
     pub verifying: bool,
+    /// What the model wrote alongside the call: its reasoning, kept with the step.
+    #[serde(default)]
+    pub reasoning: String,
 }
 
 /// What a run was started with; fixed for its lifetime.
@@ -152,6 +155,9 @@ pub struct Outcome {
     pub summary: String,
     /// The error behind a `fatal_error`.
     pub error: Option<String>,
+    /// When the run ended, ms since the epoch (the sandbox's keep time counts from it).
+    #[serde(default)]
+    pub finished_at_ms: Option<u64>,
 }
 
 /// Everything needed to pick a run up where it stopped.
@@ -195,6 +201,17 @@ pub struct Checkpoint {
     pub has_bash: bool,
     /// Current subtask's check command.
     pub subtask_check: Option<String>,
+    /// Background execs the run started that had not ended when last looked at: while one
+    /// runs, polling it is progress.
+    #[serde(default)]
+    pub background_execs: Vec<String>,
+    /// How long the sandbox is kept once the run has ended, seconds; `None` keeps it.
+    #[serde(default)]
+    pub keep_sandbox_secs: Option<u64>,
+    /// The sandbox was removed after its keep time (a resume forks one from the last
+    /// snapshot).
+    #[serde(default)]
+    pub sandbox_removed: bool,
 }
 
 /// Where checkpoints live.
@@ -564,6 +581,9 @@ pub(crate) mod tests {
             outcome: None,
             has_bash: false,
             subtask_check: None,
+            background_execs: Vec::new(),
+            keep_sandbox_secs: None,
+            sandbox_removed: false,
         }
     }
 

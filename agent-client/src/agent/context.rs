@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::llm::{ChatRequest, Message, ToolCall};
-use super::observe::cut_chars;
+use super::observe::{cut_chars, head_tail, ObserveLimits};
 use super::tokens::{TokenCounter, MESSAGE_OVERHEAD};
 
 /// What can go wrong managing the context.
@@ -93,6 +93,17 @@ pub struct StepEntry {
     /// daemon keeps the exec's record, which `recall` fetches).
     #[serde(default)]
     pub dropped: bool,
+    /// What the model wrote alongside the call (its reasoning, its plan); shown with the call,
+    /// cut short once the step is folded.
+    #[serde(default)]
+    pub reasoning: String,
+    /// The observation was cut to make the prompt fit the window (the whole is in the exec
+    /// record or the file it came from).
+    #[serde(default)]
+    pub shrunk: bool,
+    /// Shown folded whatever its age: the context manager folded harder to fit the window.
+    #[serde(default)]
+    pub force_folded: bool,
     tokens_full: usize,
     tokens_folded: usize,
 }
@@ -147,19 +158,25 @@ impl StepEntry {
     }
 
     fn messages(&self, folded: bool) -> [Message; 2] {
+        let reasoning = self.reasoning.trim();
         if folded {
+            let brief = (!reasoning.is_empty())
+                .then(|| cut_chars(&reasoning.replace('\n', " "), FOLDED_REASONING_CHARS));
             [
-                Message::assistant_call(self.folded_call(), None),
+                Message::assistant_call(self.folded_call(), brief),
                 Message::tool(&self.call.id, &self.stub),
             ]
         } else {
             [
-                Message::assistant_call(self.call.clone(), None),
+                Message::assistant_call(self.call.clone(), Some(reasoning.to_owned())),
                 Message::tool(&self.call.id, &self.observation),
             ]
         }
     }
 }
+
+/// Characters of a folded step's reasoning still shown.
+const FOLDED_REASONING_CHARS: usize = 160;
 
 /// A summary of steps that left the working layer.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -195,6 +212,16 @@ pub struct ContextState {
     pub reask: Option<(Message, Message)>,
     /// Summaries made so far.
     pub compactions: u32,
+    /// Fraction of the configured window actually usable: lowered each time the endpoint
+    /// says a prompt was too long (its tokenizer counts more than ours). `None` is 1.
+    #[serde(default)]
+    pub window_scale: Option<f64>,
+    /// Model turns so far (summaries not counted), for compaction hysteresis.
+    #[serde(default)]
+    pub turn: u64,
+    /// The turn of the latest summary by the model.
+    #[serde(default)]
+    pub last_summary_turn: Option<u64>,
 }
 
 /// The work a compaction needs from the model.
@@ -223,10 +250,10 @@ pub struct ContextManager {
 }
 
 const SUMMARY_SYSTEM: &str = "You compress the history of a coding agent working in a sandbox. \
-Write a concise summary that lets the agent continue without the original messages: what was \
-done, what was found (paths, values, commands that work), what failed and why, and what remains. \
-Refer to steps by number (\"step 12\") and keep exec ids, so details can be fetched back. \
-Plain text, no preamble.";
+Write a concise summary that lets the agent continue without the original messages, in two \
+parts. \"Done:\" what was done and found (paths, values, commands that work), what failed and \
+why. \"Left to do:\" what remains of the task and the agent's plan for it. Refer to steps by \
+number (\"step 12\") and keep exec ids, so details can be fetched back. Plain text, no preamble.";
 
 impl ContextManager {
     /// A fresh context for `task`.
@@ -328,6 +355,29 @@ impl ContextManager {
         exec_id: Option<String>,
         ok: bool,
     ) {
+        self.push_reasoned_step(
+            step,
+            call,
+            String::new(),
+            action_line,
+            observation,
+            exec_id,
+            ok,
+        );
+    }
+
+    /// [`ContextManager::push_step`] with the text the model wrote alongside the call.
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_reasoned_step(
+        &mut self,
+        step: u64,
+        call: ToolCall,
+        reasoning: String,
+        action_line: String,
+        observation: String,
+        exec_id: Option<String>,
+        ok: bool,
+    ) {
         let mut entry = StepEntry {
             step,
             call,
@@ -337,12 +387,13 @@ impl ContextManager {
             ok,
             stub: String::new(),
             dropped: false,
+            reasoning,
+            shrunk: false,
+            force_folded: false,
             tokens_full: 0,
             tokens_folded: 0,
         };
-        entry.stub = entry.make_stub();
-        entry.tokens_full = self.count_messages(&entry.messages(false));
-        entry.tokens_folded = self.count_messages(&entry.messages(true));
+        self.recount(&mut entry);
         self.state.reask = None;
         if self.state.first.len() < self.cfg.keep_first && self.state.archive.is_none() {
             self.state.first.push(entry);
@@ -350,6 +401,12 @@ impl ContextManager {
             self.state.working.push_back(entry);
         }
         self.drop_folded_observations();
+    }
+
+    fn recount(&self, entry: &mut StepEntry) {
+        entry.stub = entry.make_stub();
+        entry.tokens_full = self.count_messages(&entry.messages(false));
+        entry.tokens_folded = self.count_messages(&entry.messages(true));
     }
 
     /// Folded results whose exec the daemon keeps need not be held here too: dropping them
@@ -367,7 +424,9 @@ impl ContextManager {
             .chain(self.state.working.iter_mut())
         {
             if !e.dropped && e.exec_id.is_some() && newest.saturating_sub(e.step) >= horizon {
-                e.observation = String::new();
+                // A bounded digest stays for the summary that will absorb this step.
+                e.observation = digest(&e.observation);
+                e.reasoning = cut_chars(&e.reasoning, DIGEST_CHARS);
                 e.dropped = true;
             }
         }
@@ -390,7 +449,7 @@ impl ContextManager {
             .first
             .iter()
             .chain(self.state.working.iter())
-            .find(|e| e.step == step && !e.dropped)
+            .find(|e| e.step == step && !e.dropped && !e.shrunk)
     }
 
     fn count_messages(&self, messages: &[Message]) -> usize {
@@ -398,6 +457,11 @@ impl ContextManager {
             .iter()
             .map(|m| MESSAGE_OVERHEAD + self.counter.count(&m.countable_text()))
             .sum()
+    }
+
+    /// Whether a step is shown folded: by age, or because the manager folded harder.
+    fn is_folded(&self, e: &StepEntry) -> bool {
+        self.cfg.managed && (e.force_folded || self.folded(e.step))
     }
 
     /// Whether the step at `index` of the working layer (or first layer) is shown folded.
@@ -449,11 +513,11 @@ impl ContextManager {
             Message::user(format!("Task:\n{}", self.state.task)),
         ];
         for e in &self.state.first {
-            messages.extend(e.messages(self.folded(e.step)));
+            messages.extend(e.messages(self.is_folded(e)));
         }
         messages.extend(self.summary_message());
         for e in &self.state.working {
-            messages.extend(e.messages(self.folded(e.step)));
+            messages.extend(e.messages(self.is_folded(e)));
         }
         if let Some((assistant, error)) = &self.state.reask {
             messages.push(assistant.clone());
@@ -477,7 +541,7 @@ impl ContextManager {
             .iter()
             .chain(self.state.working.iter())
             .map(|e| {
-                if self.folded(e.step) {
+                if self.is_folded(e) {
                     e.tokens_folded
                 } else {
                     e.tokens_full
@@ -510,20 +574,188 @@ impl ContextManager {
     /// Checks that the fixed layers fit at all.
     pub fn check_fits(&self) -> Result<(), ContextError> {
         let fixed = self.fixed_tokens();
-        if fixed * 10 > self.cfg.window * 9 {
+        if fixed * 10 > self.window() * 9 {
             return Err(ContextError::WindowTooSmall {
                 fixed,
-                window: self.cfg.window,
+                window: self.window(),
             });
         }
         Ok(())
     }
 
+    /// The usable window: the configured one, shrunk after the endpoint refused a prompt as
+    /// too long.
+    pub fn window(&self) -> usize {
+        (self.cfg.window as f64 * self.state.window_scale.unwrap_or(1.0)) as usize
+    }
+
+    /// Tokens above which the prompt is compacted.
+    pub fn trigger_tokens(&self) -> usize {
+        (self.cfg.trigger * self.window() as f64) as usize
+    }
+
+    /// The endpoint said the prompt was too long though it was counted as fitting: use a
+    /// quarter less of the window from now on (the prompt is then repaired to fit). Returns
+    /// `false` when the window cannot shrink further (the fixed layers fill it).
+    pub fn shrink_window(&mut self) -> bool {
+        let scale = self.state.window_scale.unwrap_or(1.0) * 0.75;
+        let floor = (self.fixed_tokens() as f64 * 1.25) / self.cfg.window.max(1) as f64;
+        if scale < floor {
+            return false;
+        }
+        self.state.window_scale = Some(scale);
+        true
+    }
+
+    /// Counts a model turn (compaction hysteresis is measured in turns).
+    pub fn next_turn(&mut self) {
+        self.state.turn += 1;
+    }
+
+    /// Whether the model may be asked for a summary this turn: never on two turns in a row.
+    pub fn may_summarize(&self) -> bool {
+        self.state
+            .last_summary_turn
+            .is_none_or(|t| self.state.turn > t + 1)
+    }
+
     /// Whether the prompt has passed the summarization trigger.
     pub fn needs_compaction(&self) -> bool {
         self.cfg.managed
-            && self.prompt_tokens() as f64 > self.cfg.trigger * self.cfg.window as f64
+            && self.prompt_tokens() > self.trigger_tokens()
             && self.state.working.len() > self.cfg.min_tail
+    }
+
+    /// Makes the prompt fit `limit` tokens without the model, harder at each stage until it
+    /// does: cut verbatim observations to a fair share (their whole stays in the exec record
+    /// or file), fold every step but the newest, move everything but the newest into the
+    /// archive with a deterministic summary, and at last cut the archive and the newest
+    /// result. Returns the stages used (empty when the prompt fit already).
+    pub fn shrink_to(&mut self, limit: usize) -> Vec<&'static str> {
+        let mut stages = Vec::new();
+        if self.prompt_tokens() <= limit {
+            return stages;
+        }
+        // 1. Verbatim observations down to an equal share of what is left for them.
+        let verbatim: Vec<u64> = self
+            .state
+            .first
+            .iter()
+            .chain(self.state.working.iter())
+            .filter(|e| !self.is_folded(e))
+            .map(|e| e.step)
+            .collect();
+        if !verbatim.is_empty() {
+            let verbatim_tokens: usize = self
+                .state
+                .first
+                .iter()
+                .chain(self.state.working.iter())
+                .filter(|e| !self.is_folded(e))
+                .map(|e| e.tokens_full)
+                .sum();
+            let others = self.prompt_tokens().saturating_sub(verbatim_tokens);
+            let share = limit.saturating_sub(others) / verbatim.len();
+            let chars = (share.saturating_sub(60) * 3).max(300);
+            let mut changed = false;
+            for i in 0..self.state.first.len() + self.state.working.len() {
+                let e = if i < self.state.first.len() {
+                    &self.state.first[i]
+                } else {
+                    &self.state.working[i - self.state.first.len()]
+                };
+                if !verbatim.contains(&e.step) || e.tokens_full <= share {
+                    continue;
+                }
+                let mut e = e.clone();
+                e.observation = shrink_text(&e.observation, e.step, chars);
+                e.reasoning = cut_chars(&e.reasoning, chars / 4);
+                e.shrunk = true;
+                self.recount(&mut e);
+                if i < self.state.first.len() {
+                    self.state.first[i] = e;
+                } else {
+                    let j = i - self.state.first.len();
+                    self.state.working[j] = e;
+                }
+                changed = true;
+            }
+            if changed {
+                stages.push("cut_results");
+            }
+        }
+        if self.prompt_tokens() <= limit {
+            return stages;
+        }
+        // 2. Fold everything but the newest step.
+        let newest = self
+            .state
+            .working
+            .back()
+            .or(self.state.first.last())
+            .map(|e| e.step);
+        for e in self
+            .state
+            .first
+            .iter_mut()
+            .chain(self.state.working.iter_mut())
+        {
+            if Some(e.step) != newest {
+                e.force_folded = true;
+            }
+        }
+        stages.push("fold_all");
+        if self.prompt_tokens() <= limit {
+            return stages;
+        }
+        // 3. Everything but the newest step into the archive, summarized without the model.
+        if self.state.working.len() > 1 {
+            let covered: Vec<&StepEntry> = self
+                .state
+                .working
+                .iter()
+                .take(self.state.working.len() - 1)
+                .collect();
+            let plan = CompactionPlan {
+                steps: covered.len(),
+                from_step: self
+                    .state
+                    .archive
+                    .as_ref()
+                    .map_or(covered[0].step, |s| s.from_step),
+                to_step: covered[covered.len() - 1].step,
+                request: ChatRequest::default(),
+                fallback: self.fallback_summary(&covered),
+            };
+            self.apply_compaction_inner(&plan, None, false);
+            stages.push("archive_all");
+        }
+        if self.prompt_tokens() <= limit {
+            return stages;
+        }
+        // 4. The archive and the newest result cut hard; the re-ask dropped.
+        if let Some(a) = &mut self.state.archive {
+            a.text = cut_chars(&a.text, 1_000);
+        }
+        self.state.reask = None;
+        let mut entries: Vec<StepEntry> = self
+            .state
+            .first
+            .iter()
+            .chain(self.state.working.iter())
+            .cloned()
+            .collect();
+        for e in &mut entries {
+            e.observation = shrink_text(&e.observation, e.step, 600);
+            e.reasoning = cut_chars(&e.reasoning, 200);
+            e.shrunk = true;
+            self.recount(e);
+        }
+        let n_first = self.state.first.len();
+        self.state.working = entries.split_off(n_first).into();
+        self.state.first = entries;
+        stages.push("cut_hard");
+        stages
     }
 
     /// Plans a compaction: which working steps to summarize so the prompt lands near the
@@ -537,7 +769,7 @@ impl ContextManager {
         if n <= self.cfg.min_tail {
             return None;
         }
-        let target = (self.cfg.target * self.cfg.window as f64) as usize;
+        let target = (self.cfg.target * self.window() as f64) as usize;
         // Leave room for the summary itself.
         let summary_budget = self.summary_max_tokens();
         let first: usize = self
@@ -545,7 +777,7 @@ impl ContextManager {
             .first
             .iter()
             .map(|e| {
-                if self.folded(e.step) {
+                if self.is_folded(e) {
                     e.tokens_folded
                 } else {
                     e.tokens_full
@@ -585,7 +817,7 @@ impl ContextManager {
 
         // The input: the previous summary, then each step in brief. Bounded so that the
         // summarization call itself fits comfortably in the window.
-        let input_budget = (self.cfg.window as f64 * 0.4) as usize;
+        let input_budget = (self.window() as f64 * 0.4) as usize;
         let per_step_chars = (input_budget * 4 / covered.len().max(1)).clamp(120, 1_500);
         let mut input = String::new();
         if let Some(s) = &self.state.archive {
@@ -594,7 +826,7 @@ impl ContextManager {
                 s.from_step, s.to_step, s.text
             ));
         }
-        input.push_str("Steps to add:\n");
+        input.push_str("Steps to add (the agent's reasoning, the action, its result):\n");
         for e in &covered {
             input.push_str(&format!(
                 "step {}{}: {} -> {}\n",
@@ -604,12 +836,34 @@ impl ContextManager {
                     .map(|x| format!(" (exec {x})"))
                     .unwrap_or_default(),
                 e.action_line,
-                if e.dropped {
-                    e.stub.clone()
-                } else {
-                    cut_chars(&e.observation.replace('\n', " | "), per_step_chars)
-                }
+                if e.ok { "ok" } else { "FAILED" },
             ));
+            // Reasoning first: it holds the plan, which is what says what is left to do.
+            let reasoning = e.reasoning.trim();
+            let reasoning_chars = if reasoning.is_empty() {
+                0
+            } else {
+                per_step_chars / 3
+            };
+            if reasoning_chars > 0 {
+                input.push_str(&format!(
+                    "  reasoning: {}\n",
+                    cut_chars(&reasoning.replace('\n', " "), reasoning_chars)
+                ));
+            }
+            let (result, _) = head_tail(
+                &e.observation,
+                ObserveLimits {
+                    head_chars: (per_step_chars - reasoning_chars) / 2,
+                    tail_chars: (per_step_chars - reasoning_chars) / 3,
+                    line_chars: 300,
+                    max_chars: per_step_chars,
+                },
+            );
+            input.push_str(&format!("  result: {}\n", result.replace('\n', "\n    ")));
+        }
+        if let Some(plan) = self.latest_plan() {
+            input.push_str(&format!("\nThe agent's latest stated plan: {plan}\n"));
         }
         let request = ChatRequest {
             messages: vec![
@@ -634,7 +888,7 @@ impl ContextManager {
 
     /// Tokens a summary may take: a tenth of the window, at most 2,000.
     pub fn summary_max_tokens(&self) -> usize {
-        (self.cfg.window / 10).clamp(64, 2_000)
+        (self.window() / 10).clamp(64, 2_000)
     }
 
     /// A summary made without the model: the previous summary and one line per step, bounded.
@@ -657,29 +911,85 @@ impl ContextManager {
         }
         for e in &covered[skipped..] {
             lines.push(format!(
-                "step {}: {} -> {}{}",
+                "step {}: {} -> {}{}{}",
                 e.step,
                 e.action_line,
                 if e.ok { "ok" } else { "FAILED" },
                 e.exec_id
                     .as_deref()
                     .map(|x| format!(" (exec {x})"))
-                    .unwrap_or_default()
+                    .unwrap_or_default(),
+                if e.reasoning.trim().is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " — why: {}",
+                        cut_chars(&e.reasoning.trim().replace('\n', " "), 160)
+                    )
+                }
             ));
         }
-        lines.join("\n")
+        let mut left = String::from("\nLeft to do: ");
+        match (self.state.pinned.get("subtask"), self.latest_plan()) {
+            (None, None) => left.push_str("the rest of the task (no plan was stated)"),
+            (subtask, plan) => {
+                if let Some(t) = subtask {
+                    left.push_str(&format!("current subtask: {}. ", cut_chars(t, 300)));
+                }
+                if let Some(p) = plan {
+                    left.push_str(&format!("latest plan: {p}"));
+                }
+            }
+        }
+        // The summary is cut to its budget; what is left must survive the cut, so the done
+        // part gives way (its oldest lines first).
+        let budget = (self.summary_max_tokens() * 4).saturating_sub(left.chars().count() + 8);
+        let mut done = lines.join("\n");
+        let len = done.chars().count();
+        if len > budget {
+            done = format!("…{}", done.chars().skip(len - budget).collect::<String>());
+        }
+        format!("Done:\n{done}{left}")
+    }
+
+    /// The newest reasoning the model wrote with a call, bounded: its current plan.
+    pub fn latest_plan(&self) -> Option<String> {
+        self.state
+            .first
+            .iter()
+            .chain(self.state.working.iter())
+            .rev()
+            .map(|e| e.reasoning.trim())
+            .find(|r| !r.is_empty())
+            .map(|r| cut_chars(&r.replace('\n', " "), 600))
     }
 
     /// Applies a compaction: the planned steps leave the working layer for the archive.
     pub fn apply_compaction(&mut self, plan: &CompactionPlan, summary: Option<String>) {
+        self.apply_compaction_inner(plan, summary, true);
+    }
+
+    fn apply_compaction_inner(
+        &mut self,
+        plan: &CompactionPlan,
+        summary: Option<String>,
+        asked_model: bool,
+    ) {
+        if asked_model {
+            self.state.last_summary_turn = Some(self.state.turn);
+        }
         let by_model = summary.as_ref().is_some_and(|s| !s.trim().is_empty());
         let mut text = summary
             .filter(|s| !s.trim().is_empty())
             .unwrap_or_else(|| plan.fallback.clone());
         // A summary longer than its budget defeats its purpose.
         let max_chars = self.summary_max_tokens() * 4;
-        if text.chars().count() > max_chars {
-            text = cut_chars(&text, max_chars);
+        let len = text.chars().count();
+        if len > max_chars {
+            // Head and tail: "Left to do" comes last and must survive.
+            let head: String = text.chars().take(max_chars * 3 / 5).collect();
+            let tail: String = text.chars().skip(len - max_chars * 2 / 5).collect();
+            text = format!("{head}\n[…]\n{tail}");
         }
         for _ in 0..plan.steps.min(self.state.working.len()) {
             self.state.working.pop_front();
@@ -726,6 +1036,42 @@ impl ContextManager {
         }
         parts.join("; ")
     }
+}
+
+/// Characters of a dropped observation kept for the summary that will absorb its step.
+const DIGEST_CHARS: usize = 1_200;
+
+/// The bounded digest of an observation dropped from the prompt.
+fn digest(text: &str) -> String {
+    let (shown, _) = head_tail(
+        text,
+        ObserveLimits {
+            head_chars: DIGEST_CHARS / 2,
+            tail_chars: DIGEST_CHARS / 2 - 100,
+            line_chars: 300,
+            max_chars: DIGEST_CHARS,
+        },
+    );
+    shown
+}
+
+/// An observation cut to about `chars` characters (head + tail, long lines cut), saying that
+/// the whole is still available.
+fn shrink_text(text: &str, step: u64, chars: usize) -> String {
+    if text.chars().count() <= chars {
+        return text.to_owned();
+    }
+    let half = chars / 2;
+    let (shown, _) = head_tail(
+        text,
+        ObserveLimits {
+            head_chars: half,
+            tail_chars: half.saturating_sub(100).max(50),
+            line_chars: half.clamp(40, 500),
+            max_chars: chars,
+        },
+    );
+    format!("{shown}\n[step {step}: result cut to fit the context window; the whole is in the exec record or the file it came from — recall(step={step}) or read_file with start_line]")
 }
 
 #[cfg(test)]
@@ -904,6 +1250,81 @@ mod tests {
         assert_eq!(errors[0].content.as_deref(), Some("error 2"));
         push(&mut m, 2, "ok");
         assert!(m.state().reask.is_none());
+    }
+
+    #[test]
+    fn shrink_to_repairs_any_oversized_prompt() {
+        let mut m = manager(8_000);
+        // What a run without caps could hold: a 400 KB result among verbatim steps.
+        push(&mut m, 1, "first\n");
+        push(&mut m, 2, &"x".repeat(400_000));
+        push(&mut m, 3, &"y\n".repeat(5_000));
+        m.set_reask(
+            Message::assistant_call(call(9, "{bad"), None),
+            Message::tool("c9", "error"),
+        );
+        assert!(m.prompt_tokens() > 8_000);
+        let stages = m.shrink_to(6_000);
+        assert!(!stages.is_empty());
+        assert!(
+            m.prompt_tokens() <= 6_000,
+            "{} after {stages:?}",
+            m.prompt_tokens()
+        );
+        // What was cut says where the rest is, and recall goes to the daemon for it.
+        let text: String = m
+            .render()
+            .iter()
+            .filter_map(|m| m.content.clone())
+            .collect();
+        assert!(
+            text.contains("result cut to fit the context window"),
+            "{text}"
+        );
+        assert!(m.find_step(2).is_none());
+        // A tiny limit still ends with a prompt, as small as it can get.
+        m.shrink_to(10);
+        assert!(m.prompt_tokens() < 3_000, "{}", m.prompt_tokens());
+    }
+
+    #[test]
+    fn summaries_keep_reasoning_and_say_what_is_left() {
+        let mut m = manager(4_000);
+        for step in 1..=30 {
+            m.push_reasoned_step(
+                step,
+                call(step, "{}"),
+                format!("Step {step}: next I will fix module {step}"),
+                format!("bash `echo {step}`"),
+                format!("out {step}\n").repeat(20) + &format!("END-{step}\n"),
+                Some(format!("ex-{step}")),
+                true,
+            );
+        }
+        let plan = m.plan_compaction(true).expect("a plan");
+        let input = plan.request.messages[1].content.clone().unwrap_or_default();
+        assert!(
+            input.contains("reasoning: Step 2: next I will fix module 2"),
+            "{input}"
+        );
+        assert!(
+            input.contains("END-2"),
+            "the end of a dropped result: {input}"
+        );
+        assert!(input.contains("latest stated plan: Step 30"), "{input}");
+        m.apply_compaction(&plan, None);
+        let s = m.state().archive.clone().unwrap_or_default();
+        assert!(s.text.starts_with("Done:"), "{}", s.text);
+        assert!(
+            s.text.contains("Left to do: latest plan: Step 30"),
+            "{}",
+            s.text
+        );
+        assert!(!m.may_summarize(), "not on the next turn");
+        m.next_turn();
+        assert!(!m.may_summarize());
+        m.next_turn();
+        assert!(m.may_summarize());
     }
 
     #[test]

@@ -51,6 +51,10 @@ pub enum Reply {
     },
     /// Wait, then answer.
     Delay(Duration, Box<Reply>),
+    /// The reply as a model cut off by its completion limit sends it: `finish_reason: "length"`.
+    Cut(Box<Reply>),
+    /// Text written alongside the reply (the model's reasoning next to its tool call).
+    Say(String, Box<Reply>),
 }
 
 impl Reply {
@@ -70,6 +74,16 @@ impl Reply {
             name: name.into(),
             arguments: args.to_string(),
         }
+    }
+
+    /// This reply, cut off by the completion limit (`finish_reason: "length"`).
+    pub fn cut(self) -> Self {
+        Reply::Cut(Box::new(self))
+    }
+
+    /// This reply with `text` written alongside it.
+    pub fn saying(self, text: &str) -> Self {
+        Reply::Say(text.into(), Box::new(self))
     }
 
     /// A call with the argument text exactly as given.
@@ -112,6 +126,7 @@ type TurnFn = dyn Fn(&Turn) -> Reply + Send + Sync;
 #[derive(Clone)]
 pub struct Script {
     turn: Arc<TurnFn>,
+    context_limit: Option<usize>,
 }
 
 impl Script {
@@ -124,12 +139,23 @@ impl Script {
                     .cloned()
                     .unwrap_or_else(|| Reply::finish("script exhausted"))
             }),
+            context_limit: None,
         }
+    }
+
+    /// Refuses, as a real endpoint does (HTTP 400 `context_length_exceeded`), any request
+    /// whose prompt is estimated above `tokens` (4 characters a token).
+    pub fn with_context_limit(mut self, tokens: usize) -> Self {
+        self.context_limit = Some(tokens);
+        self
     }
 
     /// Answers each turn with `f`.
     pub fn from_fn(f: impl Fn(&Turn) -> Reply + Send + Sync + 'static) -> Self {
-        Script { turn: Arc::new(f) }
+        Script {
+            turn: Arc::new(f),
+            context_limit: None,
+        }
     }
 
     fn reply(&self, turn: &Turn) -> Reply {
@@ -197,6 +223,16 @@ fn completion(
             retry_after,
         } => return Err((*code, body.clone(), *retry_after)),
         Reply::Delay(_, inner) => return completion(inner, request, index),
+        Reply::Cut(inner) => {
+            let mut body = completion(inner, request, index)?;
+            body["choices"][0]["finish_reason"] = json!("length");
+            return Ok(body);
+        }
+        Reply::Say(text, inner) => {
+            let mut body = completion(inner, request, index)?;
+            body["choices"][0]["message"]["content"] = json!(text);
+            return Ok(body);
+        }
     };
     Ok(json!({
         "id": format!("chatcmpl-{index}"),
@@ -279,6 +315,17 @@ async fn handle(State(state): State<ServerState>, Json(request): Json<Value>) ->
     if let Ok(mut log) = state.log.lock() {
         log.push(request.clone());
     }
+    if let Some(limit) = state.script.context_limit {
+        let chars = request["messages"].to_string().len() + request["tools"].to_string().len();
+        if chars / 4 > limit {
+            let body = json!({"error": {
+                "message": format!("This model's maximum context length is {limit} tokens. However, your messages resulted in {} tokens.", chars / 4),
+                "type": "invalid_request_error",
+                "code": "context_length_exceeded",
+            }});
+            return (StatusCode::BAD_REQUEST, Json(body)).into_response();
+        }
+    }
     let offers_tools = request["tools"].as_array().is_some_and(|t| !t.is_empty());
     if !offers_tools {
         let index = state.summaries.fetch_add(1, Ordering::SeqCst);
@@ -345,6 +392,7 @@ impl LlmProvider for ScriptedLlm {
             "model": self.model,
             "messages": request.messages,
             "tools": request.tools,
+            "max_tokens": request.max_tokens,
         });
         if let Ok(mut log) = self.log.lock() {
             log.push(body.clone());

@@ -39,7 +39,10 @@ pub mod verify;
 
 pub use checkpoint::{Checkpoint, CheckpointError, CheckpointStore, FileStore, RunSpec};
 pub use llm::{LlmProvider, OpenAiProvider};
-pub use runner::{resume, start, AgentError, RunOptions, RunReport};
+pub use runner::{
+    reap_finished_sandboxes, resume, start, AgentError, NewBudgets, Progress, ProgressSink,
+    RunOptions, RunReport,
+};
 pub use state::{LoopState, RunStatus, StopReason};
 
 /// Environment variable naming the default state directory for runs.

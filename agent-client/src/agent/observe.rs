@@ -12,13 +12,30 @@ use crate::proto::{ExecResult, ExecStatus};
 /// The text the model gets for a command that succeeded silently.
 pub const NO_OUTPUT: &str = "command succeeded with no output";
 
-/// How much output an observation keeps.
+/// How much output an observation keeps. The same caps apply to every tool's result (a
+/// command's streams, a file read, a recalled step): head + tail of long text, each line at
+/// most `line_chars`, the whole at most `max_chars` — with a note saying how to page the rest.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub struct ObserveLimits {
     /// Characters kept from the start of a long stream.
     pub head_chars: usize,
     /// Characters kept from the end of a long stream.
     pub tail_chars: usize,
+    /// Longest line shown whole; longer ones are cut with a note (one minified 400 KB line
+    /// must not fill the prompt).
+    #[serde(default = "default_line_chars")]
+    pub line_chars: usize,
+    /// Largest observation of any tool, characters.
+    #[serde(default = "default_max_chars")]
+    pub max_chars: usize,
+}
+
+fn default_line_chars() -> usize {
+    ObserveLimits::default().line_chars
+}
+
+fn default_max_chars() -> usize {
+    ObserveLimits::default().max_chars
 }
 
 impl Default for ObserveLimits {
@@ -26,6 +43,19 @@ impl Default for ObserveLimits {
         ObserveLimits {
             head_chars: 2_000,
             tail_chars: 2_000,
+            line_chars: 500,
+            max_chars: 10_000,
+        }
+    }
+}
+
+impl ObserveLimits {
+    /// Limits with the given head and tail and the default line and total caps.
+    pub fn head_tail(head_chars: usize, tail_chars: usize) -> Self {
+        ObserveLimits {
+            head_chars,
+            tail_chars,
+            ..Default::default()
         }
     }
 }
@@ -198,12 +228,62 @@ pub fn fill_spill_path(obs: &mut Observation, stream: &str, path: &str) {
     obs.text = obs.text.replace(&format!("{{spill:{stream}}}"), path);
 }
 
-/// Cuts text to head + tail on line boundaries where possible. Returns the text to show and
-/// whether anything was cut.
+/// Room for the note a cut line carries.
+const LINE_NOTE_SLACK: usize = 200;
+
+/// Cuts every line longer than `line_chars` to its start, with a note giving its length.
+/// Returns the text and how many lines were cut.
+pub fn cut_long_lines(text: &str, line_chars: usize) -> (String, usize) {
+    let line_chars = line_chars.max(20);
+    // Lines a little over the cap stay whole: a cut line with its note must not be cut again
+    // when a capped text is capped once more.
+    let cut_above = line_chars + LINE_NOTE_SLACK;
+    if !text.lines().any(|l| l.len() > cut_above) {
+        return (text.to_owned(), 0);
+    }
+    let mut cut = 0;
+    let mut out = String::with_capacity(text.len().min(1 << 20));
+    for (i, line) in text.split('\n').enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        let n = line.chars().count();
+        if n > cut_above {
+            cut += 1;
+            out.extend(line.chars().take(line_chars));
+            out.push_str(&format!(
+                " … [line cut: {n} characters, {line_chars} shown]"
+            ));
+        } else {
+            out.push_str(line);
+        }
+    }
+    (out, cut)
+}
+
+/// Caps any observation text the same way: long lines cut, then head + tail within
+/// `max_chars`. Returns the text and whether anything was cut.
+pub fn cap(text: &str, limits: ObserveLimits) -> (String, bool) {
+    let half = limits.max_chars.max(400) / 2;
+    let (shown, cut) = head_tail(
+        text,
+        ObserveLimits {
+            head_chars: half.min(limits.max_chars),
+            tail_chars: half.saturating_sub(200),
+            ..limits
+        },
+    );
+    (shown, cut)
+}
+
+/// Cuts text to head + tail on line boundaries where possible, after cutting lines longer than
+/// `line_chars`. Returns the text to show and whether anything was cut.
 pub fn head_tail(text: &str, limits: ObserveLimits) -> (String, bool) {
+    let (lines_cut, n_cut) = cut_long_lines(text, limits.line_chars);
+    let text = lines_cut.as_str();
     let total = text.chars().count();
     if total <= limits.head_chars + limits.tail_chars + 200 {
-        return (text.to_owned(), false);
+        return (text.to_owned(), n_cut > 0);
     }
     let head_end = char_boundary(text, limits.head_chars);
     let head_end = text[..head_end].rfind('\n').map_or(head_end, |i| i + 1);
@@ -220,6 +300,81 @@ pub fn head_tail(text: &str, limits: ObserveLimits) -> (String, bool) {
         &text[tail_start..]
     );
     (shown, true)
+}
+
+/// A page of a file for `read_file`: numbered lines from `start_line`, each at most
+/// `line_chars` (a long line says how to read on with `start_char`), the whole within
+/// `max_chars`, and a header saying where the next page starts.
+pub fn file_view(
+    path: &str,
+    text: &str,
+    start_line: u64,
+    max_lines: u64,
+    start_char: u64,
+    limits: ObserveLimits,
+) -> String {
+    let total = text.lines().count() as u64;
+    let start = start_line.max(1);
+    // Room under the total cap for the header and a note after the page.
+    let budget = limits.max_chars.max(800) - 400;
+    let mut out = String::new();
+    let mut used = 0usize;
+    let mut last = start - 1;
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .skip((start - 1) as usize)
+        .take(max_lines as usize)
+    {
+        let n = i as u64 + 1;
+        let from = if n == start { start_char as usize } else { 0 };
+        let len = line.chars().count();
+        // A line read from a character offset is being paged on purpose: it gets the page;
+        // any other long line is cut like command output.
+        let room = if from > 0 {
+            budget.saturating_sub(300)
+        } else {
+            limits.line_chars.max(20)
+        };
+        let piece: Vec<char> = line.chars().skip(from).take(room).collect();
+        let shown_to = from + piece.len();
+        // A paged piece is wrapped at `line_chars` (continuation lines marked `+`), so that
+        // no later cap cuts it again.
+        let mut entry = String::new();
+        for (k, chunk) in piece.chunks(limits.line_chars.max(20)).enumerate() {
+            let chunk: String = chunk.iter().collect();
+            if k == 0 {
+                entry.push_str(&format!("{n:>6}\t{chunk}"));
+            } else {
+                entry.push_str(&format!("\n     +\t{chunk}"));
+            }
+        }
+        if piece.is_empty() {
+            entry.push_str(&format!("{n:>6}\t"));
+        }
+        if shown_to < len {
+            entry.push_str(&format!(
+                " … [line {n}: {len} characters, {from}-{shown_to} shown; read_file(path, start_line={n}, start_char={shown_to}) continues it]"
+            ));
+        }
+        entry.push('\n');
+        let cost = entry.chars().count();
+        if used > 0 && used + cost > budget {
+            break;
+        }
+        used += cost;
+        out.push_str(&entry);
+        last = n;
+    }
+    if out.is_empty() {
+        return format!("{path}: {total} lines, nothing at line {start}");
+    }
+    let more = if last < total {
+        format!("; more from start_line={}", last + 1)
+    } else {
+        String::new()
+    };
+    format!("{path} lines {start}-{last} of {total}{more}\n{out}")
 }
 
 /// Byte index of the `n`th character.
@@ -319,10 +474,7 @@ mod tests {
     #[test]
     fn long_output_keeps_head_and_tail_and_says_where_the_rest_is() {
         let text: String = (0..5000).map(|i| format!("line {i}\n")).collect();
-        let limits = ObserveLimits {
-            head_chars: 100,
-            tail_chars: 100,
-        };
+        let limits = ObserveLimits::head_tail(100, 100);
         let o = exec(&result(ExecStatus::Exited, 0, &text, ""), limits);
         assert!(o.truncated);
         assert!(o.text.starts_with("line 0\n"));
@@ -338,6 +490,44 @@ mod tests {
         let o = exec(&r, limits);
         assert!(o.text.contains("/tmp/.sandboxd/ex-1.stdout"), "{}", o.text);
         assert!(o.to_spill.is_empty(), "the daemon already spilled it");
+    }
+
+    #[test]
+    fn one_huge_line_is_cut_in_every_view() {
+        let line = "x".repeat(400_000);
+        let limits = ObserveLimits::default();
+        // Command output: the line is cut, the stream is spilled whole.
+        let o = exec(&result(ExecStatus::Exited, 0, &line, ""), limits);
+        assert!(o.text.len() < 3_000, "{}", o.text.len());
+        assert!(o.truncated);
+        assert_eq!(o.to_spill.len(), 1);
+        // A file page: cut with the way to read on.
+        let v = file_view("/w/min.js", &line, 1, 200, 0, limits);
+        assert!(v.len() < 1_500, "{}", v.len());
+        assert!(v.contains("start_line=1, start_char=500"), "{v}");
+        let page = file_view("/w/min.js", &line, 1, 200, 500, limits);
+        assert!(page.len() <= limits.max_chars + 400, "{}", page.len());
+        assert!(page.contains("start_char=9800"), "{page}");
+        // Any text.
+        let (t, cut) = cap(&format!("{line}\n").repeat(3), limits);
+        assert!(cut && t.len() < 3_000, "{}", t.len());
+    }
+
+    #[test]
+    fn file_pages_stay_within_the_total_cap() {
+        let text: String = (1..=5_000)
+            .map(|i| format!("{}\n", "y".repeat(80 + i % 7)))
+            .collect();
+        let limits = ObserveLimits::default();
+        let v = file_view("/w/f", &text, 1, 2_000, 0, limits);
+        assert!(v.chars().count() <= limits.max_chars + 200, "{}", v.len());
+        let header = v.lines().next().unwrap_or_default();
+        assert!(
+            header.contains("of 5000; more from start_line="),
+            "{header}"
+        );
+        let small = file_view("/w/f", "a\nb\n", 1, 200, 0, limits);
+        assert_eq!(small, "/w/f lines 1-2 of 2\n     1\ta\n     2\tb\n");
     }
 
     #[test]

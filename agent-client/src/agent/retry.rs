@@ -31,6 +31,9 @@ pub struct Backoff {
     pub cap: Duration,
     /// Attempts before giving up (the first try included).
     pub max_attempts: u32,
+    /// Total time one outage may take, retries included; with it, attempts are limited by
+    /// time rather than count, and a `Retry-After` is honoured up to what is left of it.
+    pub patience: Option<Duration>,
 }
 
 impl Default for Backoff {
@@ -39,6 +42,7 @@ impl Default for Backoff {
             base: Duration::from_millis(250),
             cap: Duration::from_secs(20),
             max_attempts: 6,
+            patience: None,
         }
     }
 }
@@ -61,6 +65,47 @@ impl Backoff {
             Some(ra) if ra > d => ra.min(self.cap),
             _ => d,
         })
+    }
+
+    /// The policy for a model endpoint: an outage of minutes is survived. Backoff from 1 s
+    /// doubling to 60 s, for up to `patience` in all.
+    pub fn patient(patience: Duration) -> Self {
+        Backoff {
+            base: Duration::from_secs(1),
+            cap: Duration::from_secs(60),
+            max_attempts: u32::MAX,
+            patience: Some(patience),
+        }
+    }
+
+    /// Delay before retry number `attempt` of an outage that began `spent` ago, or `None`
+    /// when it is time to give up: attempts exhausted, or (with a patience) the patience
+    /// spent. A `Retry-After` longer than the backoff is honoured — beyond the cap, up to the
+    /// patience left.
+    pub fn delay_within(
+        &self,
+        attempt: u32,
+        retry_after: Option<Duration>,
+        spent: Duration,
+    ) -> Option<Duration> {
+        let Some(patience) = self.patience else {
+            return self.delay(attempt, retry_after);
+        };
+        let left = patience.checked_sub(spent).filter(|d| !d.is_zero())?;
+        if attempt >= self.max_attempts {
+            return None;
+        }
+        let unlimited = Backoff {
+            max_attempts: u32::MAX,
+            patience: None,
+            ..*self
+        };
+        let d = unlimited.delay(attempt, None)?;
+        let d = match retry_after {
+            Some(ra) if ra > d => ra,
+            _ => d,
+        };
+        Some(d.min(left))
     }
 }
 
@@ -140,6 +185,15 @@ impl Breakers {
     }
 
     /// Whether `tool`'s breaker is open now.
+    /// How long `tool`'s breaker stays open from `now`, if it is open.
+    pub fn open_for(&self, tool: &str, now: Instant) -> Option<Duration> {
+        match self.tools.get(tool)?.state {
+            BreakerState::Open { until } if now < until => Some(until - now),
+            _ => None,
+        }
+    }
+
+    /// Whether `tool`'s breaker is open now.
     pub fn is_open(&self, tool: &str, now: Instant) -> bool {
         self.tools
             .get(tool)
@@ -202,6 +256,7 @@ mod tests {
             base: Duration::from_millis(100),
             cap: Duration::from_millis(1_000),
             max_attempts: 10,
+            patience: None,
         };
         for attempt in 1..10 {
             let d = b.delay(attempt, None).expect("within attempts");
@@ -215,6 +270,31 @@ mod tests {
             Some(Duration::from_millis(1_000)),
             "Retry-After is honored but capped"
         );
+    }
+
+    #[test]
+    fn a_patient_backoff_lasts_minutes_and_honours_retry_after() {
+        let b = Backoff::patient(Duration::from_secs(600));
+        // Far more attempts than a count-limited policy, while the patience lasts.
+        let d = b.delay_within(50, None, Duration::from_secs(300));
+        assert!(
+            d.is_some_and(|d| d <= Duration::from_secs(60) && d >= Duration::from_secs(30)),
+            "{d:?}"
+        );
+        // Retry-After: 45 is honoured, not cut to the cap of a short policy.
+        assert_eq!(
+            b.delay_within(1, Some(Duration::from_secs(45)), Duration::ZERO),
+            Some(Duration::from_secs(45))
+        );
+        // …up to what is left of the patience, and then it gives up.
+        assert_eq!(
+            b.delay_within(3, Some(Duration::from_secs(45)), Duration::from_secs(590)),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(b.delay_within(4, None, Duration::from_secs(600)), None);
+        // Without a patience, the attempt count rules as before.
+        let short = Backoff::default();
+        assert_eq!(short.delay_within(6, None, Duration::ZERO), None);
     }
 
     #[test]

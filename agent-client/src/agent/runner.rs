@@ -37,6 +37,14 @@ use crate::proto::{CreateSandboxRequest, ExecRequest, ExecResult, Isolation};
 const AGENT_DIR: &str = "/tmp/.agent";
 /// Label put on the sandboxes of a run.
 pub const RUN_LABEL: &str = "agent-run";
+/// Tokens kept free between the prompt and the window beyond the completion limit: our count
+/// and the endpoint's differ a little.
+const PROMPT_MARGIN_TOKENS: usize = 64;
+/// Times in a row the endpoint may refuse a prompt as too long (each time the usable window
+/// shrinks by a quarter and the prompt is repaired) before the run stops.
+const MAX_CONTEXT_REPAIRS: u32 = 8;
+/// Characters of the model's reasoning kept per step in the trace.
+const TRACE_REASONING_CHARS: usize = 8_000;
 /// Largest diff kept in the report (the whole one is in the run directory).
 const REPORT_DIFF_CHARS: usize = 8_000;
 
@@ -83,6 +91,11 @@ pub enum AgentError {
     Trace(#[from] super::trace::TraceError),
 }
 
+/// How long a model endpoint outage is waited out by default, seconds.
+pub const DEFAULT_LLM_PATIENCE_SECS: u64 = 600;
+/// The breaker key of the model endpoint.
+const LLM_BREAKER: &str = "model endpoint";
+
 /// Knobs beyond the run's spec.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
@@ -92,8 +105,15 @@ pub struct RunOptions {
     pub observe: ObserveLimits,
     /// No-progress detection.
     pub detector: DetectorConfig,
-    /// Retry policy for model and daemon calls.
+    /// Retry policy for daemon calls.
     pub backoff: Backoff,
+    /// Retry policy for model calls: patient, an endpoint outage of minutes is survived.
+    pub llm_backoff: Backoff,
+    /// Consecutive failed model calls that open the endpoint's circuit breaker (summaries
+    /// then use the deterministic fallback and turns wait for the cooldown).
+    pub llm_breaker_threshold: u32,
+    /// How long the endpoint's open breaker stays open before a probe call.
+    pub llm_breaker_cooldown: Duration,
     /// Consecutive failures that open a tool's breaker.
     pub breaker_threshold: u32,
     /// How long an open breaker stays open.
@@ -112,6 +132,89 @@ pub struct RunOptions {
     pub snapshot_steps: bool,
     /// Write the JSONL trace.
     pub trace: bool,
+    /// How long the run's sandbox is kept once the run has ended (then
+    /// [`reap_finished_sandboxes`] removes it); `None` keeps it. On resume, `Some` replaces
+    /// the run's own.
+    pub keep_sandbox: Option<Duration>,
+    /// Receives a line per step (and per wait for the model endpoint), for a human watching.
+    pub progress: Option<ProgressSink>,
+    /// On resume: new task budgets. A run stopped by a budget, the step limit or the
+    /// no-progress detector continues with them instead of being reported as it ended.
+    pub new_budgets: NewBudgets,
+}
+
+/// Where live progress goes: `sbx agent run` prints it on a terminal.
+#[derive(Clone)]
+pub struct ProgressSink(pub Arc<dyn Fn(&Progress) + Send + Sync>);
+
+impl std::fmt::Debug for ProgressSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProgressSink")
+    }
+}
+
+/// One line of live progress.
+#[derive(Clone, Debug, Serialize)]
+pub struct Progress {
+    /// The run.
+    pub run_id: String,
+    /// Steps done.
+    pub step: u64,
+    /// The step budget.
+    pub max_steps: u64,
+    /// Tokens used so far.
+    pub tokens: u64,
+    /// The token budget, if any.
+    pub max_tokens: Option<u64>,
+    /// Wall time of the run so far, ms.
+    pub elapsed_ms: u64,
+    /// What happened: the action and its result, or what the loop waits for.
+    pub line: String,
+}
+
+/// Task budgets given again on resume; `None` keeps the run's own.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NewBudgets {
+    /// Step budget (total steps, those taken included).
+    pub max_steps: Option<u64>,
+    /// Token budget (total).
+    pub max_tokens: Option<u64>,
+    /// Wall-time budget (total), seconds.
+    pub max_time_secs: Option<u64>,
+    /// Cost budget (total), USD.
+    pub max_cost: Option<f64>,
+}
+
+impl NewBudgets {
+    /// Whether any budget is given.
+    pub fn any(&self) -> bool {
+        self.max_steps.is_some()
+            || self.max_tokens.is_some()
+            || self.max_time_secs.is_some()
+            || self.max_cost.is_some()
+    }
+
+    /// Puts the given budgets into `spec`; returns a description of what changed.
+    fn apply(&self, spec: &mut RunSpec) -> Vec<String> {
+        let mut changed = Vec::new();
+        if let Some(n) = self.max_steps {
+            changed.push(format!("steps {} -> {n}", spec.max_steps));
+            spec.max_steps = n;
+        }
+        if let Some(n) = self.max_tokens {
+            changed.push(format!("tokens {:?} -> {n}", spec.max_tokens));
+            spec.max_tokens = Some(n);
+        }
+        if let Some(n) = self.max_time_secs {
+            changed.push(format!("time {:?}s -> {n}s", spec.max_time_secs));
+            spec.max_time_secs = Some(n);
+        }
+        if let Some(n) = self.max_cost {
+            changed.push(format!("cost {:?} -> {n}", spec.max_cost));
+            spec.max_cost = Some(n);
+        }
+        changed
+    }
 }
 
 impl RunOptions {
@@ -122,6 +225,9 @@ impl RunOptions {
             observe: ObserveLimits::default(),
             detector: DetectorConfig::default(),
             backoff: Backoff::default(),
+            llm_backoff: Backoff::patient(Duration::from_secs(DEFAULT_LLM_PATIENCE_SECS)),
+            llm_breaker_threshold: 5,
+            llm_breaker_cooldown: Duration::from_secs(30),
             breaker_threshold: 5,
             breaker_cooldown: Duration::from_secs(30),
             rate_burst: 10,
@@ -131,6 +237,9 @@ impl RunOptions {
             fold_after: 5,
             snapshot_steps: true,
             trace: true,
+            new_budgets: NewBudgets::default(),
+            keep_sandbox: None,
+            progress: None,
         }
     }
 }
@@ -247,6 +356,9 @@ pub struct Agent<S: SandboxApi + Clone + 'static> {
     budget: Budget,
     detector: Detector,
     breakers: Breakers,
+    llm_breaker: Breakers,
+    /// When the current model outage began (the first failure of the calls in a row).
+    llm_outage: Option<Instant>,
     bucket: TokenBucket,
     ck: Checkpoint,
     workdir: String,
@@ -256,6 +368,9 @@ pub struct Agent<S: SandboxApi + Clone + 'static> {
     llm_attempt: u32,
     act_attempt: u32,
     reasks: u32,
+    /// Completion limit for the next call when it differs from the configured one: raised
+    /// after a reply was cut off by the limit, back to `None` once a call is accepted.
+    completion_limit: Option<u32>,
     step_tokens: u64,
     last_obs: Option<Observation>,
     stop: Option<(StopReason, String)>,
@@ -357,6 +472,9 @@ pub async fn start<S: SandboxApi + Clone + 'static>(
         outcome: None,
         has_bash: false,
         subtask_check: None,
+        background_execs: Vec::new(),
+        keep_sandbox_secs: opts.keep_sandbox.map(|d| d.as_secs()),
+        sandbox_removed: false,
     };
     let mut agent = Agent::assemble(sandbox, llm, opts, store, ck, ctx, workdir, Some(lock))?;
     agent.trace_event("start", json!({"task": spec.task, "model": spec.model, "sandbox_id": created.id, "tokenizer": agent.ctx.counter().name()}));
@@ -376,8 +494,18 @@ pub async fn resume<S: SandboxApi + Clone + 'static>(
     let store = FileStore::new(&opts.state_dir);
     let lock = RunLock::acquire(&store, run_id)?;
     let mut ck = store.load(run_id)?;
-    if let Some(outcome) = &ck.outcome {
-        if !outcome.reason.resumable() {
+    let mut extended = Vec::new();
+    if let Some(outcome) = ck.outcome.clone() {
+        let stopped = outcome.reason.status() == RunStatus::Stopped;
+        if stopped && opts.new_budgets.any() {
+            // A deliberate stop, continued on purpose with new budgets.
+            extended = opts.new_budgets.apply(&mut ck.spec);
+            ck.budget.warned.clear();
+            ck.context.pinned.remove("budget");
+            if outcome.reason == StopReason::NoProgress {
+                ck.detector = Default::default();
+            }
+        } else if !outcome.reason.resumable() {
             // Nothing to do: report how it ended, unchanged.
             return Ok(report_of(&ck, &store, &[], &[]));
         }
@@ -395,6 +523,9 @@ pub async fn resume<S: SandboxApi + Clone + 'static>(
         });
     }
     let llm = make_llm(&ck.spec)?;
+    if let Some(keep) = opts.keep_sandbox {
+        ck.keep_sandbox_secs = Some(keep.as_secs());
+    }
     ck.sessions += 1;
     ck.outcome = None;
     let counter = TokenCounter::for_model(&ck.spec.model);
@@ -414,9 +545,91 @@ pub async fn resume<S: SandboxApi + Clone + 'static>(
         String::new(),
         Some(lock),
     )?;
-    agent.trace_event("resume", json!({"session": agent.ck.sessions, "pending": agent.ck.pending.as_ref().map(|p| p.action.describe())}));
+    agent.trace_event("resume", json!({"session": agent.ck.sessions, "pending": agent.ck.pending.as_ref().map(|p| p.action.describe()), "budgets": extended}));
+    if !extended.is_empty() {
+        agent.ctx.pin(
+            "budgets extended",
+            &format!(
+                "the run was stopped and continued with new budgets: {}",
+                extended.join(", ")
+            ),
+        );
+    }
     agent.reconcile().await?;
     Ok(agent.run().await)
+}
+
+/// Milliseconds since the epoch.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Removes the sandboxes of ended runs under `state_dir` whose keep time has passed, and
+/// marks them removed in their checkpoints. Runs in use (locked), unreadable checkpoints and
+/// runs without a keep time are left alone; a daemon error skips the run. Returns the
+/// `(run id, sandbox id)` pairs removed.
+pub async fn reap_finished_sandboxes<S: SandboxApi>(
+    sandbox: &S,
+    state_dir: &std::path::Path,
+) -> Vec<(String, String)> {
+    let store = FileStore::new(state_dir);
+    let runs = store
+        .run_dir("x")
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let Ok(entries) = std::fs::read_dir(&runs) else {
+        return Vec::new();
+    };
+    let now = now_ms();
+    let mut removed = Vec::new();
+    for entry in entries.filter_map(Result::ok) {
+        let Some(run_id) = entry.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        if super::checkpoint::validate_run_id(&run_id).is_err() {
+            continue;
+        }
+        let Ok(ck) = store.load(&run_id) else {
+            continue;
+        };
+        let due = match (&ck.outcome, ck.keep_sandbox_secs) {
+            (Some(o), Some(keep)) if !ck.sandbox_removed => o
+                .finished_at_ms
+                .is_some_and(|at| at.saturating_add(keep.saturating_mul(1000)) <= now),
+            _ => false,
+        };
+        if !due {
+            continue;
+        }
+        // Not while a resume holds the run; reload under the lock.
+        let Ok(_lock) = RunLock::acquire(&store, &run_id) else {
+            continue;
+        };
+        let Ok(mut ck) = store.load(&run_id) else {
+            continue;
+        };
+        if ck.outcome.is_none() || ck.sandbox_removed {
+            continue;
+        }
+        match sandbox.destroy(&ck.sandbox_id).await {
+            Ok(()) => {}
+            Err(e) if e.code() == tonic::Code::NotFound => {}
+            Err(e) => {
+                tracing::warn!(run = %run_id, sandbox = %ck.sandbox_id, error = %e, "cannot remove the sandbox of an ended run");
+                continue;
+            }
+        }
+        tracing::info!(run = %run_id, sandbox = %ck.sandbox_id, "removed the sandbox of an ended run after its keep time");
+        ck.sandbox_removed = true;
+        if let Err(e) = store.save(&ck) {
+            tracing::warn!(run = %run_id, error = %e, "cannot mark the sandbox removed");
+        }
+        removed.push((run_id, ck.sandbox_id.clone()));
+    }
+    removed
 }
 
 fn percentile(sorted_ms: &[f64], p: f64) -> f64 {
@@ -440,6 +653,7 @@ fn report_of(
         diff: String::new(),
         summary: String::new(),
         error: Some("the run has no outcome".into()),
+        finished_at_ms: None,
     });
     let run_dir = store.run_dir(&ck.run_id);
     let diff_path = run_dir.join("final.diff");
@@ -512,6 +726,8 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             budget,
             detector,
             breakers: Breakers::new(opts.breaker_threshold, opts.breaker_cooldown),
+            llm_breaker: Breakers::new(opts.llm_breaker_threshold, opts.llm_breaker_cooldown),
+            llm_outage: None,
             bucket: TokenBucket::new(opts.rate_burst, opts.rate_per_sec),
             workdir,
             state: ck.state,
@@ -521,6 +737,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             llm_attempt: 0,
             act_attempt: 0,
             reasks: 0,
+            completion_limit: None,
             step_tokens: 0,
             last_obs: None,
             stop: None,
@@ -541,6 +758,24 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         ck.budget.elapsed_ms_before += self.session_start.elapsed().as_millis() as u64;
         ck.detector = self.detector.state().clone();
         ck
+    }
+
+    /// Tells the human watching, if any.
+    fn progress(&self, line: String) {
+        if let Some(sink) = &self.opts.progress {
+            (sink.0)(&Progress {
+                run_id: self.ck.run_id.clone(),
+                step: self.ck.step,
+                max_steps: self.ck.spec.max_steps,
+                tokens: self.budget.used.tokens(),
+                max_tokens: self.ck.spec.max_tokens,
+                elapsed_ms: self
+                    .budget
+                    .elapsed(self.session_start.elapsed())
+                    .as_millis() as u64,
+                line,
+            });
+        }
     }
 
     fn trace_event(&mut self, kind: &str, fields: Value) {
@@ -696,15 +931,66 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             }
             Verdict::Ok => {}
         }
+        self.ctx.next_turn();
         if self.ctx.needs_compaction() {
-            self.compact(false).await?;
+            // Hysteresis: the model summarizes at most every other turn; in between, and
+            // whenever a summary left the prompt above the trigger, the manager folds harder.
+            if self.ctx.may_summarize() {
+                self.compact(false).await?;
+            }
+            let trigger = self.ctx.trigger_tokens();
+            self.fit_context(trigger.saturating_sub(1), "above_trigger");
         }
+        let limit = match self.completion_limit {
+            Some(cap) => self.budget.call_completion_tokens_up_to(cap),
+            None => self.budget.call_completion_tokens(),
+        };
+        // Whatever the state (a resumed checkpoint included), never send a prompt that
+        // cannot fit with room for the answer.
+        let window = self.ctx.window();
+        let hard = window
+            .saturating_sub((limit as usize).min(window / 2))
+            .saturating_sub(PROMPT_MARGIN_TOKENS);
+        self.fit_context(hard, "over_window");
         let counted = self.ctx.prompt_tokens();
         let request = ChatRequest {
             messages: self.ctx.render(),
             tools: self.ctx.tools().to_vec(),
-            max_tokens: Some(self.budget.call_completion_tokens()),
+            max_tokens: Some(limit),
         };
+        let now = Instant::now();
+        if let Some(open_for) = self.llm_breaker.open_for(LLM_BREAKER, now) {
+            // The endpoint's breaker is open: wait out its cooldown (within the patience),
+            // then one probe call goes through.
+            let spent = self.llm_outage.map_or(Duration::ZERO, |t| t.elapsed());
+            let left = self
+                .opts
+                .llm_backoff
+                .patience
+                .map_or(Duration::MAX, |p| p.saturating_sub(spent));
+            if left.is_zero() {
+                return self.halt(
+                    StopReason::FatalError,
+                    format!(
+                        "the model endpoint has been failing for {}s ({} attempts)",
+                        spent.as_secs(),
+                        self.llm_attempt
+                    ),
+                );
+            }
+            self.trace_event(
+                "decision",
+                json!({"decision": "llm_breaker_open", "retry_in_ms": open_for.as_millis() as u64}),
+            );
+            self.retry = Some(RetryPlan {
+                attempt: self.llm_attempt,
+                delay: open_for.min(left),
+                then: LoopState::Thinking,
+            });
+            return self.go(LoopState::Retrying, "model endpoint breaker open");
+        }
+        // Closed or half-open: this call goes through (half-open: as the probe).
+        let _ = self.llm_breaker.allow(LLM_BREAKER, now);
         self.bucket.take().await;
         let started = Instant::now();
         let result = self.llm.complete(&request).await;
@@ -717,6 +1003,8 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             }
         };
         self.llm_attempt = 0;
+        self.llm_outage = None;
+        self.llm_breaker.record(LLM_BREAKER, true, Instant::now());
         let usage = response.usage.unwrap_or_default();
         let completion_counted = self.ctx.counter().count(
             &(response.content.clone()
@@ -751,6 +1039,11 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             }),
         );
 
+        if response.finish_reason == "length" {
+            // Whatever the reply holds is a prefix: a repaired half call would run a cut
+            // command or write half a file. Never act on it.
+            return self.cut_off(&response, limit, counted);
+        }
         let Some(call) = response.tool_calls.first().cloned() else {
             let text = if response.content.trim().is_empty() {
                 "(empty answer)".to_owned()
@@ -781,6 +1074,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                     );
                 }
                 self.reasks = 0;
+                self.completion_limit = None;
                 let repaired = ToolCall {
                     id: call.id.clone(),
                     kind: "function".into(),
@@ -805,6 +1099,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                     ),
                     attempt: 0,
                     verifying,
+                    reasoning: observe::cut_chars(response.content.trim(), TRACE_REASONING_CHARS),
                 });
                 if verifying {
                     self.go(LoopState::Verifying, "finish called")
@@ -813,6 +1108,75 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 }
             }
         }
+    }
+
+    /// A reply cut off by the completion limit (`finish_reason: "length"`): nothing of it is
+    /// executed; the model is told and asked again, with a larger limit where the window and
+    /// the token budget allow (doubling, up to 8 times the configured limit).
+    fn cut_off(
+        &mut self,
+        response: &super::llm::ChatResponse,
+        limit: u32,
+        prompt_tokens: usize,
+    ) -> Result<(), AgentError> {
+        // The answer may take at most half the window: the prompt needs the rest.
+        let window = self.ctx.window();
+        let room = window
+            .saturating_sub(prompt_tokens)
+            .saturating_sub(PROMPT_MARGIN_TOKENS)
+            .min(window / 2)
+            .min(u32::MAX as usize) as u32;
+        let ceiling = self.budget.limits.call_completion_tokens.saturating_mul(8);
+        let next = self.budget.call_completion_tokens_up_to(
+            limit.saturating_mul(2).min(room).min(ceiling).max(limit),
+        );
+        if next > limit {
+            self.completion_limit = Some(next);
+        }
+        let call = response.tool_calls.first();
+        self.trace_event(
+            "decision",
+            json!({"decision": "cut_off_reply", "tool": call.map(|c| c.function.name.clone()), "limit": limit, "next_limit": next}),
+        );
+        tracing::warn!(
+            limit,
+            next,
+            "the model's reply was cut off by the completion limit; not executed"
+        );
+        let what = call.map_or_else(
+            || "your reply".to_owned(),
+            |c| format!("your call to {}", c.function.name),
+        );
+        let raised = if next > limit {
+            format!(" Your next reply may use up to {next} tokens.")
+        } else {
+            String::new()
+        };
+        let text = format!(
+            "ERROR: {what} was cut off at the completion limit of {limit} tokens, so it was NOT executed (nothing was run or written).{raised} Send the call again, complete. Keep each call short: write a large file in parts (write_file for the first part, then bash `cat >> FILE <<'EOF'` for the rest)."
+        );
+        let (assistant, error) = match call {
+            Some(c) => {
+                // Keep the cut call out of the history in full: valid JSON, a short prefix.
+                let mut shown = c.clone();
+                shown.function.arguments =
+                    json!({"cut_off_arguments": observe::cut_chars(&c.function.arguments, 200)})
+                        .to_string();
+                (
+                    Message::assistant_call(shown, Some(response.content.clone())),
+                    Message::tool(&c.id, text),
+                )
+            }
+            None => (
+                Message {
+                    role: "assistant".into(),
+                    content: Some(observe::cut_chars(&response.content, 2_000)),
+                    ..Default::default()
+                },
+                Message::user(text),
+            ),
+        };
+        self.reask(assistant, error, "reply cut off by the completion limit")
     }
 
     fn reask(&mut self, assistant: Message, error: Message, why: &str) -> Result<(), AgentError> {
@@ -850,7 +1214,13 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 retry_after,
             } => {
                 self.llm_attempt += 1;
-                match self.opts.backoff.delay(self.llm_attempt, retry_after) {
+                let began = *self.llm_outage.get_or_insert_with(Instant::now);
+                self.llm_breaker.record(LLM_BREAKER, false, Instant::now());
+                match self.opts.llm_backoff.delay_within(
+                    self.llm_attempt,
+                    retry_after,
+                    began.elapsed(),
+                ) {
                     Some(delay) => {
                         self.retry = Some(RetryPlan {
                             attempt: self.llm_attempt,
@@ -862,26 +1232,31 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                     None => self.halt(
                         StopReason::FatalError,
                         format!(
-                            "the model endpoint kept failing ({} attempts): {message}",
+                            "the model endpoint kept failing for {}s ({} attempts): {message}",
+                            began.elapsed().as_secs(),
                             self.llm_attempt
                         ),
                     ),
                 }
             }
             LlmError::ContextTooLong(message) => {
+                // The endpoint counts more tokens than we do: use less of the window from now
+                // on (kept in the checkpoint, so a resume does the same); the next turn
+                // repairs the prompt down to it.
                 self.llm_attempt += 1;
-                if self.llm_attempt > 3 || !self.compact(true).await? {
+                if self.llm_attempt > MAX_CONTEXT_REPAIRS || !self.ctx.shrink_window() {
                     return self.halt(
                         StopReason::FatalError,
-                        format!("the prompt does not fit the model: {message}"),
+                        format!("the prompt does not fit the model even with only the task, instructions and pinned facts: {message}"),
                     );
                 }
+                self.trace_event("decision", json!({"decision": "window_shrunk", "window": self.ctx.window(), "detail": message}));
                 self.retry = Some(RetryPlan {
                     attempt: self.llm_attempt,
                     delay: Duration::ZERO,
                     then: LoopState::Thinking,
                 });
-                self.go(LoopState::Retrying, "prompt too long: compacted")
+                self.go(LoopState::Retrying, "prompt too long: window shrunk")
             }
             other => self.halt(StopReason::FatalError, other.to_string()),
         }
@@ -895,8 +1270,36 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             "retry",
             json!({"attempt": plan.attempt, "delay_ms": plan.delay.as_millis() as u64}),
         );
+        if plan.delay >= Duration::from_secs(1) {
+            self.progress(format!(
+                "waiting {:.0}s before retry {} ({})",
+                plan.delay.as_secs_f64(),
+                plan.attempt,
+                if plan.then == LoopState::Thinking {
+                    "model endpoint"
+                } else {
+                    "daemon"
+                }
+            ));
+        }
         tokio::time::sleep(plan.delay).await;
         self.go(plan.then, "retry")
+    }
+
+    /// Repairs the context down to `limit` tokens without the model when it is above, and
+    /// says so in the trace.
+    fn fit_context(&mut self, limit: usize, why: &str) {
+        let before = self.ctx.prompt_tokens();
+        if before <= limit {
+            return;
+        }
+        let stages = self.ctx.shrink_to(limit);
+        let after = self.ctx.prompt_tokens();
+        tracing::info!(before, after, limit, ?stages, why, "context repaired");
+        self.trace_event(
+            "decision",
+            json!({"decision": "context_repaired", "why": why, "stages": stages, "tokens_before": before, "tokens_after": after, "limit": limit}),
+        );
     }
 
     /// Summarizes the middle of the working layer. Returns whether anything was compacted.
@@ -908,9 +1311,20 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         // Around each compaction: the state before is durable, so a crash while summarizing
         // loses nothing.
         self.writer.write_now(self.checkpoint()).await?;
-        self.bucket.take().await;
         let started = Instant::now();
-        let summary = match self.llm.complete(&plan.request).await {
+        let answer = if self.llm_breaker.is_open(LLM_BREAKER, Instant::now()) {
+            Err(LlmError::Retryable {
+                message: "the model endpoint's breaker is open".into(),
+                retry_after: None,
+            })
+        } else {
+            self.bucket.take().await;
+            let r = self.llm.complete(&plan.request).await;
+            self.llm_breaker
+                .record(LLM_BREAKER, r.is_ok(), Instant::now());
+            r
+        };
+        let summary = match answer {
             Ok(r) => {
                 let usage = r.usage.unwrap_or_default();
                 self.budget
@@ -926,6 +1340,10 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             }
         };
         self.ctx.apply_compaction(&plan, summary);
+        // Hysteresis: a compaction ends below the trigger, or the manager folds harder now,
+        // so the next turn does not summarize again.
+        let trigger = self.ctx.trigger_tokens();
+        self.fit_context(trigger.saturating_sub(1), "after_summary");
         let after = self.ctx.prompt_tokens();
         self.trace_event("compaction", json!({"from_step": plan.from_step, "to_step": plan.to_step, "steps": plan.steps, "tokens_before": before, "tokens_after": after}));
         self.writer.write_now(self.checkpoint()).await?;
@@ -1024,6 +1442,13 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             );
         }
         self.act_attempt = 0;
+        let mut obs = obs;
+        // One cap for every tool's result, whatever produced it.
+        let (text, cut) = observe::cap(&obs.text, self.opts.observe);
+        if cut {
+            obs.text = text;
+            obs.truncated = true;
+        }
         if tool != "bash" {
             // bash judged its own outcome (a timeout counts against it); others got here
             // because the daemon answered.
@@ -1070,36 +1495,55 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 "exit_code": obs.exit_code,
                 "result": if obs.ok { "ok" } else { "failed" },
                 "truncated": obs.truncated,
+                "reasoning": observe::cut_chars(&pending.reasoning, TRACE_REASONING_CHARS),
             }),
         );
-        self.ctx.push_step(
+        if is_background(&pending.action) && obs.ok {
+            if let Some(id) = &obs.exec_id {
+                self.ck.background_execs.push(id.clone());
+            }
+        }
+
+        // Progress signals cost execs, so they are gathered only for a repeated action.
+        let canonical = pending.action.canonical();
+        let mut print = Detector::print(pending.step, &canonical, &obs.text, None);
+        // The model saying it waits for something makes its repeated checks polls.
+        print.waiting |= termination::plans_to_wait(&pending.reasoning);
+        if self.detector.wants_probe(&canonical) {
+            let probe = self.probe_progress().await;
+            print.workspace = probe.workspace;
+            print.activity = probe.activity;
+            print.busy = probe.busy;
+        }
+        let verdict = self.detector.judge(print);
+        let mut text = obs.text.clone();
+        if let termination::Verdict::Warning(w) = &verdict {
+            self.trace_event(
+                "decision",
+                json!({"decision": "no_progress_warning", "detail": w}),
+            );
+            text.push_str("\n\n");
+            text.push_str(w);
+        }
+        self.ctx.push_reasoned_step(
             pending.step,
             call,
+            pending.reasoning.clone(),
             action_line,
-            obs.text.clone(),
+            text,
             obs.exec_id.clone(),
             obs.ok,
         );
-
-        // Progress signals cost an exec, so they are gathered only for a repeated action.
-        let canonical = pending.action.canonical();
-        let workspace = if self.detector.wants_probe(&canonical) {
-            let req = self.sh_request(
-                &termination::probe_command(&self.workdir),
-                String::new(),
-                Duration::from_secs(20),
-            );
-            match self.exec(req).await {
-                Ok(r) if verify::action_ok(&r) => {
-                    Some(String::from_utf8_lossy(&r.stdout).trim().to_owned())
-                }
-                _ => None,
+        self.progress(format!(
+            "{} -> {}",
+            pending.action.describe(),
+            if obs.ok {
+                "ok".to_owned()
+            } else {
+                observe::cut_chars(&obs.headline(), 80)
             }
-        } else {
-            None
-        };
-        let print = Detector::print(pending.step, &canonical, &obs.text, workspace);
-        if let Some(stuck) = self.detector.observe(print) {
+        ));
+        if let termination::Verdict::Stuck(stuck) = verdict {
             self.snapshot_step(&pending.action).await?;
             self.writer.start(self.checkpoint()).await?;
             return self.halt(StopReason::NoProgress, stuck.to_string());
@@ -1108,6 +1552,54 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         // Durable before the next action; written while the model thinks.
         self.writer.start(self.checkpoint()).await?;
         self.go(LoopState::Thinking, "observed")
+    }
+
+    /// Progress signals after a repeated action: the workspace's content, processes in the
+    /// sandbox (their CPU time), and the run's background execs (running, output size).
+    async fn probe_progress(&mut self) -> Probe {
+        let mut probe = Probe::default();
+        let command = format!(
+            "{}; {}",
+            termination::probe_command(&self.workdir),
+            termination::activity_probe_command()
+        );
+        let req = self.sh_request(&command, String::new(), Duration::from_secs(20));
+        let mut activity = Vec::new();
+        if let Ok(r) = self.exec(req).await {
+            if verify::action_ok(&r) {
+                let out = String::from_utf8_lossy(&r.stdout);
+                let mut lines = out.lines();
+                probe.workspace = lines.next().map(|l| l.trim().to_owned());
+                activity.extend(lines.filter(|l| l.starts_with("proc ")).map(str::to_owned));
+            }
+        }
+        let mut still_running = Vec::new();
+        for id in std::mem::take(&mut self.ck.background_execs) {
+            match self.sandbox.get_exec(&id, false).await {
+                Ok(r) => {
+                    let running = r.status == crate::proto::ExecStatus::Running as i32;
+                    activity.push(format!(
+                        "exec {id} {} {} {}",
+                        r.status,
+                        r.stdout_total_bytes.max(r.stdout.len() as u64),
+                        r.stderr_total_bytes.max(r.stderr.len() as u64)
+                    ));
+                    if running {
+                        probe.busy = true;
+                        still_running.push(id);
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(exec = %id, error = %e, "cannot look at a background exec");
+                }
+            }
+        }
+        self.ck.background_execs = still_running;
+        if !activity.is_empty() {
+            activity.sort();
+            probe.activity = Some(activity.join("\n"));
+        }
+        probe
     }
 
     /// Snapshots after a step that may have changed files, so a resume can roll back to it;
@@ -1216,9 +1708,10 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         self.ck.step = pending.step;
         match rejection {
             None => {
-                self.ctx.push_step(
+                self.ctx.push_reasoned_step(
                     pending.step,
                     call,
+                    pending.reasoning.clone(),
                     pending.action.describe(),
                     "finish accepted".into(),
                     None,
@@ -1231,9 +1724,10 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 self.ck.rejected_finishes += 1;
                 self.ctx
                     .record_failure(pending.step, "finish", "the task check failed");
-                self.ctx.push_step(
+                self.ctx.push_reasoned_step(
                     pending.step,
                     call,
+                    pending.reasoning.clone(),
                     pending.action.describe(),
                     text,
                     exec_id,
@@ -1253,6 +1747,14 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             }
         }
     }
+}
+
+/// What a progress probe found.
+#[derive(Default)]
+struct Probe {
+    workspace: Option<String>,
+    activity: Option<String>,
+    busy: bool,
 }
 
 fn is_background(a: &Action) -> bool {

@@ -43,6 +43,8 @@ pub trait SandboxApi: Send + Sync {
     async fn rollback(&self, sandbox_id: &str, snapshot_id: &str) -> Result<Sandbox>;
     /// DeleteSnapshot.
     async fn delete_snapshot(&self, snapshot_id: &str) -> Result<()>;
+    /// DestroySandbox.
+    async fn destroy(&self, sandbox_id: &str) -> Result<()>;
 }
 
 #[async_trait]
@@ -83,6 +85,9 @@ impl SandboxApi for Client {
     async fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
         Client::delete_snapshot(self, snapshot_id).await
     }
+    async fn destroy(&self, sandbox_id: &str) -> Result<()> {
+        Client::destroy(self, sandbox_id).await
+    }
 }
 
 /// Files of a fake sandbox, by absolute path.
@@ -104,7 +109,12 @@ struct FakeState {
     /// Execs whose key contains the pattern are refused with UNAVAILABLE this many times (a
     /// daemon restarting).
     unavailable: Option<(String, u32)>,
+    /// A background exec stays RUNNING for this many GetExec calls, then has exited.
+    background_polls: u32,
 }
+
+/// Exit code a [`FakeHandler`] returns to make its command end TIMED_OUT.
+pub const FAKE_TIMED_OUT: i32 = -1;
 
 /// An in-memory stand-in for `sandboxd`: files in a map, commands run by a handler, snapshots
 /// as copies, idempotency keys replayed from the exec records like the daemon does.
@@ -154,6 +164,12 @@ impl FakeSandbox {
     /// as a restarting daemon would.
     pub fn refuse_execs(&self, pattern: &str, n: u32) {
         self.lock().unavailable = Some((pattern.to_owned(), n));
+    }
+
+    /// Background execs stay RUNNING for `polls` GetExec calls each, then have exited 0
+    /// (the default: they end at once).
+    pub fn background_runs_for(&self, polls: u32) {
+        self.lock().background_polls = polls;
     }
 
     /// Every exec record, oldest first.
@@ -246,20 +262,44 @@ impl SandboxApi for FakeSandbox {
             let (code, out) = (self.handler)(&command, files);
             result.status = ExecStatus::Exited as i32;
             result.exit_code = code;
+            if code == FAKE_TIMED_OUT {
+                result.status = ExecStatus::TimedOut as i32;
+                result.exit_code = 137;
+                result.signal = 9;
+            }
             result.stdout = out.into_bytes();
             result.stdout_total_bytes = result.stdout.len() as u64;
+            if request.background && s.background_polls > 0 {
+                result.status = ExecStatus::Running as i32;
+                result.error = format!("polls:{}", s.background_polls);
+            }
         }
         s.execs.push(result.clone());
         Ok(result)
     }
 
-    async fn get_exec(&self, exec_id: &str, _wait: bool) -> Result<ExecResult> {
-        self.lock()
+    async fn get_exec(&self, exec_id: &str, wait: bool) -> Result<ExecResult> {
+        let mut s = self.lock();
+        let r = s
             .execs
-            .iter()
+            .iter_mut()
             .find(|r| r.exec_id == exec_id)
-            .cloned()
-            .ok_or_else(|| Self::not_found("exec", exec_id))
+            .ok_or_else(|| Self::not_found("exec", exec_id))?;
+        if r.status == ExecStatus::Running as i32 {
+            // The countdown of a running background exec lives in its error field.
+            let left: u32 = r
+                .error
+                .strip_prefix("polls:")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            if wait || left <= 1 {
+                r.status = ExecStatus::Exited as i32;
+                r.error.clear();
+            } else {
+                r.error = format!("polls:{}", left - 1);
+            }
+        }
+        Ok(r.clone())
     }
 
     async fn list_execs(&self, sandbox_id: &str) -> Result<Vec<ExecResult>> {
@@ -351,6 +391,12 @@ impl SandboxApi for FakeSandbox {
     async fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
         self.lock().snapshots.remove(snapshot_id);
         Ok(())
+    }
+    async fn destroy(&self, sandbox_id: &str) -> Result<()> {
+        match self.lock().sandboxes.remove(sandbox_id) {
+            Some(_) => Ok(()),
+            None => Err(Self::not_found("sandbox", sandbox_id)),
+        }
     }
 }
 

@@ -20,6 +20,9 @@ use serde::{Deserialize, Serialize};
 pub struct DetectorConfig {
     /// Identical steps in a row that make a run stuck.
     pub repeat: usize,
+    /// Identical steps in a row that make a run stuck when each of them waits explicitly
+    /// (`sleep N`, `wait`, `timeout`): polling with a pause is slower to call stuck.
+    pub repeat_waiting: usize,
     /// A/B cycles in a row that make a run stuck.
     pub alternations: usize,
     /// Jaccard similarity of observation shingles above which two are near-duplicates.
@@ -32,6 +35,7 @@ impl Default for DetectorConfig {
     fn default() -> Self {
         DetectorConfig {
             repeat: 4,
+            repeat_waiting: 12,
             alternations: 3,
             near_duplicate: 0.9,
             window: 12,
@@ -54,6 +58,16 @@ pub struct StepPrint {
     pub workspace: Option<String>,
     /// Test counts seen in the observation ("3 passed", "1 failed").
     pub tests: Vec<String>,
+    /// The action waits on purpose (`sleep`, `wait`): a poll.
+    #[serde(default)]
+    pub waiting: bool,
+    /// Something was still running after the step: a background exec of the run.
+    #[serde(default)]
+    pub busy: bool,
+    /// Fingerprint of activity outside the workspace (processes' CPU time, background
+    /// execs' output size), when probed.
+    #[serde(default)]
+    pub activity: Option<String>,
 }
 
 /// What the detector remembers; checkpointed.
@@ -65,6 +79,9 @@ pub struct DetectorState {
     pub last_workspace: Option<(u64, String)>,
     /// Steps at which a progress signal was seen.
     pub progress_steps: Vec<u64>,
+    /// Last activity fingerprint seen.
+    #[serde(default)]
+    pub last_activity: Option<String>,
 }
 
 /// Why the detector thinks the run is stuck.
@@ -97,6 +114,17 @@ impl std::fmt::Display for Stuck {
     }
 }
 
+/// What the detector says after a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Nothing to say.
+    Fine,
+    /// One more step like this and the run stops: tell the model now.
+    Warning(String),
+    /// The run is stuck.
+    Stuck(Stuck),
+}
+
 /// The no-progress detector.
 #[derive(Clone, Debug, Default)]
 pub struct Detector {
@@ -113,6 +141,13 @@ fn hash_of(s: &str) -> u64 {
 impl Detector {
     /// A detector continuing from `state`.
     pub fn new(cfg: DetectorConfig, state: DetectorState) -> Self {
+        let mut cfg = cfg;
+        // Remember enough steps for the longest pattern.
+        cfg.window = cfg
+            .window
+            .max(cfg.repeat_waiting + 1)
+            .max(cfg.repeat + 1)
+            .max(2 * cfg.alternations + 1);
         Detector { cfg, state }
     }
 
@@ -143,11 +178,79 @@ impl Detector {
             shingles: shingles(&normalize(observation)),
             workspace,
             tests: test_counts(observation),
+            waiting: waits_explicitly(action_canonical),
+            busy: false,
+            activity: None,
+        }
+    }
+
+    /// Records a step and says whether the run is stuck, or will be after one more step
+    /// like it.
+    pub fn judge(&mut self, print: StepPrint) -> Verdict {
+        if let Some(stuck) = self.observe(print) {
+            return Verdict::Stuck(stuck);
+        }
+        self.warning().map_or(Verdict::Fine, Verdict::Warning)
+    }
+
+    /// Whether one more step repeating the last one would make the run stuck.
+    fn warning(&self) -> Option<String> {
+        let r: Vec<&StepPrint> = self.state.recent.iter().collect();
+        let n = r.len();
+        let last = *r.last()?;
+        let k = self.repeat_for(&r[n.saturating_sub(self.cfg.repeat)..]);
+        if k >= 2 && n + 1 >= k {
+            let tail = &r[n + 1 - k..];
+            if tail.iter().all(|p| self.same(p, last)) && !self.progressed_since(tail[0].step) {
+                return Some(format!(
+                    "NO-PROGRESS WARNING: the same action gave the same result {} times in a row with no progress signal (no change in the workspace, no test counts, nothing running in the background). One more and the run stops as no_progress. Change approach; if you are waiting for a job, run it with background=true or wait explicitly (sleep) between checks.",
+                    k - 1
+                ));
+            }
+        }
+        let c = self.cfg.alternations;
+        let len = 2 * c;
+        if c >= 2 && n + 1 >= len && n >= 3 {
+            let tail = &r[n + 1 - len..];
+            let alternates = (2..tail.len()).all(|i| self.same(tail[i], tail[i - 2]))
+                && !self.same(tail[0], tail[1]);
+            if alternates && !self.progressed_since(tail[0].step) {
+                return Some(format!(
+                    "NO-PROGRESS WARNING: two actions have alternated {} times with the same results and no progress signal. One more and the run stops as no_progress. Change approach.",
+                    c - 1
+                ));
+            }
+        }
+        None
+    }
+
+    /// Identical steps that make a run stuck: more when every one of them waits on purpose.
+    fn repeat_for(&self, tail: &[&StepPrint]) -> usize {
+        if !tail.is_empty() && tail.iter().all(|p| p.waiting) {
+            self.cfg.repeat_waiting.max(self.cfg.repeat)
+        } else {
+            self.cfg.repeat
         }
     }
 
     /// Records a step and says whether the run is stuck.
     pub fn observe(&mut self, print: StepPrint) -> Option<Stuck> {
+        // Beyond the workspace: a background job still running is progress (the poll is
+        // legitimate while it runs); so is activity that changed since the last probe.
+        if print.busy {
+            self.state.progress_steps.push(print.step);
+        }
+        if let Some(a) = &print.activity {
+            if self
+                .state
+                .last_activity
+                .as_ref()
+                .is_some_and(|prev| prev != a)
+            {
+                self.state.progress_steps.push(print.step);
+            }
+            self.state.last_activity = Some(a.clone());
+        }
         if let Some(ws) = &print.workspace {
             if let Some((_, prev)) = &self.state.last_workspace {
                 if prev != ws {
@@ -191,7 +294,7 @@ impl Detector {
     fn verdict(&self) -> Option<Stuck> {
         let r: Vec<&StepPrint> = self.state.recent.iter().collect();
         let n = r.len();
-        let k = self.cfg.repeat;
+        let k = self.repeat_for(&r[n.saturating_sub(self.cfg.repeat)..]);
         if k >= 2 && n >= k {
             let tail = &r[n - k..];
             if tail.iter().all(|p| self.same(p, tail[k - 1]))
@@ -298,6 +401,49 @@ pub fn test_counts(text: &str) -> Vec<String> {
     out
 }
 
+/// Whether a command waits on purpose: `sleep N`, `wait`, `timeout …`, `inotifywait`.
+pub fn waits_explicitly(action_canonical: &str) -> bool {
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_str(action_canonical) else {
+        return false;
+    };
+    let Some(command) = map.get("command").and_then(serde_json::Value::as_str) else {
+        return false;
+    };
+    command
+        .split([';', '&', '|', '\n', '(', ')'])
+        .filter_map(|part| part.split_whitespace().next())
+        .any(|word| matches!(word, "sleep" | "wait" | "timeout" | "inotifywait"))
+}
+
+/// Whether the model's stated plan (the text beside its call) says it is waiting for
+/// something to finish: its repeated checks are then polls, held to the longer threshold.
+pub fn plans_to_wait(reasoning: &str) -> bool {
+    let r = reasoning.to_ascii_lowercase();
+    [
+        "waiting for",
+        "wait for",
+        "wait until",
+        "poll",
+        "still running",
+        "until it finishes",
+        "until it is done",
+        "check again",
+    ]
+    .iter()
+    .any(|p| r.contains(p))
+}
+
+/// The shell command printing, after the workspace fingerprint line, one line per process
+/// in the sandbox that was there before the probe (not its ancestors): pid, name and CPU
+/// ticks. Its change between probes is activity outside the workspace.
+pub fn activity_probe_command() -> &'static str {
+    "me=$$; anc=\" $me \"; p=$me; while [ \"$p\" -gt 1 ] 2>/dev/null; do \
+       p=$(cut -d' ' -f4 /proc/$p/stat 2>/dev/null) || break; [ -n \"$p\" ] || break; anc=\"$anc$p \"; done; \
+     for d in /proc/[0-9]*; do q=${d#/proc/}; [ \"$q\" -gt 1 ] && [ \"$q\" -lt \"$me\" ] || continue; \
+       case \"$anc\" in *\" $q \"*) continue;; esac; \
+       set -- $(cat $d/stat 2>/dev/null); [ $# -ge 15 ] && echo \"proc $q $2 $(($14+$15))\"; done; true"
+}
+
 /// The shell command whose output fingerprints the workspace's content: file hashes (for files
 /// up to 2 MiB) and sizes of bigger ones. Content, not mtimes: rewriting a file with the same
 /// bytes is not progress.
@@ -316,6 +462,80 @@ mod tests {
 
     fn step(d: &mut Detector, n: u64, action: &str, obs: &str, ws: Option<&str>) -> Option<Stuck> {
         d.observe(Detector::print(n, action, obs, ws.map(str::to_owned)))
+    }
+
+    fn bash(command: &str) -> String {
+        serde_json::json!({"tool": "bash", "command": command}).to_string()
+    }
+
+    #[test]
+    fn explicit_waits_are_recognized() {
+        assert!(waits_explicitly(&bash("sleep 2; cat status")));
+        assert!(waits_explicitly(&bash("make & wait")));
+        assert!(waits_explicitly(&bash("timeout 5 tail -f log")));
+        assert!(!waits_explicitly(&bash("cat sleep.txt")));
+        assert!(!waits_explicitly(&bash("echo waiting")));
+        assert!(!waits_explicitly(r#"{"tool":"read_file","path":"sleep"}"#));
+    }
+
+    #[test]
+    fn a_stated_plan_to_wait_is_recognized() {
+        assert!(plans_to_wait(
+            "The build is still running; I will poll its log."
+        ));
+        assert!(plans_to_wait("Waiting for the server to come up"));
+        assert!(!plans_to_wait("The file is missing, let me read it"));
+    }
+
+    #[test]
+    fn a_warning_comes_one_step_before_the_stop() {
+        let mut d = Detector::new(DetectorConfig::default(), DetectorState::default());
+        let a = bash("cat x");
+        let mut verdicts = Vec::new();
+        for n in 1..=4 {
+            verdicts.push(d.judge(Detector::print(n, &a, "No such file", Some("w".into()))));
+        }
+        assert_eq!(verdicts[0], Verdict::Fine);
+        assert_eq!(verdicts[1], Verdict::Fine);
+        assert!(
+            matches!(&verdicts[2], Verdict::Warning(w) if w.contains("One more")),
+            "{verdicts:?}"
+        );
+        assert_eq!(verdicts[3], Verdict::Stuck(Stuck::Repeating { times: 4 }));
+    }
+
+    #[test]
+    fn a_busy_background_job_and_changing_activity_are_progress() {
+        let mut d = Detector::new(DetectorConfig::default(), DetectorState::default());
+        let a = bash("cat status");
+        for n in 1..=8 {
+            let mut p = Detector::print(n, &a, "waiting", Some("w".into()));
+            p.busy = n <= 6;
+            assert_eq!(d.observe(p), None, "step {n}");
+        }
+        // Activity changing (CPU time of a process) counts too; once it stops, so does the run.
+        let mut d = Detector::new(DetectorConfig::default(), DetectorState::default());
+        for n in 1..=10u64 {
+            let mut p = Detector::print(n, &a, "waiting", Some("w".into()));
+            p.activity = Some(format!("proc 7 make {}", n.min(5)));
+            let v = d.observe(p);
+            if n < 8 {
+                assert_eq!(v, None, "step {n}");
+            } else {
+                // Four identical steps since the last change (step 5, exclusive).
+                assert!(v.is_some(), "step {n}: activity stopped at step 5");
+            }
+        }
+        // Explicit waits get the longer threshold.
+        let mut d = Detector::new(DetectorConfig::default(), DetectorState::default());
+        let w = bash("sleep 1; cat status");
+        let stops: Vec<u64> = (1..=20)
+            .filter(|n| {
+                d.observe(Detector::print(*n, &w, "waiting", Some("w".into())))
+                    .is_some()
+            })
+            .collect();
+        assert_eq!(stops.first(), Some(&12));
     }
 
     #[test]

@@ -40,6 +40,9 @@ pub enum Action {
         start_line: u64,
         /// How many lines.
         max_lines: u64,
+        /// Character offset within `start_line` to start at, to page through a very long line.
+        #[serde(default)]
+        start_char: u64,
     },
     /// Write a whole file.
     WriteFile {
@@ -145,8 +148,17 @@ impl Action {
                 short(command, 80)
             ),
             Action::ReadFile {
-                path, start_line, ..
-            } => format!("read_file {path} from line {start_line}"),
+                path,
+                start_line,
+                start_char,
+                ..
+            } => {
+                if *start_char > 0 {
+                    format!("read_file {path} from line {start_line} char {start_char}")
+                } else {
+                    format!("read_file {path} from line {start_line}")
+                }
+            }
             Action::WriteFile { path, content } => {
                 format!("write_file {path} ({} bytes)", content.len())
             }
@@ -280,12 +292,13 @@ const TOOLS: &[ToolDef] = &[
     },
     ToolDef {
         name: "read_file",
-        doc: "Read lines of a file in the sandbox, numbered.",
+        doc: "Read lines of a file in the sandbox, numbered. A page is bounded (long lines are cut, with the start_char to read on); the header says where the next page starts.",
         aliases: &["read", "cat", "open", "view", "open_file", "view_file"],
         fields: &[
             f("path", Kind::Str, true, "Path of the file.", &["file", "filename", "file_path", "filepath", "name"]),
             f("start_line", Kind::Int, false, "First line to show, 1-based (default 1).", &["line", "offset", "start", "from_line"]),
             f("max_lines", Kind::Int, false, "How many lines (default 200).", &["limit", "lines", "count", "num_lines"]),
+            f("start_char", Kind::Int, false, "Character offset within start_line to start at, for paging through a very long line (default 0).", &["char_offset", "column", "col"]),
         ],
     },
     ToolDef {
@@ -766,6 +779,7 @@ fn build(def: &ToolDef, args: &Map<String, Value>) -> Result<Action, CallError> 
             path: req("path")?,
             start_line: n("start_line").unwrap_or(1).max(1),
             max_lines: n("max_lines").unwrap_or(DEFAULT_READ_LINES).clamp(1, 2000),
+            start_char: n("start_char").unwrap_or(0),
         },
         "write_file" => Action::WriteFile {
             path: req("path")?,
@@ -921,7 +935,8 @@ mod tests {
             Action::ReadFile {
                 path: "/workspace/a".into(),
                 start_line: 1,
-                max_lines: DEFAULT_READ_LINES
+                max_lines: DEFAULT_READ_LINES,
+                start_char: 0,
             }
         );
         assert_eq!(ok("snapshot", "").action, Action::Snapshot { name: None });

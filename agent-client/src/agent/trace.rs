@@ -128,86 +128,200 @@ pub fn prompt_tokens_per_call(events: &[Value]) -> Vec<u64> {
         .collect()
 }
 
+/// What a trace alone says about a run: enough for `sbx agent show` and `sbx agent ls` when
+/// the checkpoint is damaged (the trace is appended line by line, so it survives what tears a
+/// checkpoint).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Digest {
+    /// The run.
+    pub run_id: String,
+    /// The task, from the `start` event.
+    pub task: Option<String>,
+    /// The model.
+    pub model: Option<String>,
+    /// The sandbox the run works in (the latest, after forks).
+    pub sandbox_id: Option<String>,
+    /// Highest step seen.
+    pub steps: u64,
+    /// Sessions (the first one included).
+    pub sessions: u64,
+    /// Prompt tokens over all model calls.
+    pub prompt_tokens: u64,
+    /// Completion tokens over all model calls.
+    pub completion_tokens: u64,
+    /// The reason of the last stop, when the last session stopped.
+    pub reason: Option<String>,
+    /// Its detail.
+    pub detail: Option<String>,
+    /// The last actions, oldest first (at most 10).
+    pub last_actions: Vec<String>,
+    /// Milliseconds since the epoch of the last event.
+    pub last_event_ms: Option<u64>,
+}
+
+/// Sums up a trace.
+pub fn digest(events: &[Value]) -> Digest {
+    let mut d = Digest::default();
+    let mut sessions = std::collections::BTreeSet::new();
+    for e in events {
+        if d.run_id.is_empty() {
+            d.run_id = e["run_id"].as_str().unwrap_or_default().to_owned();
+        }
+        if let Some(s) = e["session"].as_u64() {
+            sessions.insert(s);
+        }
+        d.steps = d.steps.max(e["step"].as_u64().unwrap_or(0));
+        d.last_event_ms = e["ts_ms"].as_u64().or(d.last_event_ms);
+        match e["event"].as_str().unwrap_or_default() {
+            "start" => {
+                d.task = e["task"].as_str().map(str::to_owned);
+                d.model = e["model"].as_str().map(str::to_owned);
+                d.sandbox_id = e["sandbox_id"].as_str().map(str::to_owned);
+            }
+            "resume" => {
+                // A new session: the previous stop no longer holds.
+                d.reason = None;
+                d.detail = None;
+            }
+            "llm_call" => {
+                d.prompt_tokens += e["prompt_tokens"].as_u64().unwrap_or(0);
+                d.completion_tokens += e["completion_tokens"].as_u64().unwrap_or(0);
+            }
+            "step" => {
+                if let Some(a) = e["action"].as_str() {
+                    d.last_actions.push(format!("step {}: {a}", e["step"]));
+                    if d.last_actions.len() > 10 {
+                        d.last_actions.remove(0);
+                    }
+                }
+            }
+            "decision" if e["decision"] == "stop" => {
+                d.reason = e["reason"].as_str().map(str::to_owned);
+                d.detail = e["detail"].as_str().map(str::to_owned);
+            }
+            "decision" if e["decision"] == "fork" => {
+                d.sandbox_id = e["new_sandbox"].as_str().map(str::to_owned);
+            }
+            _ => {}
+        }
+    }
+    d.sessions = sessions.len() as u64;
+    d
+}
+
 /// Renders a trace as a timeline, one line per notable event.
 pub fn timeline(events: &[Value]) -> String {
     let t0 = events
         .first()
         .and_then(|e| e["ts_ms"].as_u64())
         .unwrap_or(0);
-    let mut out = String::new();
-    out.push_str(&format!(
-        "{:>8}  {:>4}  {:<10}  {:<12}  {}\n",
-        "T+S", "STEP", "STATE", "EVENT", "DETAIL"
-    ));
+    let mut out = timeline_header();
     for e in events {
-        let kind = e["event"].as_str().unwrap_or("?");
-        let detail = match kind {
-            "transition" => format!(
-                "{} -> {}{}",
-                e["from"].as_str().unwrap_or("?"),
-                e["to"].as_str().unwrap_or("?"),
-                e["why"]
-                    .as_str()
-                    .map(|w| format!(" ({w})"))
-                    .unwrap_or_default()
-            ),
-            "llm_call" => format!(
-                "{}: prompt {} tok (counted {}), completion {} tok, {} ms{}",
-                e["purpose"].as_str().unwrap_or("step"),
-                e["prompt_tokens"].as_u64().unwrap_or(0),
-                e["counted_prompt_tokens"].as_u64().unwrap_or(0),
-                e["completion_tokens"].as_u64().unwrap_or(0),
-                e["latency_ms"].as_u64().unwrap_or(0),
-                e["error"]
-                    .as_str()
-                    .map(|x| format!(", error: {x}"))
-                    .unwrap_or_default()
-            ),
-            "action" | "step" => format!(
-                "{}{}{}",
-                e["action"].as_str().unwrap_or(""),
-                e["exec_id"]
-                    .as_str()
-                    .map(|x| format!(" [{x}]"))
-                    .unwrap_or_default(),
-                e["result"]
-                    .as_str()
-                    .map(|x| format!(" -> {x}"))
-                    .unwrap_or_default()
-            ),
-            _ => e["detail"].as_str().map(str::to_owned).unwrap_or_else(|| {
-                let mut o = e.as_object().cloned().unwrap_or_default();
-                for k in [
-                    "ts_ms", "trace_id", "run_id", "session", "step", "state", "event",
-                ] {
-                    o.remove(k);
-                }
-                if o.is_empty() {
-                    String::new()
-                } else {
-                    Value::Object(o).to_string()
-                }
-            }),
-        };
-        if kind == "transition" && e["to"] == "OBSERVING" {
-            continue;
-        }
-        let secs = e["ts_ms"].as_u64().unwrap_or(t0).saturating_sub(t0) as f64 / 1000.0;
-        out.push_str(&format!(
-            "{:>8.1}  {:>4}  {:<10}  {:<12}  {}\n",
-            secs,
-            e["step"].as_u64().unwrap_or(0),
-            e["state"].as_str().unwrap_or(""),
-            kind,
-            detail
-        ));
+        out.push_str(&timeline_line(e, t0).unwrap_or_default());
     }
     out
+}
+
+/// The header line of [`timeline`].
+pub fn timeline_header() -> String {
+    format!(
+        "{:>8}  {:>4}  {:<10}  {:<12}  {}\n",
+        "T+S", "STEP", "STATE", "EVENT", "DETAIL"
+    )
+}
+
+/// One event as a line of [`timeline`] (with its newline), times relative to `t0` (ms since
+/// the epoch); `None` for events the timeline leaves out.
+pub fn timeline_line(e: &Value, t0: u64) -> Option<String> {
+    let kind = e["event"].as_str().unwrap_or("?");
+    let detail = match kind {
+        "transition" => format!(
+            "{} -> {}{}",
+            e["from"].as_str().unwrap_or("?"),
+            e["to"].as_str().unwrap_or("?"),
+            e["why"]
+                .as_str()
+                .map(|w| format!(" ({w})"))
+                .unwrap_or_default()
+        ),
+        "llm_call" => format!(
+            "{}: prompt {} tok (counted {}), completion {} tok, {} ms{}",
+            e["purpose"].as_str().unwrap_or("step"),
+            e["prompt_tokens"].as_u64().unwrap_or(0),
+            e["counted_prompt_tokens"].as_u64().unwrap_or(0),
+            e["completion_tokens"].as_u64().unwrap_or(0),
+            e["latency_ms"].as_u64().unwrap_or(0),
+            e["error"]
+                .as_str()
+                .map(|x| format!(", error: {x}"))
+                .unwrap_or_default()
+        ),
+        "action" | "step" => format!(
+            "{}{}{}",
+            e["action"].as_str().unwrap_or(""),
+            e["exec_id"]
+                .as_str()
+                .map(|x| format!(" [{x}]"))
+                .unwrap_or_default(),
+            e["result"]
+                .as_str()
+                .map(|x| format!(" -> {x}"))
+                .unwrap_or_default()
+        ),
+        _ => e["detail"].as_str().map(str::to_owned).unwrap_or_else(|| {
+            let mut o = e.as_object().cloned().unwrap_or_default();
+            for k in [
+                "ts_ms", "trace_id", "run_id", "session", "step", "state", "event",
+            ] {
+                o.remove(k);
+            }
+            if o.is_empty() {
+                String::new()
+            } else {
+                Value::Object(o).to_string()
+            }
+        }),
+    };
+    if kind == "transition" && e["to"] == "OBSERVING" {
+        return None;
+    }
+    let secs = e["ts_ms"].as_u64().unwrap_or(t0).saturating_sub(t0) as f64 / 1000.0;
+    Some(format!(
+        "{:>8.1}  {:>4}  {:<10}  {:<12}  {}\n",
+        secs,
+        e["step"].as_u64().unwrap_or(0),
+        e["state"].as_str().unwrap_or(""),
+        kind,
+        detail
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_digest_tells_the_run_without_its_checkpoint() {
+        let lines = [
+            json!({"run_id": "r", "session": 0, "step": 0, "event": "start", "task": "t", "model": "m", "sandbox_id": "sb1", "ts_ms": 1}),
+            json!({"run_id": "r", "session": 0, "step": 1, "event": "llm_call", "prompt_tokens": 100, "completion_tokens": 5}),
+            json!({"run_id": "r", "session": 0, "step": 1, "event": "step", "action": "bash `ls`"}),
+            json!({"run_id": "r", "session": 0, "step": 1, "event": "decision", "decision": "stop", "reason": "fatal_error", "detail": "x"}),
+            json!({"run_id": "r", "session": 1, "step": 1, "event": "resume"}),
+            json!({"run_id": "r", "session": 1, "step": 1, "event": "decision", "decision": "fork", "new_sandbox": "sb2"}),
+            json!({"run_id": "r", "session": 1, "step": 2, "event": "llm_call", "prompt_tokens": 50, "completion_tokens": 5}),
+            json!({"run_id": "r", "session": 1, "step": 2, "event": "decision", "decision": "stop", "reason": "finished", "detail": "ok", "ts_ms": 9}),
+        ];
+        let d = digest(&lines);
+        assert_eq!(d.run_id, "r");
+        assert_eq!(d.task.as_deref(), Some("t"));
+        assert_eq!(d.sandbox_id.as_deref(), Some("sb2"));
+        assert_eq!((d.steps, d.sessions), (2, 2));
+        assert_eq!((d.prompt_tokens, d.completion_tokens), (150, 10));
+        assert_eq!(d.reason.as_deref(), Some("finished"));
+        assert_eq!(d.last_actions, vec!["step 1: bash `ls`".to_owned()]);
+        assert_eq!(d.last_event_ms, Some(9));
+    }
 
     #[test]
     fn events_are_appended_and_read_back() {

@@ -57,10 +57,7 @@ pub fn judge(level: Level, command: &str, r: &ExecResult) -> CheckResult {
     }
     let (output, _) = observe::head_tail(
         &observe::clean(&text),
-        ObserveLimits {
-            head_chars: 1_000,
-            tail_chars: 1_500,
-        },
+        ObserveLimits::head_tail(1_000, 1_500),
     );
     CheckResult {
         level,

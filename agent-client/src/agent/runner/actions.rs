@@ -31,9 +31,11 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 req.background = *background;
                 // Not `self.exec`: a daemon outage goes through RETRYING, visibly.
                 let r = self.sandbox.exec(req).await?;
+                // A command that ran into its own time limit says nothing about the tool: the
+                // next command may be quick. Only a tool that cannot run commands counts.
                 let failed_tool = matches!(
                     ExecStatus::try_from(r.status),
-                    Ok(ExecStatus::SpawnFailed | ExecStatus::Lost | ExecStatus::TimedOut)
+                    Ok(ExecStatus::SpawnFailed | ExecStatus::Lost)
                 );
                 self.breakers.record("bash", !failed_tool, Instant::now());
                 let mut obs = observe::exec(&r, self.opts.observe);
@@ -44,42 +46,24 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 path,
                 start_line,
                 max_lines,
+                start_char,
             } => {
                 let path = self.abs_path(path);
                 match self.sandbox.read_file(&sid, &path, 0, 8 << 20).await {
                     Ok(resp) => {
                         let text = String::from_utf8_lossy(&resp.content);
-                        let total = text.lines().count() as u64;
-                        let start = (*start_line).max(1);
-                        let mut out = String::new();
-                        for (i, line) in text
-                            .lines()
-                            .enumerate()
-                            .skip((start - 1) as usize)
-                            .take(*max_lines as usize)
-                        {
-                            out.push_str(&format!("{:>6}\t{}\n", i + 1, line));
+                        let mut view = observe::file_view(
+                            &path,
+                            &text,
+                            *start_line,
+                            *max_lines,
+                            *start_char,
+                            self.opts.observe,
+                        );
+                        if !resp.eof {
+                            view.push_str("\n(file larger than 8 MiB: only its start was read; use bash with sed -n or tail for the rest)");
                         }
-                        let end = (start + max_lines - 1).min(total);
-                        if out.is_empty() {
-                            Observation::ok(format!(
-                                "{path}: {total} lines, nothing at line {start}"
-                            ))
-                        } else {
-                            let more = if end < total {
-                                format!("; more from start_line={}", end + 1)
-                            } else {
-                                String::new()
-                            };
-                            let cut = if resp.eof {
-                                ""
-                            } else {
-                                " (file larger than 8 MiB: only its start was read)"
-                            };
-                            Observation::ok(format!(
-                                "{path} lines {start}-{end} of {total}{more}{cut}\n{out}"
-                            ))
-                        }
+                        Observation::ok(view)
                     }
                     Err(e)
                         if matches!(

@@ -67,6 +67,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 ));
                 self.trace_event("decision", json!({"decision": "fork", "old_sandbox": self.ck.sandbox_id, "new_sandbox": sb.id, "snapshot": snap}));
                 self.ck.sandbox_id = sb.id;
+                self.ck.sandbox_removed = false;
                 self.workdir = sb.workdir;
                 true
             }

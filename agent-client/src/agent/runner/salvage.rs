@@ -81,7 +81,9 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             diff,
             summary,
             error: (!errors.is_empty()).then(|| errors.join("; ")),
+            finished_at_ms: Some(super::now_ms()),
         });
+        self.progress(format!("{} ({reason})", reason.status().as_str()));
         let ck = self.checkpoint();
         if let Err(e) = self.writer.write_now(ck.clone()).await {
             tracing::error!(error = %e, "cannot write the final checkpoint");

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::*;
 use crate::agent::fixture::{Reply, Script, ScriptedLlm};
@@ -34,7 +34,15 @@ fn opts(dir: &std::path::Path) -> RunOptions {
         base: Duration::from_millis(1),
         cap: Duration::from_millis(5),
         max_attempts: 4,
+        patience: None,
     };
+    o.llm_backoff = Backoff {
+        base: Duration::from_millis(1),
+        cap: Duration::from_millis(5),
+        max_attempts: u32::MAX,
+        patience: Some(Duration::from_secs(5)),
+    };
+    o.llm_breaker_cooldown = Duration::from_millis(20);
     o
 }
 
@@ -380,6 +388,7 @@ async fn crashed_run(dir: &std::path::Path, fake: &FakeSandbox) -> Checkpoint {
         idempotency_key: idempotency_key("r1", 2, 0, "act"),
         attempt: 0,
         verifying: false,
+        reasoning: String::new(),
     });
     store.save(&ck).expect("save");
     ck
@@ -638,4 +647,586 @@ async fn a_lost_exec_during_a_run_is_rolled_back_and_run_again() {
         .filter(|k| k.contains(":act:"))
         .collect();
     assert_eq!(keys, vec!["r1:1:act:0", "r1:2:act:0", "r1:2:act:1"]);
+}
+
+// ---- long unattended runs (issue 13) --------------------------------------------------------
+
+fn requests_of(model: &ScriptedLlm) -> Vec<Value> {
+    model.log.lock().map(|l| l.clone()).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn a_call_cut_off_by_the_length_limit_is_never_executed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let (report, model) = run(
+        &fake,
+        spec("write f.py, clean the build dir"),
+        vec![
+            // A half write_file: the repairer could close this JSON, but it must not be run.
+            Reply::raw(
+                "write_file",
+                r#"{"path": "f.py", "content": "def g():\n    return f("#,
+            )
+            .cut(),
+            Reply::call(
+                "write_file",
+                json!({"path": "f.py", "content": "def g():\n    return f(1)\n"}),
+            ),
+            Reply::bash("rm -rf /workspace/build && mkdir -p /workspace/bui").cut(),
+            Reply::bash("rm -rf /workspace/build && mkdir -p /workspace/build"),
+            Reply::finish("done"),
+        ],
+        dir.path(),
+    )
+    .await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    assert_eq!(report.steps, 3, "the cut replies are not steps");
+    let content = fake
+        .file(&report.sandbox_id, "/workspace/f.py")
+        .unwrap_or_default();
+    assert_eq!(
+        String::from_utf8_lossy(&content),
+        "def g():\n    return f(1)\n"
+    );
+    let commands: Vec<String> = fake.execs().iter().map(|e| e.argv.join(" ")).collect();
+    assert!(
+        !commands
+            .iter()
+            .any(|c| c.contains("/workspace/bui ") || c.ends_with("/workspace/bui")),
+        "the cut command ran: {commands:?}"
+    );
+    let log = requests_of(&model);
+    // The model is told, and the next call gets a larger completion limit.
+    let told = log[1].to_string();
+    assert!(
+        told.contains("cut off at the completion limit of 1000 tokens"),
+        "{told}"
+    );
+    assert!(told.contains("NOT executed"), "{told}");
+    assert!(!told.contains("wrote "), "{told}");
+    assert_eq!(log[0]["max_tokens"], 1000);
+    assert_eq!(log[1]["max_tokens"], 2000);
+    assert_eq!(
+        log[2]["max_tokens"], 1000,
+        "back to the configured limit once a call is accepted"
+    );
+    let events = crate::agent::trace::read(&dir.path().join("runs/r1/trace.jsonl")).expect("trace");
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e["decision"] == "cut_off_reply")
+            .count(),
+        2
+    );
+}
+
+/// A handler that also makes a 400 KB single-line file and prints long distinct outputs.
+fn big_handler() -> crate::agent::sandbox::FakeHandler {
+    Arc::new(|cmd: &str, files: &mut crate::agent::sandbox::FakeFiles| {
+        if cmd == "make-min-js" {
+            files.insert("/workspace/min.js".into(), "x".repeat(400_000).into_bytes());
+            return (0, String::new());
+        }
+        if let Some(n) = cmd
+            .strip_prefix("lines ")
+            .and_then(|n| n.trim().parse::<usize>().ok())
+        {
+            // Dense text (hex words): few characters per token, as in real logs with hashes.
+            let out: String = (0..n)
+                .map(|i| {
+                    let h = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ n as u64;
+                    format!("{i} {h:016x} {:016x} {n}\n", h.rotate_left(17))
+                })
+                .collect();
+            return (0, format!("{out}MARKER-{n}\n"));
+        }
+        (basic_handler())(cmd, files)
+    })
+}
+
+#[tokio::test]
+async fn one_big_read_file_does_not_kill_the_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(big_handler());
+    let mut s = spec("read the minified file");
+    s.context_window = 8_000;
+    let (report, model) = run(
+        &fake,
+        s,
+        vec![
+            Reply::bash("make-min-js"),
+            Reply::call("read_file", json!({"path": "min.js"})),
+            Reply::call(
+                "read_file",
+                json!({"path": "min.js", "start_line": 1, "start_char": 500}),
+            ),
+            Reply::finish("read it"),
+        ],
+        dir.path(),
+    )
+    .await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let log = requests_of(&model);
+    let tool_result = |r: &Value| {
+        r["messages"]
+            .as_array()
+            .and_then(|m| m.iter().rev().find(|m| m["role"] == "tool").cloned())
+            .and_then(|m| m["content"].as_str().map(str::to_owned))
+            .unwrap_or_default()
+    };
+    let first_page = tool_result(&log[2]);
+    assert!(first_page.len() < 1_500, "{}", first_page.len());
+    assert!(
+        first_page.contains("start_line=1, start_char=500"),
+        "{first_page}"
+    );
+    let second_page = tool_result(&log[3]);
+    assert!(
+        second_page.len() < 11_000 && second_page.len() > 5_000,
+        "{}",
+        second_page.len()
+    );
+    assert!(
+        second_page.contains("start_char=9800"),
+        "the next page is named"
+    );
+    for r in &log {
+        assert!(
+            r.to_string().len() < 8_000 * 4,
+            "a prompt of {} chars in a window of 8000 tokens",
+            r.to_string().len()
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_checkpoint_whose_prompt_cannot_fit_is_repaired_on_resume() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let mut ck = crashed_run(dir.path(), &fake).await;
+    // The state a run without observation caps left behind: one 400 KB result in the tail.
+    let mut ctx = ContextManager::restore(
+        context_config(&ck.spec, &opts(dir.path())),
+        TokenCounter::for_model(&ck.spec.model),
+        tool_wire(),
+        ck.context.clone(),
+    );
+    ctx.push_step(
+        1,
+        crate::agent::llm::ToolCall {
+            id: "big".into(),
+            kind: "function".into(),
+            function: crate::agent::llm::FunctionCall {
+                name: "read_file".into(),
+                arguments: r#"{"path":"min.js"}"#.into(),
+            },
+        },
+        "read_file min.js".into(),
+        "x".repeat(400_000),
+        None,
+        true,
+    );
+    assert!(ctx.prompt_tokens() > ck.spec.context_window);
+    ck.context = ctx.state().clone();
+    FileStore::new(dir.path()).save(&ck).expect("save");
+    let (report, model) = resume_to_end(dir.path(), &fake).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let log = requests_of(&model);
+    assert!(!log.is_empty());
+    for r in &log {
+        let chars = r["messages"].to_string().len();
+        assert!(
+            chars < ck.spec.context_window * 4,
+            "prompt of {chars} chars"
+        );
+    }
+    let events = crate::agent::trace::read(&dir.path().join("runs/r1/trace.jsonl")).expect("trace");
+    assert!(events.iter().any(|e| e["decision"] == "context_repaired"));
+}
+
+#[tokio::test]
+async fn summaries_have_hysteresis_in_a_small_window() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(big_handler());
+    let mut s = spec("print a lot");
+    s.context_window = 8_000;
+    s.max_steps = 25;
+    let replies: Vec<Reply> = (0..30)
+        .map(|i| Reply::bash(&format!("lines {}", 60 + i)))
+        .collect();
+    let (report, model) = run(&fake, s, replies, dir.path()).await;
+    assert_eq!(report.reason, StopReason::MaxSteps, "{report:?}");
+    let log = requests_of(&model);
+    let kinds: Vec<bool> = log
+        .iter()
+        .map(|r| r["tools"].as_array().is_some_and(|t| !t.is_empty()))
+        .collect();
+    let summaries = kinds.iter().filter(|k| !**k).count();
+    assert!(summaries <= 8, "{summaries} summaries in 25 steps");
+    // Between two summaries at least two model turns.
+    let mut turns_since = usize::MAX;
+    for is_turn in kinds {
+        if is_turn {
+            turns_since = turns_since.saturating_add(1);
+        } else {
+            assert!(turns_since >= 2, "summaries on consecutive turns");
+            turns_since = 0;
+        }
+    }
+    // After each compaction the prompt is below the trigger.
+    let events = crate::agent::trace::read(&dir.path().join("runs/r1/trace.jsonl")).expect("trace");
+    for e in events.iter().filter(|e| e["event"] == "compaction") {
+        assert!(
+            e["tokens_after"].as_u64().unwrap_or(u64::MAX) < 5_600,
+            "{e}"
+        );
+    }
+    for t in crate::agent::trace::prompt_tokens_per_call(&events) {
+        assert!(t < 8_000 - 1_000, "a prompt of {t} tokens");
+    }
+}
+
+#[tokio::test]
+async fn reasoning_is_kept_in_history_trace_checkpoint_and_summaries() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(big_handler());
+    let mut s = spec("print a lot");
+    s.context_window = 8_000;
+    s.max_steps = 14;
+    let replies: Vec<Reply> = (0..20)
+        .map(|i| {
+            Reply::bash(&format!("lines {}", 60 + i)).saying(&format!(
+                "Plan {i}: print {} rows; left: the rows after it",
+                60 + i
+            ))
+        })
+        .collect();
+    let (report, model) = run(&fake, s, replies, dir.path()).await;
+    assert_eq!(report.reason, StopReason::MaxSteps, "{report:?}");
+    let log = requests_of(&model);
+    // In the next prompt, as the assistant's content beside its call.
+    let second = &log[1]["messages"];
+    assert!(
+        second
+            .as_array()
+            .is_some_and(|m| m.iter().any(|m| m["role"] == "assistant"
+                && m["content"]
+                    .as_str()
+                    .is_some_and(|c| c.starts_with("Plan 0: print 60 rows")))),
+        "{second}"
+    );
+    // In the trace and the checkpoint.
+    let events = crate::agent::trace::read(&dir.path().join("runs/r1/trace.jsonl")).expect("trace");
+    assert!(events.iter().any(|e| e["event"] == "step"
+        && e["reasoning"] == "Plan 3: print 63 rows; left: the rows after it"));
+    let ck = FileStore::new(dir.path()).load("r1").expect("checkpoint");
+    let held: Vec<&str> = ck
+        .context
+        .first
+        .iter()
+        .chain(ck.context.working.iter())
+        .map(|e| e.reasoning.as_str())
+        .collect();
+    assert!(held.iter().all(|r| r.starts_with("Plan ")), "{held:?}");
+    // Summaries are made from the reasoning and the results of the folded steps, not stubs.
+    let summary_requests: Vec<String> = log
+        .iter()
+        .filter(|r| r["tools"].as_array().is_none_or(|t| t.is_empty()))
+        .map(|r| r["messages"].to_string())
+        .collect();
+    assert!(!summary_requests.is_empty(), "a compaction happened");
+    let first = &summary_requests[0];
+    assert!(
+        first.contains("reasoning: Plan 1: print 61 rows"),
+        "{first}"
+    );
+    assert!(
+        first.contains("MARKER-61"),
+        "the end of a folded result reaches the summary: {first}"
+    );
+    assert!(first.contains("latest stated plan"), "{first}");
+}
+
+fn poll_replies(polls: usize) -> Vec<Reply> {
+    let mut replies = vec![Reply::call(
+        "bash",
+        json!({"command": "build-job", "background": true}),
+    )];
+    replies.extend((0..polls).map(|_| Reply::bash("cat status")));
+    replies.push(Reply::finish("the job finished"));
+    replies
+}
+
+#[tokio::test]
+async fn polling_a_running_background_job_is_progress() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(Arc::new(
+        |cmd: &str, files: &mut crate::agent::sandbox::FakeFiles| {
+            if cmd == "cat status" {
+                return (0, "waiting\n".into());
+            }
+            (basic_handler())(cmd, files)
+        },
+    ));
+    // Running through 6 probes, then it has ended.
+    fake.background_runs_for(6);
+    let (report, _) = run(&fake, spec("wait for the job"), poll_replies(8), dir.path()).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    assert_eq!(report.steps, 10);
+}
+
+#[tokio::test]
+async fn the_model_is_warned_one_step_before_a_no_progress_stop() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let (report, model) = run(
+        &fake,
+        spec("x"),
+        vec![Reply::bash("cat missing"); 20],
+        dir.path(),
+    )
+    .await;
+    assert_eq!(report.reason, StopReason::NoProgress);
+    assert_eq!(report.steps, 4);
+    let log = requests_of(&model);
+    assert!(
+        !log[2].to_string().contains("NO-PROGRESS WARNING"),
+        "not before it is due"
+    );
+    assert!(
+        log[3].to_string().contains("NO-PROGRESS WARNING"),
+        "{}",
+        log[3]
+    );
+
+    // An explicit wait makes a poll slower to call stuck; the thresholds are options.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut o = opts(dir.path());
+    o.detector.repeat_waiting = 6;
+    let model = llm(vec![Reply::bash("sleep 1; cat missing"); 20]);
+    let report = start(fake.clone(), model, spec("x"), Some("r1".into()), o)
+        .await
+        .expect("run starts");
+    assert_eq!(report.reason, StopReason::NoProgress);
+    assert_eq!(report.steps, 6);
+}
+
+#[tokio::test]
+async fn command_timeouts_never_disable_the_bash_tool() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(Arc::new(
+        |cmd: &str, files: &mut crate::agent::sandbox::FakeFiles| {
+            if cmd.starts_with("slow") {
+                return (crate::agent::sandbox::FAKE_TIMED_OUT, String::new());
+            }
+            (basic_handler())(cmd, files)
+        },
+    ));
+    let mut replies: Vec<Reply> = (0..6).map(|i| Reply::bash(&format!("slow {i}"))).collect();
+    replies.push(Reply::bash("echo hi >> log"));
+    replies.push(Reply::finish("ok"));
+    let (report, model) = run(&fake, spec("x"), replies, dir.path()).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    assert_eq!(log_file(&fake, &report), "hi\n");
+    assert!(!requests_of(&model)
+        .iter()
+        .any(|r| r.to_string().contains("NOT RUN")));
+}
+
+#[tokio::test]
+async fn a_long_model_outage_is_waited_out_with_retry_after_and_a_breaker() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let busy = Reply::Status {
+        code: 503,
+        body: "overloaded".into(),
+        retry_after: None,
+    };
+    let mut replies = vec![busy; 12];
+    // A Retry-After longer than the backoff's cap is honoured.
+    replies.push(Reply::Status {
+        code: 429,
+        body: "slow down".into(),
+        retry_after: Some(1),
+    });
+    replies.push(Reply::finish("ok"));
+    let (report, _) = run(&fake, spec("x"), replies, dir.path()).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let events = crate::agent::trace::read(&dir.path().join("runs/r1/trace.jsonl")).expect("trace");
+    let delays: Vec<u64> = events
+        .iter()
+        .filter(|e| e["event"] == "retry")
+        .filter_map(|e| e["delay_ms"].as_u64())
+        .collect();
+    assert!(delays.len() >= 13, "{delays:?}");
+    assert!(
+        delays.contains(&1_000),
+        "Retry-After: 1 honoured: {delays:?}"
+    );
+    assert!(
+        events.iter().any(|e| e["decision"] == "llm_breaker_open"),
+        "the endpoint's breaker opened"
+    );
+}
+
+#[tokio::test]
+async fn an_outage_longer_than_the_patience_stops_resumably() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let mut o = opts(dir.path());
+    o.llm_backoff.patience = Some(Duration::from_millis(200));
+    let model = Arc::new(ScriptedLlm::new(
+        Script::from_fn(|_| Reply::Status {
+            code: 502,
+            body: "bad gateway".into(),
+            retry_after: None,
+        }),
+        "gpt-4o",
+    ));
+    let report = start(fake.clone(), model, spec("x"), Some("r1".into()), o)
+        .await
+        .expect("run starts");
+    assert_eq!(report.reason, StopReason::FatalError, "{report:?}");
+    assert!(report.resumable);
+    assert!(
+        report
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("kept failing for") || e.contains("has been failing")),
+        "{report:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_stopped_run_continues_with_new_budgets() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let mut s = spec("append");
+    s.max_steps = 2;
+    let (report, _) = run(
+        &fake,
+        s,
+        vec![Reply::bash("echo a >> log"), Reply::bash("echo b >> log")],
+        dir.path(),
+    )
+    .await;
+    assert_eq!(report.reason, StopReason::MaxSteps);
+    // Without new budgets it is reported as it ended.
+    let model = llm(vec![Reply::bash("echo c >> log"), Reply::finish("abc")]);
+    let m = model.clone();
+    let again = resume(
+        fake.clone(),
+        move |_| Ok(m as Arc<dyn LlmProvider>),
+        "r1",
+        opts(dir.path()),
+    )
+    .await
+    .expect("report");
+    assert_eq!(again.reason, StopReason::MaxSteps);
+    assert!(requests_of(&model).is_empty());
+    // With them it goes on in the same sandbox.
+    let mut o = opts(dir.path());
+    o.new_budgets.max_steps = Some(10);
+    let m = model.clone();
+    let resumed = resume(
+        fake.clone(),
+        move |_| Ok(m as Arc<dyn LlmProvider>),
+        "r1",
+        o,
+    )
+    .await
+    .expect("resume");
+    assert_eq!(resumed.status, RunStatus::Done, "{resumed:?}");
+    assert_eq!(resumed.steps, 4);
+    assert_eq!(resumed.sandbox_id, report.sandbox_id);
+    assert_eq!(log_file(&fake, &resumed), "a\nb\nc\n");
+}
+
+#[tokio::test]
+async fn sandboxes_of_ended_runs_are_removed_after_their_keep_time() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let mut o = opts(dir.path());
+    o.keep_sandbox = Some(Duration::ZERO);
+    let model = llm(vec![Reply::bash("echo a >> log"), Reply::finish("a")]);
+    let report = start(fake.clone(), model, spec("x"), Some("r1".into()), o)
+        .await
+        .expect("run");
+    assert_eq!(report.status, RunStatus::Done);
+    // A run kept for a day is left alone.
+    let mut o = opts(dir.path());
+    o.keep_sandbox = Some(Duration::from_secs(86_400));
+    let model = llm(vec![Reply::finish("b")]);
+    let kept = start(fake.clone(), model, spec("y"), Some("r2".into()), o)
+        .await
+        .expect("run");
+    let removed = reap_finished_sandboxes(&fake, dir.path()).await;
+    assert_eq!(removed, vec![("r1".to_owned(), report.sandbox_id.clone())]);
+    assert!(fake.get(&report.sandbox_id).await.is_err(), "removed");
+    assert!(fake.get(&kept.sandbox_id).await.is_ok(), "kept");
+    let ck = FileStore::new(dir.path()).load("r1").expect("checkpoint");
+    assert!(ck.sandbox_removed);
+    assert!(
+        reap_finished_sandboxes(&fake, dir.path()).await.is_empty(),
+        "once"
+    );
+}
+
+#[tokio::test]
+async fn progress_lines_tell_each_step_and_the_end() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let lines = Arc::new(std::sync::Mutex::new(Vec::<Progress>::new()));
+    let sink = lines.clone();
+    let mut o = opts(dir.path());
+    o.progress = Some(ProgressSink(Arc::new(move |p: &Progress| {
+        if let Ok(mut l) = sink.lock() {
+            l.push(p.clone());
+        }
+    })));
+    let model = llm(vec![
+        Reply::bash("echo a >> log"),
+        Reply::bash("exit 3"),
+        Reply::finish("a"),
+    ]);
+    let report = start(fake.clone(), model, spec("x"), Some("r1".into()), o)
+        .await
+        .expect("run");
+    assert_eq!(report.status, RunStatus::Done);
+    let got: Vec<(u64, String)> = lines
+        .lock()
+        .map(|l| l.iter().map(|p| (p.step, p.line.clone())).collect())
+        .unwrap_or_default();
+    assert_eq!(
+        got,
+        vec![
+            (1, "bash `echo a >> log` -> ok".to_owned()),
+            (2, "bash `exit 3` -> exit code 3".to_owned()),
+            (3, "done (finished)".to_owned()),
+        ]
+    );
+    assert!(lines
+        .lock()
+        .map(|l| l[1].tokens > 0 && l[1].max_steps == 30)
+        .unwrap_or(false));
+}
+
+#[tokio::test]
+async fn a_stated_plan_to_wait_makes_repeated_checks_polls() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let mut o = opts(dir.path());
+    o.detector.repeat_waiting = 7;
+    let model = llm(vec![
+        Reply::bash("cat missing").saying(
+            "The job is still running, I will poll until it is done."
+        );
+        20
+    ]);
+    let report = start(fake.clone(), model, spec("x"), Some("r1".into()), o)
+        .await
+        .expect("run starts");
+    assert_eq!(report.reason, StopReason::NoProgress);
+    assert_eq!(report.steps, 7, "the waiting threshold, not the plain one");
 }

@@ -7,28 +7,92 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agent_client::agent::checkpoint::{CheckpointError, CheckpointStore, FileStore};
+use agent_client::agent::checkpoint::{CheckpointError, CheckpointStore, FileStore, RunLock};
 use agent_client::agent::{
-    self, trace, AgentError, LlmProvider, OpenAiProvider, RunOptions, RunReport, RunSpec, RunStatus,
+    self, trace, AgentError, LlmProvider, NewBudgets, OpenAiProvider, Progress, ProgressSink,
+    RunOptions, RunReport, RunSpec, RunStatus,
 };
 use anyhow::{Context, Result};
-use serde_json::json;
+use serde_json::{json, Value};
 
-use crate::cli::{AgentCommand, AgentRunArgs, IsolationArg};
+use crate::cli::{AgentCommand, AgentRunArgs, IsolationArg, LoopTuning};
 use crate::{output, Ctx};
 
 /// Exit code of a run stopped by a termination rule.
 const EXIT_STOPPED: u8 = 3;
 /// How long one model call may take.
 const LLM_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a new run's sandbox is kept after the run ends, unless --keep-sandbox says.
+const DEFAULT_KEEP_SANDBOX_SECS: u64 = 86_400;
+
+/// Live progress on stderr when it is a terminal (SBX_PROGRESS=1 forces it, 0 turns it off).
+fn progress_sink() -> Option<ProgressSink> {
+    use std::io::IsTerminal;
+    let on = match std::env::var("SBX_PROGRESS").ok().as_deref() {
+        Some("1") => true,
+        Some("0") => false,
+        _ => std::io::stderr().is_terminal(),
+    };
+    on.then(|| {
+        ProgressSink(Arc::new(|p: &Progress| {
+            let tokens = match p.max_tokens {
+                Some(max) => format!("{}/{max} tok", p.tokens),
+                None => format!("{} tok", p.tokens),
+            };
+            let line = format!(
+                "[{} step {}/{} · {tokens} · {:.0}s] {}",
+                p.run_id,
+                p.step,
+                p.max_steps,
+                p.elapsed_ms as f64 / 1000.0,
+                p.line
+            );
+            // Progress is a courtesy: a closed stderr must not stop the run.
+            let _ = output::note(&line);
+        }))
+    })
+}
+
+/// Removes the sandboxes of ended runs whose keep time has passed (best effort).
+async fn reap(client: &agent_client::Client, state_dir: &std::path::Path) {
+    for (run, sandbox) in agent::reap_finished_sandboxes(client, state_dir).await {
+        tracing::info!(%run, %sandbox, "removed the sandbox of an ended run");
+    }
+}
 
 /// Runs an `sbx agent` subcommand.
 pub async fn agent(ctx: &Ctx, command: AgentCommand) -> Result<u8> {
     init_logging();
     match command {
         AgentCommand::Run(args) => run(ctx, *args).await,
-        AgentCommand::Resume { run_id, state_dir } => resume(ctx, run_id, state_dir).await,
-        AgentCommand::Show { run_id, state_dir } => show(ctx, run_id, state_dir),
+        AgentCommand::Resume {
+            run_id,
+            state_dir,
+            tuning,
+            max_steps,
+            max_tokens,
+            max_time,
+            max_cost,
+        } => {
+            let budgets = NewBudgets {
+                max_steps,
+                max_tokens,
+                max_time_secs: max_time,
+                max_cost,
+            };
+            resume(ctx, run_id, state_dir, &tuning, budgets).await
+        }
+        AgentCommand::Show {
+            run_id,
+            state_dir,
+            follow: false,
+        } => show(ctx, run_id, state_dir),
+        AgentCommand::Show {
+            run_id,
+            state_dir,
+            follow: true,
+        } => follow(ctx, run_id, state_dir).await,
+        AgentCommand::Ls { state_dir } => ls(ctx, state_dir),
     }
 }
 
@@ -56,8 +120,27 @@ fn provider(model: &str) -> Result<Arc<dyn LlmProvider>, agent::llm::LlmError> {
     Ok(Arc::new(OpenAiProvider::from_env(model, LLM_TIMEOUT)?))
 }
 
-fn options(state_dir: PathBuf, fold_after: Option<usize>, llm_rate: Option<f64>) -> RunOptions {
+fn options(
+    state_dir: PathBuf,
+    fold_after: Option<usize>,
+    llm_rate: Option<f64>,
+    tuning: &LoopTuning,
+) -> RunOptions {
     let mut opts = RunOptions::new(state_dir);
+    if let Some(n) = tuning.stuck_after {
+        opts.detector.repeat = n;
+    }
+    if let Some(n) = tuning.stuck_after_waiting {
+        opts.detector.repeat_waiting = n;
+    }
+    if let Some(n) = tuning.stuck_alternations {
+        opts.detector.alternations = n;
+    }
+    if let Some(secs) = tuning.llm_patience {
+        opts.llm_backoff.patience = Some(Duration::from_secs(secs));
+    }
+    opts.keep_sandbox = tuning.keep_sandbox.map(Duration::from_secs);
+    opts.progress = progress_sink();
     if let Some(n) = fold_after {
         opts.fold_after = n;
     }
@@ -109,17 +192,34 @@ async fn run(ctx: &Ctx, args: AgentRunArgs) -> Result<u8> {
     output::note(&format!(
         "agent run {run_id} (resume with: sbx agent resume {run_id})"
     ))?;
-    let opts = options(state_dir(args.state_dir), args.fold_after, args.llm_rate);
+    let mut opts = options(
+        state_dir(args.state_dir),
+        args.fold_after,
+        args.llm_rate,
+        &args.tuning,
+    );
+    if opts.keep_sandbox.is_none() {
+        opts.keep_sandbox = Some(Duration::from_secs(DEFAULT_KEEP_SANDBOX_SECS));
+    }
+    reap(&client, &opts.state_dir).await;
     let result = agent::start(client, llm, spec, Some(run_id.clone()), opts).await;
     finish(ctx, &run_id, result)
 }
 
-async fn resume(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
-    let opts = options(state_dir(dir), None, None);
+async fn resume(
+    ctx: &Ctx,
+    run_id: String,
+    dir: Option<PathBuf>,
+    tuning: &LoopTuning,
+    budgets: NewBudgets,
+) -> Result<u8> {
+    let mut opts = options(state_dir(dir), None, None, tuning);
+    opts.new_budgets = budgets;
     let client = match ctx.client().await {
         Ok(c) => c,
         Err(e) => return Err(failed(ctx, &run_id, "fatal_error", e)),
     };
+    reap(&client, &opts.state_dir).await;
     let result = agent::resume(client, |spec| provider(&spec.model), &run_id, opts).await;
     finish(ctx, &run_id, result)
 }
@@ -214,9 +314,245 @@ fn failed(ctx: &Ctx, run_id: &str, reason: &str, e: anyhow::Error) -> anyhow::Er
     e
 }
 
+/// One row of `sbx agent ls`.
+fn run_row(store: &FileStore, run_id: &str) -> Value {
+    let running = matches!(
+        RunLock::acquire(store, run_id),
+        Err(CheckpointError::Locked(_))
+    );
+    match store.load(run_id) {
+        Ok(ck) => {
+            let (status, reason) = match &ck.outcome {
+                Some(o) if !running => (o.reason.status().as_str(), Some(o.reason.as_str())),
+                _ if running => ("running", None),
+                _ => ("interrupted", None),
+            };
+            json!({
+                "run_id": ck.run_id,
+                "status": status,
+                "reason": reason,
+                "resumable": ck.outcome.as_ref().is_none_or(|o| o.reason.resumable()),
+                "steps": ck.step,
+                "max_steps": ck.spec.max_steps,
+                "tokens": ck.budget.tokens(),
+                "sandbox_id": ck.sandbox_id,
+                "sandbox_removed": ck.sandbox_removed,
+                "task": ck.spec.task,
+            })
+        }
+        Err(e) => {
+            // The trace still says what happened.
+            let d = trace::read(&store.run_dir(run_id).join("trace.jsonl"))
+                .map(|events| trace::digest(&events))
+                .unwrap_or_default();
+            json!({
+                "run_id": run_id,
+                "status": if running { "running" } else { "checkpoint_damaged" },
+                "reason": d.reason,
+                "resumable": false,
+                "steps": d.steps,
+                "tokens": d.prompt_tokens + d.completion_tokens,
+                "sandbox_id": d.sandbox_id,
+                "task": d.task,
+                "error": e.to_string(),
+            })
+        }
+    }
+}
+
+fn ls(ctx: &Ctx, dir: Option<PathBuf>) -> Result<u8> {
+    let store = FileStore::new(state_dir(dir));
+    let runs_dir = store
+        .run_dir("x")
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let mut ids: Vec<String> = match std::fs::read_dir(&runs_dir) {
+        Ok(entries) => entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+            .filter(|id| agent::checkpoint::validate_run_id(id).is_ok())
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => {
+            return Err(anyhow::Error::new(e)
+                .context(format!("cannot list the runs in {}", runs_dir.display())))
+        }
+    };
+    ids.sort();
+    let rows: Vec<Value> = ids.iter().map(|id| run_row(&store, id)).collect();
+    if ctx.json {
+        output::json(&Value::Array(rows))?;
+        return Ok(0);
+    }
+    let mut text = format!(
+        "{:<28}  {:<20}  {:>9}  {:>10}  {:<14}  {}\n",
+        "RUN", "STATUS", "STEPS", "TOKENS", "SANDBOX", "TASK"
+    );
+    for r in &rows {
+        let status = match r["reason"].as_str() {
+            Some(reason) => format!("{} ({reason})", r["status"].as_str().unwrap_or("-")),
+            None => r["status"].as_str().unwrap_or("-").to_owned(),
+        };
+        text.push_str(&format!(
+            "{:<28}  {:<20}  {:>9}  {:>10}  {:<14}  {}\n",
+            r["run_id"].as_str().unwrap_or("-"),
+            status,
+            r["steps"],
+            r["tokens"],
+            if r["sandbox_removed"] == true {
+                "(removed)"
+            } else {
+                r["sandbox_id"].as_str().unwrap_or("-")
+            },
+            output::ellipsize(&r["task"].as_str().unwrap_or("").replace('\n', " "), 60),
+        ));
+    }
+    output::stdout(text.as_bytes())?;
+    Ok(0)
+}
+
+/// `show --follow`: the timeline from the start, then each event as it is appended, until the
+/// run has stopped (a `stop` event, and no process holds the run) or, when no process holds
+/// it, nothing new comes.
+async fn follow(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
+    use std::io::{Read, Seek, SeekFrom};
+    let store = FileStore::new(state_dir(dir));
+    agent::checkpoint::validate_run_id(&run_id)?;
+    if !store.run_dir(&run_id).is_dir() {
+        anyhow::bail!(
+            "unknown run {run_id} (no directory under {})",
+            store.run_dir(&run_id).display()
+        );
+    }
+    let path = store.run_dir(&run_id).join("trace.jsonl");
+    if !ctx.json {
+        output::stdout(trace::timeline_header().as_bytes())?;
+    }
+    let mut offset = 0u64;
+    let mut stopped = false;
+    let mut partial = String::new();
+    let mut t0 = None;
+    loop {
+        let mut chunk = String::new();
+        if let Ok(mut f) = std::fs::File::open(&path) {
+            f.seek(SeekFrom::Start(offset))
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            let n = f
+                .read_to_string(&mut chunk)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            offset += n as u64;
+        }
+        partial.push_str(&chunk);
+        // Only whole lines: the writer may be half-way through one.
+        while let Some(end) = partial.find('\n') {
+            let line: String = partial.drain(..=end).collect();
+            let Ok(event) = serde_json::from_str::<Value>(&line) else {
+                continue;
+            };
+            match event["event"].as_str() {
+                Some("stop") => stopped = true,
+                Some("resume") => stopped = false,
+                _ => {}
+            }
+            if ctx.json {
+                output::stdout(format!("{event}\n").as_bytes())?;
+            } else {
+                let t = *t0.get_or_insert(event["ts_ms"].as_u64().unwrap_or(0));
+                if let Some(text) = trace::timeline_line(&event, t) {
+                    output::stdout(text.as_bytes())?;
+                }
+            }
+        }
+        let running = matches!(
+            RunLock::acquire(&store, &run_id),
+            Err(CheckpointError::Locked(_))
+        );
+        if !running && (stopped || chunk.is_empty()) {
+            return Ok(0);
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// `show` of a run whose checkpoint cannot be read: what its trace says.
+fn show_from_trace(
+    ctx: &Ctx,
+    store: &FileStore,
+    run_id: &str,
+    damaged: &CheckpointError,
+) -> Result<u8> {
+    let path = store.run_dir(run_id).join("trace.jsonl");
+    let events = trace::read(&path)
+        .with_context(|| format!("{damaged}; and its trace cannot be read either"))?;
+    let d = trace::digest(&events);
+    output::note(&format!(
+        "the checkpoint is damaged ({damaged}); showing what the trace says"
+    ))?;
+    if ctx.json {
+        output::json(&json!({
+            "run_id": run_id,
+            "from_trace": true,
+            "checkpoint_error": damaged.to_string(),
+            "task": d.task,
+            "model": d.model,
+            "reason": d.reason,
+            "detail": d.detail,
+            "steps": d.steps,
+            "sessions": d.sessions,
+            "prompt_tokens": d.prompt_tokens,
+            "completion_tokens": d.completion_tokens,
+            "sandbox_id": d.sandbox_id,
+            "last_actions": d.last_actions,
+            "events": events,
+        }))?;
+        return Ok(0);
+    }
+    let rows = [
+        ("RUN", run_id.to_owned()),
+        ("CHECKPOINT", format!("damaged: {damaged}")),
+        (
+            "TASK",
+            output::ellipsize(&d.task.clone().unwrap_or_default().replace('\n', " "), 100),
+        ),
+        ("MODEL", d.model.clone().unwrap_or_else(|| "-".into())),
+        (
+            "STATUS",
+            d.reason
+                .clone()
+                .map_or_else(|| "no stop recorded".into(), |r| format!("stopped ({r})")),
+        ),
+        ("STEPS", d.steps.to_string()),
+        (
+            "TOKENS",
+            format!(
+                "{} prompt + {} completion",
+                d.prompt_tokens, d.completion_tokens
+            ),
+        ),
+        (
+            "SANDBOX",
+            d.sandbox_id.clone().unwrap_or_else(|| "-".into()),
+        ),
+        ("SESSIONS", d.sessions.to_string()),
+    ];
+    let mut text = output::fields(&rows);
+    text.push('\n');
+    text.push_str(&trace::timeline(&events));
+    output::stdout(text.as_bytes())?;
+    Ok(0)
+}
+
 fn show(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
     let store = FileStore::new(state_dir(dir));
-    let ck = store.load(&run_id)?;
+    let ck = match store.load(&run_id) {
+        Ok(ck) => ck,
+        Err(e @ (CheckpointError::Corrupt { .. } | CheckpointError::Incompatible { .. })) => {
+            return show_from_trace(ctx, &store, &run_id, &e);
+        }
+        Err(e) => return Err(e.into()),
+    };
     let trace_path = store.run_dir(&run_id).join("trace.jsonl");
     let events = trace::read(&trace_path).unwrap_or_default();
     let status = ck.outcome.as_ref().map_or_else(

@@ -136,11 +136,37 @@ pub enum AgentCommand {
         /// Where runs are kept [env: SBX_AGENT_STATE_DIR; default: ./.sandboxd/agent].
         #[arg(long, value_name = "DIR")]
         state_dir: Option<PathBuf>,
+        #[command(flatten)]
+        tuning: LoopTuning,
+        /// New step budget (total): continues a run the step limit, a budget or the
+        /// no-progress detector stopped.
+        #[arg(long, value_name = "N")]
+        max_steps: Option<u64>,
+        /// New token budget (total), as --max-steps.
+        #[arg(long, value_name = "N")]
+        max_tokens: Option<u64>,
+        /// New wall-time budget (total), seconds, as --max-steps.
+        #[arg(long, value_name = "SECS")]
+        max_time: Option<u64>,
+        /// New cost budget (total), USD, as --max-steps.
+        #[arg(long, value_name = "USD")]
+        max_cost: Option<f64>,
     },
-    /// Print a run's timeline with token and budget use.
+    /// Print a run's timeline with token and budget use (from the trace alone when the
+    /// checkpoint is damaged).
     Show {
         /// The run id.
         run_id: String,
+        /// Where runs are kept [env: SBX_AGENT_STATE_DIR; default: ./.sandboxd/agent].
+        #[arg(long, value_name = "DIR")]
+        state_dir: Option<PathBuf>,
+        /// Keep printing the timeline as the run goes, until it stops (with --json: one
+        /// trace event per line).
+        #[arg(long, short = 'f')]
+        follow: bool,
+    },
+    /// List the runs with their status, steps and sandbox.
+    Ls {
         /// Where runs are kept [env: SBX_AGENT_STATE_DIR; default: ./.sandboxd/agent].
         #[arg(long, value_name = "DIR")]
         state_dir: Option<PathBuf>,
@@ -209,6 +235,32 @@ pub struct AgentRunArgs {
     /// Keep the full history in every prompt (no folding, no summaries): for comparisons.
     #[arg(long, hide = true)]
     pub no_context_management: bool,
+    #[command(flatten)]
+    pub tuning: LoopTuning,
+}
+
+/// Knobs of the loop that are not part of the run (given again on `resume`).
+#[derive(Debug, Args, Default)]
+pub struct LoopTuning {
+    /// The same action with the same result this many times in a row, with no progress
+    /// signal, stops the run as no_progress [default: 4].
+    #[arg(long, value_name = "N")]
+    pub stuck_after: Option<usize>,
+    /// Like --stuck-after for actions that wait explicitly (sleep, wait) [default: 12].
+    #[arg(long, value_name = "N")]
+    pub stuck_after_waiting: Option<usize>,
+    /// Two actions alternating this many times with the same results stop the run [default: 3].
+    #[arg(long, value_name = "N")]
+    pub stuck_alternations: Option<usize>,
+    /// How long a model endpoint outage is waited out (backoff, Retry-After) before the run
+    /// stops as fatal_error, seconds [default: 600].
+    #[arg(long, value_name = "SECS")]
+    pub llm_patience: Option<u64>,
+    /// Keep the run's sandbox this long once the run has ended, then remove it (at the next
+    /// `sbx agent run` or `resume`; the snapshots stay, so a resume forks a new one), seconds
+    /// [default for a new run: 86400].
+    #[arg(long, value_name = "SECS")]
+    pub keep_sandbox: Option<u64>,
 }
 
 /// `sbx create`.
