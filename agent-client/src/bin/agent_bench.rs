@@ -111,6 +111,41 @@ async fn one_run<S: SandboxApi + Clone + 'static>(
     })
 }
 
+/// Resume time of a long run: a run stopped by its step budget after `steps` steps, continued
+/// with a budget of one more step. Timed from the resume call to its report: loading the
+/// checkpoint, finding the last exec by its idempotency key, and one more model call and action.
+async fn resume_after<S: SandboxApi + Clone + 'static>(sandbox: S, steps: usize, dir: &Path) -> Result<(u64, Duration)> {
+    // A script that never finishes on its own: the step budget stops it.
+    let server = FixtureServer::start(script(usize::MAX, Duration::ZERO)).await?;
+    let spec = RunSpec {
+        task: "Count lines, step by step, and report the totals.".into(),
+        model: "gpt-4o".into(),
+        isolation: String::new(),
+        image: String::new(),
+        verify: None,
+        max_steps: steps as u64,
+        context_window: 16_000,
+        managed_context: true,
+        max_tokens: None,
+        max_cost: None,
+        max_time_secs: None,
+        price: None,
+        step_timeout_secs: 60,
+        max_completion_tokens: 1_000,
+    };
+    let llm: Arc<dyn LlmProvider> = Arc::new(OpenAiProvider::new(&server.base_url, None, "gpt-4o", Duration::from_secs(60))?);
+    let mut opts = RunOptions::new(dir);
+    opts.rate_burst = 1_000;
+    opts.rate_per_sec = 1_000.0;
+    let first = agent::start(sandbox.clone(), llm.clone(), spec, Some("resumed".into()), opts.clone()).await?;
+    opts.new_budgets.max_steps = Some(steps as u64 + 1);
+    let started = Instant::now();
+    let report = agent::resume(sandbox, move |_| Ok(llm), "resumed", opts).await?;
+    let took = started.elapsed();
+    anyhow::ensure!(report.steps > first.steps, "the resumed run took no step ({} then {})", first.steps, report.steps);
+    Ok((first.steps, took))
+}
+
 fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
@@ -228,6 +263,11 @@ async fn main() -> Result<()> {
         .await?;
         r.report.checkpoint_stall_ms_max
     };
+    let resume_dir = dir.join("resume");
+    let (resume_steps, resume_time) = match &args.socket {
+        Some(addr) => resume_after(agent_client::Client::connect(addr).await.context("connecting to the daemon")?, 100, &resume_dir).await?,
+        None => resume_after(FakeSandbox::new(basic_handler()), 100, &resume_dir).await?,
+    };
     let (m, f) = (&results[0], &results[1]);
     let total = |r: &RunResult| r.per_step.iter().sum::<u64>();
     let max = |r: &RunResult| r.per_step.iter().copied().max().unwrap_or(0);
@@ -309,6 +349,12 @@ async fn main() -> Result<()> {
         m.report.checkpoint_stall_ms_max,
         f.report.checkpoint_stall_ms_max,
         stall,
+    ));
+    md.push_str(&format!(
+        "\nResume of a long run: a run stopped by its step budget after {resume_steps} steps, continued with one more \
+         step (`resume` with a new budget: checkpoint load, the last exec found by its idempotency key, one model call \
+         and action): **{:.1} ms** ({sandbox}).\n",
+        resume_time.as_secs_f64() * 1000.0,
     ));
     md.push_str(&format!(
         "\nLoad average (1, 5, 15 min) before → after: {} → {} on {} CPUs; fsync latency on a shared \
