@@ -67,6 +67,35 @@ fn script(steps: usize, latency: Duration) -> Script {
     })
 }
 
+/// The benchmark task with a step budget and a context window.
+fn run_spec(max_steps: u64, context_window: usize, managed_context: bool) -> RunSpec {
+    RunSpec {
+        task: "Count lines, step by step, and report the totals.".into(),
+        model: "gpt-4o".into(),
+        isolation: String::new(),
+        image: String::new(),
+        verify: None,
+        max_steps,
+        context_window,
+        managed_context,
+        max_tokens: None,
+        max_cost: None,
+        max_time_secs: None,
+        price: None,
+        step_timeout_secs: 60,
+        max_completion_tokens: 1_000,
+    }
+}
+
+/// The scripted model at `base_url`, and run options without rate limiting, runs kept in `dir`.
+fn model_and_options(base_url: &str, dir: &Path) -> Result<(Arc<dyn LlmProvider>, RunOptions)> {
+    let llm: Arc<dyn LlmProvider> = Arc::new(OpenAiProvider::new(base_url, None, "gpt-4o", Duration::from_secs(60))?);
+    let mut opts = RunOptions::new(dir);
+    opts.rate_burst = 1_000;
+    opts.rate_per_sec = 1_000.0;
+    Ok((llm, opts))
+}
+
 async fn one_run<S: SandboxApi + Clone + 'static>(
     sandbox: S,
     base_url: &str,
@@ -75,31 +104,9 @@ async fn one_run<S: SandboxApi + Clone + 'static>(
     dir: &Path,
 ) -> Result<RunResult> {
     let run_id = if managed { "managed" } else { "full" };
-    let spec = RunSpec {
-        task: "Count lines, step by step, and report the totals.".into(),
-        model: "gpt-4o".into(),
-        isolation: String::new(),
-        image: String::new(),
-        verify: None,
-        max_steps: args.steps as u64 + 10,
-        context_window: if managed { args.window } else { 10_000_000 },
-        managed_context: managed,
-        max_tokens: None,
-        max_cost: None,
-        max_time_secs: None,
-        price: None,
-        step_timeout_secs: 60,
-        max_completion_tokens: 1_000,
-    };
-    let llm: Arc<dyn LlmProvider> = Arc::new(OpenAiProvider::new(
-        base_url,
-        None,
-        "gpt-4o",
-        Duration::from_secs(60),
-    )?);
-    let mut opts = RunOptions::new(dir);
-    opts.rate_burst = 1_000;
-    opts.rate_per_sec = 1_000.0;
+    let window = if managed { args.window } else { 10_000_000 };
+    let spec = run_spec(args.steps as u64 + 10, window, managed);
+    let (llm, opts) = model_and_options(base_url, dir)?;
     let started = Instant::now();
     let report = agent::start(sandbox, llm, spec, Some(run_id.into()), opts).await?;
     let wall = started.elapsed();
@@ -117,26 +124,8 @@ async fn one_run<S: SandboxApi + Clone + 'static>(
 async fn resume_after<S: SandboxApi + Clone + 'static>(sandbox: S, steps: usize, dir: &Path) -> Result<(u64, Duration)> {
     // A script that never finishes on its own: the step budget stops it.
     let server = FixtureServer::start(script(usize::MAX, Duration::ZERO)).await?;
-    let spec = RunSpec {
-        task: "Count lines, step by step, and report the totals.".into(),
-        model: "gpt-4o".into(),
-        isolation: String::new(),
-        image: String::new(),
-        verify: None,
-        max_steps: steps as u64,
-        context_window: 16_000,
-        managed_context: true,
-        max_tokens: None,
-        max_cost: None,
-        max_time_secs: None,
-        price: None,
-        step_timeout_secs: 60,
-        max_completion_tokens: 1_000,
-    };
-    let llm: Arc<dyn LlmProvider> = Arc::new(OpenAiProvider::new(&server.base_url, None, "gpt-4o", Duration::from_secs(60))?);
-    let mut opts = RunOptions::new(dir);
-    opts.rate_burst = 1_000;
-    opts.rate_per_sec = 1_000.0;
+    let spec = run_spec(steps as u64, 16_000, true);
+    let (llm, mut opts) = model_and_options(&server.base_url, dir)?;
     let first = agent::start(sandbox.clone(), llm.clone(), spec, Some("resumed".into()), opts.clone()).await?;
     opts.new_budgets.max_steps = Some(steps as u64 + 1);
     let started = Instant::now();
