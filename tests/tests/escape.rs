@@ -320,3 +320,22 @@ async fn a_microvm_rebooted_from_inside_becomes_failed() {
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
     within(120, client.destroy(&id)).await.expect("destroying the failed sandbox");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_microvm_flooding_its_serial_console_stays_bounded_on_the_host() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let request = CreateSandboxRequest { isolation: Isolation::Microvm as i32, ..process_sandbox("minimal") };
+    let id = within(120, client.create(request)).await.expect("CreateSandbox").id;
+    // Guest root writes to its serial port, which QEMU keeps in a host file outside every quota.
+    let r = run(&client, &id, &["sh", "-c", "dd if=/dev/zero of=/dev/ttyS0 bs=64k count=80 2>&1 | tail -1"]).await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    // busybox dd's last line: "<full>+<partial> records out", of 64 KiB each.
+    let written: u64 = out.split('+').next().and_then(|n| n.trim().parse::<u64>().ok()).unwrap_or(0) * (64 << 10);
+    // The precondition, so the test cannot pass by writing nothing: several MiB went out.
+    assert!(written > 3 << 20, "the guest wrote only {written} bytes to its console: {}", text(&r));
+    let console = daemon.state_dir().join("microvm/vms").join(&id).join("console.log");
+    let on_host = std::fs::metadata(&console).unwrap_or_else(|e| panic!("{}: {e}", console.display())).len();
+    assert!(on_host <= 2 << 20, "the host keeps {on_host} bytes of the {written} the guest wrote to its console");
+    within(120, client.destroy(&id)).await.expect("DestroySandbox");
+}

@@ -106,8 +106,15 @@ impl Vm {
         cmd.arg0(super::guard::GUARD_ARG0).arg(super::guard::GUARD_ARG).arg(std::process::id().to_string()).arg(&spec.qemu);
         cmd.args(qemu_args(spec, &agent_sock, &qmp_sock, &console));
         cmd.stdin(std::process::Stdio::null());
-        let log = std::fs::File::create(spec.dir.join("qemu.log")).map_err(|e| BackendError::io("creating qemu.log", e))?;
+        // Both host files the VM writes are created here, appended to, and kept bounded by
+        // `cap_logs` through these handles (they follow a pooled VM's directory rename).
+        let create = |name: &str| {
+            std::fs::OpenOptions::new().create(true).append(true).open(spec.dir.join(name)).and_then(|f| f.set_len(0).map(|()| f)).map_err(|e| BackendError::io(format!("creating {name}"), e))
+        };
+        let (console_file, log) = (create("console.log")?, create("qemu.log")?);
+        let caps = [console_file.try_clone(), log.try_clone()].into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| BackendError::io("opening the VM's logs", e))?;
         let log2 = log.try_clone().map_err(|e| BackendError::io("creating qemu.log", e))?;
+        drop(console_file);
         cmd.stdout(log).stderr(log2);
         cmd.kill_on_drop(true);
         let procs: Vec<std::fs::File> = match &cgroup {
@@ -157,6 +164,7 @@ impl Vm {
                 let _ = done_tx.send(true);
             });
         }
+        tokio::spawn(cap_logs(caps, done_rx.clone(), spec.dir.clone()));
         let deadline = tokio::time::Instant::now() + spec.boot_timeout;
         let alive = {
             let exited = exited.clone();
@@ -292,7 +300,10 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
     push(&["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"]);
     push(&["-kernel", &p(&spec.boot.kernel), "-initrd", &p(&spec.boot.initramfs)]);
     push(&["-append", &kernel_cmdline(spec.accel)]);
-    push(&["-serial", &format!("file:{}", p(console))]);
+    // Appended to a file the daemon created and keeps bounded (`cap_logs`): the guest's root can
+    // write to its serial port as fast as it likes.
+    push(&["-chardev", &format!("file,id=console,path={},append=on", p(console))]);
+    push(&["-serial", "chardev:console"]);
     push(&["-chardev", &format!("socket,id=agent,path={},server=on,wait=off", p(agent_sock))]);
     push(&["-device", "virtio-serial-device", "-device", &format!("virtserialport,chardev=agent,name={PORT_NAME}")]);
     // cache.no-flush: the guest's flushes stop at the host page cache. The agent syncs after every
@@ -351,6 +362,36 @@ fn measure_tsc_khz() -> Option<u64> {
 #[cfg(not(target_arch = "x86_64"))]
 fn measure_tsc_khz() -> Option<u64> {
     None
+}
+
+/// Most bytes a VM's console log or QEMU log may hold on the host. They are written by QEMU for
+/// the guest (its root can flood `/dev/ttyS0`), outside every quota, so past this size a file is
+/// emptied: a boot's log (what a failed boot reports) is far smaller.
+const VM_LOG_MAX_BYTES: u64 = 1 << 20;
+/// How often the logs' sizes are checked: at the serial port's pace (well under 1 MB/s under
+/// TCG) a file never gets much past [`VM_LOG_MAX_BYTES`].
+const VM_LOG_CHECK: Duration = Duration::from_millis(500);
+
+/// Keeps the VM's host log files (console and QEMU's own output, opened for appending by QEMU)
+/// under [`VM_LOG_MAX_BYTES`] until the VM is gone.
+async fn cap_logs(files: Vec<std::fs::File>, mut done: tokio::sync::watch::Receiver<bool>, dir: PathBuf) {
+    let mut warned = false;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(VM_LOG_CHECK) => {}
+            _ = done.wait_for(|d| *d) => return,
+        }
+        for file in &files {
+            if file.metadata().map(|m| m.len() > VM_LOG_MAX_BYTES).unwrap_or(false) {
+                if let Err(e) = file.set_len(0) {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot empty a VM log over its size limit");
+                } else if !warned {
+                    warned = true;
+                    tracing::warn!(dir = %dir.display(), max_bytes = VM_LOG_MAX_BYTES, "a VM's host log passed its size limit and was emptied (the guest writes to its serial console)");
+                }
+            }
+        }
+    }
 }
 
 /// The last `lines` lines of the console log, on one line.
