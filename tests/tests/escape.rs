@@ -203,6 +203,22 @@ async fn container_and_microvm_execs_get_only_their_stdio() {
         let err = within(30, client.read_file(&container, path, 0, 0)).await.expect_err(path);
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "ReadFile {path}: {err:?}");
     }
+    // A flood's whole stream is kept inside the container, never on the host outside its quota.
+    // Checked while the exec still runs, when a spill kept on the host would be there.
+    let mut flood = exec_request(&container, ["sh", "-c", "head -c 3000000 /dev/zero; sleep 3"]);
+    flood.max_output_bytes = 64 << 10;
+    flood.background = true;
+    let started = within(60, client.exec(flood)).await.expect("Exec");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let spill = format!("{}.stdout", started.exec_id);
+    let on_host = find_named(&daemon.state_dir(), &spill);
+    assert!(on_host.is_empty(), "the spill is on the host: {on_host:?}");
+    let inside = within(60, client.read_file_all(&container, &format!("/tmp/.sandboxd/{spill}"))).await.expect("the spill inside the container");
+    assert!(inside.len() >= 3_000_000 - (64 << 10), "the spill is written inside as the stream comes (all but the write buffer): {}", inside.len());
+    let r = within(60, client.get_exec(&started.exec_id, true)).await.expect("GetExec");
+    assert!(r.stdout_truncated && r.stdout_spill_path == format!("/tmp/.sandboxd/{spill}"), "{}", text(&r));
+    let kept = within(60, client.read_file_all(&container, &r.stdout_spill_path)).await.expect("reading the spill file");
+    assert_eq!(kept.len(), 3_000_000, "the spill holds the whole stream");
     within(120, client.destroy(&container)).await.expect("DestroySandbox");
     let vm = sandbox_with_probe(&client, Isolation::Microvm, &probe).await;
     assert_blocked(&client, &vm, "fds").await;

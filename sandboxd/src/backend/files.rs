@@ -194,12 +194,16 @@ pub(crate) fn read_file_at(root: &File, workdir: &str, path: &str, offset: u64, 
 
 /// Opens (creating, truncating) a file for the daemon to write into, e.g. an output spill file.
 pub fn create_for_write(root: &Path, path: &str) -> Result<File, BackendError> {
+    create_for_write_at(&open_root(root)?, path)
+}
+
+/// [`create_for_write`] below an open root directory.
+pub(crate) fn create_for_write_at(root_file: &File, path: &str) -> Result<File, BackendError> {
     let comps = components(path, "/")?;
     let Some((_, dirs)) = comps.split_last() else {
         return Err(BackendError::InvalidPath { path: path.to_string(), reason: "names the root directory".into() });
     };
-    let root_file = open_root(root)?;
-    mkdir_all(&root_file, dirs, path)?;
+    mkdir_all(root_file, dirs, path)?;
     let fd = open_in_root(root_file.as_raw_fd(), &comps.join("/"), libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_NONBLOCK, 0o644)
         .map_err(|e| map_errno(path, e))?;
     let file = File::from(fd);

@@ -15,8 +15,8 @@
 //! 4. pumps output into bounded captures while it waits on the pidfd for the exit, the timeout
 //!    or cancellation — the last two kill the exec's cgroup: every descendant, daemonized or not;
 //! 5. takes the raw wait status from the pidfd (`PIDFD_GET_INFO`, Linux 6.15+; Docker's exit
-//!    code otherwise), CPU and peak memory from the exec's cgroup, and moves spilled output into
-//!    the sandbox. Usage is the exec's own, not the container's: concurrent execs do not blur
+//!    code otherwise), CPU and peak memory from the exec's cgroup; spilled output was written into
+//!    the container as it came. Usage is the exec's own, not the container's: concurrent execs do not blur
 //!    each other's numbers. As on the process tier it includes page cache the exec caused to be
 //!    charged, and here also the wrapper shell (a few hundred KiB, a millisecond of CPU).
 //!
@@ -27,20 +27,18 @@
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use bollard::container::LogOutput;
 use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
-use bollard::query_parameters::UploadToContainerOptions;
 use bollard::Docker;
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 
 use super::docker::{api_error, is_conflict, is_not_found};
@@ -171,11 +169,13 @@ impl MarkerFilter {
     }
 }
 
-/// Spill file of one stream on the host, capped so a flood cannot fill the host's disk; moved
-/// into the sandbox when the exec ends.
-struct HostSpill {
-    host: PathBuf,
-    inner: String,
+/// Spill file of one stream, written straight into the container's writable layer through its
+/// checked root (never on the host, where it would be outside every quota), and capped at the
+/// sandbox's `disk_bytes` for storage drivers that do not enforce that.
+struct ContainerSpill {
+    init_pid: i32,
+    container_id: String,
+    path: String,
     cap: u64,
 }
 
@@ -198,13 +198,13 @@ impl Write for CappedWriter {
     }
 }
 
-impl SpillTarget for HostSpill {
+impl SpillTarget for ContainerSpill {
     fn open(&mut self) -> std::io::Result<Box<dyn Write + Send>> {
-        let file = File::create(&self.host)?;
+        let file = super::files::create_for_write(self.init_pid, &self.container_id, &self.path).map_err(|e| std::io::Error::other(e.to_string()))?;
         Ok(Box::new(CappedWriter { out: std::io::BufWriter::with_capacity(64 << 10, file), left: self.cap }))
     }
     fn path(&self) -> String {
-        self.inner.clone()
+        self.path.clone()
     }
 }
 
@@ -397,44 +397,6 @@ async fn drain_start_error(output: &mut OutputStream) -> String {
     String::from_utf8_lossy(&text).trim().chars().take(500).collect()
 }
 
-/// Moves a spilled stream from the host into the sandbox at `/tmp/.sandboxd/<name>`, streamed
-/// as a two-entry tar (the directory, then the file) through the archive API.
-async fn upload_spill(docker: &Docker, container: &str, host: &Path, name: &str) -> Result<(), String> {
-    let file = tokio::fs::File::open(host).await.map_err(|e| format!("opening {}: {e}", host.display()))?;
-    let size = file.metadata().await.map_err(|e| format!("stat {}: {e}", host.display()))?.len();
-    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let header = |path: &str, kind: tar::EntryType, mode: u32, size: u64| -> Result<Vec<u8>, String> {
-        let mut h = tar::Header::new_gnu();
-        h.set_path(path).map_err(|e| format!("tar header for {path}: {e}"))?;
-        h.set_entry_type(kind);
-        h.set_mode(mode);
-        h.set_size(size);
-        h.set_mtime(now);
-        h.set_cksum();
-        Ok(h.as_bytes().to_vec())
-    };
-    let mut head = header(".sandboxd/", tar::EntryType::Directory, 0o755, 0)?;
-    head.extend(header(&format!(".sandboxd/{name}"), tar::EntryType::Regular, 0o644, size)?);
-    let padding = ((512 - size % 512) % 512) as usize + 1024;
-    let content = futures::stream::unfold(Some(file), |file| async move {
-        let mut file = file?;
-        let mut buf = vec![0u8; 256 << 10];
-        match file.read(&mut buf).await {
-            Ok(0) => None,
-            Ok(n) => {
-                buf.truncate(n);
-                Some((Ok(Bytes::from(buf)), Some(file)))
-            }
-            Err(e) => Some((Err(e), None)),
-        }
-    });
-    let body = futures::stream::once(async move { Ok(Bytes::from(head)) })
-        .chain(content)
-        .chain(futures::stream::once(async move { Ok(Bytes::from(vec![0u8; padding])) }));
-    let options = UploadToContainerOptions { path: "/tmp".to_string(), ..Default::default() };
-    docker.upload_to_container(container, Some(options), bollard::body_try_stream(body)).await.map_err(|e| e.to_string())
-}
-
 impl ContainerSandbox {
     /// Runs `spec` to its end. See the module documentation.
     pub(super) async fn run_exec(self: &Arc<Self>, inner: &Inner, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
@@ -566,9 +528,10 @@ impl ContainerSandbox {
         // 4. Output and the end.
         let cap = usize::try_from(spec.max_output_bytes).unwrap_or(usize::MAX);
         let spill = |stream: &str| -> Option<Box<dyn SpillTarget>> {
-            Some(Box::new(HostSpill {
-                host: inner.spill_dir.join(format!("{exec_id}.{stream}")),
-                inner: format!("{SPILL_DIR}/{exec_id}.{stream}"),
+            Some(Box::new(ContainerSpill {
+                init_pid: self.init_pid,
+                container_id: self.container_id.clone(),
+                path: format!("{SPILL_DIR}/{exec_id}.{stream}"),
                 cap: self.spec.limits.disk_bytes,
             }))
         };
@@ -613,27 +576,11 @@ impl ContainerSandbox {
                 pump_task.await
             }
         };
-        let Pumped { mut stdout, mut stderr, marker } = pumped.map_err(|e| BackendError::Internal(format!("output task: {e}")))?;
+        let Pumped { stdout, stderr, marker } = pumped.map_err(|e| BackendError::Internal(format!("output task: {e}")))?;
         let exit = self.exit_of(docker, &docker_exec, pidfd.get_ref()).await;
         let raw = cgroup.usage();
         tracing::debug!(exec = %exec_id, started_us = started_ms, stopped_us = stopped_ms, continued_us = continued_ms, exited_us = exited_ms, drained_us = phase0.elapsed().as_micros() as u64, "exec phases");
         let usage = ExecUsage { cpu_user_ms: raw.cpu_user_ms, cpu_system_ms: raw.cpu_system_ms, peak_memory_bytes: raw.peak_memory_bytes };
-
-        // 5. Spilled streams move into the sandbox.
-        for (stream, captured) in [("stdout", &mut stdout), ("stderr", &mut stderr)] {
-            let host = inner.spill_dir.join(format!("{exec_id}.{stream}"));
-            if captured.spill_path.is_some() {
-                if let Err(e) = upload_spill(docker, &self.container_id, &host, &format!("{exec_id}.{stream}")).await {
-                    tracing::warn!(exec = %exec_id, stream, error = %e, "cannot move the spilled output into the sandbox");
-                    captured.spill_path = None;
-                }
-            }
-            if let Err(e) = tokio::fs::remove_file(&host).await {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(path = %host.display(), error = %e, "removing spill file");
-                }
-            }
-        }
 
         // The container was taken down under this exec (rollback, destroy, shutdown): whatever
         // the kill made of it, the exec was lost with its sandbox.

@@ -69,6 +69,12 @@ pub async fn remove_file(sb: &ContainerSandbox, path: &str) -> Result<(), Backen
     with_root(sb, move |root| root_files::remove_file_at(root, &workdir, &path)).await
 }
 
+/// Opens (creating, truncating) `path` inside the container for the daemon to write into: an
+/// exec's spill file, which so lands in the container's own writable layer. Blocking.
+pub fn create_for_write(init_pid: i32, container_id: &str, path: &str) -> Result<File, BackendError> {
+    root_files::create_for_write_at(&open_root(init_pid, container_id)?, path)
+}
+
 /// Reads up to `limit` bytes (0 = 4 MiB, the most one call returns) from `offset`.
 pub async fn read_file(sb: &ContainerSandbox, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
     let (workdir, path) = (sb.spec.workdir.clone(), path.to_string());

@@ -17,8 +17,8 @@
 //! Containers are labelled `sandboxd.id=<sandbox>` and `sandboxd.owner=<hash of the state dir>`,
 //! and the container serving a sandbox is named `sandboxd-<sandbox>`; a restarted daemon finds
 //! its own by these ([`Backend::recover`]). Host layout under `--state-dir`:
-//! `container/snapshots/<snapshot>/` (copies of writable layers) and `container/spill/` (output
-//! spilled while an exec runs, moved into the sandbox when it ends).
+//! `container/snapshots/<snapshot>/` (copies of writable layers). Output spilled while an exec runs
+//! is written straight into the container (its own writable layer), never on the host.
 
 mod docker;
 mod exec;
@@ -138,7 +138,6 @@ pub(crate) struct Inner {
     /// Cgroup parents of containers (`docker` with the cgroupfs driver), opened once.
     cgroup_roots: Mutex<HashMap<String, CgroupRoot>>,
     snapshots_dir: PathBuf,
-    spill_dir: PathBuf,
     /// Clean-ups left running after a call returned (removing replaced containers, discarding
     /// standbys), which shutdown waits for so none is cut off half way.
     background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
@@ -155,7 +154,6 @@ impl ContainerBackend {
     pub async fn new(cfg: ContainerConfig) -> Self {
         let root = cfg.state_dir.join("container");
         let snapshots_dir = root.join("snapshots");
-        let spill_dir = root.join("spill");
         let owner = docker::owner_of(&cfg.state_dir);
         let mut unavailable = None;
         let (mut docker, mut host) = (None, None);
@@ -167,7 +165,7 @@ impl ContainerBackend {
             }
             Err(reason) => unavailable = Some(reason),
         }
-        for dir in [&snapshots_dir, &spill_dir] {
+        for dir in [&snapshots_dir] {
             if let Err(e) = std::fs::create_dir_all(dir) {
                 unavailable.get_or_insert_with(|| format!("creating {}: {e}", dir.display()));
             }
@@ -196,7 +194,6 @@ impl ContainerBackend {
             standbys: Mutex::new(HashMap::new()),
             cgroup_roots: Mutex::new(HashMap::new()),
             snapshots_dir,
-            spill_dir,
             background: Mutex::new(Vec::new()),
         };
         ContainerBackend { inner: Arc::new(inner) }

@@ -26,11 +26,6 @@ impl Inner {
             Err(_) => return sandboxes.iter().map(|s| (s.id.clone(), Err(self.unavailable_error()))).collect(),
         };
         self.remove_unknown_snapshots(snapshots);
-        if let Ok(entries) = std::fs::read_dir(&self.spill_dir) {
-            for e in entries.flatten() {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
 
         let filters = HashMap::from([("label".to_string(), vec![format!("{LABEL_OWNER}={}", self.owner)])]);
         let options = ListContainersOptions { all: true, filters: Some(filters), ..Default::default() };
