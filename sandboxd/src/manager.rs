@@ -215,7 +215,12 @@ impl SandboxEntry {
     }
 
     fn info(&self) -> Result<SandboxInfo, Error> {
-        self.info.lock().map(|i| i.clone()).map_err(|_| Error::Internal("sandbox record poisoned".into()))
+        self.read(SandboxInfo::clone)
+    }
+
+    /// Reads part of the record without cloning the whole of it (labels, env).
+    fn read<T>(&self, f: impl FnOnce(&SandboxInfo) -> T) -> Result<T, Error> {
+        self.info.lock().map(|i| f(&i)).map_err(|_| Error::Internal("sandbox record poisoned".into()))
     }
 
     fn update(&self, f: impl FnOnce(&mut SandboxInfo)) -> Result<SandboxInfo, Error> {
@@ -291,8 +296,6 @@ const NAME_MAX: usize = 255;
 const MAX_LABELS: usize = 64;
 const MAX_LABEL_KEY_BYTES: usize = 128;
 const MAX_LABEL_VALUE_BYTES: usize = 1024;
-/// Longest image name (the backends look images up as `<images_dir>/<name>`).
-const MAX_IMAGE_NAME_BYTES: usize = 64;
 /// Longest idempotency key (it is stored with the exec record and looked up by value).
 const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
 
@@ -356,14 +359,10 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), Error> {
 
 /// Image names are directory names under the images dir: no path, nothing hidden.
 fn validate_image(image: &str) -> Result<(), Error> {
-    let ok = !image.is_empty()
-        && image.len() <= MAX_IMAGE_NAME_BYTES
-        && !image.starts_with('.')
-        && image.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-    if !ok {
+    if !crate::backend::is_image_name(image) {
         return Err(Error::invalid(
             "image",
-            format!("{:?}: 1-{MAX_IMAGE_NAME_BYTES} of [A-Za-z0-9._-], not starting with '.'", image.chars().take(80).collect::<String>()),
+            format!("{:?}: 1-{} of [A-Za-z0-9._-], not starting with '.'", image.chars().take(80).collect::<String>(), crate::backend::MAX_IMAGE_NAME_BYTES),
         ));
     }
     Ok(())
@@ -474,32 +473,32 @@ impl Manager {
         let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
         let entry = map.get(&sid).cloned().ok_or_else(|| Error::SandboxNotFound(sid.to_string()))?;
         drop(map);
-        let info = entry.info()?;
-        if info.tenant != tenant {
+        if entry.read(|i| i.tenant != tenant)? {
             return Err(Error::SandboxNotFound(sid.to_string()));
         }
-        self.note_failure(&entry, &info);
+        self.note_failure(&entry);
         Ok((sid, entry))
     }
 
     /// Records a running sandbox whose backend reports it dead (its init or VM is gone) as FAILED
     /// with the reason, so it never shows `running` while nothing in it can run.
-    fn note_failure(&self, entry: &SandboxEntry, info: &SandboxInfo) {
-        if info.state != SandboxState::Running {
+    fn note_failure(&self, entry: &SandboxEntry) {
+        let Ok((id, isolation, state)) = entry.read(|i| (i.id.clone(), i.isolation, i.state)) else { return };
+        if state != SandboxState::Running {
             return;
         }
-        let Some(reason) = self.backends.get(info.isolation).ok().and_then(|b| b.failure(&info.id)) else { return };
-        tracing::warn!(sandbox = %info.id, %reason, "sandbox failed");
+        let Some(reason) = self.backends.get(isolation).ok().and_then(|b| b.failure(&id)) else { return };
+        tracing::warn!(sandbox = %id, %reason, "sandbox failed");
         match entry.update(|i| {
             i.state = SandboxState::Failed;
             i.failure_reason = Some(reason);
         }) {
             Ok(updated) => {
                 if let Err(e) = self.store.put_sandbox(&updated) {
-                    tracing::error!(sandbox = %info.id, error = %e, "cannot record failed sandbox");
+                    tracing::error!(sandbox = %id, error = %e, "cannot record failed sandbox");
                 }
             }
-            Err(e) => tracing::error!(sandbox = %info.id, error = %e, "cannot mark sandbox failed"),
+            Err(e) => tracing::error!(sandbox = %id, error = %e, "cannot mark sandbox failed"),
         }
     }
 
@@ -531,7 +530,7 @@ impl Manager {
             }
         }
         if let Some(max) = self.cfg.policy.max_sandboxes_per_tenant() {
-            let mine = map.values().filter(|e| e.info().is_ok_and(|i| i.tenant == tenant)).count();
+            let mine = map.values().filter(|e| e.read(|i| i.tenant == tenant).unwrap_or(false)).count();
             if mine >= max {
                 return Err(Error::ResourceExhausted(format!("policy.max_sandboxes_per_tenant ({max}) reached for tenant {tenant:?}")));
             }
@@ -540,9 +539,9 @@ impl Manager {
         // fork or a rolled-back sandbox as much as one made from an image.
         let promised: u64 = map
             .values()
-            .filter_map(|e| e.info().ok())
-            .filter(|i| self.disk_pools.same_pool(i.isolation, tier))
-            .map(|i| i.limits.disk_bytes)
+            .filter_map(|e| e.read(|i| (i.isolation, i.limits.disk_bytes)).ok())
+            .filter(|(isolation, _)| self.disk_pools.same_pool(*isolation, tier))
+            .map(|(_, disk_bytes)| disk_bytes)
             .fold(0, u64::saturating_add);
         self.disk_pools.admit(tier, promised, disk_bytes).map_err(Error::ResourceExhausted)
     }
@@ -702,8 +701,7 @@ impl Manager {
         let mut out: Vec<SandboxInfo> = map
             .values()
             .filter_map(|e| {
-                let info = e.info().ok()?;
-                self.note_failure(e, &info);
+                self.note_failure(e);
                 e.info().ok()
             })
             .filter(|i| i.tenant == tenant && selector.iter().all(|(k, v)| i.labels.get(k) == Some(v)))
@@ -921,8 +919,8 @@ impl Manager {
     /// the other). An exec whose sandbox is being destroyed is not recorded: its records are
     /// about to go, and writing them now would leave orphans behind.
     fn exec_finished(&self, record: &ExecRecord, key: Option<&(SandboxId, String)>) {
-        let live = self.sandboxes.read().ok().and_then(|m| m.get(&record.sandbox_id).and_then(|e| e.info().ok()));
-        if let Some(info) = live {
+        let live = self.sandboxes.read().ok().and_then(|m| m.get(&record.sandbox_id).and_then(|e| e.read(|i| (i.isolation, i.state)).ok()));
+        if let Some((isolation, state)) = live {
             if let Err(e) = self.store.put_exec(record) {
                 tracing::error!(exec = %record.exec_id, error = %e, "cannot record exec result");
             }
@@ -931,7 +929,8 @@ impl Manager {
                 max_output_bytes: self.cfg.exec.max_output_storage_bytes_per_sandbox,
             };
             match self.store.trim_execs(record.sandbox_id.as_str(), retention) {
-                Ok(trimmed) => self.remove_spill_files(&info, trimmed),
+                Ok(trimmed) if state.can_exec() => self.remove_spill_files(&record.sandbox_id, isolation, trimmed),
+                Ok(_) => {}
                 Err(e) => tracing::warn!(sandbox = %record.sandbox_id, error = %e, "cannot trim exec records"),
             }
         }
@@ -946,13 +945,13 @@ impl Manager {
     /// Removes, in the background, the spill files inside the sandbox of records trimmed from the
     /// store: they count against the sandbox's disk quota and nothing names them any more. Best
     /// effort: a failure is logged, and never holds up the end of the exec that caused the trim.
-    fn remove_spill_files(&self, info: &SandboxInfo, trimmed: Vec<Trimmed>) {
+    fn remove_spill_files(&self, sandbox: &SandboxId, isolation: Isolation, trimmed: Vec<Trimmed>) {
         let paths: Vec<String> = trimmed.into_iter().flat_map(|t| t.spill_paths).collect();
-        if paths.is_empty() || !info.state.can_exec() {
+        if paths.is_empty() {
             return;
         }
-        let Ok(backend) = self.backends.get(info.isolation).cloned() else { return };
-        let sid = info.id.clone();
+        let Ok(backend) = self.backends.get(isolation).cloned() else { return };
+        let sid = sandbox.clone();
         tokio::spawn(async move {
             for path in paths {
                 if let Err(e) = backend.remove_file(&sid, &path).await {

@@ -48,6 +48,15 @@ impl Isolation {
     }
 }
 
+/// Longest image name.
+pub const MAX_IMAGE_NAME_BYTES: usize = 64;
+
+/// Whether `image` can name an image: a directory name under the images dir, nothing hidden, no
+/// path. The manager refuses others at the API; the tiers check again before they touch a path.
+pub fn is_image_name(image: &str) -> bool {
+    !image.is_empty() && image.len() <= MAX_IMAGE_NAME_BYTES && !image.starts_with('.') && image.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
 /// What a backend needs to create a sandbox; the manager has validated and defaulted it.
 #[derive(Debug, Clone)]
 pub struct SandboxSpec {

@@ -649,7 +649,7 @@ impl Inner {
 fn vm_image(images_dir: &Path, image: &str) -> Result<VmImage, BackendError> {
     let unavailable = |reason: String| BackendError::Unavailable { isolation: Isolation::MicroVm, reason };
     let dir = images_dir.join(image);
-    if image.is_empty() || image.contains('/') || image.starts_with('.') || !dir.join("image.json").is_file() {
+    if !super::is_image_name(image) || !dir.join("image.json").is_file() {
         return Err(BackendError::ImageNotFound { image: image.to_string(), dir: images_dir.display().to_string() });
     }
     let vm_dir = dir.join("vm");

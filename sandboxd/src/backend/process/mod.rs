@@ -260,8 +260,7 @@ impl ProcessBackend {
 
     fn image_rootfs(&self, image: &str) -> Result<PathBuf, BackendError> {
         let not_found = || BackendError::ImageNotFound { image: image.to_string(), dir: self.cfg.images_dir.display().to_string() };
-        let valid = !image.is_empty() && image.len() <= 64 && image.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) && !image.starts_with('.');
-        if !valid {
+        if !super::is_image_name(image) {
             return Err(not_found());
         }
         let dir = self.cfg.images_dir.join(image);
