@@ -4,7 +4,7 @@ IMAGES_DIR ?= $(CURDIR)/images/build
 RUN_DIR    ?= $(CURDIR)/.sandboxd
 SOCKET     ?= $(RUN_DIR)/sandboxd.sock
 
-.PHONY: all deps pydeps images image-debian vm-images build release run test bench clean
+.PHONY: all deps pydeps images image-debian vm-images exec-helper build release run test bench clean
 
 all: build
 
@@ -28,6 +28,11 @@ image-debian: deps
 vm-images:
 	@for img in minimal debian; do [ ! -f $(IMAGES_DIR)/$$img/image.json ] || CARGO=$(CARGO) images/build-vm.sh $(IMAGES_DIR) $$img || exit 1; done
 
+## exec-helper: the container tier's exec helper (static), into images/build/.tools/ (cheap when
+## up to date; make run, test and bench refresh it).
+exec-helper:
+	CARGO=$(CARGO) images/build-exec-helper.sh $(IMAGES_DIR)
+
 build:
 	$(CARGO) build --workspace --bins
 
@@ -37,7 +42,7 @@ release:
 ## run: build, prepare the default image if missing, start sandboxd in the foreground.
 run: deps release
 	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) images
-	@$(MAKE) --no-print-directory vm-images
+	@$(MAKE) --no-print-directory vm-images exec-helper
 	@mkdir -p $(RUN_DIR)
 	@echo "sandboxd on unix://$(SOCKET) — in another terminal: export SANDBOXD_SOCKET=unix://$(SOCKET); target/release/sbx create"
 	target/release/sandboxd --listen unix://$(SOCKET) --state-dir $(RUN_DIR)/state --images-dir $(IMAGES_DIR)
@@ -50,7 +55,7 @@ pydeps:
 test: deps pydeps
 	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) images
 	@[ -f $(IMAGES_DIR)/debian/image.json ] && [ -f $(IMAGES_DIR)/debian/vm/vm.json ] || $(MAKE) image-debian
-	@$(MAKE) --no-print-directory vm-images
+	@$(MAKE) --no-print-directory vm-images exec-helper
 	$(CARGO) build --workspace --bins
 	SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(CARGO) test --workspace
 
@@ -58,7 +63,7 @@ test: deps pydeps
 bench: deps release
 	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) images
 	@[ -f $(IMAGES_DIR)/debian/image.json ] && [ -f $(IMAGES_DIR)/debian/vm/vm.json ] || $(MAKE) image-debian
-	@$(MAKE) --no-print-directory vm-images
+	@$(MAKE) --no-print-directory vm-images exec-helper
 	$(CARGO) build --release -p sandbox-tests --bin bench
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/bench --out BENCHMARKS.md
 	target/release/agent_bench --out BENCHMARKS.md

@@ -144,19 +144,8 @@ extract_vmlinux() {
 }
 
 # --- 2. Agent ----------------------------------------------------------------
-AGENT_TARGET_DIR=${AGENT_TARGET_DIR:-$REPO/target/guest}
-TRIPLE=x86_64-unknown-linux-gnu
-log "building sandbox-agent (static) into $AGENT_TARGET_DIR"
-# --target keeps RUSTFLAGS off build scripts and proc macros (they run on the
-# host and cannot be static); CARGO_ENCODED_RUSTFLAGS would override ours.
-(cd "$REPO" && env -u CARGO_ENCODED_RUSTFLAGS RUSTFLAGS="-C target-feature=+crt-static" \
-    "${CARGO:-cargo}" build --release --quiet -p guest-agent --bin sandbox-agent \
-    --target "$TRIPLE" --target-dir "$AGENT_TARGET_DIR") || die "building the agent failed"
-AGENT_BIN="$AGENT_TARGET_DIR/$TRIPLE/release/sandbox-agent"
-case "$(file -b "$AGENT_BIN")" in
-    *"statically linked"* | *"static-pie linked"*) ;;
-    *) die "$AGENT_BIN is not statically linked: $(file -b "$AGENT_BIN")" ;;
-esac
+log "building sandbox-agent (static)"
+AGENT_BIN="$(static_rust_bin guest-agent sandbox-agent)"
 
 # --- 3. Up to date? ----------------------------------------------------------
 FINAL="$IMAGE/vm"

@@ -78,8 +78,21 @@ cat "$errlog" >&2
 
 apt-get -q -y -o DPkg::Lock::Timeout="$LOCK_WAIT_SECONDS" install "${missing[@]}"
 
+# Installing can remove a package that was there: a machine with qemu-utils from
+# bookworm-backports loses it when apt installs bookworm's qemu-system-x86 (the
+# versions conflict), leaving no qemu-img. So every package is checked again,
+# and what went missing is installed once more (now from one consistent suite).
+removed=()
+for pkg in "${PACKAGES[@]}"; do
+    is_installed "$pkg" || removed+=("$pkg")
+done
+if ((${#removed[@]} > 0)); then
+    echo "deps: installing again what the first install removed or missed: ${removed[*]}"
+    apt-get -q -y -o DPkg::Lock::Timeout="$LOCK_WAIT_SECONDS" install "${removed[@]}"
+fi
+
 still_missing=()
-for pkg in "${missing[@]}"; do
+for pkg in "${PACKAGES[@]}"; do
     is_installed "$pkg" || still_missing+=("$pkg")
 done
 if ((${#still_missing[@]} > 0)); then

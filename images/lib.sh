@@ -152,3 +152,25 @@ image_finish() {
     fi
     log "image ready: $final ($(human_size "$final"))"
 }
+
+# static_rust_bin PACKAGE BIN - builds BIN of the workspace's PACKAGE as a
+# static executable (for the microVM's initramfs, or to bind-mount into
+# containers whose images have no libc of ours) into $AGENT_TARGET_DIR
+# (default: target/guest of the repository) and prints its path.
+static_rust_bin() {
+    local repo triple target_dir bin
+    repo="$(cd -- "$IMAGES_DIR/.." && pwd -P)"
+    triple=x86_64-unknown-linux-gnu
+    target_dir=${AGENT_TARGET_DIR:-$repo/target/guest}
+    # --target keeps RUSTFLAGS off build scripts and proc macros (they run on
+    # the host and cannot be static); CARGO_ENCODED_RUSTFLAGS would override ours.
+    (cd "$repo" && env -u CARGO_ENCODED_RUSTFLAGS RUSTFLAGS="-C target-feature=+crt-static" \
+        "${CARGO:-cargo}" build --release --quiet -p "$1" --bin "$2" \
+        --target "$triple" --target-dir "$target_dir") >&2 || die "building $2 failed"
+    bin="$target_dir/$triple/release/$2"
+    case "$(file -b "$bin")" in
+        *"statically linked"* | *"static-pie linked"*) ;;
+        *) die "$bin is not statically linked: $(file -b "$bin")" ;;
+    esac
+    printf '%s\n' "$bin"
+}

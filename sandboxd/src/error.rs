@@ -28,6 +28,12 @@ pub enum Error {
     ResourceExhausted(String),
     #[error("{0}")]
     PermissionDenied(String),
+    /// A transfer that did not complete (the client went away, or broke off).
+    #[error("{0}")]
+    Aborted(String),
+    /// What arrived is not what the client sent (a checksum did not match).
+    #[error("{0}")]
+    DataLoss(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -50,6 +56,7 @@ impl From<BackendError> for Error {
             BackendError::InvalidPath { path, reason } => Error::invalid("path", format!("{path:?}: {reason}")),
             BackendError::FileNotFound { path } => Error::FileNotFound(path),
             e @ BackendError::DiskFull { .. } => Error::ResourceExhausted(e.to_string()),
+            e @ BackendError::UploadIncomplete { .. } => Error::Aborted(e.to_string()),
             e @ (BackendError::Io { .. } | BackendError::Internal(_)) => Error::Internal(e.to_string()),
         }
     }

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use serde::{Deserialize, Serialize};
 
 use crate::admission::{human_bytes, DiskPools, ExecSlot, ExecSlots};
-use crate::backend::{Backends, ExecOutcome, ExecSpec, ExecStatus, FileChunk, Isolation, OutputSink, SandboxSpec};
+use crate::backend::{SessionInputs, Backends, ExecOutcome, ExecSpec, ExecStatus, FileChunk, Isolation, OutputSink, SandboxSpec};
 use crate::config::{Config, Limits};
 use crate::error::Error;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
@@ -302,7 +302,7 @@ const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
 /// The variables every exec starts with, under the sandbox's and the request's own.
 fn base_env(id: &SandboxId) -> BTreeMap<String, String> {
     BTreeMap::from([
-        ("PATH".to_string(), guest_agent::capture::DEFAULT_PATH.to_string()),
+        ("PATH".to_string(), sandbox_exec::capture::DEFAULT_PATH.to_string()),
         ("HOME".to_string(), "/root".to_string()),
         ("HOSTNAME".to_string(), id.to_string()),
     ])
@@ -795,6 +795,8 @@ impl Manager {
             timeout: Duration::from_millis(timeout_ms),
             max_output_bytes: max_output,
             io_drain_timeout: Duration::from_millis(self.cfg.exec.io_drain_timeout_ms),
+            input: SessionInputs::default(),
+            tty: None,
         })
     }
 

@@ -5,7 +5,7 @@
 //! (the caller prints it on the console and powers off): a guest without its disk, its cgroups
 //! or its port is of no use, and must not run commands with less isolation than asked for.
 
-use guest_agent::sys::loopback_up;
+use sandbox_exec::sys::loopback_up;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;

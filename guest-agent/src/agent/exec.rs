@@ -12,7 +12,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use guest_agent::capture::{CapturedOutput, OutputCapture, SpillTarget};
+use sandbox_exec::capture::{CapturedOutput, OutputCapture, SpillTarget};
 use guest_agent::protocol::{ErrorKind, ExecExit, ExecRequest, ExitStatus, Response, Stream, StreamMeta};
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
@@ -22,10 +22,10 @@ use super::cgroup::{ExecCgroup, SandboxCgroup, Usage};
 use super::console::log;
 use super::files::Files;
 use super::reaper::{ChildExit, Reaper};
-use super::spawn::{self, ChildFds, Command};
+use sandbox_exec::spawn::{self, describe_failure, ChildFds, Command, Stage};
 use super::RequestError;
 
-pub use guest_agent::capture::SPILL_DIR;
+pub use sandbox_exec::capture::SPILL_DIR;
 /// Largest `Output` frame payload, and the read size.
 const CHUNK: usize = 64 << 10;
 /// The daemon's ceiling per stream; both streams must fit one final frame.
@@ -266,7 +266,10 @@ pub fn run(env: &Env<'_>, req: &ExecRequest, stdin: Vec<u8>, send: &dyn Fn(&Resp
     sweep_leftovers();
     let cmd = match Command::new(&req.argv, &req.env, &req.workdir) {
         Ok(c) => c,
-        Err(why) => return Ok(spawn_failed(127, format!("cannot run the command: {why}"))),
+        Err(why) => {
+            let (code, _) = describe_failure(Stage::Setup, nix::errno::Errno::EINVAL, "", "");
+            return Ok(spawn_failed(code, format!("cannot run the command: {why}")));
+        }
     };
     let reservation = env.running.reserve(&req.exec_id)?;
     let cgroup = match env.cgroup {
@@ -293,9 +296,10 @@ fn run_in_group(env: &Env<'_>, req: &ExecRequest, cmd: &Command, group: &Arc<Gro
     let (stdout_r, stdout_w) = pipe()?;
     let (stderr_r, stderr_w) = pipe()?;
     let (err_r, err_w) = pipe()?;
+    let procs_fds: Vec<_> = procs.iter().map(|f| f.as_raw_fd()).collect();
     let fds = ChildFds {
         stdio: [stdin_r.as_raw_fd(), stdout_w.as_raw_fd(), stderr_w.as_raw_fd()],
-        cgroup_procs: procs.as_ref().map(|f| f.as_raw_fd()),
+        cgroup_procs: &procs_fds,
         err_w: err_w.as_raw_fd(),
     };
     let spawned = Reaper::global().spawn(|| spawn::child(cmd, &fds));
@@ -303,13 +307,16 @@ fn run_in_group(env: &Env<'_>, req: &ExecRequest, cmd: &Command, group: &Arc<Gro
     drop((stdin_r, stdout_w, stderr_w, err_w, procs));
     let (pid, watch) = match spawned {
         Ok(s) => s,
-        Err(e) => return Ok(spawn_failed(127, format!("cannot start the command: {e}"))),
+        Err(e) => {
+            let (code, error) = describe_failure(Stage::Setup, e.errno, &req.argv[0], &req.workdir);
+            return Ok(spawn_failed(code, error));
+        }
     };
     *group.pid.lock().unwrap_or_else(|p| p.into_inner()) = pid;
-    if let Some((stage, errno)) = spawn::outcome(&err_r) {
+    if let Some((stage, errno)) = spawn::read_failure(&err_r) {
         // The child _exits right away; wait for it so its cgroup can be removed.
         let _ = ChildExit::read(&watch);
-        let (code, error) = spawn::describe_failure(stage, errno, &req.argv[0], &req.workdir);
+        let (code, error) = describe_failure(stage, errno, &req.argv[0], &req.workdir);
         return Ok(spawn_failed(code, error));
     }
     drop(err_r);
@@ -385,7 +392,7 @@ fn run_in_group(env: &Env<'_>, req: &ExecRequest, cmd: &Command, group: &Arc<Gro
     let usage = group.usage();
     let (stdout, stderr) = io.finish();
 
-    use guest_agent::outcome::{classify, Cause, EndStatus, Exit};
+    use sandbox_exec::outcome::{classify, Cause, EndStatus, Exit};
     let observed = match exit {
         Some(ChildExit::Code(c)) => Exit::Code(c),
         Some(ChildExit::Signal(s)) => Exit::Signal(s),
@@ -411,7 +418,7 @@ fn run_in_group(env: &Env<'_>, req: &ExecRequest, cmd: &Command, group: &Arc<Gro
         peak_memory_bytes: usage.peak_memory_bytes,
         stdout: meta(&stdout),
         stderr: meta(&stderr),
-        error: if end.status == EndStatus::Lost { guest_agent::outcome::UNKNOWN_EXIT.to_string() } else { String::new() },
+        error: if end.status == EndStatus::Lost { sandbox_exec::outcome::UNKNOWN_EXIT.to_string() } else { String::new() },
     };
     let mut payload = stdout.bytes;
     payload.extend_from_slice(&stderr.bytes);

@@ -12,7 +12,7 @@
 //! temporary file stays open between them under the host's transfer id, a bounded number at a
 //! time, and is dropped when a chunk fails, when the host aborts, or when it sits idle too long.
 
-use guest_agent::sys::{open_in_root, FileSlot, TempFile};
+use sandbox_exec::sys::{open_in_root, FileSlot, TempFile};
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
@@ -45,7 +45,7 @@ struct Staged {
 impl Staged {
     /// Removes the temporary file (the target was never touched).
     fn discard(self) {
-        let _ = guest_agent::sys::unlink_at(self.slot.dir.as_raw_fd(), &self.temp.name);
+        let _ = sandbox_exec::sys::unlink_at(self.slot.dir.as_raw_fd(), &self.temp.name);
     }
 }
 
@@ -105,7 +105,7 @@ fn components(path: &str) -> Result<Vec<String>, RequestError> {
     let mut out = Vec::new();
     for c in Path::new(path).components() {
         match c {
-            Component::Normal(s) if s.len() > guest_agent::sys::NAME_MAX => return Err(map_errno(path, Errno::ENAMETOOLONG)),
+            Component::Normal(s) if s.len() > sandbox_exec::sys::NAME_MAX => return Err(map_errno(path, Errno::ENAMETOOLONG)),
             Component::Normal(s) => out.push(s.to_string_lossy().into_owned()),
             Component::ParentDir => out.push("..".to_string()),
             Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
@@ -146,7 +146,7 @@ impl Files {
     /// Creates every missing directory of `dirs`.
     fn mkdir_all(root: &File, dirs: &[String], display: &str) -> Result<(), RequestError> {
         // Components with a NUL byte were refused when the path was split.
-        guest_agent::sys::mkdir_all_in_root(root.as_raw_fd(), dirs).map_err(|e| map_errno(display, e))
+        sandbox_exec::sys::mkdir_all_in_root(root.as_raw_fd(), dirs).map_err(|e| map_errno(display, e))
     }
 
     /// Opens `path` for writing, creating it and its parents; refuses anything but a regular
@@ -179,8 +179,8 @@ impl Files {
         let comps = file_components(path)?;
         let root = self.open_root()?;
         Self::mkdir_all(&root, &comps[..comps.len() - 1], path)?;
-        let slot = guest_agent::sys::resolve_file_slot(root.as_raw_fd(), &comps).map_err(|e| map_errno(path, e))?;
-        if slot.existing.as_ref().is_some_and(|st| guest_agent::sys::file_type(st) != libc::S_IFREG) {
+        let slot = sandbox_exec::sys::resolve_file_slot(root.as_raw_fd(), &comps).map_err(|e| map_errno(path, e))?;
+        if slot.existing.as_ref().is_some_and(|st| sandbox_exec::sys::file_type(st) != libc::S_IFREG) {
             return Err(invalid(path, "not a regular file"));
         }
         Ok(slot)
@@ -192,7 +192,7 @@ impl Files {
         let mode = if mode == 0 { DEFAULT_MODE } else { mode & 0o7777 };
         if !append {
             let slot = self.writable_slot(path)?;
-            guest_agent::sys::replace_file(&slot, bytes, mode).map_err(|e| map_errno(path, e))?;
+            sandbox_exec::sys::replace_file(&slot, bytes, mode).map_err(|e| map_errno(path, e))?;
             return Ok(bytes.len() as u64);
         }
         let mut file = self.open_for_write(path, mode, append)?;
@@ -215,7 +215,7 @@ impl Files {
             self.abort_staged(transfer);
             self.reserve_staged()?;
             let slot = self.writable_slot(path)?;
-            let temp = guest_agent::sys::create_temp_in(slot.dir.as_raw_fd()).map_err(|e| map_errno(path, e))?;
+            let temp = sandbox_exec::sys::create_temp_in(slot.dir.as_raw_fd()).map_err(|e| map_errno(path, e))?;
             Staged { slot, temp, size: 0, touched: Instant::now() }
         } else {
             // Out of the table while it is written: a duplicate chunk finds nothing.
@@ -237,7 +237,7 @@ impl Files {
         staged.size += bytes.len() as u64;
         if commit {
             let size = staged.size;
-            if let Err(e) = guest_agent::sys::commit_temp(&staged.slot, &staged.temp, mode) {
+            if let Err(e) = sandbox_exec::sys::commit_temp(&staged.slot, &staged.temp, mode) {
                 staged.discard();
                 return Err(map_errno(path, e));
             }
@@ -277,8 +277,8 @@ impl Files {
     pub fn remove(&self, path: &str) -> Result<(), RequestError> {
         let comps = file_components(path)?;
         let root = self.open_root()?;
-        use guest_agent::sys::RemoveError;
-        guest_agent::sys::remove_file_in_root(root.as_raw_fd(), &comps).map_err(|e| match e {
+        use sandbox_exec::sys::RemoveError;
+        sandbox_exec::sys::remove_file_in_root(root.as_raw_fd(), &comps).map_err(|e| match e {
             RemoveError::IsDirectory => invalid(path, "is a directory"),
             RemoveError::NotAFile => invalid(path, "not a regular file or symbolic link"),
             RemoveError::Sys(e) => map_errno(path, e),

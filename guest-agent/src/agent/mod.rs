@@ -15,7 +15,6 @@ pub mod files;
 pub mod machine;
 pub mod port;
 pub mod reaper;
-pub mod spawn;
 
 use std::io::Write;
 use std::panic::AssertUnwindSafe;

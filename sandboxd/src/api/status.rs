@@ -14,6 +14,8 @@ impl From<Error> for Status {
             Error::IncorrectState { .. } | Error::Unavailable { .. } | Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::PermissionDenied(_) => Code::PermissionDenied,
+            Error::Aborted(_) => Code::Aborted,
+            Error::DataLoss(_) => Code::DataLoss,
             Error::Internal(_) => {
                 tracing::error!(error = %e, "internal error");
                 Code::Internal

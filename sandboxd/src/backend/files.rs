@@ -12,7 +12,7 @@
 //! leaves the old file exactly as it was. The container tier uses the same code through the
 //! container's root (`/proc/<init>/root`).
 
-use guest_agent::sys::{open_in_root, FileSlot, NAME_MAX};
+use sandbox_exec::sys::{open_in_root, FileSlot, NAME_MAX};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::fd::AsRawFd;
@@ -21,7 +21,10 @@ use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
 
-use crate::backend::{BackendError, FileChunk};
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use crate::backend::{BackendError, Download, FileChunk, UploadPiece, DOWNLOAD_CHUNK};
 
 /// Largest slice one ReadFile returns.
 pub const MAX_READ: u64 = 4 << 20;
@@ -72,7 +75,8 @@ pub(crate) fn map_errno(path: &str, e: Errno) -> BackendError {
     }
 }
 
-fn open_root(root: &Path) -> Result<File, BackendError> {
+/// The sandbox root at `root`, opened as the directory every confined lookup starts from.
+pub(crate) fn open_root(root: &Path) -> Result<File, BackendError> {
     File::open(root).map_err(|e| BackendError::io(format!("opening sandbox root {}", root.display()), e))
 }
 
@@ -98,7 +102,7 @@ fn refuse_kernel_fs(file: &File, path: &str) -> Result<(), BackendError> {
 
 /// Creates every missing directory of `dirs` (already split), each lookup confined to `root`.
 fn mkdir_all(root: &File, dirs: &[String], display: &str) -> Result<(), BackendError> {
-    guest_agent::sys::mkdir_all_in_root(root.as_raw_fd(), dirs).map_err(|e| map_errno(display, e))
+    sandbox_exec::sys::mkdir_all_in_root(root.as_raw_fd(), dirs).map_err(|e| map_errno(display, e))
 }
 
 /// Creates a directory and its parents inside the root (used at setup for the workdir).
@@ -121,8 +125,8 @@ fn file_components(path: &str, workdir: &str) -> Result<Vec<String>, BackendErro
 /// Where a write to `comps` lands; anything there but a regular file is refused before any
 /// byte moves.
 fn writable_slot(root: &File, comps: &[String], path: &str) -> Result<FileSlot, BackendError> {
-    let slot = guest_agent::sys::resolve_file_slot(root.as_raw_fd(), comps).map_err(|e| map_errno(path, e))?;
-    if slot.existing.as_ref().is_some_and(|st| guest_agent::sys::file_type(st) != libc::S_IFREG) {
+    let slot = sandbox_exec::sys::resolve_file_slot(root.as_raw_fd(), comps).map_err(|e| map_errno(path, e))?;
+    if slot.existing.as_ref().is_some_and(|st| sandbox_exec::sys::file_type(st) != libc::S_IFREG) {
         return Err(BackendError::InvalidPath { path: path.to_string(), reason: "not a regular file".into() });
     }
     Ok(slot)
@@ -140,7 +144,7 @@ pub(crate) fn write_file_at(root: &File, workdir: &str, path: &str, content: &[u
     mkdir_all(root, &comps[..comps.len() - 1], path)?;
     let slot = writable_slot(root, &comps, path)?;
     let mode = if mode == 0 { 0o644 } else { mode & 0o7777 };
-    guest_agent::sys::replace_file(&slot, content, mode).map_err(|e| map_errno(path, e))?;
+    sandbox_exec::sys::replace_file(&slot, content, mode).map_err(|e| map_errno(path, e))?;
     Ok(content.len() as u64)
 }
 
@@ -153,8 +157,8 @@ pub fn remove_file(root: &Path, workdir: &str, path: &str) -> Result<(), Backend
 /// [`remove_file`] below an open root directory.
 pub(crate) fn remove_file_at(root: &File, workdir: &str, path: &str) -> Result<(), BackendError> {
     let comps = file_components(path, workdir)?;
-    use guest_agent::sys::RemoveError;
-    guest_agent::sys::remove_file_in_root(root.as_raw_fd(), &comps).map_err(|e| match e {
+    use sandbox_exec::sys::RemoveError;
+    sandbox_exec::sys::remove_file_in_root(root.as_raw_fd(), &comps).map_err(|e| match e {
         RemoveError::IsDirectory => map_errno(path, Errno::EISDIR),
         RemoveError::NotAFile => BackendError::InvalidPath { path: path.to_string(), reason: "not a regular file or symbolic link".into() },
         RemoveError::Sys(e) => map_errno(path, e),
@@ -190,6 +194,78 @@ pub(crate) fn read_file_at(root: &File, workdir: &str, path: &str, offset: u64, 
     }
     let eof = offset + content.len() as u64 >= size;
     Ok(FileChunk { content, size, eof })
+}
+
+/// Writes a file of any size from `data` (see [`UploadPiece`]) below an open root directory:
+/// parents are created, the bytes go to a hidden temporary file beside the target, and only a
+/// `Commit` renames it over the old file. Blocking (run it on a blocking thread).
+pub(crate) fn upload_file_at(root: &File, workdir: &str, path: &str, mode: u32, data: &mut mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
+    use std::io::Write;
+    let comps = file_components(path, workdir)?;
+    mkdir_all(root, &comps[..comps.len() - 1], path)?;
+    let slot = writable_slot(root, &comps, path)?;
+    let mode = if mode == 0 { 0o644 } else { mode & 0o7777 };
+    let mut temp = sandbox_exec::sys::create_temp_in(slot.dir.as_raw_fd()).map_err(|e| map_errno(path, e))?;
+    let mut written = 0u64;
+    let result = loop {
+        match data.blocking_recv() {
+            Some(UploadPiece::Data(bytes)) => {
+                if let Err(e) = temp.file.write_all(&bytes) {
+                    break Err(map_errno(path, Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))));
+                }
+                written += bytes.len() as u64;
+            }
+            Some(UploadPiece::Commit) => break sandbox_exec::sys::commit_temp(&slot, &temp, mode).map(|()| written).map_err(|e| map_errno(path, e)),
+            None => break Err(BackendError::UploadIncomplete { path: path.to_string() }),
+        }
+    };
+    if result.is_err() {
+        let _ = sandbox_exec::sys::unlink_at(slot.dir.as_raw_fd(), &temp.name);
+    }
+    result
+}
+
+/// Opens a regular file below an open root directory for a download (checked like
+/// [`read_file_at`]: never a device node, FIFO or kernel file), with its size.
+pub(crate) fn open_for_download_at(root: &File, workdir: &str, path: &str) -> Result<(File, u64), BackendError> {
+    let comps = components(path, workdir)?;
+    let rel = if comps.is_empty() { ".".to_string() } else { comps.join("/") };
+    let found = File::from(open_in_root(root.as_raw_fd(), &rel, libc::O_PATH, 0).map_err(|e| map_errno(path, e))?);
+    ensure_regular(&found, path)?;
+    refuse_kernel_fs(&found, path)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(format!("/proc/self/fd/{}", found.as_raw_fd()))
+        .map_err(|e| map_errno(path, Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))))?;
+    let size = ensure_regular(&file, path)?;
+    Ok((file, size))
+}
+
+/// Streams an opened file into a [`Download`]: a blocking thread reads [`DOWNLOAD_CHUNK`]
+/// pieces while the receiver keeps up (a slow client slows the reading, memory stays bounded
+/// by the channel). A read error ends the stream with that error.
+pub(crate) fn stream_download(mut file: File, size: u64, path: &str) -> Download {
+    let (tx, chunks) = mpsc::channel(4);
+    let path = path.to_string();
+    tokio::task::spawn_blocking(move || loop {
+        let mut buf = vec![0u8; DOWNLOAD_CHUNK];
+        match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                buf.truncate(n);
+                if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                let _ = tx.blocking_send(Err(BackendError::io(format!("reading {path}"), e)));
+                break;
+            }
+        }
+    });
+    Download { size, chunks }
 }
 
 /// Opens (creating, truncating) a file for the daemon to write into, e.g. an output spill file.

@@ -83,6 +83,47 @@ pub struct ExecSpec {
     pub max_output_bytes: u64,
     /// How long to wait for the pipes to close after the main process ended.
     pub io_drain_timeout: Duration,
+    /// Live input of an interactive session: stdin stays open after `stdin` was written, and
+    /// what arrives here follows. Empty for a plain exec, whose stdin closes after `stdin`.
+    pub input: SessionInputs,
+    /// Run on a pseudo-terminal of this size: stdin, stdout and stderr are its slave side (so
+    /// the output is one stream, reported as stdout) and it is the controlling terminal.
+    pub tty: Option<TerminalSize>,
+}
+
+/// Rows and columns of an exec's pseudo-terminal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TerminalSize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+/// One piece of live input to an interactive exec, in the order the client sent them.
+#[derive(Debug)]
+pub enum SessionInput {
+    /// Bytes for its stdin (on a terminal: typed keys, so Ctrl-C is a SIGINT to its foreground).
+    Stdin(Bytes),
+    /// End of its stdin (on a terminal: the end-of-file character, as Ctrl-D).
+    CloseStdin,
+    /// The terminal's new size (ignored without a terminal).
+    Resize(TerminalSize),
+}
+
+/// The receiving end of a session's input, handed to the backend that runs the exec (which
+/// takes it once). The channel closing counts as [`SessionInput::CloseStdin`].
+#[derive(Debug, Clone, Default)]
+pub struct SessionInputs(Arc<std::sync::Mutex<Option<mpsc::Receiver<SessionInput>>>>);
+
+impl SessionInputs {
+    /// Input arriving on `rx`.
+    pub fn new(rx: mpsc::Receiver<SessionInput>) -> Self {
+        SessionInputs(Arc::new(std::sync::Mutex::new(Some(rx))))
+    }
+
+    /// The receiver, once; `None` for a plain exec (or when already taken).
+    pub fn take(&self) -> Option<mpsc::Receiver<SessionInput>> {
+        self.0.lock().ok().and_then(|mut rx| rx.take())
+    }
 }
 
 /// A piece of output, streamed as it is produced.
@@ -111,7 +152,7 @@ pub enum ExecStatus {
     Lost,
 }
 
-pub use guest_agent::capture::CapturedOutput;
+pub use sandbox_exec::capture::CapturedOutput;
 
 impl ExecStatus {
     /// Its lower-case name: a metrics label and the store's status column.
@@ -128,9 +169,9 @@ impl ExecStatus {
     }
 }
 
-impl From<guest_agent::outcome::EndStatus> for ExecStatus {
-    fn from(s: guest_agent::outcome::EndStatus) -> Self {
-        use guest_agent::outcome::EndStatus;
+impl From<sandbox_exec::outcome::EndStatus> for ExecStatus {
+    fn from(s: sandbox_exec::outcome::EndStatus) -> Self {
+        use sandbox_exec::outcome::EndStatus;
         match s {
             EndStatus::Exited => ExecStatus::Exited,
             EndStatus::Signaled => ExecStatus::Signaled,
@@ -181,6 +222,25 @@ impl ExecOutcome {
     }
 }
 
+/// A piece of an upload, in order. The backend replaces the old file only on `Commit`: the
+/// channel closing before it (the client went away, its checksum did not match) abandons the
+/// upload and leaves the old file as it was.
+#[derive(Debug)]
+pub enum UploadPiece {
+    Data(Bytes),
+    Commit,
+}
+
+/// A file being downloaded: its size, and its content in order (an `Err` ends it early).
+pub struct Download {
+    pub size: u64,
+    pub chunks: mpsc::Receiver<Result<Bytes, BackendError>>,
+}
+
+/// How big a piece of a download is: large enough that per-message costs vanish, small enough
+/// to stay far below gRPC's message limit.
+pub const DOWNLOAD_CHUNK: usize = 1 << 20;
+
 /// A slice of a file read from a sandbox.
 #[derive(Debug, Clone, Default)]
 pub struct FileChunk {
@@ -208,6 +268,8 @@ pub enum BackendError {
     FileNotFound { path: String },
     #[error("the sandbox's disk is full (disk_bytes reached) writing {path}")]
     DiskFull { path: String },
+    #[error("the upload of {path} did not complete; the old file is unchanged")]
+    UploadIncomplete { path: String },
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
     #[error("{0}")]
@@ -238,6 +300,11 @@ pub trait Backend: Send + Sync {
     async fn write_file(&self, sandbox: &SandboxId, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError>;
     /// Reads part of a file inside the sandbox.
     async fn read_file(&self, sandbox: &SandboxId, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError>;
+    /// Writes a file of any size as its pieces arrive (creating parents), aside, and renames it
+    /// into place on [`UploadPiece::Commit`]; returns the bytes written.
+    async fn upload_file(&self, sandbox: &SandboxId, path: &str, mode: u32, data: mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError>;
+    /// Opens a regular file for reading from its start, in [`DOWNLOAD_CHUNK`] pieces.
+    async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError>;
     /// Removes a regular file or a symlink (the link itself, never its target) inside the
     /// sandbox, confined like the other file operations. A path that does not exist is `Ok`; a
     /// directory or special file is `InvalidPath`. Not an API call: the daemon's own clean-up.

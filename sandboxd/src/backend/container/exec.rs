@@ -3,22 +3,23 @@
 //! Docker's exec API starts a process in the container, but gives it no cgroup of its own, tells
 //! its host pid only when asked, and reports its exit code only after its output pipes closed —
 //! up to 2 s late when a background child holds them (and then it also delays the container's
-//! next exec). So every exec runs under a small POSIX `sh` wrapper (the image's `/bin/sh`) whose
-//! first act is to stop itself. The daemon then:
+//! next exec). So every exec starts as the exec helper (`sandbox-exec`, a static binary of the
+//! `sandbox-exec` crate bind-mounted read-only at [`HELPER_IN_CONTAINER`]: it needs nothing from
+//! the image, not even a shell), whose first act is to stop itself. The daemon then:
 //!
-//! 1. finds the wrapper's host pid (exec inspect) and waits until it is stopped;
+//! 1. finds the helper's host pid (exec inspect) and waits until it is stopped;
 //! 2. moves it into the exec's own cgroup below the container's — nothing has forked yet, so the
 //!    whole tree will live there — and opens a pidfd on it;
-//! 3. continues it. The wrapper enters the working directory, resolves argv[0] through `$PATH`
-//!    like execvp, and execs the command; or, if it cannot, writes a marker line on stderr
-//!    (which the daemon strips) and exits 126/127, like the process tier;
+//! 3. continues it. The helper becomes the command through `sandbox_exec::spawn`, exactly as the
+//!    process tier's init and the microVM's guest agent do; or, if it cannot, writes a failure
+//!    line (stage and errno) on stderr, which the daemon strips and describes like every tier;
 //! 4. pumps output into bounded captures while it waits on the pidfd for the exit, the timeout
 //!    or cancellation — the last two kill the exec's cgroup: every descendant, daemonized or not;
 //! 5. takes the raw wait status from the pidfd (`PIDFD_GET_INFO`, Linux 6.15+; Docker's exit
 //!    code otherwise), CPU and peak memory from the exec's cgroup; spilled output was written into
 //!    the container as it came. Usage is the exec's own, not the container's: concurrent execs do not blur
 //!    each other's numbers. As on the process tier it includes page cache the exec caused to be
-//!    charged, and here also the wrapper shell (a few hundred KiB, a millisecond of CPU).
+//!    charged, and here also the helper's start (a static binary: well under a millisecond).
 //!
 //! Nothing of the command runs before step 3, so anything Docker writes on the stream before
 //! that (an "OCI runtime exec failed" when the sandbox is out of pids) is a start failure, never
@@ -27,6 +28,7 @@
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -45,85 +47,39 @@ use super::docker::{api_error, is_conflict, is_not_found};
 use super::process_cgroup::ExecCgroup;
 use super::{ContainerSandbox, Inner};
 use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
-use guest_agent::capture::{OutputCapture, SpillTarget};
+use sandbox_exec::capture::{OutputCapture, SpillTarget};
+use sandbox_exec::spawn;
 
-pub use guest_agent::capture::SPILL_DIR;
+pub use sandbox_exec::capture::SPILL_DIR;
 
-/// How long an exec may take to reach the stopped wrapper before it counts as failed to start.
+/// How long an exec may take to reach the stopped helper before it counts as failed to start.
 const START_DEADLINE: Duration = Duration::from_secs(10);
 /// How long to wait for the exit after the exec's cgroup was killed.
 const KILL_WAIT: Duration = Duration::from_secs(5);
-/// Start of the line the wrapper writes on stderr when it cannot run the command. The unit
-/// separator byte keeps it from matching anything a user would print first.
-const MARKER: &[u8] = b"\x1fsandboxd-spawn ";
-/// `$0` of the wrapper is this followed by the exec id: how the daemon finds it on the host,
-/// and what `ps` inside the sandbox shows until the command replaces it.
-const WRAPPER_PREFIX: &str = "sandboxd-";
-/// Environment variable carrying the wrapper script.
-const WRAPPER_VAR: &str = "__SBX_WRAPPER";
+/// Where the exec helper is mounted in every container.
+pub const HELPER_IN_CONTAINER: &str = "/.sandboxd/exec";
+/// The helper's first argument is this followed by the exec id: how the daemon finds it on the
+/// host, and what `ps` inside the sandbox shows until the command replaces it.
+const TAG_PREFIX: &str = "sandboxd-";
+/// Where the helper is expected on the host, relative to the images directory
+/// (`images/build-exec-helper.sh` installs it there).
+const HELPER_ON_HOST: &str = ".tools/sandbox-exec";
 
-/// The wrapper, run by `sh -c 'eval "$__SBX_WRAPPER"'`: `$1` is the working directory, the rest
-/// is argv. Variable names are prefixed so
-/// they cannot clash with the user's environment, and unset before the command runs; the shell's
-/// own `PWD`, `OLDPWD` and `SHLVL` are unset too unless the user's environment has them (see
-/// [`wrapper_script`]), so the command sees exactly the environment the manager resolved.
-const WRAPPER: &str = r#"kill -STOP $$
-__sbx_w=$1; shift
-if ! cd -P -- "$__sbx_w" 2>/dev/null; then
-  if [ ! -e "$__sbx_w" ]; then __sbx_r=ENOENT; elif [ ! -d "$__sbx_w" ]; then __sbx_r=ENOTDIR; else __sbx_r=EACCES; fi
-  printf '\037sandboxd-spawn workdir %s\n' "$__sbx_r" >&2; exit 127
-fi
-case $1 in
-*/*) if [ ! -e "$1" ]; then __sbx_r=notfound; elif [ -d "$1" ] || [ ! -x "$1" ]; then __sbx_r=notexec; else __sbx_r=; fi ;;
-*) __sbx_r=notfound; __sbx_o=$IFS; IFS=:
-   for __sbx_d in $PATH; do
-     __sbx_p=${__sbx_d:-.}/$1
-     if [ -f "$__sbx_p" ] && [ -x "$__sbx_p" ]; then __sbx_r=; break; fi
-     if [ -e "$__sbx_p" ]; then __sbx_r=notexec; fi
-   done
-   IFS=$__sbx_o ;;
-esac
-if [ -n "$__sbx_r" ]; then
-  case $__sbx_r in notfound) __sbx_c=127 ;; *) __sbx_c=126 ;; esac
-  printf '\037sandboxd-spawn %s\n' "$__sbx_r" >&2; exit $__sbx_c
-fi
-unset __SBX_WRAPPER __sbx_w __sbx_r __sbx_o __sbx_d __sbx_p __sbx_c"#;
-
-/// The wrapper with the shell's own variables unset unless the command's environment has them.
-fn wrapper_script(env: &[(String, String)]) -> String {
-    let mut script = WRAPPER.to_string();
-    for var in ["PWD", "OLDPWD", "SHLVL"] {
-        if !env.iter().any(|(k, _)| k == var) {
-            script.push(' ');
-            script.push_str(var);
-        }
-    }
-    script.push_str("\nexec \"$@\"\n");
-    script
+/// The host path of the exec helper for `images_dir`.
+pub fn helper_path(images_dir: &Path) -> PathBuf {
+    images_dir.join(HELPER_ON_HOST)
 }
 
-/// The outcome and error sentence of a start failure the wrapper reported (the sentences every
-/// tier uses, `guest_agent::spawn_failure`).
-fn describe_marker(marker: &str, argv0: &str, workdir: &str) -> (i32, String) {
-    use guest_agent::spawn_failure::{describe_failure, Stage};
-    use nix::errno::Errno;
-    let mut words = marker.split_whitespace();
-    match (words.next(), words.next()) {
-        (Some("notfound"), _) => describe_failure(Stage::Exec, Errno::ENOENT, argv0, workdir),
-        (Some("notexec"), _) => describe_failure(Stage::Exec, Errno::EACCES, argv0, workdir),
-        (Some("workdir"), errno) => {
-            let errno = match errno {
-                Some("ENOTDIR") => Errno::ENOTDIR,
-                Some("EACCES") => Errno::EACCES,
-                _ => Errno::ENOENT,
-            };
-            describe_failure(Stage::Workdir, errno, argv0, workdir)
-        }
-        _ => (127, format!("exec setup failed: {marker}")),
+/// The exit code and error sentence of a start failure the helper reported (the sentences every
+/// tier uses, `sandbox_exec::spawn`).
+fn describe_failure_line(line: &str, argv0: &str, workdir: &str) -> (i32, String) {
+    match spawn::parse_failure_line(line) {
+        Some((stage, errno)) => spawn::describe_failure(stage, errno, argv0, workdir),
+        None => (127, format!("exec setup failed: {line}")),
     }
 }
 
-/// Holds back the first bytes of stderr until they are known not to be the wrapper's marker.
+/// Holds back the first bytes of stderr until they are known not to be the helper's marker.
 #[derive(Default)]
 struct MarkerFilter {
     /// Some while undecided.
@@ -140,19 +96,19 @@ impl MarkerFilter {
     fn filter(&mut self, chunk: &[u8]) -> Vec<u8> {
         let Some(mut held) = self.pending.take() else { return chunk.to_vec() };
         held.extend_from_slice(chunk);
-        if held.len() < MARKER.len() {
-            if MARKER.starts_with(&held) {
+        if held.len() < spawn::FAILURE_LINE_PREFIX.len() {
+            if spawn::FAILURE_LINE_PREFIX.starts_with(&held) {
                 self.pending = Some(held);
                 return Vec::new();
             }
             return held;
         }
-        if !held.starts_with(MARKER) {
+        if !held.starts_with(spawn::FAILURE_LINE_PREFIX) {
             return held;
         }
         match held.iter().position(|&b| b == b'\n') {
             Some(nl) => {
-                self.found = Some(String::from_utf8_lossy(&held[MARKER.len()..nl]).into_owned());
+                self.found = Some(String::from_utf8_lossy(&held[spawn::FAILURE_LINE_PREFIX.len()..nl]).into_owned());
                 held[nl + 1..].to_vec()
             }
             // A marker line is short; this is not one.
@@ -228,7 +184,9 @@ async fn pump(mut output: OutputStream, mut out: OutputCapture, mut err: OutputC
             _ = stop.cancelled() => break,
         };
         let (bytes, is_stdout) = match item {
-            Some(Ok(LogOutput::StdOut { message } | LogOutput::Console { message })) => (message, true),
+            Some(Ok(LogOutput::StdOut { message })) => (message, true),
+            // On a terminal everything is one stream, the helper's failure line included.
+            Some(Ok(LogOutput::Console { message })) => (Bytes::from(marker.filter(&message)), true),
             Some(Ok(LogOutput::StdErr { message })) => (Bytes::from(marker.filter(&message)), false),
             Some(Ok(LogOutput::StdIn { .. })) => continue,
             Some(Err(e)) => {
@@ -315,7 +273,7 @@ fn pidfd_exit(fd: &OwnedFd) -> PidfdExit {
 }
 
 /// How the command's main process ended (the type every tier classifies).
-use guest_agent::outcome::Exit;
+use sandbox_exec::outcome::Exit;
 
 fn decode_wait_status(status: i32) -> Exit {
     if libc::WIFSIGNALED(status) {
@@ -325,7 +283,7 @@ fn decode_wait_status(status: i32) -> Exit {
     }
 }
 
-/// How the wrapper's start went.
+/// How the helper's start went.
 enum Start {
     /// Stopped at its first line, with this host pid.
     Stopped(i32),
@@ -333,22 +291,22 @@ enum Start {
     Failed(Option<i64>),
 }
 
-/// Whether `pid` is the wrapper named `name` (its `$0`, which carries the exec id).
-fn is_wrapper(pid: i32, name: &str) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.split(|&b| b == 0).nth(3) == Some(name.as_bytes()))
+/// Whether `pid` is the exec helper tagged `name` (its first argument, which carries the exec id).
+fn is_helper(pid: i32, name: &str) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.split(|&b| b == 0).nth(1) == Some(name.as_bytes()))
 }
 
-/// Waits for the wrapper to appear in the container's cgroup and stop itself. The container's
+/// Waits for the helper to appear in the container's cgroup and stop itself. The container's
 /// `cgroup.procs` is polled every millisecond (a few small reads; a Docker API round trip per
 /// poll would cost more than the exec); Docker is asked only now and then, to notice an exec
 /// that failed to start (the sandbox out of pids, say).
-async fn await_stopped_wrapper(docker: &Docker, exec: &str, sb: &ContainerSandbox, name: &str) -> Result<Start, bollard::errors::Error> {
+async fn await_stopped_helper(docker: &Docker, exec: &str, sb: &ContainerSandbox, name: &str) -> Result<Start, bollard::errors::Error> {
     let started = Instant::now();
     let mut next_inspect = Duration::from_millis(20);
     let mut found: Option<i32> = None;
     loop {
         if found.is_none() {
-            found = sb.cgroup.pids().into_iter().find(|&p| is_wrapper(p, name));
+            found = sb.cgroup.pids().into_iter().find(|&p| is_helper(p, name));
         }
         if let Some(pid) = found {
             match proc_state(pid) {
@@ -372,7 +330,7 @@ async fn await_stopped_wrapper(docker: &Docker, exec: &str, sb: &ContainerSandbo
     }
 }
 
-/// Moves the stopped wrapper into the exec's cgroup (every hierarchy) and opens a pidfd on it.
+/// Moves the stopped helper into the exec's cgroup (every hierarchy) and opens a pidfd on it.
 /// Blocking: on cgroup v1 a migration can wait for an RCU grace period (~10 ms here; joining the
 /// hierarchies in parallel was measured and does not help, they serialize in the kernel).
 fn join_cgroup(cgroup: &ExecCgroup, pid: i32) -> Result<OwnedFd, String> {
@@ -380,6 +338,58 @@ fn join_cgroup(cgroup: &ExecCgroup, pid: i32) -> Result<OwnedFd, String> {
         procs.write_all(pid.to_string().as_bytes()).map_err(|e| format!("joining the exec cgroup: {e}"))?;
     }
     pidfd_open(pid).map_err(|e| format!("pidfd_open({pid}): {e}"))
+}
+
+/// Sets the size of an exec's terminal.
+async fn resize(docker: &Docker, docker_exec: &str, size: crate::backend::TerminalSize) {
+    let options = bollard::exec::ResizeExecOptions { height: size.rows, width: size.cols };
+    if let Err(e) = docker.resize_exec(docker_exec, options).await {
+        tracing::debug!(exec = %docker_exec, error = %e, "resizing an exec's terminal");
+    }
+}
+
+/// Writes `first` to the exec's stdin, then the session's live input if it has one, then closes
+/// stdin: half-closing the connection is how Docker learns to close the process's stdin; a
+/// terminal gets its end-of-file character (Ctrl-D) instead. `terminal` is set for a tty exec
+/// (resizes go to Docker). A command that does not read its stdin closes it: a failed write is
+/// normal and ends the feeding.
+async fn feed_stdin(
+    mut input: Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
+    first: Vec<u8>,
+    session: Option<tokio::sync::mpsc::Receiver<crate::backend::SessionInput>>,
+    terminal: Option<(Docker, String)>,
+) {
+    use crate::backend::SessionInput;
+    const VEOF: u8 = 0x04;
+    if input.write_all(&first).await.is_err() {
+        return;
+    }
+    if let Some(mut session) = session {
+        while let Some(item) = session.recv().await {
+            match item {
+                SessionInput::Stdin(bytes) => {
+                    if input.write_all(&bytes).await.is_err() {
+                        return;
+                    }
+                }
+                SessionInput::CloseStdin if terminal.is_some() => {
+                    let _ = input.write_all(&[VEOF]).await;
+                }
+                SessionInput::CloseStdin => break,
+                SessionInput::Resize(size) => {
+                    if let Some((docker, exec)) = &terminal {
+                        resize(docker, exec, size).await;
+                    }
+                }
+            }
+        }
+    } else if terminal.is_some() {
+        let _ = input.write_all(&[VEOF]).await;
+        return;
+    }
+    if terminal.is_none() {
+        let _ = input.shutdown().await;
+    }
 }
 
 /// Whatever Docker wrote on the stream of an exec that never started (bounded in time and size).
@@ -432,23 +442,24 @@ impl ContainerSandbox {
         let docker = inner.docker()?;
         let exec_id = spec.exec_id.to_string();
         let phase0 = Instant::now();
-        let wrapper_name = format!("{WRAPPER_PREFIX}{exec_id}");
-        // The script travels in the environment (and unsets itself), so `ps` inside the sandbox
-        // shows a short command line even for busybox applets that run inside the wrapper.
-        let mut cmd = vec!["/bin/sh".to_string(), "-c".to_string(), format!("eval \"${WRAPPER_VAR}\""), wrapper_name.clone(), spec.workdir.clone()];
+        let tag = format!("{TAG_PREFIX}{exec_id}");
+        let mut cmd = vec![HELPER_IN_CONTAINER.to_string(), tag.clone(), spec.workdir.clone()];
         cmd.extend(spec.argv.iter().cloned());
-        let mut env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        env.push(format!("{WRAPPER_VAR}={}", wrapper_script(&spec.env)));
-        let with_stdin = !spec.stdin.is_empty();
+        let env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let session = spec.input.take();
+        let with_stdin = !spec.stdin.is_empty() || session.is_some();
+        // On a terminal Docker makes the pty (in the container's devpts) and its controlling
+        // terminal; output then arrives as one stream.
+        let tty = spec.tty.is_some();
         let options = CreateExecOptions {
             attach_stdin: Some(with_stdin),
             attach_stdout: Some(true),
             attach_stderr: Some(true),
-            tty: Some(false),
+            tty: Some(tty),
             env: Some(env),
             cmd: Some(cmd),
-            // The wrapper changes into the exec's directory itself, so a missing one is reported
-            // like the process tier does rather than as Docker's error.
+            // The helper changes into the exec's directory itself, so a missing one is reported
+            // like every other tier does rather than as Docker's error.
             working_dir: Some("/".to_string()),
             ..Default::default()
         };
@@ -459,7 +470,7 @@ impl ContainerSandbox {
             }
             Err(e) => return Err(api_error("creating exec", e)),
         };
-        let start = StartExecOptions { detach: false, tty: false, output_capacity: Some(64 << 10) };
+        let start = StartExecOptions { detach: false, tty, output_capacity: Some(64 << 10) };
         let (mut output, input) = match docker.start_exec(&docker_exec, Some(start)).await {
             Ok(StartExecResults::Attached { output, input }) => (output, input),
             Ok(StartExecResults::Detached) => return Err(BackendError::Internal("Docker started the exec detached".into())),
@@ -470,7 +481,7 @@ impl ContainerSandbox {
         };
 
         let started_ms = phase0.elapsed().as_micros() as u64;
-        let pid = match await_stopped_wrapper(docker, &docker_exec, self, &wrapper_name).await {
+        let pid = match await_stopped_helper(docker, &docker_exec, self, &tag).await {
             Ok(Start::Stopped(pid)) => pid,
             Ok(Start::Failed(code)) => {
                 if self.lost_reason().is_some() {
@@ -485,7 +496,7 @@ impl ContainerSandbox {
         let stopped_ms = phase0.elapsed().as_micros() as u64;
         let continue_or_kill = |sig: Signal| {
             if let Err(e) = kill(Pid::from_raw(pid), sig) {
-                tracing::debug!(exec = %exec_id, pid, error = %e, "signalling the stopped wrapper");
+                tracing::debug!(exec = %exec_id, pid, error = %e, "signalling the stopped helper");
             }
         };
         // 2. Into its own cgroup while it cannot fork, then a pidfd that outlives its reaping.
@@ -512,15 +523,11 @@ impl ContainerSandbox {
         if let Some(tx) = started {
             let _ = tx.send(());
         }
+        if let Some(size) = spec.tty {
+            resize(docker, &docker_exec, size).await;
+        }
         if with_stdin {
-            let stdin = spec.stdin.clone();
-            let mut input = input;
-            tokio::spawn(async move {
-                // A command that does not read its stdin closes it: a failed write is normal.
-                let _ = input.write_all(&stdin).await;
-                // Half-closing the connection is how Docker learns to close the process's stdin.
-                let _ = input.shutdown().await;
-            });
+            tokio::spawn(feed_stdin(input, spec.stdin.clone(), session, tty.then(|| (docker.clone(), docker_exec.clone()))));
         } else {
             drop(input);
         }
@@ -589,10 +596,10 @@ impl ContainerSandbox {
             return Ok(ExecOutcome { status: ExecStatus::Lost, exit_code: -1, signal: 0, stdout, stderr, started_at, duration, usage, error });
         }
         if let (Some(m), Exit::Code(126 | 127)) = (&marker, exit) {
-            let (code, error) = describe_marker(m, &spec.argv[0], &spec.workdir);
+            let (code, error) = describe_failure_line(m, &spec.argv[0], &spec.workdir);
             return Ok(ExecOutcome { status: ExecStatus::SpawnFailed, exit_code: code, signal: 0, stdout, stderr, started_at, duration, usage, error });
         }
-        use guest_agent::outcome::{classify, Cause, UNKNOWN_EXIT};
+        use sandbox_exec::outcome::{classify, Cause, UNKNOWN_EXIT};
         let cause = match end {
             End::TimedOut => Cause::TimedOut,
             End::Cancelled => Cause::Cancelled,
@@ -650,8 +657,8 @@ mod tests {
     fn marker_is_stripped_and_ordinary_stderr_passes() {
         let mut f = MarkerFilter::new();
         assert!(f.filter(b"\x1fsandboxd").is_empty(), "a possible marker prefix is held back");
-        assert_eq!(f.filter(b"-spawn notfound\n"), b"");
-        assert_eq!(f.found.as_deref(), Some("notfound"));
+        assert_eq!(f.filter(b"-spawn exec 2\n"), b"");
+        assert_eq!(f.found.as_deref(), Some("exec 2"));
 
         let mut f = MarkerFilter::new();
         assert_eq!(f.filter(b"hello"), b"hello");
@@ -664,19 +671,18 @@ mod tests {
     }
 
     #[test]
-    fn markers_become_the_process_tier_sentences() {
-        assert_eq!(describe_marker("notfound", "nope", "/w"), (127, "executable not found: nope".into()));
-        assert_eq!(describe_marker("notexec", "/x.sh", "/w").0, 126);
-        let (code, text) = describe_marker("workdir ENOENT", "pwd", "/no/such/dir");
+    fn failure_lines_become_the_sentences_of_every_tier() {
+        use nix::errno::Errno;
+        let line = |stage, errno| {
+            let bytes = spawn::failure_line(stage, errno);
+            String::from_utf8_lossy(&bytes[spawn::FAILURE_LINE_PREFIX.len()..]).trim_end().to_string()
+        };
+        assert_eq!(describe_failure_line(&line(spawn::Stage::Exec, Errno::ENOENT), "nope", "/w"), (127, "executable not found: nope".into()));
+        assert_eq!(describe_failure_line(&line(spawn::Stage::Exec, Errno::EACCES), "/x.sh", "/w").0, 126);
+        let (code, text) = describe_failure_line(&line(spawn::Stage::Workdir, Errno::ENOENT), "pwd", "/no/such/dir");
         assert_eq!(code, 127);
         assert!(text.contains("/no/such/dir"), "{text}");
-    }
-
-    #[test]
-    fn wrapper_unsets_only_what_the_user_did_not_set() {
-        let s = wrapper_script(&[("PWD".into(), "/x".into())]);
-        assert!(s.contains(" OLDPWD SHLVL\nexec \"$@\"\n"), "{s}");
-        assert!(!s.contains("__sbx_c PWD"), "{s}");
+        assert_eq!(describe_failure_line("garbage", "x", "/").0, 127);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use super::ContainerSandbox;
 use crate::backend::files as root_files;
-use crate::backend::{BackendError, FileChunk};
+use crate::backend::{BackendError, Download, FileChunk, UploadPiece};
 
 /// The container's root directory as its init (`init_pid`) sees it, checked to belong to
 /// `container_id` (see the module docs).
@@ -61,6 +61,22 @@ async fn with_root<T: Send + 'static>(sb: &ContainerSandbox, op: impl FnOnce(&Fi
 pub async fn write_file(sb: &ContainerSandbox, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
     let (workdir, path, content) = (sb.spec.workdir.clone(), path.to_string(), content.to_vec());
     with_root(sb, move |root| root_files::write_file_at(root, &workdir, &path, &content, mode)).await
+}
+
+/// Writes a file of any size as its pieces arrive; see [`root_files::upload_file_at`].
+pub async fn upload_file(sb: &ContainerSandbox, path: &str, mode: u32, mut data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
+    let (workdir, path) = (sb.spec.workdir.clone(), path.to_string());
+    with_root(sb, move |root| root_files::upload_file_at(root, &workdir, &path, mode, &mut data)).await
+}
+
+/// Opens a regular file for a streamed download, read straight from the container's root.
+pub async fn download_file(sb: &ContainerSandbox, path: &str) -> Result<Download, BackendError> {
+    let (workdir, path) = (sb.spec.workdir.clone(), path.to_string());
+    with_root(sb, move |root| {
+        let (file, size) = root_files::open_for_download_at(root, &workdir, &path)?;
+        Ok(root_files::stream_download(file, size, &path))
+    })
+    .await
 }
 
 /// Removes a regular file or a symlink (the link itself); a missing path is fine.

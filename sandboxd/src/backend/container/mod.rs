@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::cgroup as process_cgroup;
 use process_cgroup::{CgroupRoot, SandboxCgroup};
-use super::{Backend, BackendError, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal};
+use super::{Backend, BackendError, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 
 /// Where the Docker Engine listens by default.
@@ -169,6 +169,11 @@ impl ContainerBackend {
             if let Err(e) = std::fs::create_dir_all(dir) {
                 unavailable.get_or_insert_with(|| format!("creating {}: {e}", dir.display()));
             }
+        }
+        // Every command starts through the exec helper: without it no exec could run.
+        let helper = exec::helper_path(&cfg.images_dir);
+        if !helper.is_file() {
+            unavailable.get_or_insert_with(|| format!("the exec helper {} is missing: build it with `make exec-helper` (make run and make test do)", helper.display()));
         }
         if let Some(reason) = &unavailable {
             tracing::error!(%reason, "container tier unavailable");
@@ -319,6 +324,16 @@ impl Backend for ContainerBackend {
     async fn read_file(&self, sandbox: &SandboxId, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
         files::read_file(&sb, path, offset, limit).await
+    }
+
+    async fn upload_file(&self, sandbox: &SandboxId, path: &str, mode: u32, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::upload_file(&sb, path, mode, data).await
+    }
+
+    async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::download_file(&sb, path).await
     }
 
     async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {

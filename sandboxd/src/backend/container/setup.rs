@@ -30,10 +30,10 @@ const KEPT_CAPS: [&str; 11] = [
     "SETFCAP",
 ];
 
-/// The container's main process under docker-init: a shell that sleeps forever. Execs are
-/// separate processes started through the exec API; this only keeps the container up. A loop of
-/// plain `sleep` works with every `sleep` (busybox's and coreutils'), unlike `sleep infinity`.
-const KEEPALIVE: [&str; 3] = ["/bin/sh", "-c", "while :; do sleep 86400; done"];
+/// The container's main process under docker-init: the exec helper waiting for signals forever.
+/// Execs are separate processes started through the exec API; this only keeps the container up,
+/// and needs nothing from the image (no shell, no `sleep`).
+const KEEPALIVE: [&str; 2] = [super::exec::HELPER_IN_CONTAINER, "--pause"];
 
 /// Docker refuses a CPU limit below 0.01 CPU.
 const MIN_NANO_CPUS: i64 = 10_000_000;
@@ -56,7 +56,7 @@ impl Role {
     }
 }
 
-fn host_config(spec: &SandboxSpec, disk: Option<u64>) -> HostConfig {
+fn host_config(spec: &SandboxSpec, disk: Option<u64>, helper: &std::path::Path) -> HostConfig {
     let l = &spec.limits;
     let memory = i64::try_from(l.memory_bytes).unwrap_or(i64::MAX);
     let nano_cpus = (i64::from(l.cpu_millicores) * 1_000_000).max(MIN_NANO_CPUS);
@@ -78,6 +78,8 @@ fn host_config(spec: &SandboxSpec, disk: Option<u64>) -> HostConfig {
         log_config: Some(HostConfigLogConfig { typ: Some("none".to_string()), config: None }),
         restart_policy: Some(RestartPolicy { name: Some(RestartPolicyNameEnum::NO), maximum_retry_count: None }),
         storage_opt: disk.map(|bytes| HashMap::from([("size".to_string(), bytes.to_string())])),
+        // Read-only: nothing in the container can replace how its commands are started.
+        binds: Some(vec![format!("{}:{}:ro", helper.display(), super::exec::HELPER_IN_CONTAINER)]),
         ..Default::default()
     }
 }
@@ -158,7 +160,7 @@ impl Inner {
             attach_stderr: Some(false),
             network_disabled: Some(true),
             stop_timeout: Some(1),
-            host_config: Some(host_config(spec, disk)),
+            host_config: Some(host_config(spec, disk, &super::exec::helper_path(&self.cfg.images_dir))),
             ..Default::default()
         };
         let options = || CreateContainerOptions { name: Some(name.to_string()), ..Default::default() };
@@ -209,7 +211,7 @@ impl Inner {
         let pid = state.pid.and_then(|p| i32::try_from(p).ok()).filter(|&p| p > 0);
         let Some(init_pid) = pid.filter(|_| state.running == Some(true)) else {
             return Err(BackendError::Internal(format!(
-                "container {container_id} exited right after start (exit code {:?}, error {:?}): does the image have /bin/sh and sleep?",
+                "container {container_id} exited right after start (exit code {:?}, error {:?}): is the exec helper mounted?",
                 state.exit_code, state.error
             )));
         };
@@ -279,12 +281,13 @@ mod tests {
             workdir: "/workspace".into(),
             from_snapshot: None,
         };
-        let hc = host_config(&spec, None);
+        let hc = host_config(&spec, None, std::path::Path::new("/x/sandbox-exec"));
         assert_eq!((hc.memory, hc.memory_swap, hc.pids_limit), (Some(64 << 20), Some(64 << 20), Some(32)));
         assert_eq!(hc.nano_cpus, Some(MIN_NANO_CPUS), "tiny CPU limits are rounded up to Docker's minimum");
         assert_eq!(hc.init, Some(true));
         assert_eq!(hc.network_mode.as_deref(), Some("none"));
         assert!(hc.storage_opt.is_none());
+        assert_eq!(hc.binds.as_deref(), Some(&["/x/sandbox-exec:/.sandboxd/exec:ro".to_string()][..]), "the exec helper, read-only");
         assert!(!hc.cap_add.unwrap_or_default().iter().any(|c| c == "MKNOD" || c == "NET_RAW" || c == "SYS_ADMIN"));
     }
 }

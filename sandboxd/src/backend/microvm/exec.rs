@@ -1,22 +1,20 @@
-//! Execs and files of a microVM sandbox: requests to the guest agent, answers checked and turned
-//! into the same records the other tiers produce.
+//! Execs of a microVM sandbox: requests to the guest agent, answers checked and turned into the
+//! same records the other tiers produce.
 
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use guest_agent::protocol::{self, ErrorKind, ExecExit, ExecRequest, ExitStatus, Request, Response, Stream, StreamMeta};
+use guest_agent::protocol::{ErrorKind, ExecExit, ExecRequest, ExitStatus, Request, Response, Stream, StreamMeta};
 use tokio_util::sync::CancellationToken;
 
 use super::vm::Vm;
-use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, FileChunk, OutputChunk, OutputSink, StartSignal};
+use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
 
 /// How long past its own timeout an exec may go unreported before it is declared lost (the
 /// guest enforces the timeout; this only catches a guest that stopped answering).
 const REPORT_GRACE: Duration = Duration::from_secs(30);
 /// How long to wait for the final record after a cancellation killed the command.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
-/// Deadline of one file request.
-const FILE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Runs one command in the VM.
 pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
@@ -142,139 +140,6 @@ pub fn agent_failure(kind: ErrorKind, message: String, path: &str) -> BackendErr
         ErrorKind::DiskFull => BackendError::DiskFull { path: path.to_string() },
         ErrorKind::NoSuchExec => BackendError::Internal(format!("guest agent: {message}")),
         ErrorKind::BadRequest | ErrorKind::Internal => BackendError::Internal(format!("guest agent: {message}")),
-    }
-}
-
-/// The absolute guest path of an API path: relative paths start at the sandbox's workdir, and
-/// `..` is kept for the guest kernel to clamp at `/` (the same rule as the process tier's
-/// RESOLVE_IN_ROOT; inside the VM the whole filesystem is the sandbox's).
-fn guest_path(path: &str, workdir: &str) -> Result<String, BackendError> {
-    let comps = crate::backend::files::components(path, workdir)?;
-    Ok(format!("/{}", comps.join("/")))
-}
-
-/// The guest protocol that brought atomic staged writes and `RemoveFile`.
-const STAGED_WRITES: u32 = 2;
-
-/// The absolute guest path of an API path that names a file (not the root, not ending in `..`).
-fn guest_file_path(api_path: &str, workdir: &str) -> Result<String, BackendError> {
-    let comps = crate::backend::files::components(api_path, workdir)?;
-    match comps.last().map(String::as_str) {
-        None => Err(BackendError::InvalidPath { path: api_path.to_string(), reason: "names the root directory".into() }),
-        Some("..") => Err(BackendError::InvalidPath { path: api_path.to_string(), reason: "ends in ..".into() }),
-        Some(_) => Ok(format!("/{}", comps.join("/"))),
-    }
-}
-
-/// `content` in chunks of at most [`protocol::FILE_CHUNK`] (one empty chunk for no content).
-fn chunks_of(content: &[u8]) -> Vec<&[u8]> {
-    let mut chunks: Vec<&[u8]> = content.chunks(protocol::FILE_CHUNK as usize).collect();
-    if chunks.is_empty() {
-        chunks.push(&[]);
-    }
-    chunks
-}
-
-/// Writes a file, replacing an old one atomically: the chunks (at most
-/// [`protocol::FILE_CHUNK`] each) are staged in a temporary file in the guest, which the last
-/// chunk renames over the target. A failure anywhere leaves the old file as it was. Returns the
-/// bytes written.
-pub async fn write_file(vm: &Vm, workdir: &str, api_path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
-    static TRANSFERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    let path = guest_file_path(api_path, workdir)?;
-    let mode = if mode == 0 { 0o644 } else { mode & 0o7777 };
-    if vm.hello.version < STAGED_WRITES {
-        tracing::warn!(version = vm.hello.version, "the guest agent predates atomic writes: rebuild the VM images (make vm-images)");
-        return write_file_in_place(vm, api_path, &path, content, mode).await;
-    }
-    let transfer = format!("w{}", TRANSFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-    let chunks = chunks_of(content);
-    let last = chunks.len() - 1;
-    let mut offset = 0u64;
-    for (i, chunk) in chunks.into_iter().enumerate() {
-        let req = Request::WriteStaged { transfer: transfer.clone(), path: path.clone(), mode, offset, commit: i == last };
-        let failure = match vm.agent.call(&req, chunk, FILE_TIMEOUT).await {
-            Ok(reply) => match reply.msg {
-                Response::Written { size } if size == offset + chunk.len() as u64 => {
-                    offset = size;
-                    continue;
-                }
-                // The guest dropped the transfer itself.
-                Response::Error { kind, message } => return Err(agent_failure(kind, message, api_path)),
-                other => BackendError::Internal(format!("guest agent answered write_staged with {other:?} (expected {} bytes staged)", offset + chunk.len() as u64)),
-            },
-            Err(e) => vm.agent_error(e),
-        };
-        // Best effort: a guest that is gone or stuck drops abandoned transfers on its own.
-        if let Err(e) = vm.agent.call(&Request::AbortWrite { transfer: transfer.clone() }, &[], Duration::from_secs(5)).await {
-            tracing::debug!(%transfer, error = %e, "aborting a staged write in the guest");
-        }
-        return Err(failure);
-    }
-    Ok(content.len() as u64)
-}
-
-/// Removes a regular file or symlink in the guest (a missing one is fine).
-pub async fn remove_file(vm: &Vm, workdir: &str, api_path: &str) -> Result<(), BackendError> {
-    let path = guest_file_path(api_path, workdir)?;
-    if vm.hello.version < STAGED_WRITES {
-        return Err(BackendError::Internal(format!(
-            "the guest agent of this microVM speaks protocol {}, which cannot remove files: rebuild the VM images (make vm-images)",
-            vm.hello.version
-        )));
-    }
-    let reply = vm.agent.call(&Request::RemoveFile { path }, &[], FILE_TIMEOUT).await.map_err(|e| vm.agent_error(e))?;
-    match reply.msg {
-        Response::Ok | Response::Error { kind: ErrorKind::NotFound, .. } => Ok(()),
-        Response::Error { kind, message } => Err(agent_failure(kind, message, api_path)),
-        other => Err(BackendError::Internal(format!("guest agent answered remove_file with {other:?}"))),
-    }
-}
-
-/// The protocol-1 write: the first chunk truncates the file in place, the others append (not
-/// atomic; only for a guest agent that knows nothing better).
-async fn write_file_in_place(vm: &Vm, api_path: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
-    for (i, chunk) in chunks_of(content).into_iter().enumerate() {
-        let req = Request::WriteFile { path: path.to_string(), mode, append: i > 0 };
-        let reply = vm.agent.call(&req, chunk, FILE_TIMEOUT).await.map_err(|e| vm.agent_error(e))?;
-        match reply.msg {
-            Response::Written { .. } => {}
-            Response::Error { kind, message } => return Err(agent_failure(kind, message, api_path)),
-            other => return Err(BackendError::Internal(format!("guest agent answered write_file with {other:?}"))),
-        }
-    }
-    Ok(content.len() as u64)
-}
-
-/// Reads up to `limit` bytes (0 = the most one ReadFile returns) from `offset`, in chunks.
-pub async fn read_file(vm: &Vm, workdir: &str, api_path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
-    let max = crate::backend::files::MAX_READ;
-    let limit = if limit == 0 { max } else { limit.min(max) };
-    let path_owned = guest_path(api_path, workdir)?;
-    let path = path_owned.as_str();
-    let mut out = FileChunk::default();
-    let mut pos = offset;
-    loop {
-        let want = (limit - out.content.len() as u64).min(protocol::FILE_CHUNK);
-        let req = Request::ReadFile { path: path.to_string(), offset: pos, limit: want };
-        let reply = vm.agent.call(&req, &[], FILE_TIMEOUT).await.map_err(|e| vm.agent_error(e))?;
-        match reply.msg {
-            Response::FileData { size, eof } => {
-                if reply.payload.len() as u64 > want {
-                    return Err(BackendError::Internal(format!("guest agent returned {} bytes for a read of {want}", reply.payload.len())));
-                }
-                pos += reply.payload.len() as u64;
-                let got_nothing = reply.payload.is_empty();
-                out.content.extend_from_slice(&reply.payload);
-                out.size = size;
-                out.eof = eof;
-                if eof || got_nothing || out.content.len() as u64 >= limit {
-                    return Ok(out);
-                }
-            }
-            Response::Error { kind, message } => return Err(agent_failure(kind, message, api_path)),
-            other => return Err(BackendError::Internal(format!("guest agent answered read_file with {other:?}"))),
-        }
     }
 }
 

@@ -20,6 +20,7 @@
 mod agent;
 mod disk;
 mod exec;
+mod files;
 pub mod guard;
 mod pool;
 mod qmp;
@@ -37,7 +38,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use super::cgroup::{CgroupLimits, CgroupRoot};
-use super::{Backend, BackendError, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal};
+use super::{Backend, BackendError, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
 use crate::config::{Limits, MicroVmConfig, MicroVmAccel};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 pub use vm::Accel;
@@ -764,17 +765,27 @@ impl Backend for MicroVmBackend {
 
     async fn write_file(&self, sandbox: &SandboxId, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
-        exec::write_file(&*sb.vm()?, &sb.spec.workdir, path, content, mode).await
+        files::write_file(&*sb.vm()?, &sb.spec.workdir, path, content, mode).await
     }
 
     async fn read_file(&self, sandbox: &SandboxId, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
-        exec::read_file(&*sb.vm()?, &sb.spec.workdir, path, offset, limit).await
+        files::read_file(&*sb.vm()?, &sb.spec.workdir, path, offset, limit).await
+    }
+
+    async fn upload_file(&self, sandbox: &SandboxId, path: &str, mode: u32, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::upload_file(&*sb.vm()?, &sb.spec.workdir, path, mode, data).await
+    }
+
+    async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::download_file(sb.vm()?, &sb.spec.workdir, path).await
     }
 
     async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
-        exec::remove_file(&*sb.vm()?, &sb.spec.workdir, path).await
+        files::remove_file(&*sb.vm()?, &sb.spec.workdir, path).await
     }
 
     async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {

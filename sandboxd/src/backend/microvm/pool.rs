@@ -128,7 +128,7 @@ async fn warm_up(vm: &Vm) {
     let req = guest_agent::protocol::Request::Exec(guest_agent::protocol::ExecRequest {
         exec_id: "pool-warm-up".into(),
         argv: vec!["sh".into(), "-c".into(), "true".into()],
-        env: vec![("PATH".into(), guest_agent::capture::DEFAULT_PATH.into())],
+        env: vec![("PATH".into(), sandbox_exec::capture::DEFAULT_PATH.into())],
         workdir: "/".into(),
         timeout_ms: 10_000,
         max_output_bytes: 4096,

@@ -12,8 +12,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::wire::{decode, encode, recv_raw, send_raw, FromInit, ToInit, WireError};
 
-/// How a spawn request ended.
-pub type SpawnReply = Result<i32, (String, i32)>;
+/// How a spawn request ended: the pid (and the terminal's master side for a `tty` spawn), or
+/// where and why it failed.
+pub type SpawnReply = Result<(i32, Option<OwnedFd>), (sandbox_exec::spawn::Stage, i32)>;
 /// How the main process of an exec ended: (exit code, signal).
 pub type ExitReply = (Option<i32>, Option<i32>);
 
@@ -175,7 +176,7 @@ impl InitChannel {
                     _ = closed.cancelled() => break,
                     r = recv_on(&fd, &mut buf) => r,
                 };
-                let (n, _fds) = match msg {
+                let (n, mut fds) = match msg {
                     Ok(Some(m)) => m,
                     Ok(None) => break,
                     Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
@@ -192,7 +193,7 @@ impl InitChannel {
                 match parsed {
                     Ok(FromInit::Spawned { exec_id, pid }) => {
                         if let Some(tx) = p.spawns.remove(&exec_id) {
-                            let _ = tx.send(Ok(pid));
+                            let _ = tx.send(Ok((pid, fds.pop())));
                         }
                     }
                     Ok(FromInit::SpawnFailed { exec_id, stage, errno }) => {

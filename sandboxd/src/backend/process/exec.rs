@@ -16,16 +16,18 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backend::cgroup::ExecCgroup;
 use crate::backend::files;
+use super::pty;
 use super::wire::ToInit;
 use super::ProcessSandbox;
-use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
-use guest_agent::capture::{OutputCapture, SpillTarget};
+use crate::backend::{SessionInput, BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
+use sandbox_exec::capture::{OutputCapture, SpillTarget};
+use sandbox_exec::spawn::describe_failure;
 
 /// How long the init may take to answer a spawn request (normally well under a millisecond;
 /// joining a cgroup v1 on a loaded host can take a few).
 const SPAWN_REPLY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
-pub use guest_agent::capture::SPILL_DIR;
+pub use sandbox_exec::capture::SPILL_DIR;
 
 /// Spill file of one stream, created through the confined file API.
 struct SandboxSpill {
@@ -43,19 +45,117 @@ impl SpillTarget for SandboxSpill {
     }
 }
 
+/// The daemon's and the command's ends of the three stdio pipes: (read, write) each.
+struct Pipes {
+    stdin: (OwnedFd, OwnedFd),
+    stdout: (OwnedFd, OwnedFd),
+    stderr: (OwnedFd, OwnedFd),
+}
+
+/// Where an exec's output is read: a pipe, or the master side of its terminal.
+enum Reader {
+    Pipe(tokio::net::unix::pipe::Receiver),
+    Terminal(pty::PtyMaster),
+}
+
+impl AsRawFd for Reader {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            Reader::Pipe(p) => p.as_raw_fd(),
+            Reader::Terminal(t) => t.as_raw_fd(),
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for Reader {
+    fn poll_read(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, buf: &mut tokio::io::ReadBuf<'_>) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Reader::Pipe(p) => std::pin::Pin::new(p).poll_read(cx, buf),
+            Reader::Terminal(t) => std::pin::Pin::new(t).poll_read(cx, buf),
+        }
+    }
+}
+
+/// Where an exec's stdin is written: a pipe, or the master side of its terminal.
+enum StdinWriter {
+    Pipe(tokio::net::unix::pipe::Sender),
+    Terminal(pty::PtyMaster),
+}
+
+/// Writes `first` to the exec's stdin, then the session's live input if it has one, then
+/// closes stdin (a pipe is closed; a terminal gets its end-of-file character, as Ctrl-D, since
+/// it has no half-close). A command that does not read its stdin closes the pipe: EPIPE is normal
+/// here and ends the feeding.
+async fn feed_stdin(tx: StdinWriter, first: Vec<u8>, input: Option<tokio::sync::mpsc::Receiver<SessionInput>>) {
+    match tx {
+        StdinWriter::Pipe(p) => feed_pipe(p, first, input).await,
+        StdinWriter::Terminal(t) => match t.try_clone() {
+            Ok(control) => feed_terminal(t, control, first, input).await,
+            Err(e) => tracing::warn!(error = %e, "cannot write to the exec's terminal"),
+        },
+    }
+}
+
+/// [`feed_stdin`] for a pipe: dropping it closes the command's stdin.
+async fn feed_pipe(mut w: tokio::net::unix::pipe::Sender, first: Vec<u8>, input: Option<tokio::sync::mpsc::Receiver<SessionInput>>) {
+    if w.write_all(&first).await.is_err() {
+        return;
+    }
+    let Some(mut input) = input else { return };
+    while let Some(item) = input.recv().await {
+        match item {
+            SessionInput::Stdin(bytes) => {
+                if w.write_all(&bytes).await.is_err() {
+                    return;
+                }
+            }
+            SessionInput::CloseStdin => return,
+            SessionInput::Resize(_) => {}
+        }
+    }
+}
+
+/// [`feed_stdin`] for a terminal: `control` keeps the master for resizes while `w` writes.
+async fn feed_terminal(mut w: pty::PtyMaster, control: pty::PtyMaster, first: Vec<u8>, input: Option<tokio::sync::mpsc::Receiver<SessionInput>>) {
+    if w.write_all(&first).await.is_err() {
+        return;
+    }
+    let Some(mut input) = input else {
+        let _ = w.write_all(&[pty::VEOF]).await;
+        return;
+    };
+    while let Some(item) = input.recv().await {
+        match item {
+            SessionInput::Stdin(bytes) => {
+                if w.write_all(&bytes).await.is_err() {
+                    return;
+                }
+            }
+            SessionInput::CloseStdin => {
+                let _ = w.write_all(&[pty::VEOF]).await;
+            }
+            SessionInput::Resize(size) => {
+                if let Err(e) = control.resize(size) {
+                    tracing::debug!(error = %e, "resizing an exec's terminal");
+                }
+            }
+        }
+    }
+}
+
 fn pipe() -> Result<(OwnedFd, OwnedFd), BackendError> {
     nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::io("creating exec pipe", e.into()))
 }
 
-/// Reads one stream into its capture (and the sink, if streaming) until EOF or `stop`.
-async fn pump(fd: OwnedFd, mut capture: OutputCapture, sink: OutputSink, is_stdout: bool, stop: CancellationToken) -> CapturedOutput {
-    let mut rx = match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
-        Ok(rx) => rx,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot watch exec output pipe");
-            return capture.finish();
-        }
-    };
+/// The read side of an output pipe, or `None` (logged) if it cannot be watched.
+fn pipe_reader(fd: OwnedFd) -> Option<tokio::net::unix::pipe::Receiver> {
+    tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(|e| tracing::warn!(error = %e, "cannot watch exec output pipe")).ok()
+}
+
+/// Reads one stream (a pipe, or a terminal's master side) into its capture (and the sink, if
+/// streaming) until EOF or `stop`.
+async fn pump<R: tokio::io::AsyncRead + AsRawFd + Unpin>(rx: Option<R>, mut capture: OutputCapture, sink: OutputSink, is_stdout: bool, stop: CancellationToken) -> CapturedOutput {
+    let Some(mut rx) = rx else { return capture.finish() };
     let mut buf = vec![0u8; 64 << 10];
     loop {
         let n = tokio::select! {
@@ -92,16 +192,6 @@ async fn pump(fd: OwnedFd, mut capture: OutputCapture, sink: OutputSink, is_stdo
         }
     }
     capture.finish()
-}
-
-fn describe_spawn_failure(stage: &str, errno: i32, argv0: &str, workdir: &str) -> (i32, String) {
-    use guest_agent::spawn_failure::{describe_failure, Stage};
-    let err = nix::errno::Errno::from_raw(errno);
-    match Stage::from_name(stage) {
-        Some(stage) => describe_failure(stage, err, argv0, workdir),
-        // The init's own steps before the fork (request, argv, pipe, fork).
-        None => (127, format!("exec setup failed at {stage}: {}", err.desc())),
-    }
 }
 
 /// Runs a blocking cgroupfs operation off the async workers: under load (hundreds of execs) a
@@ -190,26 +280,30 @@ impl ProcessSandbox {
         started_at: SystemTime,
     ) -> Result<ExecOutcome, BackendError> {
         let exec_id = spec.exec_id.to_string();
-        let (stdin_r, stdin_w) = pipe()?;
-        let (stdout_r, stdout_w) = pipe()?;
-        let (stderr_r, stderr_w) = pipe()?;
-        let mut fds = vec![stdin_r.as_raw_fd(), stdout_w.as_raw_fd(), stderr_w.as_raw_fd()];
+        // On a terminal the init makes the stdio (in the sandbox's devpts); else three pipes.
+        let pipes = match spec.tty {
+            Some(_) => None,
+            None => Some(Pipes { stdin: pipe()?, stdout: pipe()?, stderr: pipe()? }),
+        };
+        let mut fds: Vec<_> = pipes.iter().flat_map(|p| [p.stdin.0.as_raw_fd(), p.stdout.1.as_raw_fd(), p.stderr.1.as_raw_fd()]).collect();
         fds.extend(procs.iter().map(|f| f.as_raw_fd()));
-        let msg = ToInit::Spawn { exec_id: exec_id.clone(), slot, argv: spec.argv.clone(), env: spec.env.clone(), workdir: spec.workdir.clone() };
+        let tty = spec.tty.map(|t| (t.rows, t.cols));
+        let msg = ToInit::Spawn { exec_id: exec_id.clone(), slot, argv: spec.argv.clone(), env: spec.env.clone(), workdir: spec.workdir.clone(), tty };
         self.execs.started(&exec_id, cgroup.clone());
         let waiters = self.channel.spawn(&exec_id, &msg, &fds).await;
         // The init holds its own copies now; ours must close so EOF means "the process is done".
-        drop((stdin_r, stdout_w, stderr_w, procs));
+        drop(procs);
+        let ours = pipes.map(|p| (p.stdin.1, p.stdout.0, p.stderr.0));
         let waiters = match waiters {
             Ok(w) => w,
             Err(e) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, format!("sandbox unavailable: {e}"), started_at)),
         };
         // The init's answer is bounded in time like everything from inside: an init that never
         // answers must not leave the exec RUNNING forever.
-        match tokio::time::timeout(SPAWN_REPLY_DEADLINE, waiters.spawned).await {
-            Ok(Ok(Ok(_pid))) => {}
+        let master = match tokio::time::timeout(SPAWN_REPLY_DEADLINE, waiters.spawned).await {
+            Ok(Ok(Ok((_pid, master)))) => master,
             Ok(Ok(Err((stage, errno)))) => {
-                let (code, error) = describe_spawn_failure(&stage, errno, &spec.argv[0], &spec.workdir);
+                let (code, error) = describe_failure(stage, nix::errno::Errno::from_raw(errno), &spec.argv[0], &spec.workdir);
                 return Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, code, error, started_at));
             }
             Ok(Err(_)) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the sandbox's init exited before the exec started".into(), started_at)),
@@ -222,7 +316,7 @@ impl ProcessSandbox {
                 let error = format!("the sandbox's init did not answer the spawn request within {} s", SPAWN_REPLY_DEADLINE.as_secs());
                 return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, error, started_at));
             }
-        }
+        };
         let t0 = Instant::now();
         // Arm the next slot while this command runs, so the next exec skips the cgroup join.
         self.arm_spare();
@@ -230,20 +324,33 @@ impl ProcessSandbox {
             let _ = tx.send(());
         }
 
-        let stdin = spec.stdin.clone();
-        tokio::spawn(async move {
-            if let Ok(mut tx) = tokio::net::unix::pipe::Sender::from_owned_fd(stdin_w) {
-                // A command that does not read its stdin closes the pipe: EPIPE is normal here.
-                let _ = tx.write_all(&stdin).await;
+        // Where stdin goes and where output comes from: the pipes, or the terminal.
+        let (stdin_tx, stdout_rx, stderr_rx): (Option<StdinWriter>, Option<Reader>, Option<Reader>) = match (ours, master) {
+            (Some((stdin_w, stdout_r, stderr_r)), _) => (
+                tokio::net::unix::pipe::Sender::from_owned_fd(stdin_w).ok().map(StdinWriter::Pipe),
+                pipe_reader(stdout_r).map(Reader::Pipe),
+                pipe_reader(stderr_r).map(Reader::Pipe),
+            ),
+            (None, Some(master)) => {
+                let reader = pty::PtyMaster::new(master).map_err(|e| BackendError::io("watching the exec's terminal", e))?;
+                let writer = reader.try_clone().map_err(|e| BackendError::io("watching the exec's terminal", e))?;
+                (Some(StdinWriter::Terminal(writer)), Some(Reader::Terminal(reader)), None)
             }
-        });
+            (None, None) => {
+                let error = "the sandbox's init started the exec without its terminal".to_string();
+                return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, error, started_at));
+            }
+        };
+        if let Some(tx) = stdin_tx {
+            tokio::spawn(feed_stdin(tx, spec.stdin.clone(), spec.input.take()));
+        }
         let cap = usize::try_from(spec.max_output_bytes).unwrap_or(usize::MAX);
         let spill = |stream: &str| -> Option<Box<dyn SpillTarget>> {
             Some(Box::new(SandboxSpill { rootfs: self.rootfs.clone(), path: format!("{SPILL_DIR}/{exec_id}.{stream}") }))
         };
         let stop = CancellationToken::new();
-        let out_task = tokio::spawn(pump(stdout_r, OutputCapture::new(cap, spill("stdout")), sink.clone(), true, stop.clone()));
-        let err_task = tokio::spawn(pump(stderr_r, OutputCapture::new(cap, spill("stderr")), sink, false, stop.clone()));
+        let out_task = tokio::spawn(pump(stdout_rx, OutputCapture::new(cap, spill("stdout")), sink.clone(), true, stop.clone()));
+        let err_task = tokio::spawn(pump(stderr_rx, OutputCapture::new(cap, spill("stderr")), sink, false, stop.clone()));
 
         #[derive(Clone, Copy)]
         enum End {
@@ -300,7 +407,7 @@ impl ProcessSandbox {
             let error = format!("{reason} while the command ran");
             return Ok(ExecOutcome { status: ExecStatus::Lost, exit_code: -1, signal: 0, stdout, stderr, started_at, duration, usage, error });
         }
-        use guest_agent::outcome::{classify, Cause, Exit, UNKNOWN_EXIT};
+        use sandbox_exec::outcome::{classify, Cause, Exit, UNKNOWN_EXIT};
         let (cause, exit) = match end {
             End::Lost => {
                 let error = "the sandbox's init exited while the command ran".to_string();

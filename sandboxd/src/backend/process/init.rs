@@ -15,9 +15,8 @@
 //! Nothing here may panic or `unwrap`: after the fork an error that is not sent back over the
 //! control socket is lost, so every failure becomes a `SetupFailed` / `SpawnFailed` message.
 
-use guest_agent::sys::loopback_up;
+use sandbox_exec::sys::loopback_up;
 use std::collections::HashMap;
-use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
@@ -38,8 +37,7 @@ pub const INIT_ARG: &str = "__sandbox-init";
 /// The control socket's descriptor number in the init.
 pub const CONTROL_FD: RawFd = 3;
 
-/// Stages a failed exec child reports through its error pipe (one byte, then the errno).
-use guest_agent::spawn_failure::Stage;
+use sandbox_exec::spawn::{self, ChildFds, Command, Stage};
 
 /// Capabilities processes in a sandbox keep: Docker's default set minus CAP_MKNOD (device nodes
 /// are provided; one made by the sandbox could be opened by the daemon's file API) and CAP_NET_RAW.
@@ -66,15 +64,16 @@ pub fn main() -> ! {
     std::process::exit(code)
 }
 
-fn report(ctrl: &OwnedFd, msg: &FromInit) {
-    match encode(msg) {
-        Ok(bytes) => {
-            if let Err(e) = send_raw(ctrl.as_fd(), &bytes, &[]) {
-                eprintln!("sandbox-init: cannot report {msg:?}: {e}");
-            }
-        }
-        Err(e) => eprintln!("sandbox-init: cannot encode {msg:?}: {e}"),
+/// Sends `msg` with `fd` attached (the terminal of a `tty` spawn).
+fn report_with(ctrl: &OwnedFd, msg: &FromInit, fd: Option<&OwnedFd>) {
+    let fds: Vec<RawFd> = fd.map(|f| f.as_raw_fd()).into_iter().collect();
+    if let Err(e) = encode(msg).and_then(|bytes| send_raw(ctrl.as_fd(), &bytes, &fds)) {
+        eprintln!("sandbox-init: cannot report {msg:?}: {e}");
     }
+}
+
+fn report(ctrl: &OwnedFd, msg: &FromInit) {
+    report_with(ctrl, msg, None)
 }
 
 fn setup_failed(ctrl: &OwnedFd, stage: &str, err: impl std::fmt::Display) -> i32 {
@@ -400,9 +399,10 @@ fn serve(ctrl: OwnedFd) -> i32 {
                 // The daemon is gone: exiting as PID 1 kills everything in the sandbox.
                 Ok(None) => return 0,
                 Ok(Some((n, fds))) => match decode::<ToInit>(&buf[..n]) {
-                    Ok(ToInit::Spawn { exec_id, slot, argv, env, workdir }) => {
-                        let reply = server.spawn(&exec_id, slot.as_deref(), &argv, &env, &workdir, fds);
-                        report(&server.ctrl, &reply);
+                    Ok(ToInit::Spawn { exec_id, slot, argv, env, workdir, tty }) => {
+                        let (reply, master) = server.spawn(&exec_id, slot.as_deref(), &argv, &env, &workdir, tty, fds);
+                        let master = master.filter(|_| matches!(reply, FromInit::Spawned { .. }));
+                        report_with(&server.ctrl, &reply, master.as_ref());
                     }
                     Ok(ToInit::Prepare { slot }) => server.prepare(slot, fds),
                     Err(e) => eprintln!("sandbox-init: ignoring malformed request: {e}"),
@@ -419,42 +419,10 @@ fn serve(ctrl: OwnedFd) -> i32 {
     }
 }
 
-fn cstring(s: &str) -> Result<CString, Errno> {
-    CString::new(s).map_err(|_| Errno::EINVAL)
-}
-
-/// Everything an exec child needs, as C strings, prepared before it runs.
-struct Prepared {
-    argv: Vec<CString>,
-    env: Vec<CString>,
-    candidates: Vec<CString>,
-    workdir: CString,
-}
-
-fn prepare_command(argv: &[String], env: &[(String, String)], workdir: &str) -> Result<Prepared, Errno> {
-    let first = argv.first().ok_or(Errno::EINVAL)?;
-    let c_argv = argv.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>()?;
-    let c_env = env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<Vec<_>, _>>()?;
-    let path_var = env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str()).unwrap_or(guest_agent::capture::DEFAULT_PATH);
-    let candidates = if first.contains('/') {
-        vec![cstring(first)?]
-    } else {
-        path_var
-            .split(':')
-            .map(|dir| if dir.is_empty() { "." } else { dir })
-            .map(|dir| cstring(&format!("{dir}/{first}")))
-            .collect::<Result<Vec<_>, _>>()?
-    };
-    Ok(Prepared { argv: c_argv, env: c_env, candidates, workdir: cstring(workdir)? })
-}
-
 /// Reads an exec child's error pipe: EOF (nothing) means execve succeeded.
 fn spawn_reply(exec_id: &str, pid: Pid, err_r: &OwnedFd, running: &mut HashMap<Pid, String>) -> FromInit {
-    let mut report_buf = [0u8; 5];
-    if read_full(err_r, &mut report_buf) == report_buf.len() {
-        let stage = Stage::from_byte(report_buf[0]).name();
-        let errno = i32::from_le_bytes([report_buf[1], report_buf[2], report_buf[3], report_buf[4]]);
-        return FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: stage.to_string(), errno };
+    if let Some((stage, errno)) = spawn::read_failure(err_r) {
+        return FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage, errno: errno as i32 };
     }
     running.insert(pid, exec_id.to_string());
     FromInit::Spawned { exec_id: exec_id.to_string(), pid: pid.as_raw() }
@@ -509,45 +477,62 @@ impl Server {
     }
 
     /// Starts one command: through the slot's spare when it is there, else by a fresh fork.
-    fn spawn(&mut self, exec_id: &str, slot: Option<&str>, argv: &[String], env: &[(String, String)], workdir: &str, fds: Vec<OwnedFd>) -> FromInit {
-        let failed = |stage: &str, errno: Errno| FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: stage.to_string(), errno: errno as i32 };
-        if fds.len() < 3 || argv.is_empty() {
-            return failed("request", Errno::EINVAL);
+    /// Returns the reply, and for a `tty` spawn that started the terminal's master side.
+    #[allow(clippy::too_many_arguments)]
+    fn spawn(&mut self, exec_id: &str, slot: Option<&str>, argv: &[String], env: &[(String, String)], workdir: &str, tty: Option<(u16, u16)>, mut fds: Vec<OwnedFd>) -> (FromInit, Option<OwnedFd>) {
+        let failed = |errno: Errno| (FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: Stage::Setup, errno: errno as i32 }, None);
+        // The command's stdio: the daemon's three descriptors, or a new terminal's slave side.
+        let (stdio, master) = match tty {
+            None if fds.len() >= 3 => {
+                let rest = fds.split_off(3);
+                (std::mem::replace(&mut fds, rest), None)
+            }
+            None => return failed(Errno::EINVAL),
+            // The sandbox's own devpts (mounted by `mount_dev`), by its path.
+            Some((rows, cols)) => match sandbox_exec::pty::open("/dev/pts/ptmx", rows, cols) {
+                Ok((master, slave)) => (vec![slave], Some(master)),
+                Err(e) => return failed(e),
+            },
+        };
+        // `fds` now holds only the cgroup's `cgroup.procs` files.
+        if argv.is_empty() {
+            return failed(Errno::EINVAL);
         }
+        let stdio_raw: Vec<RawFd> = (0..3).map(|i| stdio[i.min(stdio.len() - 1)].as_raw_fd()).collect();
         if let Some(spare) = self.spare.take_if(|s| Some(s.slot.as_str()) == slot) {
-            let job = super::wire::Job { argv: argv.to_vec(), env: env.to_vec(), workdir: workdir.to_string() };
-            let stdio: Vec<RawFd> = fds[..3].iter().map(|f| f.as_raw_fd()).collect();
-            let sent = encode(&job).and_then(|bytes| send_raw(spare.jobs.as_fd(), &bytes, &stdio));
+            let job = super::wire::Job { argv: argv.to_vec(), env: env.to_vec(), workdir: workdir.to_string(), tty: tty.is_some() };
+            let sent = encode(&job).and_then(|bytes| send_raw(spare.jobs.as_fd(), &bytes, &stdio_raw));
             if sent.is_ok() {
-                drop(fds);
+                drop((fds, stdio));
                 drop(spare.jobs);
-                return spawn_reply(exec_id, spare.pid, &spare.err_r, &mut self.running);
+                return (spawn_reply(exec_id, spare.pid, &spare.err_r, &mut self.running), master);
             }
             // The spare is gone (it failed to join its cgroup, or was killed): fork afresh.
             let _ = nix::sys::signal::kill(spare.pid, Signal::SIGKILL);
         }
         // Prepared before fork, so the child only makes syscalls.
-        let cmd = match prepare_command(argv, env, workdir) {
-            Ok(p) => p,
-            Err(e) => return failed("argv", e),
+        let cmd = match Command::new(argv, env, workdir) {
+            Ok(cmd) if tty.is_some() => cmd.on_terminal(),
+            Ok(cmd) => cmd,
+            Err(_) => return failed(Errno::EINVAL),
         };
         let (err_r, err_w) = match nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC) {
             Ok(p) => p,
-            Err(e) => return failed("pipe", e),
+            Err(e) => return failed(e),
         };
+        let procs: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
         // SAFETY: the init is single-threaded; the child only makes syscalls before execve/_exit.
         match unsafe { fork() } {
-            Err(e) => failed("fork", e),
+            Err(e) => failed(e),
             Ok(ForkResult::Child) => {
                 drop(err_r);
-                let _ = nix::unistd::setsid();
-                join_cgroup(&fds[3..], &err_w);
-                exec_child(&fds[..3], &cmd, err_w)
+                let child_fds = ChildFds { stdio: [stdio_raw[0], stdio_raw[1], stdio_raw[2]], cgroup_procs: &procs, err_w: err_w.as_raw_fd() };
+                spawn::child(&cmd, &child_fds)
             }
             Ok(ForkResult::Parent { child }) => {
                 drop(err_w);
-                drop(fds);
-                spawn_reply(exec_id, child, &err_r, &mut self.running)
+                drop((fds, stdio));
+                (spawn_reply(exec_id, child, &err_r, &mut self.running), master)
             }
         }
     }
@@ -555,10 +540,8 @@ impl Server {
 
 /// A spare: join the slot's cgroup now, then wait for the job and become it. Never returns.
 fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>, err_w: OwnedFd) -> ! {
-    // Its own session and process group, so signals to the exec reach its whole tree by group
-    // and a terminal-less shell does not stop on job control.
-    let _ = nix::unistd::setsid();
-    join_cgroup(&cgroup_fds, &err_w);
+    let procs: Vec<RawFd> = cgroup_fds.iter().map(|f| f.as_raw_fd()).collect();
+    spawn::enter(&procs, err_w.as_raw_fd());
     drop(cgroup_fds);
     let mut buf = vec![0u8; MAX_MESSAGE];
     let (n, stdio) = match recv_raw(jobs.as_fd(), &mut buf) {
@@ -569,82 +552,12 @@ fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>, err_w: OwnedFd) -> ! {
             unsafe { libc::_exit(0) }
         }
     };
-    let cmd = decode::<super::wire::Job>(&buf[..n]).map_err(|_| Errno::EINVAL).and_then(|job| prepare_command(&job.argv, &job.env, &job.workdir));
+    let cmd = decode::<super::wire::Job>(&buf[..n])
+        .ok()
+        .and_then(|job| Command::new(&job.argv, &job.env, &job.workdir).ok().map(|cmd| if job.tty { cmd.on_terminal() } else { cmd }));
     drop(buf);
     match cmd {
-        Ok(cmd) if stdio.len() == 3 => exec_child(&stdio, &cmd, err_w),
-        _ => fail_child(&err_w, Stage::Exec, Errno::EINVAL),
+        Some(cmd) if stdio.len() == 3 => spawn::exec(&cmd, [stdio[0].as_raw_fd(), stdio[1].as_raw_fd(), stdio[2].as_raw_fd()], err_w.as_raw_fd()),
+        _ => spawn::fail(err_w.as_raw_fd(), Stage::Setup, Errno::EINVAL),
     }
-}
-
-fn read_full(fd: &OwnedFd, buf: &mut [u8]) -> usize {
-    let mut n = 0;
-    while n < buf.len() {
-        match nix::unistd::read(fd.as_raw_fd(), &mut buf[n..]) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(Errno::EINTR) => continue,
-            Err(_) => break,
-        }
-    }
-    n
-}
-
-/// Reports why a child could not become its command, and exits it.
-fn fail_child(err_w: &OwnedFd, stage: Stage, errno: Errno) -> ! {
-    let mut msg = [0u8; 5];
-    msg[0] = stage as u8;
-    msg[1..].copy_from_slice(&(errno as i32).to_le_bytes());
-    let _ = nix::unistd::write(err_w, &msg);
-    let code = stage.exit_code(errno);
-    // SAFETY: _exit is always safe; it skips atexit handlers that belong to the init.
-    unsafe { libc::_exit(code) }
-}
-
-/// Moves the calling process into its exec cgroup: CPU and memory accounting per exec, and a kill
-/// that reaches every descendant even after they daemonize.
-fn join_cgroup(cgroup_fds: &[OwnedFd], err_w: &OwnedFd) {
-    for fd in cgroup_fds {
-        if let Err(e) = nix::unistd::write(fd, b"0") {
-            fail_child(err_w, Stage::Cgroup, e);
-        }
-    }
-}
-
-/// In a forked child already in its cgroup and session: become the exec's process. Never returns.
-fn exec_child(stdio: &[OwnedFd], cmd: &Prepared, err_w: OwnedFd) -> ! {
-    if nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None).is_err() {
-        fail_child(&err_w, Stage::Stdio, Errno::last());
-    }
-    // Default dispositions: the Rust runtime of this binary ignores SIGPIPE, and an ignored
-    // signal stays ignored across execve — `yes | head` would then print EPIPE errors.
-    for sig in 1..32 {
-        if sig != libc::SIGKILL && sig != libc::SIGSTOP {
-            // SAFETY: signal() with SIG_DFL is async-signal-safe and touches only this process.
-            unsafe { libc::signal(sig, libc::SIG_DFL) };
-        }
-    }
-    for (i, fd) in stdio.iter().enumerate() {
-        if let Err(e) = nix::unistd::dup2(fd.as_raw_fd(), i as RawFd) {
-            fail_child(&err_w, Stage::Stdio, e);
-        }
-    }
-    if let Err(e) = nix::unistd::chdir(cmd.workdir.as_c_str()) {
-        fail_child(&err_w, Stage::Workdir, e);
-    }
-    // Nothing of the init (control socket, other execs' pipes) may leak into the command.
-    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only marks descriptors; err_w is already CLOEXEC.
-    unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
-    let mut last = Errno::ENOENT;
-    let mut saw_eacces = false;
-    for path in &cmd.candidates {
-        let Err(e) = nix::unistd::execve(path, &cmd.argv, &cmd.env);
-        match e {
-            Errno::EACCES => saw_eacces = true,
-            Errno::ENOENT | Errno::ENOTDIR => {}
-            other => fail_child(&err_w, Stage::Exec, other),
-        }
-        last = e;
-    }
-    fail_child(&err_w, Stage::Exec, if saw_eacces { Errno::EACCES } else { last })
 }

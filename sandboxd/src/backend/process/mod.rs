@@ -16,6 +16,7 @@
 
 mod channel;
 mod exec;
+mod pty;
 pub mod init;
 pub mod storage;
 mod wire;
@@ -36,7 +37,7 @@ use super::files;
 use super::mountinfo;
 use self::channel::InitChannel;
 use self::storage::Pool;
-use super::{Backend, BackendError, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal};
+use super::{Backend, BackendError, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 
 /// How long sandbox setup may take before it is abandoned.
@@ -484,6 +485,25 @@ impl Backend for ProcessBackend {
         tokio::task::spawn_blocking(move || files::read_file(&sb.rootfs, &sb.workdir, &path, offset, limit))
             .await
             .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
+    }
+
+    async fn upload_file(&self, sandbox: &SandboxId, path: &str, mode: u32, mut data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
+        let sb = self.sandbox(sandbox)?;
+        let path = path.to_string();
+        tokio::task::spawn_blocking(move || files::upload_file_at(&files::open_root(&sb.rootfs)?, &sb.workdir, &path, mode, &mut data))
+            .await
+            .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
+    }
+
+    async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError> {
+        let sb = self.sandbox(sandbox)?;
+        let path = path.to_string();
+        tokio::task::spawn_blocking(move || {
+            let (file, size) = files::open_for_download_at(&files::open_root(&sb.rootfs)?, &sb.workdir, &path)?;
+            Ok(files::stream_download(file, size, &path))
+        })
+        .await
+        .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
     }
 
     async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {

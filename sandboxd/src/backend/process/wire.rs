@@ -10,6 +10,7 @@ use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use sandbox_exec::spawn::Stage;
 use serde::{Deserialize, Serialize};
 
 /// Largest control message; argv plus env of one exec must fit.
@@ -28,10 +29,21 @@ pub struct InitConfig {
 /// Daemon → init.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum ToInit {
-    /// Start a process. Fds: stdin, stdout, stderr, then the exec cgroup's `cgroup.procs` files.
-    /// With `slot`, the process prepared for that slot (already in the cgroup) is used if it is
-    /// still there; otherwise a fresh fork joins the cgroup through the passed fds.
-    Spawn { exec_id: String, slot: Option<String>, argv: Vec<String>, env: Vec<(String, String)>, workdir: String },
+    /// Start a process. Fds: stdin, stdout, stderr (none with `tty`), then the exec cgroup's
+    /// `cgroup.procs` files. With `slot`, the process prepared for that slot (already in the
+    /// cgroup) is used if it is still there; otherwise a fresh fork joins the cgroup through the
+    /// passed fds. With `tty` (rows, columns) the init opens a pseudo-terminal of that size in
+    /// the sandbox's own devpts, runs the process on it, and returns the master side with
+    /// `Spawned`.
+    Spawn {
+        exec_id: String,
+        slot: Option<String>,
+        argv: Vec<String>,
+        env: Vec<(String, String)>,
+        workdir: String,
+        #[serde(default)]
+        tty: Option<(u16, u16)>,
+    },
     /// Fork a spare process into the next exec's cgroup now, off the exec's critical path
     /// (joining a cgroup v1 can wait for an RCU grace period). Fds: that cgroup's
     /// `cgroup.procs` files.
@@ -44,6 +56,9 @@ pub struct Job {
     pub argv: Vec<String>,
     pub env: Vec<(String, String)>,
     pub workdir: String,
+    /// Stdin is a terminal to make the controlling terminal.
+    #[serde(default)]
+    pub tty: bool,
 }
 
 /// Init → daemon.
@@ -53,10 +68,10 @@ pub enum FromInit {
     Ready,
     /// Setup failed at `stage`; the init exits.
     SetupFailed { stage: String, message: String },
-    /// The process runs (exec succeeded).
+    /// The process runs (exec succeeded). Fds: the terminal's master side, for a `tty` spawn.
     Spawned { exec_id: String, pid: i32 },
     /// The process could not be started.
-    SpawnFailed { exec_id: String, stage: String, errno: i32 },
+    SpawnFailed { exec_id: String, stage: Stage, errno: i32 },
     /// The main process of an exec ended.
     Exited { exec_id: String, code: Option<i32>, signal: Option<i32> },
 }
@@ -128,7 +143,7 @@ mod tests {
     #[test]
     fn messages_and_fds_cross_the_pair() {
         let (a, b) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).expect("socketpair");
-        let msg = ToInit::Spawn { exec_id: "ex-1".into(), slot: None, argv: vec!["true".into()], env: vec![], workdir: "/".into() };
+        let msg = ToInit::Spawn { exec_id: "ex-1".into(), slot: None, argv: vec!["true".into()], env: vec![], workdir: "/".into(), tty: None };
         let devnull = std::fs::File::open("/dev/null").expect("open");
         send_raw(a.as_fd(), &encode(&msg).expect("encode"), &[devnull.as_raw_fd()]).expect("send");
         let mut buf = vec![0u8; 4096];
