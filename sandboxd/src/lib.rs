@@ -14,6 +14,7 @@ pub mod hostfs;
 pub mod ids;
 pub mod manager;
 pub mod metrics;
+pub mod model;
 pub mod policy;
 pub mod server;
 pub mod store;

@@ -11,176 +11,17 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use serde::{Deserialize, Serialize};
-
 use crate::admission::{human_bytes, DiskPools, ExecSlot, ExecSlots};
-use crate::backend::{Backends, ExecOutcome, ExecSpec, ExecStatus, FileChunk, Isolation, OutputSink, SandboxSpec};
-use crate::config::{Config, Limits};
+use crate::backend::{Backends, ExecSpec, OutputSink, SandboxSpec};
+use crate::config::Config;
 use crate::error::Error;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 use crate::metrics::{Metrics, Op};
-use crate::store::{PageQuery, PageToken, Retention, Store, StoreError, Trimmed};
-
-/// Lifecycle of a sandbox. Transitions: Creating → Running | Failed; Running → Destroyed;
-/// Running → Failed when a restart or rollback cannot bring it back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum SandboxState {
-    Creating,
-    Running,
-    Failed,
-    Destroyed,
-}
-
-impl SandboxState {
-    /// Whether execs and file operations are allowed.
-    pub fn can_exec(self) -> bool {
-        self == SandboxState::Running
-    }
-    /// Whether the sandbox may be destroyed now (a sandbox being created is not yet).
-    pub fn can_destroy(self) -> bool {
-        matches!(self, SandboxState::Running | SandboxState::Failed)
-    }
-    /// Whether its filesystem may be snapshotted or rolled back.
-    pub fn can_snapshot(self) -> bool {
-        self == SandboxState::Running
-    }
-}
-
-/// Limits as a request gives them: 0 means "the default".
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RequestedLimits {
-    pub cpu_millicores: u32,
-    pub memory_bytes: u64,
-    pub max_pids: u32,
-    pub disk_bytes: u64,
-    pub exec_timeout_ms: u64,
-}
-
-/// A CreateSandbox call.
-#[derive(Debug, Clone, Default)]
-pub struct CreateRequest {
-    /// None = the policy's default.
-    pub isolation: Option<Isolation>,
-    pub image: String,
-    pub limits: RequestedLimits,
-    pub env: BTreeMap<String, String>,
-    pub workdir: String,
-    pub labels: BTreeMap<String, String>,
-    pub ttl_seconds: u32,
-    pub from_snapshot_id: String,
-}
-
-/// What a sandbox is, as users read it back.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SandboxInfo {
-    pub id: SandboxId,
-    /// Who owns it: only calls from this tenant see or touch it.
-    pub tenant: String,
-    pub isolation: Isolation,
-    /// Why the isolation differs from what was asked (a policy upgrade), if it does.
-    pub isolation_reason: Option<String>,
-    pub image: String,
-    pub state: SandboxState,
-    pub limits: Limits,
-    pub labels: BTreeMap<String, String>,
-    pub env: BTreeMap<String, String>,
-    pub created_at: SystemTime,
-    pub workdir: String,
-    pub parent_snapshot_id: Option<SnapshotId>,
-    pub expires_at: Option<SystemTime>,
-    /// The snapshot the filesystem last descended from (taken, rolled back to, or forked from):
-    /// the parent of the next snapshot.
-    pub head_snapshot: Option<SnapshotId>,
-    /// Why the sandbox is FAILED, when it is.
-    #[serde(default)]
-    pub failure_reason: Option<String>,
-}
-
-/// A snapshot of a sandbox's filesystem.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SnapshotRecord {
-    pub snapshot_id: SnapshotId,
-    pub sandbox_id: SandboxId,
-    pub tenant: String,
-    pub name: String,
-    pub created_at: SystemTime,
-    /// Bytes the snapshot holds beyond its image.
-    pub size_bytes: u64,
-    pub parent_snapshot_id: Option<SnapshotId>,
-    /// A snapshot only makes sense over the same tier and image it was taken from.
-    pub isolation: Isolation,
-    pub image: String,
-}
-
-/// An Exec call.
-#[derive(Debug, Clone, Default)]
-pub struct ExecRequest {
-    pub sandbox_id: String,
-    pub argv: Vec<String>,
-    pub env: BTreeMap<String, String>,
-    pub workdir: String,
-    pub stdin: Vec<u8>,
-    pub timeout_ms: u64,
-    pub max_output_bytes: u64,
-    pub idempotency_key: String,
-    pub background: bool,
-}
-
-/// The record of one exec: what ran and how it ended (status Running until it does).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ExecRecord {
-    pub exec_id: ExecId,
-    pub sandbox_id: SandboxId,
-    pub argv: Vec<String>,
-    pub idempotency_key: String,
-    #[serde(flatten)]
-    pub outcome: ExecOutcome,
-    /// The stdout/stderr bodies were dropped to keep the sandbox's stored output within
-    /// `exec.max_output_storage_bytes_per_sandbox` (the rest of the record stays). Kept by the
-    /// store in a column of its own, not in the JSON document.
-    #[serde(skip)]
-    pub output_discarded: bool,
-}
-
-impl ExecRecord {
-    fn running(exec_id: ExecId, sandbox_id: SandboxId, argv: Vec<String>, idempotency_key: String) -> Self {
-        let outcome = ExecOutcome::failed(ExecStatus::Running, 0, String::new(), SystemTime::now());
-        ExecRecord { exec_id, sandbox_id, argv, idempotency_key, outcome, output_discarded: false }
-    }
-}
-
-/// Most records on one ListExecs page (also what `page_size` 0 means).
-pub const MAX_EXECS_PAGE_SIZE: usize = 100;
-
-/// A ListExecs page stops before its records pass this many bytes, far below the gRPC message
-/// limit: 100 records of 16 MiB output each would not fit in any response.
-pub const MAX_EXECS_PAGE_BYTES: u64 = 4 << 20;
-
-/// A ListExecs call.
-///
-/// Without a token, the listing is the newest `limit` records (0 = all) as of this call, oldest
-/// first; its first page is returned with a `next_page_token` while records remain. Passing the
-/// token (with the same sandbox id) returns the next page of that same listing: `limit` and
-/// records started after the first page play no part any more, records trimmed meanwhile are
-/// skipped, and no record comes twice.
-#[derive(Debug, Clone, Default)]
-pub struct ListExecsQuery {
-    pub sandbox_id: String,
-    pub limit: u32,
-    pub page_token: String,
-    /// Records per page; 0 or above [`MAX_EXECS_PAGE_SIZE`] means that maximum.
-    pub page_size: u32,
-    /// Read stdout/stderr too (otherwise they are empty; GetExec returns them for one record).
-    pub include_output: bool,
-}
-
-/// One ListExecs page.
-#[derive(Debug, Clone, Default)]
-pub struct ExecList {
-    pub records: Vec<ExecRecord>,
-    /// Empty on the last page.
-    pub next_page_token: String,
-}
+use crate::model::{
+    CreateRequest, ExecList, ExecOutcome, ExecRecord, ExecRequest, ExecStatus, FileChunk, Isolation, Limits, ListExecsQuery, RequestedLimits, SandboxInfo, SandboxState, SnapshotRecord,
+    MAX_EXECS_PAGE_BYTES, MAX_EXECS_PAGE_SIZE,
+};
+use crate::store::{PageQuery, PageToken, Retention, Store, Trimmed};
 
 /// A running exec: its record, a signal when it ends, and the way to stop it. Finished execs
 /// live in the store only, so the daemon's memory does not grow with history.
@@ -249,12 +90,6 @@ pub struct Manager {
     disk_pools: DiskPools,
     /// Execs running now per sandbox and tenant, against the policy's exec caps.
     exec_slots: Arc<Mutex<ExecSlots>>,
-}
-
-impl From<StoreError> for Error {
-    fn from(e: StoreError) -> Self {
-        Error::Internal(e.to_string())
-    }
 }
 
 /// What the backend needs to (re)build a sandbox.
@@ -1220,14 +1055,6 @@ mod tests {
         assert_eq!(resolve_limit("max_pids", 50u32, 10, 100).ok(), Some(50));
         let err = resolve_limit("memory_bytes", 1u64 << 40, 1, 1 << 30).expect_err("over ceiling");
         assert!(err.to_string().contains("limits.memory_bytes"), "{err}");
-    }
-
-    #[test]
-    fn lifecycle_checks() {
-        assert!(SandboxState::Running.can_exec());
-        assert!(!SandboxState::Creating.can_exec());
-        assert!(!SandboxState::Creating.can_destroy());
-        assert!(SandboxState::Failed.can_destroy());
     }
 
     #[test]

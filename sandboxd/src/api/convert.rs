@@ -6,8 +6,7 @@ use std::time::SystemTime;
 use sandbox_proto::v1 as pb;
 use tonic::Status;
 
-use crate::backend::{ExecStatus, Isolation};
-use crate::manager::{CreateRequest, ExecRecord, ExecRequest, ListExecsQuery, RequestedLimits, SandboxInfo, SandboxState, SnapshotRecord};
+use crate::model::{CreateRequest, ExecRecord, ExecRequest, ExecStatus, Isolation, ListExecsQuery, RequestedLimits, SandboxInfo, SandboxState, SnapshotRecord};
 
 fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();

@@ -33,7 +33,7 @@ mod tests {
         let s = Status::from(Error::invalid("limits.memory_bytes", "too big"));
         assert_eq!(s.code(), Code::InvalidArgument);
         assert!(s.message().contains("limits.memory_bytes"));
-        let s = Status::from(Error::Unavailable { isolation: crate::backend::Isolation::Container, reason: "cannot reach Docker".into() });
+        let s = Status::from(Error::Unavailable { isolation: crate::model::Isolation::Container, reason: "cannot reach Docker".into() });
         assert_eq!(s.code(), Code::FailedPrecondition);
         assert!(s.message().contains("CONTAINER"));
     }
