@@ -15,6 +15,7 @@ pub mod ids;
 pub mod manager;
 pub mod metrics;
 pub mod model;
+pub mod mountinfo;
 pub mod policy;
 pub mod server;
 pub mod store;

@@ -2,16 +2,20 @@
 //!
 //! The manager owns ids, lifecycle, limits and records; a backend only knows how to make a
 //! sandbox of its tier exist, run things in it, and take it apart. Dispatch over tiers happens in
-//! one place: [`Backends`]. `cgroup` and `mountinfo` are shared by the tiers that account and
-//! kill through cgroups (process, container).
+//! one place: [`Backends`]. `cgroup` is shared by the tiers that account and kill through cgroups
+//! (process, container); [`mountinfo`] (a module of the crate, which `hostfs` uses too) is
+//! re-exported for them.
 
 pub mod cgroup;
 pub mod container;
 pub mod files;
 pub mod microvm;
-pub mod mountinfo;
 pub mod process;
 pub mod seccomp;
+
+// A top-level module because `hostfs` reads mounts too, and sealing the state dir is no part of
+// the backend layer; the tiers keep naming it `super::mountinfo`.
+pub use crate::mountinfo;
 
 use std::collections::HashMap;
 use std::sync::Arc;
