@@ -297,11 +297,11 @@ pub enum OutputChunk {
 }
 
 /// What a streamed exec reports, in order: its output as it comes, then its record once it has
-/// ended (the last event).
+/// ended (the last event; boxed, as it is much larger than a chunk and comes once).
 #[derive(Debug, Clone)]
 pub enum ExecEvent {
     Output(OutputChunk),
-    Ended(ExecRecord),
+    Ended(Box<ExecRecord>),
 }
 
 /// Most records on one ListExecs page (also what `page_size` 0 means).

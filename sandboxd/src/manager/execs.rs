@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::watch;
+use bytes::Bytes;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 use super::validate::{exec_spec, validate_signal};
@@ -14,7 +16,9 @@ use crate::admission::ExecSlot;
 use crate::backend::OutputSink;
 use crate::error::Error;
 use crate::ids::{ExecId, SandboxId};
-use crate::model::{ExecList, ExecOutcome, ExecRecord, ExecRequest, ExecStatus, Isolation, ListExecsQuery, MAX_EXECS_PAGE_BYTES, MAX_EXECS_PAGE_SIZE};
+use crate::model::{
+    ExecEvent, ExecList, ExecOutcome, ExecRecord, ExecRequest, ExecStatus, Isolation, ListExecsQuery, OutputChunk, MAX_EXECS_PAGE_BYTES, MAX_EXECS_PAGE_SIZE,
+};
 use crate::store::{PageQuery, PageToken, Retention, Trimmed};
 
 /// A running exec: its record, a signal when it ends, and the way to stop it. Finished execs
@@ -45,16 +49,91 @@ pub(super) struct Running {
     by_key: HashMap<(SandboxId, String), Arc<ExecEntry>>,
 }
 
+/// The events of a streamed exec (see [`Manager::exec_stream`]). Dropping it is how a reader
+/// that went away says so.
+pub type ExecEvents = ReceiverStream<Result<ExecEvent, Error>>;
+
+/// Events of a streamed exec waiting for its reader; the exec's output waits in the same number
+/// of chunks before it, so a slow reader slows the command's output rather than growing memory.
+const STREAM_BUFFER: usize = 16;
+
 impl Manager {
     /// Runs a command. Foreground execs return when it ends; background ones at once with status
     /// Running. A repeated idempotency key returns the first exec's record (waiting for it if it
     /// still runs) instead of running again — also after a daemon restart, from the store.
-    /// `sink` receives output as it is produced.
     ///
     /// Dropping the returned future (a client that went away) kills a foreground exec without an
     /// idempotency key; one with a key runs on so its result can be collected later.
+    pub async fn exec(self: &Arc<Self>, tenant: &str, req: ExecRequest) -> Result<ExecRecord, Error> {
+        self.run_exec(tenant, req, None).await
+    }
+
+    /// Runs a command like [`Manager::exec`], streaming its output as it is produced and then its
+    /// record. A bad sandbox id is refused here, before any event, so it is an error of the
+    /// call rather than of the stream.
+    ///
+    /// Dropping the returned stream (a client that went away) kills an exec without an
+    /// idempotency key, as dropping [`Manager::exec`]'s future does. An idempotent replay
+    /// produces no output of its own: the recorded output is sent before the record instead, so
+    /// a retried stream reads the same as the first.
+    pub fn exec_stream(self: &Arc<Self>, tenant: &str, req: ExecRequest) -> Result<ExecEvents, Error> {
+        self.get(tenant, &req.sandbox_id)?;
+        let (chunk_tx, mut chunk_rx) = mpsc::channel::<OutputChunk>(STREAM_BUFFER);
+        let (event_tx, event_rx) = mpsc::channel::<Result<ExecEvent, Error>>(STREAM_BUFFER);
+        let manager = self.clone();
+        let tenant = tenant.to_string();
+        tokio::spawn(async move {
+            let exec = manager.run_exec(&tenant, req, Some(chunk_tx));
+            tokio::pin!(exec);
+            let mut streamed = false;
+            let result = loop {
+                tokio::select! {
+                    r = &mut exec => break r,
+                    // The reader went away: returning drops `exec`, which kills the command.
+                    _ = event_tx.closed() => return,
+                    Some(chunk) = chunk_rx.recv() => {
+                        streamed = true;
+                        if event_tx.send(Ok(ExecEvent::Output(chunk))).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            };
+            // Output still queued after the exec ended.
+            while let Ok(chunk) = chunk_rx.try_recv() {
+                streamed = true;
+                if event_tx.send(Ok(ExecEvent::Output(chunk))).await.is_err() {
+                    return;
+                }
+            }
+            let last = match result {
+                Ok(record) => {
+                    // A replayed idempotent exec streamed nothing: send its recorded output first.
+                    if !streamed {
+                        let out = &record.outcome;
+                        let replay = [
+                            (!out.stdout.bytes.is_empty()).then(|| OutputChunk::Stdout(Bytes::from(out.stdout.bytes.clone()))),
+                            (!out.stderr.bytes.is_empty()).then(|| OutputChunk::Stderr(Bytes::from(out.stderr.bytes.clone()))),
+                        ];
+                        for chunk in replay.into_iter().flatten() {
+                            if event_tx.send(Ok(ExecEvent::Output(chunk))).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Ok(ExecEvent::Ended(Box::new(record)))
+                }
+                Err(e) => Err(e),
+            };
+            let _ = event_tx.send(last).await;
+        });
+        Ok(ReceiverStream::new(event_rx))
+    }
+
+    /// The exec engine behind [`Manager::exec`] and [`Manager::exec_stream`]; `sink` receives
+    /// output as it is produced.
     #[tracing::instrument(name = "manager.exec", skip_all)]
-    pub async fn exec(self: &Arc<Self>, tenant: &str, req: ExecRequest, sink: OutputSink) -> Result<ExecRecord, Error> {
+    async fn run_exec(self: &Arc<Self>, tenant: &str, req: ExecRequest, sink: OutputSink) -> Result<ExecRecord, Error> {
         let (sid, entry) = self.entry(tenant, &req.sandbox_id)?;
         let info = entry.info()?;
         if !info.state.can_exec() {
@@ -307,9 +386,12 @@ impl Manager {
 mod tests {
     use std::time::Duration;
 
+    use futures::StreamExt;
+
     use super::super::fake::fake_manager;
+    use super::super::Manager;
     use crate::error::Error;
-    use crate::model::{CreateRequest, ExecRequest, ExecStatus};
+    use crate::model::{CreateRequest, ExecEvent, ExecRecord, ExecRequest, ExecStatus, ListExecsQuery, OutputChunk};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn exec_caps_refuse_naming_the_key_and_free_when_execs_end() {
@@ -324,19 +406,77 @@ mod tests {
             ..Default::default()
         };
         for _ in 0..2 {
-            let r = m.exec("t", run(&a, &["sleep", "300"], true), None).await.expect("background");
+            let r = m.exec("t", run(&a, &["sleep", "300"], true)).await.expect("background");
             assert_eq!(r.outcome.status, ExecStatus::Running);
         }
-        let err = m.exec("t", run(&a, &["sleep", "300"], true), None).await.expect_err("third background");
+        let err = m.exec("t", run(&a, &["sleep", "300"], true)).await.expect_err("third background");
         assert!(matches!(&err, Error::ResourceExhausted(m) if m.contains("policy.max_background_execs_per_sandbox (2)")), "{err}");
-        m.exec("t", run(&b, &["true"], false), None).await.expect("a foreground exec elsewhere runs");
-        m.exec("t", run(&b, &["sleep", "300"], true), None).await.expect("the tenant's third");
-        let err = m.exec("t", run(&b, &["true"], false), None).await.expect_err("the tenant's fourth");
+        m.exec("t", run(&b, &["true"], false)).await.expect("a foreground exec elsewhere runs");
+        m.exec("t", run(&b, &["sleep", "300"], true)).await.expect("the tenant's third");
+        let err = m.exec("t", run(&b, &["true"], false)).await.expect_err("the tenant's fourth");
         assert!(err.to_string().contains("policy.max_running_execs_per_tenant (3)"), "{err}");
         // Ended execs free their slots.
         tokio::time::sleep(Duration::from_millis(600)).await;
         let slots = m.exec_slots.lock().map(|s| (s.of_tenant("t").running, s.of_tenant("t").background)).expect("lock");
         assert_eq!(slots, (0, 0), "nothing runs any more");
-        m.exec("t", run(&a, &["true"], false), None).await.expect("room again");
+        m.exec("t", run(&a, &["true"], false)).await.expect("room again");
+    }
+
+    /// The sandbox's exec records once `done` holds for them (polled, for at most 5 s).
+    async fn records_when(m: &Manager, sandbox: &str, done: impl Fn(&[ExecRecord]) -> bool) -> Vec<ExecRecord> {
+        let query = ListExecsQuery { sandbox_id: sandbox.to_string(), ..Default::default() };
+        for _ in 0..250 {
+            let records = m.list_execs("t", &query).expect("list").records;
+            if done(&records) {
+                return records;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("exec records never got there: {:?}", m.list_execs("t", &query).map(|l| l.records));
+    }
+
+    #[tokio::test]
+    async fn a_stream_replayed_by_idempotency_key_reads_the_same_as_the_first() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let sb = m.create("t", CreateRequest::default()).await.expect("sandbox").id.to_string();
+        let req = ExecRequest { sandbox_id: sb.clone(), argv: vec!["echo".into(), "hello".into()], idempotency_key: "k".into(), ..Default::default() };
+        let mut reads = Vec::new();
+        for _ in 0..2 {
+            let events: Vec<_> = m.exec_stream("t", req.clone()).expect("stream").collect().await;
+            let read: Vec<String> = events
+                .into_iter()
+                .map(|e| match e.expect("event") {
+                    ExecEvent::Output(OutputChunk::Stdout(b)) => format!("stdout {}", String::from_utf8_lossy(&b)),
+                    ExecEvent::Output(OutputChunk::Stderr(b)) => format!("stderr {}", String::from_utf8_lossy(&b)),
+                    ExecEvent::Ended(r) => format!("ended {} {:?}", r.exec_id, r.outcome.status),
+                })
+                .collect();
+            reads.push(read);
+        }
+        assert_eq!((reads[0].len(), reads[0][0].as_str()), (2, "stdout hello"), "{reads:?}");
+        assert_eq!(reads[0], reads[1], "the replay sends the recorded output, then the same record");
+        // A sandbox the caller cannot see is refused before any stream exists.
+        let err = m.exec_stream("other", req).expect_err("another tenant's sandbox");
+        assert!(matches!(err, Error::SandboxNotFound(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn dropping_a_stream_kills_its_exec_unless_it_has_an_idempotency_key() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let sb = m.create("t", CreateRequest::default()).await.expect("sandbox").id.to_string();
+        let sleep = |key: &str| ExecRequest { sandbox_id: sb.clone(), argv: vec!["sleep".into(), "1000".into()], idempotency_key: key.into(), ..Default::default() };
+        let unkeyed = m.exec_stream("t", sleep("")).expect("stream");
+        let keyed = m.exec_stream("t", sleep("k")).expect("stream");
+        records_when(&m, &sb, |r| r.len() == 2).await;
+        drop((unkeyed, keyed));
+        let records = records_when(&m, &sb, |r| r.iter().any(|r| r.outcome.status != ExecStatus::Running)).await;
+        let status = |key: &str| records.iter().find(|r| r.idempotency_key == key).map(|r| r.outcome.status);
+        assert_eq!(status(""), Some(ExecStatus::Signaled), "the reader went away: killed");
+        assert_eq!(status("k"), Some(ExecStatus::Running), "a keyed exec runs on for a retry to collect");
+        let keyed = records.iter().find(|r| r.idempotency_key == "k").expect("keyed record");
+        let end = m.get_exec("t", keyed.exec_id.as_str(), true).await.expect("wait");
+        assert_eq!(end.outcome.status, ExecStatus::Exited);
     }
 }

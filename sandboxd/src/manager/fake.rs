@@ -11,11 +11,11 @@ use crate::backend::{Backend, BackendError, Backends, ExecSpec, OutputSink, Sand
 use crate::config::Config;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 use crate::metrics::Metrics;
-use crate::model::{CreateRequest, ExecOutcome, ExecStatus, FileChunk, Isolation, RequestedLimits};
+use crate::model::{CapturedOutput, CreateRequest, ExecOutcome, ExecStatus, FileChunk, Isolation, OutputChunk, RequestedLimits};
 use crate::store::Store;
 
 /// A PROCESS backend that makes nothing: `sleep <ms>` runs that long (or until cancelled),
-/// anything else ends at once.
+/// `echo <words>` writes the words to stdout, anything else ends at once.
 struct FakeBackend;
 
 #[async_trait::async_trait]
@@ -31,10 +31,19 @@ impl Backend for FakeBackend {
         tokio::time::sleep(Duration::from_millis(20)).await;
         Ok(())
     }
-    async fn exec(&self, _sandbox: &SandboxId, spec: ExecSpec, _sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+    async fn exec(&self, _sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
         let started_at = SystemTime::now();
         if let Some(s) = started {
             let _ = s.send(());
+        }
+        if spec.argv[0] == "echo" {
+            let words = spec.argv[1..].join(" ");
+            if let Some(sink) = sink {
+                let _ = sink.send(OutputChunk::Stdout(words.clone().into())).await;
+            }
+            let mut outcome = ExecOutcome::failed(ExecStatus::Exited, 0, String::new(), started_at);
+            outcome.stdout = CapturedOutput { total_bytes: words.len() as u64, bytes: words.into_bytes(), ..Default::default() };
+            return Ok(outcome);
         }
         if spec.argv[0] == "sleep" {
             let ms = spec.argv.get(1).and_then(|a| a.parse().ok()).unwrap_or(0);

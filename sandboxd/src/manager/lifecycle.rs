@@ -262,7 +262,7 @@ mod tests {
         // An env that leaves room for a command line is fine, and every exec then fits.
         let env = BTreeMap::from([("DATA".to_string(), "x".repeat(120 << 10))]);
         let sb = m.create("t", CreateRequest { env, ..Default::default() }).await.expect("120 KiB of env");
-        let r = m.exec("t", ExecRequest { sandbox_id: sb.id.to_string(), argv: vec!["true".into()], ..Default::default() }, None).await.expect("exec");
+        let r = m.exec("t", ExecRequest { sandbox_id: sb.id.to_string(), argv: vec!["true".into()], ..Default::default() }).await.expect("exec");
         assert_eq!(r.outcome.status, ExecStatus::Exited);
     }
 }

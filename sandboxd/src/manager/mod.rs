@@ -32,6 +32,8 @@ use crate::store::Store;
 
 use execs::Running;
 
+pub use execs::ExecEvents;
+
 /// A sandbox in the table: its record, read and updated under a short lock, and the lock that
 /// whole-sandbox operations hold across their awaits.
 struct SandboxEntry {
