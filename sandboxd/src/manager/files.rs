@@ -9,6 +9,8 @@ use crate::ids::SandboxId;
 use crate::model::{FileChunk, SandboxInfo};
 
 impl Manager {
+    /// The sandbox `sandbox_id` of `tenant` if it can take file operations now (`op` names the
+    /// operation in the IncorrectState error).
     fn running_entry(&self, tenant: &str, sandbox_id: &str, op: &'static str) -> Result<(SandboxId, Arc<SandboxEntry>, SandboxInfo), Error> {
         let (sid, entry) = self.entry(tenant, sandbox_id)?;
         let info = entry.info()?;

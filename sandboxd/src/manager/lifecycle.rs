@@ -15,7 +15,7 @@ impl Manager {
     /// Refuses a create past the configured capacity or the disk pool of `tier`, naming the
     /// limit. Called with the table's write lock held by the create that then inserts itself, so
     /// two concurrent creates never both take the last room.
-    pub(super) fn check_capacity(&self, map: &HashMap<SandboxId, Arc<SandboxEntry>>, tenant: &str, tier: Isolation, disk_bytes: u64) -> Result<(), Error> {
+    fn check_capacity(&self, map: &HashMap<SandboxId, Arc<SandboxEntry>>, tenant: &str, tier: Isolation, disk_bytes: u64) -> Result<(), Error> {
         if let Some(max) = self.cfg.policy.max_sandboxes() {
             if map.len() >= max {
                 return Err(Error::ResourceExhausted(format!("policy.max_sandboxes ({max}) reached")));
