@@ -33,9 +33,9 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use crate::backend::Isolation;
 use crate::config::Config;
 use crate::ids::SandboxId;
+use crate::model::Isolation;
 use crate::policy::ExecCaps;
 
 /// Where Docker keeps images and containers unless configured otherwise.

@@ -1,7 +1,8 @@
 //! The daemon core's error type. It becomes a gRPC status in exactly one place (`api::status`).
 
-use crate::backend::{BackendError, Isolation};
-use crate::manager::SandboxState;
+use crate::backend::BackendError;
+use crate::model::{Isolation, SandboxState};
+use crate::store::StoreError;
 
 /// What can go wrong in a core call, with enough context to tell the user what and where.
 #[derive(Debug, thiserror::Error)]
@@ -59,5 +60,12 @@ impl From<BackendError> for Error {
             e @ BackendError::UploadIncomplete { .. } => Error::Aborted(e.to_string()),
             e @ (BackendError::Io { .. } | BackendError::Internal(_)) => Error::Internal(e.to_string()),
         }
+    }
+}
+
+impl From<StoreError> for Error {
+    /// The state database failing is never the caller's fault.
+    fn from(e: StoreError) -> Self {
+        Error::Internal(e.to_string())
     }
 }

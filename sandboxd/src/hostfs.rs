@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
-use crate::backend::mountinfo;
+use crate::mountinfo;
 
 /// Errors sealing the state dir.
 #[derive(Debug, thiserror::Error)]

@@ -2,6 +2,9 @@
 //!
 //! Layers, outside in: [`server`] (listeners, health, reflection, shutdown) → [`api`] (protobuf ↔
 //! core) → [`manager`] (ids, lifecycle, limits, records) → [`backend`] (one folder per tier).
+//! [`model`] holds the plain data they all share, so that the store, metrics, errors and policy
+//! need not import the manager or the backends: no module imports in a circle, and no tier
+//! reaches into another (`tests/layering.rs` checks both).
 
 pub mod admission;
 pub mod api;
@@ -14,6 +17,8 @@ pub mod hostfs;
 pub mod ids;
 pub mod manager;
 pub mod metrics;
+pub mod model;
+pub mod mountinfo;
 pub mod policy;
 pub mod server;
 pub mod store;

@@ -12,8 +12,7 @@ use http_body_util::Full;
 use hyper::body::Bytes;
 use prometheus::{Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
 
-use crate::backend::{ExecStatus, Isolation};
-use crate::manager::SandboxState;
+use crate::model::{ExecStatus, Isolation, SandboxState};
 
 /// The daemon's metrics.
 pub struct Metrics {

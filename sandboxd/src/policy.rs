@@ -28,8 +28,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use crate::backend::Isolation;
-use crate::config::Limits;
+use crate::model::{Isolation, Limits};
 
 /// Limits a rule overrides; unset fields keep what applies already.
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]

@@ -31,9 +31,8 @@ use std::sync::Mutex;
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use crate::backend::{CapturedOutput, ExecOutcome, ExecStatus};
 use crate::ids::{ExecId, SandboxId};
-use crate::manager::{ExecRecord, SandboxInfo, SnapshotRecord};
+use crate::model::{CapturedOutput, ExecOutcome, ExecRecord, ExecStatus, SandboxInfo, SnapshotRecord};
 
 /// Version of the schema this build writes. A newer database is refused, not silently misread.
 const SCHEMA_VERSION: i64 = 2;
@@ -743,7 +742,6 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{CapturedOutput, ExecOutcome};
     use crate::ids::{ExecId, SandboxId};
     use std::time::SystemTime;
 

@@ -6,8 +6,10 @@ use std::time::SystemTime;
 use sandbox_proto::v1 as pb;
 use tonic::Status;
 
-use crate::backend::{ExecStatus, Isolation};
-use crate::manager::{CreateRequest, ExecRecord, ExecRequest, ListExecsQuery, RequestedLimits, SandboxInfo, SandboxState, SnapshotRecord};
+use crate::error::Error;
+use crate::model::{
+    CreateRequest, ExecEvent, ExecRecord, ExecRequest, ExecStatus, Isolation, ListExecsQuery, OutputChunk, RequestedLimits, SandboxInfo, SandboxState, SnapshotRecord,
+};
 
 fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
@@ -141,6 +143,18 @@ pub fn exec_result(record: &ExecRecord, with_output: bool) -> pb::ExecResult {
         stderr_spill_path: r.stderr.spill_path.clone().unwrap_or_default(),
         output_discarded: record.output_discarded,
     }
+}
+
+/// Core exec stream event → proto. The record that ends a stream carries no output: it was
+/// streamed before it.
+pub fn exec_event(event: Result<ExecEvent, Error>) -> Result<pb::ExecEvent, Status> {
+    let event = match event? {
+        // `Vec::from` takes the bytes without a copy when the chunk is their only owner.
+        ExecEvent::Output(OutputChunk::Stdout(b)) => pb::exec_event::Event::Stdout(Vec::from(b)),
+        ExecEvent::Output(OutputChunk::Stderr(b)) => pb::exec_event::Event::Stderr(Vec::from(b)),
+        ExecEvent::Ended(record) => pb::exec_event::Event::Result(exec_result(&record, false)),
+    };
+    Ok(pb::ExecEvent { event: Some(event) })
 }
 
 /// ListExecsRequest → core.

@@ -1,5 +1,6 @@
 //! The gRPC edge: each handler authenticates the caller, turns the protobuf message into a core
-//! call and the result back into a message, and audits what it mutated.
+//! call and the result back into a message, and audits what it mutated. Every decision about
+//! what a call does (validation, idempotency, what a dropped stream means) is the manager's.
 
 pub mod auth;
 mod convert;
@@ -10,14 +11,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use sandbox_proto::v1 as pb;
 use sandbox_proto::v1::sandbox_service_server::SandboxService;
-use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use crate::audit::{millis, AuditEntry, AuditLog};
-use crate::backend::OutputChunk;
 use crate::manager::Manager;
 
 pub use auth::Auth;
@@ -119,14 +118,6 @@ fn sandbox_only(id: &str) -> Option<Audited> {
     Some(Audited { sandbox_id: id.to_string(), ..Default::default() })
 }
 
-fn chunk_event(chunk: OutputChunk) -> pb::ExecEvent {
-    let event = match chunk {
-        OutputChunk::Stdout(b) => pb::exec_event::Event::Stdout(b.to_vec()),
-        OutputChunk::Stderr(b) => pb::exec_event::Event::Stderr(b.to_vec()),
-    };
-    pb::ExecEvent { event: Some(event) }
-}
-
 #[tonic::async_trait]
 impl SandboxService for Api {
     async fn create_sandbox(&self, request: Request<pb::CreateSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
@@ -165,7 +156,7 @@ impl SandboxService for Api {
     async fn exec(&self, request: Request<pb::ExecRequest>) -> Result<Response<pb::ExecResult>, Status> {
         let audited = Some(self.audited_exec(request.get_ref()));
         self.call("Exec", request, audited, |tenant, req| async move {
-            let record = self.manager.exec(&tenant, exec_request(req), None).await?;
+            let record = self.manager.exec(&tenant, exec_request(req)).await?;
             Ok(convert::exec_result(&record, true))
         })
         .await
@@ -175,59 +166,9 @@ impl SandboxService for Api {
 
     async fn exec_stream(&self, request: Request<pb::ExecRequest>) -> Result<Response<Self::ExecStreamStream>, Status> {
         let audited = Some(self.audited_exec(request.get_ref()));
-        let manager = self.manager.clone();
         self.call("ExecStream", request, audited, |tenant, req| async move {
-            let req = exec_request(req);
-            // Validated before the stream starts, so bad input is a status, not a broken stream.
-            manager.get(&tenant, &req.sandbox_id)?;
-            let (chunk_tx, mut chunk_rx) = mpsc::channel::<OutputChunk>(16);
-            let (event_tx, event_rx) = mpsc::channel::<Result<pb::ExecEvent, Status>>(16);
-            tokio::spawn(async move {
-                let exec = manager.exec(&tenant, req, Some(chunk_tx));
-                tokio::pin!(exec);
-                let mut streamed = false;
-                let result = loop {
-                    tokio::select! {
-                        r = &mut exec => break r,
-                        // The client went away: returning drops `exec`, which kills the command.
-                        _ = event_tx.closed() => return,
-                        Some(chunk) = chunk_rx.recv() => {
-                            streamed = true;
-                            if event_tx.send(Ok(chunk_event(chunk))).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                };
-                // Output still queued after the exec ended.
-                while let Ok(chunk) = chunk_rx.try_recv() {
-                    streamed = true;
-                    if event_tx.send(Ok(chunk_event(chunk))).await.is_err() {
-                        return;
-                    }
-                }
-                let last = match result {
-                    Ok(record) => {
-                        // A replayed idempotent exec streamed nothing: send its recorded output first.
-                        if !streamed {
-                            let out = &record.outcome;
-                            let replay = [
-                                (!out.stdout.bytes.is_empty()).then(|| pb::exec_event::Event::Stdout(out.stdout.bytes.clone())),
-                                (!out.stderr.bytes.is_empty()).then(|| pb::exec_event::Event::Stderr(out.stderr.bytes.clone())),
-                            ];
-                            for event in replay.into_iter().flatten() {
-                                if event_tx.send(Ok(pb::ExecEvent { event: Some(event) })).await.is_err() {
-                                    return;
-                                }
-                            }
-                        }
-                        Ok(pb::ExecEvent { event: Some(pb::exec_event::Event::Result(convert::exec_result(&record, false))) })
-                    }
-                    Err(e) => Err(Status::from(e)),
-                };
-                let _ = event_tx.send(last).await;
-            });
-            Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(event_rx)) as EventStream)
+            let events = self.manager.exec_stream(&tenant, exec_request(req))?;
+            Ok(Box::pin(events.map(convert::exec_event)) as EventStream)
         })
         .await
     }

@@ -35,8 +35,19 @@ mod tests {
         let s = Status::from(Error::invalid("limits.memory_bytes", "too big"));
         assert_eq!(s.code(), Code::InvalidArgument);
         assert!(s.message().contains("limits.memory_bytes"));
-        let s = Status::from(Error::Unavailable { isolation: crate::backend::Isolation::Container, reason: "cannot reach Docker".into() });
+        let s = Status::from(Error::Unavailable { isolation: crate::model::Isolation::Container, reason: "cannot reach Docker".into() });
         assert_eq!(s.code(), Code::FailedPrecondition);
         assert!(s.message().contains("CONTAINER"));
+    }
+
+    #[test]
+    fn backend_file_errors_name_the_path_with_the_right_code() {
+        use crate::backend::BackendError;
+        let status = |e: BackendError| Status::from(Error::from(e));
+        let s = status(BackendError::InvalidPath { path: "/workspace/loop-a".into(), reason: "too many levels of symbolic links".into() });
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(s.message().contains("/workspace/loop-a"), "the message names the path: {}", s.message());
+        assert_eq!(status(BackendError::DiskFull { path: "/p".into() }).code(), Code::ResourceExhausted);
+        assert_eq!(status(BackendError::FileNotFound { path: "/p".into() }).code(), Code::NotFound);
     }
 }

@@ -2,51 +2,37 @@
 //!
 //! The manager owns ids, lifecycle, limits and records; a backend only knows how to make a
 //! sandbox of its tier exist, run things in it, and take it apart. Dispatch over tiers happens in
-//! one place: [`Backends`]. `cgroup` and `mountinfo` are shared by the tiers that account and
-//! kill through cgroups (process, container).
+//! one place: [`Backends`]. `cgroup` is shared by the tiers that account and kill through cgroups
+//! (process, container); [`mountinfo`] (a module of the crate, which `hostfs` uses too) is
+//! re-exported for them.
 
 pub mod cgroup;
 pub mod container;
 pub mod files;
 pub mod microvm;
-pub mod mountinfo;
 pub mod process;
 pub mod seccomp;
 
+// A top-level module because `hostfs` reads mounts too, and sealing the state dir is no part of
+// the backend layer; the tiers keep naming it `super::mountinfo`.
+pub use crate::mountinfo;
+
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
+
+use bytes::Bytes;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Limits;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
+use crate::model::Limits;
 
-/// Isolation level of a sandbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Isolation {
-    Process,
-    Container,
-    MicroVm,
-}
-
-impl Isolation {
-    /// All tiers, weakest first.
-    pub const ALL: [Isolation; 3] = [Isolation::Process, Isolation::Container, Isolation::MicroVm];
-
-    /// Upper-case name used in messages ("PROCESS").
-    pub fn name(self) -> &'static str {
-        match self {
-            Isolation::Process => "PROCESS",
-            Isolation::Container => "CONTAINER",
-            Isolation::MicroVm => "MICROVM",
-        }
-    }
-}
+// The types that cross the trait live in `model`, shared with the manager, the store and the
+// API; re-exported here so the tiers keep naming them `super::…` / `crate::backend::…`.
+pub use crate::model::{CapturedOutput, ExecOutcome, ExecStatus, ExecUsage, FileChunk, Isolation, OutputChunk};
 
 /// Longest image name.
 pub const MAX_IMAGE_NAME_BYTES: usize = 64;
@@ -126,101 +112,12 @@ impl SessionInputs {
     }
 }
 
-/// A piece of output, streamed as it is produced.
-#[derive(Debug, Clone)]
-pub enum OutputChunk {
-    Stdout(Bytes),
-    Stderr(Bytes),
-}
-
 /// Where streamed output goes (none for unary execs).
 pub type OutputSink = Option<mpsc::Sender<OutputChunk>>;
 
 /// Fired once the command's process runs (dropped unfired if it never started), so a
 /// background exec is returned only when signals can reach it.
 pub type StartSignal = Option<tokio::sync::oneshot::Sender<()>>;
-
-/// Why an exec ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum ExecStatus {
-    Exited,
-    Signaled,
-    TimedOut,
-    OomKilled,
-    SpawnFailed,
-    Running,
-    Lost,
-}
-
-pub use sandbox_exec::capture::CapturedOutput;
-
-impl ExecStatus {
-    /// Its lower-case name: a metrics label and the store's status column.
-    pub fn name(self) -> &'static str {
-        match self {
-            ExecStatus::Exited => "exited",
-            ExecStatus::Signaled => "signaled",
-            ExecStatus::TimedOut => "timed_out",
-            ExecStatus::OomKilled => "oom_killed",
-            ExecStatus::SpawnFailed => "spawn_failed",
-            ExecStatus::Running => "running",
-            ExecStatus::Lost => "lost",
-        }
-    }
-}
-
-impl From<sandbox_exec::outcome::EndStatus> for ExecStatus {
-    fn from(s: sandbox_exec::outcome::EndStatus) -> Self {
-        use sandbox_exec::outcome::EndStatus;
-        match s {
-            EndStatus::Exited => ExecStatus::Exited,
-            EndStatus::Signaled => ExecStatus::Signaled,
-            EndStatus::TimedOut => ExecStatus::TimedOut,
-            EndStatus::OomKilled => ExecStatus::OomKilled,
-            EndStatus::Lost => ExecStatus::Lost,
-        }
-    }
-}
-
-/// Resource use of one exec, from its own cgroup.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ExecUsage {
-    pub cpu_user_ms: u64,
-    pub cpu_system_ms: u64,
-    pub peak_memory_bytes: u64,
-}
-
-/// How an exec ended, as the backend saw it.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct ExecOutcome {
-    pub status: ExecStatus,
-    pub exit_code: i32,
-    pub signal: i32,
-    pub stdout: CapturedOutput,
-    pub stderr: CapturedOutput,
-    pub started_at: SystemTime,
-    pub duration: Duration,
-    pub usage: ExecUsage,
-    /// A human sentence for SPAWN_FAILED and LOST.
-    pub error: String,
-}
-
-impl ExecOutcome {
-    /// An exec that never got to run or whose end could not be observed.
-    pub fn failed(status: ExecStatus, exit_code: i32, error: String, started_at: SystemTime) -> Self {
-        ExecOutcome {
-            status,
-            exit_code,
-            signal: 0,
-            stdout: CapturedOutput::default(),
-            stderr: CapturedOutput::default(),
-            started_at,
-            duration: started_at.elapsed().unwrap_or_default(),
-            usage: ExecUsage::default(),
-            error,
-        }
-    }
-}
 
 /// A piece of an upload, in order. The backend replaces the old file only on `Commit`: the
 /// channel closing before it (the client went away, its checksum did not match) abandons the
@@ -240,14 +137,6 @@ pub struct Download {
 /// How big a piece of a download is: large enough that per-message costs vanish, small enough
 /// to stay far below gRPC's message limit.
 pub const DOWNLOAD_CHUNK: usize = 1 << 20;
-
-/// A slice of a file read from a sandbox.
-#[derive(Debug, Clone, Default)]
-pub struct FileChunk {
-    pub content: Vec<u8>,
-    pub size: u64,
-    pub eof: bool,
-}
 
 /// Errors a backend reports. The manager turns them into API errors.
 #[derive(Debug, thiserror::Error)]

@@ -1,5 +1,6 @@
-//! `/proc/self/mountinfo`, parsed once for everything the process tier asks of it: which cgroup
-//! hierarchies are mounted where, what filesystem a directory is, whether a path is a mount point.
+//! `/proc/self/mountinfo`, parsed once for everything the tiers and the state-dir sealing
+//! (`hostfs`) ask of it: which cgroup hierarchies are mounted where, what filesystem a directory
+//! is, whether a path is a mount point.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;

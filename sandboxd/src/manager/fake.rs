@@ -1,0 +1,116 @@
+//! A manager over a fake backend, for the unit tests of the manager: admission, validation and
+//! the exec engine without root.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio_util::sync::CancellationToken;
+
+use super::Manager;
+use crate::backend::{Backend, BackendError, Backends, ExecSpec, OutputSink, SandboxSpec, StartSignal};
+use crate::config::Config;
+use crate::ids::{ExecId, SandboxId, SnapshotId};
+use crate::metrics::Metrics;
+use crate::model::{CapturedOutput, CreateRequest, ExecOutcome, ExecStatus, FileChunk, Isolation, OutputChunk, RequestedLimits};
+use crate::store::Store;
+
+/// A PROCESS backend that makes nothing: `sleep <ms>` runs that long (or until cancelled),
+/// `echo <words>` writes the words to stdout, anything else ends at once.
+struct FakeBackend;
+
+#[async_trait::async_trait]
+impl Backend for FakeBackend {
+    fn isolation(&self) -> Isolation {
+        Isolation::Process
+    }
+    fn availability(&self) -> Result<(), String> {
+        Ok(())
+    }
+    async fn create(&self, _spec: &SandboxSpec) -> Result<(), BackendError> {
+        // Long enough for concurrent creates to overlap.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        Ok(())
+    }
+    async fn exec(&self, _sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+        let started_at = SystemTime::now();
+        if let Some(s) = started {
+            let _ = s.send(());
+        }
+        if spec.argv[0] == "echo" {
+            let words = spec.argv[1..].join(" ");
+            if let Some(sink) = sink {
+                let _ = sink.send(OutputChunk::Stdout(words.clone().into())).await;
+            }
+            let mut outcome = ExecOutcome::failed(ExecStatus::Exited, 0, String::new(), started_at);
+            outcome.stdout = CapturedOutput { total_bytes: words.len() as u64, bytes: words.into_bytes(), ..Default::default() };
+            return Ok(outcome);
+        }
+        if spec.argv[0] == "sleep" {
+            let ms = spec.argv.get(1).and_then(|a| a.parse().ok()).unwrap_or(0);
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(ms)) => {}
+                _ = cancel.cancelled() => return Ok(ExecOutcome::failed(ExecStatus::Signaled, 137, String::new(), started_at)),
+            }
+        }
+        Ok(ExecOutcome::failed(ExecStatus::Exited, 0, String::new(), started_at))
+    }
+    async fn signal_exec(&self, _sandbox: &SandboxId, exec: &ExecId, _signal: i32) -> Result<(), BackendError> {
+        Err(BackendError::NoSuchExec(exec.clone()))
+    }
+    async fn write_file(&self, _sandbox: &SandboxId, _path: &str, content: &[u8], _mode: u32) -> Result<u64, BackendError> {
+        Ok(content.len() as u64)
+    }
+    async fn read_file(&self, _sandbox: &SandboxId, _path: &str, _offset: u64, _limit: u64) -> Result<FileChunk, BackendError> {
+        Ok(FileChunk::default())
+    }
+    async fn remove_file(&self, _sandbox: &SandboxId, _path: &str) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn upload_file(&self, _sandbox: &SandboxId, _path: &str, _mode: u32, mut data: tokio::sync::mpsc::Receiver<crate::backend::UploadPiece>) -> Result<u64, BackendError> {
+        let mut n = 0;
+        while let Some(piece) = data.recv().await {
+            match piece {
+                crate::backend::UploadPiece::Data(b) => n += b.len() as u64,
+                crate::backend::UploadPiece::Commit => return Ok(n),
+            }
+        }
+        Err(BackendError::UploadIncomplete { path: _path.to_string() })
+    }
+    async fn download_file(&self, _sandbox: &SandboxId, _path: &str) -> Result<crate::backend::Download, BackendError> {
+        let (_tx, chunks) = tokio::sync::mpsc::channel(1);
+        Ok(crate::backend::Download { size: 0, chunks })
+    }
+    async fn snapshot(&self, _sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<u64, BackendError> {
+        Ok(0)
+    }
+    async fn rollback(&self, _sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn delete_snapshot(&self, _snapshot: &SnapshotId) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn destroy(&self, _sandbox: &SandboxId) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn recover(&self, sandboxes: &[SandboxSpec], _snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
+        sandboxes.iter().map(|s| (s.id.clone(), Ok(()))).collect()
+    }
+    async fn shutdown(&self) {}
+}
+
+/// A manager over [`FakeBackend`] with a `pool_size_bytes` pool and `toml` as its config.
+pub(super) fn fake_manager(dir: &std::path::Path, pool_size_bytes: u64, toml: &str) -> Arc<Manager> {
+    let path = dir.join("sandboxd.toml");
+    std::fs::write(&path, toml).expect("write config");
+    let cli = crate::config::Cli { state_dir: Some(dir.to_path_buf()), pool_size_bytes: Some(pool_size_bytes), config: Some(path), ..Default::default() };
+    let cfg = Arc::new(Config::load(cli).expect("config"));
+    let mut backends = Backends::default();
+    backends.insert(Arc::new(FakeBackend));
+    let store = Store::open(&dir.join("state.db")).expect("store");
+    Manager::new(cfg, backends, store, Metrics::new().expect("metrics"))
+}
+
+/// A create on the PROCESS tier asking for `disk_bytes`.
+pub(super) fn with_disk(disk_bytes: u64) -> CreateRequest {
+    CreateRequest { isolation: Some(Isolation::Process), limits: RequestedLimits { disk_bytes, ..Default::default() }, ..Default::default() }
+}

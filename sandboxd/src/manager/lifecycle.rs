@@ -1,0 +1,268 @@
+//! A sandbox's life: create (admission included), get, list, destroy, and the TTL reaper.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use super::validate::{resolve_limits, validate_image, validate_labels, validate_minimums, validate_sandbox_env, validate_workdir};
+use super::{spec_of, Manager, SandboxEntry};
+use crate::error::Error;
+use crate::ids::SandboxId;
+use crate::metrics::Op;
+use crate::model::{CreateRequest, Isolation, SandboxInfo, SandboxState};
+
+impl Manager {
+    /// Refuses a create past the configured capacity or the disk pool of `tier`, naming the
+    /// limit. Called with the table's write lock held by the create that then inserts itself, so
+    /// two concurrent creates never both take the last room.
+    fn check_capacity(&self, map: &HashMap<SandboxId, Arc<SandboxEntry>>, tenant: &str, tier: Isolation, disk_bytes: u64) -> Result<(), Error> {
+        if let Some(max) = self.cfg.policy.max_sandboxes() {
+            if map.len() >= max {
+                return Err(Error::ResourceExhausted(format!("policy.max_sandboxes ({max}) reached")));
+            }
+        }
+        if let Some(max) = self.cfg.policy.max_sandboxes_per_tenant() {
+            let mine = map.values().filter(|e| e.read(|i| i.tenant == tenant).unwrap_or(false)).count();
+            if mine >= max {
+                return Err(Error::ResourceExhausted(format!("policy.max_sandboxes_per_tenant ({max}) reached for tenant {tenant:?}")));
+            }
+        }
+        // Every sandbox in the table holds its layer until destroyed (FAILED ones too), and a
+        // fork or a rolled-back sandbox as much as one made from an image.
+        let promised: u64 = map
+            .values()
+            .filter_map(|e| e.read(|i| (i.isolation, i.limits.disk_bytes)).ok())
+            .filter(|(isolation, _)| self.disk_pools.same_pool(*isolation, tier))
+            .map(|(_, disk_bytes)| disk_bytes)
+            .fold(0, u64::saturating_add);
+        self.disk_pools.admit(tier, promised, disk_bytes).map_err(Error::ResourceExhausted)
+    }
+
+    /// Creates a sandbox (from an image, or from a snapshot: a fork) and returns when it is ready.
+    #[tracing::instrument(name = "manager.create", skip_all)]
+    pub async fn create(&self, tenant: &str, req: CreateRequest) -> Result<SandboxInfo, Error> {
+        // Everything a request says is checked before anything is made: a sandbox in which
+        // nothing could run (no room for a command line, no pids for a shell, no disk for its
+        // own files) is refused here, naming the field, rather than failing later.
+        let workdir = if req.workdir.is_empty() { "/workspace".to_string() } else { req.workdir };
+        validate_workdir(&workdir)?;
+        let id = SandboxId::generate();
+        validate_sandbox_env(&id, &req.env)?;
+        validate_labels(&req.labels)?;
+        // A fork inherits its tier and image from the snapshot: its layer only makes sense there.
+        let (requested, image, from_snapshot) = if req.from_snapshot_id.is_empty() {
+            let image = if req.image.is_empty() { "minimal".to_string() } else { req.image };
+            validate_image(&image)?;
+            (req.isolation, image, None)
+        } else {
+            let snap = self.snapshot_record(tenant, &req.from_snapshot_id)?;
+            if req.isolation.is_some_and(|i| i != snap.isolation) {
+                return Err(Error::invalid("isolation", format!("snapshot {} belongs to the {} tier", snap.snapshot_id, snap.isolation.name())));
+            }
+            if !req.image.is_empty() && req.image != snap.image {
+                return Err(Error::invalid("image", format!("snapshot {} is of image {:?}", snap.snapshot_id, snap.image)));
+            }
+            (Some(snap.isolation), snap.image, Some(snap.snapshot_id))
+        };
+        let decision = self.cfg.policy.decide(requested, &req.labels).map_err(|e| Error::PermissionDenied(e.to_string()))?;
+        if from_snapshot.is_some() && Some(decision.isolation) != requested {
+            return Err(Error::PermissionDenied(format!("policy requires {} for this request; the snapshot belongs to another tier", decision.isolation.name())));
+        }
+        let isolation = decision.isolation;
+        let limits = resolve_limits(&req.limits, &decision.defaults, &decision.ceilings)?;
+        validate_minimums(&limits)?;
+        // Never a weaker tier than decided: an unavailable tier is an error, not a fallback.
+        let backend = self.backends.available(isolation)?.clone();
+
+        let now = SystemTime::now();
+        let info = SandboxInfo {
+            id: id.clone(),
+            tenant: tenant.to_string(),
+            isolation,
+            isolation_reason: decision.reason,
+            image,
+            state: SandboxState::Creating,
+            limits,
+            labels: req.labels,
+            env: req.env,
+            created_at: now,
+            workdir,
+            parent_snapshot_id: from_snapshot.clone(),
+            expires_at: (req.ttl_seconds > 0).then(|| now + Duration::from_secs(req.ttl_seconds.into())),
+            head_snapshot: from_snapshot,
+            failure_reason: None,
+        };
+        let entry = SandboxEntry::new(info.clone());
+        {
+            // Admission and the claim in one critical section: once in the table, this
+            // sandbox's disk_bytes count against its pool for every later create.
+            let mut map = self.sandboxes.write().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
+            if let Err(e) = self.check_capacity(&map, tenant, isolation, limits.disk_bytes) {
+                tracing::info!(tenant, tier = isolation.name(), disk_bytes = limits.disk_bytes, reason = %e, "create refused");
+                return Err(e);
+            }
+            map.insert(id.clone(), entry.clone());
+        }
+        if let Err(e) = self.store.put_sandbox(&info) {
+            if let Ok(mut map) = self.sandboxes.write() {
+                map.remove(&id);
+            }
+            return Err(e.into());
+        }
+
+        let started = std::time::Instant::now();
+        match backend.create(&spec_of(&info)).await {
+            Ok(()) => {
+                let info = entry.update(|i| i.state = SandboxState::Running)?;
+                self.store.put_sandbox(&info)?;
+                self.metrics.observe(Op::Create, isolation, started.elapsed());
+                tracing::info!(sandbox = %id, tier = isolation.name(), ms = started.elapsed().as_millis() as u64, "sandbox created");
+                Ok(info)
+            }
+            Err(e) => {
+                // A failed create leaves nothing behind: the backend undid its part, and the
+                // record goes too, so the id does not linger as a FAILED sandbox nobody owns.
+                if let Ok(mut map) = self.sandboxes.write() {
+                    map.remove(&id);
+                }
+                self.store.delete_sandbox(id.as_str())?;
+                tracing::warn!(sandbox = %id, error = %e, "sandbox create failed");
+                // The only path a create hands its backend is the workdir (e.g. one under a file
+                // of the image): name the request field.
+                Err(match Error::from(e) {
+                    Error::InvalidArgument { field, message } if field == "path" => Error::invalid("workdir", message),
+                    e => e,
+                })
+            }
+        }
+    }
+
+    /// The sandbox's current description.
+    pub fn get(&self, tenant: &str, id: &str) -> Result<SandboxInfo, Error> {
+        self.entry(tenant, id)?.1.info()
+    }
+
+    /// Sandboxes whose labels include every pair of `selector`.
+    pub fn list(&self, tenant: &str, selector: &BTreeMap<String, String>) -> Result<Vec<SandboxInfo>, Error> {
+        let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
+        let mut out: Vec<SandboxInfo> = map
+            .values()
+            .filter_map(|e| {
+                self.note_failure(e);
+                e.info().ok()
+            })
+            .filter(|i| i.tenant == tenant && selector.iter().all(|(k, v)| i.labels.get(k) == Some(v)))
+            .collect();
+        out.sort_by(|a, b| a.created_at.cmp(&b.created_at).then_with(|| a.id.cmp(&b.id)));
+        Ok(out)
+    }
+
+    /// Destroys a sandbox: every process, mount, cgroup and exec record goes (snapshots stay).
+    #[tracing::instrument(name = "manager.destroy", skip_all)]
+    pub async fn destroy(&self, tenant: &str, id: &str) -> Result<(), Error> {
+        let (sid, entry) = self.entry(tenant, id)?;
+        let started = std::time::Instant::now();
+        let _op = entry.op.lock().await;
+        let info = entry.info()?;
+        if !info.state.can_destroy() {
+            return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "destroy" });
+        }
+        // Removed from the table first, so no new exec can start while it is taken apart.
+        if let Ok(mut map) = self.sandboxes.write() {
+            map.remove(&sid);
+        }
+        entry.update(|i| i.state = SandboxState::Destroyed)?;
+        let result = match self.backends.get(info.isolation) {
+            Ok(backend) => backend.destroy(&sid).await.map_err(Error::from),
+            Err(e) => Err(e.into()),
+        };
+        // The backend killed its execs; once they have ended (and, the sandbox being out of the
+        // table, recorded nothing) its records and output files can go for good.
+        self.wait_for_execs_of(&sid, Duration::from_secs(5)).await;
+        self.store.delete_sandbox(sid.as_str())?;
+        self.metrics.observe(Op::Destroy, info.isolation, started.elapsed());
+        tracing::info!(sandbox = %sid, "sandbox destroyed");
+        match result {
+            // A sandbox its backend no longer runs (a FAILED one) is gone all the same.
+            Err(Error::SandboxNotFound(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Destroys sandboxes whose TTL has passed. Called periodically.
+    pub async fn reap_expired(&self) {
+        let now = SystemTime::now();
+        let expired: Vec<(SandboxId, String)> = match self.sandboxes.read() {
+            Ok(map) => map
+                .iter()
+                .filter_map(|(id, e)| e.info().ok().filter(|i| i.state.can_destroy() && i.expires_at.is_some_and(|t| t <= now)).map(|i| (id.clone(), i.tenant)))
+                .collect(),
+            Err(_) => return,
+        };
+        for (id, tenant) in expired {
+            tracing::info!(sandbox = %id, "TTL expired; destroying");
+            if let Err(e) = self.destroy(&tenant, id.as_str()).await {
+                tracing::warn!(sandbox = %id, error = %e, "TTL reap failed");
+            }
+        }
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::super::fake::{fake_manager, with_disk};
+    use crate::error::Error;
+    use crate::model::{CreateRequest, ExecRequest, ExecStatus, RequestedLimits};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_creates_never_overcommit_the_pool_and_forks_count() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let creates = (0..12).map(|_| {
+            let m = m.clone();
+            tokio::spawn(async move { m.create("t", with_disk(1 << 30)).await })
+        });
+        let results = futures::future::join_all(creates).await;
+        let (ok, refused): (Vec<_>, Vec<_>) = results.into_iter().map(|r| r.expect("task")).partition(|r| r.is_ok());
+        assert_eq!((ok.len(), refused.len()), (8, 4), "exactly the pool's worth is admitted");
+        for r in refused {
+            let err = r.expect_err("refused");
+            assert!(matches!(err, Error::ResourceExhausted(_)) && err.to_string().contains("(pool_size_bytes)"), "{err}");
+        }
+        let first = ok.into_iter().next().and_then(Result::ok).expect("a sandbox");
+        m.destroy("t", first.id.as_str()).await.expect("destroy");
+        let sb = m.create("t", with_disk(1 << 30)).await.expect("a destroy frees its disk");
+        let snap = m.snapshot("t", sb.id.as_str(), "s").await.expect("snapshot");
+        m.destroy("t", sb.id.as_str()).await.expect("destroy");
+        let fork = CreateRequest { from_snapshot_id: snap.snapshot_id.to_string(), ..Default::default() };
+        m.create("t", fork.clone()).await.expect("the fork fits the freed room");
+        let err = m.create("t", fork).await.expect_err("a second fork does not");
+        assert!(err.to_string().contains("8 GiB of 8 GiB"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn create_refuses_what_could_not_run_naming_the_field() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let cases: Vec<(CreateRequest, &str)> = vec![
+            (with_disk(1), "limits.disk_bytes"),
+            (CreateRequest { limits: RequestedLimits { max_pids: 1, ..Default::default() }, ..Default::default() }, "limits.max_pids"),
+            (CreateRequest { env: BTreeMap::from([("BIG".into(), "x".repeat(130 << 10))]), ..Default::default() }, "env"),
+            (CreateRequest { env: (0..3000).map(|i| (format!("V{i}"), "x".repeat(96))).collect(), ..Default::default() }, "env"),
+            (CreateRequest { image: "../x".into(), ..Default::default() }, "image"),
+            (CreateRequest { workdir: format!("/{}", "w".repeat(300)), ..Default::default() }, "workdir"),
+        ];
+        for (req, field) in cases {
+            let Err(err) = m.create("t", req).await else { panic!("{field}: accepted") };
+            assert!(matches!(&err, Error::InvalidArgument { field: f, .. } if f == field), "{field}: {err}");
+        }
+        // An env that leaves room for a command line is fine, and every exec then fits.
+        let env = BTreeMap::from([("DATA".to_string(), "x".repeat(120 << 10))]);
+        let sb = m.create("t", CreateRequest { env, ..Default::default() }).await.expect("120 KiB of env");
+        let r = m.exec("t", ExecRequest { sandbox_id: sb.id.to_string(), argv: vec!["true".into()], ..Default::default() }).await.expect("exec");
+        assert_eq!(r.outcome.status, ExecStatus::Exited);
+    }
+}

@@ -1,0 +1,359 @@
+//! The plain data every layer shares: tiers, limits, the lifecycle state, the records users read
+//! back and the requests that make them.
+//!
+//! Only types and their own small rules live here (a state's `can_*` checks, a status's name),
+//! never behaviour: `model` imports nothing from the crate but [`crate::ids`], so the store, the
+//! metrics, the errors, the policy and the backends can all speak these types without importing
+//! the manager, or each other, and the module graph stays free of cycles (`tests/layering.rs`).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{ExecId, SandboxId, SnapshotId};
+
+pub use sandbox_exec::capture::CapturedOutput;
+
+/// Isolation level of a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    Process,
+    Container,
+    MicroVm,
+}
+
+impl Isolation {
+    /// All tiers, weakest first.
+    pub const ALL: [Isolation; 3] = [Isolation::Process, Isolation::Container, Isolation::MicroVm];
+
+    /// Upper-case name used in messages ("PROCESS").
+    pub fn name(self) -> &'static str {
+        match self {
+            Isolation::Process => "PROCESS",
+            Isolation::Container => "CONTAINER",
+            Isolation::MicroVm => "MICROVM",
+        }
+    }
+}
+
+/// Resource limits as configured (defaults and ceilings). 0 in a request means "the default".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+pub struct Limits {
+    pub cpu_millicores: u32,
+    pub memory_bytes: u64,
+    pub max_pids: u32,
+    pub disk_bytes: u64,
+    pub exec_timeout_ms: u64,
+}
+
+impl Limits {
+    /// Built-in defaults applied when a request leaves a limit at 0.
+    pub const DEFAULTS: Limits = Limits {
+        cpu_millicores: 1000,
+        memory_bytes: 512 << 20,
+        max_pids: 256,
+        disk_bytes: 1 << 30,
+        exec_timeout_ms: 300_000,
+    };
+    /// Built-in ceilings: a request above one is refused.
+    pub const CEILINGS: Limits = Limits {
+        cpu_millicores: 64_000,
+        memory_bytes: 16 << 30,
+        max_pids: 16_384,
+        disk_bytes: 64 << 30,
+        exec_timeout_ms: 24 * 3600 * 1000,
+    };
+    /// Floors: a sandbox below one could not run anything, so a request below one is refused
+    /// at create (INVALID_ARGUMENT naming the field) and a configured default or ceiling below
+    /// one stops the daemon at start. 4 MiB of memory runs a shell; 8 pids let a shell run a
+    /// pipeline next to the sandbox's init; 16 MiB of disk hold the writable layer's own files
+    /// (workdir, spilled output) with room to work.
+    pub const MINIMUMS: Limits = Limits {
+        cpu_millicores: 1,
+        memory_bytes: 4 << 20,
+        max_pids: 8,
+        disk_bytes: 16 << 20,
+        exec_timeout_ms: 1,
+    };
+}
+
+/// Lifecycle of a sandbox. Transitions: Creating → Running | Failed; Running → Destroyed;
+/// Running → Failed when a restart or rollback cannot bring it back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SandboxState {
+    Creating,
+    Running,
+    Failed,
+    Destroyed,
+}
+
+impl SandboxState {
+    /// Whether execs and file operations are allowed.
+    pub fn can_exec(self) -> bool {
+        self == SandboxState::Running
+    }
+    /// Whether the sandbox may be destroyed now (a sandbox being created is not yet).
+    pub fn can_destroy(self) -> bool {
+        matches!(self, SandboxState::Running | SandboxState::Failed)
+    }
+    /// Whether its filesystem may be snapshotted or rolled back.
+    pub fn can_snapshot(self) -> bool {
+        self == SandboxState::Running
+    }
+}
+
+/// Limits as a request gives them: 0 means "the default".
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestedLimits {
+    pub cpu_millicores: u32,
+    pub memory_bytes: u64,
+    pub max_pids: u32,
+    pub disk_bytes: u64,
+    pub exec_timeout_ms: u64,
+}
+
+/// A CreateSandbox call.
+#[derive(Debug, Clone, Default)]
+pub struct CreateRequest {
+    /// None = the policy's default.
+    pub isolation: Option<Isolation>,
+    pub image: String,
+    pub limits: RequestedLimits,
+    pub env: BTreeMap<String, String>,
+    pub workdir: String,
+    pub labels: BTreeMap<String, String>,
+    pub ttl_seconds: u32,
+    pub from_snapshot_id: String,
+}
+
+/// What a sandbox is, as users read it back.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SandboxInfo {
+    pub id: SandboxId,
+    /// Who owns it: only calls from this tenant see or touch it.
+    pub tenant: String,
+    pub isolation: Isolation,
+    /// Why the isolation differs from what was asked (a policy upgrade), if it does.
+    pub isolation_reason: Option<String>,
+    pub image: String,
+    pub state: SandboxState,
+    pub limits: Limits,
+    pub labels: BTreeMap<String, String>,
+    pub env: BTreeMap<String, String>,
+    pub created_at: SystemTime,
+    pub workdir: String,
+    pub parent_snapshot_id: Option<SnapshotId>,
+    pub expires_at: Option<SystemTime>,
+    /// The snapshot the filesystem last descended from (taken, rolled back to, or forked from):
+    /// the parent of the next snapshot.
+    pub head_snapshot: Option<SnapshotId>,
+    /// Why the sandbox is FAILED, when it is.
+    #[serde(default)]
+    pub failure_reason: Option<String>,
+}
+
+/// A snapshot of a sandbox's filesystem.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub snapshot_id: SnapshotId,
+    pub sandbox_id: SandboxId,
+    pub tenant: String,
+    pub name: String,
+    pub created_at: SystemTime,
+    /// Bytes the snapshot holds beyond its image.
+    pub size_bytes: u64,
+    pub parent_snapshot_id: Option<SnapshotId>,
+    /// A snapshot only makes sense over the same tier and image it was taken from.
+    pub isolation: Isolation,
+    pub image: String,
+}
+
+/// An Exec call.
+#[derive(Debug, Clone, Default)]
+pub struct ExecRequest {
+    pub sandbox_id: String,
+    pub argv: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub workdir: String,
+    pub stdin: Vec<u8>,
+    pub timeout_ms: u64,
+    pub max_output_bytes: u64,
+    pub idempotency_key: String,
+    pub background: bool,
+}
+
+/// Why an exec ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExecStatus {
+    Exited,
+    Signaled,
+    TimedOut,
+    OomKilled,
+    SpawnFailed,
+    Running,
+    Lost,
+}
+
+impl ExecStatus {
+    /// Its lower-case name: a metrics label and the store's status column.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExecStatus::Exited => "exited",
+            ExecStatus::Signaled => "signaled",
+            ExecStatus::TimedOut => "timed_out",
+            ExecStatus::OomKilled => "oom_killed",
+            ExecStatus::SpawnFailed => "spawn_failed",
+            ExecStatus::Running => "running",
+            ExecStatus::Lost => "lost",
+        }
+    }
+}
+
+impl From<sandbox_exec::outcome::EndStatus> for ExecStatus {
+    fn from(s: sandbox_exec::outcome::EndStatus) -> Self {
+        use sandbox_exec::outcome::EndStatus;
+        match s {
+            EndStatus::Exited => ExecStatus::Exited,
+            EndStatus::Signaled => ExecStatus::Signaled,
+            EndStatus::TimedOut => ExecStatus::TimedOut,
+            EndStatus::OomKilled => ExecStatus::OomKilled,
+            EndStatus::Lost => ExecStatus::Lost,
+        }
+    }
+}
+
+/// Resource use of one exec, from its own cgroup.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecUsage {
+    pub cpu_user_ms: u64,
+    pub cpu_system_ms: u64,
+    pub peak_memory_bytes: u64,
+}
+
+/// How an exec ended, as the backend saw it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExecOutcome {
+    pub status: ExecStatus,
+    pub exit_code: i32,
+    pub signal: i32,
+    pub stdout: CapturedOutput,
+    pub stderr: CapturedOutput,
+    pub started_at: SystemTime,
+    pub duration: Duration,
+    pub usage: ExecUsage,
+    /// A human sentence for SPAWN_FAILED and LOST.
+    pub error: String,
+}
+
+impl ExecOutcome {
+    /// An exec that never got to run or whose end could not be observed.
+    pub fn failed(status: ExecStatus, exit_code: i32, error: String, started_at: SystemTime) -> Self {
+        ExecOutcome {
+            status,
+            exit_code,
+            signal: 0,
+            stdout: CapturedOutput::default(),
+            stderr: CapturedOutput::default(),
+            started_at,
+            duration: started_at.elapsed().unwrap_or_default(),
+            usage: ExecUsage::default(),
+            error,
+        }
+    }
+}
+
+/// The record of one exec: what ran and how it ended (status Running until it does).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExecRecord {
+    pub exec_id: ExecId,
+    pub sandbox_id: SandboxId,
+    pub argv: Vec<String>,
+    pub idempotency_key: String,
+    #[serde(flatten)]
+    pub outcome: ExecOutcome,
+    /// The stdout/stderr bodies were dropped to keep the sandbox's stored output within
+    /// `exec.max_output_storage_bytes_per_sandbox` (the rest of the record stays). Kept by the
+    /// store in a column of its own, not in the JSON document.
+    #[serde(skip)]
+    pub output_discarded: bool,
+}
+
+impl ExecRecord {
+    /// The record of an exec that is starting now.
+    pub fn running(exec_id: ExecId, sandbox_id: SandboxId, argv: Vec<String>, idempotency_key: String) -> Self {
+        let outcome = ExecOutcome::failed(ExecStatus::Running, 0, String::new(), SystemTime::now());
+        ExecRecord { exec_id, sandbox_id, argv, idempotency_key, outcome, output_discarded: false }
+    }
+}
+
+/// A piece of output, streamed as it is produced.
+#[derive(Debug, Clone)]
+pub enum OutputChunk {
+    Stdout(Bytes),
+    Stderr(Bytes),
+}
+
+/// What a streamed exec reports, in order: its output as it comes, then its record once it has
+/// ended (the last event; boxed, as it is much larger than a chunk and comes once).
+#[derive(Debug, Clone)]
+pub enum ExecEvent {
+    Output(OutputChunk),
+    Ended(Box<ExecRecord>),
+}
+
+/// Most records on one ListExecs page (also what `page_size` 0 means).
+pub const MAX_EXECS_PAGE_SIZE: usize = 100;
+
+/// A ListExecs page stops before its records pass this many bytes, far below the gRPC message
+/// limit: 100 records of 16 MiB output each would not fit in any response.
+pub const MAX_EXECS_PAGE_BYTES: u64 = 4 << 20;
+
+/// A ListExecs call.
+///
+/// Without a token, the listing is the newest `limit` records (0 = all) as of this call, oldest
+/// first; its first page is returned with a `next_page_token` while records remain. Passing the
+/// token (with the same sandbox id) returns the next page of that same listing: `limit` and
+/// records started after the first page play no part any more, records trimmed meanwhile are
+/// skipped, and no record comes twice.
+#[derive(Debug, Clone, Default)]
+pub struct ListExecsQuery {
+    pub sandbox_id: String,
+    pub limit: u32,
+    pub page_token: String,
+    /// Records per page; 0 or above [`MAX_EXECS_PAGE_SIZE`] means that maximum.
+    pub page_size: u32,
+    /// Read stdout/stderr too (otherwise they are empty; GetExec returns them for one record).
+    pub include_output: bool,
+}
+
+/// One ListExecs page.
+#[derive(Debug, Clone, Default)]
+pub struct ExecList {
+    pub records: Vec<ExecRecord>,
+    /// Empty on the last page.
+    pub next_page_token: String,
+}
+
+/// A slice of a file read from a sandbox.
+#[derive(Debug, Clone, Default)]
+pub struct FileChunk {
+    pub content: Vec<u8>,
+    pub size: u64,
+    pub eof: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifecycle_checks() {
+        assert!(SandboxState::Running.can_exec());
+        assert!(!SandboxState::Creating.can_exec());
+        assert!(!SandboxState::Creating.can_destroy());
+        assert!(SandboxState::Failed.can_destroy());
+    }
+}
