@@ -5,30 +5,23 @@
 //! Each test starts its own daemon with the configuration it is about.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::time::Duration;
 
+use agent_client::exec_request;
 use agent_client::proto::{CreateSandboxRequest, ExecRequest, ExecStatus, ResourceLimits};
-use agent_client::{exec_request, Client};
-use sandbox_tests::{process_sandbox, Daemon};
+use sandbox_tests::{proc_status_bytes, process_sandbox, within, Harness};
 use tonic::Code;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
-/// A daemon and a client; the daemon's log is printed when an assertion fails.
-struct Harness {
-    daemon: Daemon,
-    client: Client,
+/// The creates of this suite: process tier, image `minimal`, a refusal returned to check.
+trait Creates {
+    async fn create(&self, limits: ResourceLimits) -> Result<String, agent_client::Error>;
+    async fn create_disk(&self, disk_bytes: u64) -> Result<String, agent_client::Error>;
 }
 
-impl Harness {
-    async fn start(toml: &str, args: &[&str]) -> Harness {
-        let daemon = Daemon::start_with(toml, args).await.expect("starting sandboxd");
-        let client = daemon.client().await.expect("connecting to sandboxd");
-        Harness { daemon, client }
-    }
-
+impl Creates for Harness {
     async fn create(&self, limits: ResourceLimits) -> Result<String, agent_client::Error> {
         let request = CreateSandboxRequest { limits: Some(limits), ..process_sandbox("minimal") };
         within(120, self.client.create(request)).await.map(|s| s.id)
@@ -36,22 +29,6 @@ impl Harness {
 
     async fn create_disk(&self, disk_bytes: u64) -> Result<String, agent_client::Error> {
         self.create(ResourceLimits { disk_bytes, ..Default::default() }).await
-    }
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("---- sandboxd log ----\n{}\n---- end of sandboxd log ----", self.daemon.log());
-        }
-    }
-}
-
-/// Awaits `fut`, failing the test if it takes more than `secs` seconds.
-async fn within<T>(secs: u64, fut: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
-        Ok(v) => v,
-        Err(_) => panic!("call did not return within {secs} s"),
     }
 }
 
@@ -64,12 +41,9 @@ fn assert_refused<T: std::fmt::Debug>(result: Result<T, agent_client::Error>, co
     }
 }
 
-/// A `/proc/<pid>/status` field in bytes (`VmHWM`, `VmRSS`).
-fn proc_status_bytes(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading /proc/<daemon>/status");
-    let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"));
-    let kb: u64 = line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("bad line {line:?}"));
-    kb * 1024
+/// A `/proc/<pid>/status` field in bytes (`VmHWM`, `VmRSS`); fails the test when unreadable.
+fn daemon_status_bytes(pid: u32, field: &str) -> u64 {
+    proc_status_bytes(pid, field).unwrap_or_else(|| panic!("no {field} readable in /proc/{pid}/status"))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -77,7 +51,7 @@ fn proc_status_bytes(pid: u32, field: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_storage_pool_is_never_promised_twice() {
-    let mut h = Harness::start("", &["--pool-size-bytes", &(8 * GIB).to_string()]).await;
+    let mut h = Harness::start_with("", &["--pool-size-bytes", &(8 * GIB).to_string()]).await;
     let big = h.create_disk(6 * GIB).await.expect("6 GiB of an empty 8 GiB pool");
     assert_refused(h.create_disk(3 * GIB).await, Code::ResourceExhausted, &["storage pool full", "6 GiB of 8 GiB", "disk_bytes 3 GiB", "pool_size_bytes"]);
     assert_refused(h.create_disk(64 * GIB).await, Code::ResourceExhausted, &["pool_size_bytes"]);
@@ -122,7 +96,7 @@ async fn the_storage_pool_is_never_promised_twice() {
 #[tokio::test(flavor = "multi_thread")]
 async fn background_execs_are_capped_per_sandbox_and_tenant() {
     let toml = "[policy]\nmax_background_execs_per_sandbox = 4\nmax_background_execs_per_tenant = 6\n";
-    let h = Harness::start(toml, &[]).await;
+    let h = Harness::start_with(toml, &[]).await;
     let (a, b) = (h.create(ResourceLimits::default()).await.expect("a"), h.create(ResourceLimits::default()).await.expect("b"));
     let background = |id: &str| ExecRequest { background: true, ..exec_request(id, ["sleep", "300"]) };
     let mut in_a = Vec::new();
@@ -170,7 +144,7 @@ async fn background_execs_are_capped_per_sandbox_and_tenant() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn running_execs_are_capped_per_sandbox() {
-    let h = Harness::start("[policy]\nmax_running_execs_per_sandbox = 3\n", &[]).await;
+    let h = Harness::start_with("[policy]\nmax_running_execs_per_sandbox = 3\n", &[]).await;
     let (a, b) = (h.create(ResourceLimits::default()).await.expect("a"), h.create(ResourceLimits::default()).await.expect("b"));
     let mut slow = Vec::new();
     for _ in 0..3 {
@@ -196,7 +170,7 @@ async fn running_execs_are_capped_per_sandbox() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sandbox_that_could_not_run_anything_is_refused_at_create() {
-    let h = Harness::start("", &[]).await;
+    let h = Harness::start_with("", &[]).await;
     assert_refused(h.create_disk(1).await, Code::InvalidArgument, &["limits.disk_bytes"]);
     assert_refused(h.create(ResourceLimits { max_pids: 1, ..Default::default() }).await, Code::InvalidArgument, &["limits.max_pids"]);
     assert_refused(h.create(ResourceLimits { memory_bytes: 1 << 20, ..Default::default() }).await, Code::InvalidArgument, &["limits.memory_bytes"]);
@@ -216,7 +190,7 @@ async fn a_sandbox_that_could_not_run_anything_is_refused_at_create() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn malformed_requests_name_their_field_and_are_never_internal() {
-    let h = Harness::start("", &[]).await;
+    let h = Harness::start_with("", &[]).await;
     let long = "x".repeat(300);
     let create = |f: &dyn Fn(&mut CreateSandboxRequest)| {
         let mut r = process_sandbox("minimal");
@@ -317,12 +291,12 @@ async fn concurrent_large_writes_stay_within_the_configured_memory_bound() {
     const WRITERS: usize = 8;
     const SIZE: u64 = 32 * MIB;
     const MAX_CONCURRENT_WRITES: u64 = 2;
-    let h = Harness::start(&format!("[files]\nmax_concurrent_writes = {MAX_CONCURRENT_WRITES}\n"), &[]).await;
+    let h = Harness::start_with(&format!("[files]\nmax_concurrent_writes = {MAX_CONCURRENT_WRITES}\n"), &[]).await;
     let id = h.create_disk(GIB).await.expect("create");
     let pid = h.daemon.pid().expect("pid");
     // Warm up the write path once, so the baseline includes what any write costs once.
     h.client.write_file(&id, "/workspace/warmup", vec![1u8; MIB as usize], 0).await.expect("warm-up write");
-    let before = proc_status_bytes(pid, "VmHWM:");
+    let before = daemon_status_bytes(pid, "VmHWM:");
 
     // One connection per writer: the hardest case, as each connection has its own flow-control
     // window and nothing but the daemon's limit holds the contents back.
@@ -339,7 +313,7 @@ async fn concurrent_large_writes_stay_within_the_configured_memory_bound() {
         let (i, written) = joined.expect("task");
         assert_eq!(written.unwrap_or_else(|e| panic!("write {i}: {e}")), SIZE, "write {i}");
     }
-    let after = proc_status_bytes(pid, "VmHWM:");
+    let after = daemon_status_bytes(pid, "VmHWM:");
 
     // Each admitted write holds its content about three times at most (the decoded message,
     // tonic's decode buffer while decoding, the copy handed to the blocking write), and each

@@ -2,25 +2,15 @@
 //! scripted OpenAI-compatible model served over HTTP from this process.
 
 use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::process::{ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use agent_client::agent::fixture::{FixtureServer, Reply, Script, Turn};
 use agent_client::agent::trace;
 use anyhow::{bail, Context, Result};
-use sandbox_tests::{sandboxd_bin, Daemon};
+use sandbox_tests::{sbx_bin, Daemon};
 use serde_json::{json, Value};
-
-fn sbx_bin() -> Result<PathBuf> {
-    let bin = sandboxd_bin()?.with_file_name("sbx");
-    if !bin.is_file() {
-        bail!(
-            "sbx binary not found at {} — run `cargo build -p agent-client`",
-            bin.display()
-        );
-    }
-    Ok(bin)
-}
+use tokio::process::Child;
 
 struct Env {
     daemon: Daemon,
@@ -53,6 +43,41 @@ impl Env {
         self.command(args)?.output().await.context("running sbx")
     }
 
+    /// `sbx agent run --task <task> --run-id <run_id> --json`, with `more` flags, to its end.
+    async fn agent_run(&self, task: &str, run_id: &str, more: &[&str]) -> Result<Output> {
+        let mut args = vec!["agent", "run", "--task", task, "--run-id", run_id, "--json"];
+        args.extend_from_slice(more);
+        self.sbx(&args).await
+    }
+
+    /// Starts `sbx` with `args` in the background, its output thrown away.
+    fn spawn_quiet(&self, args: &[&str]) -> Result<Child> {
+        Ok(self
+            .command(args)?
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?)
+    }
+
+    /// Waits until the model has been asked for `turns` turns; fails once `limit` has passed, or
+    /// as soon as `agent` ends.
+    async fn wait_for_turns(&self, turns: usize, limit: Duration, agent: &mut Child) -> Result<()> {
+        let deadline = Instant::now() + limit;
+        while self.model.turns() < turns {
+            if Instant::now() > deadline {
+                bail!(
+                    "the agent reached only turn {} of {turns} within {limit:?}",
+                    self.model.turns()
+                );
+            }
+            if let Some(status) = agent.try_wait()? {
+                bail!("the agent ended early: {status}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
     fn run_dir(&self, run_id: &str) -> PathBuf {
         self.state.path().join("runs").join(run_id)
     }
@@ -60,6 +85,16 @@ impl Env {
     fn trace(&self, run_id: &str) -> Result<Vec<Value>> {
         Ok(trace::read(&self.run_dir(run_id).join("trace.jsonl"))?)
     }
+}
+
+/// Kills `agent` with SIGKILL, as a crash would, and reaps it.
+async fn kill9(agent: &mut Child) -> Result<ExitStatus> {
+    let pid = agent.id().context("child pid")?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    Ok(agent.wait().await?)
 }
 
 /// The final JSON object of `--json`, with the exit code.
@@ -99,17 +134,14 @@ async fn a_multi_step_task_completes_and_is_verified() -> Result<()> {
     ]))
     .await?;
     let out = env
-        .sbx(&[
-            "agent",
-            "run",
-            "--task",
+        .agent_run(
             "write app/hello.txt saying hello world",
-            "--run-id",
             "multi",
-            "--verify",
-            "grep -q 'hello world' /workspace/app/hello.txt && test -f /workspace/app/ok",
-            "--json",
-        ])
+            &[
+                "--verify",
+                "grep -q 'hello world' /workspace/app/hello.txt && test -f /workspace/app/ok",
+            ],
+        )
         .await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 0, "{r:#}");
@@ -167,34 +199,20 @@ async fn kill_9_mid_run_then_resume_lands_the_side_effect_once() -> Result<()> {
         Reply::finish("logged"),
     ]))
     .await?;
-    let mut child = env
-        .command(&[
-            "agent",
-            "run",
-            "--task",
-            "append to the log",
-            "--run-id",
-            "crashy",
-            "--json",
-        ])?
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while env.model.turns() < 2 {
-        if Instant::now() > deadline {
-            bail!("the agent never asked for its second turn");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let mut child = env.spawn_quiet(&[
+        "agent",
+        "run",
+        "--task",
+        "append to the log",
+        "--run-id",
+        "crashy",
+        "--json",
+    ])?;
+    env.wait_for_turns(2, Duration::from_secs(30), &mut child)
+        .await?;
     // Inside the 3 s of step 2's command.
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let pid = child.id().context("child pid")?;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )?;
-    let status = child.wait().await?;
+    let status = kill9(&mut child).await?;
     assert!(!status.success());
 
     let out = env.sbx(&["agent", "resume", "crashy", "--json"]).await?;
@@ -248,38 +266,21 @@ async fn resume_after_a_hundred_steps_of_megabyte_outputs() -> Result<()> {
         }
     }))
     .await?;
-    let mut child = env
-        .command(&[
-            "agent",
-            "run",
-            "--task",
-            "print a lot, then log once",
-            "--run-id",
-            "long",
-            "--max-steps",
-            "300",
-            "--json",
-        ])?
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while env.model.turns() < LONG_STEPS + 1 {
-        if Instant::now() > deadline {
-            bail!("the agent reached only turn {}", env.model.turns());
-        }
-        if let Some(status) = child.try_wait()? {
-            bail!("the agent ended early: {status}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let mut child = env.spawn_quiet(&[
+        "agent",
+        "run",
+        "--task",
+        "print a lot, then log once",
+        "--run-id",
+        "long",
+        "--max-steps",
+        "300",
+        "--json",
+    ])?;
+    env.wait_for_turns(LONG_STEPS + 1, Duration::from_secs(600), &mut child)
+        .await?;
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let pid = child.id().context("child pid")?;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )?;
-    child.wait().await?;
+    kill9(&mut child).await?;
 
     let started = Instant::now();
     let out = env.sbx(&["agent", "resume", "long", "--json"]).await?;
@@ -313,7 +314,7 @@ async fn a_daemon_restart_mid_exec_rolls_back_and_runs_the_action_once() -> Resu
         Reply::finish("logged"),
     ]))
     .await?;
-    let child = env
+    let mut child = env
         .command(&[
             "agent",
             "run",
@@ -323,16 +324,11 @@ async fn a_daemon_restart_mid_exec_rolls_back_and_runs_the_action_once() -> Resu
             "restart",
             "--json",
         ])?
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while env.model.turns() < 2 {
-        if Instant::now() > deadline {
-            bail!("the agent never asked for its second turn");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    env.wait_for_turns(2, Duration::from_secs(30), &mut child)
+        .await?;
     tokio::time::sleep(Duration::from_millis(700)).await;
     env.daemon.restart().await?;
     let out = child.wait_with_output().await?;
@@ -381,17 +377,7 @@ async fn a_stuck_script_stops_as_no_progress_but_a_polling_one_does_not() -> Res
         Reply::bash("cat /workspace/missing.txt")
     }))
     .await?;
-    let out = env
-        .sbx(&[
-            "agent",
-            "run",
-            "--task",
-            "read the file",
-            "--run-id",
-            "stuck",
-            "--json",
-        ])
-        .await?;
+    let out = env.agent_run("read the file", "stuck", &[]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 3, "{r:#}");
     assert_eq!(r["status"], "stopped");
@@ -407,17 +393,7 @@ async fn a_stuck_script_stops_as_no_progress_but_a_polling_one_does_not() -> Res
     );
 
     let env = Env::new(poll_script()).await?;
-    let out = env
-        .sbx(&[
-            "agent",
-            "run",
-            "--task",
-            "wait for the job",
-            "--run-id",
-            "poll",
-            "--json",
-        ])
-        .await?;
+    let out = env.agent_run("wait for the job", "poll", &[]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 0, "{r:#}");
     assert_eq!(r["reason"], "finished");
@@ -446,17 +422,7 @@ async fn budgets_stop_with_the_named_reason_and_a_salvage() -> Result<()> {
     ];
     for (flags, reason) in cases {
         let env = Env::new(writes()).await?;
-        let mut args = vec![
-            "agent",
-            "run",
-            "--task",
-            "take notes",
-            "--run-id",
-            "budget",
-            "--json",
-        ];
-        args.extend_from_slice(flags);
-        let out = env.sbx(&args).await?;
+        let out = env.agent_run("take notes", "budget", flags).await?;
         let (code, r) = report(&out)?;
         assert_eq!(code, 3, "{reason}: {r:#}");
         assert_eq!(r["status"], "stopped", "{r:#}");
@@ -509,23 +475,13 @@ async fn context_stays_bounded_over_200_steps() -> Result<()> {
     let mut per_step = Vec::new();
     for (managed, run_id) in [(true, "ctx"), (false, "full")] {
         let env = Env::new(script()).await?;
-        let mut args = vec![
-            "agent",
-            "run",
-            "--task",
-            "count",
-            "--run-id",
-            run_id,
-            "--max-steps",
-            "250",
-            "--json",
-        ];
+        let mut more = vec!["--max-steps", "250"];
         if managed {
-            args.extend(["--context-window", window]);
+            more.extend(["--context-window", window]);
         } else {
-            args.extend(["--context-window", "10000000", "--no-context-management"]);
+            more.extend(["--context-window", "10000000", "--no-context-management"]);
         }
-        let out = env.sbx(&args).await?;
+        let out = env.agent_run("count", run_id, &more).await?;
         let (code, r) = report(&out)?;
         assert_eq!(code, 0, "{r:#}");
         assert_eq!(r["steps"], steps as u64);
@@ -582,9 +538,7 @@ async fn a_corrupt_or_foreign_checkpoint_is_a_clear_error() -> Result<()> {
         },
     ]))
     .await?;
-    let out = env
-        .sbx(&["agent", "run", "--task", "t", "--run-id", "bad", "--json"])
-        .await?;
+    let out = env.agent_run("t", "bad", &[]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 1, "{r:#}");
     assert_eq!(r["reason"], "fatal_error");
@@ -654,17 +608,7 @@ async fn malformed_tool_calls_are_repaired_or_reasked() -> Result<()> {
         Reply::finish("three files"),
     ]))
     .await?;
-    let out = env
-        .sbx(&[
-            "agent",
-            "run",
-            "--task",
-            "write three files",
-            "--run-id",
-            "sloppy",
-            "--json",
-        ])
-        .await?;
+    let out = env.agent_run("write three files", "sloppy", &[]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 0, "{r:#}");
     assert_eq!(r["steps"], 5, "re-asks are not steps");
@@ -727,17 +671,7 @@ async fn a_cut_off_call_is_never_executed_and_reasoning_is_kept() -> Result<()> 
         Reply::finish("done"),
     ]))
     .await?;
-    let out = env
-        .sbx(&[
-            "agent",
-            "run",
-            "--task",
-            "write f.py",
-            "--run-id",
-            "cut",
-            "--json",
-        ])
-        .await?;
+    let out = env.agent_run("write f.py", "cut", &[]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 0, "{r:#}");
     assert_eq!(r["steps"], 3, "{r:#}");
@@ -787,19 +721,16 @@ async fn one_big_read_file_is_paged_not_fatal() -> Result<()> {
     )
     .await?;
     let out = env
-        .sbx(&[
-            "agent",
-            "run",
-            "--task",
+        .agent_run(
             "read min.js",
-            "--run-id",
             "bigread",
-            "--context-window",
-            "8000",
-            "--max-completion-tokens",
-            "1000",
-            "--json",
-        ])
+            &[
+                "--context-window",
+                "8000",
+                "--max-completion-tokens",
+                "1000",
+            ],
+        )
         .await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
@@ -835,17 +766,7 @@ async fn polling_a_background_job_outside_the_workspace_is_not_stuck() -> Result
         )
     }))
     .await?;
-    let out = env
-        .sbx(&[
-            "agent",
-            "run",
-            "--task",
-            "wait for the job",
-            "--run-id",
-            "bgpoll",
-            "--json",
-        ])
-        .await?;
+    let out = env.agent_run("wait for the job", "bgpoll", &[]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 0, "{r:#}");
     assert_eq!(r["reason"], "finished");
@@ -856,19 +777,7 @@ async fn polling_a_background_job_outside_the_workspace_is_not_stuck() -> Result
         Reply::bash("cat /workspace/missing.txt")
     }))
     .await?;
-    let out = env
-        .sbx(&[
-            "agent",
-            "run",
-            "--task",
-            "x",
-            "--run-id",
-            "stuck",
-            "--stuck-after",
-            "5",
-            "--json",
-        ])
-        .await?;
+    let out = env.agent_run("x", "stuck", &["--stuck-after", "5"]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 3, "{r:#}");
     assert_eq!(r["reason"], "no_progress");
@@ -887,21 +796,18 @@ async fn summaries_do_not_thrash_in_a_small_window() -> Result<()> {
     }))
     .await?;
     let out = env
-        .sbx(&[
-            "agent",
-            "run",
-            "--task",
+        .agent_run(
             "print",
-            "--run-id",
             "thrash",
-            "--context-window",
-            "8000",
-            "--max-completion-tokens",
-            "500",
-            "--max-steps",
-            "25",
-            "--json",
-        ])
+            &[
+                "--context-window",
+                "8000",
+                "--max-completion-tokens",
+                "500",
+                "--max-steps",
+                "25",
+            ],
+        )
         .await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 3, "{r:#}");
@@ -958,11 +864,7 @@ async fn an_llm_outage_and_command_timeouts_are_survived() -> Result<()> {
         Reply::bash("echo hi")
     }))
     .await?;
-    let out = env
-        .sbx(&[
-            "agent", "run", "--task", "x", "--run-id", "outage", "--json",
-        ])
-        .await?;
+    let out = env.agent_run("x", "outage", &[]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 0, "{r:#}");
     let events = env.trace("outage")?;
@@ -1069,23 +971,11 @@ async fn a_stopped_run_continues_with_new_budgets_and_runs_are_listed() -> Resul
 async fn sandboxes_of_ended_runs_are_removed_after_their_keep_time() -> Result<()> {
     let env = Env::new(Script::from_fn(|_| Reply::finish("nothing to do"))).await?;
     let out = env
-        .sbx(&[
-            "agent",
-            "run",
-            "--task",
-            "t",
-            "--run-id",
-            "short",
-            "--keep-sandbox",
-            "0",
-            "--json",
-        ])
+        .agent_run("t", "short", &["--keep-sandbox", "0"])
         .await?;
     let (code, first) = report(&out)?;
     assert_eq!(code, 0, "{first:#}");
-    let out = env
-        .sbx(&["agent", "run", "--task", "t", "--run-id", "kept", "--json"])
-        .await?;
+    let out = env.agent_run("t", "kept", &[]).await?;
     let (code, second) = report(&out)?;
     assert_eq!(code, 0, "{second:#}");
     let client = env.daemon.client().await?;
@@ -1124,20 +1014,11 @@ async fn show_follow_tails_a_running_run_to_its_end() -> Result<()> {
         slow(Reply::finish("ab")),
     ]))
     .await?;
-    let mut child = env
-        .command(&[
-            "agent", "run", "--task", "log", "--run-id", "tail", "--json",
-        ])?
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while env.model.turns() < 1 {
-        if Instant::now() > deadline {
-            bail!("the run never asked the model");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let mut child = env.spawn_quiet(&[
+        "agent", "run", "--task", "log", "--run-id", "tail", "--json",
+    ])?;
+    env.wait_for_turns(1, Duration::from_secs(30), &mut child)
+        .await?;
     let out = tokio::time::timeout(
         Duration::from_secs(60),
         env.sbx(&["agent", "show", "tail", "--follow"]),

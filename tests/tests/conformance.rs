@@ -12,31 +12,43 @@
 //! KVM does not work on the host).
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::time::{Duration, Instant, SystemTime};
+use std::ops::{Deref, DerefMut};
+use std::time::{Duration, Instant};
 
-use agent_client::proto::{exec_event, CreateSandboxRequest, ExecRequest, ExecResult, ExecStatus, Isolation, ResourceLimits, SandboxState};
-use agent_client::{exec_request, Client};
-use sandbox_tests::Daemon;
+use agent_client::exec_request;
+use agent_client::proto::{CreateSandboxRequest, ExecRequest, ExecStatus, Isolation, ResourceLimits, SandboxState};
+use sandbox_tests::{assert_exited, assert_hello_file_reads_back, assert_paths_stay_inside, describe, eventually, read_stream, status, tagged_execs_at_once, text, within, Streamed};
 use tonic::Code;
 
 // ---------------------------------------------------------------------------------------------
 // Harness.
 
-/// A daemon, a client, and the tier under test. On a failing assertion the daemon's log is
-/// printed; on drop the daemon is stopped and, for the container tier, its containers removed
-/// (a stopped daemon keeps them for re-adoption, and a test's state dir is never reused).
+/// The shared harness (a daemon, a client, the daemon's log printed on a failing assertion) and
+/// the tier under test. Its own `sandbox`/`sandbox_with` create in that tier. On drop the daemon
+/// is stopped and, for the container tier, its containers removed (a stopped daemon keeps them
+/// for re-adoption, and a test's state dir is never reused).
 struct Harness {
-    daemon: Daemon,
-    client: Client,
+    inner: sandbox_tests::Harness,
     isolation: Isolation,
+}
+
+impl Deref for Harness {
+    type Target = sandbox_tests::Harness;
+
+    fn deref(&self) -> &sandbox_tests::Harness {
+        &self.inner
+    }
+}
+
+impl DerefMut for Harness {
+    fn deref_mut(&mut self) -> &mut sandbox_tests::Harness {
+        &mut self.inner
+    }
 }
 
 impl Harness {
     async fn start(isolation: Isolation) -> Harness {
-        let daemon = Daemon::start().await.expect("starting sandboxd");
-        let client = daemon.client().await.expect("connecting to sandboxd");
-        Harness { daemon, client, isolation }
+        Harness { inner: sandbox_tests::Harness::start().await, isolation }
     }
 
     fn request(&self, limits: ResourceLimits) -> CreateSandboxRequest {
@@ -63,27 +75,10 @@ impl Harness {
     async fn sandbox(&self) -> String {
         self.sandbox_with(ResourceLimits::default()).await
     }
-
-    async fn exec(&self, request: ExecRequest) -> ExecResult {
-        within(120, self.client.exec(request)).await.expect("Exec")
-    }
-
-    async fn sh(&self, id: &str, script: &str) -> ExecResult {
-        self.exec(exec_request(id, ["sh", "-c", script])).await
-    }
-
-    async fn sh_ok(&self, id: &str, script: &str) -> String {
-        let r = self.sh(id, script).await;
-        assert_exited(&r, 0);
-        text(&r.stdout)
-    }
 }
 
 impl Drop for Harness {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("---- sandboxd log ----\n{}\n---- end of sandboxd log ----", self.daemon.log());
-        }
         if self.isolation == Isolation::Container {
             let _ = self.daemon.stop();
             remove_containers_of(&self.daemon.state_dir());
@@ -125,118 +120,38 @@ fn remove_containers_of(state_dir: &std::path::Path) {
     let _ = cleanup.join();
 }
 
-/// Awaits `fut`, failing the test if it takes more than `secs` seconds.
-async fn within<T>(secs: u64, fut: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
-        Ok(v) => v,
-        Err(_) => panic!("call did not return within {secs} s"),
-    }
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn status(r: &ExecResult) -> ExecStatus {
-    ExecStatus::try_from(r.status).unwrap_or(ExecStatus::Unspecified)
-}
-
-fn describe(r: &ExecResult) -> String {
-    let short = |b: &[u8]| {
-        let s = text(b);
-        if s.len() > 400 {
-            format!("{}…({} bytes)", s.chars().take(400).collect::<String>(), b.len())
-        } else {
-            s
-        }
-    };
-    format!(
-        "argv={:?} status={:?} exit_code={} signal={} error={:?} stdout={:?} stderr={:?} duration_ms={}",
-        r.argv,
-        status(r),
-        r.exit_code,
-        r.signal,
-        r.error,
-        short(&r.stdout),
-        short(&r.stderr),
-        r.duration_ms
-    )
-}
-
-fn assert_exited(r: &ExecResult, code: i32) {
-    assert_eq!((status(r), r.exit_code), (ExecStatus::Exited, code), "{}", describe(r));
-}
-
-fn unique(prefix: &str) -> String {
-    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-    format!("{prefix}-{}-{nanos}", std::process::id())
-}
-
-/// Polls `check` every 50 ms until it returns true or `secs` pass; returns whether it did.
-async fn eventually<F, Fut>(secs: u64, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if check().await {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Instantiates every case of the suite for one tier.
+/// Instantiates every case of the suite for one tier, as `<tier>::<case>`.
 macro_rules! conformance {
     ($tier:ident, $isolation:expr) => {
         mod $tier {
             use super::*;
 
-            #[tokio::test(flavor = "multi_thread")]
-            async fn exec_semantics() {
-                super::exec_semantics($isolation).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn timeout_kills_the_whole_tree() {
-                super::timeout_kills_the_whole_tree($isolation).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn output_cap_spill_and_streaming() {
-                super::output_cap_spill_and_streaming($isolation).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn memory_and_pid_limits() {
-                super::memory_and_pid_limits($isolation).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn bad_input_and_path_escapes() {
-                super::bad_input_and_path_escapes($isolation).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn files_round_trip() {
-                super::files_round_trip($isolation).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn atomic_write_refused_by_the_quota_leaves_the_old_file() {
-                super::atomic_write_refused_by_the_quota_leaves_the_old_file($isolation).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn snapshot_rollback_and_forks() {
-                super::snapshot_rollback_and_forks($isolation).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn concurrent_execs_keep_their_output() {
-                super::concurrent_execs_keep_their_output($isolation).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn kill9_restart_readopts() {
-                super::kill9_restart_readopts($isolation).await
-            }
+            cases!(
+                $isolation;
+                exec_semantics,
+                timeout_kills_the_whole_tree,
+                output_cap_spill_and_streaming,
+                memory_and_pid_limits,
+                bad_input_and_path_escapes,
+                files_round_trip,
+                atomic_write_refused_by_the_quota_leaves_the_old_file,
+                snapshot_rollback_and_forks,
+                concurrent_execs_keep_their_output,
+                kill9_restart_readopts,
+            );
         }
+    };
+}
+
+/// One `#[tokio::test]` per case, running the suite's function of that name for the tier.
+macro_rules! cases {
+    ($isolation:expr; $($case:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread")]
+            async fn $case() {
+                super::$case($isolation).await
+            }
+        )+
     };
 }
 
@@ -378,22 +293,8 @@ async fn output_cap_spill_and_streaming(isolation: Isolation) {
 
     // Streaming: events in the order they were produced, as they are produced, then one result.
     let t0 = Instant::now();
-    let mut stream = within(10, h.client.exec_stream(exec_request(&id, ["sh", "-c", "echo a; sleep 0.5; echo b >&2; sleep 0.5; echo c"]))).await.expect("ExecStream");
-    let (mut events, mut first_at, mut result, mut result_at) = (Vec::new(), None, None, None);
-    while let Some(event) = within(30, stream.next_event()).await.expect("stream event") {
-        assert!(result.is_none(), "an event came after the result: {event:?}");
-        match event.event.expect("an event") {
-            exec_event::Event::Stdout(b) => {
-                first_at.get_or_insert(t0.elapsed());
-                events.push(format!("out:{}", text(&b)));
-            }
-            exec_event::Event::Stderr(b) => events.push(format!("err:{}", text(&b))),
-            exec_event::Event::Result(r) => {
-                result_at = Some(t0.elapsed());
-                result = Some(r);
-            }
-        }
-    }
+    let stream = within(10, h.client.exec_stream(exec_request(&id, ["sh", "-c", "echo a; sleep 0.5; echo b >&2; sleep 0.5; echo c"]))).await.expect("ExecStream");
+    let Streamed { events, first_stdout_at: first_at, result, result_at } = read_stream(stream, t0).await;
     assert_eq!(events, ["out:a\n", "err:b\n", "out:c\n"]);
     let r = result.expect("the stream ends with a result");
     assert_exited(&r, 0);
@@ -477,37 +378,7 @@ async fn bad_input_and_path_escapes(isolation: Isolation) {
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
     assert!(err.to_string().contains("image"), "{err}");
 
-    // `..` is clamped at the sandbox's root, for writes and reads.
-    let name = unique("sandboxd-escape");
-    let host_path = std::path::PathBuf::from("/etc").join(&name);
-    c.write_file(&id, format!("../../../../etc/{name}"), b"escaped?".to_vec(), 0).await.expect("WriteFile with ..");
-    assert!(!host_path.exists(), "WriteFile through .. created {} on the host", host_path.display());
-    assert_eq!(h.sh_ok(&id, &format!("cat /etc/{name}")).await, "escaped?", "the file landed inside at /etc/{name}");
-    let r = c.read_file(&id, format!("/workspace/../../../../../etc/{name}"), 0, 0).await.expect("ReadFile with ..");
-    assert_eq!(r.content, b"escaped?");
-
-    // Symlinks planted inside resolve inside, whatever they point to.
-    let secret_path = std::env::temp_dir().join(unique("sandboxd-secret"));
-    std::fs::write(&secret_path, b"HOST SECRET").expect("writing host secret");
-    let secret = secret_path.display().to_string();
-    h.sh_ok(&id, &format!("ln -s {secret} /workspace/abs && ln -s ../../../../../../../..{secret} /workspace/rel")).await;
-    for link in ["/workspace/abs", "/workspace/rel"] {
-        match c.read_file(&id, link, 0, 0).await {
-            Ok(r) => panic!("ReadFile({link}) returned {:?} although {secret} does not exist inside", text(&r.content)),
-            Err(e) => assert_eq!(e.code(), Code::NotFound, "ReadFile({link}): {e}"),
-        }
-    }
-    h.sh_ok(&id, &format!("mkdir -p {} && echo sandbox-copy > {secret}", std::env::temp_dir().display())).await;
-    for link in ["/workspace/abs", "/workspace/rel"] {
-        let r = c.read_file(&id, link, 0, 0).await.expect("ReadFile through a link");
-        assert_eq!(text(&r.content), "sandbox-copy\n", "ReadFile({link}) must read the sandbox's file");
-    }
-    let planted = unique("sandboxd-planted");
-    h.sh_ok(&id, &format!("ln -s {} /workspace/hostdir", std::env::temp_dir().display())).await;
-    c.write_file(&id, format!("/workspace/hostdir/{planted}"), b"x".to_vec(), 0).await.expect("WriteFile through a link");
-    assert!(!std::env::temp_dir().join(&planted).exists(), "WriteFile through a symlink wrote on the host");
-    assert_eq!(std::fs::read(&secret_path).expect("host secret"), b"HOST SECRET", "the host's file was changed");
-    let _ = std::fs::remove_file(&secret_path);
+    assert_paths_stay_inside(&h, &id).await;
 
     // After all that the daemon still answers and the sandbox works; failed creates left nothing.
     assert_eq!(c.list(HashMap::new()).await.expect("ListSandboxes").len(), 1);
@@ -522,16 +393,7 @@ async fn files_round_trip(isolation: Isolation) {
     let c = &h.client;
     let id = h.sandbox().await;
 
-    let n = c.write_file(&id, "/workspace/a/b/c/hello.txt", b"hello world".to_vec(), 0o640).await.expect("WriteFile");
-    assert_eq!(n, 11);
-    let whole = c.read_file(&id, "/workspace/a/b/c/hello.txt", 0, 0).await.expect("ReadFile");
-    assert_eq!((whole.content.as_slice(), whole.size, whole.eof), (&b"hello world"[..], 11, true));
-    let head = c.read_file(&id, "/workspace/a/b/c/hello.txt", 0, 5).await.expect("ReadFile");
-    assert_eq!((head.content.as_slice(), head.size, head.eof), (&b"hello"[..], 11, false));
-    let tail = c.read_file(&id, "/workspace/a/b/c/hello.txt", 6, 100).await.expect("ReadFile");
-    assert_eq!((tail.content.as_slice(), tail.eof), (&b"world"[..], true));
-    let past = c.read_file(&id, "/workspace/a/b/c/hello.txt", 50, 0).await.expect("ReadFile past the end");
-    assert!(past.content.is_empty() && past.eof, "{past:?}");
+    assert_hello_file_reads_back(c, &id).await;
     assert_eq!(h.sh_ok(&id, "stat -c %a /workspace/a/b/c/hello.txt; stat -c %a /workspace/a/b; cat /workspace/a/b/c/hello.txt").await, "640\n755\nhello world");
     // Existing parents keep their mode; relative paths are relative to the workdir; overwriting
     // truncates; an empty file reads as empty.
@@ -701,18 +563,7 @@ async fn snapshot_rollback_and_forks(isolation: Isolation) {
 async fn concurrent_execs_keep_their_output(isolation: Isolation) {
     let h = Harness::start(isolation).await;
     let ids = [h.sandbox().await, h.sandbox().await];
-    let mut tasks = Vec::new();
-    for i in 0..12 {
-        let client = h.client.clone();
-        let id = ids[i % 2].clone();
-        tasks.push(tokio::spawn(async move {
-            let script = "echo \"$0 $1 $(hostname)\"; sleep 0.2; echo done >&2";
-            let r = within(60, client.exec(exec_request(&id, ["sh", "-c", script, "exec", &i.to_string()]))).await.expect("Exec");
-            (i, id, r)
-        }));
-    }
-    for task in tasks {
-        let (i, id, r) = task.await.expect("task");
+    for (i, id, r) in tagged_execs_at_once(&h.client, &ids, 12).await {
         assert_exited(&r, 0);
         assert_eq!(text(&r.stdout), format!("exec {i} {id}\n"), "exec {i} got another exec's output");
         assert_eq!(r.stderr, b"done\n");

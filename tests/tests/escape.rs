@@ -16,15 +16,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use agent_client::proto::{CreateSandboxRequest, ExecResult, ExecStatus, Isolation, SandboxState};
+use agent_client::proto::{ExecResult, ExecStatus, Isolation, SandboxState};
 use agent_client::{exec_request, Client};
-use sandbox_tests::{build_probe, process_sandbox, Daemon};
+use sandbox_tests::{build_probe, daemon_with_sandbox, exec, find_under, process_sandbox, sandbox_request, within, Daemon};
 
 const PROBE: &str = "/workspace/escape_probe";
-
-async fn within<T>(secs: u64, fut: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(secs), fut).await.unwrap_or_else(|_| panic!("no answer within {secs} s"))
-}
 
 fn text(r: &ExecResult) -> String {
     format!("status {:?} code {} error {:?}\nstdout: {}\nstderr: {}", r.status(), r.exit_code, r.error, String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr))
@@ -32,14 +28,25 @@ fn text(r: &ExecResult) -> String {
 
 /// Creates a sandbox of `isolation` with the probe in /workspace; returns its id.
 async fn sandbox_with_probe(client: &Client, isolation: Isolation, probe: &[u8]) -> String {
-    let request = CreateSandboxRequest { isolation: isolation as i32, ..process_sandbox("minimal") };
-    let sandbox = within(120, client.create(request)).await.expect("CreateSandbox");
+    let sandbox = within(120, client.create(sandbox_request(isolation, "minimal"))).await.expect("CreateSandbox");
     within(60, client.write_file(&sandbox.id, PROBE, probe.to_vec(), 0o755)).await.expect("uploading the probe");
     sandbox.id
 }
 
 async fn run(client: &Client, id: &str, argv: &[&str]) -> ExecResult {
-    within(120, client.exec(exec_request(id, argv.iter().copied()))).await.expect("Exec")
+    exec(client, exec_request(id, argv.iter().copied())).await
+}
+
+/// The escape probe built into `dir`, and a daemon that inherits `dir/host-secret` (holding
+/// `host secret`) open on fd 9, as `sandboxd 9>>file` would give it; with the file's path and
+/// a client.
+async fn probe_and_daemon_inheriting(dir: &Path) -> (Vec<u8>, PathBuf, Daemon, Client) {
+    let probe = build_probe("escape_probe", dir).expect("building the probe");
+    let host_file = dir.join("host-secret");
+    std::fs::write(&host_file, b"host secret\n").expect("host file");
+    let daemon = Daemon::start_inheriting(&host_file).await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    (probe, host_file, daemon, client)
 }
 
 /// Runs one probe attack and asserts that it was blocked (and that it really ran).
@@ -79,20 +86,7 @@ fn run_as_nobody_through_fd(path: &Path) -> String {
 
 /// Files named `name` below `root` (not following symlinks).
 fn find_named(root: &Path, name: &str) -> Vec<PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
-        for e in entries.flatten() {
-            let Ok(meta) = e.path().symlink_metadata() else { continue };
-            if meta.is_dir() {
-                stack.push(e.path());
-            } else if e.file_name() == name {
-                found.push(e.path());
-            }
-        }
-    }
-    found
+    find_under(root, |path, ft| !ft.is_dir() && path.file_name().is_some_and(|n| n == name))
 }
 
 /// Makes a setuid-root copy of the probe inside the sandbox, the way hostile code would.
@@ -156,12 +150,8 @@ async fn setuid_files_made_inside_are_inert_on_the_host_container_snapshots() {
 #[tokio::test(flavor = "multi_thread")]
 async fn pid1_fds_and_kernel_surface_are_out_of_reach_process_tier() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let probe = build_probe("escape_probe", tmp.path()).expect("building the probe");
     // The daemon inherits a host file on fd 9, as `sandboxd 9>>file` would give it.
-    let host_file = tmp.path().join("host-secret");
-    std::fs::write(&host_file, b"host secret\n").expect("host file");
-    let daemon = Daemon::start_inheriting(&host_file).await.expect("starting sandboxd");
-    let client = daemon.client().await.expect("client");
+    let (probe, host_file, _daemon, client) = probe_and_daemon_inheriting(tmp.path()).await;
     let id = sandbox_with_probe(&client, Isolation::Process, &probe).await;
 
     assert_blocked(&client, &id, "fds").await;
@@ -189,11 +179,7 @@ async fn pid1_fds_and_kernel_surface_are_out_of_reach_process_tier() {
 #[tokio::test(flavor = "multi_thread")]
 async fn container_and_microvm_execs_get_only_their_stdio() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let probe = build_probe("escape_probe", tmp.path()).expect("building the probe");
-    let host_file = tmp.path().join("host-secret");
-    std::fs::write(&host_file, b"host secret\n").expect("host file");
-    let daemon = Daemon::start_inheriting(&host_file).await.expect("starting sandboxd");
-    let client = daemon.client().await.expect("client");
+    let (probe, _host_file, daemon, client) = probe_and_daemon_inheriting(tmp.path()).await;
     let container = sandbox_with_probe(&client, Isolation::Container, &probe).await;
     assert_blocked(&client, &container, "fds").await;
     assert_blocked(&client, &container, "io_uring").await;
@@ -304,45 +290,38 @@ async fn real_time_signals_reach_the_exec() {
     assert!(err.to_string().contains("signal"), "{err}");
 }
 
+/// Sandbox `id`, whatever ran it having died, shows FAILED with a reason mentioning `reason`,
+/// says so on exec (FAILED_PRECONDITION), and can still be destroyed.
+async fn assert_failed_and_destroyable(client: &Client, id: &str, reason: &str) {
+    let sb = failed_within_5s(client, id).await;
+    assert!(sb.failure_reason.contains(reason), "failure reason: {:?}", sb.failure_reason);
+    let err = within(30, client.exec(exec_request(id, ["true"]))).await.expect_err("exec in a failed sandbox");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    within(120, client.destroy(id)).await.expect("destroying the failed sandbox");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_container_whose_init_is_ended_from_inside_becomes_failed() {
-    let daemon = Daemon::start().await.expect("starting sandboxd");
-    let client = daemon.client().await.expect("client");
-    let request = CreateSandboxRequest { isolation: Isolation::Container as i32, ..process_sandbox("minimal") };
-    let id = within(120, client.create(request)).await.expect("CreateSandbox").id;
+    let (_daemon, client, id) = daemon_with_sandbox(Isolation::Container).await;
     // docker-init forwards SIGTERM to the keepalive, which dies, and docker-init exits with it.
     let r = run(&client, &id, &["sh", "-c", "kill -TERM 1; sleep 2; echo still-here"]).await;
     assert_ne!(r.status(), ExecStatus::Exited, "the exec outlived its container: {}", text(&r));
-    let sb = failed_within_5s(&client, &id).await;
-    assert!(sb.failure_reason.contains("init"), "failure reason: {:?}", sb.failure_reason);
-    let err = within(30, client.exec(exec_request(&id, ["true"]))).await.expect_err("exec in a failed sandbox");
-    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
-    within(120, client.destroy(&id)).await.expect("destroying the failed sandbox");
+    assert_failed_and_destroyable(&client, &id, "init").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_microvm_rebooted_from_inside_becomes_failed() {
-    let daemon = Daemon::start().await.expect("starting sandboxd");
-    let client = daemon.client().await.expect("client");
-    let request = CreateSandboxRequest { isolation: Isolation::Microvm as i32, ..process_sandbox("minimal") };
-    let id = within(120, client.create(request)).await.expect("CreateSandbox").id;
+    let (_daemon, client, id) = daemon_with_sandbox(Isolation::Microvm).await;
     // Guest root may end its own VM (QEMU runs with -no-reboot, so a reboot is an exit): the
     // sandbox must then say it failed, not show RUNNING with every exec LOST.
     let r = run(&client, &id, &["reboot", "-f"]).await;
     assert_ne!(r.status(), ExecStatus::Exited, "the exec outlived its VM: {}", text(&r));
-    let sb = failed_within_5s(&client, &id).await;
-    assert!(sb.failure_reason.contains("VM exited"), "failure reason: {:?}", sb.failure_reason);
-    let err = within(30, client.exec(exec_request(&id, ["true"]))).await.expect_err("exec in a failed sandbox");
-    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
-    within(120, client.destroy(&id)).await.expect("destroying the failed sandbox");
+    assert_failed_and_destroyable(&client, &id, "VM exited").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_microvm_flooding_its_serial_console_stays_bounded_on_the_host() {
-    let daemon = Daemon::start().await.expect("starting sandboxd");
-    let client = daemon.client().await.expect("client");
-    let request = CreateSandboxRequest { isolation: Isolation::Microvm as i32, ..process_sandbox("minimal") };
-    let id = within(120, client.create(request)).await.expect("CreateSandbox").id;
+    let (daemon, client, id) = daemon_with_sandbox(Isolation::Microvm).await;
     // Guest root writes to its serial port, which QEMU keeps in a host file outside every quota.
     let r = run(&client, &id, &["sh", "-c", "dd if=/dev/zero of=/dev/ttyS0 bs=64k count=80 2>&1 | tail -1"]).await;
     let out = String::from_utf8_lossy(&r.stdout).to_string();

@@ -4,7 +4,7 @@
 
 use agent_client::proto::{CreateSandboxRequest, Isolation, ResourceLimits, SandboxState};
 use agent_client::{exec_request, Client};
-use sandbox_tests::Daemon;
+use sandbox_tests::{eventually, process_sandbox, Daemon};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -30,7 +30,7 @@ async fn without_qemu_create_is_failed_precondition_and_health_says_so() {
     assert!(text.contains("MICROVM") && text.contains("/nonexistent/qemu-system-x86_64"), "{text}");
     assert_eq!(tier_health(&client).await, ServingStatus::NotServing);
     // The other tiers are unaffected and nothing was left behind.
-    let sb = client.create(CreateSandboxRequest { isolation: Isolation::Process as i32, image: "minimal".into(), ..Default::default() }).await.expect("process tier");
+    let sb = client.create(process_sandbox("minimal")).await.expect("process tier");
     assert_eq!(sb.state, SandboxState::Running as i32);
     assert_eq!(client.list(Default::default()).await.expect("list").len(), 1);
 }
@@ -40,11 +40,8 @@ async fn the_guest_has_its_own_kernel_no_network_and_the_pool_serves_creates() {
     let daemon = Daemon::start_with("", &["--microvm-pool", "1"]).await.expect("daemon");
     let client = daemon.client().await.expect("client");
     // Wait for the pool to hold a booted VM (the daemon logs it), then take it.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while !daemon.log().contains("warm pool holds a booted microVM") {
-        assert!(std::time::Instant::now() < deadline, "the warm pool never filled:\n{}", daemon.log());
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    let filled = eventually(120, || async { daemon.log().contains("warm pool holds a booted microVM") }).await;
+    assert!(filled, "the warm pool never filled:\n{}", daemon.log());
     let sb = client.create(microvm("minimal")).await.expect("create from the pool");
     assert!(daemon.log().contains("microVM taken from the warm pool"), "{}", daemon.log());
     // Its own kernel: its own boot id.
@@ -139,15 +136,8 @@ async fn qemu_dies_with_a_daemon_killed_by_sigkill() {
     assert_ne!(ppid(qemus[0].pid), Some(daemon_pid), "QEMU runs under its guard, not directly under the daemon");
 
     daemon.kill9();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        let left = processes_mentioning(&needle);
-        if left.is_empty() {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "5 s after the daemon was killed, its VM processes still run: {left:?}");
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    let gone = eventually(5, || async { processes_mentioning(&needle).is_empty() }).await;
+    assert!(gone, "5 s after the daemon was killed, its VM processes still run: {:?}", processes_mentioning(&needle));
 
     // The next start brings the sandbox back over its disk, as before.
     daemon.restart().await.expect("restart");

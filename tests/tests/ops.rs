@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use agent_client::{exec_request, proto, Client};
-use sandbox_tests::{free_port, process_sandbox, rss_bytes, Daemon};
+use sandbox_tests::{free_port, process_sandbox, sbx_bin, Daemon, PeakRss};
 use tonic::Code;
 
 fn token_hash(token: &str) -> String {
@@ -156,7 +156,7 @@ async fn a_disallowed_uid_is_refused_on_the_unix_socket() {
     // The socket is opened to everyone at the file level, so only SO_PEERCRED decides.
     let daemon = Daemon::start_with_config("[auth]\nunix_socket_mode = 438\nunix_allowed_uids = [0]\n").await.expect("daemon");
     std::fs::set_permissions(daemon.dir(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod dir");
-    let sbx = sandbox_tests::sandboxd_bin().expect("bin").with_file_name("sbx");
+    let sbx = sbx_bin().expect("locating sbx");
     use std::os::unix::process::CommandExt;
     let out = std::process::Command::new(&sbx)
         .args(["--socket", &daemon.address, "ls"])
@@ -252,18 +252,7 @@ async fn load_500_concurrent_execs_over_50_sandboxes() {
         sandboxes.push(c.create(process_sandbox("minimal")).await.expect("create").id);
     }
     let pid = daemon.pid().expect("pid");
-    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let sampler = {
-        let peak = peak.clone();
-        tokio::spawn(async move {
-            loop {
-                if let Some(rss) = rss_bytes(pid) {
-                    peak.fetch_max(rss, std::sync::atomic::Ordering::Relaxed);
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
+    let sampler = PeakRss::start(pid, Duration::from_millis(50));
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..500usize {
@@ -283,14 +272,14 @@ async fn load_500_concurrent_execs_over_50_sandboxes() {
         assert_eq!(String::from_utf8_lossy(&r.stdout), format!("{i}\n"), "{r:?}");
         ok += 1;
     }
-    sampler.abort();
+    let peak = sampler.stop().await;
     let elapsed = started.elapsed();
     let mut recorded = 0;
     for sb in &sandboxes {
         recorded += c.list_execs(sb, 0).await.expect("list").len();
     }
     assert_eq!((ok, recorded), (500, 500), "every exec succeeded and is recorded");
-    let peak_mib = peak.load(std::sync::atomic::Ordering::Relaxed) as f64 / (1 << 20) as f64;
+    let peak_mib = peak as f64 / (1 << 20) as f64;
     println!("load: 500 execs over 50 sandboxes in {:.2} s; daemon peak RSS {peak_mib:.1} MiB", elapsed.as_secs_f64());
     assert!(peak_mib < 200.0, "daemon RSS stays bounded: {peak_mib:.1} MiB");
 }

@@ -9,7 +9,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{Tra
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
-use sandbox_tests::{free_port, process_sandbox, proto, Daemon};
+use sandbox_tests::{eventually, free_port, process_sandbox, proto, Daemon};
 
 const SERVICE: &str = "sandboxd-otel-test";
 const CREATE: &str = "sandbox.v1.SandboxService/CreateSandbox";
@@ -168,11 +168,8 @@ async fn an_unreachable_collector_does_not_get_in_the_way() {
     let sb = client.create(process_sandbox("minimal")).await.expect("create");
     client.destroy(&sb.id).await.expect("destroy");
 
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !daemon.log().contains("ExportError") && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(daemon.log().contains("ExportError"), "the failed exports are not logged:\n{}", daemon.log());
+    let logged = eventually(15, || async { daemon.log().contains("ExportError") }).await;
+    assert!(logged, "the failed exports are not logged:\n{}", daemon.log());
 
     // Shutdown gives up on the last batch within its bound instead of hanging.
     let started = Instant::now();

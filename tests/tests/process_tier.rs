@@ -6,172 +6,14 @@
 //! harness fails the test and says what is missing.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
+use agent_client::exec_request;
 use agent_client::proto::{exec_event, ExecRequest, ExecResult, ExecStatus, Isolation, ResourceLimits, SandboxState};
-use agent_client::{exec_request, Client};
-use sandbox_tests::{mounts_under, process_sandbox, rss_bytes, Daemon};
+use sandbox_tests::{assert_exited, assert_hello_file_reads_back, assert_paths_stay_inside, cgroups_of, describe, dirs_named, eventually, mounts_of, mounts_under, process_sandbox, read_stream, rss_bytes, status, tagged_execs_at_once, text, unique, within, Harness, PeakRss, Streamed};
 use tonic::Code;
-
-// ---------------------------------------------------------------------------------------------
-// Helpers.
-
-/// A daemon and a client connected to it. On a failing assertion the daemon's log is printed,
-/// because "exit 137" alone rarely says why.
-struct Harness {
-    daemon: Daemon,
-    client: Client,
-}
-
-impl Harness {
-    async fn start() -> Harness {
-        Self::start_with_config("").await
-    }
-
-    async fn start_with_config(toml: &str) -> Harness {
-        let daemon = Daemon::start_with_config(toml).await.expect("starting sandboxd");
-        let client = daemon.client().await.expect("connecting to sandboxd");
-        Harness { daemon, client }
-    }
-
-    /// Creates a process-tier sandbox of `image` with `limits` and returns its id.
-    async fn sandbox_with(&self, image: &str, limits: ResourceLimits) -> String {
-        let request = agent_client::proto::CreateSandboxRequest { limits: Some(limits), ..process_sandbox(image) };
-        let sandbox = within(60, self.client.create(request)).await.expect("CreateSandbox");
-        assert!(sandbox.id.starts_with("sb-"), "sandbox id {:?}", sandbox.id);
-        sandbox.id
-    }
-
-    /// Creates a default `minimal` sandbox and returns its id.
-    async fn sandbox(&self) -> String {
-        self.sandbox_with("minimal", ResourceLimits::default()).await
-    }
-
-    async fn exec(&self, request: ExecRequest) -> ExecResult {
-        within(120, self.client.exec(request)).await.expect("Exec")
-    }
-
-    /// Runs `sh -c script` and returns the result.
-    async fn sh(&self, id: &str, script: &str) -> ExecResult {
-        self.exec(exec_request(id, ["sh", "-c", script])).await
-    }
-
-    /// Runs `sh -c script`, asserts it exited 0, and returns its stdout.
-    async fn sh_ok(&self, id: &str, script: &str) -> String {
-        let r = self.sh(id, script).await;
-        assert_exited(&r, 0);
-        text(&r.stdout)
-    }
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("---- sandboxd log ----\n{}\n---- end of sandboxd log ----", self.daemon.log());
-        }
-    }
-}
-
-/// Awaits `fut`, failing the test if it takes more than `secs` seconds: a hung call must be a
-/// failure, never a suite that never ends.
-async fn within<T>(secs: u64, fut: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
-        Ok(v) => v,
-        Err(_) => panic!("call did not return within {secs} s"),
-    }
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn status(r: &ExecResult) -> ExecStatus {
-    ExecStatus::try_from(r.status).unwrap_or(ExecStatus::Unspecified)
-}
-
-/// A one-line account of a result for assertion messages (output shortened).
-fn describe(r: &ExecResult) -> String {
-    let short = |b: &[u8]| {
-        let s = text(b);
-        if s.len() > 400 {
-            format!("{}…({} bytes)", s.chars().take(400).collect::<String>(), b.len())
-        } else {
-            s
-        }
-    };
-    format!(
-        "argv={:?} status={:?} exit_code={} signal={} error={:?} stdout={:?} stderr={:?} duration_ms={}",
-        r.argv,
-        status(r),
-        r.exit_code,
-        r.signal,
-        r.error,
-        short(&r.stdout),
-        short(&r.stderr),
-        r.duration_ms
-    )
-}
-
-fn assert_exited(r: &ExecResult, code: i32) {
-    assert_eq!((status(r), r.exit_code), (ExecStatus::Exited, code), "{}", describe(r));
-}
-
-fn unique(prefix: &str) -> String {
-    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-    format!("{prefix}-{}-{nanos}", std::process::id())
-}
-
-/// Directories under `root` (recursively, not following symlinks) whose name contains `needle`.
-fn dirs_named(root: &Path, needle: &str) -> Vec<PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
-        for entry in entries.flatten() {
-            let Ok(ft) = entry.file_type() else { continue };
-            if ft.is_dir() && !ft.is_symlink() {
-                let path = entry.path();
-                if entry.file_name().to_string_lossy().contains(needle) {
-                    found.push(path.clone());
-                }
-                stack.push(path);
-            }
-        }
-    }
-    found
-}
-
-/// Cgroup directories anywhere under /sys/fs/cgroup (every v1 controller and the v2 tree) that
-/// are named after `sandbox_id`.
-fn cgroups_of(sandbox_id: &str) -> Vec<PathBuf> {
-    dirs_named(Path::new("/sys/fs/cgroup"), sandbox_id)
-}
-
-/// Mount points under the daemon's state dir that belong to `sandbox_id`.
-fn mounts_of(daemon: &Daemon, sandbox_id: &str) -> Vec<PathBuf> {
-    mounts_under(&daemon.state_dir()).into_iter().filter(|m| m.to_string_lossy().contains(sandbox_id)).collect()
-}
-
-/// Polls `check` every 50 ms until it returns true or `secs` pass; returns whether it did.
-async fn eventually<F, Fut>(secs: u64, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if check().await {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // 1. The basics a user relies on first.
@@ -462,16 +304,7 @@ async fn files_round_trip_and_never_leave_the_sandbox() {
     let id = h.sandbox().await;
 
     // Round trip with offset/limit, eof and size; mode kept; parents created.
-    let n = c.write_file(&id, "/workspace/a/b/c/hello.txt", b"hello world".to_vec(), 0o640).await.expect("WriteFile");
-    assert_eq!(n, 11);
-    let whole = c.read_file(&id, "/workspace/a/b/c/hello.txt", 0, 0).await.expect("ReadFile");
-    assert_eq!((whole.content.as_slice(), whole.size, whole.eof), (&b"hello world"[..], 11, true));
-    let head = c.read_file(&id, "/workspace/a/b/c/hello.txt", 0, 5).await.expect("ReadFile");
-    assert_eq!((head.content.as_slice(), head.size, head.eof), (&b"hello"[..], 11, false));
-    let tail = c.read_file(&id, "/workspace/a/b/c/hello.txt", 6, 100).await.expect("ReadFile");
-    assert_eq!((tail.content.as_slice(), tail.eof), (&b"world"[..], true));
-    let past = c.read_file(&id, "/workspace/a/b/c/hello.txt", 50, 0).await.expect("ReadFile past the end");
-    assert!(past.content.is_empty() && past.eof, "{past:?}");
+    assert_hello_file_reads_back(c, &id).await;
     assert_eq!(h.sh_ok(&id, "stat -c %a /workspace/a/b/c/hello.txt; cat /workspace/a/b/c/hello.txt").await, "640\nhello world");
     // Relative paths are relative to the workdir; overwriting truncates.
     c.write_file(&id, "rel.txt", b"a much longer first version".to_vec(), 0).await.expect("WriteFile");
@@ -487,40 +320,7 @@ async fn files_round_trip_and_never_leave_the_sandbox() {
     c.write_file(&id, "/workspace/big.bin", big.clone(), 0).await.expect("WriteFile 6 MiB");
     assert!(within(60, c.read_file_all(&id, "/workspace/big.bin")).await.expect("read_file_all") == big, "6 MiB round trip differs");
 
-    // `..` is clamped at the sandbox's root.
-    let name = unique("sandboxd-escape");
-    let host_path = PathBuf::from("/etc").join(&name);
-    assert!(!host_path.exists());
-    c.write_file(&id, format!("../../../../etc/{name}"), b"escaped?".to_vec(), 0).await.expect("WriteFile with ..");
-    assert!(!host_path.exists(), "WriteFile through .. created {} on the host", host_path.display());
-    assert_eq!(h.sh_ok(&id, &format!("cat /etc/{name}")).await, "escaped?", "the file landed inside at /etc/{name}");
-    let r = c.read_file(&id, format!("/workspace/../../../../../etc/{name}"), 0, 0).await.expect("ReadFile with ..");
-    assert_eq!(r.content, b"escaped?");
-
-    // Symlinks planted inside resolve inside, whatever they point to.
-    let secret_path = std::env::temp_dir().join(unique("sandboxd-secret"));
-    std::fs::write(&secret_path, b"HOST SECRET").expect("writing host secret");
-    let secret = secret_path.display().to_string();
-    let abs_link = h.sh(&id, &format!("ln -s {secret} /workspace/abs && ln -s ../../../../../../../..{secret} /workspace/rel")).await;
-    assert_exited(&abs_link, 0);
-    for link in ["/workspace/abs", "/workspace/rel"] {
-        match c.read_file(&id, link, 0, 0).await {
-            Ok(r) => panic!("ReadFile({link}) returned {:?} although {secret} does not exist inside", text(&r.content)),
-            Err(e) => assert_eq!(e.code(), Code::NotFound, "ReadFile({link}): {e}"),
-        }
-    }
-    h.sh_ok(&id, &format!("mkdir -p {} && echo sandbox-copy > {secret}", secret_path.parent().expect("parent").display())).await;
-    for link in ["/workspace/abs", "/workspace/rel"] {
-        let r = c.read_file(&id, link, 0, 0).await.expect("ReadFile through a link");
-        assert_eq!(text(&r.content), "sandbox-copy\n", "ReadFile({link}) must read the sandbox's file");
-    }
-    // Writing through a link to a host directory stays inside too.
-    let planted = unique("sandboxd-planted");
-    h.sh_ok(&id, &format!("ln -s {} /workspace/hostdir", std::env::temp_dir().display())).await;
-    c.write_file(&id, format!("/workspace/hostdir/{planted}"), b"x".to_vec(), 0).await.expect("WriteFile through a link");
-    assert!(!std::env::temp_dir().join(&planted).exists(), "WriteFile through a symlink wrote on the host");
-    assert_eq!(std::fs::read(&secret_path).expect("host secret"), b"HOST SECRET", "the host's file was changed");
-    let _ = std::fs::remove_file(&secret_path);
+    assert_paths_stay_inside(&h, &id).await;
 
     // Directories and missing files.
     let err = c.read_file(&id, "/workspace", 0, 0).await.expect_err("ReadFile of a directory");
@@ -657,25 +457,13 @@ async fn concurrent_floods_keep_daemon_memory_bounded() {
     let pid = h.daemon.pid().expect("daemon running");
     let (a, b) = (h.sandbox().await, h.sandbox().await);
     let baseline = rss_bytes(pid).expect("daemon RSS");
-    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let sampler = {
-        let done = done.clone();
-        tokio::spawn(async move {
-            let mut peak = 0;
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                peak = peak.max(rss_bytes(pid).unwrap_or(0));
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            peak
-        })
-    };
+    let sampler = PeakRss::start(pid, Duration::from_millis(20));
     let flood = |id: String| {
         let c = h.client.clone();
         async move { within(150, c.exec(exec_request(&id, ["sh", "-c", "yes | head -c 200000000"]))).await.expect("Exec") }
     };
     let (ra, rb) = tokio::join!(flood(a), flood(b));
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
-    let peak = sampler.await.expect("sampler");
+    let peak = sampler.stop().await;
     for r in [&ra, &rb] {
         assert_exited(r, 0);
         assert_eq!(r.stdout_total_bytes, 200_000_000);
@@ -840,30 +628,13 @@ async fn exec_stream_delivers_output_in_order_then_the_result() {
     let h = Harness::start().await;
     let id = h.sandbox().await;
     let t0 = Instant::now();
-    let mut stream = within(
+    let stream = within(
         10,
         h.client.exec_stream(exec_request(&id, ["sh", "-c", "echo a; sleep 0.5; echo b >&2; sleep 0.5; echo c"])),
     )
     .await
     .expect("ExecStream");
-    let mut events = Vec::new();
-    let mut first_at = None;
-    let mut result = None;
-    let mut result_at = None;
-    while let Some(event) = within(30, stream.next_event()).await.expect("stream event") {
-        assert!(result.is_none(), "an event came after the result: {event:?}");
-        match event.event.expect("an event") {
-            exec_event::Event::Stdout(b) => {
-                first_at.get_or_insert(t0.elapsed());
-                events.push(format!("out:{}", text(&b)));
-            }
-            exec_event::Event::Stderr(b) => events.push(format!("err:{}", text(&b))),
-            exec_event::Event::Result(r) => {
-                result_at = Some(t0.elapsed());
-                result = Some(r);
-            }
-        }
-    }
+    let Streamed { events, first_stdout_at: first_at, result, result_at } = read_stream(stream, t0).await;
     assert_eq!(events, ["out:a\n", "err:b\n", "out:c\n"]);
     let r = result.expect("the stream ends with a result");
     assert_exited(&r, 0);
@@ -1047,18 +818,7 @@ async fn concurrent_execs_across_sandboxes() {
     for _ in 0..4 {
         ids.push(h.sandbox().await);
     }
-    let mut tasks = Vec::new();
-    for i in 0..20 {
-        let client = h.client.clone();
-        let id = ids[i % 4].clone();
-        tasks.push(tokio::spawn(async move {
-            let script = "echo \"$0 $1 $(hostname)\"; sleep 0.2; echo done >&2";
-            let r = within(60, client.exec(exec_request(&id, ["sh", "-c", script, "exec", &i.to_string()]))).await.expect("Exec");
-            (i, id, r)
-        }));
-    }
-    for task in tasks {
-        let (i, id, r) = task.await.expect("task");
+    for (i, id, r) in tagged_execs_at_once(&h.client, &ids, 20).await {
         assert_exited(&r, 0);
         assert_eq!(text(&r.stdout), format!("exec {i} {id}\n"), "exec {i} got another exec's output");
         assert_eq!(r.stderr, b"done\n");

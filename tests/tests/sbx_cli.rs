@@ -2,23 +2,14 @@
 //! way a user at a terminal (or a script) would check it — stdout, stderr, exit code.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
 use std::process::Output;
 use std::time::Duration;
 
-use sandbox_tests::{sandboxd_bin, Daemon};
-
-/// The `sbx` binary, built next to `sandboxd`.
-fn sbx_bin() -> PathBuf {
-    let daemon = sandboxd_bin().expect("locating sandboxd");
-    let bin = daemon.with_file_name("sbx");
-    assert!(bin.is_file(), "sbx binary not found at {} — run `cargo build --workspace --bins`", bin.display());
-    bin
-}
+use sandbox_tests::{sbx_bin, Daemon};
 
 /// Runs `sbx --socket <daemon> args…` to completion (bounded) and returns its output.
 async fn sbx(daemon: &Daemon, args: &[&str]) -> Output {
-    let run = tokio::process::Command::new(sbx_bin())
+    let run = tokio::process::Command::new(sbx_bin().expect("locating sbx"))
         .arg("--socket")
         .arg(&daemon.address)
         .args(args)

@@ -2,46 +2,21 @@
 //! daemon restarts, TTLs — through the gRPC API of a real daemon.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
-use agent_client::{exec_request, proto, Client};
-use sandbox_tests::{mounts_under, process_sandbox, Daemon};
+use agent_client::{exec_request, proto};
+use sandbox_tests::{daemon_with_sandbox, eventually, find_under, mounts_of, mounts_under, process_sandbox, sh, sh_ok, Daemon};
 use tonic::Code;
 
-async fn sh(client: &Client, id: &str, script: &str) -> proto::ExecResult {
-    client.exec(exec_request(id, ["sh", "-c", script])).await.expect("exec call")
-}
-
-async fn sh_ok(client: &Client, id: &str, script: &str) -> String {
-    let r = sh(client, id, script).await;
-    assert_eq!(r.status, proto::ExecStatus::Exited as i32, "{script}: {r:?}");
-    assert_eq!(r.exit_code, 0, "{script}: stdout {} stderr {}", String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr));
-    String::from_utf8_lossy(&r.stdout).into_owned()
-}
-
+/// Cgroup directories (any controller) named exactly `id`.
 fn cgroup_dirs_named(id: &str) -> Vec<std::path::PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![std::path::PathBuf::from("/sys/fs/cgroup")];
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
-        for e in entries.flatten() {
-            let p = e.path();
-            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                if p.file_name().is_some_and(|n| n.to_string_lossy() == id) {
-                    found.push(p.clone());
-                }
-                stack.push(p);
-            }
-        }
-    }
-    found
+    find_under(Path::new("/sys/fs/cgroup"), |path, ft| ft.is_dir() && path.file_name().is_some_and(|n| n.to_string_lossy() == id))
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn rollback_restores_content_deletions_and_modes() {
-    let daemon = Daemon::start().await.expect("daemon");
-    let c = daemon.client().await.expect("client");
-    let sb = c.create(process_sandbox("minimal")).await.expect("create").id;
+    let (_daemon, c, sb) = daemon_with_sandbox(proto::Isolation::Process).await;
     sh_ok(&c, &sb, "echo v1 > /workspace/keep; chmod 640 /workspace/keep; mkdir -p /workspace/d; echo x > /workspace/d/f").await;
     let snap = c.snapshot(&sb, "before").await.expect("snapshot");
     assert_eq!(snap.sandbox_id, sb);
@@ -77,9 +52,7 @@ async fn rollback_restores_content_deletions_and_modes() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn forks_are_independent_both_ways_and_pin_their_snapshot() {
-    let daemon = Daemon::start().await.expect("daemon");
-    let c = daemon.client().await.expect("client");
-    let origin = c.create(process_sandbox("minimal")).await.expect("create").id;
+    let (_daemon, c, origin) = daemon_with_sandbox(proto::Isolation::Process).await;
     sh_ok(&c, &origin, "echo base > /workspace/f").await;
     let snap = c.snapshot(&origin, "base").await.expect("snapshot").snapshot_id;
 
@@ -112,9 +85,7 @@ async fn forks_are_independent_both_ways_and_pin_their_snapshot() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unknown_snapshots_are_not_found() {
-    let daemon = Daemon::start().await.expect("daemon");
-    let c = daemon.client().await.expect("client");
-    let sb = c.create(process_sandbox("minimal")).await.expect("create").id;
+    let (_daemon, c, sb) = daemon_with_sandbox(proto::Isolation::Process).await;
     for bad in ["sn-doesnotexist1", "garbage"] {
         assert_eq!(c.rollback(&sb, bad).await.expect_err("rollback").code(), Code::NotFound);
         assert_eq!(c.delete_snapshot(bad).await.expect_err("delete").code(), Code::NotFound);
@@ -128,9 +99,7 @@ async fn unknown_snapshots_are_not_found() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn snapshot_during_heavy_writes_is_consistent() {
-    let daemon = Daemon::start().await.expect("daemon");
-    let c = daemon.client().await.expect("client");
-    let sb = c.create(process_sandbox("minimal")).await.expect("create").id;
+    let (_daemon, c, sb) = daemon_with_sandbox(proto::Isolation::Process).await;
     // Each file is written whole to a temp name and renamed, with a checksum line: a consistent
     // snapshot shows every visible file complete.
     let writer = "i=0; while true; do i=$((i+1)); head -c 65536 /dev/urandom > /workspace/t; \
@@ -186,9 +155,7 @@ async fn background_exec_survives_its_client_and_can_be_signalled() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn idempotent_exec_runs_once_even_across_a_daemon_kill() {
-    let mut daemon = Daemon::start().await.expect("daemon");
-    let c = daemon.client().await.expect("client");
-    let sb = c.create(process_sandbox("minimal")).await.expect("create").id;
+    let (mut daemon, c, sb) = daemon_with_sandbox(proto::Isolation::Process).await;
     let append = |key: &str| proto::ExecRequest { idempotency_key: key.into(), ..exec_request(&sb, ["sh", "-c", "echo line >> /workspace/log; wc -l < /workspace/log"]) };
     let first = c.exec(append("step-1")).await.expect("first");
     let replay = c.exec(append("step-1")).await.expect("replay");
@@ -208,9 +175,7 @@ async fn idempotent_exec_runs_once_even_across_a_daemon_kill() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn keyed_exec_outlives_its_client_and_unkeyed_does_not() {
-    let daemon = Daemon::start().await.expect("daemon");
-    let c = daemon.client().await.expect("client");
-    let sb = c.create(process_sandbox("minimal")).await.expect("create").id;
+    let (daemon, c, sb) = daemon_with_sandbox(proto::Isolation::Process).await;
     let keyed = proto::ExecRequest { idempotency_key: "k".into(), ..exec_request(&sb, ["sh", "-c", "sleep 1; echo done > /workspace/keyed"]) };
     let unkeyed = exec_request(&sb, ["sh", "-c", "sleep 1; echo done > /workspace/unkeyed"]);
     for req in [keyed.clone(), unkeyed] {
@@ -227,9 +192,7 @@ async fn keyed_exec_outlives_its_client_and_unkeyed_does_not() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kill9_mid_exec_then_restart_readopts_and_leaks_nothing() {
-    let mut daemon = Daemon::start().await.expect("daemon");
-    let c = daemon.client().await.expect("client");
-    let keep = c.create(process_sandbox("minimal")).await.expect("create").id;
+    let (mut daemon, c, keep) = daemon_with_sandbox(proto::Isolation::Process).await;
     let doomed = c.create(process_sandbox("minimal")).await.expect("create").id;
     sh_ok(&c, &keep, "echo precious > /workspace/data").await;
     let running = c.exec(proto::ExecRequest { background: true, ..exec_request(&keep, ["sleep", "300"]) }).await.expect("bg");
@@ -249,7 +212,7 @@ async fn kill9_mid_exec_then_restart_readopts_and_leaks_nothing() {
     let state = daemon.state_dir();
     assert!(!state.join("pool/sandboxes").join(&doomed).exists(), "writable layer removed");
     assert!(!state.join("run").join(&doomed).exists(), "run dir removed");
-    assert!(mounts_under(&state).iter().all(|m| !m.to_string_lossy().contains(&doomed)), "no mount left");
+    assert!(mounts_of(&daemon, &doomed).is_empty(), "no mount left");
     assert!(cgroup_dirs_named(&doomed).is_empty(), "no cgroup left: {:?}", cgroup_dirs_named(&doomed));
     // Exactly one overlay per live sandbox (the stale ones of the killed daemon are gone).
     let overlays = mounts_under(&state.join("run"));
@@ -264,19 +227,13 @@ async fn ttl_reaps_sandboxes_also_across_restarts() {
     assert!(short.expires_at.is_some());
     let later = c.create(proto::CreateSandboxRequest { ttl_seconds: 4, ..process_sandbox("minimal") }).await.expect("create").id;
     let forever = c.create(process_sandbox("minimal")).await.expect("create").id;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while c.get(&short.id).await.is_ok() {
-        assert!(Instant::now() < deadline, "TTL 1 s sandbox still there after 10 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let reaped = eventually(10, || async { c.get(&short.id).await.is_err() }).await;
+    assert!(reaped, "TTL 1 s sandbox still there after 10 s");
     daemon.kill9();
     daemon.restart().await.expect("restart");
     let c = daemon.client().await.expect("client");
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while c.get(&later).await.is_ok() {
-        assert!(Instant::now() < deadline, "TTL sandbox not reaped after a restart");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let reaped = eventually(15, || async { c.get(&later).await.is_err() }).await;
+    assert!(reaped, "TTL sandbox not reaped after a restart");
     assert!(c.get(&forever).await.is_ok());
     let all = c.list(HashMap::new()).await.expect("list");
     assert_eq!(all.len(), 1);

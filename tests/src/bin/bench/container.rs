@@ -1,0 +1,118 @@
+//! sandboxd's container tier (`ISOLATION_CONTAINER`): create, destroy, exec and
+//! snapshot+rollback, on a daemon of its own; unavailable (not failed) when it cannot create.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use sandbox_tests::{process_sandbox, proto, Daemon};
+
+use crate::cli::Plan;
+use crate::results::{Key, Report};
+use crate::sandboxes::{exec_true, Sandboxes};
+use crate::snapshots::{snapshot_rollback, CHANGED_SMALL_MIB};
+
+/// The container tier's rows, once a first container sandbox has been created.
+async fn container_sections(sb: &mut Sandboxes, plan: &Plan, report: &mut Report) -> Result<()> {
+    let request = || proto::CreateSandboxRequest {
+        isolation: proto::Isolation::Container as i32,
+        ..process_sandbox("minimal")
+    };
+    eprintln!(
+        "bench: sandboxd container tier create/destroy × {}",
+        plan.container_create
+    );
+    let (mut creates, mut destroys) = (Vec::new(), Vec::new());
+    for i in 0..plan.warmup.min(2) + plan.container_create {
+        let (id, took) = sb
+            .create_with(request(), &format!("container tier sample {i}"))
+            .await?;
+        let destroyed = sb.destroy(&id).await?;
+        if i >= plan.warmup.min(2) {
+            creates.push(took);
+            destroys.push(destroyed);
+        }
+    }
+    report.measured(Key::ContainerCreate, &creates);
+    report.measured(Key::ContainerDestroy, &destroys);
+
+    eprintln!(
+        "bench: sandboxd container tier Exec × {}",
+        plan.container_exec
+    );
+    let (id, _) = sb
+        .create_with(request(), "the sandbox of the container tier exec section")
+        .await?;
+    let mut execs = Vec::new();
+    for i in 0..plan.warmup * 3 + plan.container_exec {
+        let took = exec_true(&sb.client, &id, &format!("container tier exec {i}")).await?;
+        if i >= plan.warmup * 3 {
+            execs.push(took);
+        }
+    }
+    report.measured(Key::ContainerExec, &execs);
+    sb.destroy(&id).await?;
+
+    eprintln!(
+        "bench: sandboxd container tier snapshot+rollback, {CHANGED_SMALL_MIB} MiB changed × {}",
+        plan.container_snap
+    );
+    let (snaps, rollbacks, _) =
+        snapshot_rollback(sb, request(), CHANGED_SMALL_MIB, plan.container_snap).await?;
+    report.measured(Key::ContainerSnapshot, &snaps);
+    report.measured(Key::ContainerRollback, &rollbacks);
+    Ok(())
+}
+
+/// The container tier (`ISOLATION_CONTAINER`) on a daemon of its own. A container tier that
+/// cannot create a sandbox (no Docker, or not finished) marks its rows unavailable, loudly;
+/// one that creates and then fails is a failure like any other sandboxd section.
+pub(crate) async fn sandboxd_container(plan: &Plan, report: &mut Report) {
+    let started = Instant::now();
+    let unavailable = |report: &mut Report, why: String| {
+        let line = format!(
+            "!!!!! SANDBOXD CONTAINER TIER UNAVAILABLE: {why} — its rows say \"unavailable\" !!!!!"
+        );
+        eprintln!("{line}");
+        println!("{line}");
+        report.unavailable(&Key::CONTAINER, &why);
+        report.container_unavailable = Some(why);
+    };
+    let daemon = match Daemon::start()
+        .await
+        .context("starting sandboxd for the container tier")
+    {
+        Ok(d) => d,
+        Err(e) => return report.failed(&Key::CONTAINER, &e),
+    };
+    let client = match daemon.client().await {
+        Ok(c) => c,
+        Err(e) => return report.failed(&Key::CONTAINER, &e),
+    };
+    let mut sb = Sandboxes::new(client);
+    eprintln!("bench: sandboxd container tier: a first, untimed create (may import the image)");
+    let probe = proto::CreateSandboxRequest {
+        isolation: proto::Isolation::Container as i32,
+        ..process_sandbox("minimal")
+    };
+    let result = match sb.create_with(probe, "container tier, first create").await {
+        Err(e) => {
+            unavailable(
+                report,
+                format!("CreateSandbox with ISOLATION_CONTAINER failed: {e:#}"),
+            );
+            Ok(())
+        }
+        Ok((id, _)) => match sb.destroy(&id).await {
+            Ok(_) => container_sections(&mut sb, plan, report).await,
+            Err(e) => Err(e),
+        },
+    };
+    sb.cleanup().await;
+    if let Err(e) = result {
+        report.failed_unless_done(&Key::CONTAINER, &e);
+    }
+    drop(daemon);
+    report
+        .section_times
+        .push(("sandboxd container tier".into(), started.elapsed()));
+}

@@ -1,0 +1,152 @@
+//! Density: a fresh daemon filled with live process-tier sandboxes, its RSS and the PSS of its
+//! whole process tree measured, execs across all of them, then emptied.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use sandbox_tests::{rss_bytes, Daemon};
+
+use crate::cli::Plan;
+use crate::results::{Density, Key, Report};
+use crate::sandboxes::{exec_true, Sandboxes};
+
+/// PSS of `root` and every process below it, and how many processes that is.
+fn pss_of_tree(root: u32) -> Option<(u64, usize)> {
+    let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // The command name may hold spaces and parentheses: the fields start after the last ')'.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        if let Some(ppid) = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse::<u32>().ok())
+        {
+            children.entry(ppid).or_default().push(pid);
+        }
+    }
+    let (mut total, mut count, mut todo) = (0u64, 0usize, vec![root]);
+    while let Some(pid) = todo.pop() {
+        let rollup =
+            std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+        if let Some(kb) = rollup
+            .lines()
+            .find(|l| l.starts_with("Pss:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            total += kb * 1024;
+        }
+        count += 1;
+        todo.extend(children.get(&pid).into_iter().flatten());
+    }
+    Some((total, count))
+}
+
+async fn fill_and_measure(
+    sb: &mut Sandboxes,
+    pid: Option<u32>,
+    plan: &Plan,
+    report: &mut Report,
+) -> Result<Density> {
+    let rss_idle = pid.and_then(rss_bytes);
+    let mut ids = Vec::with_capacity(plan.live);
+    let mut creates = Vec::with_capacity(plan.live);
+    let t = Instant::now();
+    for i in 0..plan.live {
+        let (id, took) = sb
+            .create(&format!("live sandbox {} of {}", i + 1, plan.live))
+            .await?;
+        ids.push(id);
+        creates.push(took);
+    }
+    let create_total = t.elapsed();
+    // Give the shims and inits a moment to settle, so RSS is not caught mid-fault.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_live = pid.and_then(rss_bytes);
+    let pss_tree = pid.and_then(pss_of_tree);
+    report.measured(Key::LiveCreate, &creates);
+
+    let mut execs = Vec::with_capacity(ids.len() * 3);
+    for round in 0..3 {
+        for id in &ids {
+            execs.push(
+                exec_true(
+                    &sb.client,
+                    id,
+                    &format!("round {round} across {} live", ids.len()),
+                )
+                .await?,
+            );
+        }
+    }
+    report.measured(Key::LiveExec, &execs);
+
+    let mut destroys = Vec::with_capacity(ids.len());
+    let t = Instant::now();
+    for id in &ids {
+        destroys.push(sb.destroy(id).await?);
+    }
+    let destroy_total = t.elapsed();
+    report.measured(Key::LiveDestroy, &destroys);
+    let rss_after = pid.and_then(rss_bytes);
+    Ok(Density {
+        live: plan.live,
+        rss_idle,
+        rss_live,
+        pss_tree,
+        create_total,
+        destroy_total,
+        rss_after,
+    })
+}
+
+/// Section 4, on a fresh daemon so that its RSS is not that of the latency runs.
+pub(crate) async fn sandboxd_density(plan: &Plan, report: &mut Report) {
+    let started = Instant::now();
+    let keys = [Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
+    eprintln!("bench: sandboxd {} live sandboxes", plan.live);
+    let daemon = match Daemon::start()
+        .await
+        .context("starting sandboxd for the density section")
+    {
+        Ok(d) => d,
+        Err(e) => {
+            report.density = Some(Err(format!("{e:#}")));
+            return report.failed(&keys, &e);
+        }
+    };
+    let client = match daemon.client().await {
+        Ok(c) => c,
+        Err(e) => {
+            report.density = Some(Err(format!("{e:#}")));
+            return report.failed(&keys, &e);
+        }
+    };
+    let mut sb = Sandboxes::new(client);
+    let result = fill_and_measure(&mut sb, daemon.pid(), plan, report).await;
+    sb.cleanup().await;
+    match result {
+        Ok(d) => report.density = Some(Ok(d)),
+        Err(e) => {
+            report.density = Some(Err(format!("{e:#}")));
+            report.failed_unless_done(&keys, &e);
+        }
+    }
+    drop(daemon);
+    report
+        .section_times
+        .push(("sandboxd density".into(), started.elapsed()));
+}

@@ -1,0 +1,388 @@
+//! What a run measured: one row per [`Key`] with its [`Outcome`], and what the sections found
+//! beyond their rows (density, throughput, the microVM tier's log, Docker).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::latency::EXEC_GAP;
+use crate::snapshots::{CHANGED_LARGE_MIB, CHANGED_SMALL_MIB, FORK_BATCH};
+use crate::stats::{summarize, Summary};
+
+/// An image the snapshot rows are measured over: `debian` (~280 MB) is over 100× `minimal`
+/// (~2 MB), which is what the "100× larger image" target needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Image {
+    Minimal,
+    Debian,
+}
+
+impl Image {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Image::Minimal => "minimal",
+            Image::Debian => "debian",
+        }
+    }
+}
+
+/// How microVM guests ran their CPUs, as the daemon logged it (`accel=` of `microVM booted`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum VmAccel {
+    Tcg,
+    Kvm,
+}
+
+impl VmAccel {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            VmAccel::Tcg => "TCG",
+            VmAccel::Kvm => "KVM",
+        }
+    }
+
+    /// The value of `[microvm] accel` that forces it, also how the daemon's log spells it.
+    pub(crate) fn config(self) -> &'static str {
+        match self {
+            VmAccel::Tcg => "tcg",
+            VmAccel::Kvm => "kvm",
+        }
+    }
+
+    pub(crate) fn from_log(value: &str) -> Option<VmAccel> {
+        match value {
+            "tcg" => Some(VmAccel::Tcg),
+            "kvm" => Some(VmAccel::Kvm),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn other(self) -> VmAccel {
+        match self {
+            VmAccel::Tcg => VmAccel::Kvm,
+            VmAccel::Kvm => VmAccel::Tcg,
+        }
+    }
+}
+
+/// One row of the results table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Key {
+    Create,
+    Destroy,
+    Get,
+    Exec,
+    ExecSpaced,
+    ExecStream,
+    LiveCreate,
+    LiveExec,
+    LiveDestroy,
+    /// `Snapshot` of a process-tier sandbox of that image with that many MiB written since it.
+    Snapshot(Image, u32),
+    /// `Rollback` to such a snapshot.
+    Rollback(Image, u32),
+    Fork,
+    ForkDestroy,
+    /// [`FORK_BATCH`] forks of one snapshot, one after another: one sample is the whole batch.
+    ForkBatch,
+    ContainerCreate,
+    ContainerDestroy,
+    ContainerExec,
+    ContainerSnapshot,
+    ContainerRollback,
+    DockerRun,
+    DockerCreateStart,
+    DockerCreateStartBridge,
+    DockerRemove,
+    DockerExec,
+    /// Cold microVM (no pool) under that accelerator: `CreateSandbox` + the first `Exec` of
+    /// `true`, timed as one.
+    MicroVmBoot(VmAccel),
+    /// The `CreateSandbox` alone of those boots.
+    MicroVmCreate(VmAccel),
+    MicroVmDestroy,
+    /// `CreateSandbox` served from the warm pool, and the same with its first `Exec` of `true`.
+    MicroVmPoolCreate,
+    MicroVmPoolReady,
+    MicroVmExec,
+    MicroVmExecStream,
+    MicroVmSnapshot,
+    MicroVmRollback,
+    /// Fork of a snapshot whose origin still runs, and of one whose origin was destroyed.
+    MicroVmFork,
+    MicroVmForkOriginGone,
+}
+
+impl Key {
+    pub(crate) const SANDBOXD: [Key; 9] = [
+        Key::Create,
+        Key::Destroy,
+        Key::Get,
+        Key::Exec,
+        Key::ExecSpaced,
+        Key::ExecStream,
+        Key::LiveCreate,
+        Key::LiveExec,
+        Key::LiveDestroy,
+    ];
+    pub(crate) const SNAPSHOTS: [Key; 8] = [
+        Key::Snapshot(Image::Minimal, CHANGED_SMALL_MIB),
+        Key::Rollback(Image::Minimal, CHANGED_SMALL_MIB),
+        Key::Snapshot(Image::Minimal, CHANGED_LARGE_MIB),
+        Key::Rollback(Image::Minimal, CHANGED_LARGE_MIB),
+        Key::Snapshot(Image::Debian, CHANGED_SMALL_MIB),
+        Key::Rollback(Image::Debian, CHANGED_SMALL_MIB),
+        Key::Snapshot(Image::Debian, CHANGED_LARGE_MIB),
+        Key::Rollback(Image::Debian, CHANGED_LARGE_MIB),
+    ];
+    pub(crate) const FORKS: [Key; 3] = [Key::Fork, Key::ForkDestroy, Key::ForkBatch];
+    pub(crate) const CONTAINER: [Key; 5] = [
+        Key::ContainerCreate,
+        Key::ContainerDestroy,
+        Key::ContainerExec,
+        Key::ContainerSnapshot,
+        Key::ContainerRollback,
+    ];
+    pub(crate) const DOCKER: [Key; 5] = [
+        Key::DockerRun,
+        Key::DockerCreateStart,
+        Key::DockerCreateStartBridge,
+        Key::DockerRemove,
+        Key::DockerExec,
+    ];
+    pub(crate) const MICROVM: [Key; 13] = [
+        Key::MicroVmBoot(VmAccel::Tcg),
+        Key::MicroVmCreate(VmAccel::Tcg),
+        Key::MicroVmBoot(VmAccel::Kvm),
+        Key::MicroVmCreate(VmAccel::Kvm),
+        Key::MicroVmDestroy,
+        Key::MicroVmPoolCreate,
+        Key::MicroVmPoolReady,
+        Key::MicroVmExec,
+        Key::MicroVmExecStream,
+        Key::MicroVmSnapshot,
+        Key::MicroVmRollback,
+        Key::MicroVmFork,
+        Key::MicroVmForkOriginGone,
+    ];
+
+    pub(crate) fn label(self, live: usize) -> String {
+        match self {
+            Key::Create => "sandboxd `CreateSandbox` (process tier, image minimal)".into(),
+            Key::Destroy => "sandboxd `DestroySandbox`".into(),
+            Key::Get => "sandboxd `GetSandbox` (the gRPC floor: no process is started)".into(),
+            Key::Exec => "sandboxd `Exec` of `true` (unary), back to back".into(),
+            Key::ExecSpaced => format!(
+                "sandboxd `Exec` of `true` (unary), {} ms apart",
+                EXEC_GAP.as_millis()
+            ),
+            Key::ExecStream => "sandboxd `ExecStream` of `true`".into(),
+            Key::LiveCreate => format!("sandboxd `CreateSandbox`, filling up to {live} live"),
+            Key::LiveExec => format!("sandboxd `Exec` of `true` across {live} live sandboxes"),
+            Key::LiveDestroy => format!("sandboxd `DestroySandbox`, emptying {live} live"),
+            Key::Snapshot(image, mib) => {
+                format!(
+                    "sandboxd `Snapshot`, {mib} MiB changed (image {})",
+                    image.name()
+                )
+            }
+            Key::Rollback(image, mib) => {
+                format!(
+                    "sandboxd `Rollback`, {mib} MiB changed (image {})",
+                    image.name()
+                )
+            }
+            Key::Fork => {
+                "sandboxd fork: `CreateSandbox{from_snapshot_id}` (image minimal, 1 MiB changed)"
+                    .into()
+            }
+            Key::ForkDestroy => "sandboxd `DestroySandbox` of a fork".into(),
+            Key::ForkBatch => {
+                format!("sandboxd {FORK_BATCH} forks of one snapshot, one after another (total)")
+            }
+            Key::ContainerCreate => {
+                "sandboxd container tier `CreateSandbox` (image minimal)".into()
+            }
+            Key::ContainerDestroy => "sandboxd container tier `DestroySandbox`".into(),
+            Key::ContainerExec => "sandboxd container tier `Exec` of `true`, back to back".into(),
+            Key::ContainerSnapshot => {
+                format!("sandboxd container tier `Snapshot`, {CHANGED_SMALL_MIB} MiB changed")
+            }
+            Key::ContainerRollback => {
+                format!("sandboxd container tier `Rollback`, {CHANGED_SMALL_MIB} MiB changed")
+            }
+            Key::DockerRun => "Docker `run --rm` of `true` (create+start+wait+remove)".into(),
+            Key::DockerCreateStart => "Docker container create+start (`--network none`)".into(),
+            Key::DockerCreateStartBridge => {
+                "Docker container create+start (default bridge network)".into()
+            }
+            Key::DockerRemove => "Docker `rm -f` of a running container".into(),
+            Key::DockerExec => "Docker `exec` of `true` (exec create+start+inspect)".into(),
+            Key::MicroVmBoot(accel) => format!(
+                "microVM boot to first exec, cold ({}, no pool): `CreateSandbox` + first `Exec` of `true`",
+                accel.name()
+            ),
+            Key::MicroVmCreate(accel) => format!(
+                "microVM `CreateSandbox` alone, cold ({}, no pool)",
+                accel.name()
+            ),
+            Key::MicroVmDestroy => "microVM `DestroySandbox`".into(),
+            Key::MicroVmPoolCreate => {
+                "microVM `CreateSandbox` from the warm pool (`--microvm-pool 1`)".into()
+            }
+            Key::MicroVmPoolReady => {
+                "microVM from the warm pool to first exec: `CreateSandbox` + first `Exec` of `true`"
+                    .into()
+            }
+            Key::MicroVmExec => "microVM `Exec` of `true` (unary), back to back".into(),
+            Key::MicroVmExecStream => "microVM `ExecStream` of `true`".into(),
+            Key::MicroVmSnapshot => {
+                format!("microVM `Snapshot`, {CHANGED_SMALL_MIB} MiB changed")
+            }
+            Key::MicroVmRollback => format!(
+                "microVM `Rollback`, {CHANGED_SMALL_MIB} MiB changed (boots a new VM over the snapshot)"
+            ),
+            Key::MicroVmFork => format!(
+                "microVM fork: `CreateSandbox{{from_snapshot_id}}`, the origin running ({CHANGED_SMALL_MIB} MiB changed)"
+            ),
+            Key::MicroVmForkOriginGone => format!(
+                "microVM fork of a snapshot whose origin was destroyed ({CHANGED_SMALL_MIB} MiB changed)"
+            ),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum Outcome {
+    Measured(Summary),
+    /// Docker could not be reached or could not run the section: not a failure of the bench.
+    Unavailable(String),
+    /// A sandboxd section failed: the bench exits non-zero.
+    Failed(String),
+}
+
+/// What the density section found.
+#[derive(Debug, Clone)]
+pub(crate) struct Density {
+    pub(crate) live: usize,
+    pub(crate) rss_idle: Option<u64>,
+    pub(crate) rss_live: Option<u64>,
+    /// PSS of the daemon and every process under it (shims, inits), and how many processes.
+    pub(crate) pss_tree: Option<(u64, usize)>,
+    pub(crate) create_total: Duration,
+    pub(crate) destroy_total: Duration,
+    pub(crate) rss_after: Option<u64>,
+}
+
+/// One concurrency level of the exec throughput section.
+#[derive(Debug, Clone)]
+pub(crate) struct Throughput {
+    pub(crate) concurrency: usize,
+    pub(crate) execs: usize,
+    /// From the first exec sent to the last answer received.
+    pub(crate) wall: Duration,
+    /// Round trip of each exec, as its task saw it.
+    pub(crate) latency: Summary,
+}
+
+impl Throughput {
+    pub(crate) fn per_second(&self) -> f64 {
+        self.execs as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+}
+
+/// What the microVM section learnt from the daemons' logs, beyond its rows.
+#[derive(Debug, Default)]
+pub(crate) struct MicroVm {
+    /// The accelerator the daemon left at `accel = "auto"` used, and the lines of its log that
+    /// say why (KVM probe, cached verdict, no /dev/kvm).
+    pub(crate) auto_accel: Option<VmAccel>,
+    pub(crate) accel_log: Vec<String>,
+    /// Why that daemon did not use KVM (from its log), and what a daemon forced to KVM answered.
+    pub(crate) kvm_reason: Option<String>,
+    pub(crate) kvm_forced: Option<String>,
+    /// The daemon's own boot times of the timed cold boots (QEMU started → guest agent's hello,
+    /// `boot_ms` of `microVM booted`) and the guest kernel's uptime at that hello, per accelerator.
+    pub(crate) boot_logged: BTreeMap<VmAccel, (Vec<Duration>, Vec<Duration>)>,
+    /// `boot_ms` of the VMs the warm pool booted while its rows were measured.
+    pub(crate) pool_boot_logged: Vec<Duration>,
+    /// `size_bytes` of the snapshots of the `Snapshot` row (median).
+    pub(crate) snapshot_size: Option<u64>,
+    /// Why the whole tier is unavailable.
+    pub(crate) unavailable: Option<String>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Report {
+    pub(crate) rows: BTreeMap<Key, Outcome>,
+    pub(crate) density: Option<Result<Density, String>>,
+    /// RSS of the latency daemon once its sections were done and nothing was live.
+    pub(crate) rss_after_latency: Option<u64>,
+    /// `size_bytes` the daemon reported for the snapshots of each `Snapshot` row (median).
+    pub(crate) snapshot_sizes: BTreeMap<Key, u64>,
+    /// Each concurrency level, or why it failed.
+    pub(crate) throughput: Vec<(usize, Result<Throughput, String>)>,
+    /// Why the container tier's rows are unavailable.
+    pub(crate) container_unavailable: Option<String>,
+    /// What the microVM section found beyond its rows.
+    pub(crate) microvm: MicroVm,
+    pub(crate) docker: Option<String>,
+    pub(crate) docker_unavailable: Option<String>,
+    pub(crate) docker_import: Option<Duration>,
+    pub(crate) section_times: Vec<(String, Duration)>,
+}
+
+impl Report {
+    pub(crate) fn measured(&mut self, key: Key, samples: &[Duration]) {
+        let outcome = match summarize(samples) {
+            Some(s) => Outcome::Measured(s),
+            None => Outcome::Failed("no samples".into()),
+        };
+        self.rows.insert(key, outcome);
+    }
+
+    pub(crate) fn failed(&mut self, keys: &[Key], err: &anyhow::Error) {
+        let msg = format!("{err:#}");
+        eprintln!(
+            "bench: FAILED {}: {msg}",
+            keys.iter()
+                .map(|k| format!("{k:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        for k in keys {
+            self.rows.insert(*k, Outcome::Failed(msg.clone()));
+        }
+    }
+
+    /// [`Report::failed`] for those of `keys` that have no outcome yet: a section that fails
+    /// part-way keeps the rows it measured.
+    pub(crate) fn failed_unless_done(&mut self, keys: &[Key], err: &anyhow::Error) {
+        let missing: Vec<Key> = keys
+            .iter()
+            .copied()
+            .filter(|k| !self.rows.contains_key(k))
+            .collect();
+        self.failed(&missing, err);
+    }
+
+    pub(crate) fn unavailable(&mut self, keys: &[Key], reason: &str) {
+        for k in keys {
+            self.rows
+                .entry(*k)
+                .or_insert_with(|| Outcome::Unavailable(reason.to_string()));
+        }
+    }
+
+    pub(crate) fn p50(&self, key: Key) -> Option<f64> {
+        match self.rows.get(&key) {
+            Some(Outcome::Measured(s)) => Some(s.p50),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn any_failed(&self) -> bool {
+        self.rows.values().any(|o| matches!(o, Outcome::Failed(_)))
+            || matches!(self.density, Some(Err(_)))
+            || self.throughput.iter().any(|(_, r)| r.is_err())
+    }
+}

@@ -1,0 +1,120 @@
+//! What the host shows of a daemon and its sandboxes: mounts, cgroups, processes' memory, files
+//! below a directory, free ports, names no other run uses.
+
+use std::fs::FileType;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context, Result};
+
+use crate::Daemon;
+
+/// Whether `path` is a mount point (from /proc/self/mountinfo).
+pub fn mounted(path: &Path) -> bool {
+    mounts_under(path).iter().any(|m| m == path)
+}
+
+/// Mount points at or below `path`.
+pub fn mounts_under(path: &Path) -> Vec<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(PathBuf::from)
+        .filter(|m| m.starts_with(path))
+        .collect()
+}
+
+/// Mount points under the daemon's state dir that belong to `sandbox_id`.
+pub fn mounts_of(daemon: &Daemon, sandbox_id: &str) -> Vec<PathBuf> {
+    mounts_under(&daemon.state_dir()).into_iter().filter(|m| m.to_string_lossy().contains(sandbox_id)).collect()
+}
+
+/// Entries below `root`, recursively and never following symlinks, that `wanted` accepts (it
+/// is given each entry's path and type).
+pub fn find_under(root: &Path, wanted: impl Fn(&Path, &FileType) -> bool) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            let Ok(ft) = entry.file_type() else { continue };
+            let path = entry.path();
+            if wanted(&path, &ft) {
+                found.push(path.clone());
+            }
+            if ft.is_dir() {
+                stack.push(path);
+            }
+        }
+    }
+    found
+}
+
+/// Directories under `root` (recursively, not following symlinks) whose name contains `needle`.
+pub fn dirs_named(root: &Path, needle: &str) -> Vec<PathBuf> {
+    find_under(root, |path, ft| ft.is_dir() && path.file_name().is_some_and(|n| n.to_string_lossy().contains(needle)))
+}
+
+/// Cgroup directories anywhere under /sys/fs/cgroup (every v1 controller and the v2 tree) that
+/// are named after `sandbox_id`.
+pub fn cgroups_of(sandbox_id: &str) -> Vec<PathBuf> {
+    dirs_named(Path::new("/sys/fs/cgroup"), sandbox_id)
+}
+
+/// A `/proc/<pid>/status` field given in kB (`VmRSS:`, `VmHWM:` …), in bytes.
+pub fn proc_status_bytes(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Resident memory of a process, in bytes.
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    proc_status_bytes(pid, "VmRSS:")
+}
+
+/// The highest resident memory of a process, sampled in the background until [`PeakRss::stop`].
+pub struct PeakRss {
+    done: Arc<AtomicBool>,
+    sampler: tokio::task::JoinHandle<u64>,
+}
+
+impl PeakRss {
+    /// Starts sampling `pid`'s RSS every `every` (an unreadable sample counts as 0).
+    pub fn start(pid: u32, every: Duration) -> PeakRss {
+        let done = Arc::new(AtomicBool::new(false));
+        let sampler = {
+            let done = done.clone();
+            tokio::spawn(async move {
+                let mut peak = 0;
+                while !done.load(Ordering::Relaxed) {
+                    peak = peak.max(rss_bytes(pid).unwrap_or(0));
+                    tokio::time::sleep(every).await;
+                }
+                peak
+            })
+        };
+        PeakRss { done, sampler }
+    }
+
+    /// Stops sampling; the highest RSS seen, in bytes.
+    pub async fn stop(self) -> u64 {
+        self.done.store(true, Ordering::Relaxed);
+        self.sampler.await.expect("the RSS sampler panicked")
+    }
+}
+
+/// A TCP port free right now on 127.0.0.1 (for a daemon listener).
+pub fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("binding a probe socket")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// `<prefix>-<pid>-<nanoseconds>`: a name (of a host file, a label) no other run uses.
+pub fn unique(prefix: &str) -> String {
+    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    format!("{prefix}-{}-{nanos}", std::process::id())
+}
