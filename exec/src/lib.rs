@@ -16,6 +16,7 @@
 //!
 //! It has no async runtime and few dependencies: the guest agent links it into a static binary.
 
+pub mod archive;
 pub mod capture;
 pub mod outcome;
 pub mod pty;

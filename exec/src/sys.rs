@@ -293,6 +293,130 @@ pub fn replace_file(slot: &FileSlot, content: &[u8], mode: u32) -> Result<(), Er
     done
 }
 
+/// `openat2` of `rel` below the directory `dir` with no symbolic link anywhere on the way, the
+/// last component included (`RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`): a symlink is `ELOOP`, a
+/// `..` or absolute path leaving `dir` is `EXDEV`. Unlike [`open_in_root`], which resolves the
+/// sandbox's links the way the sandbox would, this is for paths that must be made of real
+/// directories (an archive's entries): following any link there would let an earlier entry, or
+/// the sandbox, redirect a later one. `O_CLOEXEC` is always added.
+pub fn open_beneath_no_symlinks(dir: RawFd, rel: &CStr, flags: i32) -> Result<OwnedFd, Errno> {
+    // SAFETY: open_how is plain old data; zero is valid for every field.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (flags | libc::O_CLOEXEC) as u64;
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    loop {
+        // SAFETY: openat2 with a directory fd, a NUL-terminated path and an open_how of the size
+        // we pass.
+        let fd = unsafe { libc::syscall(libc::SYS_openat2, dir, rel.as_ptr(), &how as *const libc::open_how, std::mem::size_of::<libc::open_how>()) };
+        match Errno::result(fd) {
+            // SAFETY: the kernel returned a fresh descriptor that we now own.
+            Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) }),
+            Err(Errno::EAGAIN | Errno::EINTR) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// `fstat` of a descriptor (`O_PATH` ones included).
+pub fn fstat_fd(fd: RawFd) -> Result<libc::stat, Errno> {
+    // SAFETY: stat is plain old data; the kernel fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes into `st`, which outlives the call.
+    Errno::result(unsafe { libc::fstat(fd, &mut st) })?;
+    Ok(st)
+}
+
+/// The target of the symlink `name` in `dir`, as raw bytes (a sandbox's link targets need not
+/// be UTF-8). A target of `PATH_MAX` bytes or more is `ENAMETOOLONG`.
+pub fn readlink_bytes_at(dir: RawFd, name: &CStr) -> Result<Vec<u8>, Errno> {
+    let mut buf = vec![0u8; libc::PATH_MAX as usize];
+    // SAFETY: readlinkat writes at most `buf.len()` bytes into the buffer we own.
+    let n = unsafe { libc::readlinkat(dir, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let n = Errno::result(n)? as usize;
+    if n >= buf.len() {
+        return Err(Errno::ENAMETOOLONG);
+    }
+    buf.truncate(n);
+    Ok(buf)
+}
+
+/// Whether `fd` lives on a kernel pseudo-filesystem (procfs, sysfs, cgroupfs, debugfs, tracefs,
+/// securityfs, bpffs, selinuxfs, smackfs). A container's `/proc` and `/sys` are reachable through
+/// its root, and the daemon acting there as host root would read or change what code in the
+/// sandbox itself may not.
+pub fn on_kernel_fs(fd: RawFd) -> Result<bool, Errno> {
+    use nix::sys::statfs::{self as sfs, FsType};
+    const KERNEL: [FsType; 10] = [
+        sfs::PROC_SUPER_MAGIC,
+        sfs::SYSFS_MAGIC,
+        sfs::CGROUP_SUPER_MAGIC,
+        sfs::CGROUP2_SUPER_MAGIC,
+        sfs::DEBUGFS_MAGIC,
+        sfs::TRACEFS_MAGIC,
+        sfs::SECURITYFS_MAGIC,
+        sfs::BPF_FS_MAGIC,
+        sfs::SELINUX_MAGIC,
+        sfs::SMACK_MAGIC,
+    ];
+    // SAFETY: the caller's descriptor stays open for this call.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    Ok(KERNEL.contains(&sfs::fstatfs(fd)?.filesystem_type()))
+}
+
+/// Opens for reading exactly the inode an `O_PATH` descriptor refers to, through
+/// `/proc/self/fd`, and checks it is a regular file. Looking at a name with `O_PATH` first and
+/// reopening it this way means a device node or FIFO swapped in by the sandbox is never opened
+/// (opening some devices acts: a watchdog arms itself); `O_NONBLOCK | O_NOCTTY` besides, in case.
+/// Anything but a regular file is `EINVAL`; a `/proc` that yields another inode is `EXDEV`.
+pub fn reopen_regular_for_reading(path_fd: RawFd) -> Result<(File, libc::stat), Errno> {
+    let before = fstat_fd(path_fd)?;
+    if file_type(&before) != libc::S_IFREG {
+        return Err(Errno::EINVAL);
+    }
+    let proc_path = CString::new(format!("/proc/self/fd/{path_fd}")).map_err(|_| Errno::EINVAL)?;
+    // SAFETY: open with a NUL-terminated path; the descriptor is wrapped right away.
+    let fd = Errno::result(unsafe { libc::open(proc_path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NOCTTY | libc::O_NONBLOCK) })?;
+    // SAFETY: the kernel returned a fresh descriptor that we now own.
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let after = fstat_fd(file.as_raw_fd())?;
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) {
+        return Err(Errno::EXDEV);
+    }
+    Ok((file, after))
+}
+
+/// `openat(dir, name, flags)` of one name (no slash) in a directory we hold, `O_CLOEXEC` added.
+/// The caller adds `O_NOFOLLOW` (and `O_DIRECTORY` or `O_PATH`) to say what may be opened.
+pub fn open_at(dir: RawFd, name: &CStr, flags: i32) -> Result<OwnedFd, Errno> {
+    loop {
+        // SAFETY: openat on a directory fd with a NUL-terminated name; no O_CREAT, so no mode.
+        let fd = unsafe { libc::openat(dir, name.as_ptr(), flags | libc::O_CLOEXEC) };
+        match Errno::result(fd) {
+            // SAFETY: the kernel returned a fresh descriptor that we now own.
+            Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd) }),
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Creates the file `name` in `dir` (mode 0600 until the caller sets its own) with
+/// `O_CREAT | O_EXCL | O_NOFOLLOW`: it fails with `EEXIST` when anything has that name, a
+/// dangling symlink included, so nothing existing is ever opened for writing.
+pub fn create_new_at(dir: RawFd, name: &CStr) -> Result<File, Errno> {
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_NOCTTY | libc::O_CLOEXEC;
+    loop {
+        // SAFETY: openat on a directory fd with a NUL-terminated single-component name.
+        let fd = unsafe { libc::openat(dir, name.as_ptr(), flags, 0o600 as libc::c_uint) };
+        match Errno::result(fd) {
+            // SAFETY: the kernel returned a fresh descriptor that we now own.
+            Ok(fd) => return Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) })),
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

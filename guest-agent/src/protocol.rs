@@ -21,6 +21,20 @@
 //! one *final* [`Response`] carrying the same id; an `Exec` is preceded by `Started` and, when
 //! asked to stream, any number of `Output` frames with that id. Responses to different requests may
 //! interleave.
+//!
+//! # Sessions (protocol 3)
+//!
+//! An [`Request::ExecSession`] is an `Exec` whose stdin stays open after its payload
+//! (`interactive`) and/or that runs on a pseudo-terminal (`tty`). Its live input follows as
+//! [`Request::Stdin`], [`Request::CloseStdin`] and [`Request::Resize`], addressed by exec id and
+//! sent once the exec's `Started` arrived (before it, the exec may not be registered yet). The
+//! guest takes these in the order their frames arrive (never on a thread each, so stdin bytes keep
+//! their order), queues them per exec — at most [`MAX_INPUT_QUEUE`] requests and
+//! [`MAX_INPUT_BYTES`] payload bytes, more is refused with `Error{BadRequest}` — and answers each
+//! once it has been applied: `Ok` when its bytes are in the command's stdin (or were discarded
+//! because the command closed it), `Error{NoSuchExec}` when the exec ended first. A host that
+//! waits for each answer before sending the next input of that exec never sees the queue full,
+//! and a command that stops reading slows its sender down instead of filling the guest.
 
 use serde::{Deserialize, Serialize};
 
@@ -36,14 +50,23 @@ pub const MAX_PAYLOAD: u32 = 33 << 20;
 /// Largest file slice moved in one frame; larger reads and writes are split by the host.
 pub const FILE_CHUNK: u64 = 1 << 20;
 /// Protocol version, exchanged in `Hello`. 2 added `WriteStaged`, `AbortWrite` and
-/// `RemoveFile`; everything of 1 is unchanged, so a host speaks to either.
-pub const VERSION: u32 = 2;
+/// `RemoveFile`; 3 added `ExecSession`, `Stdin`, `CloseStdin` and `Resize` (interactive execs
+/// and terminals). Everything of 1 is unchanged, so a host speaks to any of them.
+pub const VERSION: u32 = 3;
 /// Oldest guest protocol a host still accepts.
 pub const MIN_VERSION: u32 = 1;
 /// Longest transfer id of a `WriteStaged`.
 pub const MAX_TRANSFER_ID: usize = 64;
 /// Staged writes a guest keeps open at once; more are refused.
 pub const MAX_STAGED_WRITES: usize = 16;
+/// Input requests (`Stdin`, `CloseStdin`, `Resize`) a guest holds per exec before it refuses
+/// more (protocol 3).
+pub const MAX_INPUT_QUEUE: usize = 64;
+/// Stdin payload bytes a guest holds per exec before it refuses more (protocol 3); a single
+/// `Stdin` larger than this is refused outright.
+pub const MAX_INPUT_BYTES: usize = 4 << 20;
+/// Largest `Stdin` payload a host sends: live input is split (or coalesced) to this.
+pub const STDIN_CHUNK: usize = 1 << 20;
 /// Name of the virtio-serial port the agent listens on (`/sys/class/virtio-ports/*/name`).
 pub const PORT_NAME: &str = "org.sandboxd.agent.0";
 
@@ -69,6 +92,33 @@ pub enum Request {
     /// Runs a command. Payload: its stdin. Answered by `Started`, `Output`*, then `Exited`
     /// (or `Error` when the request itself is bad).
     Exec(ExecRequest),
+    /// Runs a command as a session (protocol 3): as `Exec` — same payload (the first stdin bytes),
+    /// same answers — plus, when `interactive`, stdin stays open after the payload for the
+    /// `Stdin` / `CloseStdin` / `Resize` requests that follow; and with `tty: Some((rows, cols))`
+    /// the command runs on a new pseudo-terminal of that size in the guest's devpts: its stdin,
+    /// stdout and stderr are the terminal, which is its controlling terminal, and all its output
+    /// comes as the `stdout` stream (`stderr` stays empty). A terminal that is not interactive
+    /// gets the payload then its end-of-file character (Ctrl-D). A separate request rather than
+    /// two more fields of `Exec`, so an agent older than 3 refuses it (`BadRequest`) instead of
+    /// ignoring the unknown fields and running it without its terminal.
+    ExecSession {
+        exec: ExecRequest,
+        #[serde(default)]
+        tty: Option<(u16, u16)>,
+        #[serde(default)]
+        interactive: bool,
+    },
+    /// Bytes for the stdin of a running interactive exec (protocol 3). Payload: the bytes (on a
+    /// terminal, typed keys: `\x03` is Ctrl-C). Answered by `Ok` once they are written, or
+    /// `Error{NoSuchExec}`; see the module documentation for ordering and bounds.
+    Stdin { exec_id: String },
+    /// Closes the stdin of a running interactive exec (protocol 3): its pipe is closed (later
+    /// `Stdin` bytes are discarded), or a terminal gets its end-of-file character (Ctrl-D; a
+    /// terminal has no half-close). Answered like `Stdin`.
+    CloseStdin { exec_id: String },
+    /// Sets the size of a running interactive exec's terminal (protocol 3): the kernel sends its
+    /// foreground process group SIGWINCH. Ignored without a terminal. Answered like `Stdin`.
+    Resize { exec_id: String, rows: u16, cols: u16 },
     /// Sends a signal to every process of a running exec. Answered by `Ok` or `Error{NoSuchExec}`.
     Signal { exec_id: String, signal: i32 },
     /// Writes a file, creating parent directories. Payload: the bytes. `append = false` creates or
@@ -297,6 +347,8 @@ impl Decoder {
     }
 
     /// The next complete frame or garbage report, or `None` until more bytes arrive.
+    // Not an `Iterator`: `None` means "not yet", and the same decoder yields more after a push.
+    #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> Option<Decoded> {
         if self.buf.is_empty() {
             return None;
@@ -439,6 +491,50 @@ mod tests {
         let env: Envelope<Request> = serde_json::from_slice(v1).expect("v1 write_file");
         assert_eq!(env.msg, Request::WriteFile { path: "/f".into(), mode: 0o644, append: false });
         const { assert!(MIN_VERSION <= VERSION) };
+    }
+
+    #[test]
+    fn version_3_session_requests_round_trip_with_their_exact_shapes() {
+        let exec = ExecRequest {
+            exec_id: "ex-s".into(),
+            argv: vec!["sh".into()],
+            env: vec![],
+            workdir: "/".into(),
+            timeout_ms: 0,
+            max_output_bytes: 1 << 20,
+            io_drain_ms: 300,
+            stream: true,
+        };
+        let session = Request::ExecSession { exec: exec.clone(), tty: Some((24, 80)), interactive: true };
+        let json = serde_json::to_value(Envelope { id: 1, msg: &session }).expect("json");
+        assert_eq!(json["msg"]["type"], "exec_session");
+        assert_eq!(json["msg"]["tty"], serde_json::json!([24, 80]));
+        assert_eq!(json["msg"]["interactive"], true);
+        assert_eq!(json["msg"]["exec"]["exec_id"], "ex-s");
+        let resize = Request::Resize { exec_id: "ex-s".into(), rows: 50, cols: 132 };
+        assert_eq!(
+            serde_json::to_value(&resize).expect("json"),
+            serde_json::json!({"type": "resize", "exec_id": "ex-s", "rows": 50, "cols": 132})
+        );
+        assert_eq!(serde_json::to_value(Request::CloseStdin { exec_id: "e".into() }).expect("json"), serde_json::json!({"type": "close_stdin", "exec_id": "e"}));
+        assert_eq!(serde_json::to_value(Request::Stdin { exec_id: "e".into() }).expect("json"), serde_json::json!({"type": "stdin", "exec_id": "e"}));
+        for req in [session, resize, Request::Stdin { exec_id: "ex-s".into() }, Request::CloseStdin { exec_id: "ex-s".into() }] {
+            let mut d = Decoder::new();
+            d.push(&encode(4, &req, b"\x03typed").expect("encode"));
+            let Some(Decoded::Frame(f)) = d.next() else { panic!("no frame") };
+            assert_eq!(f.envelope::<Request>().expect("parse").msg, req);
+            assert_eq!(f.payload, b"\x03typed");
+        }
+        // `tty` and `interactive` may be left out: a plain exec, as a session.
+        let minimal = serde_json::json!({"type": "exec_session", "exec": serde_json::to_value(&exec).expect("json")});
+        let parsed: Request = serde_json::from_value(minimal).expect("defaults");
+        assert_eq!(parsed, Request::ExecSession { exec: exec.clone(), tty: None, interactive: false });
+        // A version-2 exec is unchanged.
+        let v2 = serde_json::json!({"type": "exec", "exec_id": "ex-s", "argv": ["sh"], "env": [], "workdir": "/", "timeout_ms": 0, "max_output_bytes": 1048576, "io_drain_ms": 300, "stream": true});
+        assert_eq!(serde_json::from_value::<Request>(v2).expect("v2 exec"), Request::Exec(exec));
+        // A bad size is refused at parse time, before reaching any terminal.
+        assert!(serde_json::from_value::<Request>(serde_json::json!({"type": "resize", "exec_id": "e", "rows": 70000, "cols": 1})).is_err());
+        const { assert!(MAX_INPUT_BYTES >= STDIN_CHUNK && MAX_INPUT_BYTES <= MAX_PAYLOAD as usize) };
     }
 
     #[test]

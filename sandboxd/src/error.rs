@@ -58,6 +58,7 @@ impl From<BackendError> for Error {
             BackendError::FileNotFound { path } => Error::FileNotFound(path),
             e @ BackendError::DiskFull { .. } => Error::ResourceExhausted(e.to_string()),
             e @ BackendError::UploadIncomplete { .. } => Error::Aborted(e.to_string()),
+            BackendError::Archive(e) => archive_error(e),
             e @ (BackendError::Io { .. } | BackendError::Internal(_)) => Error::Internal(e.to_string()),
         }
     }
@@ -67,5 +68,21 @@ impl From<StoreError> for Error {
     /// The state database failing is never the caller's fault.
     fn from(e: StoreError) -> Self {
         Error::Internal(e.to_string())
+    }
+}
+
+/// An archive's error: what the archive or its path got wrong is INVALID_ARGUMENT naming the
+/// entry, a limit or a full disk RESOURCE_EXHAUSTED, a missing source NOT_FOUND.
+fn archive_error(e: sandbox_exec::archive::ArchiveError) -> Error {
+    use sandbox_exec::archive::ArchiveError as A;
+    match e {
+        A::NotFound { path } => Error::FileNotFound(path),
+        e @ A::Limit { .. } => Error::ResourceExhausted(format!("archive: {e}")),
+        A::Io { path, source } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
+            Error::ResourceExhausted(format!("the sandbox's disk is full (disk_bytes reached) writing {path}"))
+        }
+        A::Io { path, source } if source.kind() == std::io::ErrorKind::ConnectionAborted => Error::Aborted(format!("archive: the upload broke off at {path}: {source}")),
+        e @ A::Io { .. } => Error::Internal(format!("archive: {e}")),
+        e @ (A::Unsafe { .. } | A::Unsupported { .. } | A::NotADirectory { .. } | A::Malformed { .. }) => Error::invalid("archive", e.to_string()),
     }
 }

@@ -300,6 +300,8 @@ pub enum OutputChunk {
 /// ended (the last event; boxed, as it is much larger than a chunk and comes once).
 #[derive(Debug, Clone)]
 pub enum ExecEvent {
+    /// The command runs (sessions report it first, so the client learns the exec's id).
+    Started(ExecId),
     Output(OutputChunk),
     Ended(Box<ExecRecord>),
 }

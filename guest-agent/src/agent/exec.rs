@@ -1,11 +1,18 @@
-//! One `Exec`, from request to final record, on the request's own thread.
+//! One `Exec` (or `ExecSession`), from request to final record, on the request's own thread.
 //!
 //! The recipe mirrors the process tier: make the exec's cgroup, fork a child that joins it and
-//! execs (see [`super::spawn`]), say `Started`, then one poll loop feeds stdin, captures both
-//! output streams (streaming them when asked) and watches for the exit, the timeout and — after
-//! the exit — the bounded wait for pipes a background process may hold open. A background process
-//! the command left running is the user's and lives on (as on the other tiers): its cgroup is
-//! kept and removed once it is empty. A timeout or a kill takes the whole tree.
+//! execs (see [`sandbox_exec::spawn`]), say `Started`, then one poll loop feeds stdin, captures
+//! both output streams (streaming them when asked) and watches for the exit, the timeout and —
+//! after the exit — the bounded wait for pipes a background process may hold open. A background
+//! process the command left running is the user's and lives on (as on the other tiers): its
+//! cgroup is kept and removed once it is empty. A timeout or a kill takes the whole tree.
+//!
+//! A session differs in two places only. With a terminal, the command's stdio is the slave side
+//! of a pseudo-terminal opened in the guest's devpts (its controlling terminal), and the poll
+//! loop reads the master side as the one `stdout` stream (EIO there is the end of file). When
+//! interactive, stdin is not written by the poll loop but by a [`Feed`] of the exec's own, which
+//! the `Stdin` / `CloseStdin` / `Resize` requests reach through [`Running::input`] until the main
+//! process ends.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -21,6 +28,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use super::cgroup::{ExecCgroup, SandboxCgroup, Usage};
 use super::console::log;
 use super::files::Files;
+use super::input::{Answer, Feed, Input, StopOnDrop, Target};
 use super::reaper::{ChildExit, Reaper};
 use sandbox_exec::spawn::{self, describe_failure, ChildFds, Command, Stage};
 use super::RequestError;
@@ -33,6 +41,8 @@ const MAX_CAPTURE: u64 = 16 << 20;
 /// How long a killed exec may take to be reported dead.
 const KILL_GRACE: Duration = Duration::from_secs(5);
 const MAX_EXEC_ID: usize = 128;
+/// The `ptmx` of the devpts the guest mounts at boot: where an exec's terminal is opened.
+const PTMX: &str = "/dev/pts/ptmx";
 
 /// Execs in progress, by exec id, for `Signal` and to refuse a duplicate id.
 #[derive(Default)]
@@ -51,6 +61,20 @@ impl Running {
                 true
             }
             None => false,
+        }
+    }
+
+    /// Queues live input (request `id`) for the running interactive exec `exec_id`; its writer
+    /// answers it. An error is for the caller to answer: `NoSuchExec` when there is no such exec
+    /// (any more), `BadRequest` when it is not interactive or its queue is full.
+    pub fn input(&self, id: u64, exec_id: &str, input: Input) -> Result<(), RequestError> {
+        let group = self.execs.lock().unwrap_or_else(|p| p.into_inner()).get(exec_id).cloned().flatten();
+        let Some(group) = group else {
+            return Err(RequestError::new(ErrorKind::NoSuchExec, format!("no running exec {exec_id}")));
+        };
+        match group.input.get() {
+            Some(feed) => feed.push(id, input),
+            None => Err(RequestError::new(ErrorKind::BadRequest, format!("exec {exec_id} is not interactive: its stdin was only the request's payload"))),
         }
     }
 
@@ -88,6 +112,8 @@ struct Group {
     cgroup: Option<ExecCgroup>,
     /// The main process, which leads its session and process group; 0 until forked.
     pid: Mutex<i32>,
+    /// The stdin writer of an interactive exec, set before the command starts.
+    input: std::sync::OnceLock<Arc<Feed>>,
 }
 
 impl Group {
@@ -229,6 +255,17 @@ pub struct Env<'a> {
     /// Always present in the guest; `None` only in unit tests, which cannot make cgroups.
     pub cgroup: Option<&'a SandboxCgroup>,
     pub running: &'a Running,
+    /// Answers requests other than the exec's own (the input requests of an interactive exec).
+    pub answer: Answer,
+}
+
+/// How the command's stdin and terminal work (all off for a plain `Exec`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Session {
+    /// Run on a new pseudo-terminal of (rows, cols).
+    pub tty: Option<(u16, u16)>,
+    /// Stdin stays open after the payload, for `Stdin` / `CloseStdin` / `Resize`.
+    pub interactive: bool,
 }
 
 /// The final record and its payload (captured stdout, then stderr).
@@ -261,10 +298,11 @@ fn set_nonblocking(fd: &OwnedFd) {
 }
 
 /// Runs `req` to its end. `send` delivers `Started` and `Output` frames.
-pub fn run(env: &Env<'_>, req: &ExecRequest, stdin: Vec<u8>, send: &dyn Fn(&Response, &[u8])) -> Result<Finished, RequestError> {
+pub fn run(env: &Env<'_>, req: &ExecRequest, session: Session, stdin: Vec<u8>, send: &dyn Fn(&Response, &[u8])) -> Result<Finished, RequestError> {
     validate_exec_id(&req.exec_id)?;
     sweep_leftovers();
     let cmd = match Command::new(&req.argv, &req.env, &req.workdir) {
+        Ok(c) if session.tty.is_some() => c.on_terminal(),
         Ok(c) => c,
         Err(why) => {
             let (code, _) = describe_failure(Stage::Setup, nix::errno::Errno::EINVAL, "", "");
@@ -276,35 +314,74 @@ pub fn run(env: &Env<'_>, req: &ExecRequest, stdin: Vec<u8>, send: &dyn Fn(&Resp
         Some(sandbox) => Some(sandbox.create_exec(&req.exec_id).map_err(|e| RequestError::new(ErrorKind::Internal, e.to_string()))?),
         None => None,
     };
-    let group = Arc::new(Group { cgroup, pid: Mutex::new(0) });
+    let group = Arc::new(Group { cgroup, pid: Mutex::new(0), input: std::sync::OnceLock::new() });
     reservation.set(group.clone());
-    let result = run_in_group(env, req, &cmd, &group, stdin, send);
+    let result = run_in_group(env, req, session, &cmd, &group, stdin, send);
     // The exec leaves `Running` first, then its cgroup goes (dropping the last `Group`).
     drop(reservation);
     drop(group);
     result
 }
 
-fn run_in_group(env: &Env<'_>, req: &ExecRequest, cmd: &Command, group: &Arc<Group>, stdin: Vec<u8>, send: &dyn Fn(&Response, &[u8])) -> Result<Finished, RequestError> {
+/// A descriptor of its own on `fd`'s open file (a terminal's master, for its stdin writer).
+fn dup(fd: &OwnedFd) -> Result<OwnedFd, RequestError> {
+    fd.try_clone().map_err(|e| RequestError::new(ErrorKind::Internal, format!("dup: {e}")))
+}
+
+fn run_in_group(env: &Env<'_>, req: &ExecRequest, session: Session, cmd: &Command, group: &Arc<Group>, stdin: Vec<u8>, send: &dyn Fn(&Response, &[u8])) -> Result<Finished, RequestError> {
     // The sandbox's workdir was made at Configure; a missing per-exec workdir is a start failure
     // reported by the child's chdir, as on the other tiers.
     let procs = match &group.cgroup {
         Some(cg) => Some(cg.procs_file().map_err(|e| RequestError::new(ErrorKind::Internal, e.to_string()))?),
         None => None,
     };
-    let (stdin_r, stdin_w) = pipe()?;
-    let (stdout_r, stdout_w) = pipe()?;
-    let (stderr_r, stderr_w) = pipe()?;
+    // The command's stdio (0, 1, 2: only the child keeps them), where its stdin is written and
+    // where its output is read: three pipes, or a terminal whose slave is all three of the
+    // command's and whose master is both of ours.
+    let (theirs, stdin_to, stdout_r, stderr_r) = match session.tty {
+        None => {
+            let (stdin_r, stdin_w) = pipe()?;
+            let (stdout_r, stdout_w) = pipe()?;
+            let (stderr_r, stderr_w) = pipe()?;
+            (vec![stdin_r, stdout_w, stderr_w], Target::Pipe(stdin_w), stdout_r, Some(stderr_r))
+        }
+        Some((rows, cols)) => match sandbox_exec::pty::open(PTMX, rows, cols) {
+            Ok((master, slave)) => (vec![slave], Target::Terminal(dup(&master)?), master, None),
+            Err(e) => {
+                let (code, _) = describe_failure(Stage::Setup, e, &req.argv[0], &req.workdir);
+                return Ok(spawn_failed(code, format!("cannot open a terminal for {}: {}", req.argv[0], e.desc())));
+            }
+        },
+    };
+    // Stdin: the payload written by the poll loop then closed (a plain exec), or everything
+    // written by the writer of an interactive exec — started before the command, so a failure
+    // leaves nothing running, and registered before `Started`, after which the host may send
+    // input. The writer stops when the main process ends, or when this handler ends anyhow.
+    let (plain_stdin, feed) = if session.interactive {
+        let feed = Feed::start(&req.exec_id, stdin_to, stdin, env.answer.clone())?;
+        let _ = group.input.set(feed.clone());
+        (None, Some(StopOnDrop(feed)))
+    } else {
+        let plain = match stdin_to {
+            // No stdin: the pipe closes right here, so the command reads EOF at once.
+            Target::Pipe(w) => (!stdin.is_empty()).then_some((w, stdin, 0)),
+            // A terminal has no half-close: the payload, then its end-of-file character.
+            Target::Terminal(w) => {
+                let mut bytes = stdin;
+                bytes.push(sandbox_exec::pty::VEOF);
+                Some((w, bytes, 0))
+            }
+        };
+        (plain, None)
+    };
     let (err_r, err_w) = pipe()?;
     let procs_fds: Vec<_> = procs.iter().map(|f| f.as_raw_fd()).collect();
-    let fds = ChildFds {
-        stdio: [stdin_r.as_raw_fd(), stdout_w.as_raw_fd(), stderr_w.as_raw_fd()],
-        cgroup_procs: &procs_fds,
-        err_w: err_w.as_raw_fd(),
-    };
+    let fd = |i: usize| theirs[i.min(theirs.len() - 1)].as_raw_fd();
+    let fds = ChildFds { stdio: [fd(0), fd(1), fd(2)], cgroup_procs: &procs_fds, err_w: err_w.as_raw_fd() };
     let spawned = Reaper::global().spawn(|| spawn::child(cmd, &fds));
-    // Only the child keeps these: EOF on the pipes then means "every writer is gone".
-    drop((stdin_r, stdout_w, stderr_w, err_w, procs));
+    // Only the child keeps these: EOF on the pipes (EIO on the terminal's master) then means
+    // "every writer is gone".
+    drop((theirs, err_w, procs));
     let (pid, watch) = match spawned {
         Ok(s) => s,
         Err(e) => {
@@ -326,18 +403,12 @@ fn run_in_group(env: &Env<'_>, req: &ExecRequest, cmd: &Command, group: &Arc<Gro
     let spill = |stream: &str| -> Option<Box<dyn SpillTarget>> {
         Some(Box::new(GuestSpill { files: env.files.clone(), path: format!("{SPILL_DIR}/{}.{stream}", req.exec_id) }))
     };
-    // No stdin: close the pipe now, so the command reads EOF at once.
-    let stdin = if stdin.is_empty() {
-        drop(stdin_w);
-        None
-    } else {
-        Some((stdin_w, stdin, 0))
-    };
     let mut io = Io {
-        stdin,
+        stdin: plain_stdin,
         outputs: [
             Some(Output { fd: stdout_r, stream: Stream::Stdout, capture: OutputCapture::new(cap, spill("stdout")) }),
-            Some(Output { fd: stderr_r, stream: Stream::Stderr, capture: OutputCapture::new(cap, spill("stderr")) }),
+            // None on a terminal: everything the command writes there is one stream, as stdout.
+            stderr_r.map(|fd| Output { fd, stream: Stream::Stderr, capture: OutputCapture::new(cap, spill("stderr")) }),
         ],
         finished: Vec::new(),
         stream: req.stream,
@@ -378,8 +449,11 @@ fn run_in_group(env: &Env<'_>, req: &ExecRequest, cmd: &Command, group: &Arc<Gro
                 let ended = ChildExit::read(&w);
                 duration = ended.map(|(_, at)| at.saturating_duration_since(t0)).unwrap_or_else(|| t0.elapsed());
                 exit = ended.map(|(e, _)| e);
-                // Its stdin is of no use any more.
+                // Its stdin is of no use any more; input arriving from now on is refused.
                 io.stdin = None;
+                if let Some(StopOnDrop(feed)) = &feed {
+                    feed.stop();
+                }
                 drain_until = Some(Instant::now() + Duration::from_millis(req.io_drain_ms));
             }
         }

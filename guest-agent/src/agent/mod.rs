@@ -2,7 +2,10 @@
 //! host's requests ([`guest_agent::protocol`]) on a virtio-serial port ([`port`]).
 //!
 //! One reader turns the byte stream into frames; every request runs on its own thread (execs run
-//! concurrently) and answers through the shared [`Conn`], whose lock keeps each frame whole. What
+//! concurrently) and answers through the shared [`Conn`], whose lock keeps each frame whole —
+//! except the live input of interactive execs (`Stdin`, `CloseStdin`, `Resize`), which the
+//! reader hands, in arrival order, to the exec's own writer ([`input`]): stdin bytes must not
+//! race each other on separate threads. What
 //! the host sends is never trusted: garbage and malformed headers are answered with
 //! `Error{BadRequest}`, a panic while handling a request with `Error{Internal}`, and the agent
 //! goes on — PID 1 must never exit.
@@ -12,6 +15,7 @@ pub mod cgroup;
 pub mod console;
 pub mod exec;
 pub mod files;
+pub mod input;
 pub mod machine;
 pub mod port;
 pub mod reaper;
@@ -104,19 +108,40 @@ impl Agent {
             }
         };
         let id = envelope.id;
-        let (agent, thread_conn) = (self.clone(), conn.clone());
         let payload = frame.payload;
+        // Live input is queued here, on the reader, so it keeps the order it was sent in; the
+        // exec's writer answers it. Only a refusal is answered from here (on a thread: the
+        // reader must not wait on the host).
+        let input = match envelope.msg {
+            Request::Stdin { exec_id } => Some((exec_id, input::Input::Bytes(payload))),
+            Request::CloseStdin { exec_id } => Some((exec_id, input::Input::Close)),
+            Request::Resize { exec_id, rows, cols } => Some((exec_id, input::Input::Resize { rows, cols })),
+            msg => {
+                self.spawn_handler(id, msg, payload, conn);
+                None
+            }
+        };
+        if let Some((exec_id, input)) = input {
+            if let Err(e) = self.running.input(id, &exec_id, input) {
+                answer_later(id, Response::Error { kind: e.kind, message: e.message }, conn);
+            }
+        }
+    }
+
+    /// Handles a request on a thread of its own.
+    fn spawn_handler(self: &Arc<Self>, id: u64, msg: Request, payload: Vec<u8>, conn: &Arc<Conn>) {
+        let (agent, thread_conn) = (self.clone(), conn.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("req-{id}"))
             .stack_size(REQUEST_STACK)
-            .spawn(move || agent.handle(id, envelope.msg, payload, &thread_conn));
+            .spawn(move || agent.handle(id, msg, payload, &thread_conn));
         if let Err(e) = spawned {
             conn.send(id, &Response::Error { kind: ErrorKind::Internal, message: format!("cannot start a thread for the request: {e}") }, &[]);
         }
     }
 
     /// Answers one request with its final frame, whatever happens while handling it.
-    fn handle(&self, id: u64, req: Request, payload: Vec<u8>, conn: &Conn) {
+    fn handle(&self, id: u64, req: Request, payload: Vec<u8>, conn: &Arc<Conn>) {
         if req == Request::Shutdown {
             conn.send(id, &Response::Ok, &[]);
             self.machine.power_off();
@@ -135,7 +160,7 @@ impl Agent {
         conn.send(id, &resp, &payload);
     }
 
-    fn dispatch(&self, id: u64, req: Request, payload: Vec<u8>, conn: &Conn) -> Result<(Response, Vec<u8>), RequestError> {
+    fn dispatch(&self, id: u64, req: Request, payload: Vec<u8>, conn: &Arc<Conn>) -> Result<(Response, Vec<u8>), RequestError> {
         let ok = Ok((Response::Ok, Vec::new()));
         match req {
             Request::Hello => Ok((Response::Hello { version: VERSION, kernel: machine::kernel_release(), uptime_ms: machine::uptime_ms() }, Vec::new())),
@@ -151,12 +176,11 @@ impl Agent {
                 }
                 ok
             }
-            Request::Exec(req) => {
-                let env = exec::Env { files: &self.files, cgroup: self.cgroup.as_ref(), running: &self.running };
-                let send = |resp: &Response, bytes: &[u8]| conn.send(id, resp, bytes);
-                let (exit, out) = exec::run(&env, &req, payload, &send)?;
-                persist();
-                Ok((Response::Exited(exit), out))
+            Request::Exec(req) => self.exec(id, &req, exec::Session::default(), payload, conn),
+            Request::ExecSession { exec, tty, interactive } => self.exec(id, &exec, exec::Session { tty, interactive }, payload, conn),
+            // Queued by the reader (`on_event`); never handled on a thread of their own.
+            Request::Stdin { .. } | Request::CloseStdin { .. } | Request::Resize { .. } => {
+                Err(RequestError::new(ErrorKind::Internal, "exec input reached a request thread"))
             }
             Request::Signal { exec_id, signal } => {
                 if !(1..=64).contains(&signal) {
@@ -198,6 +222,27 @@ impl Agent {
             // Answered in `handle`, before the power goes.
             Request::Shutdown => ok,
         }
+    }
+
+    /// Runs an exec (request `id`) to its final record.
+    fn exec(&self, id: u64, req: &guest_agent::protocol::ExecRequest, session: exec::Session, payload: Vec<u8>, conn: &Arc<Conn>) -> Result<(Response, Vec<u8>), RequestError> {
+        let answer_conn = conn.clone();
+        let answer: input::Answer = Arc::new(move |id, resp: &Response, bytes: &[u8]| answer_conn.send(id, resp, bytes));
+        let env = exec::Env { files: &self.files, cgroup: self.cgroup.as_ref(), running: &self.running, answer };
+        let send = |resp: &Response, bytes: &[u8]| conn.send(id, resp, bytes);
+        let (exit, out) = exec::run(&env, req, session, payload, &send)?;
+        persist();
+        Ok((Response::Exited(exit), out))
+    }
+}
+
+/// Sends `resp` to request `id` from a short-lived thread, so the caller (the reader) never
+/// waits for a host that reads slowly; inline only when no thread can be made.
+fn answer_later(id: u64, resp: Response, conn: &Arc<Conn>) {
+    let (thread_conn, thread_resp) = (conn.clone(), resp.clone());
+    let spawned = std::thread::Builder::new().name(format!("ans-{id}")).stack_size(REQUEST_STACK).spawn(move || thread_conn.send(id, &thread_resp, &[]));
+    if spawned.is_err() {
+        conn.send(id, &resp, &[]);
     }
 }
 

@@ -50,6 +50,8 @@ struct Host {
     next_id: u64,
     root: tempfile::TempDir,
     machine: Arc<FakeMachine>,
+    /// Frames read while waiting for another request's, by request id.
+    held: Vec<(u64, Response, Vec<u8>)>,
 }
 
 impl Host {
@@ -70,7 +72,7 @@ impl Host {
             }
         });
         host.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
-        Host { stream: host, decoder: Decoder::new(), next_id: 1, root, machine }
+        Host { stream: host, decoder: Decoder::new(), next_id: 1, root, machine, held: Vec::new() }
     }
 
     fn send(&mut self, req: &Request, payload: &[u8]) -> u64 {
@@ -115,6 +117,51 @@ impl Host {
                 r => before.push((r, bytes)),
             }
         }
+    }
+}
+
+impl Host {
+    /// The next frame of request `id`; frames of other requests read meanwhile are held.
+    fn recv_for(&mut self, id: u64) -> (Response, Vec<u8>) {
+        if let Some(at) = self.held.iter().position(|(got, _, _)| *got == id) {
+            let (_, resp, bytes) = self.held.remove(at);
+            return (resp, bytes);
+        }
+        loop {
+            let (got, resp, bytes) = self.recv();
+            if got == id {
+                return (resp, bytes);
+            }
+            self.held.push((got, resp, bytes));
+        }
+    }
+
+    /// Starts a session exec and waits for `Started`.
+    fn start_session(&mut self, req: ExecRequest, tty: Option<(u16, u16)>, interactive: bool, stdin: &[u8]) -> u64 {
+        let id = self.send(&Request::ExecSession { exec: req, tty, interactive }, stdin);
+        let (resp, _) = self.recv_for(id);
+        assert_eq!(resp, Response::Started);
+        id
+    }
+
+    /// The rest of exec `id`: its `Output` bytes (all stdout on a terminal), final record and
+    /// payload.
+    fn finish(&mut self, id: u64) -> (Vec<u8>, ExecExit, Vec<u8>) {
+        let mut streamed = Vec::new();
+        loop {
+            match self.recv_for(id) {
+                (Response::Output { stream }, bytes) => {
+                    assert_eq!(stream, Stream::Stdout, "a terminal has one stream");
+                    streamed.extend_from_slice(&bytes);
+                }
+                (Response::Exited(exit), payload) => return (streamed, exit, payload),
+                (other, _) => panic!("exec answered {other:?}"),
+            }
+        }
+    }
+
+    fn input(&mut self, exec_id: &str, bytes: &[u8]) -> u64 {
+        self.send(&Request::Stdin { exec_id: exec_id.into() }, bytes)
     }
 }
 
@@ -486,4 +533,173 @@ fn a_host_that_reads_slowly_does_not_stretch_the_timeout() {
     assert!(exit.duration_ms < 1200, "the command ran {} ms", exit.duration_ms);
     let (resp, _) = host.call(&Request::Signal { exec_id: "ex-yes".into(), signal: 9 }, b"");
     assert!(matches!(resp, Response::Error { kind: ErrorKind::NoSuchExec, .. }), "an ended exec is gone: {resp:?}");
+}
+
+#[test]
+fn an_interactive_exec_reads_stdin_sent_after_it_started() {
+    let mut host = Host::start();
+    let id = host.start_session(exec_req("ex-read", &["sh", "-c", "read l; echo got:$l"]), None, true, b"");
+    let typed = host.input("ex-read", b"hello\n");
+    assert_eq!(host.recv_for(typed).0, Response::Ok);
+    let (_, exit, payload) = host.finish(id);
+    assert_eq!((exit.status, exit.exit_code), (ExitStatus::Exited, 0), "{}", exit.error);
+    assert_eq!(stdout_of(&exit, &payload), b"got:hello\n");
+    // The exec is gone: its input is refused, as is input for an exec that never was.
+    let late = host.input("ex-read", b"late\n");
+    assert!(matches!(host.recv_for(late).0, Response::Error { kind: ErrorKind::NoSuchExec, .. }));
+    let (resp, _) = host.call(&Request::CloseStdin { exec_id: "ex-nobody".into() }, b"");
+    assert!(matches!(resp, Response::Error { kind: ErrorKind::NoSuchExec, .. }), "{resp:?}");
+}
+
+#[test]
+fn interactive_stdin_keeps_its_order_after_the_payload_and_closes_on_request() {
+    let mut host = Host::start();
+    let id = host.start_session(exec_req("ex-cat", &["cat"]), None, true, b"payload;");
+    // Sent without waiting for the answers: they are applied, and answered, in order.
+    let mut sent = Vec::new();
+    for i in 0..50 {
+        sent.push(host.input("ex-cat", format!("{i};").as_bytes()));
+    }
+    sent.push(host.send(&Request::Resize { exec_id: "ex-cat".into(), rows: 10, cols: 10 }, b""));
+    sent.push(host.send(&Request::CloseStdin { exec_id: "ex-cat".into() }, b""));
+    let (_, exit, payload) = host.finish(id);
+    let expected: String = std::iter::once("payload;".to_string()).chain((0..50).map(|i| format!("{i};"))).collect();
+    assert_eq!((exit.status, exit.exit_code), (ExitStatus::Exited, 0));
+    assert_eq!(String::from_utf8_lossy(stdout_of(&exit, &payload)), expected, "cat ended at the close");
+    let answers: Vec<u64> = std::iter::from_fn(|| host.held.first().map(|(id, _, _)| *id).inspect(|_| {
+        let (_, resp, _) = host.held.remove(0);
+        assert_eq!(resp, Response::Ok);
+    })).collect();
+    assert_eq!(answers, sent, "one Ok each, in the order sent");
+}
+
+#[test]
+fn a_plain_exec_takes_no_live_input() {
+    let mut host = Host::start();
+    let id = host.send(&Request::Exec(exec_req("ex-plain", &["sleep", "30"])), b"");
+    assert_eq!(host.recv_for(id).0, Response::Started);
+    let typed = host.input("ex-plain", b"x");
+    assert!(matches!(host.recv_for(typed).0, Response::Error { kind: ErrorKind::BadRequest, .. }));
+    let kill = host.send(&Request::Signal { exec_id: "ex-plain".into(), signal: 9 }, b"");
+    assert_eq!(host.recv_for(kill).0, Response::Ok);
+    let (_, exit, _) = host.finish(id);
+    assert_eq!(exit.status, ExitStatus::Signaled);
+}
+
+#[test]
+fn a_flooded_input_queue_is_refused_and_the_end_answers_what_was_queued() {
+    let mut host = Host::start();
+    // `sleep` never reads: the pipe fills (64 KiB into the first chunk), then the guest's queue
+    // (16 chunks of 256 KiB make its 4 MiB), then input is refused at once.
+    let id = host.start_session(exec_req("ex-deaf", &["sleep", "30"]), None, true, b"");
+    let chunk = vec![b'z'; 256 << 10];
+    let sent: Vec<u64> = (0..40).map(|_| host.input("ex-deaf", &chunk)).collect();
+    let mut refused = Vec::new();
+    while refused.len() < 22 {
+        let (got, resp, bytes) = host.recv();
+        match resp {
+            Response::Error { kind: ErrorKind::BadRequest, message } if sent.contains(&got) => {
+                assert!(message.contains("full"), "{message}");
+                refused.push(got);
+            }
+            other => host.held.push((got, other, bytes)),
+        }
+    }
+    let kill = host.send(&Request::Signal { exec_id: "ex-deaf".into(), signal: 9 }, b"");
+    assert_eq!(host.recv_for(kill).0, Response::Ok);
+    let (_, exit, _) = host.finish(id);
+    assert_eq!(exit.status, ExitStatus::Signaled);
+    // Every input request is answered exactly once: refused at once, or — never read by the
+    // command — told the exec ended, or `Ok` for bytes discarded once the killed command's end
+    // of the pipe was gone (EPIPE) before the writer was stopped.
+    let mut ended = 0;
+    let rest: Vec<u64> = sent.iter().copied().filter(|s| !refused.contains(s)).collect();
+    for s in rest {
+        match host.recv_for(s).0 {
+            Response::Error { kind: ErrorKind::BadRequest, .. } => refused.push(s),
+            Response::Error { kind: ErrorKind::NoSuchExec, .. } | Response::Ok => ended += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!((16..=18).contains(&ended), "{ended} were queued (or being written), {} refused", refused.len());
+    assert_eq!(ended + refused.len(), sent.len());
+    assert!(host.held.is_empty(), "{:?}", host.held);
+}
+
+#[test]
+fn a_terminal_exec_is_on_a_tty_and_its_output_is_one_stream() {
+    let mut host = Host::start();
+    let mut req = exec_req("ex-tty", &["sh", "-c", "test -t 0 && test -t 1 && test -t 2 && echo on-a-tty; echo to-stderr >&2; read l; echo got:$l"]);
+    req.stream = true;
+    let id = host.start_session(req, Some((24, 80)), true, b"");
+    let typed = host.input("ex-tty", b"hi\n");
+    assert_eq!(host.recv_for(typed).0, Response::Ok);
+    let (streamed, exit, payload) = host.finish(id);
+    assert_eq!((exit.status, exit.exit_code), (ExitStatus::Exited, 0), "{}", exit.error);
+    let out = String::from_utf8_lossy(stdout_of(&exit, &payload)).to_string();
+    assert_eq!(streamed, stdout_of(&exit, &payload), "streamed and captured alike");
+    // A terminal turns "\n" into "\r\n", and echoes what is typed.
+    assert!(out.contains("on-a-tty\r\n"), "{out:?}");
+    assert!(out.contains("to-stderr\r\n"), "{out:?}");
+    assert!(out.contains("hi\r\n"), "the echo: {out:?}");
+    assert!(out.contains("got:hi\r\n"), "{out:?}");
+    assert_eq!(exit.stderr.len, 0);
+    assert!(stderr_of(&exit, &payload).is_empty());
+}
+
+#[test]
+fn ctrl_c_on_the_terminal_interrupts_the_foreground_command() {
+    let mut host = Host::start();
+    let t0 = Instant::now();
+    let id = host.start_session(exec_req("ex-intr", &["sleep", "100"]), Some((24, 80)), true, b"");
+    let typed = host.input("ex-intr", b"\x03");
+    let (_, exit, _) = host.finish(id);
+    assert_eq!((exit.status, exit.exit_code, exit.signal), (ExitStatus::Signaled, 130, libc::SIGINT), "{}", exit.error);
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert_eq!(host.recv_for(typed).0, Response::Ok);
+}
+
+#[test]
+fn a_terminal_is_resized_in_order_and_ctrl_d_closes_its_input() {
+    let mut host = Host::start();
+    let mut req = exec_req("ex-size", &["sh", "-c", "stty size; read l; stty size; cat; echo cat-done"]);
+    req.stream = true;
+    let id = host.start_session(req, Some((24, 80)), true, b"");
+    // The size it started with, before it is changed.
+    let mut out = Vec::new();
+    while !String::from_utf8_lossy(&out).contains("24 80") {
+        match host.recv_for(id) {
+            (Response::Output { .. }, bytes) => out.extend_from_slice(&bytes),
+            other => panic!("{other:?}"),
+        }
+    }
+    let resize = host.send(&Request::Resize { exec_id: "ex-size".into(), rows: 30, cols: 100 }, b"");
+    let line = host.input("ex-size", b"\n");
+    let more = host.input("ex-size", b"more\n");
+    let close = host.send(&Request::CloseStdin { exec_id: "ex-size".into() }, b"");
+    let (streamed, exit, payload) = host.finish(id);
+    out.extend_from_slice(&streamed);
+    assert_eq!((exit.status, exit.exit_code), (ExitStatus::Exited, 0), "{}", exit.error);
+    assert_eq!(out, stdout_of(&exit, &payload));
+    let out = String::from_utf8_lossy(&out).to_string();
+    let second = out.find("30 100").expect("the new size, applied before the line that follows it");
+    let done = out.find("cat-done").expect("cat ended at the Ctrl-D");
+    assert!(second < done, "{out:?}");
+    assert!(out[second..done].contains("more"), "cat's copy: {out:?}");
+    for req in [resize, line, more, close] {
+        assert_eq!(host.recv_for(req).0, Response::Ok);
+    }
+}
+
+#[test]
+fn a_terminal_exec_that_is_not_interactive_gets_its_payload_then_end_of_file() {
+    let mut host = Host::start();
+    let req = exec_req("ex-tty-plain", &["sh", "-c", "test -t 0 && echo tty; cat; echo cat-done"]);
+    let id = host.start_session(req, Some((5, 40)), false, b"payload\n");
+    let (_, exit, payload) = host.finish(id);
+    assert_eq!((exit.status, exit.exit_code), (ExitStatus::Exited, 0), "{}", exit.error);
+    let out = String::from_utf8_lossy(stdout_of(&exit, &payload)).to_string();
+    assert!(out.contains("tty\r\n") && out.contains("payload\r\n") && out.ends_with("cat-done\r\n"), "{out:?}");
+    let typed = host.input("ex-tty-plain", b"x");
+    assert!(matches!(host.recv_for(typed).0, Response::Error { kind: ErrorKind::NoSuchExec, .. }));
 }

@@ -147,14 +147,28 @@ pub fn exec_result(record: &ExecRecord, with_output: bool) -> pb::ExecResult {
 
 /// Core exec stream event → proto. The record that ends a stream carries no output: it was
 /// streamed before it.
-pub fn exec_event(event: Result<ExecEvent, Error>) -> Result<pb::ExecEvent, Status> {
+pub fn exec_event(event: Result<ExecEvent, Error>) -> Result<Option<pb::ExecEvent>, Status> {
     let event = match event? {
         // `Vec::from` takes the bytes without a copy when the chunk is their only owner.
         ExecEvent::Output(OutputChunk::Stdout(b)) => pb::exec_event::Event::Stdout(Vec::from(b)),
         ExecEvent::Output(OutputChunk::Stderr(b)) => pb::exec_event::Event::Stderr(Vec::from(b)),
         ExecEvent::Ended(record) => pb::exec_event::Event::Result(exec_result(&record, false)),
+        // ExecStream has no such event (only sessions report it).
+        ExecEvent::Started(_) => return Ok(None),
     };
-    Ok(pb::ExecEvent { event: Some(event) })
+    Ok(Some(pb::ExecEvent { event: Some(event) }))
+}
+
+/// Core session event → proto.
+pub fn session_event(event: Result<ExecEvent, Error>) -> Result<pb::ExecSessionEvent, Status> {
+    use pb::exec_session_event::Event;
+    let event = match event? {
+        ExecEvent::Started(id) => Event::Started(pb::ExecStarted { exec_id: id.to_string() }),
+        ExecEvent::Output(OutputChunk::Stdout(b)) => Event::Stdout(Vec::from(b)),
+        ExecEvent::Output(OutputChunk::Stderr(b)) => Event::Stderr(Vec::from(b)),
+        ExecEvent::Ended(record) => Event::Result(exec_result(&record, false)),
+    };
+    Ok(pb::ExecSessionEvent { event: Some(event) })
 }
 
 /// ListExecsRequest → core.

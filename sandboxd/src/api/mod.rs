@@ -5,6 +5,7 @@
 pub mod auth;
 mod convert;
 mod status;
+mod streams;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -37,6 +38,11 @@ impl Api {
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::ExecEvent, Status>> + Send>>;
+type SessionStream = Pin<Box<dyn Stream<Item = Result<pb::ExecSessionEvent, Status>> + Send>>;
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<pb::DownloadChunk, Status>> + Send>>;
+
+/// How long a client-streaming call may take to send its first message.
+const FIRST_MESSAGE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What the audit line of a mutating call says besides tenant, RPC, status and duration.
 #[derive(Default)]
@@ -85,23 +91,47 @@ impl Api {
             Err(e) => Err(e.clone()),
         };
         if let Some(a) = audited {
-            let tenant = tenant.as_deref().unwrap_or("-");
-            let status = match &result {
-                Ok(_) => "OK",
-                Err(s) => code_name(s.code()),
-            };
-            self.audit.record(&AuditEntry {
-                tenant,
-                rpc,
-                sandbox_id: &a.sandbox_id,
-                argv: a.argv.as_deref(),
-                env: a.env,
-                detail: &a.detail,
-                status,
-                duration_ms: millis(started.elapsed()),
-            });
+            self.record(rpc, tenant.as_deref().ok(), &a, result.as_ref().err(), started);
         }
         result.map(Response::new)
+    }
+
+    /// [`Api::call`] for a client-streaming call whose first message says what it is about (an
+    /// upload's header, a session's command): that message is read first (within
+    /// [`FIRST_MESSAGE_DEADLINE`]; a stream without one is INVALID_ARGUMENT), the audit line is
+    /// made from it, and `f` gets it with the rest of the stream.
+    async fn call_streaming<M, R, F, Fut>(&self, rpc: &'static str, request: Request<tonic::Streaming<M>>, audit_of: impl FnOnce(&M) -> Audited, f: F) -> Result<Response<R>, Status>
+    where
+        F: FnOnce(String, M, tonic::Streaming<M>) -> Fut,
+        Fut: Future<Output = Result<R, Status>>,
+    {
+        let started = Instant::now();
+        let tenant = self.auth.tenant(&request)?;
+        let mut stream = request.into_inner();
+        let first = match tokio::time::timeout(FIRST_MESSAGE_DEADLINE, stream.message()).await {
+            Ok(Ok(Some(m))) => m,
+            Ok(Ok(None)) => return Err(Status::invalid_argument(format!("{rpc}: the stream ended before its first message"))),
+            Ok(Err(status)) => return Err(status),
+            Err(_) => return Err(Status::invalid_argument(format!("{rpc}: no first message within {} s", FIRST_MESSAGE_DEADLINE.as_secs()))),
+        };
+        let audited = audit_of(&first);
+        let result = f(tenant.clone(), first, stream).await;
+        self.record(rpc, Some(&tenant), &audited, result.as_ref().err(), started);
+        result.map(Response::new)
+    }
+
+    /// Writes the audit line of a mutating call.
+    fn record(&self, rpc: &'static str, tenant: Option<&str>, a: &Audited, error: Option<&Status>, started: Instant) {
+        self.audit.record(&AuditEntry {
+            tenant: tenant.unwrap_or("-"),
+            rpc,
+            sandbox_id: &a.sandbox_id,
+            argv: a.argv.as_deref(),
+            env: a.env.clone(),
+            detail: &a.detail,
+            status: error.map(|s| code_name(s.code())).unwrap_or("OK"),
+            duration_ms: millis(started.elapsed()),
+        });
     }
 
     fn audited_exec(&self, req: &pb::ExecRequest) -> Audited {
@@ -111,6 +141,22 @@ impl Api {
             env: self.audit.env(&req.env),
             detail: if req.background { "background".into() } else { String::new() },
         }
+    }
+}
+
+/// The audit line of an upload, from its header.
+fn upload_audit(first: &pb::UploadRequest) -> Audited {
+    match &first.item {
+        Some(pb::upload_request::Item::Header(h)) => Audited { sandbox_id: h.sandbox_id.clone(), detail: format!("path={}", h.path), ..Default::default() },
+        _ => Audited { detail: "upload without header".into(), ..Default::default() },
+    }
+}
+
+/// The header an upload stream must start with.
+fn upload_header(first: pb::UploadRequest) -> Result<pb::UploadHeader, Status> {
+    match first.item {
+        Some(pb::upload_request::Item::Header(h)) => Ok(h),
+        _ => Err(Status::invalid_argument("the first message of an upload must be `header`")),
     }
 }
 
@@ -168,7 +214,7 @@ impl SandboxService for Api {
         let audited = Some(self.audited_exec(request.get_ref()));
         self.call("ExecStream", request, audited, |tenant, req| async move {
             let events = self.manager.exec_stream(&tenant, exec_request(req))?;
-            Ok(Box::pin(events.map(convert::exec_event)) as EventStream)
+            Ok(Box::pin(events.filter_map(|e| std::future::ready(convert::exec_event(e).transpose()))) as EventStream)
         })
         .await
     }
@@ -250,4 +296,93 @@ impl SandboxService for Api {
         })
         .await
     }
+
+    type ExecSessionStream = SessionStream;
+
+    async fn exec_session(&self, request: Request<tonic::Streaming<pb::ExecSessionRequest>>) -> Result<Response<Self::ExecSessionStream>, Status> {
+        use pb::exec_session_request::Item;
+        let audit_of = |first: &pb::ExecSessionRequest| match &first.item {
+            Some(Item::Start(pb::ExecSessionStart { exec: Some(exec), tty, .. })) => {
+                let mut a = self.audited_exec(exec);
+                a.detail = if *tty { "session tty".into() } else { "session".into() };
+                a
+            }
+            _ => Audited { detail: "session without start".into(), ..Default::default() },
+        };
+        self.call_streaming("ExecSession", request, audit_of, |tenant, first, stream| async move {
+            let Some(Item::Start(start)) = first.item else {
+                return Err(Status::invalid_argument("the first message of an exec session must be `start`"));
+            };
+            let exec = start.exec.ok_or_else(|| Status::invalid_argument("invalid start.exec: missing"))?;
+            let tty = streams::terminal(start.tty, start.size)?;
+            let (started_tx, started_rx) = tokio::sync::watch::channel(None);
+            let input = streams::session_input(self.manager.clone(), tenant.clone(), stream, started_rx);
+            let events = self.manager.exec_session(&tenant, exec_request(exec), crate::manager::Session { input, tty })?;
+            let events = events.map(move |event| {
+                if let Ok(crate::model::ExecEvent::Started(id)) = &event {
+                    let _ = started_tx.send(Some(id.clone()));
+                }
+                convert::session_event(event)
+            });
+            Ok(Box::pin(events) as SessionStream)
+        })
+        .await
+    }
+
+    async fn upload_file(&self, request: Request<tonic::Streaming<pb::UploadRequest>>) -> Result<Response<pb::UploadFileResponse>, Status> {
+        self.call_streaming("UploadFile", request, upload_audit, |tenant, first, stream| async move {
+            let header = upload_header(first)?;
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let upload = self.manager.upload_file(&tenant, &header.sandbox_id, &header.path, header.mode, rx);
+            let (fed, written) = tokio::join!(streams::feed_upload(stream, tx), upload);
+            // The client's fault (broke off, bad checksum) names the problem better than the
+            // backend's "did not complete" that follows from it.
+            match (fed, written) {
+                (Ok(sha256), Ok(bytes_written)) => Ok(pb::UploadFileResponse { bytes_written, sha256 }),
+                (_, Err(e @ (crate::error::Error::InvalidArgument { .. } | crate::error::Error::ResourceExhausted(_) | crate::error::Error::FileNotFound(_)))) => Err(e.into()),
+                (Err(status), _) => Err(status),
+                (_, Err(e)) => Err(e.into()),
+            }
+        })
+        .await
+    }
+
+    type DownloadFileStream = ChunkStream;
+
+    async fn download_file(&self, request: Request<pb::DownloadRequest>) -> Result<Response<Self::DownloadFileStream>, Status> {
+        self.call("DownloadFile", request, None, |tenant, req| async move {
+            let download = self.manager.download_file(&tenant, &req.sandbox_id, &req.path).await?;
+            Ok(Box::pin(streams::download_chunks(download)) as ChunkStream)
+        })
+        .await
+    }
+
+
+    async fn upload_archive(&self, request: Request<tonic::Streaming<pb::UploadRequest>>) -> Result<Response<pb::UploadArchiveResponse>, Status> {
+        self.call_streaming("UploadArchive", request, upload_audit, |tenant, first, stream| async move {
+            let header = upload_header(first)?;
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let upload = self.manager.upload_archive(&tenant, &header.sandbox_id, &header.path, rx);
+            let (fed, stats) = tokio::join!(streams::feed_upload(stream, tx), upload);
+            match (fed, stats) {
+                (Ok(_), Ok(s)) => Ok(pb::UploadArchiveResponse { files: s.files + s.hardlinks, directories: s.dirs, symlinks: s.symlinks, bytes: s.bytes }),
+                // What the archive got wrong names the entry; a broken-off stream is the client's.
+                (_, Err(e @ (crate::error::Error::InvalidArgument { .. } | crate::error::Error::ResourceExhausted(_) | crate::error::Error::FileNotFound(_)))) => Err(e.into()),
+                (Err(status), _) => Err(status),
+                (_, Err(e)) => Err(e.into()),
+            }
+        })
+        .await
+    }
+
+    type DownloadArchiveStream = ChunkStream;
+
+    async fn download_archive(&self, request: Request<pb::DownloadRequest>) -> Result<Response<Self::DownloadArchiveStream>, Status> {
+        self.call("DownloadArchive", request, None, |tenant, req| async move {
+            let chunks = self.manager.download_archive(&tenant, &req.sandbox_id, &req.path).await?;
+            Ok(Box::pin(streams::archive_chunks(chunks)) as ChunkStream)
+        })
+        .await
+    }
+
 }

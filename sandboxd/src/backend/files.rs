@@ -24,7 +24,7 @@ use nix::errno::Errno;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-use crate::backend::{BackendError, Download, FileChunk, UploadPiece, DOWNLOAD_CHUNK};
+use crate::backend::{ArchiveStats, BackendError, ByteChunks, Download, FileChunk, UploadPiece, DOWNLOAD_CHUNK};
 
 /// Largest slice one ReadFile returns.
 pub const MAX_READ: u64 = 4 << 20;
@@ -266,6 +266,98 @@ pub(crate) fn stream_download(mut file: File, size: u64, path: &str) -> Download
         }
     });
     Download { size, chunks }
+}
+
+/// Reads an upload's pieces as one byte stream: its end is the `Commit`; the channel closing
+/// before it is an error ([`std::io::ErrorKind::ConnectionAborted`]).
+struct PieceReader<'a> {
+    rx: &'a mut mpsc::Receiver<UploadPiece>,
+    buf: Bytes,
+    committed: bool,
+}
+
+impl Read for PieceReader<'_> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.buf.is_empty() {
+            if self.committed {
+                return Ok(0);
+            }
+            match self.rx.blocking_recv() {
+                Some(UploadPiece::Data(bytes)) => self.buf = bytes,
+                Some(UploadPiece::Commit) => self.committed = true,
+                None => return Err(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the upload did not complete")),
+            }
+        }
+        let n = out.len().min(self.buf.len());
+        out[..n].copy_from_slice(&self.buf.split_to(n));
+        Ok(n)
+    }
+}
+
+/// Extracts an uploaded tar stream into `dir` below an open root directory (see
+/// `sandbox_exec::archive::extract`). Blocking. What follows the archive's end (tar's zero
+/// padding) is read and dropped; a stream cut before its `Commit` is an error even if the
+/// archive itself was complete.
+pub(crate) fn upload_archive_at(root: &File, workdir: &str, dir: &str, data: &mut mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
+    use std::os::fd::AsFd;
+    let comps = components(dir, workdir)?;
+    let dest = format!("/{}", comps.join("/"));
+    let mut reader = PieceReader { rx: data, buf: Bytes::new(), committed: false };
+    let stats = sandbox_exec::archive::extract(root.as_fd(), &dest, &mut reader, &Default::default())?;
+    std::io::copy(&mut reader, &mut std::io::sink()).map_err(|_| BackendError::UploadIncomplete { path: dir.to_string() })?;
+    Ok(stats)
+}
+
+/// Writes into a [`ByteChunks`] channel in [`DOWNLOAD_CHUNK`] pieces; a receiver that went away
+/// is a broken pipe, which stops the writer.
+struct ChunkWriter {
+    tx: mpsc::Sender<Result<Bytes, BackendError>>,
+    buf: Vec<u8>,
+}
+
+impl ChunkWriter {
+    fn send(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = std::mem::replace(&mut self.buf, Vec::with_capacity(DOWNLOAD_CHUNK));
+        self.tx.blocking_send(Ok(Bytes::from(chunk))).map_err(|_| std::io::Error::from(std::io::ErrorKind::BrokenPipe))
+    }
+}
+
+impl std::io::Write for ChunkWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        let n = data.len().min(DOWNLOAD_CHUNK - self.buf.len());
+        self.buf.extend_from_slice(&data[..n]);
+        if self.buf.len() >= DOWNLOAD_CHUNK {
+            self.send()?;
+        }
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.send()
+    }
+}
+
+/// A tar stream of `path` below the root `root` (owned: the stream outlives the call), made
+/// on a blocking thread while the receiver keeps up. A missing path is an error here, before
+/// any byte; a failure later ends the stream with it.
+pub(crate) fn stream_archive(root: File, workdir: &str, path: &str) -> Result<ByteChunks, BackendError> {
+    use std::io::Write;
+    use std::os::fd::AsFd;
+    let comps = components(path, workdir)?;
+    let src = format!("/{}", comps.join("/"));
+    let rel = if comps.is_empty() { ".".to_string() } else { comps.join("/") };
+    open_in_root(root.as_raw_fd(), &rel, libc::O_PATH, 0).map_err(|e| map_errno(path, e))?;
+    let (tx, rx) = mpsc::channel(4);
+    tokio::task::spawn_blocking(move || {
+        let mut out = ChunkWriter { tx: tx.clone(), buf: Vec::with_capacity(DOWNLOAD_CHUNK) };
+        let result = sandbox_exec::archive::create(root.as_fd(), &src, &mut out, &Default::default()).map_err(BackendError::from).and_then(|_| out.flush().map_err(|e| BackendError::io("sending the archive", e)));
+        if let Err(e) = result {
+            let _ = tx.blocking_send(Err(e));
+        }
+    });
+    Ok(rx)
 }
 
 /// Opens (creating, truncating) a file for the daemon to write into, e.g. an output spill file.

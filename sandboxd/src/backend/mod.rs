@@ -134,6 +134,12 @@ pub struct Download {
     pub chunks: mpsc::Receiver<Result<Bytes, BackendError>>,
 }
 
+/// The pieces of a download of unknown length (an archive), in order; an `Err` ends it early.
+pub type ByteChunks = mpsc::Receiver<Result<Bytes, BackendError>>;
+
+/// What an archive upload wrote.
+pub use sandbox_exec::archive::ExtractStats as ArchiveStats;
+
 /// How big a piece of a download is: large enough that per-message costs vanish, small enough
 /// to stay far below gRPC's message limit.
 pub const DOWNLOAD_CHUNK: usize = 1 << 20;
@@ -159,6 +165,8 @@ pub enum BackendError {
     DiskFull { path: String },
     #[error("the upload of {path} did not complete; the old file is unchanged")]
     UploadIncomplete { path: String },
+    #[error("archive: {0}")]
+    Archive(#[from] sandbox_exec::archive::ArchiveError),
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
     #[error("{0}")]
@@ -194,6 +202,12 @@ pub trait Backend: Send + Sync {
     async fn upload_file(&self, sandbox: &SandboxId, path: &str, mode: u32, data: mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError>;
     /// Opens a regular file for reading from its start, in [`DOWNLOAD_CHUNK`] pieces.
     async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError>;
+    /// Extracts a tar stream into the directory `dir` (created if missing) as its pieces arrive,
+    /// every entry confined below it (see `sandbox_exec::archive`). Not atomic: entries
+    /// extracted before a failure stay.
+    async fn upload_archive(&self, sandbox: &SandboxId, dir: &str, data: mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError>;
+    /// A tar stream of the directory (or file) `path`, produced while the receiver keeps up.
+    async fn download_archive(&self, sandbox: &SandboxId, path: &str) -> Result<ByteChunks, BackendError>;
     /// Removes a regular file or a symlink (the link itself, never its target) inside the
     /// sandbox, confined like the other file operations. A path that does not exist is `Ok`; a
     /// directory or special file is `InvalidPath`. Not an API call: the daemon's own clean-up.

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::validate::{exec_spec, validate_signal};
 use super::Manager;
 use crate::admission::ExecSlot;
-use crate::backend::OutputSink;
+use crate::backend::{OutputSink, SessionInput, SessionInputs, TerminalSize};
 use crate::error::Error;
 use crate::ids::{ExecId, SandboxId};
 use crate::model::{
@@ -53,6 +53,12 @@ pub(super) struct Running {
 /// that went away says so.
 pub type ExecEvents = ReceiverStream<Result<ExecEvent, Error>>;
 
+/// What makes a streamed exec a session: its live input and its terminal.
+pub struct Session {
+    pub input: mpsc::Receiver<SessionInput>,
+    pub tty: Option<TerminalSize>,
+}
+
 /// Events of a streamed exec waiting for its reader; the exec's output waits in the same number
 /// of chunks before it, so a slow reader slows the command's output rather than growing memory.
 const STREAM_BUFFER: usize = 16;
@@ -77,18 +83,46 @@ impl Manager {
     /// produces no output of its own: the recorded output is sent before the record instead, so
     /// a retried stream reads the same as the first.
     pub fn exec_stream(self: &Arc<Self>, tenant: &str, req: ExecRequest) -> Result<ExecEvents, Error> {
+        self.stream_exec(tenant, req, None)
+    }
+
+    /// An interactive exec: like [`Manager::exec_stream`], and besides its stdin stays open for
+    /// `session.input` (live stdin, its end, terminal sizes) and it may run on a terminal. The
+    /// first event is [`ExecEvent::Started`] with the exec's id (for signals). A session is
+    /// never a background exec; a client that goes away ends it unless it has an idempotency key.
+    pub fn exec_session(self: &Arc<Self>, tenant: &str, req: ExecRequest, session: Session) -> Result<ExecEvents, Error> {
+        if req.background {
+            return Err(Error::invalid("exec.background", "a session streams its exec; start a background exec with Exec"));
+        }
+        self.stream_exec(tenant, req, Some(session))
+    }
+
+    fn stream_exec(self: &Arc<Self>, tenant: &str, req: ExecRequest, session: Option<Session>) -> Result<ExecEvents, Error> {
         self.get(tenant, &req.sandbox_id)?;
         let (chunk_tx, mut chunk_rx) = mpsc::channel::<OutputChunk>(STREAM_BUFFER);
         let (event_tx, event_rx) = mpsc::channel::<Result<ExecEvent, Error>>(STREAM_BUFFER);
         let manager = self.clone();
         let tenant = tenant.to_string();
+        let (started_tx, mut started_rx) = match session.is_some() {
+            true => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                (Some(tx), Some(rx))
+            }
+            false => (None, None),
+        };
         tokio::spawn(async move {
-            let exec = manager.run_exec(&tenant, req, Some(chunk_tx));
+            let exec = manager.run_exec_with(&tenant, req, Some(chunk_tx), session.map(|s| (s, started_tx)));
             tokio::pin!(exec);
             let mut streamed = false;
             let result = loop {
                 tokio::select! {
                     r = &mut exec => break r,
+                    Ok(id) = async { match started_rx.as_mut() { Some(rx) => rx.await, None => std::future::pending().await } } => {
+                        started_rx = None;
+                        if event_tx.send(Ok(ExecEvent::Started(id))).await.is_err() {
+                            return;
+                        }
+                    }
                     // The reader went away: returning drops `exec`, which kills the command.
                     _ = event_tx.closed() => return,
                     Some(chunk) = chunk_rx.recv() => {
@@ -134,13 +168,25 @@ impl Manager {
     /// output as it is produced.
     #[tracing::instrument(name = "manager.exec", skip_all)]
     async fn run_exec(self: &Arc<Self>, tenant: &str, req: ExecRequest, sink: OutputSink) -> Result<ExecRecord, Error> {
+        self.run_exec_with(tenant, req, sink, None).await
+    }
+
+    /// [`Manager::run_exec`] of a session: its input and terminal go to the backend, and its id
+    /// to `started` once the command runs.
+    async fn run_exec_with(self: &Arc<Self>, tenant: &str, req: ExecRequest, sink: OutputSink, session: Option<(Session, Option<tokio::sync::oneshot::Sender<ExecId>>)>) -> Result<ExecRecord, Error> {
         let (sid, entry) = self.entry(tenant, &req.sandbox_id)?;
         let info = entry.info()?;
         if !info.state.can_exec() {
             return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "exec" });
         }
         let exec_id = ExecId::generate();
-        let spec = exec_spec(&self.cfg, &info, &req, exec_id.clone())?;
+        let mut spec = exec_spec(&self.cfg, &info, &req, exec_id.clone())?;
+        let mut notify_started = None;
+        if let Some((session, started)) = session {
+            spec.input = SessionInputs::new(session.input);
+            spec.tty = session.tty;
+            notify_started = started;
+        }
         let backend = self.backends.get(info.isolation)?.clone();
 
         let (done_tx, done_rx) = watch::channel(false);
@@ -231,6 +277,14 @@ impl Manager {
                 Ok(()) => exec.snapshot(),
                 Err(_) => exec.wait().await,
             };
+        }
+        if let Some(notify) = notify_started {
+            let id = exec_id.clone();
+            tokio::spawn(async move {
+                if started_rx.await.is_ok() {
+                    let _ = notify.send(id);
+                }
+            });
         }
         // Kill on disconnect: this guard fires if the caller's future is dropped before the end.
         let guard = req.idempotency_key.is_empty().then(|| exec.cancel.clone().drop_guard());

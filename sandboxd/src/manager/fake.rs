@@ -76,6 +76,13 @@ impl Backend for FakeBackend {
         }
         Err(BackendError::UploadIncomplete { path: _path.to_string() })
     }
+    async fn upload_archive(&self, _sandbox: &SandboxId, _dir: &str, _data: tokio::sync::mpsc::Receiver<crate::backend::UploadPiece>) -> Result<crate::backend::ArchiveStats, BackendError> {
+        Ok(crate::backend::ArchiveStats::default())
+    }
+    async fn download_archive(&self, _sandbox: &SandboxId, _path: &str) -> Result<crate::backend::ByteChunks, BackendError> {
+        let (_tx, rx) = tokio::sync::mpsc::channel(1);
+        Ok(rx)
+    }
     async fn download_file(&self, _sandbox: &SandboxId, _path: &str) -> Result<crate::backend::Download, BackendError> {
         let (_tx, chunks) = tokio::sync::mpsc::channel(1);
         Ok(crate::backend::Download { size: 0, chunks })

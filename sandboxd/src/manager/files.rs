@@ -1,4 +1,4 @@
-//! Files inside a running sandbox: WriteFile and ReadFile.
+//! Files inside a running sandbox: WriteFile and ReadFile, and files of any size as streams.
 
 use std::sync::Arc;
 
@@ -6,7 +6,9 @@ use super::validate::validate_mode;
 use super::{Manager, SandboxEntry};
 use crate::error::Error;
 use crate::ids::SandboxId;
+use crate::backend::{ArchiveStats, ByteChunks, Download, UploadPiece};
 use crate::model::{FileChunk, SandboxInfo};
+use tokio::sync::mpsc;
 
 impl Manager {
     /// The sandbox `sandbox_id` of `tenant` if it can take file operations now (`op` names the
@@ -31,5 +33,31 @@ impl Manager {
     pub async fn read_file(&self, tenant: &str, sandbox_id: &str, path: &str, offset: u64, limit: u64) -> Result<FileChunk, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files")?;
         Ok(self.backends.get(info.isolation)?.read_file(&sid, path, offset, limit).await?)
+    }
+
+    /// Writes a file of any size from `data`, replacing the old one only when `data` ends with
+    /// [`UploadPiece::Commit`] (an upload cut short leaves the old file).
+    pub async fn upload_file(&self, tenant: &str, sandbox_id: &str, path: &str, mode: u32, data: mpsc::Receiver<UploadPiece>) -> Result<u64, Error> {
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files")?;
+        validate_mode(mode)?;
+        Ok(self.backends.get(info.isolation)?.upload_file(&sid, path, mode, data).await?)
+    }
+
+    /// Opens a file of any size for a streamed download.
+    pub async fn download_file(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<Download, Error> {
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files")?;
+        Ok(self.backends.get(info.isolation)?.download_file(&sid, path).await?)
+    }
+
+    /// Extracts a tar stream into the directory `dir` of the sandbox.
+    pub async fn upload_archive(&self, tenant: &str, sandbox_id: &str, dir: &str, data: mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, Error> {
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files")?;
+        Ok(self.backends.get(info.isolation)?.upload_archive(&sid, dir, data).await?)
+    }
+
+    /// A tar stream of a directory (or file) of the sandbox.
+    pub async fn download_archive(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<ByteChunks, Error> {
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files")?;
+        Ok(self.backends.get(info.isolation)?.download_archive(&sid, path).await?)
     }
 }

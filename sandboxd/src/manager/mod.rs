@@ -32,7 +32,7 @@ use crate::store::Store;
 
 use execs::Running;
 
-pub use execs::ExecEvents;
+pub use execs::{ExecEvents, Session};
 
 /// A sandbox in the table: its record, read and updated under a short lock, and the lock that
 /// whole-sandbox operations hold across their awaits.

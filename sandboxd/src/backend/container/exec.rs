@@ -383,6 +383,10 @@ async fn feed_stdin(
                 }
             }
         }
+        // The input channel closed (the client's side ended): that is a close of stdin too.
+        if terminal.is_some() {
+            let _ = input.write_all(&[VEOF]).await;
+        }
     } else if terminal.is_some() {
         let _ = input.write_all(&[VEOF]).await;
         return;
@@ -516,15 +520,16 @@ impl ContainerSandbox {
         let pidfd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
             .map_err(|e| BackendError::io("watching the exec's pidfd", e.into()))?;
         self.execs.started(&exec_id, cgroup.clone());
+        // The terminal's size before the command runs: it may read it first thing.
+        if let Some(size) = spec.tty {
+            resize(docker, &docker_exec, size).await;
+        }
         // 3. Go.
         continue_or_kill(Signal::SIGCONT);
         let continued_ms = phase0.elapsed().as_micros() as u64;
         let t0 = Instant::now();
         if let Some(tx) = started {
             let _ = tx.send(());
-        }
-        if let Some(size) = spec.tty {
-            resize(docker, &docker_exec, size).await;
         }
         if with_stdin {
             tokio::spawn(feed_stdin(input, spec.stdin.clone(), session, tty.then(|| (docker.clone(), docker_exec.clone()))));

@@ -22,7 +22,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use super::ContainerSandbox;
 use crate::backend::files as root_files;
-use crate::backend::{BackendError, Download, FileChunk, UploadPiece};
+use crate::backend::{ArchiveStats, BackendError, ByteChunks, Download, FileChunk, UploadPiece};
 
 /// The container's root directory as its init (`init_pid`) sees it, checked to belong to
 /// `container_id` (see the module docs).
@@ -75,6 +75,22 @@ pub async fn download_file(sb: &ContainerSandbox, path: &str) -> Result<Download
     with_root(sb, move |root| {
         let (file, size) = root_files::open_for_download_at(root, &workdir, &path)?;
         Ok(root_files::stream_download(file, size, &path))
+    })
+    .await
+}
+
+/// Extracts a tar stream into `dir`; see [`root_files::upload_archive_at`].
+pub async fn upload_archive(sb: &ContainerSandbox, dir: &str, mut data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
+    let (workdir, dir) = (sb.spec.workdir.clone(), dir.to_string());
+    with_root(sb, move |root| root_files::upload_archive_at(root, &workdir, &dir, &mut data)).await
+}
+
+/// A tar stream of `path`, read straight from the container's root.
+pub async fn download_archive(sb: &ContainerSandbox, path: &str) -> Result<ByteChunks, BackendError> {
+    let (workdir, path) = (sb.spec.workdir.clone(), path.to_string());
+    with_root(sb, move |root| {
+        let root = root.try_clone().map_err(|e| BackendError::io("holding the container's root", e))?;
+        root_files::stream_archive(root, &workdir, &path)
     })
     .await
 }

@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::cgroup as process_cgroup;
 use process_cgroup::{CgroupRoot, SandboxCgroup};
-use super::{Backend, BackendError, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
+use super::{ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 
 /// Where the Docker Engine listens by default.
@@ -334,6 +334,16 @@ impl Backend for ContainerBackend {
     async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
         files::download_file(&sb, path).await
+    }
+
+    async fn upload_archive(&self, sandbox: &SandboxId, dir: &str, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::upload_archive(&sb, dir, data).await
+    }
+
+    async fn download_archive(&self, sandbox: &SandboxId, path: &str) -> Result<ByteChunks, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::download_archive(&sb, path).await
     }
 
     async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {

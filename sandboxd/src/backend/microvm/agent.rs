@@ -46,7 +46,8 @@ const GARBAGE_LOG_LIMIT: u32 = 10;
 
 /// A live connection to one VM's agent.
 pub struct AgentConn {
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    /// Shared with the task that writes each frame (see [`AgentConn::start`]).
+    writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
     pending: Pending,
     next_id: AtomicU64,
     /// Set by the reader when the stream ends, with the reason.
@@ -138,7 +139,7 @@ impl AgentConn {
                 }
             })
         };
-        AgentConn { writer: tokio::sync::Mutex::new(wr), pending, next_id: AtomicU64::new(1), closed, reader }
+        AgentConn { writer: Arc::new(tokio::sync::Mutex::new(wr)), pending, next_id: AtomicU64::new(1), closed, reader }
     }
 
     fn closed_reason(&self) -> Option<String> {
@@ -151,6 +152,11 @@ impl AgentConn {
     }
 
     /// Sends a request; its replies arrive on the returned receiver, the last one final.
+    ///
+    /// The frame is written by a task of its own, whole, even when the caller stops waiting (a
+    /// timeout, a `select!` that went elsewhere): half a frame would make the guest take the
+    /// next frame's bytes for the rest of it, and a caller that is not being polled must not hold
+    /// the connection's writer (an interactive exec's input is sent from inside its exec loop).
     pub async fn start(&self, req: &Request, payload: &[u8]) -> Result<(u64, mpsc::Receiver<Reply>), AgentError> {
         if let Some(reason) = self.closed_reason() {
             return Err(AgentError::Closed(reason));
@@ -159,12 +165,15 @@ impl AgentConn {
         let frame = protocol::encode(id, req, payload).map_err(|e| AgentError::Protocol(e.to_string()))?;
         let (tx, rx) = mpsc::channel(REPLY_QUEUE);
         self.pending.lock().map_err(|_| AgentError::Closed("pending table poisoned".into()))?.insert(id, tx);
-        let mut w = self.writer.lock().await;
-        if let Err(e) = w.write_all(&frame).await {
-            self.forget(id);
-            return Err(AgentError::Closed(format!("writing to the agent: {e}")));
-        }
-        Ok((id, rx))
+        let writer = self.writer.clone();
+        let written = tokio::spawn(async move { writer.lock().await.write_all(&frame).await }).await;
+        let failed = match written {
+            Ok(Ok(())) => return Ok((id, rx)),
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => e.to_string(),
+        };
+        self.forget(id);
+        Err(AgentError::Closed(format!("writing to the agent: {failed}")))
     }
 
     /// Stops routing replies of request `id` (the caller gave up on it).
@@ -209,6 +218,10 @@ pub fn request_name(req: &Request) -> &'static str {
         Request::Hello => "hello",
         Request::Configure(_) => "configure",
         Request::Exec(_) => "exec",
+        Request::ExecSession { .. } => "exec_session",
+        Request::Stdin { .. } => "stdin",
+        Request::CloseStdin { .. } => "close_stdin",
+        Request::Resize { .. } => "resize",
         Request::Signal { .. } => "signal",
         Request::WriteFile { .. } => "write_file",
         Request::ReadFile { .. } => "read_file",
@@ -337,6 +350,25 @@ mod tests {
         assert!(matches!(err, AgentError::Closed(_)), "{err}");
         assert!(!conn.is_open());
         assert!(matches!(conn.call(&Request::Thaw, &[], Duration::from_secs(1)).await, Err(AgentError::Closed(_))));
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_stops_waiting_never_cuts_a_frame() {
+        let (conn, mut guest) = pair().await;
+        // Far more than the socket buffers: the write blocks until the guest reads.
+        let big = vec![7u8; 8 << 20];
+        let req = Request::Stdin { exec_id: "ex-1".into() };
+        let gave_up = tokio::time::timeout(Duration::from_millis(50), conn.start(&req, &big)).await;
+        assert!(gave_up.is_err(), "the write cannot have finished yet");
+        let conn = Arc::new(conn);
+        let c2 = conn.clone();
+        let next = tokio::spawn(async move { c2.start(&Request::Thaw, &[]).await.map(|(id, _)| id) });
+        let mut dec = Decoder::new();
+        let (_, first, payload) = read_request(&mut guest, &mut dec).await;
+        assert_eq!((first, payload.len()), (req, big.len()), "the whole frame, though its caller left");
+        let (id, second, _) = read_request(&mut guest, &mut dec).await;
+        assert_eq!(second, Request::Thaw, "the next frame is intact");
+        assert_eq!(next.await.expect("join").expect("sent"), id);
     }
 
     #[tokio::test]

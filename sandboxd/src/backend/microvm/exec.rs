@@ -1,25 +1,35 @@
 //! Execs of a microVM sandbox: requests to the guest agent, answers checked and turned into the
 //! same records the other tiers produce.
+//!
+//! An interactive exec (a session's live input) or one on a terminal is sent as an
+//! `ExecSession` (guest protocol 3); while it runs, [`forward_input`] turns the session's input
+//! into `Stdin` / `CloseStdin` / `Resize` requests, one at a time, each sent once the guest has
+//! applied the one before: the order holds, and a command that does not read its stdin holds up
+//! its own sender — not the guest, nor this VM's other requests.
 
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use guest_agent::protocol::{ErrorKind, ExecExit, ExecRequest, ExitStatus, Request, Response, Stream, StreamMeta};
+use guest_agent::protocol::{ErrorKind, ExecExit, ExecRequest, ExitStatus, Request, Response, Stream, StreamMeta, STDIN_CHUNK};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::agent::AgentConn;
 use super::vm::Vm;
-use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
+use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, SessionInput, StartSignal};
 
 /// How long past its own timeout an exec may go unreported before it is declared lost (the
 /// guest enforces the timeout; this only catches a guest that stopped answering).
 const REPORT_GRACE: Duration = Duration::from_secs(30);
 /// How long to wait for the final record after a cancellation killed the command.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
+/// The guest protocol that brought sessions: `ExecSession`, `Stdin`, `CloseStdin`, `Resize`.
+const SESSIONS: u32 = 3;
 
 /// Runs one command in the VM.
 pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
     let started_at = SystemTime::now();
-    let req = Request::Exec(ExecRequest {
+    let exec = ExecRequest {
         exec_id: spec.exec_id.to_string(),
         argv: spec.argv.clone(),
         env: spec.env.clone(),
@@ -28,11 +38,37 @@ pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal
         max_output_bytes: spec.max_output_bytes,
         io_drain_ms: spec.io_drain_timeout.as_millis().min(u64::MAX as u128) as u64,
         stream: sink.is_some(),
-    });
+    };
+    let input = spec.input.take();
+    let req = if input.is_some() || spec.tty.is_some() {
+        if vm.hello.version < SESSIONS {
+            return Err(BackendError::Internal(format!(
+                "the guest agent of this microVM speaks protocol {}, which has no interactive execs or terminals: rebuild the VM images (make vm-images)",
+                vm.hello.version
+            )));
+        }
+        Request::ExecSession { exec, tty: spec.tty.map(|t| (t.rows, t.cols)), interactive: input.is_some() }
+    } else {
+        Request::Exec(exec)
+    };
     let (id, mut rx) = match tokio::time::timeout(REPORT_GRACE, vm.agent.start(&req, &spec.stdin)).await {
         Ok(r) => r.map_err(|e| vm.agent_error(e))?,
         Err(_) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the guest agent stopped reading requests".into(), started_at)),
     };
+    // The live input goes once the command runs (the guest takes it from `Started` on), until
+    // this function returns with the exec's end (dropping the future stops it; a frame it was
+    // writing is still written whole, see `AgentConn::start`).
+    let (running_tx, running_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut running_tx = Some(running_tx);
+    let exec_id = spec.exec_id.to_string();
+    let forward = async {
+        let Some(input) = input else { return };
+        if running_rx.await.is_ok() {
+            forward_input(&vm.agent, &exec_id, input, spec.tty.is_some()).await;
+        }
+    };
+    tokio::pin!(forward);
+    let mut forwarding = true;
     let mut started = started;
     let deadline = tokio::time::Instant::now() + spec.timeout + spec.io_drain_timeout + REPORT_GRACE;
     let mut cancelled_at: Option<tokio::time::Instant> = None;
@@ -40,6 +76,10 @@ pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal
         let wait_until = cancelled_at.map_or(deadline, |c| (c + CANCEL_GRACE).min(deadline));
         let next = tokio::select! {
             r = rx.recv() => r,
+            () = &mut forward, if forwarding => {
+                forwarding = false;
+                continue;
+            }
             _ = cancel.cancelled(), if cancelled_at.is_none() => {
                 cancelled_at = Some(tokio::time::Instant::now());
                 let kill = Request::Signal { exec_id: spec.exec_id.to_string(), signal: libc::SIGKILL };
@@ -67,6 +107,9 @@ pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal
                 if let Some(tx) = started.take() {
                     let _ = tx.send(());
                 }
+                if let Some(tx) = running_tx.take() {
+                    let _ = tx.send(());
+                }
             }
             Response::Output { stream } => {
                 if let Some(sink) = &sink {
@@ -92,6 +135,89 @@ pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal
             other => return Err(BackendError::Internal(format!("guest agent answered an exec with {other:?}"))),
         }
     }
+}
+
+/// Sends a session's live input to exec `exec_id` in the guest, in order, each request once the
+/// guest answered the one before (see the module documentation). Consecutive stdin bytes go
+/// together, up to [`STDIN_CHUNK`] a frame. Returns when the input ends (the channel closing is
+/// sent as a `CloseStdin`, as the backend contract has it), when stdin can take nothing more
+/// (closed, without a terminal), or when the guest says the exec is gone or answers anything but
+/// `Ok`.
+async fn forward_input(agent: &AgentConn, exec_id: &str, mut input: mpsc::Receiver<SessionInput>, tty: bool) {
+    let mut held: Option<SessionInput> = None;
+    loop {
+        let (item, channel_closed) = match held.take() {
+            Some(item) => (item, false),
+            None => match input.recv().await {
+                Some(item) => (item, false),
+                None => (SessionInput::CloseStdin, true),
+            },
+        };
+        let id = exec_id.to_string();
+        let (req, payload) = match item {
+            SessionInput::Stdin(bytes) => {
+                let mut payload = Vec::with_capacity(bytes.len().min(STDIN_CHUNK));
+                held = take_up_to(&mut payload, bytes);
+                while held.is_none() && payload.len() < STDIN_CHUNK {
+                    match input.try_recv() {
+                        Ok(SessionInput::Stdin(more)) => held = take_up_to(&mut payload, more),
+                        Ok(other) => held = Some(other),
+                        Err(_) => break,
+                    }
+                }
+                if payload.is_empty() {
+                    continue;
+                }
+                (Request::Stdin { exec_id: id }, payload)
+            }
+            SessionInput::CloseStdin => (Request::CloseStdin { exec_id: id }, Vec::new()),
+            SessionInput::Resize(size) if tty => (Request::Resize { exec_id: id, rows: size.rows, cols: size.cols }, Vec::new()),
+            // Without a terminal there is nothing to resize.
+            SessionInput::Resize(_) => continue,
+        };
+        // Without a terminal stdin is a pipe: once closed, nothing more can reach it.
+        let last = channel_closed || (!tty && matches!(req, Request::CloseStdin { .. }));
+        let (_, mut replies) = match agent.start(&req, &payload).await {
+            Ok(started) => started,
+            Err(e) => {
+                tracing::debug!(exec = %exec_id, error = %e, "sending an exec's input to the guest");
+                return;
+            }
+        };
+        // Only the final answer counts; a guest that sends others is read past, one bounded
+        // frame at a time.
+        let answer = loop {
+            match replies.recv().await {
+                Some(reply) if reply.msg.is_final() => break Some(reply.msg),
+                Some(_) => continue,
+                None => break None,
+            }
+        };
+        match answer {
+            Some(Response::Ok) => {}
+            // The exec ended (its record is on its way), or the connection is gone.
+            Some(Response::Error { kind: ErrorKind::NoSuchExec, .. }) | None => return,
+            Some(other) => {
+                tracing::warn!(exec = %exec_id, answer = ?other, "the guest refused an exec's input; the rest is dropped");
+                return;
+            }
+        }
+        if last {
+            return;
+        }
+    }
+}
+
+/// Appends `bytes` to `payload` up to [`STDIN_CHUNK`]; what does not fit comes back, for the
+/// next frame.
+fn take_up_to(payload: &mut Vec<u8>, bytes: Bytes) -> Option<SessionInput> {
+    let room = STDIN_CHUNK.saturating_sub(payload.len());
+    if bytes.len() <= room {
+        payload.extend_from_slice(&bytes);
+        return None;
+    }
+    payload.extend_from_slice(&bytes[..room]);
+    Some(SessionInput::Stdin(bytes.slice(room..)))
 }
 
 /// Checks the guest's final record against its payload and builds the outcome.
@@ -174,5 +300,112 @@ mod tests {
     fn a_lying_guest_is_refused_not_trusted() {
         assert!(outcome_of(exit(10, 0), b"short".to_vec(), SystemTime::now()).is_err());
         assert!(outcome_of(exit(u64::MAX, 2), b"ab".to_vec(), SystemTime::now()).is_err());
+    }
+
+    use crate::backend::TerminalSize;
+    use guest_agent::protocol::{encode, Decoded, Decoder, Envelope};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::UnixStream;
+
+    /// The guest's end: reads the next request.
+    async fn next_request(guest: &mut UnixStream, dec: &mut Decoder) -> Option<(u64, Request, Vec<u8>)> {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            if let Some(Decoded::Frame(f)) = dec.next() {
+                let env: Envelope<Request> = f.envelope().expect("request parses");
+                return Some((env.id, env.msg, f.payload));
+            }
+            let n = guest.read(&mut buf).await.expect("read");
+            if n == 0 {
+                return None;
+            }
+            dec.push(&buf[..n]);
+        }
+    }
+
+    async fn answer(guest: &mut UnixStream, id: u64, resp: Response) {
+        guest.write_all(&encode(id, &resp, b"").expect("encode")).await.expect("write");
+    }
+
+    #[tokio::test]
+    async fn live_input_is_sent_in_order_one_request_at_a_time_and_coalesced() {
+        let (a, mut guest) = UnixStream::pair().expect("socketpair");
+        let conn = AgentConn::over(a);
+        let (tx, rx) = mpsc::channel(1024);
+        // Queued before anything is sent: consecutive bytes go as one frame, and a resize
+        // without a terminal is not sent at all.
+        for chunk in [&b"ab"[..], b"cd", b"ef"] {
+            tx.send(SessionInput::Stdin(Bytes::from_static(chunk))).await.expect("send");
+        }
+        tx.send(SessionInput::Resize(TerminalSize { rows: 1, cols: 2 })).await.expect("send");
+        tx.send(SessionInput::Stdin(Bytes::from(vec![b'x'; STDIN_CHUNK + 10]))).await.expect("send");
+        drop(tx);
+        let guest_side = tokio::spawn(async move {
+            let mut dec = Decoder::new();
+            let mut seen = Vec::new();
+            while let Some((id, req, payload)) = next_request(&mut guest, &mut dec).await {
+                seen.push((req, payload.len(), payload.first().copied()));
+                // Nothing more may arrive before this is answered.
+                let early = tokio::time::timeout(Duration::from_millis(30), guest.read(&mut [0u8; 1])).await;
+                assert!(early.is_err(), "a second request before the answer");
+                answer(&mut guest, id, Response::Ok).await;
+            }
+            seen
+        });
+        forward_input(&conn, "ex-1", rx, false).await;
+        drop(conn);
+        let seen = guest_side.await.expect("guest");
+        let stdin = |len, first| (Request::Stdin { exec_id: "ex-1".into() }, len, Some(first));
+        assert_eq!(
+            seen,
+            [
+                (Request::Stdin { exec_id: "ex-1".into() }, 6, Some(b'a')),
+                stdin(STDIN_CHUNK, b'x'),
+                stdin(10, b'x'),
+                // The channel closing is the end of stdin.
+                (Request::CloseStdin { exec_id: "ex-1".into() }, 0, None),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_terminal_keeps_its_input_after_ctrl_d_and_an_ended_exec_stops_the_forwarding() {
+        let (a, mut guest) = UnixStream::pair().expect("socketpair");
+        let conn = AgentConn::over(a);
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(SessionInput::CloseStdin).await.expect("send");
+        tx.send(SessionInput::Resize(TerminalSize { rows: 40, cols: 120 })).await.expect("send");
+        tx.send(SessionInput::Stdin(Bytes::from_static(b"\x03"))).await.expect("send");
+        tx.send(SessionInput::Stdin(Bytes::from_static(b"typed"))).await.expect("send");
+        let guest_side = tokio::spawn(async move {
+            let mut dec = Decoder::new();
+            let mut seen = Vec::new();
+            while let Some((id, req, payload)) = next_request(&mut guest, &mut dec).await {
+                let stdin = matches!(req, Request::Stdin { .. });
+                seen.push((req, payload));
+                let resp = if stdin {
+                    Response::Error { kind: ErrorKind::NoSuchExec, message: "ended".into() }
+                } else {
+                    // A hostile guest may interleave non-final frames: they are read past.
+                    answer(&mut guest, id, Response::Started).await;
+                    Response::Ok
+                };
+                answer(&mut guest, id, resp).await;
+            }
+            seen
+        });
+        // The session's input stays open: only the guest's NoSuchExec ends the forwarding.
+        tokio::time::timeout(Duration::from_secs(10), forward_input(&conn, "ex-t", rx, true)).await.expect("the forwarder stops when the exec is gone");
+        assert!(tx.send(SessionInput::CloseStdin).await.is_err(), "and lets go of the input");
+        drop(conn);
+        let seen = guest_side.await.expect("guest");
+        assert_eq!(
+            seen,
+            [
+                (Request::CloseStdin { exec_id: "ex-t".into() }, vec![]),
+                (Request::Resize { exec_id: "ex-t".into(), rows: 40, cols: 120 }, vec![]),
+                (Request::Stdin { exec_id: "ex-t".into() }, b"\x03typed".to_vec()),
+            ]
+        );
     }
 }

@@ -235,3 +235,13 @@ pub async fn download_file(vm: std::sync::Arc<Vm>, workdir: &str, api_path: &str
     });
     Ok(Download { size, chunks })
 }
+
+/// PLACEHOLDER (being replaced by the guest protocol's archive requests): refuses.
+pub async fn upload_archive(_vm: &Vm, _workdir: &str, dir: &str, _data: mpsc::Receiver<UploadPiece>) -> Result<crate::backend::ArchiveStats, BackendError> {
+    Err(BackendError::Internal(format!("archive upload into {dir}: not yet on the microVM tier")))
+}
+
+/// PLACEHOLDER (being replaced by the guest protocol's archive requests): refuses.
+pub async fn download_archive(_vm: std::sync::Arc<Vm>, _workdir: &str, path: &str) -> Result<crate::backend::ByteChunks, BackendError> {
+    Err(BackendError::Internal(format!("archive download of {path}: not yet on the microVM tier")))
+}

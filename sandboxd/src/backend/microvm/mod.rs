@@ -38,7 +38,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use super::cgroup::{CgroupLimits, CgroupRoot};
-use super::{Backend, BackendError, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
+use super::{ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
 use crate::config::{Limits, MicroVmConfig, MicroVmAccel};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 pub use vm::Accel;
@@ -781,6 +781,16 @@ impl Backend for MicroVmBackend {
     async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
         files::download_file(sb.vm()?, &sb.spec.workdir, path).await
+    }
+
+    async fn upload_archive(&self, sandbox: &SandboxId, dir: &str, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::upload_archive(&*sb.vm()?, &sb.spec.workdir, dir, data).await
+    }
+
+    async fn download_archive(&self, sandbox: &SandboxId, path: &str) -> Result<ByteChunks, BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        files::download_archive(sb.vm()?, &sb.spec.workdir, path).await
     }
 
     async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {

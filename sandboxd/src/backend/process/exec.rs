@@ -141,6 +141,8 @@ async fn feed_terminal(mut w: pty::PtyMaster, control: pty::PtyMaster, first: Ve
             }
         }
     }
+    // The input channel closed (the client's side ended): that is a close of stdin too.
+    let _ = w.write_all(&[pty::VEOF]).await;
 }
 
 fn pipe() -> Result<(OwnedFd, OwnedFd), BackendError> {

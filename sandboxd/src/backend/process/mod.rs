@@ -37,7 +37,7 @@ use super::files;
 use super::mountinfo;
 use self::channel::InitChannel;
 use self::storage::Pool;
-use super::{Backend, BackendError, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
+use super::{ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 
 /// How long sandbox setup may take before it is abandoned.
@@ -504,6 +504,22 @@ impl Backend for ProcessBackend {
         })
         .await
         .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
+    }
+
+    async fn upload_archive(&self, sandbox: &SandboxId, dir: &str, mut data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
+        let sb = self.sandbox(sandbox)?;
+        let dir = dir.to_string();
+        tokio::task::spawn_blocking(move || files::upload_archive_at(&files::open_root(&sb.rootfs)?, &sb.workdir, &dir, &mut data))
+            .await
+            .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
+    }
+
+    async fn download_archive(&self, sandbox: &SandboxId, path: &str) -> Result<ByteChunks, BackendError> {
+        let sb = self.sandbox(sandbox)?;
+        let path = path.to_string();
+        tokio::task::spawn_blocking(move || files::stream_archive(files::open_root(&sb.rootfs)?, &sb.workdir, &path))
+            .await
+            .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
     }
 
     async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {

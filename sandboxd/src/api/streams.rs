@@ -1,0 +1,193 @@
+//! The streaming calls' conversions: an exec session's messages into live input and signals,
+//! uploads into pieces (with their checksum), downloads into chunks. What each call does is the
+//! manager's and the backends'; here messages only become core values and back.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use sandbox_proto::v1 as pb;
+use sha2::{Digest, Sha256};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
+
+use crate::backend::{ByteChunks, Download, SessionInput, TerminalSize, UploadPiece};
+use crate::ids::ExecId;
+use crate::manager::Manager;
+
+/// Live input waiting for the backend; a client typing faster than the command reads waits here.
+const INPUT_BUFFER: usize = 16;
+/// Download chunks waiting for a slow client.
+const CHUNK_BUFFER: usize = 4;
+
+/// A session's terminal: `tty` with `size` (0 = 24 × 80), or none.
+pub fn terminal(tty: bool, size: Option<pb::TerminalSize>) -> Result<Option<TerminalSize>, Status> {
+    if !tty {
+        return Ok(None);
+    }
+    Ok(Some(terminal_size(size.unwrap_or_default(), "start.size")?))
+}
+
+fn terminal_size(size: pb::TerminalSize, field: &str) -> Result<TerminalSize, Status> {
+    let dim = |v: u32, default: u16, what: &str| -> Result<u16, Status> {
+        match v {
+            0 => Ok(default),
+            1..=4096 => Ok(v as u16),
+            _ => Err(Status::invalid_argument(format!("invalid {field}.{what}: {v} is above 4096"))),
+        }
+    };
+    Ok(TerminalSize { rows: dim(size.rows, 24, "rows")?, cols: dim(size.cols, 80, "cols")? })
+}
+
+/// The session's input channel, fed from the client's messages after `start` by a task that
+/// ends with the client's stream. Signals go to the exec once it has an id (`started`), through
+/// the manager like SignalExec. A malformed message ends the input (as a close of stdin) and is
+/// logged; the command's own fate is decided by its stdin and the client's presence.
+pub fn session_input(manager: Arc<Manager>, tenant: String, mut stream: tonic::Streaming<pb::ExecSessionRequest>, started: watch::Receiver<Option<ExecId>>) -> mpsc::Receiver<SessionInput> {
+    use pb::exec_session_request::Item;
+    let (tx, rx) = mpsc::channel(INPUT_BUFFER);
+    tokio::spawn(async move {
+        loop {
+            let item = match stream.message().await {
+                Ok(Some(pb::ExecSessionRequest { item: Some(item) })) => item,
+                Ok(Some(pb::ExecSessionRequest { item: None })) => continue,
+                // The client half-closed its side: no more input, the output still flows.
+                Ok(None) => break,
+                Err(status) => {
+                    tracing::debug!(%status, "exec session input ended");
+                    break;
+                }
+            };
+            let input = match item {
+                Item::Stdin(bytes) => SessionInput::Stdin(Bytes::from(bytes)),
+                Item::CloseStdin(_) => SessionInput::CloseStdin,
+                Item::Resize(size) => match terminal_size(size, "resize") {
+                    Ok(size) => SessionInput::Resize(size),
+                    Err(status) => {
+                        tracing::debug!(%status, "ignoring a bad resize");
+                        continue;
+                    }
+                },
+                Item::Signal(signal) => {
+                    let mut started = started.clone();
+                    let (manager, tenant) = (manager.clone(), tenant.clone());
+                    // Delivered once the command runs, without holding up the input behind it.
+                    tokio::spawn(async move {
+                        let Ok(id) = started.wait_for(Option::is_some).await.map(|id| id.clone()) else { return };
+                        if let Some(id) = id {
+                            if let Err(e) = manager.signal_exec(&tenant, id.as_str(), signal).await {
+                                tracing::debug!(exec = %id, signal, error = %e, "session signal not delivered");
+                            }
+                        }
+                    });
+                    continue;
+                }
+                Item::Start(_) => {
+                    tracing::debug!("a second `start` in an exec session ends its input");
+                    break;
+                }
+            };
+            if tx.send(input).await.is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// What an upload stream brought, checked: its pieces go to `tx` as they arrive, and `Commit`
+/// only once the client half-closed the stream and the optional `sha256` matched. Returns the
+/// hex digest of the content; an error (the client broke off, a second header, a bad checksum)
+/// drops `tx` without a commit, so the backend abandons the upload.
+pub async fn feed_upload(mut stream: tonic::Streaming<pb::UploadRequest>, tx: mpsc::Sender<UploadPiece>) -> Result<String, Status> {
+    use pb::upload_request::Item;
+    let mut hasher = Sha256::new();
+    let mut expected: Option<String> = None;
+    loop {
+        match stream.message().await? {
+            Some(pb::UploadRequest { item: Some(Item::Data(data)) }) => {
+                if expected.is_some() {
+                    return Err(Status::invalid_argument("upload: data after the sha256 message"));
+                }
+                hasher.update(&data);
+                if tx.send(UploadPiece::Data(Bytes::from(data))).await.is_err() {
+                    // The backend stopped (its own error is the answer).
+                    return Err(Status::aborted("upload: the sandbox stopped taking data"));
+                }
+            }
+            Some(pb::UploadRequest { item: Some(Item::Sha256(sum)) }) => expected = Some(sum.trim().to_ascii_lowercase()),
+            Some(pb::UploadRequest { item: Some(Item::Header(_)) }) => return Err(Status::invalid_argument("upload: a second header")),
+            Some(pb::UploadRequest { item: None }) => {}
+            None => break,
+        }
+    }
+    let digest = hex(&hasher.finalize());
+    if let Some(expected) = expected {
+        if expected != digest {
+            return Err(Status::data_loss(format!("upload: sha256 of the received content is {digest}, the client said {expected}; the old file is unchanged")));
+        }
+    }
+    tx.send(UploadPiece::Commit).await.map_err(|_| Status::aborted("upload: the sandbox stopped taking data"))?;
+    Ok(digest)
+}
+
+/// A download as messages: `size` first, the data, then the `sha256` of what was sent.
+pub fn download_chunks(download: Download) -> ReceiverStream<Result<pb::DownloadChunk, Status>> {
+    let (tx, rx) = mpsc::channel(CHUNK_BUFFER);
+    let Download { size, mut chunks } = download;
+    tokio::spawn(async move {
+        if tx.send(Ok(pb::DownloadChunk { size, ..Default::default() })).await.is_err() {
+            return;
+        }
+        let mut hasher = Sha256::new();
+        while let Some(chunk) = chunks.recv().await {
+            let msg = match chunk {
+                Ok(bytes) => {
+                    hasher.update(&bytes);
+                    Ok(pb::DownloadChunk { data: Vec::from(bytes), ..Default::default() })
+                }
+                Err(e) => Err(Status::from(crate::error::Error::from(e))),
+            };
+            let failed = msg.is_err();
+            if tx.send(msg).await.is_err() || failed {
+                return;
+            }
+        }
+        let _ = tx.send(Ok(pb::DownloadChunk { sha256: hex(&hasher.finalize()), ..Default::default() })).await;
+    });
+    ReceiverStream::new(rx)
+}
+
+/// An archive download as messages: `data` only.
+pub fn archive_chunks(chunks: ByteChunks) -> impl futures::Stream<Item = Result<pb::DownloadChunk, Status>> {
+    use futures::StreamExt;
+    ReceiverStream::new(chunks).map(|chunk| match chunk {
+        Ok(bytes) => Ok(pb::DownloadChunk { data: Vec::from(bytes), ..Default::default() }),
+        Err(e) => Err(Status::from(crate::error::Error::from(e))),
+    })
+}
+
+/// Lowercase hex.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn terminal_sizes_default_and_are_bounded() {
+        assert_eq!(terminal(false, None).ok(), Some(None));
+        assert_eq!(terminal(true, None).ok().flatten(), Some(TerminalSize { rows: 24, cols: 80 }));
+        let size = pb::TerminalSize { rows: 50, cols: 0 };
+        assert_eq!(terminal(true, Some(size)).ok().flatten(), Some(TerminalSize { rows: 50, cols: 80 }));
+        let err = terminal(true, Some(pb::TerminalSize { rows: 1, cols: 5000 })).err().map(|s| s.message().to_string());
+        assert!(err.is_some_and(|m| m.contains("start.size.cols")));
+    }
+
+    #[test]
+    fn hex_is_lowercase() {
+        assert_eq!(hex(&[0, 0xab, 0x10]), "00ab10");
+    }
+}
