@@ -25,11 +25,16 @@
 
 pub mod address;
 pub mod agent;
+pub mod archive;
 pub mod client;
 pub mod error;
+pub mod session;
+pub mod transfer;
 
 pub use address::Address;
 pub use client::{exec_request, AuthInterceptor, Client, ExecStream, RawClient};
+pub use session::{ExecSession, SessionEvent, SessionEvents, SessionInput};
+pub use transfer::FileTransfer;
 pub use error::{code_name, Error, Result};
 
 /// The generated `sandbox.v1` messages and enums, re-exported from `sandbox-proto`.
