@@ -208,7 +208,10 @@ pub fn unpack<R: Read>(input: R, dst: &Path) -> Result<UnpackReport, ArchiveErro
         // Metadata for the next entry; the tar crate applies long names and pax paths itself.
         if matches!(
             kind,
-            EntryType::XGlobalHeader | EntryType::XHeader | EntryType::GNULongName | EntryType::GNULongLink
+            EntryType::XGlobalHeader
+                | EntryType::XHeader
+                | EntryType::GNULongName
+                | EntryType::GNULongLink
         ) {
             continue;
         }
@@ -259,7 +262,8 @@ pub fn unpack<R: Read>(input: R, dst: &Path) -> Result<UnpackReport, ArchiveErro
                 let bytes = io::copy(&mut entry, &mut file).map_err(ArchiveError::Tar)?;
                 file.set_permissions(fs::Permissions::from_mode(mode))
                     .map_err(io_err(&target))?;
-                file.set_modified(system_time(mtime)).map_err(io_err(&target))?;
+                file.set_modified(system_time(mtime))
+                    .map_err(io_err(&target))?;
                 extracted.insert(rel);
                 report.files += 1;
                 report.bytes += bytes;
@@ -281,7 +285,8 @@ pub fn unpack<R: Read>(input: R, dst: &Path) -> Result<UnpackReport, ArchiveErro
                     .link_name()
                     .map_err(ArchiveError::Tar)?
                     .ok_or_else(|| refuse("a hard link without a target"))?;
-                let link_rel = relative(&link).map_err(|reason| refuse(&format!("its target: {reason}")))?;
+                let link_rel =
+                    relative(&link).map_err(|reason| refuse(&format!("its target: {reason}")))?;
                 if !extracted.contains(&link_rel) {
                     return Err(refuse(
                         "a hard link to something this archive did not extract as a file",
@@ -303,7 +308,9 @@ pub fn unpack<R: Read>(input: R, dst: &Path) -> Result<UnpackReport, ArchiveErro
     for (dir, mode, mtime) in directories.iter().rev() {
         fs::set_permissions(dir, fs::Permissions::from_mode(*mode)).map_err(io_err(dir))?;
         let handle = fs::File::open(dir).map_err(io_err(dir))?;
-        handle.set_modified(system_time(*mtime)).map_err(io_err(dir))?;
+        handle
+            .set_modified(system_time(*mtime))
+            .map_err(io_err(dir))?;
     }
     Ok(report)
 }
@@ -451,7 +458,8 @@ mod tests {
         let long = "n".repeat(150);
         fs::write(root.join(&long), b"long name").expect("write");
         let fifo = root.join("fifo");
-        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644)).expect("mkfifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644))
+            .expect("mkfifo");
         let old = system_time(1_000_000_000);
         fs::File::open(root.join("top.txt"))
             .and_then(|f| f.set_modified(old))
@@ -460,35 +468,65 @@ mod tests {
         let mut tar = Vec::new();
         let packed = pack(root, &mut tar).expect("pack");
         assert_eq!(
-            (packed.files, packed.directories, packed.symlinks, packed.bytes),
+            (
+                packed.files,
+                packed.directories,
+                packed.symlinks,
+                packed.bytes
+            ),
             (3, 2, 2, 100_000 + 10 + 9)
         );
-        assert_eq!(packed.skipped, [PathBuf::from("fifo")], "a fifo is left out");
+        assert_eq!(
+            packed.skipped,
+            [PathBuf::from("fifo")],
+            "a fifo is left out"
+        );
 
         let names: Vec<String> = tar::Archive::new(tar.as_slice())
             .entries()
             .expect("entries")
-            .map(|e| e.expect("entry").path().expect("path").display().to_string())
+            .map(|e| {
+                e.expect("entry")
+                    .path()
+                    .expect("path")
+                    .display()
+                    .to_string()
+            })
             .collect();
         let a = names.iter().position(|n| n == "a").expect("a");
-        let run = names.iter().position(|n| n == "a/b/run.sh").expect("run.sh");
+        let run = names
+            .iter()
+            .position(|n| n == "a/b/run.sh")
+            .expect("run.sh");
         assert!(a < run, "directories come before their contents: {names:?}");
 
         let out = tempfile::tempdir().expect("tmp");
         let got = unpack(tar.as_slice(), out.path()).expect("unpack");
         assert_eq!((got.files, got.directories, got.symlinks), (3, 2, 2));
         let dst = out.path();
-        assert_eq!(fs::read(dst.join("a/b/run.sh")).expect("read"), b"#!/bin/sh\n");
-        let mode = fs::metadata(dst.join("a/b/run.sh")).expect("meta").permissions().mode();
+        assert_eq!(
+            fs::read(dst.join("a/b/run.sh")).expect("read"),
+            b"#!/bin/sh\n"
+        );
+        let mode = fs::metadata(dst.join("a/b/run.sh"))
+            .expect("meta")
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o7777, 0o751, "mode kept");
-        assert_eq!(fs::read_link(dst.join("link")).expect("link"), Path::new("a/b/run.sh"));
+        assert_eq!(
+            fs::read_link(dst.join("link")).expect("link"),
+            Path::new("a/b/run.sh")
+        );
         assert_eq!(
             fs::read_link(dst.join("dangling")).expect("link"),
             Path::new("/nowhere/at/all"),
             "a symlink is stored as a symlink, never followed"
         );
         assert_eq!(fs::read(dst.join(&long)).expect("long name"), b"long name");
-        let mtime = fs::metadata(dst.join("top.txt")).expect("meta").modified().expect("mtime");
+        let mtime = fs::metadata(dst.join("top.txt"))
+            .expect("meta")
+            .modified()
+            .expect("mtime");
         assert_eq!(mtime, old, "mtime kept");
     }
 
@@ -507,11 +545,18 @@ mod tests {
 
         let out = tempfile::tempdir().expect("tmp");
         unpack(tar.as_slice(), out.path()).expect("unpack");
-        let mode = |p: &str| fs::symlink_metadata(out.path().join(p)).expect("meta").permissions().mode() & 0o7777;
+        let mode = |p: &str| {
+            fs::symlink_metadata(out.path().join(p))
+                .expect("meta")
+                .permissions()
+                .mode()
+                & 0o7777
+        };
         assert_eq!(mode("suid"), 0o755);
         assert_eq!(mode("ro"), 0o555);
         assert_eq!(fs::read(out.path().join("ro/f")).expect("read"), b"x");
-        fs::set_permissions(out.path().join("ro"), fs::Permissions::from_mode(0o755)).expect("chmod");
+        fs::set_permissions(out.path().join("ro"), fs::Permissions::from_mode(0o755))
+            .expect("chmod");
     }
 
     #[test]
@@ -520,7 +565,10 @@ mod tests {
         let dst = outer.path().join("dst");
         fs::create_dir(&dst).expect("mkdir");
         let err = refused(Hostile::new().file("/abs", b"x").bytes(), &dst);
-        assert!(err.contains("\"/abs\"") && err.contains("absolute"), "{err}");
+        assert!(
+            err.contains("\"/abs\"") && err.contains("absolute"),
+            "{err}"
+        );
         let err = refused(Hostile::new().file("ok/../../escape", b"x").bytes(), &dst);
         assert!(err.contains(".."), "{err}");
         assert!(!outer.path().join("escape").exists());
@@ -542,7 +590,10 @@ mod tests {
             .file("esc/victim", b"owned")
             .bytes();
         let err = refused(archive, &dst);
-        assert!(err.contains("esc/victim") && err.contains("symlink esc"), "{err}");
+        assert!(
+            err.contains("esc/victim") && err.contains("symlink esc"),
+            "{err}"
+        );
         assert_eq!(fs::read(outside.join("victim")).expect("read"), b"safe");
 
         // A symlink to a file outside, then a file of the same name: the link is replaced,
@@ -555,7 +606,10 @@ mod tests {
         unpack(archive.as_slice(), &dst).expect("a plain replacement");
         assert_eq!(fs::read(outside.join("victim")).expect("read"), b"safe");
         assert_eq!(fs::read(dst.join("f")).expect("read"), b"owned");
-        assert!(!fs::symlink_metadata(dst.join("f")).expect("meta").file_type().is_symlink());
+        assert!(!fs::symlink_metadata(dst.join("f"))
+            .expect("meta")
+            .file_type()
+            .is_symlink());
 
         // Even a symlink that stays inside is not passed through.
         let archive = Hostile::new()
@@ -577,23 +631,53 @@ mod tests {
         let outer = tempfile::tempdir().expect("tmp");
         let dst = outer.path().join("dst");
         fs::create_dir(&dst).expect("mkdir");
-        let err = refused(Hostile::new().entry(EntryType::Char, "null", None, b"").bytes(), &dst);
+        let err = refused(
+            Hostile::new()
+                .entry(EntryType::Char, "null", None, b"")
+                .bytes(),
+            &dst,
+        );
         assert!(err.contains("device node"), "{err}");
-        let err = refused(Hostile::new().entry(EntryType::Block, "sda", None, b"").bytes(), &dst);
+        let err = refused(
+            Hostile::new()
+                .entry(EntryType::Block, "sda", None, b"")
+                .bytes(),
+            &dst,
+        );
         assert!(err.contains("device node"), "{err}");
-        let err = refused(Hostile::new().entry(EntryType::Fifo, "p", None, b"").bytes(), &dst);
+        let err = refused(
+            Hostile::new()
+                .entry(EntryType::Fifo, "p", None, b"")
+                .bytes(),
+            &dst,
+        );
         assert!(err.contains("fifo"), "{err}");
 
         let secret = outer.path().join("secret");
         fs::write(&secret, b"secret").expect("write");
         let target = secret.display().to_string();
-        let err = refused(Hostile::new().entry(EntryType::Link, "h", Some(&target), b"").bytes(), &dst);
+        let err = refused(
+            Hostile::new()
+                .entry(EntryType::Link, "h", Some(&target), b"")
+                .bytes(),
+            &dst,
+        );
         assert!(err.contains("absolute"), "{err}");
-        let err = refused(Hostile::new().entry(EntryType::Link, "h", Some("../secret"), b"").bytes(), &dst);
+        let err = refused(
+            Hostile::new()
+                .entry(EntryType::Link, "h", Some("../secret"), b"")
+                .bytes(),
+            &dst,
+        );
         assert!(err.contains(".."), "{err}");
         // A hard link to an existing local file the archive did not write.
         fs::write(dst.join("mine"), b"mine").expect("write");
-        let err = refused(Hostile::new().entry(EntryType::Link, "h", Some("mine"), b"").bytes(), &dst);
+        let err = refused(
+            Hostile::new()
+                .entry(EntryType::Link, "h", Some("mine"), b"")
+                .bytes(),
+            &dst,
+        );
         assert!(err.contains("did not extract"), "{err}");
 
         // A hard link to a file of the archive is fine.

@@ -286,9 +286,11 @@ impl Client {
     /// Writes `content` to a file inside the sandbox, streamed in 1 MiB pieces whatever its
     /// size, with its SHA-256 computed on the way and sent last; `mode` 0 means `0644`. The
     /// file is replaced only once all of it has arrived and matched its digest: a failed or
-    /// cancelled upload (a reader error, this future dropped) leaves the old file as it was.
-    /// Returns the bytes sent and their SHA-256, which the daemon's own answer must match
-    /// ([`Error::Integrity`] otherwise).
+    /// cancelled upload leaves the old file as it was. After a reader error this returns once
+    /// the daemon has refused the upload (or 10 s); when this future is dropped, the call goes
+    /// on in a task of its own until the daemon has refused it, for as long as the runtime runs
+    /// (see [`crate::transfer`]). Returns the bytes sent and their SHA-256, which the daemon's
+    /// own answer must match ([`Error::Integrity`] otherwise).
     pub async fn upload_file(
         &self,
         sandbox_id: impl Into<String>,
@@ -302,8 +304,10 @@ impl Client {
             mode,
         };
         let mut raw = self.raw();
-        transfer::upload_file(header, content, |body| async move { raw.upload_file(body).await })
-            .await
+        transfer::upload_file(header, content, |body| async move {
+            raw.upload_file(body).await
+        })
+        .await
     }
 
     /// Streams a file out of the sandbox into `out`, checking its size and SHA-256 against what

@@ -89,7 +89,8 @@ impl SessionInput {
 
     /// Ends the command's stdin (on a terminal: the end-of-file character, as Ctrl-D).
     pub async fn close_stdin(&self) -> Result<()> {
-        self.send(exec_session_request::Item::CloseStdin(true)).await
+        self.send(exec_session_request::Item::CloseStdin(true))
+            .await
     }
 
     /// Sends a signal (a Linux signal number) to the command's whole process tree.
@@ -99,8 +100,11 @@ impl SessionInput {
 
     /// Tells the command's terminal its new size (ignored without a terminal).
     pub async fn resize(&self, rows: u32, cols: u32) -> Result<()> {
-        self.send(exec_session_request::Item::Resize(TerminalSize { rows, cols }))
-            .await
+        self.send(exec_session_request::Item::Resize(TerminalSize {
+            rows,
+            cols,
+        }))
+        .await
     }
 }
 

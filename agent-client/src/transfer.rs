@@ -4,13 +4,14 @@
 //! Memory stays bounded whatever the size: an upload holds at most [`UPLOAD_QUEUE`] chunks of
 //! [`CHUNK_SIZE`] in flight, a download writes each chunk before asking for the next.
 //!
-//! The one subtle point is how an upload ends. The daemon replaces the file when the client
-//! half-closes the request stream, and hyper half-closes it as soon as the request stream ends,
-//! whether the upload finished or its future was dropped half-way (hyper sends the body from a
-//! task of its own). So the request stream ([`UploadBody`]) ends cleanly only after the last
-//! piece has been queued; if it is cut short it first sends a piece that makes the daemon refuse
-//! the upload (a digest that cannot match, or bytes that are no tar header), so a cancelled or
-//! failed upload never replaces anything.
+//! The one subtle point is how an upload ends. The daemon replaces the file when the request
+//! stream ends, and it cannot tell a half-close from a cancelled call: hyper's server reads a
+//! stream reset with CANCEL (what a dropped client call sends) as a clean end of the body. So
+//! the request stream ([`UploadBody`]) ends cleanly only after the last piece has been queued;
+//! cut short, it first sends a piece that makes the daemon refuse the upload (a digest that
+//! cannot match, or bytes that are no tar header). And the call runs on a task of its own, so
+//! the stream is never reset just because the upload's future was dropped: a failed or
+//! cancelled upload never replaces anything.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -163,9 +164,17 @@ async fn feed<R: AsyncRead + Unpin>(
     Ok(Fed { bytes, sha256 })
 }
 
-/// Runs one client-streaming upload: `call` gets the request stream, while `reader` is fed into
-/// it from this task (so the reader need not be `'static`). Returns the daemon's answer and
-/// what was sent.
+/// How long a failed upload waits for the daemon to refuse what it was sent, before giving up.
+const ABORT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Runs one client-streaming upload: `call` gets the request stream and runs on a task of its
+/// own, while `reader` is fed into it from this one (so the reader need not be `'static`).
+/// Returns the daemon's answer and what was sent.
+///
+/// Why a task: dropping a call's future makes hyper reset the stream with CANCEL, and hyper's
+/// server reads a CANCEL as a clean end of the request body, i.e. as a complete upload. On its
+/// own task the call outlives this future, so a cut-short upload still reaches the daemon as
+/// the poison followed by the end (as long as the runtime runs).
 async fn upload<R, F, Fut, T>(
     header: UploadHeader,
     reader: R,
@@ -176,18 +185,22 @@ async fn upload<R, F, Fut, T>(
 where
     R: AsyncRead + Unpin,
     F: FnOnce(UploadBody) -> Fut,
-    Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+    Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>> + Send + 'static,
+    T: Send + 'static,
 {
     let path = header.path.clone();
     let (tx, rx) = mpsc::channel(UPLOAD_QUEUE);
-    let call = call(UploadBody::new(rx, poison));
+    let mut call = tokio::spawn(call(UploadBody::new(rx, poison)));
     let feed = feed(reader, tx, header, send_digest);
-    tokio::pin!(call, feed);
+    tokio::pin!(feed);
     let mut fed = None;
     let mut feeding = true;
     loop {
         tokio::select! {
             answer = &mut call => {
+                let answer = answer.map_err(|e| {
+                    Error::Protocol(format!("the upload of {path} stopped: {e}"))
+                })?;
                 // An error answer says more than any local symptom of it.
                 let answer = answer?.into_inner();
                 return match fed {
@@ -201,9 +214,12 @@ where
                 feeding = false;
                 match result {
                     Ok(done) => fed = Some(done),
-                    // Returning drops the call; the queue is already gone, so the daemon has
-                    // been sent the poison and keeps the old file.
-                    Err(FeedError::Local(err)) => return Err(err),
+                    Err(FeedError::Local(err)) => {
+                        // The queue is gone, so the poison is on its way: wait for the daemon
+                        // to refuse it, so that when this returns the old file is known safe.
+                        let _ = tokio::time::timeout(ABORT_WAIT, &mut call).await;
+                        return Err(err);
+                    }
                     Err(FeedError::CallGone) => {}
                 }
             }
@@ -221,15 +237,22 @@ where
     R: AsyncRead + Unpin,
     F: FnOnce(UploadBody) -> Fut,
     Fut: Future<
-        Output = std::result::Result<
-            tonic::Response<crate::proto::UploadFileResponse>,
-            tonic::Status,
-        >,
-    >,
+            Output = std::result::Result<
+                tonic::Response<crate::proto::UploadFileResponse>,
+                tonic::Status,
+            >,
+        > + Send
+        + 'static,
 {
     let path = header.path.clone();
     let (answer, fed) = upload(header, reader, true, file_poison(), call).await?;
-    check_upload(&path, &fed.sha256, fed.bytes, &answer.sha256, answer.bytes_written)?;
+    check_upload(
+        &path,
+        &fed.sha256,
+        fed.bytes,
+        &answer.sha256,
+        answer.bytes_written,
+    )?;
     Ok(FileTransfer {
         bytes: fed.bytes,
         sha256: fed.sha256,
@@ -246,17 +269,26 @@ where
     R: AsyncRead + Unpin,
     F: FnOnce(UploadBody) -> Fut,
     Fut: Future<
-        Output = std::result::Result<
-            tonic::Response<crate::proto::UploadArchiveResponse>,
-            tonic::Status,
-        >,
-    >,
+            Output = std::result::Result<
+                tonic::Response<crate::proto::UploadArchiveResponse>,
+                tonic::Status,
+            >,
+        > + Send
+        + 'static,
 {
-    Ok(upload(header, reader, false, archive_poison(), call).await?.0)
+    Ok(upload(header, reader, false, archive_poison(), call)
+        .await?
+        .0)
 }
 
 /// The daemon must have written what was sent: the same size and the same digest.
-fn check_upload(path: &str, sent_sha: &str, sent: u64, their_sha: &str, written: u64) -> Result<()> {
+fn check_upload(
+    path: &str,
+    sent_sha: &str,
+    sent: u64,
+    their_sha: &str,
+    written: u64,
+) -> Result<()> {
     if written != sent {
         return Err(Error::Integrity {
             path: path.to_owned(),
@@ -367,16 +399,16 @@ pub(crate) async fn download_file<W: AsyncWrite + Unpin>(
     let what = || format!("cannot write the download of {path}");
     while let Some(chunk) = stream.message().await? {
         let data = check.chunk(&chunk)?;
-        writer
-            .write_all(data)
-            .await
-            .map_err(|source| Error::Io { what: what(), source })?;
+        writer.write_all(data).await.map_err(|source| Error::Io {
+            what: what(),
+            source,
+        })?;
     }
     let done = check.finish()?;
-    writer
-        .shutdown()
-        .await
-        .map_err(|source| Error::Io { what: what(), source })?;
+    writer.shutdown().await.map_err(|source| Error::Io {
+        what: what(),
+        source,
+    })?;
     Ok(done)
 }
 
@@ -393,12 +425,15 @@ pub(crate) async fn download_archive<W: AsyncWrite + Unpin>(
         writer
             .write_all(&chunk.data)
             .await
-            .map_err(|source| Error::Io { what: what(), source })?;
+            .map_err(|source| Error::Io {
+                what: what(),
+                source,
+            })?;
     }
-    writer
-        .shutdown()
-        .await
-        .map_err(|source| Error::Io { what: what(), source })?;
+    writer.shutdown().await.map_err(|source| Error::Io {
+        what: what(),
+        source,
+    })?;
     Ok(bytes)
 }
 
@@ -441,7 +476,9 @@ mod tests {
     #[test]
     fn a_wrong_digest_is_data_loss() {
         let mut check = DownloadCheck::new("/f");
-        check.chunk(&chunk(b"abc", 3, &sha(b"abd"))).expect("size ok");
+        check
+            .chunk(&chunk(b"abc", 3, &sha(b"abd")))
+            .expect("size ok");
         let err = check.finish().expect_err("digest differs");
         assert_eq!(err.code(), tonic::Code::DataLoss);
         assert!(err.to_string().contains("/f"), "{err}");
@@ -451,25 +488,36 @@ mod tests {
     fn sizes_are_checked_both_ways() {
         let mut check = DownloadCheck::new("/f");
         check.chunk(&chunk(b"ab", 3, "")).expect("ok");
-        let err = check.chunk(&chunk(b"cd", 0, "")).expect_err("more than announced");
+        let err = check
+            .chunk(&chunk(b"cd", 0, ""))
+            .expect_err("more than announced");
         assert_eq!(err.code(), tonic::Code::DataLoss);
 
         let mut check = DownloadCheck::new("/f");
         check.chunk(&chunk(b"ab", 3, &sha(b"ab"))).expect("ok");
         let err = check.finish().expect_err("fewer than announced");
-        assert!(err.to_string().contains("announced 3 bytes and sent 2"), "{err}");
+        assert!(
+            err.to_string().contains("announced 3 bytes and sent 2"),
+            "{err}"
+        );
     }
 
     #[test]
     fn a_missing_digest_or_first_message_is_an_error() {
         let mut check = DownloadCheck::new("/f");
         check.chunk(&chunk(b"ab", 2, "")).expect("ok");
-        assert_eq!(check.finish().expect_err("no digest").code(), tonic::Code::DataLoss);
+        assert_eq!(
+            check.finish().expect_err("no digest").code(),
+            tonic::Code::DataLoss
+        );
         let err = DownloadCheck::new("/f").finish().expect_err("nothing came");
         assert_eq!(err.code(), tonic::Code::Internal);
         let mut check = DownloadCheck::new("/f");
         check.chunk(&chunk(b"ab", 2, &sha(b"ab"))).expect("ok");
-        assert!(check.chunk(&chunk(b"", 0, "")).is_err(), "nothing after the digest");
+        assert!(
+            check.chunk(&chunk(b"", 0, "")).is_err(),
+            "nothing after the digest"
+        );
     }
 
     #[test]
@@ -477,7 +525,9 @@ mod tests {
         let digest = sha(b"x");
         check_upload("/f", &digest, 1, &digest.to_uppercase(), 1).expect("case does not matter");
         assert_eq!(
-            check_upload("/f", &digest, 1, &sha(b"y"), 1).expect_err("digest").code(),
+            check_upload("/f", &digest, 1, &sha(b"y"), 1)
+                .expect_err("digest")
+                .code(),
             tonic::Code::DataLoss
         );
         assert!(check_upload("/f", &digest, 1, &digest, 2).is_err(), "size");
@@ -487,10 +537,16 @@ mod tests {
     async fn a_cut_short_upload_ends_with_the_poison() {
         let (tx, rx) = mpsc::channel(4);
         let mut body = UploadBody::new(rx, file_poison());
-        tx.send(Piece::Message(UploadRequest::default())).await.expect("open");
+        tx.send(Piece::Message(UploadRequest::default()))
+            .await
+            .expect("open");
         drop(tx);
         assert_eq!(body.next().await, Some(UploadRequest::default()));
-        assert_eq!(body.next().await, Some(file_poison()), "cut short: poisoned");
+        assert_eq!(
+            body.next().await,
+            Some(file_poison()),
+            "cut short: poisoned"
+        );
         assert_eq!(body.next().await, None);
 
         let (tx, rx) = mpsc::channel(4);
@@ -503,7 +559,9 @@ mod tests {
 
     #[tokio::test]
     async fn feeding_sends_header_whole_chunks_and_the_digest() {
-        let content: Vec<u8> = (0..(CHUNK_SIZE * 2 + 10)).map(|i| (i % 251) as u8).collect();
+        let content: Vec<u8> = (0..(CHUNK_SIZE * 2 + 10))
+            .map(|i| (i % 251) as u8)
+            .collect();
         let (tx, mut rx) = mpsc::channel(8);
         let header = UploadHeader {
             path: "/big".into(),
@@ -521,7 +579,10 @@ mod tests {
             Ok(fed) => fed,
             Err(_) => panic!("feed failed"),
         };
-        assert_eq!((fed.bytes, fed.sha256.as_str()), (content.len() as u64, sha(&content).as_str()));
+        assert_eq!(
+            (fed.bytes, fed.sha256.as_str()),
+            (content.len() as u64, sha(&content).as_str())
+        );
         let pieces = collect.await.expect("collector");
         let items: Vec<_> = pieces
             .iter()
@@ -537,7 +598,14 @@ mod tests {
             .collect();
         assert_eq!(
             items,
-            ["header", "data 1048576", "data 1048576", "data 10", "sha256", "end"]
+            [
+                "header",
+                "data 1048576",
+                "data 1048576",
+                "data 10",
+                "sha256",
+                "end"
+            ]
         );
     }
 }
