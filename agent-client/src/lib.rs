@@ -18,6 +18,11 @@
 //! # }
 //! ```
 //!
+//! Files of any size, directories and interactive sessions go through streams:
+//! [`Client::upload_file`], [`Client::download_file`], [`Client::upload_archive`],
+//! [`Client::download_archive`] (with [`archive`] to build and safely extract tar streams) and
+//! [`Client::exec_session`] (see [`session`]).
+//!
 //! The `sbx` command line (in `src/bin/`) is built on this library and holds every CLI concern;
 //! nothing here prints or exits.
 

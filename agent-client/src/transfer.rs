@@ -7,7 +7,7 @@
 //! The one subtle point is how an upload ends. The daemon replaces the file when the request
 //! stream ends, and it cannot tell a half-close from a cancelled call: hyper's server reads a
 //! stream reset with CANCEL (what a dropped client call sends) as a clean end of the body. So
-//! the request stream ([`UploadBody`]) ends cleanly only after the last piece has been queued;
+//! the request stream (`UploadBody`) ends cleanly only after the last piece has been queued;
 //! cut short, it first sends a piece that makes the daemon refuse the upload (a digest that
 //! cannot match, or bytes that are no tar header). And the call runs on a task of its own, so
 //! the stream is never reset just because the upload's future was dropped: a failed or

@@ -208,20 +208,29 @@ async fn sbx_exec_i_forwards_signals() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn sbx");
+    let pid = nix::unistd::Pid::from_raw(child.id().expect("running") as i32);
+    // sbx handles SIGINT once its session has started: wait until the kernel says it catches
+    // it (bit 2 of SigCgt), or the signal would simply kill it.
     let deadline = Instant::now() + PATIENCE;
-    while !daemon
-        .mock
-        .state()
-        .log
-        .iter()
-        .any(|l| l.starts_with("start"))
-    {
-        assert!(Instant::now() < deadline, "the session never started");
+    loop {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc");
+        let caught = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+            .is_some_and(|mask| mask & (1 << (libc::SIGINT - 1)) != 0);
+        let started = daemon
+            .mock
+            .state()
+            .log
+            .iter()
+            .any(|l| l.starts_with("start"));
+        if caught && started {
+            break;
+        }
+        assert!(Instant::now() < deadline, "sbx never got ready for signals");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Give sbx a moment to install its handlers after the session started.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let pid = nix::unistd::Pid::from_raw(child.id().expect("running") as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("kill");
     let status = tokio::time::timeout(PATIENCE, child.wait())
         .await

@@ -41,7 +41,8 @@ pub enum Command {
     /// one ends sbx at once (the daemon then ends the command). With -t (which implies -i)
     /// the command runs on a terminal: the local one is put in raw mode, so every key, Ctrl-C
     /// included, goes to the remote terminal, whose size follows the local window; stdout and
-    /// stderr arrive as one stream. -t needs stdin to be a terminal.
+    /// stderr arrive as one stream. -t needs stdin to be a terminal. With --json (not with
+    /// -t) the output is gathered into the printed result, up to --max-output per stream.
     Exec(ExecArgs),
     /// List sandboxes.
     #[command(visible_alias = "list")]
@@ -90,7 +91,6 @@ pub enum Command {
     ///
     /// Examples: `sbx cp ./a ID:/workspace/a`, `sbx cp ID:/log -`,
     /// `sbx cp -r ./src ID:/workspace/src`, `sbx cp -r ID:/workspace/out ./out`.
-    #[command(verbatim_doc_comment)]
     Cp {
         /// Copy a directory (as a tar stream).
         #[arg(long, short = 'r')]

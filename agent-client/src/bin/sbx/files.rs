@@ -137,8 +137,10 @@ fn remote_target(path: String, local: &Path) -> Result<String> {
 
 /// Sends a local file (or stdin) to the sandbox, keeping the file's permission bits.
 async fn upload(ctx: &Ctx, local: Location, sandbox_id: &str, path: String) -> Result<u8> {
-    let client = ctx.client().await?;
-    let (sent, path, local_path) = match &local {
+    // The local side is checked before the daemon is dialled, so a mistake there is reported
+    // as such even with no daemon running.
+    type Source = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+    let (source, mode, path, local_path): (Source, u32, String, Option<String>) = match &local {
         Location::Local(file) => {
             let meta = tokio::fs::metadata(file)
                 .await
@@ -156,28 +158,27 @@ async fn upload(ctx: &Ctx, local: Location, sandbox_id: &str, path: String) -> R
             let reader = tokio::fs::File::open(file)
                 .await
                 .with_context(|| format!("cp: cannot read {}", file.display()))?;
-            let sent = client
-                .upload_file(
-                    sandbox_id,
-                    path.as_str(),
-                    mode,
-                    UntilInterrupted::new(reader),
-                )
-                .await;
-            (sent, path, Some(file.display().to_string()))
+            let local_path = Some(file.display().to_string());
+            (Box::new(reader), mode, path, local_path)
         }
         _ => {
             if path.ends_with('/') {
                 bail!("cp: {sandbox_id}:{path} is a directory; give a file name when copying from stdin");
             }
             // 0: the daemon's default, 0644.
-            let stdin = UntilInterrupted::new(crate::stdin::Stdin::new());
-            let sent = client
-                .upload_file(sandbox_id, path.as_str(), 0, stdin)
-                .await;
-            (sent, path, None)
+            (Box::new(crate::stdin::Stdin::new()), 0, path, None)
         }
     };
+    let sent = ctx
+        .client()
+        .await?
+        .upload_file(
+            sandbox_id,
+            path.as_str(),
+            mode,
+            UntilInterrupted::new(source),
+        )
+        .await;
     let sent = match sent {
         Ok(sent) => sent,
         Err(err) if was_interrupted(&err) => return interrupted_note(),
@@ -500,6 +501,28 @@ mod tests {
             Some("a/../src")
         );
         assert!(receiving_dir("/w/", None).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_pack_that_did_not_finish_never_reads_as_a_complete_archive() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        for finished in [false, true] {
+            let (mut pipe_in, pipe_out) = tokio::io::duplex(64);
+            let mut reader = PackedReader {
+                pipe: pipe_out,
+                finished: Arc::new(AtomicBool::new(finished)),
+            };
+            pipe_in.write_all(b"some tar").await.expect("write");
+            drop(pipe_in);
+            let mut got = Vec::new();
+            let end = reader.read_to_end(&mut got).await;
+            assert_eq!(got, b"some tar");
+            assert_eq!(
+                end.is_ok(),
+                finished,
+                "the end is an error unless the pack finished"
+            );
+        }
     }
 
     #[test]
