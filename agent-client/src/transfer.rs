@@ -5,8 +5,10 @@
 //! [`CHUNK_SIZE`] in flight, a download writes each chunk before asking for the next.
 //!
 //! The one subtle point is how an upload ends. The daemon replaces the file when the request
-//! stream ends, and it cannot tell a half-close from a cancelled call: hyper's server reads a
-//! stream reset with CANCEL (what a dropped client call sends) as a clean end of the body. So
+//! stream ends, and it cannot tell a half-close from a cancelled call: dropping a client call
+//! makes hyper reset the stream with CANCEL, and tonic's server decoder turns a CANCEL on a
+//! request stream into a clean end of it (`codec/decode.rs`: `Direction::Request` and
+//! `Code::Cancelled` give `Ok(None)`), exactly what a complete upload looks like. So
 //! the request stream (`UploadBody`) ends cleanly only after the last piece has been queued;
 //! cut short, it first sends a piece that makes the daemon refuse the upload (a digest that
 //! cannot match, or bytes that are no tar header). And the call runs on a task of its own, so
@@ -171,8 +173,8 @@ const ABORT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// own, while `reader` is fed into it from this one (so the reader need not be `'static`).
 /// Returns the daemon's answer and what was sent.
 ///
-/// Why a task: dropping a call's future makes hyper reset the stream with CANCEL, and hyper's
-/// server reads a CANCEL as a clean end of the request body, i.e. as a complete upload. On its
+/// Why a task: dropping a call's future makes hyper reset the stream with CANCEL, which a
+/// tonic server reads as a clean end of the request stream, i.e. as a complete upload. On its
 /// own task the call outlives this future, so a cut-short upload still reaches the daemon as
 /// the poison followed by the end (as long as the runtime runs).
 async fn upload<R, F, Fut, T>(
