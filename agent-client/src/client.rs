@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use futures::Stream;
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::Interceptor;
@@ -16,12 +17,15 @@ use crate::address::Address;
 use crate::error::{Error, Result};
 use crate::proto::sandbox_service_client::SandboxServiceClient;
 use crate::proto::{
-    exec_event, CreateSandboxRequest, DeleteSnapshotRequest, DestroySandboxRequest, ExecEvent,
-    ExecRequest, ExecResult, GetExecRequest, GetSandboxRequest, ListExecsRequest,
-    ListExecsResponse, ListSandboxesRequest, ListSnapshotsRequest, ReadFileRequest,
-    ReadFileResponse, RollbackRequest, Sandbox, SignalExecRequest, SnapshotInfo, SnapshotRequest,
+    exec_event, CreateSandboxRequest, DeleteSnapshotRequest, DestroySandboxRequest,
+    DownloadRequest, ExecEvent, ExecRequest, ExecResult, ExecSessionStart, GetExecRequest,
+    GetSandboxRequest, ListExecsRequest, ListExecsResponse, ListSandboxesRequest,
+    ListSnapshotsRequest, ReadFileRequest, ReadFileResponse, RollbackRequest, Sandbox,
+    SignalExecRequest, SnapshotInfo, SnapshotRequest, UploadArchiveResponse, UploadHeader,
     WriteFileRequest,
 };
+use crate::session::ExecSession;
+use crate::transfer::{self, FileTransfer};
 
 /// How long dialling the daemon may take before [`Client::connect`] gives up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -269,7 +273,103 @@ impl Client {
         Ok(self.raw().list_execs(request).await?.into_inner())
     }
 
+    /// Starts an interactive exec: `start.exec` says what to run (not in the background),
+    /// `start.tty` whether on a terminal of `start.size`. Returns once the daemon has started
+    /// the command, with its exec id; then send input and read output through the
+    /// [`ExecSession`] (see [`crate::session`] for how to drive both without a deadlock).
+    pub async fn exec_session(&self, start: ExecSessionStart) -> Result<ExecSession> {
+        crate::session::open(&mut self.raw(), start).await
+    }
+
     // Files.
+
+    /// Writes `content` to a file inside the sandbox, streamed in 1 MiB pieces whatever its
+    /// size, with its SHA-256 computed on the way and sent last; `mode` 0 means `0644`. The
+    /// file is replaced only once all of it has arrived and matched its digest: a failed or
+    /// cancelled upload leaves the old file as it was. After a reader error this returns once
+    /// the daemon has refused the upload (or 10 s); when this future is dropped, the call goes
+    /// on in a task of its own until the daemon has refused it, for as long as the runtime runs
+    /// (see [`crate::transfer`]). Returns the bytes sent and their SHA-256, which the daemon's
+    /// own answer must match ([`Error::Integrity`] otherwise).
+    pub async fn upload_file(
+        &self,
+        sandbox_id: impl Into<String>,
+        path: impl Into<String>,
+        mode: u32,
+        content: impl AsyncRead + Unpin,
+    ) -> Result<FileTransfer> {
+        let header = UploadHeader {
+            sandbox_id: sandbox_id.into(),
+            path: path.into(),
+            mode,
+        };
+        let mut raw = self.raw();
+        transfer::upload_file(header, content, |body| async move {
+            raw.upload_file(body).await
+        })
+        .await
+    }
+
+    /// Streams a file out of the sandbox into `out`, checking its size and SHA-256 against what
+    /// the daemon announced, then flushes and shuts `out` down. Whatever the size, only one
+    /// chunk is held at a time. On an error (`Error::Integrity` for a size or digest that
+    /// differs) `out` has received part of the content, or a wrong one: discard it.
+    pub async fn download_file(
+        &self,
+        sandbox_id: impl Into<String>,
+        path: impl Into<String>,
+        out: impl AsyncWrite + Unpin,
+    ) -> Result<FileTransfer> {
+        let request = DownloadRequest {
+            sandbox_id: sandbox_id.into(),
+            path: path.into(),
+        };
+        let path = request.path.clone();
+        let stream = self.raw().download_file(request).await?.into_inner();
+        transfer::download_file(stream, &path, out).await
+    }
+
+    /// Extracts a tar stream (ustar, GNU or pax) read from `archive` into the directory `dir`
+    /// inside the sandbox (created if missing). The daemon refuses entries that would leave the
+    /// directory and device nodes. A failed or cancelled upload ends in a way the daemon
+    /// reports as an error, never as a clean end of the archive (see [`crate::transfer`]); what
+    /// it had extracted by then may stay.
+    pub async fn upload_archive(
+        &self,
+        sandbox_id: impl Into<String>,
+        dir: impl Into<String>,
+        archive: impl AsyncRead + Unpin,
+    ) -> Result<UploadArchiveResponse> {
+        let header = UploadHeader {
+            sandbox_id: sandbox_id.into(),
+            path: dir.into(),
+            mode: 0,
+        };
+        let mut raw = self.raw();
+        transfer::upload_archive(header, archive, |body| async move {
+            raw.upload_archive(body).await
+        })
+        .await
+    }
+
+    /// Streams a directory of the sandbox (or one file) as a tar stream into `out`, then
+    /// flushes and shuts `out` down; returns the archive's length. The archive comes from
+    /// inside the sandbox: extract it with [`crate::archive::unpack`], which refuses what
+    /// would land outside the target.
+    pub async fn download_archive(
+        &self,
+        sandbox_id: impl Into<String>,
+        path: impl Into<String>,
+        out: impl AsyncWrite + Unpin,
+    ) -> Result<u64> {
+        let request = DownloadRequest {
+            sandbox_id: sandbox_id.into(),
+            path: path.into(),
+        };
+        let path = request.path.clone();
+        let stream = self.raw().download_archive(request).await?.into_inner();
+        transfer::download_archive(stream, &path, out).await
+    }
 
     /// Writes a whole file inside the sandbox, creating its parents; `mode` 0 means `0644`.
     /// Returns the number of bytes written.

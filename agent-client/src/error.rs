@@ -53,6 +53,33 @@ pub enum Error {
     /// The daemon answered with something the API contract rules out.
     #[error("protocol error: {0}")]
     Protocol(String),
+
+    /// Reading or writing the local side of a transfer failed (the reader given to an upload,
+    /// the writer given to a download).
+    #[error("{what}")]
+    Io {
+        /// What was being done, e.g. `cannot read the upload of /workspace/a`.
+        what: String,
+        /// The operating system's reason.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// What arrived is not what was announced: a download's size or SHA-256 differs from the
+    /// daemon's own, or an upload's digest differs from the one the daemon computed. Whatever
+    /// was written locally must be thrown away.
+    #[error("integrity check of {path} failed: {reason}")]
+    Integrity {
+        /// The file in the sandbox.
+        path: String,
+        /// Which check failed, with both values.
+        reason: String,
+    },
+
+    /// An exec session's input was used after the session had ended (its result arrived, or
+    /// the call failed).
+    #[error("the exec session has ended")]
+    SessionClosed,
 }
 
 impl Error {
@@ -60,7 +87,9 @@ impl Error {
     ///
     /// Status errors carry the daemon's code; errors raised on this side map to the code a
     /// gRPC client would see for them (`UNAVAILABLE` for a failed connection, `INVALID_ARGUMENT`
-    /// for a bad address or token, `INTERNAL` for a protocol violation).
+    /// for a bad address or token, `INTERNAL` for a protocol violation, `DATA_LOSS` for a failed
+    /// integrity check, `FAILED_PRECONDITION` for a session that has ended, `UNKNOWN` for a
+    /// local I/O error).
     pub fn code(&self) -> Code {
         match self {
             Error::Status(status) => status.code(),
@@ -69,6 +98,11 @@ impl Error {
                 Code::InvalidArgument
             }
             Error::Protocol(_) => Code::Internal,
+            // A local reader or writer failing has no gRPC counterpart.
+            Error::Io { .. } => Code::Unknown,
+            // What the daemon itself answers for a digest that differs.
+            Error::Integrity { .. } => Code::DataLoss,
+            Error::SessionClosed => Code::FailedPrecondition,
         }
     }
 

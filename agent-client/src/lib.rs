@@ -18,6 +18,11 @@
 //! # }
 //! ```
 //!
+//! Files of any size, directories and interactive sessions go through streams:
+//! [`Client::upload_file`], [`Client::download_file`], [`Client::upload_archive`],
+//! [`Client::download_archive`] (with [`archive`] to build and safely extract tar streams) and
+//! [`Client::exec_session`] (see [`session`]).
+//!
 //! The `sbx` command line (in `src/bin/`) is built on this library and holds every CLI concern;
 //! nothing here prints or exits.
 
@@ -25,11 +30,16 @@
 
 pub mod address;
 pub mod agent;
+pub mod archive;
 pub mod client;
 pub mod error;
+pub mod session;
+pub mod transfer;
 
 pub use address::Address;
 pub use client::{exec_request, AuthInterceptor, Client, ExecStream, RawClient};
+pub use session::{ExecSession, SessionEvent, SessionEvents, SessionInput};
+pub use transfer::FileTransfer;
 pub use error::{code_name, Error, Result};
 
 /// The generated `sandbox.v1` messages and enums, re-exported from `sandbox-proto`.

@@ -2,7 +2,9 @@
 //!
 //! The stand-in is not sandboxd: it fakes a few commands (`echo`, `cat`, `exit N`, `missing`,
 //! `die`) and keeps files in memory, read back in 3-byte chunks so that chunked reads are
-//! exercised. It checks what this crate is responsible for — transport, metadata, request
+//! exercised. Its streaming RPCs (sessions, uploads, downloads, archives) are in
+//! `mock_daemon/streams.rs`, their tests in `mock_daemon/transfers.rs` and
+//! `mock_daemon/sessions.rs`. It checks what this crate is responsible for — transport, metadata, request
 //! building, result handling and the CLI's output and exit codes — without needing root, images
 //! or a real daemon. The real end-to-end tests live in the workspace's `tests/` crate.
 
@@ -15,12 +17,30 @@ use agent_client::proto::sandbox_service_server::{SandboxService, SandboxService
 use agent_client::proto::*;
 use agent_client::{exec_request, Client};
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
+
+#[path = "mock_daemon/sessions.rs"]
+mod sessions;
+#[path = "mock_daemon/streams.rs"]
+mod streams;
+#[path = "mock_daemon/transfers.rs"]
+mod transfers;
 
 #[derive(Default)]
 struct State {
     files: HashMap<String, (Vec<u8>, u32)>,
     authorization: Option<String>,
+    /// Session messages as they arrived (`stdin "…"`, `signal 2`, `resize 30x100`, …).
+    log: Vec<String>,
+    /// How each upload ended: `ok PATH`, `refused PATH: why`, `broken PATH`.
+    outcomes: Vec<String>,
+    /// The largest `data` piece an upload sent, and all upload bytes received.
+    max_piece: usize,
+    received: u64,
+    /// The sandbox's filesystem for archives, and a directory of the test's that hostile
+    /// archives aim at.
+    root: PathBuf,
+    outside: PathBuf,
 }
 
 #[derive(Clone, Default)]
@@ -31,6 +51,22 @@ struct Mock {
 impl Mock {
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn log(&self, line: String) {
+        self.state().log.push(line);
+    }
+
+    fn outcome(&self, line: String) {
+        self.state().outcomes.push(line);
+    }
+
+    fn root(&self) -> PathBuf {
+        self.state().root.clone()
+    }
+
+    fn outside(&self) -> PathBuf {
+        self.state().outside.clone()
     }
 
     fn seen<T>(&self, request: &Request<T>) {
@@ -250,6 +286,50 @@ impl SandboxService for Mock {
             "snapshot snap-1 is needed by sandbox sb-2",
         ))
     }
+    type ExecSessionStream = streams::EventStream<ExecSessionEvent>;
+    async fn exec_session(
+        &self,
+        r: Request<Streaming<ExecSessionRequest>>,
+    ) -> Result<Response<Self::ExecSessionStream>, Status> {
+        self.seen(&r);
+        Ok(Response::new(
+            streams::exec_session(self, r.into_inner()).await?,
+        ))
+    }
+    async fn upload_file(
+        &self,
+        r: Request<Streaming<UploadRequest>>,
+    ) -> Result<Response<UploadFileResponse>, Status> {
+        Ok(Response::new(
+            streams::upload_file(self, r.into_inner()).await?,
+        ))
+    }
+    type DownloadFileStream = streams::EventStream<DownloadChunk>;
+    async fn download_file(
+        &self,
+        r: Request<DownloadRequest>,
+    ) -> Result<Response<Self::DownloadFileStream>, Status> {
+        Ok(Response::new(
+            streams::download_file(self, r.into_inner()).await?,
+        ))
+    }
+    async fn upload_archive(
+        &self,
+        r: Request<Streaming<UploadRequest>>,
+    ) -> Result<Response<UploadArchiveResponse>, Status> {
+        Ok(Response::new(
+            streams::upload_archive(self, r.into_inner()).await?,
+        ))
+    }
+    type DownloadArchiveStream = streams::EventStream<DownloadChunk>;
+    async fn download_archive(
+        &self,
+        r: Request<DownloadRequest>,
+    ) -> Result<Response<Self::DownloadArchiveStream>, Status> {
+        Ok(Response::new(
+            streams::download_archive(self, r.into_inner()).await?,
+        ))
+    }
 }
 
 /// A running stand-in, serving until the test's runtime ends.
@@ -265,6 +345,10 @@ impl Daemon {
         let socket = dir.path().join("sandboxd.sock");
         let listener = tokio::net::UnixListener::bind(&socket).expect("bind socket");
         let mock = Mock::default();
+        let root = dir.path().join("fs");
+        std::fs::create_dir(&root).expect("mock filesystem");
+        mock.state().root = root;
+        mock.state().outside = PathBuf::from("/nonexistent");
         let service = SandboxServiceServer::new(mock.clone());
         tokio::spawn(
             tonic::transport::Server::builder()

@@ -34,6 +34,15 @@ pub enum Command {
     /// Create a sandbox and print its id.
     Create(CreateArgs),
     /// Run a command in a sandbox, streaming its output; exits with the command's code.
+    ///
+    /// Without -i the command's stdin is empty (or, with --stdin, all of sbx's stdin, read
+    /// first). With -i sbx's stdin is streamed to the command as it arrives and closed at its
+    /// end; signals sent to sbx (INT, TERM, HUP, QUIT) are passed to the command, and a third
+    /// one ends sbx at once (the daemon then ends the command). With -t (which implies -i)
+    /// the command runs on a terminal: the local one is put in raw mode, so every key, Ctrl-C
+    /// included, goes to the remote terminal, whose size follows the local window; stdout and
+    /// stderr arrive as one stream. -t needs stdin to be a terminal. With --json (not with
+    /// -t) the output is gathered into the printed result, up to --max-output per stream.
     Exec(ExecArgs),
     /// List sandboxes.
     #[command(visible_alias = "list")]
@@ -63,13 +72,42 @@ pub enum Command {
         #[arg(long, default_value_t = 0)]
         limit: u32,
     },
-    /// Copy one file into or out of a sandbox: `sbx cp ./a ID:/workspace/a`, `sbx cp ID:/log -`.
+    /// Copy a file or (with -r) a directory into or out of a sandbox.
+    ///
+    /// Files of any size are streamed in 1 MiB pieces and checked end to end by SHA-256: an
+    /// upload replaces the file in the sandbox only once all of it has arrived intact, a
+    /// download is written to a temp file beside the target and renamed at the end, so an
+    /// interrupted copy leaves neither a half file nor a damaged old one. A destination ending
+    /// in `/` (or a local directory) receives the file under its own name. `-` is stdin or
+    /// stdout. With --json: the path, bytes and sha256.
+    ///
+    /// With -r, SRC is a directory sent as a tar stream built on the fly: symlinks stay
+    /// symlinks, modes and mtimes are kept, sockets, fifos and devices are left out. DST is the
+    /// directory that receives SRC's contents (created if missing, merged into if it exists);
+    /// a DST ending in `/`, `.` or `..` receives them in a directory named after SRC. A
+    /// download is extracted refusing what a hostile sandbox could use to write outside DST
+    /// (absolute paths, `..`, paths through symlinks, device nodes, hard links to files the
+    /// archive did not write); into a new DST it is extracted beside it and renamed at the end.
+    ///
+    /// Examples: `sbx cp ./a ID:/workspace/a`, `sbx cp ID:/log -`,
+    /// `sbx cp -r ./src ID:/workspace/src`, `sbx cp -r ID:/workspace/out ./out`.
     Cp {
+        /// Copy a directory (as a tar stream).
+        #[arg(long, short = 'r')]
+        recursive: bool,
         /// Source: ID:/path, a local path, or - for stdin.
         src: String,
         /// Destination: ID:/path, a local path, or - for stdout.
         dst: String,
     },
+    /// Open an interactive shell in a sandbox, on a terminal (`exec -it` of its shell).
+    ///
+    /// Runs bash when the sandbox has it, else sh, in the sandbox's working directory. The
+    /// local terminal is in raw mode until the shell exits: every key, Ctrl-C and Ctrl-D
+    /// included, goes to the shell, and the window size follows the local one. Exits with the
+    /// shell's exit code. Like every exec it is bound by the sandbox's exec timeout unless
+    /// --timeout-ms asks for another (up to the daemon's ceiling).
+    Shell(ShellArgs),
     /// Snapshot a sandbox's filesystem and print the snapshot id.
     Snapshot {
         /// Sandbox id.
@@ -378,8 +416,14 @@ pub struct ExecArgs {
     #[arg(long, value_name = "BYTES", value_parser = parse_size)]
     pub max_output: Option<u64>,
     /// Read all of stdin and send it to the command.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["interactive", "tty"])]
     pub stdin: bool,
+    /// Stream stdin to the command as it arrives (an interactive session).
+    #[arg(long, short = 'i', conflicts_with = "background")]
+    pub interactive: bool,
+    /// Run the command on a terminal, with the local terminal in raw mode (implies -i).
+    #[arg(long, short = 't', conflicts_with = "background")]
+    pub tty: bool,
     /// Run at most once per key: a repeated request returns the first result.
     #[arg(long, value_name = "KEY")]
     pub idempotency_key: Option<String>,
@@ -394,6 +438,46 @@ pub struct ExecArgs {
         value_name = "ARGV"
     )]
     pub argv: Vec<String>,
+}
+
+/// `sbx shell`.
+#[derive(Debug, Args)]
+pub struct ShellArgs {
+    /// Sandbox id.
+    pub id: String,
+    /// Extra environment (repeatable), over the sandbox's.
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// Working directory [default: the sandbox's].
+    #[arg(long, short = 'w', value_name = "PATH")]
+    pub workdir: Option<String>,
+    /// End the shell after this many milliseconds [default: the sandbox's exec timeout].
+    #[arg(long, value_name = "MS")]
+    pub timeout_ms: Option<u64>,
+}
+
+/// The command `sbx shell` runs: bash when there is one, else sh. `exec` of a missing
+/// program would end a non-interactive sh, hence the test first.
+pub const SHELL_SCRIPT: &str =
+    "if command -v bash >/dev/null 2>&1; then exec bash; else exec sh; fi";
+
+impl ShellArgs {
+    /// The same session as `sbx exec -it ID -- /bin/sh -c SHELL_SCRIPT`.
+    pub fn into_exec(self) -> ExecArgs {
+        ExecArgs {
+            id: self.id,
+            env: self.env,
+            workdir: self.workdir,
+            timeout_ms: self.timeout_ms,
+            max_output: None,
+            stdin: false,
+            interactive: true,
+            tty: true,
+            idempotency_key: None,
+            background: false,
+            argv: vec!["/bin/sh".into(), "-c".into(), SHELL_SCRIPT.into()],
+        }
+    }
 }
 
 #[cfg(test)]
@@ -523,5 +607,33 @@ mod tests {
         assert_eq!(args.argv, ["sh", "-c", "exit 3"]);
         assert!(cli.json);
         assert!(parse(&["exec", "sb-1"]).is_err(), "argv is required");
+    }
+
+    #[test]
+    fn interactive_flags_cluster_and_conflict() {
+        let cli = parse(&["exec", "-it", "sb-1", "--", "bash"]).expect("valid");
+        let Command::Exec(args) = cli.command else {
+            panic!("not exec")
+        };
+        assert!(args.interactive && args.tty);
+        assert_eq!(args.argv, ["bash"]);
+        assert!(parse(&["exec", "-i", "--stdin", "sb-1", "cat"]).is_err());
+        assert!(parse(&["exec", "-t", "--background", "sb-1", "cat"]).is_err());
+        let cli = parse(&["cp", "-r", "./d", "sb-1:/w/d"]).expect("valid");
+        assert!(matches!(
+            cli.command,
+            Command::Cp {
+                recursive: true,
+                ..
+            }
+        ));
+        let cli = parse(&["shell", "sb-1", "-w", "/tmp"]).expect("valid");
+        let Command::Shell(args) = cli.command else {
+            panic!("not shell")
+        };
+        let exec = args.into_exec();
+        assert!(exec.tty && exec.interactive);
+        assert_eq!(exec.argv[..2], ["/bin/sh", "-c"]);
+        assert_eq!(exec.workdir.as_deref(), Some("/tmp"));
     }
 }

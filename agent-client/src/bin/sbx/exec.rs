@@ -13,6 +13,9 @@ const EXIT_UNKNOWN: u8 = 255;
 
 /// Runs a command. In the foreground without `--json` its output is streamed as it comes.
 pub async fn exec(ctx: &Ctx, args: ExecArgs) -> Result<u8> {
+    if args.interactive || args.tty {
+        return crate::session::run(ctx, args).await;
+    }
     let mut request = ExecRequest {
         env: args.env.into_iter().collect(),
         workdir: args.workdir.unwrap_or_default(),
@@ -113,7 +116,7 @@ pub async fn list(ctx: &Ctx, sandbox_id: String, limit: u32) -> Result<u8> {
 }
 
 /// Explains on stderr how the exec ended, unless it simply exited, and returns its exit code.
-fn report(result: &ExecResult) -> Result<u8> {
+pub fn report(result: &ExecResult) -> Result<u8> {
     for (stream, truncated, total, spill) in [
         (
             "stdout",

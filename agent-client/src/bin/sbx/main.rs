@@ -1,8 +1,8 @@
 //! `sbx`: the command line of sandboxd.
 //!
-//! Exit codes: 0 on success; for `exec` and `wait`, the command's own exit code; 1 when `sbx`
-//! itself fails (connection, gRPC status, local I/O), with `sbx: <message>` on stderr; 2 for
-//! usage errors (clap's convention).
+//! Exit codes: 0 on success; for `exec`, `shell` and `wait`, the command's own exit code; 1
+//! when `sbx` itself fails (connection, gRPC status, local I/O, a refused archive), with
+//! `sbx: <message>` on stderr; 2 for usage errors (clap's convention).
 
 mod agent;
 mod cli;
@@ -12,7 +12,10 @@ mod json;
 mod output;
 mod parse;
 mod sandbox;
+mod session;
 mod snapshot;
+mod stdin;
+mod terminal;
 
 use std::process::ExitCode;
 
@@ -67,7 +70,12 @@ async fn run(cli: Cli) -> Result<u8> {
         Command::Wait { exec_id } => exec::wait(&ctx, exec_id).await,
         Command::Kill { exec_id, signal } => exec::kill(&ctx, exec_id, signal).await,
         Command::Execs { id, limit } => exec::list(&ctx, id, limit).await,
-        Command::Cp { src, dst } => files::copy(&ctx, &src, &dst).await,
+        Command::Cp {
+            recursive,
+            src,
+            dst,
+        } => files::copy(&ctx, &src, &dst, recursive).await,
+        Command::Shell(args) => session::run(&ctx, args.into_exec()).await,
         Command::Snapshot { id, name } => snapshot::create(&ctx, id, name).await,
         Command::Snapshots { id } => snapshot::list(&ctx, id).await,
         Command::Rollback { id, snapshot } => snapshot::rollback(&ctx, id, snapshot).await,
