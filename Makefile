@@ -67,6 +67,8 @@ bench: deps release
 	$(CARGO) build --release -p sandbox-tests --bin bench
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/bench --out BENCHMARKS.md
 	target/release/agent_bench --out BENCHMARKS.md
+	$(CARGO) build --release -p sandbox-tests --bin transfer_bench
+	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/transfer_bench --out BENCHMARKS.md
 
 clean:
 	$(CARGO) clean

@@ -278,7 +278,9 @@ where
         > + Send
         + 'static,
 {
-    Ok(upload(header, reader, false, archive_poison(), call)
+    // The digest ends every upload: the daemon replaces or extracts nothing without it (a
+    // cancelled call reaches a server as a clean end of the stream).
+    Ok(upload(header, reader, true, file_poison(), call)
         .await?
         .0)
 }

@@ -131,3 +131,99 @@ async fn sbx_cp_round_trip_is_byte_identical() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("NOT_FOUND"), "{}", show(&out));
     assert!(!target.exists(), "a failed copy left an empty local file");
 }
+
+/// `sbx exec -i` streams stdin live: `(echo a; sleep 3; echo b) | sbx exec -i` has the command
+/// answer `a` before `b` is even written, and `b` about 3 s later.
+#[tokio::test(flavor = "multi_thread")]
+async fn sbx_exec_i_streams_stdin_live() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let id = create(&daemon).await;
+    let mut child = tokio::process::Command::new(sbx_bin().expect("locating sbx"))
+        .args(["--socket", &daemon.address, "exec", "-i", &id, "--", "sh", "-c", "while read l; do echo got:$l; done"])
+        .env_remove("SANDBOXD_SOCKET")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("running sbx exec -i");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let t0 = std::time::Instant::now();
+    stdin.write_all(b"a\n").await.expect("write a");
+    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await.expect("got:a within 30 s").expect("read");
+    let at_a = t0.elapsed();
+    assert_eq!(first.as_deref(), Some("got:a"), "the answer to a arrived while stdin was still open");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stdin.write_all(b"b\n").await.expect("write b");
+    let second = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await.expect("got:b within 30 s").expect("read");
+    let at_b = t0.elapsed();
+    assert_eq!(second.as_deref(), Some("got:b"));
+    assert!(at_b - at_a >= Duration::from_millis(2500), "a at {at_a:?}, b at {at_b:?}: not live");
+    drop(stdin);
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await.expect("sbx ends at EOF").expect("wait");
+    assert_eq!(status.code(), Some(0), "the command's exit code is sbx's");
+}
+
+/// `sbx exec -it … python3` on a real terminal (a pseudo-terminal on the client side): the
+/// interactive interpreter prompts, evaluates, and exits with the code it was given.
+#[tokio::test(flavor = "multi_thread")]
+async fn sbx_exec_it_runs_python_interactively() {
+    use std::io::{Read, Write};
+    use std::os::fd::{AsRawFd, OwnedFd};
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let out = sbx(&daemon, &["create", "--image", "debian"]).await;
+    assert!(out.status.success(), "sbx create --image debian: {}", show(&out));
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+
+    let pty = nix::pty::openpty(Some(&nix::pty::Winsize { ws_row: 24, ws_col: 80, ws_xpixel: 0, ws_ypixel: 0 }), None).expect("openpty");
+    let slave: OwnedFd = pty.slave;
+    let fd = |f: &OwnedFd| std::process::Stdio::from(f.try_clone().expect("dup"));
+    let mut cmd = std::process::Command::new(sbx_bin().expect("locating sbx"));
+    cmd.args(["--socket", &daemon.address, "exec", "-it", &id, "--", "python3", "-q"]).env_remove("SANDBOXD_SOCKET").stdin(fd(&slave)).stdout(fd(&slave)).stderr(fd(&slave));
+    let slave_raw = slave.as_raw_fd();
+    // SAFETY: between fork and exec the child only makes async-signal-safe calls: a session of
+    // its own with the terminal as its controlling terminal, as a shell would give it.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+            if libc::setsid() < 0 || libc::ioctl(slave_raw, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("running sbx exec -it");
+    drop(slave);
+    let mut master = std::fs::File::from(pty.master);
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    let mut reader = master.try_clone().expect("dup master");
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = reader.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = String::new();
+    let mut expect = |want: &str, seen: &mut String| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !seen.contains(want) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(b) => seen.push_str(&String::from_utf8_lossy(&b)),
+                Err(_) => panic!("{want:?} not seen on the terminal within 60 s; saw {seen:?}"),
+            }
+        }
+    };
+    expect(">>> ", &mut seen);
+    master.write_all(b"print(6*7)\r").expect("type");
+    expect("42", &mut seen);
+    master.write_all(b"exit(5)\r").expect("type");
+    let status = (0..600).find_map(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        child.try_wait().expect("wait")
+    });
+    let status = status.unwrap_or_else(|| panic!("sbx exec -it did not end; the terminal showed {seen:?}"));
+    assert_eq!(status.code(), Some(5), "python's exit code is sbx's; the terminal showed {seen:?}");
+}

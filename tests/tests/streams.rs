@@ -197,8 +197,12 @@ async fn big_file_round_trip(isolation: Isolation) {
 async fn interrupted_upload_keeps_the_old_file(isolation: Isolation) {
     let h = Harness::start().await;
     let id = sandbox(&h, isolation, "minimal").await;
-    let reply = h.client.raw().upload_file(upload_stream(&id, "keep.txt", vec![b"old content".to_vec()], None)).await.expect("first upload").into_inner();
+    let reply = h.client.raw().upload_file(upload_stream(&id, "keep.txt", vec![b"old content".to_vec()], Some(hex(&Sha256::digest(b"old content"))))).await.expect("first upload").into_inner();
     assert_eq!(reply.bytes_written, 11);
+    // A stream that ends without its digest may have been cut short (a cancelled call looks
+    // like a clean end to a server): ABORTED, and nothing replaced.
+    let e = within(60, h.client.raw().upload_file(upload_stream(&id, "keep.txt", vec![b"truncated".to_vec()], None))).await.expect_err("no digest");
+    assert_eq!(e.code(), Code::Aborted, "{e}");
     // A stock client whose process dies mid-upload (see the script).
     let root = sandbox_tests::workspace_root();
     let script = root.join("tests/python/grpcio_cut_upload.py");
@@ -242,8 +246,9 @@ fn tree_tar(n: usize) -> Vec<u8> {
 }
 
 async fn upload_archive(h: &Harness, id: &str, dir: &str, tar: Vec<u8>) -> Result<pb::UploadArchiveResponse, tonic::Status> {
+    let sum = hex(&Sha256::digest(&tar));
     let pieces: Vec<Vec<u8>> = tar.chunks(256 << 10).map(<[u8]>::to_vec).collect();
-    within(300, h.client.raw().upload_archive(upload_stream(id, dir, pieces, None))).await.map(|r| r.into_inner())
+    within(300, h.client.raw().upload_archive(upload_stream(id, dir, pieces, Some(sum)))).await.map(|r| r.into_inner())
 }
 
 /// A directory of 2,000 files goes in as a tar stream (modes, the symlink kept), works inside,

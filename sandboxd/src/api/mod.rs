@@ -335,14 +335,8 @@ impl SandboxService for Api {
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             let upload = self.manager.upload_file(&tenant, &header.sandbox_id, &header.path, header.mode, rx);
             let (fed, written) = tokio::join!(streams::feed_upload(stream, tx), upload);
-            // The client's fault (broke off, bad checksum) names the problem better than the
-            // backend's "did not complete" that follows from it.
-            match (fed, written) {
-                (Ok(sha256), Ok(bytes_written)) => Ok(pb::UploadFileResponse { bytes_written, sha256 }),
-                (_, Err(e @ (crate::error::Error::InvalidArgument { .. } | crate::error::Error::ResourceExhausted(_) | crate::error::Error::FileNotFound(_)))) => Err(e.into()),
-                (Err(status), _) => Err(status),
-                (_, Err(e)) => Err(e.into()),
-            }
+            let (sha256, bytes_written) = streams::upload_result(fed, written)?;
+            Ok(pb::UploadFileResponse { bytes_written, sha256 })
         })
         .await
     }
@@ -364,13 +358,8 @@ impl SandboxService for Api {
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             let upload = self.manager.upload_archive(&tenant, &header.sandbox_id, &header.path, rx);
             let (fed, stats) = tokio::join!(streams::feed_upload(stream, tx), upload);
-            match (fed, stats) {
-                (Ok(_), Ok(s)) => Ok(pb::UploadArchiveResponse { files: s.files + s.hardlinks, directories: s.dirs, symlinks: s.symlinks, bytes: s.bytes }),
-                // What the archive got wrong names the entry; a broken-off stream is the client's.
-                (_, Err(e @ (crate::error::Error::InvalidArgument { .. } | crate::error::Error::ResourceExhausted(_) | crate::error::Error::FileNotFound(_)))) => Err(e.into()),
-                (Err(status), _) => Err(status),
-                (_, Err(e)) => Err(e.into()),
-            }
+            let (_, s) = streams::upload_result(fed, stats)?;
+            Ok(pb::UploadArchiveResponse { files: s.files + s.hardlinks, directories: s.dirs, symlinks: s.symlinks, bytes: s.bytes })
         })
         .await
     }

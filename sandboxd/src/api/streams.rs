@@ -96,39 +96,66 @@ pub fn session_input(manager: Arc<Manager>, tenant: String, mut stream: tonic::S
 }
 
 /// What an upload stream brought, checked: its pieces go to `tx` as they arrive, and `Commit`
-/// only once the client half-closed the stream and the optional `sha256` matched. Returns the
+/// only once the client half-closed the stream and its `sha256` (required) matched. Returns the
 /// hex digest of the content; an error (the client broke off, a second header, a bad checksum)
 /// drops `tx` without a commit, so the backend abandons the upload.
-pub async fn feed_upload(mut stream: tonic::Streaming<pb::UploadRequest>, tx: mpsc::Sender<UploadPiece>) -> Result<String, Status> {
+pub async fn feed_upload(mut stream: tonic::Streaming<pb::UploadRequest>, tx: mpsc::Sender<UploadPiece>) -> Result<String, FeedError> {
     use pb::upload_request::Item;
     let mut hasher = Sha256::new();
     let mut expected: Option<String> = None;
     loop {
-        match stream.message().await? {
+        match stream.message().await.map_err(FeedError::Client)? {
             Some(pb::UploadRequest { item: Some(Item::Data(data)) }) => {
                 if expected.is_some() {
-                    return Err(Status::invalid_argument("upload: data after the sha256 message"));
+                    return Err(FeedError::Client(Status::invalid_argument("upload: data after the sha256 message")));
                 }
                 hasher.update(&data);
                 if tx.send(UploadPiece::Data(Bytes::from(data))).await.is_err() {
-                    // The backend stopped (its own error is the answer).
-                    return Err(Status::aborted("upload: the sandbox stopped taking data"));
+                    return Err(FeedError::BackendStopped);
                 }
             }
             Some(pb::UploadRequest { item: Some(Item::Sha256(sum)) }) => expected = Some(sum.trim().to_ascii_lowercase()),
-            Some(pb::UploadRequest { item: Some(Item::Header(_)) }) => return Err(Status::invalid_argument("upload: a second header")),
+            Some(pb::UploadRequest { item: Some(Item::Header(_)) }) => return Err(FeedError::Client(Status::invalid_argument("upload: a second header"))),
             Some(pb::UploadRequest { item: None }) => {}
             None => break,
         }
     }
     let digest = hex(&hasher.finalize());
-    if let Some(expected) = expected {
+    // Required: a client that cancels its call (rather than dying) reaches the server as a clean
+    // end of the stream (tonic reads the HTTP/2 reset as the end), so the end alone cannot mean
+    // "complete"; the digest, sent last, can.
+    let Some(expected) = expected else {
+        return Err(FeedError::Client(Status::aborted(
+            "upload: the stream ended without its sha256 message, so it may have been cut short; nothing was replaced (send the lowercase hex SHA-256 of the content last)",
+        )));
+    };
+    {
         if expected != digest {
-            return Err(Status::data_loss(format!("upload: sha256 of the received content is {digest}, the client said {expected}; the old file is unchanged")));
+            return Err(FeedError::Client(Status::data_loss(format!("upload: sha256 of the received content is {digest}, the client said {expected}; the old file is unchanged"))));
         }
     }
-    tx.send(UploadPiece::Commit).await.map_err(|_| Status::aborted("upload: the sandbox stopped taking data"))?;
+    tx.send(UploadPiece::Commit).await.map_err(|_| FeedError::BackendStopped)?;
     Ok(digest)
+}
+
+/// Why [`feed_upload`] stopped early.
+pub enum FeedError {
+    /// The client's stream broke off or was wrong: its status is the answer.
+    Client(Status),
+    /// The backend stopped taking pieces: its own error is the answer.
+    BackendStopped,
+}
+
+/// The answer of an upload from what the feeding and the backend each ended with: the client's
+/// fault (broke off, bad checksum) names the problem better than the backend's "did not
+/// complete" that follows from it, and the backend's error is the answer when it stopped first.
+pub fn upload_result<T>(fed: Result<String, FeedError>, done: Result<T, crate::error::Error>) -> Result<(String, T), Status> {
+    match (fed, done) {
+        (Ok(sha256), Ok(v)) => Ok((sha256, v)),
+        (Err(FeedError::Client(status)), _) => Err(status),
+        (_, Err(e)) => Err(e.into()),
+        (Err(FeedError::BackendStopped), Ok(_)) => Err(Status::internal("upload: the sandbox stopped taking data without an error")),
+    }
 }
 
 /// A download as messages: `size` first, the data, then the `sha256` of what was sent.
