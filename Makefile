@@ -4,7 +4,7 @@ IMAGES_DIR ?= $(CURDIR)/images/build
 RUN_DIR    ?= $(CURDIR)/.sandboxd
 SOCKET     ?= $(RUN_DIR)/sandboxd.sock
 
-.PHONY: all deps pydeps images image-debian vm-images exec-helper build release run test bench clean
+.PHONY: all deps pydeps images image-debian vm-images exec-helper build release run lint test bench clean
 
 all: build
 
@@ -51,8 +51,13 @@ run: deps release
 pydeps:
 	@python3 -c 'import grpc, grpc_tools' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check grpcio grpcio-tools
 
-## test: unit tests and end-to-end tests against the real daemon (needs root; builds both images).
-test: deps pydeps
+## lint: clippy with warnings as errors and rustfmt's check, on the whole workspace.
+lint:
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) fmt --all --check
+
+## test: lint, unit tests and end-to-end tests against the real daemon (needs root; builds both images).
+test: deps pydeps lint
 	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) images
 	@[ -f $(IMAGES_DIR)/debian/image.json ] && [ -f $(IMAGES_DIR)/debian/vm/vm.json ] || $(MAKE) image-debian
 	@$(MAKE) --no-print-directory vm-images exec-helper

@@ -38,9 +38,9 @@ pub mod transfer;
 
 pub use address::Address;
 pub use client::{exec_request, AuthInterceptor, Client, ExecStream, RawClient};
+pub use error::{code_name, Error, Result};
 pub use session::{ExecSession, SessionEvent, SessionEvents, SessionInput};
 pub use transfer::FileTransfer;
-pub use error::{code_name, Error, Result};
 
 /// The generated `sandbox.v1` messages and enums, re-exported from `sandbox-proto`.
 pub use sandbox_proto::v1 as proto;

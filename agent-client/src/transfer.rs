@@ -98,14 +98,6 @@ pub(crate) fn file_poison() -> UploadRequest {
     }
 }
 
-/// What makes the daemon refuse a cut-short `UploadArchive`: bytes that are no tar header (the
-/// checksum field cannot match) and, inside a file's data, leave that entry short.
-pub(crate) fn archive_poison() -> UploadRequest {
-    UploadRequest {
-        item: Some(upload_request::Item::Data(vec![0xff; 1024])),
-    }
-}
-
 /// Why feeding an upload stopped early.
 enum FeedError {
     /// The local reader failed.
@@ -280,9 +272,7 @@ where
 {
     // The digest ends every upload: the daemon replaces or extracts nothing without it (a
     // cancelled call reaches a server as a clean end of the stream).
-    Ok(upload(header, reader, true, file_poison(), call)
-        .await?
-        .0)
+    Ok(upload(header, reader, true, file_poison(), call).await?.0)
 }
 
 /// The daemon must have written what was sent: the same size and the same digest.

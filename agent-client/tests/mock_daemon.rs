@@ -7,6 +7,7 @@
 //! `mock_daemon/sessions.rs`. It checks what this crate is responsible for — transport, metadata, request
 //! building, result handling and the CLI's output and exit codes — without needing root, images
 //! or a real daemon. The real end-to-end tests live in the workspace's `tests/` crate.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

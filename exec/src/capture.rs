@@ -59,15 +59,7 @@ impl OutputCapture {
     /// A capture keeping at most `cap` bytes in memory (at least 2).
     pub fn new(cap: usize, target: Option<Box<dyn SpillTarget>>) -> Self {
         let cap = cap.max(2);
-        OutputCapture {
-            cap,
-            head: Vec::with_capacity(cap.min(64 << 10)),
-            tail: VecDeque::new(),
-            overflowed: false,
-            total: 0,
-            target,
-            spill: Spill::NotNeeded,
-        }
+        OutputCapture { cap, head: Vec::with_capacity(cap.min(64 << 10)), tail: VecDeque::new(), overflowed: false, total: 0, target, spill: Spill::NotNeeded }
     }
 
     fn tail_cap(&self) -> usize {

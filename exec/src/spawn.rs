@@ -86,7 +86,6 @@ pub fn describe_failure(stage: Stage, errno: Errno, argv0: &str, workdir: &str) 
     (stage.exit_code(errno), sentence)
 }
 
-
 /// A command ready to be exec'd from a forked child.
 pub struct Command {
     _argv: Vec<CString>,
@@ -195,8 +194,8 @@ pub fn exec(cmd: &Command, stdio: [RawFd; 3], err_w: RawFd) -> ! {
 /// directory entered, every other descriptor close-on-exec, and argv[0] tried along the `PATH`.
 /// Returns only if that failed, with where and why. Async-signal-safe.
 pub fn attempt(cmd: &Command, stdio: [RawFd; 3]) -> (Stage, Errno) {
-    // SAFETY (whole function): only async-signal-safe libc calls on descriptors and memory that
-    // were prepared before the fork and stay valid until execve or _exit.
+    // SAFETY: (the whole function) only async-signal-safe libc calls on descriptors and memory
+    // that were prepared before the fork and stay valid until execve or _exit.
     unsafe {
         let mut empty: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut empty);

@@ -282,11 +282,7 @@ pub fn commit_temp(slot: &FileSlot, temp: &TempFile, mode: u32) -> Result<(), Er
 pub fn replace_file(slot: &FileSlot, content: &[u8], mode: u32) -> Result<(), Errno> {
     use std::io::Write;
     let mut temp = create_temp_in(slot.dir.as_raw_fd())?;
-    let done = temp
-        .file
-        .write_all(content)
-        .map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))
-        .and_then(|()| commit_temp(slot, &temp, mode));
+    let done = temp.file.write_all(content).map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))).and_then(|()| commit_temp(slot, &temp, mode));
     if done.is_err() {
         let _ = unlink_at(slot.dir.as_raw_fd(), &temp.name);
     }

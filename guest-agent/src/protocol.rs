@@ -35,6 +35,41 @@
 //! because the command closed it), `Error{NoSuchExec}` when the exec ended first. A host that
 //! waits for each answer before sending the next input of that exec never sees the queue full,
 //! and a command that stops reading slows its sender down instead of filling the guest.
+//!
+//! # Archives (protocol 4)
+//!
+//! A directory moves in or out as a tar stream (`sandbox_exec::archive`, run by the guest against
+//! its own root, so every entry is confined there and nothing below the named directory is
+//! followed).
+//!
+//! In: [`Request::UploadArchive`] pieces of one `transfer` id, each carrying the next bytes of the
+//! stream (at most [`FILE_CHUNK`]) at `offset`; the first (`offset` 0) starts the extraction into
+//! `dest` on a thread of its own. The guest takes the pieces in the order their frames arrive
+//! (like stdin: never a thread each) and queues them for that thread — at most
+//! [`MAX_ARCHIVE_QUEUE`] pieces and [`MAX_ARCHIVE_QUEUE_BYTES`] bytes, more is refused with
+//! `Error{BadRequest}` — and answers each with `Written{size}` (the stream bytes taken so far)
+//! once the extraction has taken its bytes. A host that waits for each answer before sending the
+//! next piece never sees the queue full, and the extraction sets its pace. The `last` piece (it
+//! may be empty) is answered once the stream is extracted and synced, with [`Response::Extracted`]
+//! — or with the `Error` that stopped the extraction. An extraction that fails before the last
+//! piece answers the next piece (any piece of that transfer still queued) with its error. An
+//! unfinished upload is dropped by `AbortWrite` with its transfer id, when no piece came for
+//! ten minutes, or when the host disconnects; what was extracted before stays (an archive is
+//! not atomic).
+//!
+//! Out: [`Request::DownloadArchive`] is answered like a streaming exec: any number of
+//! [`Response::ArchiveData`] frames whose payloads (at most [`FILE_CHUNK`] each) are the tar
+//! stream in order, then [`Response::ArchiveEnd`] once it is complete, or an `Error` (before any
+//! data when the source cannot be archived at all: a missing path is `NotFound`). The flow
+//! control is the exec output's: the guest writes each frame to the port, which blocks while the
+//! host does not read, so the walk goes at the pace of the host's reader. `AbortWrite` with the
+//! download's transfer id stops it between two frames.
+//!
+//! At most [`MAX_ARCHIVE_TRANSFERS`] archive transfers (uploads and downloads together) run at
+//! once; more are refused with `Error{Internal}`. An archive error is answered with the kind the
+//! other tiers give it: an unsafe, unsupported or malformed entry, a path that is not a directory
+//! and a limit reached are `InvalidPath`, a missing destination or source `NotFound`, a full disk
+//! `DiskFull`, and the message names the entry.
 
 use serde::{Deserialize, Serialize};
 
@@ -51,8 +86,10 @@ pub const MAX_PAYLOAD: u32 = 33 << 20;
 pub const FILE_CHUNK: u64 = 1 << 20;
 /// Protocol version, exchanged in `Hello`. 2 added `WriteStaged`, `AbortWrite` and
 /// `RemoveFile`; 3 added `ExecSession`, `Stdin`, `CloseStdin` and `Resize` (interactive execs
-/// and terminals). Everything of 1 is unchanged, so a host speaks to any of them.
-pub const VERSION: u32 = 3;
+/// and terminals); 4 added `UploadArchive`, `DownloadArchive` and their answers `Extracted`,
+/// `ArchiveData`, `ArchiveEnd` (directories as tar streams), and lets `AbortWrite` drop an
+/// archive transfer too. Everything of 1 is unchanged, so a host speaks to any of them.
+pub const VERSION: u32 = 4;
 /// Oldest guest protocol a host still accepts.
 pub const MIN_VERSION: u32 = 1;
 /// Longest transfer id of a `WriteStaged`.
@@ -67,6 +104,15 @@ pub const MAX_INPUT_QUEUE: usize = 64;
 pub const MAX_INPUT_BYTES: usize = 4 << 20;
 /// Largest `Stdin` payload a host sends: live input is split (or coalesced) to this.
 pub const STDIN_CHUNK: usize = 1 << 20;
+/// Archive transfers (`UploadArchive`, `DownloadArchive`) a guest runs at once; more are refused
+/// (protocol 4).
+pub const MAX_ARCHIVE_TRANSFERS: usize = 8;
+/// Pieces of one `UploadArchive` a guest holds before its extraction takes them; more are
+/// refused (protocol 4).
+pub const MAX_ARCHIVE_QUEUE: usize = 4;
+/// Payload bytes of one `UploadArchive` a guest holds before its extraction takes them; more are
+/// refused (protocol 4). Room for the piece being taken and the next one.
+pub const MAX_ARCHIVE_QUEUE_BYTES: usize = 2 * FILE_CHUNK as usize;
 /// Name of the virtio-serial port the agent listens on (`/sys/class/virtio-ports/*/name`).
 pub const PORT_NAME: &str = "org.sandboxd.agent.0";
 
@@ -136,13 +182,26 @@ pub enum Request {
     /// forgets the transfer: the old file is never touched before the rename. Answered by
     /// `Written` with the bytes staged so far.
     WriteStaged { transfer: String, path: String, mode: u32, offset: u64, commit: bool },
-    /// Drops an unfinished `WriteStaged` and its temporary file (protocol 2). Answered by `Ok`,
+    /// Drops an unfinished `WriteStaged` and its temporary file (protocol 2), or (protocol 4) an
+    /// unfinished `UploadArchive` or `DownloadArchive` of that transfer id. Answered by `Ok`,
     /// also when there is no such transfer.
     AbortWrite { transfer: String },
     /// Removes a regular file or a symlink — the link itself, never its target (protocol 2).
     /// A path that does not exist is not an error; a directory or special file is
     /// `Error{InvalidPath}`. Answered by `Ok`.
     RemoveFile { path: String },
+    /// One piece of a tar stream to extract into the directory `dest` (protocol 4; see the
+    /// module documentation). Payload: the stream's bytes `[offset, offset + len)`, at most
+    /// [`FILE_CHUNK`]. `transfer` is chosen by the host (≤ [`MAX_TRANSFER_ID`] bytes); `offset`
+    /// 0 starts the extraction (replacing an unfinished transfer of that id), later pieces must
+    /// follow on and name the same `dest`. `dest` is absolute, resolved in the guest as the
+    /// sandbox sees it and created with its parents. Answered by `Written` with the stream bytes
+    /// taken so far; the `last` piece by `Extracted`.
+    UploadArchive { transfer: String, dest: String, offset: u64, last: bool },
+    /// A tar stream of the directory or file at the absolute `path` (protocol 4; see the module
+    /// documentation), under the host's `transfer` id (for `AbortWrite`). Answered by
+    /// `ArchiveData`*, then `ArchiveEnd`.
+    DownloadArchive { transfer: String, path: String },
     /// `sync` then freeze the root filesystem (FIFREEZE) so the disk is consistent for a
     /// snapshot. Answered by `Ok`. Always followed by `Thaw`.
     Freeze,
@@ -194,26 +253,79 @@ pub enum Stream {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Response {
-    Hello { version: u32, kernel: String, uptime_ms: u64 },
+    Hello {
+        version: u32,
+        kernel: String,
+        uptime_ms: u64,
+    },
     Ok,
     /// The exec's process runs (signals can reach it).
     Started,
     /// Payload: bytes the exec wrote to `stream`.
-    Output { stream: Stream },
+    Output {
+        stream: Stream,
+    },
     /// Final record of an exec. Payload: the captured stdout bytes, then the captured stderr
     /// bytes (`stdout.len` + `stderr.len` == payload length).
     Exited(ExecExit),
-    Written { size: u64 },
+    Written {
+        size: u64,
+    },
     /// Payload: the bytes read.
-    FileData { size: u64, eof: bool },
-    Error { kind: ErrorKind, message: String },
+    FileData {
+        size: u64,
+        eof: bool,
+    },
+    /// Final answer to the `last` piece of an `UploadArchive` (protocol 4): the stream was
+    /// extracted and synced.
+    Extracted(ArchiveExtracted),
+    /// Payload: the next bytes (at most [`FILE_CHUNK`]) of a `DownloadArchive`'s tar stream
+    /// (protocol 4).
+    ArchiveData,
+    /// Final answer to a `DownloadArchive` (protocol 4): every byte of the stream, its
+    /// end-of-archive marker included, was in the `ArchiveData` before.
+    ArchiveEnd(ArchiveCreated),
+    Error {
+        kind: ErrorKind,
+        message: String,
+    },
 }
 
 impl Response {
     /// True for the last frame of a request.
     pub fn is_final(&self) -> bool {
-        !matches!(self, Response::Started | Response::Output { .. })
+        !matches!(self, Response::Started | Response::Output { .. } | Response::ArchiveData)
     }
+}
+
+/// What an `UploadArchive` wrote (`sandbox_exec::archive::ExtractStats`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArchiveExtracted {
+    /// Regular files written.
+    pub files: u64,
+    /// Directory entries (created or merged with an existing directory).
+    pub dirs: u64,
+    pub symlinks: u64,
+    pub hardlinks: u64,
+    /// Bytes of regular-file data written.
+    pub bytes: u64,
+}
+
+/// What a `DownloadArchive` archived (`sandbox_exec::archive::CreateStats`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArchiveCreated {
+    /// Regular files archived with their data.
+    pub files: u64,
+    /// Directories archived (the source itself included).
+    pub dirs: u64,
+    pub symlinks: u64,
+    pub hardlinks: u64,
+    /// Bytes of regular-file data archived.
+    pub bytes: u64,
+    /// Names left out: sockets, FIFOs, devices, names that vanished while the tree was walked.
+    pub skipped: u64,
+    /// Files that shrank while being read (their tail was archived as zeros).
+    pub changed: u64,
 }
 
 /// How an exec ended in the guest.
@@ -322,7 +434,10 @@ pub fn encode<M: Serialize>(id: u64, msg: &M, payload: &[u8]) -> Result<Vec<u8>,
 pub enum Decoded {
     Frame(RawFrame),
     /// Bytes that were not a valid frame were skipped; the decoder is looking for the next magic.
-    Garbage { skipped: usize, reason: String },
+    Garbage {
+        skipped: usize,
+        reason: String,
+    },
 }
 
 /// Incremental, resynchronizing frame decoder (no I/O: feed it what was read).
@@ -512,11 +627,11 @@ mod tests {
         assert_eq!(json["msg"]["interactive"], true);
         assert_eq!(json["msg"]["exec"]["exec_id"], "ex-s");
         let resize = Request::Resize { exec_id: "ex-s".into(), rows: 50, cols: 132 };
+        assert_eq!(serde_json::to_value(&resize).expect("json"), serde_json::json!({"type": "resize", "exec_id": "ex-s", "rows": 50, "cols": 132}));
         assert_eq!(
-            serde_json::to_value(&resize).expect("json"),
-            serde_json::json!({"type": "resize", "exec_id": "ex-s", "rows": 50, "cols": 132})
+            serde_json::to_value(Request::CloseStdin { exec_id: "e".into() }).expect("json"),
+            serde_json::json!({"type": "close_stdin", "exec_id": "e"})
         );
-        assert_eq!(serde_json::to_value(Request::CloseStdin { exec_id: "e".into() }).expect("json"), serde_json::json!({"type": "close_stdin", "exec_id": "e"}));
         assert_eq!(serde_json::to_value(Request::Stdin { exec_id: "e".into() }).expect("json"), serde_json::json!({"type": "stdin", "exec_id": "e"}));
         for req in [session, resize, Request::Stdin { exec_id: "ex-s".into() }, Request::CloseStdin { exec_id: "ex-s".into() }] {
             let mut d = Decoder::new();
@@ -535,6 +650,46 @@ mod tests {
         // A bad size is refused at parse time, before reaching any terminal.
         assert!(serde_json::from_value::<Request>(serde_json::json!({"type": "resize", "exec_id": "e", "rows": 70000, "cols": 1})).is_err());
         const { assert!(MAX_INPUT_BYTES >= STDIN_CHUNK && MAX_INPUT_BYTES <= MAX_PAYLOAD as usize) };
+    }
+
+    #[test]
+    fn version_4_archive_messages_round_trip_with_their_exact_shapes() {
+        let piece = Request::UploadArchive { transfer: "a1".into(), dest: "/work/dst".into(), offset: 1 << 20, last: true };
+        assert_eq!(
+            serde_json::to_value(&piece).expect("json"),
+            serde_json::json!({"type": "upload_archive", "transfer": "a1", "dest": "/work/dst", "offset": 1048576, "last": true})
+        );
+        let download = Request::DownloadArchive { transfer: "a2".into(), path: "/work/src".into() };
+        assert_eq!(serde_json::to_value(&download).expect("json"), serde_json::json!({"type": "download_archive", "transfer": "a2", "path": "/work/src"}));
+        for req in [piece, download] {
+            let mut d = Decoder::new();
+            d.push(&encode(11, &req, b"tar bytes").expect("encode"));
+            let Some(Decoded::Frame(f)) = d.next() else { panic!("no frame") };
+            assert_eq!(f.envelope::<Request>().expect("parse").msg, req);
+            assert_eq!(f.payload, b"tar bytes");
+        }
+        let extracted = Response::Extracted(ArchiveExtracted { files: 3, dirs: 2, symlinks: 1, hardlinks: 0, bytes: 42 });
+        assert_eq!(
+            serde_json::to_value(&extracted).expect("json"),
+            serde_json::json!({"type": "extracted", "files": 3, "dirs": 2, "symlinks": 1, "hardlinks": 0, "bytes": 42})
+        );
+        assert_eq!(serde_json::to_value(Response::ArchiveData).expect("json"), serde_json::json!({"type": "archive_data"}));
+        let end = Response::ArchiveEnd(ArchiveCreated { files: 1, dirs: 1, skipped: 2, changed: 1, ..Default::default() });
+        assert_eq!(serde_json::to_value(&end).expect("json")["type"], "archive_end");
+        for resp in [extracted, Response::ArchiveData, end] {
+            let mut d = Decoder::new();
+            d.push(&encode(12, &resp, b"x").expect("encode"));
+            let Some(Decoded::Frame(f)) = d.next() else { panic!("no frame") };
+            assert_eq!(f.envelope::<Response>().expect("parse").msg, resp);
+        }
+        // Data frames are part of a stream; the end and the stats close it.
+        assert!(!Response::ArchiveData.is_final());
+        assert!(Response::ArchiveEnd(ArchiveCreated::default()).is_final());
+        assert!(Response::Extracted(ArchiveExtracted::default()).is_final());
+        // Version-2 abort is unchanged (it now drops archive transfers too).
+        let v2 = br#"{"id":5,"msg":{"type":"abort_write","transfer":"a1"}}"#;
+        assert_eq!(serde_json::from_slice::<Envelope<Request>>(v2).expect("v2 abort").msg, Request::AbortWrite { transfer: "a1".into() });
+        const { assert!(MAX_ARCHIVE_QUEUE_BYTES >= FILE_CHUNK as usize && MAX_ARCHIVE_QUEUE_BYTES <= MAX_PAYLOAD as usize && VERSION >= 4) };
     }
 
     #[test]

@@ -152,11 +152,7 @@ impl DiskPools {
 
     /// Every pool with the tiers drawing from it, for the start-up log.
     pub fn pools(&self) -> Vec<(&DiskPool, Vec<Isolation>)> {
-        self.pools
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (p, Isolation::ALL.into_iter().filter(|t| self.by_tier.get(t) == Some(&i)).collect()))
-            .collect()
+        self.pools.iter().enumerate().map(|(i, p)| (p, Isolation::ALL.into_iter().filter(|t| self.by_tier.get(t) == Some(&i)).collect())).collect()
     }
 
     /// Whether `disk_bytes` more fits the pool of `tier`, which has `promised` bytes promised
@@ -222,7 +218,10 @@ impl ExecSlots {
         let tn = self.of_tenant(tenant);
         let hint = "wait for one to end or stop it with SignalExec";
         if sb.running >= caps.running_per_sandbox {
-            return Err(format!("policy.max_running_execs_per_sandbox ({}) reached: sandbox {sandbox} runs {} execs; {hint}", caps.running_per_sandbox, sb.running));
+            return Err(format!(
+                "policy.max_running_execs_per_sandbox ({}) reached: sandbox {sandbox} runs {} execs; {hint}",
+                caps.running_per_sandbox, sb.running
+            ));
         }
         if background && sb.background >= caps.background_per_sandbox {
             return Err(format!(
@@ -231,7 +230,10 @@ impl ExecSlots {
             ));
         }
         if tn.running >= caps.running_per_tenant {
-            return Err(format!("policy.max_running_execs_per_tenant ({}) reached: tenant {tenant:?} runs {} execs; {hint}", caps.running_per_tenant, tn.running));
+            return Err(format!(
+                "policy.max_running_execs_per_tenant ({}) reached: tenant {tenant:?} runs {} execs; {hint}",
+                caps.running_per_tenant, tn.running
+            ));
         }
         if background && tn.background >= caps.background_per_tenant {
             return Err(format!(

@@ -132,7 +132,16 @@ mod tests {
         let env: std::collections::HashMap<String, String> = [("TOKEN".to_string(), "s3cret".to_string())].into();
         let argv = vec!["echo".to_string(), "hi".to_string()];
         for _ in 0..20 {
-            log.record(&AuditEntry { tenant: "t", rpc: "Exec", sandbox_id: "sb-1", argv: Some(&argv), env: log.env(&env), detail: "", status: "OK", duration_ms: 3 });
+            log.record(&AuditEntry {
+                tenant: "t",
+                rpc: "Exec",
+                sandbox_id: "sb-1",
+                argv: Some(&argv),
+                env: log.env(&env),
+                detail: "",
+                status: "OK",
+                duration_ms: 3,
+            });
         }
         let text = std::fs::read_to_string(&path).expect("read");
         let first: serde_json::Value = serde_json::from_str(text.lines().next().expect("a line")).expect("json");

@@ -334,7 +334,7 @@ mod tests {
         input.extend(frame(0x4, 0, 0, &[])); // SETTINGS
         input.extend(frame(TYPE_HEADERS, FLAG_END_HEADERS, 1, &client_block(&mut encoder, b"tmp%2Fsandboxd.sock")));
         input.extend(frame(0x0, FLAG_END_STREAM, 1, b"\0\0\0\0\0")); // DATA
-        // The second request's block refers to the client's dynamic table entries.
+                                                                     // The second request's block refers to the client's dynamic table entries.
         input.extend(frame(TYPE_HEADERS, FLAG_END_HEADERS, 3, &client_block(&mut encoder, b"localhost:7070")));
         let mut rewriter = Rewriter::default();
         let mut out = BytesMut::new();

@@ -424,15 +424,9 @@ impl Config {
         };
         let policy = Policy::new(file.policy, file.limits.default, file.limits.max);
         let line_of = |offset: usize| text.get(..offset).map(|t| t.matches('\n').count() + 1).unwrap_or(0);
-        policy.validate(&line_of).map_err(|message| ConfigError::Parse {
-            path: cli.config.clone().unwrap_or_default(),
-            message,
-        })?;
-        let listen_raw = if !cli.listen.is_empty() {
-            cli.listen
-        } else {
-            file.listen.unwrap_or_else(|| vec!["unix:///run/sandboxd/sandboxd.sock".to_string()])
-        };
+        policy.validate(&line_of).map_err(|message| ConfigError::Parse { path: cli.config.clone().unwrap_or_default(), message })?;
+        let listen_raw =
+            if !cli.listen.is_empty() { cli.listen } else { file.listen.unwrap_or_else(|| vec!["unix:///run/sandboxd/sandboxd.sock".to_string()]) };
         let listen = listen_raw.iter().map(|a| ListenAddr::parse(a)).collect::<Result<Vec<_>, _>>()?;
         let cfg = Config {
             listen,
@@ -476,16 +470,18 @@ impl Config {
         let floors: [u64; 5] = [floors.cpu_millicores.into(), floors.memory_bytes, floors.max_pids.into(), floors.disk_bytes, floors.exec_timeout_ms];
         for ((name, default, max), floor) in checks.into_iter().zip(floors) {
             if default == 0 || default > max {
-                return Err(ConfigError::Invalid(format!(
-                    "limits.default.{name} = {default} must be > 0 and <= limits.max.{name} = {max}"
-                )));
+                return Err(ConfigError::Invalid(format!("limits.default.{name} = {default} must be > 0 and <= limits.max.{name} = {max}")));
             }
             // Below the floor every create that leaves the limit at 0 would be refused.
             if default < floor {
                 return Err(ConfigError::Invalid(format!("limits.default.{name} = {default} is below the minimum {floor} a sandbox needs to run anything")));
             }
         }
-        for (key, value) in [("pool_size_bytes", Some(self.pool_size_bytes)), ("microvm.disk_pool_bytes", self.microvm.disk_pool_bytes), ("container.disk_pool_bytes", self.container.disk_pool_bytes)] {
+        for (key, value) in [
+            ("pool_size_bytes", Some(self.pool_size_bytes)),
+            ("microvm.disk_pool_bytes", self.microvm.disk_pool_bytes),
+            ("container.disk_pool_bytes", self.container.disk_pool_bytes),
+        ] {
             if value.is_some_and(|v| v < floors[3]) {
                 return Err(ConfigError::Invalid(format!("{key} must be at least {} (the smallest disk_bytes a sandbox may have)", floors[3])));
             }
@@ -534,11 +530,7 @@ mod tests {
     fn flags_override_file_and_file_overrides_defaults() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("sandboxd.toml");
-        std::fs::write(
-            &path,
-            "state_dir = \"/srv/state\"\nimages_dir = \"/srv/images\"\n[limits.default]\nmemory_bytes = 8388608\n",
-        )
-        .expect("write");
+        std::fs::write(&path, "state_dir = \"/srv/state\"\nimages_dir = \"/srv/images\"\n[limits.default]\nmemory_bytes = 8388608\n").expect("write");
         let cli = Cli { config: Some(path), images_dir: Some("/flag/images".into()), ..Default::default() };
         let cfg = Config::load(cli).expect("load");
         assert_eq!(cfg.state_dir, PathBuf::from("/srv/state"));
@@ -595,7 +587,8 @@ mod tests {
         assert_eq!((cfg.microvm.disk_pool_bytes, cfg.container.disk_pool_bytes), (None, None), "measured at start unless set");
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("a.toml");
-        std::fs::write(&path, "[files]\nmax_concurrent_writes = 1\n[microvm]\ndisk_pool_bytes = 1073741824\n[container]\ndisk_pool_bytes = 2147483648\n").expect("write");
+        std::fs::write(&path, "[files]\nmax_concurrent_writes = 1\n[microvm]\ndisk_pool_bytes = 1073741824\n[container]\ndisk_pool_bytes = 2147483648\n")
+            .expect("write");
         let cfg = Config::load(Cli { config: Some(path), ..Default::default() }).expect("load");
         assert_eq!((cfg.files.max_concurrent_writes, cfg.microvm.disk_pool_bytes, cfg.container.disk_pool_bytes), (1, Some(1 << 30), Some(2 << 30)));
     }

@@ -81,7 +81,9 @@ fn archive_error(e: sandbox_exec::archive::ArchiveError) -> Error {
         A::Io { path, source } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
             Error::ResourceExhausted(format!("the sandbox's disk is full (disk_bytes reached) writing {path}"))
         }
-        A::Io { path, source } if source.kind() == std::io::ErrorKind::ConnectionAborted => Error::Aborted(format!("archive: the upload broke off at {path}: {source}")),
+        A::Io { path, source } if source.kind() == std::io::ErrorKind::ConnectionAborted => {
+            Error::Aborted(format!("archive: the upload broke off at {path}: {source}"))
+        }
         e @ A::Io { .. } => Error::Internal(format!("archive: {e}")),
         e @ (A::Unsafe { .. } | A::Unsupported { .. } | A::NotADirectory { .. } | A::Malformed { .. }) => Error::invalid("archive", e.to_string()),
     }

@@ -42,8 +42,7 @@ pub const SEALED_FLAGS: MsFlags = MsFlags::MS_NOSUID.union(MsFlags::MS_NODEV).un
 pub fn seal_state_dir(dir: &Path) -> Result<PathBuf, HostFsError> {
     std::fs::create_dir_all(dir).map_err(|source| HostFsError::Io { op: "creating", path: dir.to_path_buf(), source })?;
     let dir = dir.canonicalize().map_err(|source| HostFsError::Io { op: "resolving", path: dir.to_path_buf(), source })?;
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(|source| HostFsError::Io { op: "chmod 0700", path: dir.clone(), source })?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).map_err(|source| HostFsError::Io { op: "chmod 0700", path: dir.clone(), source })?;
     let sys = |op: &'static str| {
         let path = dir.clone();
         move |source| HostFsError::Sys { op, path, source }

@@ -62,11 +62,24 @@ fn log_nofile(cfg: &Config, nofile: Result<sandboxd::admission::NofileLimit, Str
         Err(e) => return tracing::warn!(error = %e, "cannot raise the open-file limit; execs may fail with \"Too many open files\" under load"),
     };
     let budget = limit.exec_budget();
-    tracing::info!(soft = limit.soft, hard = limit.hard, previous_soft = limit.previous_soft, exec_budget = budget, "open-file limit raised to the hard limit; descriptors for about exec_budget running execs");
+    tracing::info!(
+        soft = limit.soft,
+        hard = limit.hard,
+        previous_soft = limit.previous_soft,
+        exec_budget = budget,
+        "open-file limit raised to the hard limit; descriptors for about exec_budget running execs"
+    );
     let caps = cfg.policy.exec_caps();
-    for (key, cap) in [("policy.max_concurrent_execs", cfg.policy.max_concurrent_execs()), ("policy.max_running_execs_per_tenant", Some(caps.running_per_tenant))] {
+    for (key, cap) in
+        [("policy.max_concurrent_execs", cfg.policy.max_concurrent_execs()), ("policy.max_running_execs_per_tenant", Some(caps.running_per_tenant))]
+    {
         if let Some(cap) = cap.filter(|&c| c as u64 > budget) {
-            tracing::warn!(key, cap, exec_budget = budget, "an exec cap is above what the open-file limit leaves room for: lower it or raise the hard RLIMIT_NOFILE");
+            tracing::warn!(
+                key,
+                cap,
+                exec_budget = budget,
+                "an exec cap is above what the open-file limit leaves room for: lower it or raise the hard RLIMIT_NOFILE"
+            );
         }
     }
 }

@@ -25,7 +25,6 @@ pub struct Metrics {
     tier_available: GaugeVec,
 }
 
-
 fn state_label(s: SandboxState) -> &'static str {
     match s {
         SandboxState::Creating => "creating",
@@ -114,7 +113,11 @@ impl Metrics {
 }
 
 /// Serves `GET /metrics` on `listener` until `stop` fires. `render` produces the body.
-pub async fn serve(listener: tokio::net::TcpListener, render: Arc<dyn Fn() -> String + Send + Sync>, stop: tokio_util::sync::CancellationToken) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    render: Arc<dyn Fn() -> String + Send + Sync>,
+    stop: tokio_util::sync::CancellationToken,
+) -> std::io::Result<()> {
     loop {
         let (stream, _) = tokio::select! {
             _ = stop.cancelled() => return Ok(()),
@@ -126,9 +129,7 @@ pub async fn serve(listener: tokio::net::TcpListener, render: Arc<dyn Fn() -> St
                 let render = render.clone();
                 async move {
                     let resp = if req.uri().path() == "/metrics" {
-                        hyper::Response::builder()
-                            .header("content-type", "text/plain; version=0.0.4")
-                            .body(Full::new(Bytes::from(render())))
+                        hyper::Response::builder().header("content-type", "text/plain; version=0.0.4").body(Full::new(Bytes::from(render())))
                     } else {
                         hyper::Response::builder().status(404).body(Full::new(Bytes::from_static(b"see /metrics\n")))
                     };

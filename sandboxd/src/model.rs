@@ -51,33 +51,16 @@ pub struct Limits {
 
 impl Limits {
     /// Built-in defaults applied when a request leaves a limit at 0.
-    pub const DEFAULTS: Limits = Limits {
-        cpu_millicores: 1000,
-        memory_bytes: 512 << 20,
-        max_pids: 256,
-        disk_bytes: 1 << 30,
-        exec_timeout_ms: 300_000,
-    };
+    pub const DEFAULTS: Limits = Limits { cpu_millicores: 1000, memory_bytes: 512 << 20, max_pids: 256, disk_bytes: 1 << 30, exec_timeout_ms: 300_000 };
     /// Built-in ceilings: a request above one is refused.
-    pub const CEILINGS: Limits = Limits {
-        cpu_millicores: 64_000,
-        memory_bytes: 16 << 30,
-        max_pids: 16_384,
-        disk_bytes: 64 << 30,
-        exec_timeout_ms: 24 * 3600 * 1000,
-    };
+    pub const CEILINGS: Limits =
+        Limits { cpu_millicores: 64_000, memory_bytes: 16 << 30, max_pids: 16_384, disk_bytes: 64 << 30, exec_timeout_ms: 24 * 3600 * 1000 };
     /// Floors: a sandbox below one could not run anything, so a request below one is refused
     /// at create (INVALID_ARGUMENT naming the field) and a configured default or ceiling below
     /// one stops the daemon at start. 4 MiB of memory runs a shell; 8 pids let a shell run a
     /// pipeline next to the sandbox's init; 16 MiB of disk hold the writable layer's own files
     /// (workdir, spilled output) with room to work.
-    pub const MINIMUMS: Limits = Limits {
-        cpu_millicores: 1,
-        memory_bytes: 4 << 20,
-        max_pids: 8,
-        disk_bytes: 16 << 20,
-        exec_timeout_ms: 1,
-    };
+    pub const MINIMUMS: Limits = Limits { cpu_millicores: 1, memory_bytes: 4 << 20, max_pids: 8, disk_bytes: 16 << 20, exec_timeout_ms: 1 };
 }
 
 /// Lifecycle of a sandbox. Transitions: Creating → Running | Failed; Running → Destroyed;

@@ -249,7 +249,9 @@ impl Policy {
         if !c.allowed.contains(&c.default_isolation) {
             return Err(format!("policy.default_isolation {:?} is not in policy.allowed", c.default_isolation.name()));
         }
-        for (name, v) in [("max_sandboxes", c.max_sandboxes), ("max_sandboxes_per_tenant", c.max_sandboxes_per_tenant), ("max_concurrent_execs", c.max_concurrent_execs)] {
+        for (name, v) in
+            [("max_sandboxes", c.max_sandboxes), ("max_sandboxes_per_tenant", c.max_sandboxes_per_tenant), ("max_concurrent_execs", c.max_concurrent_execs)]
+        {
             if v == Some(0) {
                 return Err(format!("policy.{name} must be > 0 (leave it out for no limit)"));
             }

@@ -12,13 +12,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::{Api, Auth};
 use crate::audit::AuditLog;
-use crate::metrics::{self, Metrics};
 use crate::backend::container::{docker_socket_from_env, ContainerBackend, ContainerConfig};
-use crate::backend::process::{ProcessBackend, ProcessConfig};
 use crate::backend::microvm::MicroVmBackend;
+use crate::backend::process::{ProcessBackend, ProcessConfig};
 use crate::backend::Backends;
 use crate::config::{Config, ListenAddr};
 use crate::manager::Manager;
+use crate::metrics::{self, Metrics};
 use crate::store::Store;
 use crate::telemetry;
 
@@ -36,11 +36,8 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     crate::hostfs::seal_state_dir(&cfg.state_dir).with_context(|| format!("sealing state dir {}", cfg.state_dir.display()))?;
 
     let mut backends = Backends::default();
-    let process = ProcessBackend::new(ProcessConfig {
-        state_dir: cfg.state_dir.clone(),
-        images_dir: cfg.images_dir.clone(),
-        pool_size_bytes: cfg.pool_size_bytes,
-    });
+    let process =
+        ProcessBackend::new(ProcessConfig { state_dir: cfg.state_dir.clone(), images_dir: cfg.images_dir.clone(), pool_size_bytes: cfg.pool_size_bytes });
     backends.insert(Arc::new(process));
     // Never fails: without Docker the tier reports itself unavailable, with the reason.
     let container = ContainerBackend::new(ContainerConfig {
@@ -120,10 +117,13 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
                 let listener = tokio::net::UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
                 // 0600 by default: only root connects. A wider mode lets SO_PEERCRED and the
                 // configured uid/gid lists decide (see api::auth).
-                std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.auth.unix_socket_mode)).with_context(|| format!("chmod {}", path.display()))?;
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.auth.unix_socket_mode))
+                    .with_context(|| format!("chmod {}", path.display()))?;
                 unix_paths.push(path.clone());
                 // Stock gRPC clients name the socket path as :authority; see `authority`.
-                let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(listener), |conn| conn.map(crate::authority::FixAuthority::new));
+                let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(listener), |conn| {
+                    conn.map(crate::authority::FixAuthority::new)
+                });
                 servers.spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await });
             }
             ListenAddr::Tcp(sock) => {

@@ -138,7 +138,6 @@ fn decode<T: serde::de::DeserializeOwned>(id: &str, text: &str) -> Result<T, Sto
     serde_json::from_str(text).map_err(|e| StoreError::Corrupt { id: id.to_string(), message: e.to_string() })
 }
 
-
 /// A record's metadata: everything but the output bodies (which are not cloned).
 fn without_bodies(rec: &ExecRecord) -> ExecRecord {
     let meta = |c: &CapturedOutput| CapturedOutput { bytes: Vec::new(), truncated: c.truncated, total_bytes: c.total_bytes, spill_path: c.spill_path.clone() };
@@ -567,12 +566,8 @@ impl Store {
                     PageToken { after: after.unwrap_or(0), last }
                 }
             };
-            let mut stmt = conn.prepare(&format!(
-                "SELECT {EXEC_COLUMNS} FROM execs WHERE sandbox_id = ?1 AND seq > ?2 AND seq <= ?3 ORDER BY seq LIMIT ?4"
-            ))?;
-            let rows = stmt
-                .query_map(params![sandbox_id, range.after, range.last, page_size as i64 + 1], ExecRow::from_row)?
-                .collect::<Result<Vec<_>, _>>()?;
+            let mut stmt = conn.prepare(&format!("SELECT {EXEC_COLUMNS} FROM execs WHERE sandbox_id = ?1 AND seq > ?2 AND seq <= ?3 ORDER BY seq LIMIT ?4"))?;
+            let rows = stmt.query_map(params![sandbox_id, range.after, range.last, page_size as i64 + 1], ExecRow::from_row)?.collect::<Result<Vec<_>, _>>()?;
             (rows, range)
         };
         let mut page = ExecPage::default();
@@ -891,7 +886,10 @@ mod tests {
         let huge = big(&sb, 1000);
         store.put_exec(&huge).expect("put");
         let t = store.trim_execs(sb.as_str(), keep(1000, 250)).expect("trim");
-        assert_eq!(t.iter().map(|t| t.exec_id.clone()).collect::<Vec<_>>(), vec![rs[3].exec_id.to_string(), rs[4].exec_id.to_string(), huge.exec_id.to_string()]);
+        assert_eq!(
+            t.iter().map(|t| t.exec_id.clone()).collect::<Vec<_>>(),
+            vec![rs[3].exec_id.to_string(), rs[4].exec_id.to_string(), huge.exec_id.to_string()]
+        );
         assert!(store.exec(huge.exec_id.as_str()).expect("query").expect("found").output_discarded);
         assert_eq!(all(&store, &sb, 0).len(), 7, "no record was deleted, only bodies");
         assert!(store.trim_execs(sb.as_str(), keep(1000, 250)).expect("trim").is_empty(), "nothing is trimmed twice");

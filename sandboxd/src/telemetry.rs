@@ -59,10 +59,8 @@ impl Telemetry {
 
     fn with_exporter(cfg: &TelemetryConfig, exporter: impl SpanExporter + 'static) -> Telemetry {
         let batches = BatchConfigBuilder::default().with_scheduled_delay(Duration::from_millis(cfg.batch_delay_ms)).build();
-        let resource = Resource::builder()
-            .with_service_name(cfg.service_name.clone())
-            .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
-            .build();
+        let resource =
+            Resource::builder().with_service_name(cfg.service_name.clone()).with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION"))).build();
         let provider = SdkTracerProvider::builder()
             .with_span_processor(BatchSpanProcessor::builder(exporter).with_batch_config(batches).build())
             // The ratio decides only for traces the daemon starts; a caller's decision (the

@@ -533,10 +533,6 @@ fn a_tier_naming_another_is_found_but_shared_modules_are_not() {
     let found: Vec<String> = cross_tier(&sources).into_iter().map(|(f, p)| format!("{} {p}", f.display())).collect();
     assert_eq!(
         found,
-        [
-            "backend/microvm/vm.rs backend::process::init::run",
-            "backend/process.rs backend::container::Docker",
-            "backend/process/exec.rs backend::microvm::Vm",
-        ]
+        ["backend/microvm/vm.rs backend::process::init::run", "backend/process.rs backend::container::Docker", "backend/process/exec.rs backend::microvm::Vm",]
     );
 }

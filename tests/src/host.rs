@@ -19,11 +19,7 @@ pub fn mounted(path: &Path) -> bool {
 /// Mount points at or below `path`.
 pub fn mounts_under(path: &Path) -> Vec<PathBuf> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    info.lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(PathBuf::from)
-        .filter(|m| m.starts_with(path))
-        .collect()
+    info.lines().filter_map(|l| l.split(' ').nth(4)).map(PathBuf::from).filter(|m| m.starts_with(path)).collect()
 }
 
 /// Mount points under the daemon's state dir that belong to `sandbox_id`.

@@ -8,6 +8,7 @@
 //! Nothing here skips: a machine that cannot run the daemon (not root, no images built) makes
 //! the test fail with a message saying what is missing, because CI — root, with Docker — has
 //! everything.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 mod checks;
 mod daemon;

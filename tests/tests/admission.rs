@@ -3,6 +3,7 @@
 //! the daemon's memory for file writes), and what refuses a sandbox in which nothing could run.
 //!
 //! Each test starts its own daemon with the configuration it is about.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -61,7 +62,11 @@ async fn the_storage_pool_is_never_promised_twice() {
     // Destroying gives the room back; a fork is promised its disk_bytes like any create.
     h.client.destroy(&big).await.expect("destroy");
     let snap = h.client.snapshot(&fits, "base").await.expect("snapshot");
-    let fork_request = |disk_bytes| CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), limits: Some(ResourceLimits { disk_bytes, ..Default::default() }), ..Default::default() };
+    let fork_request = |disk_bytes| CreateSandboxRequest {
+        from_snapshot_id: snap.snapshot_id.clone(),
+        limits: Some(ResourceLimits { disk_bytes, ..Default::default() }),
+        ..Default::default()
+    };
     assert_refused(within(120, h.client.create(fork_request(7 * GIB))).await, Code::ResourceExhausted, &["2 GiB of 8 GiB", "pool_size_bytes"]);
     let fork = within(120, h.client.create(fork_request(2 * GIB))).await.expect("fork");
     assert_eq!(fork.limits.as_ref().map(|l| l.disk_bytes), Some(2 * GIB));
@@ -69,7 +74,9 @@ async fn the_storage_pool_is_never_promised_twice() {
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..8 {
         let client = h.client.clone();
-        tasks.spawn(async move { client.create(CreateSandboxRequest { limits: Some(ResourceLimits { disk_bytes: GIB, ..Default::default() }), ..process_sandbox("minimal") }).await });
+        tasks.spawn(async move {
+            client.create(CreateSandboxRequest { limits: Some(ResourceLimits { disk_bytes: GIB, ..Default::default() }), ..process_sandbox("minimal") }).await
+        });
     }
     let (mut admitted, mut refused) = (0, 0);
     while let Some(joined) = tasks.join_next().await {
@@ -244,7 +251,10 @@ async fn malformed_requests_name_their_field_and_are_never_internal() {
         create(&|r| r.image = "doesnotexist".into()),
     ];
     for request in odd {
-        let shown = format!("workdir={:?} limits={:?} ttl={} from={:?} image={:?}", request.workdir, request.limits, request.ttl_seconds, request.from_snapshot_id, request.image);
+        let shown = format!(
+            "workdir={:?} limits={:?} ttl={} from={:?} image={:?}",
+            request.workdir, request.limits, request.ttl_seconds, request.from_snapshot_id, request.image
+        );
         match within(120, h.client.create(request)).await {
             Ok(sb) => h.client.destroy(&sb.id).await.expect("destroy"),
             Err(e) => assert!(!matches!(e.code(), Code::Internal | Code::Unknown), "{shown}: {e}"),

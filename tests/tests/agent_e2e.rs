@@ -1,5 +1,6 @@
 //! The agent loop end to end: the real `sbx agent` binary against the real daemon, with a
 //! scripted OpenAI-compatible model served over HTTP from this process.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Output, Stdio};
@@ -20,11 +21,7 @@ struct Env {
 
 impl Env {
     async fn new(script: Script) -> Result<Env> {
-        Ok(Env {
-            daemon: Daemon::start().await?,
-            model: FixtureServer::start(script).await?,
-            state: tempfile::Builder::new().prefix("sbx-agent-").tempdir()?,
-        })
+        Ok(Env { daemon: Daemon::start().await?, model: FixtureServer::start(script).await?, state: tempfile::Builder::new().prefix("sbx-agent-").tempdir()? })
     }
 
     fn command(&self, args: &[&str]) -> Result<tokio::process::Command> {
@@ -52,11 +49,7 @@ impl Env {
 
     /// Starts `sbx` with `args` in the background, its output thrown away.
     fn spawn_quiet(&self, args: &[&str]) -> Result<Child> {
-        Ok(self
-            .command(args)?
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?)
+        Ok(self.command(args)?.stdout(Stdio::null()).stderr(Stdio::null()).spawn()?)
     }
 
     /// Waits until the model has been asked for `turns` turns; fails once `limit` has passed, or
@@ -65,10 +58,7 @@ impl Env {
         let deadline = Instant::now() + limit;
         while self.model.turns() < turns {
             if Instant::now() > deadline {
-                bail!(
-                    "the agent reached only turn {} of {turns} within {limit:?}",
-                    self.model.turns()
-                );
+                bail!("the agent reached only turn {} of {turns} within {limit:?}", self.model.turns());
             }
             if let Some(status) = agent.try_wait()? {
                 bail!("the agent ended early: {status}");
@@ -90,22 +80,15 @@ impl Env {
 /// Kills `agent` with SIGKILL, as a crash would, and reaps it.
 async fn kill9(agent: &mut Child) -> Result<ExitStatus> {
     let pid = agent.id().context("child pid")?;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL)?;
     Ok(agent.wait().await?)
 }
 
 /// The final JSON object of `--json`, with the exit code.
 fn report(out: &Output) -> Result<(i32, Value)> {
     let text = String::from_utf8_lossy(&out.stdout);
-    let v: Value = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "stdout is not one JSON object:\n{text}\nstderr:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })?;
+    let v: Value =
+        serde_json::from_str(&text).with_context(|| format!("stdout is not one JSON object:\n{text}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr)))?;
     Ok((out.status.code().unwrap_or(-1), v))
 }
 
@@ -118,14 +101,8 @@ async fn file(env: &Env, sandbox_id: &str, path: &str) -> Result<String> {
 async fn a_multi_step_task_completes_and_is_verified() -> Result<()> {
     let env = Env::new(Script::sequence(vec![
         Reply::bash("mkdir -p /workspace/app && echo 'print(1)' > /workspace/app/main.txt"),
-        Reply::call(
-            "write_file",
-            json!({"path": "app/hello.txt", "content": "hello there\n"}),
-        ),
-        Reply::call(
-            "str_replace",
-            json!({"path": "app/hello.txt", "old_str": "there", "new_str": "world"}),
-        ),
+        Reply::call("write_file", json!({"path": "app/hello.txt", "content": "hello there\n"})),
+        Reply::call("str_replace", json!({"path": "app/hello.txt", "old_str": "there", "new_str": "world"})),
         // Finishing before the check passes is refused…
         Reply::finish("too early"),
         Reply::bash("cat app/hello.txt && touch /workspace/app/ok"),
@@ -137,10 +114,7 @@ async fn a_multi_step_task_completes_and_is_verified() -> Result<()> {
         .agent_run(
             "write app/hello.txt saying hello world",
             "multi",
-            &[
-                "--verify",
-                "grep -q 'hello world' /workspace/app/hello.txt && test -f /workspace/app/ok",
-            ],
+            &["--verify", "grep -q 'hello world' /workspace/app/hello.txt && test -f /workspace/app/ok"],
         )
         .await?;
     let (code, r) = report(&out)?;
@@ -151,32 +125,15 @@ async fn a_multi_step_task_completes_and_is_verified() -> Result<()> {
     assert_eq!(r["answer"], "hello.txt says hello world");
     assert!(r["prompt_tokens"].as_u64().unwrap_or(0) > 0);
     assert!(r["completion_tokens"].as_u64().unwrap_or(0) > 0);
-    assert!(
-        r["final_snapshot_id"]
-            .as_str()
-            .is_some_and(|s| s.starts_with("sn-")),
-        "{r:#}"
-    );
+    assert!(r["final_snapshot_id"].as_str().is_some_and(|s| s.starts_with("sn-")), "{r:#}");
     let sid = r["sandbox_id"].as_str().unwrap_or_default();
-    assert_eq!(
-        file(&env, sid, "/workspace/app/hello.txt").await?,
-        "hello world\n"
-    );
-    assert!(
-        r["diff"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("+hello world"),
-        "{r:#}"
-    );
+    assert_eq!(file(&env, sid, "/workspace/app/hello.txt").await?, "hello world\n");
+    assert!(r["diff"].as_str().unwrap_or_default().contains("+hello world"), "{r:#}");
 
     // The rejected finish reached the model with the failed check.
     let requests = env.model.requests();
     let after_reject = requests[4].to_string();
-    assert!(
-        after_reject.contains("finish REJECTED: the task check failed"),
-        "{after_reject}"
-    );
+    assert!(after_reject.contains("finish REJECTED: the task check failed"), "{after_reject}");
 
     // `sbx agent show` prints the timeline with budget use.
     let show = env.sbx(&["agent", "show", "multi"]).await?;
@@ -199,17 +156,8 @@ async fn kill_9_mid_run_then_resume_lands_the_side_effect_once() -> Result<()> {
         Reply::finish("logged"),
     ]))
     .await?;
-    let mut child = env.spawn_quiet(&[
-        "agent",
-        "run",
-        "--task",
-        "append to the log",
-        "--run-id",
-        "crashy",
-        "--json",
-    ])?;
-    env.wait_for_turns(2, Duration::from_secs(30), &mut child)
-        .await?;
+    let mut child = env.spawn_quiet(&["agent", "run", "--task", "append to the log", "--run-id", "crashy", "--json"])?;
+    env.wait_for_turns(2, Duration::from_secs(30), &mut child).await?;
     // Inside the 3 s of step 2's command.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let status = kill9(&mut child).await?;
@@ -221,18 +169,11 @@ async fn kill_9_mid_run_then_resume_lands_the_side_effect_once() -> Result<()> {
     assert_eq!(r["status"], "done");
     assert_eq!(r["steps"], 4);
     let sid = r["sandbox_id"].as_str().unwrap_or_default();
-    assert_eq!(
-        file(&env, sid, "/workspace/log").await?,
-        "start\nonce\n",
-        "the append landed exactly once"
-    );
+    assert_eq!(file(&env, sid, "/workspace/log").await?, "start\nonce\n", "the append landed exactly once");
 
     // The daemon ran step 2 once, under the first key; nothing was re-run.
     let execs = env.daemon.client().await?.list_execs(sid, 0).await?;
-    let step2: Vec<_> = execs
-        .iter()
-        .filter(|e| e.idempotency_key.starts_with("crashy:2:act:"))
-        .collect();
+    let step2: Vec<_> = execs.iter().filter(|e| e.idempotency_key.starts_with("crashy:2:act:")).collect();
     assert_eq!(step2.len(), 1, "{step2:#?}");
     assert_eq!(step2[0].idempotency_key, "crashy:2:act:0");
     // The model was told it resumed, and saw the log once.
@@ -242,9 +183,7 @@ async fn kill_9_mid_run_then_resume_lands_the_side_effect_once() -> Result<()> {
     let cat = requests[3].to_string();
     assert!(cat.contains("start\\nonce\\n"), "{cat}");
     let events = env.trace("crashy")?;
-    assert!(events
-        .iter()
-        .any(|e| e["decision"] == "adopt_recorded_exec"));
+    assert!(events.iter().any(|e| e["decision"] == "adopt_recorded_exec"));
     Ok(())
 }
 
@@ -266,19 +205,8 @@ async fn resume_after_a_hundred_steps_of_megabyte_outputs() -> Result<()> {
         }
     }))
     .await?;
-    let mut child = env.spawn_quiet(&[
-        "agent",
-        "run",
-        "--task",
-        "print a lot, then log once",
-        "--run-id",
-        "long",
-        "--max-steps",
-        "300",
-        "--json",
-    ])?;
-    env.wait_for_turns(LONG_STEPS + 1, Duration::from_secs(600), &mut child)
-        .await?;
+    let mut child = env.spawn_quiet(&["agent", "run", "--task", "print a lot, then log once", "--run-id", "long", "--max-steps", "300", "--json"])?;
+    env.wait_for_turns(LONG_STEPS + 1, Duration::from_secs(600), &mut child).await?;
     tokio::time::sleep(Duration::from_millis(700)).await;
     kill9(&mut child).await?;
 
@@ -289,15 +217,9 @@ async fn resume_after_a_hundred_steps_of_megabyte_outputs() -> Result<()> {
     assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(r["steps"], LONG_STEPS as u64 + 3);
     let sid = r["sandbox_id"].as_str().unwrap_or_default();
-    assert_eq!(
-        file(&env, sid, "/workspace/log").await?,
-        "once\n",
-        "landed once"
-    );
+    assert_eq!(file(&env, sid, "/workspace/log").await?, "once\n", "landed once");
     let events = env.trace("long")?;
-    assert!(events
-        .iter()
-        .any(|e| e["decision"] == "adopt_recorded_exec"));
+    assert!(events.iter().any(|e| e["decision"] == "adopt_recorded_exec"));
     // Two more model turns and the lookups: seconds, not a scan of 100 MB of outputs.
     eprintln!("resume after {LONG_STEPS} steps of 1 MB outputs: {resume_time:?}");
     assert!(resume_time < Duration::from_secs(60), "{resume_time:?}");
@@ -315,20 +237,11 @@ async fn a_daemon_restart_mid_exec_rolls_back_and_runs_the_action_once() -> Resu
     ]))
     .await?;
     let mut child = env
-        .command(&[
-            "agent",
-            "run",
-            "--task",
-            "append to the log",
-            "--run-id",
-            "restart",
-            "--json",
-        ])?
+        .command(&["agent", "run", "--task", "append to the log", "--run-id", "restart", "--json"])?
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
-    env.wait_for_turns(2, Duration::from_secs(30), &mut child)
-        .await?;
+    env.wait_for_turns(2, Duration::from_secs(30), &mut child).await?;
     tokio::time::sleep(Duration::from_millis(700)).await;
     env.daemon.restart().await?;
     let out = child.wait_with_output().await?;
@@ -336,18 +249,9 @@ async fn a_daemon_restart_mid_exec_rolls_back_and_runs_the_action_once() -> Resu
     assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(r["steps"], 4);
     let sid = r["sandbox_id"].as_str().unwrap_or_default();
-    assert_eq!(
-        file(&env, sid, "/workspace/log").await?,
-        "start\nonce\n",
-        "rolled back, then appended once"
-    );
+    assert_eq!(file(&env, sid, "/workspace/log").await?, "start\nonce\n", "rolled back, then appended once");
     let events = env.trace("restart")?;
-    assert!(
-        events
-            .iter()
-            .any(|e| e["decision"] == "rollback_after_lost_exec"),
-        "no rollback in the trace"
-    );
+    assert!(events.iter().any(|e| e["decision"] == "rollback_after_lost_exec"), "no rollback in the trace");
     let cat = env.model.requests()[3].to_string();
     assert!(cat.contains("start\\nonce\\n"), "{cat}");
     Ok(())
@@ -373,10 +277,7 @@ fn poll_script() -> Script {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_script_stops_as_no_progress_but_a_polling_one_does_not() -> Result<()> {
-    let env = Env::new(Script::from_fn(|_| {
-        Reply::bash("cat /workspace/missing.txt")
-    }))
-    .await?;
+    let env = Env::new(Script::from_fn(|_| Reply::bash("cat /workspace/missing.txt"))).await?;
     let out = env.agent_run("read the file", "stuck", &[]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 3, "{r:#}");
@@ -384,13 +285,7 @@ async fn a_stuck_script_stops_as_no_progress_but_a_polling_one_does_not() -> Res
     assert_eq!(r["reason"], "no_progress");
     assert_eq!(r["steps"], 4);
     assert!(r["final_snapshot_id"].as_str().is_some(), "salvage: {r:#}");
-    assert!(
-        r["summary"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("same result"),
-        "{r:#}"
-    );
+    assert!(r["summary"].as_str().unwrap_or_default().contains("same result"), "{r:#}");
 
     let env = Env::new(poll_script()).await?;
     let out = env.agent_run("wait for the job", "poll", &[]).await?;
@@ -398,28 +293,15 @@ async fn a_stuck_script_stops_as_no_progress_but_a_polling_one_does_not() -> Res
     assert_eq!(code, 0, "{r:#}");
     assert_eq!(r["reason"], "finished");
     let polls = r["steps"].as_u64().unwrap_or(0).saturating_sub(2);
-    assert!(
-        polls >= 4,
-        "only {polls} identical polls: the test would not tell a stuck loop apart"
-    );
+    assert!(polls >= 4, "only {polls} identical polls: the test would not tell a stuck loop apart");
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn budgets_stop_with_the_named_reason_and_a_salvage() -> Result<()> {
-    let writes = || {
-        Script::from_fn(|t: &Turn| {
-            Reply::bash(&format!(
-                "echo line {} >> /workspace/notes.txt; sleep 0.3",
-                t.index
-            ))
-        })
-    };
-    let cases: [(&[&str], &str); 3] = [
-        (&["--max-tokens", "8000"], "budget_tokens"),
-        (&["--max-time", "2"], "budget_time"),
-        (&["--max-cost", "0.01", "--price", "1,1"], "budget_cost"),
-    ];
+    let writes = || Script::from_fn(|t: &Turn| Reply::bash(&format!("echo line {} >> /workspace/notes.txt; sleep 0.3", t.index)));
+    let cases: [(&[&str], &str); 3] =
+        [(&["--max-tokens", "8000"], "budget_tokens"), (&["--max-time", "2"], "budget_time"), (&["--max-cost", "0.01", "--price", "1,1"], "budget_cost")];
     for (flags, reason) in cases {
         let env = Env::new(writes()).await?;
         let out = env.agent_run("take notes", "budget", flags).await?;
@@ -431,23 +313,13 @@ async fn budgets_stop_with_the_named_reason_and_a_salvage() -> Result<()> {
         // Salvage: a final snapshot, the workspace diff, a summary.
         let snap = r["final_snapshot_id"].as_str().context("final snapshot")?;
         assert!(snap.starts_with("sn-"));
-        assert!(
-            r["diff"].as_str().unwrap_or_default().contains("+line 0"),
-            "{r:#}"
-        );
+        assert!(r["diff"].as_str().unwrap_or_default().contains("+line 0"), "{r:#}");
         assert!(Path::new(r["diff_path"].as_str().unwrap_or_default()).is_file());
-        assert!(
-            r["summary"].as_str().unwrap_or_default().contains(reason),
-            "{r:#}"
-        );
+        assert!(r["summary"].as_str().unwrap_or_default().contains(reason), "{r:#}");
         // The soft warning reached the model before the stop (the time budget may jump
         // straight past it within one step).
         if reason != "budget_time" {
-            let warned = env
-                .model
-                .requests()
-                .iter()
-                .any(|q| q.to_string().contains("BUDGET WARNING"));
+            let warned = env.model.requests().iter().any(|q| q.to_string().contains("BUDGET WARNING"));
             assert!(warned, "{reason}: no soft warning");
         }
     }
@@ -463,11 +335,7 @@ async fn context_stays_bounded_over_200_steps() -> Result<()> {
                 return Reply::finish("counted");
             }
             // Outputs of 60..160 lines, different each step.
-            Reply::bash(&format!(
-                "seq {} {}",
-                t.index,
-                t.index + 60 + (t.index * 37) % 100
-            ))
+            Reply::bash(&format!("seq {} {}", t.index, t.index + 60 + (t.index * 37) % 100))
         })
     };
     let window = "16000";
@@ -487,11 +355,7 @@ async fn context_stays_bounded_over_200_steps() -> Result<()> {
         assert_eq!(r["steps"], steps as u64);
         let events = env.trace(run_id)?;
         let compactions = events.iter().filter(|e| e["event"] == "compaction").count();
-        assert_eq!(
-            compactions > 0,
-            managed,
-            "{run_id}: {compactions} compactions"
-        );
+        assert_eq!(compactions > 0, managed, "{run_id}: {compactions} compactions");
         let tokens = trace::prompt_tokens_per_call(&events);
         assert_eq!(tokens.len(), steps);
         totals.push(tokens.iter().sum::<u64>());
@@ -502,28 +366,12 @@ async fn context_stays_bounded_over_200_steps() -> Result<()> {
     for i in (0..steps).step_by(10).chain([steps - 1]) {
         eprintln!("  step {:>3}: {:>6} | {:>7}", i + 1, managed[i], full[i]);
     }
-    eprintln!(
-        "  total:    {:>7} | {:>8} ({:.1}x)",
-        totals[0],
-        totals[1],
-        totals[1] as f64 / totals[0] as f64
-    );
+    eprintln!("  total:    {:>7} | {:>8} ({:.1}x)", totals[0], totals[1], totals[1] as f64 / totals[0] as f64);
     // Summarization fires before a call would pass 70% of the window, so no prompt does.
     let max = managed.iter().copied().max().unwrap_or(0);
-    assert!(
-        max <= 16_000 * 7 / 10,
-        "managed prompt reached {max} tokens"
-    );
-    assert!(
-        full[steps - 1] > 4 * max,
-        "the full history grows without bound"
-    );
-    assert!(
-        totals[0] * 2 <= totals[1],
-        "managed {} vs full {}",
-        totals[0],
-        totals[1]
-    );
+    assert!(max <= 16_000 * 7 / 10, "managed prompt reached {max} tokens");
+    assert!(full[steps - 1] > 4 * max, "the full history grows without bound");
+    assert!(totals[0] * 2 <= totals[1], "managed {} vs full {}", totals[0], totals[1]);
     Ok(())
 }
 
@@ -531,11 +379,7 @@ async fn context_stays_bounded_over_200_steps() -> Result<()> {
 async fn a_corrupt_or_foreign_checkpoint_is_a_clear_error() -> Result<()> {
     let env = Env::new(Script::sequence(vec![
         Reply::bash("echo a >> /workspace/x"),
-        Reply::Status {
-            code: 401,
-            body: "{\"error\":{\"message\":\"invalid api key\"}}".into(),
-            retry_after: None,
-        },
+        Reply::Status { code: 401, body: "{\"error\":{\"message\":\"invalid api key\"}}".into(), retry_after: None },
     ]))
     .await?;
     let out = env.agent_run("t", "bad", &[]).await?;
@@ -543,13 +387,7 @@ async fn a_corrupt_or_foreign_checkpoint_is_a_clear_error() -> Result<()> {
     assert_eq!(code, 1, "{r:#}");
     assert_eq!(r["reason"], "fatal_error");
     assert_eq!(r["resumable"], true);
-    assert!(
-        r["error"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("invalid api key"),
-        "{r:#}"
-    );
+    assert!(r["error"].as_str().unwrap_or_default().contains("invalid api key"), "{r:#}");
 
     let path = env.run_dir("bad").join("checkpoint");
     let good = std::fs::read(&path)?;
@@ -569,20 +407,14 @@ async fn a_corrupt_or_foreign_checkpoint_is_a_clear_error() -> Result<()> {
     let out = env.sbx(&["agent", "resume", "bad"]).await?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
-    assert!(
-        stderr.contains("schema version 9; this sbx reads version 1"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("schema version 9; this sbx reads version 1"), "{stderr}");
 
     std::fs::write(&path, &good[..good.len() / 3])?;
     let out = env.sbx(&["agent", "resume", "bad"]).await?;
     assert!(String::from_utf8_lossy(&out.stderr).contains("length mismatch"));
 
     // Nothing was started afresh: the sandbox still has only the first step's effect.
-    let sid = r
-        .get("sandbox_id")
-        .and_then(Value::as_str)
-        .map(str::to_owned);
+    let sid = r.get("sandbox_id").and_then(Value::as_str).map(str::to_owned);
     assert!(sid.is_none(), "no sandbox was created for a refused resume");
     Ok(())
 }
@@ -593,18 +425,12 @@ async fn malformed_tool_calls_are_repaired_or_reasked() -> Result<()> {
         // Single quotes, a synonym and a trailing comma: repaired.
         Reply::raw("bash", "{'cmd': 'echo hi > /workspace/a.txt',}"),
         // A misspelled tool and a field alias: repaired.
-        Reply::raw(
-            "write_flie",
-            r#"{"file_path": "/workspace/b.txt", "contents": "bee"}"#,
-        ),
+        Reply::raw("write_flie", r#"{"file_path": "/workspace/b.txt", "contents": "bee"}"#),
         // Missing the required content: re-asked.
         Reply::raw("write_file", r#"{"path": "/workspace/c.txt"}"#),
         // Cut short, with a number for the text: repaired.
         Reply::raw("write_file", r#"{"path": "/workspace/c.txt", "content": 3"#),
-        Reply::call(
-            "write_file",
-            json!({"path": "/workspace/c.txt", "content": "sea"}),
-        ),
+        Reply::call("write_file", json!({"path": "/workspace/c.txt", "content": "sea"})),
         Reply::finish("three files"),
     ]))
     .await?;
@@ -617,25 +443,12 @@ async fn malformed_tool_calls_are_repaired_or_reasked() -> Result<()> {
     assert_eq!(file(&env, sid, "/workspace/b.txt").await?, "bee");
     assert_eq!(file(&env, sid, "/workspace/c.txt").await?, "sea");
     let events = env.trace("sloppy")?;
-    assert_eq!(
-        events
-            .iter()
-            .filter(|e| e["decision"] == "repaired_call")
-            .count(),
-        3,
-        "3 = two repairs + the coerced number"
-    );
-    assert_eq!(
-        events.iter().filter(|e| e["decision"] == "reask").count(),
-        1
-    );
+    assert_eq!(events.iter().filter(|e| e["decision"] == "repaired_call").count(), 3, "3 = two repairs + the coerced number");
+    assert_eq!(events.iter().filter(|e| e["decision"] == "reask").count(), 1);
     // The model got the error back, and only the latest one.
     let requests = env.model.requests();
     let reasked = requests[3].to_string();
-    assert!(
-        reasked.contains("needs the argument `content`"),
-        "{reasked}"
-    );
+    assert!(reasked.contains("needs the argument `content`"), "{reasked}");
     Ok(())
 }
 
@@ -653,20 +466,9 @@ fn last_tool_text(request: &Value) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_off_call_is_never_executed_and_reasoning_is_kept() -> Result<()> {
     let env = Env::new(Script::sequence(vec![
-        Reply::raw(
-            "write_file",
-            r#"{"path": "f.py", "content": "def g():\n    return f("#,
-        )
-        .cut(),
-        Reply::call(
-            "write_file",
-            json!({"path": "f.py", "content": "def g():\n    return f(1)\n"}),
-        )
-        .saying("Writing f.py in full; left: clean the build dir"),
-        Reply::bash(
-            "mkdir -p /workspace/build/x && rm -rf /workspace/build && mkdir -p /workspace/bui",
-        )
-        .cut(),
+        Reply::raw("write_file", r#"{"path": "f.py", "content": "def g():\n    return f("#).cut(),
+        Reply::call("write_file", json!({"path": "f.py", "content": "def g():\n    return f(1)\n"})).saying("Writing f.py in full; left: clean the build dir"),
+        Reply::bash("mkdir -p /workspace/build/x && rm -rf /workspace/build && mkdir -p /workspace/bui").cut(),
         Reply::bash("ls /workspace"),
         Reply::finish("done"),
     ]))
@@ -676,31 +478,19 @@ async fn a_cut_off_call_is_never_executed_and_reasoning_is_kept() -> Result<()> 
     assert_eq!(code, 0, "{r:#}");
     assert_eq!(r["steps"], 3, "{r:#}");
     let sid = r["sandbox_id"].as_str().unwrap_or_default();
-    assert_eq!(
-        file(&env, sid, "/workspace/f.py").await?,
-        "def g():\n    return f(1)\n"
-    );
+    assert_eq!(file(&env, sid, "/workspace/f.py").await?, "def g():\n    return f(1)\n");
     let requests = env.model.requests();
     let told = last_tool_text(&requests[1]);
-    assert!(
-        told.contains("NOT executed") && !told.contains("wrote"),
-        "{told}"
-    );
+    assert!(told.contains("NOT executed") && !told.contains("wrote"), "{told}");
     assert_eq!(requests[0]["max_tokens"], 4096);
-    assert_eq!(
-        requests[1]["max_tokens"], 8192,
-        "asked again with a larger limit"
-    );
+    assert_eq!(requests[1]["max_tokens"], 8192, "asked again with a larger limit");
     // The cut `mkdir -p /workspace/bui` never ran.
     let ls = last_tool_text(&requests[4]);
     assert!(!ls.contains("bui"), "{ls}");
     // The reasoning is in the next prompt and in the trace.
-    assert!(requests[2]
-        .to_string()
-        .contains("Writing f.py in full; left: clean the build dir"));
+    assert!(requests[2].to_string().contains("Writing f.py in full; left: clean the build dir"));
     let events = env.trace("cut")?;
-    assert!(events.iter().any(|e| e["event"] == "step"
-        && e["reasoning"] == "Writing f.py in full; left: clean the build dir"));
+    assert!(events.iter().any(|e| e["event"] == "step" && e["reasoning"] == "Writing f.py in full; left: clean the build dir"));
     Ok(())
 }
 
@@ -711,27 +501,13 @@ async fn one_big_read_file_is_paged_not_fatal() -> Result<()> {
         Script::sequence(vec![
             Reply::bash("yes x | tr -d '\\n' | head -c 400000 > /workspace/min.js"),
             Reply::call("read_file", json!({"path": "min.js"})),
-            Reply::call(
-                "read_file",
-                json!({"path": "min.js", "start_line": 1, "start_char": 500}),
-            ),
+            Reply::call("read_file", json!({"path": "min.js", "start_line": 1, "start_char": 500})),
             Reply::finish("read it"),
         ])
         .with_context_limit(8_000),
     )
     .await?;
-    let out = env
-        .agent_run(
-            "read min.js",
-            "bigread",
-            &[
-                "--context-window",
-                "8000",
-                "--max-completion-tokens",
-                "1000",
-            ],
-        )
-        .await?;
+    let out = env.agent_run("read min.js", "bigread", &["--context-window", "8000", "--max-completion-tokens", "1000"]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
     let requests = env.model.requests();
@@ -739,11 +515,7 @@ async fn one_big_read_file_is_paged_not_fatal() -> Result<()> {
     assert!(page.len() < 1_500, "{}", page.len());
     assert!(page.contains("start_line=1, start_char=500"), "{page}");
     let next = last_tool_text(&requests[3]);
-    assert!(
-        next.len() < 11_000 && next.contains("start_char="),
-        "{}",
-        next.len()
-    );
+    assert!(next.len() < 11_000 && next.contains("start_char="), "{}", next.len());
     Ok(())
 }
 
@@ -752,18 +524,12 @@ async fn polling_a_background_job_outside_the_workspace_is_not_stuck() -> Result
     // The job writes nothing in /workspace and its poll answers the same until it ends.
     let env = Env::new(Script::from_fn(|t: &Turn| {
         if t.index == 0 {
-            return Reply::call(
-                "bash",
-                json!({"command": "sleep 8; echo done > /tmp/job.out", "background": true}),
-            );
+            return Reply::call("bash", json!({"command": "sleep 8; echo done > /tmp/job.out", "background": true}));
         }
         if t.last_result().starts_with("done") {
             return Reply::finish("the job finished");
         }
-        Reply::Delay(
-            Duration::from_secs(1),
-            Box::new(Reply::bash("cat /tmp/job.out 2>/dev/null || echo waiting")),
-        )
+        Reply::Delay(Duration::from_secs(1), Box::new(Reply::bash("cat /tmp/job.out 2>/dev/null || echo waiting")))
     }))
     .await?;
     let out = env.agent_run("wait for the job", "bgpoll", &[]).await?;
@@ -773,10 +539,7 @@ async fn polling_a_background_job_outside_the_workspace_is_not_stuck() -> Result
     assert!(r["steps"].as_u64().unwrap_or(0) >= 7, "{r:#}");
 
     // A real stuck loop is still stopped, after a warning one step before.
-    let env = Env::new(Script::from_fn(|_| {
-        Reply::bash("cat /workspace/missing.txt")
-    }))
-    .await?;
+    let env = Env::new(Script::from_fn(|_| Reply::bash("cat /workspace/missing.txt"))).await?;
     let out = env.agent_run("x", "stuck", &["--stuck-after", "5"]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 3, "{r:#}");
@@ -792,23 +555,15 @@ async fn polling_a_background_job_outside_the_workspace_is_not_stuck() -> Result
 async fn summaries_do_not_thrash_in_a_small_window() -> Result<()> {
     let env = Env::new(Script::from_fn(|t: &Turn| {
         // ~6 KB of dense output per step, each step different.
-        Reply::bash(&format!("seq {} 7 {} | md5sum; seq 1 1500 | sed 's/$/ {}/' | sha256sum; od -An -tx8 -N 3000 /dev/urandom", t.index, 1000 + t.index, t.index))
+        Reply::bash(&format!(
+            "seq {} 7 {} | md5sum; seq 1 1500 | sed 's/$/ {}/' | sha256sum; od -An -tx8 -N 3000 /dev/urandom",
+            t.index,
+            1000 + t.index,
+            t.index
+        ))
     }))
     .await?;
-    let out = env
-        .agent_run(
-            "print",
-            "thrash",
-            &[
-                "--context-window",
-                "8000",
-                "--max-completion-tokens",
-                "500",
-                "--max-steps",
-                "25",
-            ],
-        )
-        .await?;
+    let out = env.agent_run("print", "thrash", &["--context-window", "8000", "--max-completion-tokens", "500", "--max-steps", "25"]).await?;
     let (code, r) = report(&out)?;
     assert_eq!(code, 3, "{r:#}");
     assert_eq!(r["reason"], "max_steps", "{r:#}");
@@ -825,15 +580,8 @@ async fn summaries_do_not_thrash_in_a_small_window() -> Result<()> {
             turns_since = 0;
         }
     }
-    for e in env
-        .trace("thrash")?
-        .iter()
-        .filter(|e| e["event"] == "compaction")
-    {
-        assert!(
-            e["tokens_after"].as_u64().unwrap_or(u64::MAX) < 5_600,
-            "{e}"
-        );
+    for e in env.trace("thrash")?.iter().filter(|e| e["event"] == "compaction") {
+        assert!(e["tokens_after"].as_u64().unwrap_or(u64::MAX) < 5_600, "{e}");
     }
     Ok(())
 }
@@ -845,18 +593,11 @@ async fn an_llm_outage_and_command_timeouts_are_survived() -> Result<()> {
     let env = Env::new(Script::from_fn(move |t: &Turn| {
         // The endpoint is down for the first 7 s.
         if t0.elapsed() < Duration::from_secs(7) {
-            return Reply::Status {
-                code: 503,
-                body: "down".into(),
-                retry_after: None,
-            };
+            return Reply::Status { code: 503, body: "down".into(), retry_after: None };
         }
         // Six commands that hit their own time limit: more than the bash breaker's threshold.
         if timeouts.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 6 {
-            return Reply::call(
-                "bash",
-                json!({"command": format!("sleep 5; echo {}", t.index), "timeout_secs": 1}),
-            );
+            return Reply::call("bash", json!({"command": format!("sleep 5; echo {}", t.index), "timeout_secs": 1}));
         }
         if t.last_result().starts_with("hi") {
             return Reply::finish("ok");
@@ -870,18 +611,9 @@ async fn an_llm_outage_and_command_timeouts_are_survived() -> Result<()> {
     let events = env.trace("outage")?;
     assert!(events.iter().filter(|e| e["event"] == "retry").count() >= 3);
     let requests = env.model.requests();
-    assert!(
-        !requests.iter().any(|r| r.to_string().contains("NOT RUN")),
-        "bash was disabled"
-    );
-    assert!(
-        requests.iter().any(|r| last_tool_text(r).starts_with("hi")),
-        "echo ran after the timeouts"
-    );
-    let timed_out = events
-        .iter()
-        .filter(|e| e["event"] == "step" && e["exit_code"] == 137)
-        .count();
+    assert!(!requests.iter().any(|r| r.to_string().contains("NOT RUN")), "bash was disabled");
+    assert!(requests.iter().any(|r| last_tool_text(r).starts_with("hi")), "echo ran after the timeouts");
+    let timed_out = events.iter().filter(|e| e["event"] == "step" && e["exit_code"] == 137).count();
     assert!(timed_out >= 6, "{timed_out} timeouts");
     Ok(())
 }
@@ -896,19 +628,7 @@ async fn a_stopped_run_continues_with_new_budgets_and_runs_are_listed() -> Resul
     ]))
     .await?;
     let out = env
-        .command(&[
-            "agent",
-            "run",
-            "--task",
-            "log",
-            "--run-id",
-            "budget",
-            "--max-steps",
-            "2",
-            "--keep-sandbox",
-            "3600",
-            "--json",
-        ])?
+        .command(&["agent", "run", "--task", "log", "--run-id", "budget", "--max-steps", "2", "--keep-sandbox", "3600", "--json"])?
         .env("SBX_PROGRESS", "1")
         .output()
         .await?;
@@ -918,10 +638,7 @@ async fn a_stopped_run_continues_with_new_budgets_and_runs_are_listed() -> Resul
     // Live progress on stderr: a line per step and the end.
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("[budget step 1/2 · "), "{stderr}");
-    assert!(
-        stderr.contains("bash `echo b >> /workspace/log` -> ok"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("bash `echo b >> /workspace/log` -> ok"), "{stderr}");
     assert!(stderr.contains("stopped (max_steps)"), "{stderr}");
 
     let out = env.sbx(&["agent", "ls", "--json"]).await?;
@@ -931,9 +648,7 @@ async fn a_stopped_run_continues_with_new_budgets_and_runs_are_listed() -> Resul
     assert_eq!(list[0]["reason"], "max_steps");
     assert_eq!(list[0]["steps"], 2);
 
-    let out = env
-        .sbx(&["agent", "resume", "budget", "--max-steps", "10", "--json"])
-        .await?;
+    let out = env.sbx(&["agent", "resume", "budget", "--max-steps", "10", "--json"]).await?;
     let (code, r2) = report(&out)?;
     assert_eq!(code, 0, "{r2:#}\n{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(r2["steps"], 4);
@@ -948,12 +663,7 @@ async fn a_stopped_run_continues_with_new_budgets_and_runs_are_listed() -> Resul
     bytes[at] ^= 0x04;
     std::fs::write(&path, &bytes)?;
     let out = env.sbx(&["agent", "show", "budget", "--json"]).await?;
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let shown: Value = serde_json::from_slice(&out.stdout)?;
     assert_eq!(shown["from_trace"], true);
     assert_eq!(shown["reason"], "finished");
@@ -970,37 +680,23 @@ async fn a_stopped_run_continues_with_new_budgets_and_runs_are_listed() -> Resul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandboxes_of_ended_runs_are_removed_after_their_keep_time() -> Result<()> {
     let env = Env::new(Script::from_fn(|_| Reply::finish("nothing to do"))).await?;
-    let out = env
-        .agent_run("t", "short", &["--keep-sandbox", "0"])
-        .await?;
+    let out = env.agent_run("t", "short", &["--keep-sandbox", "0"]).await?;
     let (code, first) = report(&out)?;
     assert_eq!(code, 0, "{first:#}");
     let out = env.agent_run("t", "kept", &[]).await?;
     let (code, second) = report(&out)?;
     assert_eq!(code, 0, "{second:#}");
     let client = env.daemon.client().await?;
-    let gone = match client
-        .get(first["sandbox_id"].as_str().unwrap_or_default())
-        .await
-    {
+    let gone = match client.get(first["sandbox_id"].as_str().unwrap_or_default()).await {
         Err(e) => e.code() == tonic::Code::NotFound,
         Ok(sb) => sb.state == agent_client::proto::SandboxState::Destroyed as i32,
     };
     assert!(gone, "the ended run's sandbox was removed by the next run");
-    let kept = client
-        .get(second["sandbox_id"].as_str().unwrap_or_default())
-        .await?;
-    assert_eq!(
-        kept.state,
-        agent_client::proto::SandboxState::Running as i32,
-        "kept for a day"
-    );
+    let kept = client.get(second["sandbox_id"].as_str().unwrap_or_default()).await?;
+    assert_eq!(kept.state, agent_client::proto::SandboxState::Running as i32, "kept for a day");
     let out = env.sbx(&["agent", "ls", "--json"]).await?;
     let list: Value = serde_json::from_slice(&out.stdout)?;
-    let short = list
-        .as_array()
-        .and_then(|l| l.iter().find(|r| r["run_id"] == "short").cloned())
-        .unwrap_or_default();
+    let short = list.as_array().and_then(|l| l.iter().find(|r| r["run_id"] == "short").cloned()).unwrap_or_default();
     assert_eq!(short["sandbox_removed"], true, "{list:#}");
     Ok(())
 }
@@ -1014,24 +710,15 @@ async fn show_follow_tails_a_running_run_to_its_end() -> Result<()> {
         slow(Reply::finish("ab")),
     ]))
     .await?;
-    let mut child = env.spawn_quiet(&[
-        "agent", "run", "--task", "log", "--run-id", "tail", "--json",
-    ])?;
-    env.wait_for_turns(1, Duration::from_secs(30), &mut child)
-        .await?;
-    let out = tokio::time::timeout(
-        Duration::from_secs(60),
-        env.sbx(&["agent", "show", "tail", "--follow"]),
-    )
-    .await
-    .context("show --follow did not end with the run")??;
+    let mut child = env.spawn_quiet(&["agent", "run", "--task", "log", "--run-id", "tail", "--json"])?;
+    env.wait_for_turns(1, Duration::from_secs(30), &mut child).await?;
+    let out = tokio::time::timeout(Duration::from_secs(60), env.sbx(&["agent", "show", "tail", "--follow"]))
+        .await
+        .context("show --follow did not end with the run")??;
     assert!(child.wait().await?.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert!(text.contains("echo b >> /workspace/log"), "{text}");
-    assert!(
-        text.lines().last().is_some_and(|l| l.contains("stop")),
-        "{text}"
-    );
+    assert!(text.lines().last().is_some_and(|l| l.contains("stop")), "{text}");
     Ok(())
 }

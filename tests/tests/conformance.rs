@@ -10,6 +10,7 @@
 //! Nothing skips: a tier the host cannot serve makes its tests fail with the daemon's reason —
 //! CI runs as root with Docker and QEMU, where every tier here must work (MICROVM under TCG when
 //! KVM does not work on the host).
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
@@ -17,7 +18,10 @@ use std::time::{Duration, Instant};
 
 use agent_client::exec_request;
 use agent_client::proto::{CreateSandboxRequest, ExecRequest, ExecStatus, Isolation, ResourceLimits, SandboxState};
-use sandbox_tests::{assert_exited, assert_hello_file_reads_back, assert_paths_stay_inside, describe, eventually, read_stream, status, tagged_execs_at_once, text, within, Streamed};
+use sandbox_tests::{
+    assert_exited, assert_hello_file_reads_back, assert_paths_stay_inside, describe, eventually, read_stream, status, tagged_execs_at_once, text, within,
+    Streamed,
+};
 use tonic::Code;
 
 // ---------------------------------------------------------------------------------------------
@@ -270,7 +274,6 @@ async fn timeout_kills_the_whole_tree(isolation: Isolation) {
     let id = h.sandbox_with(ResourceLimits { exec_timeout_ms: 400, ..Default::default() }).await;
     let r = h.exec(exec_request(&id, ["sleep", "30"])).await;
     assert_eq!(status(&r), ExecStatus::TimedOut, "{}", describe(&r));
-
 }
 
 async fn output_cap_spill_and_streaming(isolation: Isolation) {
@@ -293,7 +296,8 @@ async fn output_cap_spill_and_streaming(isolation: Isolation) {
 
     // Streaming: events in the order they were produced, as they are produced, then one result.
     let t0 = Instant::now();
-    let stream = within(10, h.client.exec_stream(exec_request(&id, ["sh", "-c", "echo a; sleep 0.5; echo b >&2; sleep 0.5; echo c"]))).await.expect("ExecStream");
+    let stream =
+        within(10, h.client.exec_stream(exec_request(&id, ["sh", "-c", "echo a; sleep 0.5; echo b >&2; sleep 0.5; echo c"]))).await.expect("ExecStream");
     let Streamed { events, first_stdout_at: first_at, result, result_at } = read_stream(stream, t0).await;
     assert_eq!(events, ["out:a\n", "err:b\n", "out:c\n"]);
     let r = result.expect("the stream ends with a result");

@@ -8,6 +8,7 @@
 //! records (records.rs), admission and fairness (admission.rs), atomic writes (conformance.rs),
 //! QEMU dying with the daemon (microvm.rs), the seccomp list (a unit test per syscall family in
 //! sandboxd's backend/process/seccomp.rs).
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -23,7 +24,14 @@ use sandbox_tests::{build_probe, daemon_with_sandbox, exec, find_under, process_
 const PROBE: &str = "/workspace/escape_probe";
 
 fn text(r: &ExecResult) -> String {
-    format!("status {:?} code {} error {:?}\nstdout: {}\nstderr: {}", r.status(), r.exit_code, r.error, String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr))
+    format!(
+        "status {:?} code {} error {:?}\nstdout: {}\nstderr: {}",
+        r.status(),
+        r.exit_code,
+        r.error,
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    )
 }
 
 /// Creates a sandbox of `isolation` with the probe in /workspace; returns its id.
@@ -63,11 +71,7 @@ async fn assert_blocked(client: &Client, id: &str, attack: &str) -> ExecResult {
 /// /proc/self/fd: the exec reaches the file without traversing any directory, so only the
 /// mount's nosuid stands between a setuid-root file and a root shell for nobody.
 fn run_as_nobody_through_fd(path: &Path) -> String {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_PATH)
-        .open(path)
-        .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
     let fd = file.as_raw_fd();
     let mut cmd = Command::new("setpriv");
     cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "/proc/self/fd/7", "setuid"]);

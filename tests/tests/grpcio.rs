@@ -2,6 +2,7 @@
 //! of agent frameworks, on the daemon's UNIX socket with no channel options. It sends the socket
 //! path as `:authority`, which the HTTP/2 server would refuse without `sandboxd::authority`.
 //! grpcio and grpcio-tools come from PyPI (`make test` installs them); missing, the test fails.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::process::Command;
 

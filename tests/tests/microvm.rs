@@ -1,6 +1,7 @@
 //! MicroVM-tier cases beyond the shared conformance suite: what a host without QEMU answers,
 //! the warm pool, the guest's view of its own isolation (its own kernel, no network), QEMU
 //! dying with a daemon killed by SIGKILL, and QEMU uids never shared by two daemons.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use agent_client::proto::{CreateSandboxRequest, Isolation, ResourceLimits, SandboxState};
 use agent_client::{exec_request, Client};
@@ -108,7 +109,8 @@ fn processes_mentioning(needle: &str) -> Vec<HostProcess> {
             continue;
         }
         let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
-        let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next()).and_then(|u| u.parse().ok()).unwrap_or(u32::MAX);
+        let uid =
+            status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next()).and_then(|u| u.parse().ok()).unwrap_or(u32::MAX);
         found.push(HostProcess { pid, uid, argv });
     }
     found
@@ -132,7 +134,8 @@ async fn qemu_dies_with_a_daemon_killed_by_sigkill() {
     // The case that used to leak: QEMU changed its uid (-runas), which clears PR_SET_PDEATHSIG.
     assert!(qemus[0].uid >= 400_000, "QEMU runs as its own uid: {qemus:?}");
     let daemon_pid = daemon.pid().expect("daemon pid");
-    let ppid = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|s| s.rsplit(')').next()?.split_whitespace().nth(1)?.parse::<u32>().ok());
+    let ppid =
+        |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|s| s.rsplit(')').next()?.split_whitespace().nth(1)?.parse::<u32>().ok());
     assert_ne!(ppid(qemus[0].pid), Some(daemon_pid), "QEMU runs under its guard, not directly under the daemon");
 
     daemon.kill9();

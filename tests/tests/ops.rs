@@ -1,5 +1,6 @@
 //! End to end: policy, tenants and auth, metrics, tracing, audit, and load — what ops teams rely
 //! on when they share a host.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -48,10 +49,7 @@ async fn policy_allows_refuses_limits_and_caps() {
     assert!(plain.isolation_reason.is_empty());
 
     // Below the rule's minimum without upgrade: refused, naming the rule.
-    let refused = c
-        .create(proto::CreateSandboxRequest { labels: labels(&[("team", "ci")]), ..process_sandbox("minimal") })
-        .await
-        .expect_err("refused");
+    let refused = c.create(proto::CreateSandboxRequest { labels: labels(&[("team", "ci")]), ..process_sandbox("minimal") }).await.expect_err("refused");
     assert_eq!(refused.code(), Code::PermissionDenied, "{refused}");
     assert!(refused.to_string().contains("ci-container"), "{refused}");
 
@@ -158,12 +156,7 @@ async fn a_disallowed_uid_is_refused_on_the_unix_socket() {
     std::fs::set_permissions(daemon.dir(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod dir");
     let sbx = sbx_bin().expect("locating sbx");
     use std::os::unix::process::CommandExt;
-    let out = std::process::Command::new(&sbx)
-        .args(["--socket", &daemon.address, "ls"])
-        .uid(65534)
-        .gid(65534)
-        .output()
-        .expect("run sbx as nobody");
+    let out = std::process::Command::new(&sbx).args(["--socket", &daemon.address, "ls"]).uid(65534).gid(65534).output().expect("run sbx as nobody");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("PERMISSION_DENIED") && stderr.contains("uid 65534"), "{stderr}");
@@ -186,13 +179,9 @@ async fn metrics_traceparent_and_audit() {
     req.metadata_mut().insert("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01").parse().expect("header"));
     let sb = raw.create_sandbox(req).await.expect("create").into_inner().id;
     c.exec(exec_request(&sb, ["sh", "-c", "exit 3"])).await.expect("exec");
-    c.exec(proto::ExecRequest {
-        env: [("API_KEY".to_string(), "hunter2".to_string())].into(),
-        timeout_ms: 200,
-        ..exec_request(&sb, ["sleep", "5"])
-    })
-    .await
-    .expect("timed out exec");
+    c.exec(proto::ExecRequest { env: [("API_KEY".to_string(), "hunter2".to_string())].into(), timeout_ms: 200, ..exec_request(&sb, ["sleep", "5"]) })
+        .await
+        .expect("timed out exec");
     assert_eq!(c.destroy("sb-doesnotexist1").await.expect_err("missing").code(), Code::NotFound);
 
     let log = daemon.log();

@@ -1,6 +1,7 @@
 //! End to end: OpenTelemetry export. The daemon sends its RPC spans over OTLP/gRPC to a fake
 //! collector running in this test, continuing the caller's W3C trace; a collector that is down
 //! never gets in the way of the RPCs.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -99,7 +100,16 @@ fn with_traceparent<T>(message: T, trace_id: &str, parent_id: &str) -> tonic::Re
 fn describe(spans: &[Received]) -> String {
     spans
         .iter()
-        .map(|r| format!("{} trace={} span={} parent={} service={}", r.span.name, hex(&r.span.trace_id), hex(&r.span.span_id), hex(&r.span.parent_span_id), r.service_name))
+        .map(|r| {
+            format!(
+                "{} trace={} span={} parent={} service={}",
+                r.span.name,
+                hex(&r.span.trace_id),
+                hex(&r.span.span_id),
+                hex(&r.span.parent_span_id),
+                r.service_name
+            )
+        })
         .collect::<Vec<_>>()
         .join("\n")
 }
@@ -113,10 +123,9 @@ async fn rpc_spans_reach_the_collector_in_the_callers_trace() {
     let (trace_id, parent_id) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
     raw.create_sandbox(with_traceparent(process_sandbox("minimal"), trace_id, parent_id)).await.expect("create");
 
-    let rpc = collector
-        .wait_for(Duration::from_secs(15), |r| hex(&r.span.trace_id) == trace_id && r.span.name == CREATE)
-        .await
-        .unwrap_or_else(|| panic!("no CreateSandbox span in trace {trace_id} within 15 s; collector got:\n{}\ndaemon log:\n{}", describe(&collector.spans()), daemon.log()));
+    let rpc = collector.wait_for(Duration::from_secs(15), |r| hex(&r.span.trace_id) == trace_id && r.span.name == CREATE).await.unwrap_or_else(|| {
+        panic!("no CreateSandbox span in trace {trace_id} within 15 s; collector got:\n{}\ndaemon log:\n{}", describe(&collector.spans()), daemon.log())
+    });
     assert_eq!(hex(&rpc.span.parent_span_id), parent_id, "the caller's span is the parent");
     assert_eq!(rpc.service_name, SERVICE);
     assert_eq!(rpc.span.kind, opentelemetry_proto::tonic::trace::v1::span::SpanKind::Server as i32);
@@ -144,10 +153,9 @@ async fn the_last_spans_are_flushed_at_shutdown() {
 
     let status = daemon.stop().expect("stop");
     assert!(status.success(), "{status}");
-    let rpc = collector
-        .wait_for(Duration::from_secs(2), is_ours)
-        .await
-        .unwrap_or_else(|| panic!("the ListSandboxes span was not flushed at shutdown; collector got:\n{}\ndaemon log:\n{}", describe(&collector.spans()), daemon.log()));
+    let rpc = collector.wait_for(Duration::from_secs(2), is_ours).await.unwrap_or_else(|| {
+        panic!("the ListSandboxes span was not flushed at shutdown; collector got:\n{}\ndaemon log:\n{}", describe(&collector.spans()), daemon.log())
+    });
     assert_eq!(hex(&rpc.span.parent_span_id), parent_id);
     assert_eq!(rpc.service_name, SERVICE);
 }
@@ -161,7 +169,9 @@ async fn an_unreachable_collector_does_not_get_in_the_way() {
     // Across several failed exports, every RPC answers promptly.
     for i in 0..10 {
         let started = Instant::now();
-        raw.list_sandboxes(with_traceparent(proto::ListSandboxesRequest::default(), "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")).await.expect("list");
+        raw.list_sandboxes(with_traceparent(proto::ListSandboxesRequest::default(), "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"))
+            .await
+            .expect("list");
         assert!(started.elapsed() < Duration::from_secs(2), "RPC {i} took {:?}", started.elapsed());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

@@ -4,6 +4,7 @@
 //! Every test starts its own daemon (its own state dir, pool and cgroup root), so they run in
 //! parallel without seeing each other. Nothing skips: without root or without the images the
 //! harness fails the test and says what is missing.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::collections::HashMap;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -12,7 +13,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use agent_client::exec_request;
 use agent_client::proto::{exec_event, ExecRequest, ExecResult, ExecStatus, Isolation, ResourceLimits, SandboxState};
-use sandbox_tests::{assert_exited, assert_hello_file_reads_back, assert_paths_stay_inside, cgroups_of, describe, dirs_named, eventually, mounts_of, mounts_under, process_sandbox, read_stream, rss_bytes, status, tagged_execs_at_once, text, unique, within, Harness, PeakRss, Streamed};
+use sandbox_tests::{
+    assert_exited, assert_hello_file_reads_back, assert_paths_stay_inside, cgroups_of, describe, dirs_named, eventually, mounts_of, mounts_under,
+    process_sandbox, read_stream, rss_bytes, status, tagged_execs_at_once, text, unique, within, Harness, PeakRss, Streamed,
+};
 use tonic::Code;
 
 // ---------------------------------------------------------------------------------------------
@@ -154,10 +158,7 @@ async fn sandbox_is_isolated_from_the_host() {
     let host_daemon = format!("{daemon_pid}");
     let count = proc_pids.lines().count();
     assert!(count <= 6, "/proc inside lists {count} processes:\n{proc_pids}");
-    assert!(
-        !proc_pids.lines().any(|p| p == host_daemon) || daemon_pid < 10,
-        "the daemon's host pid {daemon_pid} appears in the sandbox's /proc"
-    );
+    assert!(!proc_pids.lines().any(|p| p == host_daemon) || daemon_pid < 10, "the daemon's host pid {daemon_pid} appears in the sandbox's /proc");
 
     // Network namespace: only loopback.
     let links = h.sh_ok(&id, "ip link").await;
@@ -169,7 +170,8 @@ async fn sandbox_is_isolated_from_the_host() {
 
     // Privileges: no CAP_SYS_ADMIN, no_new_privs, seccomp filter mode.
     let st = h.sh_ok(&id, "cat /proc/self/status").await;
-    let field = |name: &str| st.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_string()).unwrap_or_else(|| panic!("{name} missing from:\n{st}"));
+    let field =
+        |name: &str| st.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_string()).unwrap_or_else(|| panic!("{name} missing from:\n{st}"));
     let cap_eff = u64::from_str_radix(&field("CapEff:"), 16).expect("CapEff is hex");
     assert_eq!(cap_eff & (1 << 21), 0, "CAP_SYS_ADMIN is effective inside (CapEff {cap_eff:x})");
     let cap_bnd = u64::from_str_radix(&field("CapBnd:"), 16).expect("CapBnd is hex");
@@ -229,10 +231,7 @@ async fn bad_input_is_refused_with_the_right_code() {
     let err = c.create(over(ResourceLimits { disk_bytes: 1 << 60, ..Default::default() })).await.expect_err("disk over ceiling");
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
     assert!(err.to_string().contains("disk_bytes"), "{err}");
-    let err = c
-        .exec(ExecRequest { timeout_ms: u64::MAX / 2, ..exec_request(&id, ["true"]) })
-        .await
-        .expect_err("timeout over ceiling");
+    let err = c.exec(ExecRequest { timeout_ms: u64::MAX / 2, ..exec_request(&id, ["true"]) }).await.expect_err("timeout over ceiling");
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
     assert!(err.to_string().contains("timeout_ms"), "{err}");
 
@@ -243,10 +242,7 @@ async fn bad_input_is_refused_with_the_right_code() {
     let err = c.create(process_sandbox("../minimal")).await.expect_err("image path trick");
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
     assert!(err.to_string().contains("image"), "{err}");
-    let err = c
-        .create(agent_client::proto::CreateSandboxRequest { isolation: 42, ..process_sandbox("minimal") })
-        .await
-        .expect_err("isolation 42");
+    let err = c.create(agent_client::proto::CreateSandboxRequest { isolation: 42, ..process_sandbox("minimal") }).await.expect_err("isolation 42");
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
     assert!(err.to_string().contains("isolation"), "{err}");
 
@@ -359,9 +355,7 @@ async fn fork_bomb_is_contained_by_max_pids() {
     // allows, and its kill must reach every process of the tree.
     let id = h.sandbox_with("minimal", limits).await;
     let t0 = Instant::now();
-    let r = h
-        .exec(ExecRequest { timeout_ms: 1_500, ..exec_request(&id, ["sh", "-c", "f(){ f|f& }; f; while :; do :; done"]) })
-        .await;
+    let r = h.exec(ExecRequest { timeout_ms: 1_500, ..exec_request(&id, ["sh", "-c", "f(){ f|f& }; f; while :; do :; done"]) }).await;
     assert_eq!(status(&r), ExecStatus::TimedOut, "{}", describe(&r));
     assert!(t0.elapsed() < Duration::from_secs(15), "a 1.5 s timeout returned after {:?}", t0.elapsed());
     let ps = h.sh_ok(&id, "ps -o pid,args").await;
@@ -386,9 +380,7 @@ async fn memory_bomb_is_oom_killed_and_reported() {
     assert!(r.peak_memory_bytes >= 20 << 20 && r.peak_memory_bytes <= limit + limit / 8, "peak {} for a 20 MiB allocation", r.peak_memory_bytes);
     // The same bomb written in shell, in the minimal image.
     let id = h.sandbox_with("minimal", ResourceLimits { memory_bytes: limit, ..Default::default() }).await;
-    let r = h
-        .exec(ExecRequest { timeout_ms: 60_000, ..exec_request(&id, ["sh", "-c", "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}"]) })
-        .await;
+    let r = h.exec(ExecRequest { timeout_ms: 60_000, ..exec_request(&id, ["sh", "-c", "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}"]) }).await;
     assert_eq!((status(&r), r.exit_code), (ExecStatus::OomKilled, 137), "{}", describe(&r));
 }
 
@@ -513,7 +505,8 @@ async fn background_exec_idempotency_and_ttl() {
     assert_eq!(done.exec_id, bg.exec_id);
 
     // An idempotency key runs the command once and replays its result.
-    let keyed = || ExecRequest { idempotency_key: "once".into(), ..exec_request(&id, ["sh", "-c", "echo run >> /workspace/runs; cat /workspace/runs | wc -l"]) };
+    let keyed =
+        || ExecRequest { idempotency_key: "once".into(), ..exec_request(&id, ["sh", "-c", "echo run >> /workspace/runs; cat /workspace/runs | wc -l"]) };
     let first = h.exec(keyed()).await;
     let second = h.exec(keyed()).await;
     assert_exited(&first, 0);
@@ -628,12 +621,8 @@ async fn exec_stream_delivers_output_in_order_then_the_result() {
     let h = Harness::start().await;
     let id = h.sandbox().await;
     let t0 = Instant::now();
-    let stream = within(
-        10,
-        h.client.exec_stream(exec_request(&id, ["sh", "-c", "echo a; sleep 0.5; echo b >&2; sleep 0.5; echo c"])),
-    )
-    .await
-    .expect("ExecStream");
+    let stream =
+        within(10, h.client.exec_stream(exec_request(&id, ["sh", "-c", "echo a; sleep 0.5; echo b >&2; sleep 0.5; echo c"]))).await.expect("ExecStream");
     let Streamed { events, first_stdout_at: first_at, result, result_at } = read_stream(stream, t0).await;
     assert_eq!(events, ["out:a\n", "err:b\n", "out:c\n"]);
     let r = result.expect("the stream ends with a result");

@@ -1,6 +1,7 @@
 //! End to end: exec records stay bounded. Output bodies live in files under the state dir, not in
 //! `state.db`; a per-sandbox byte budget drops the oldest bodies; ListExecs returns metadata in
 //! pages; GetExec still returns a recent exec's whole output; destroy removes the files.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::path::Path;
 

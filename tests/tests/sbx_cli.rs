@@ -1,5 +1,6 @@
 //! End-to-end tests of the `sbx` command line: the real binary against a real daemon, checked the
 //! way a user at a terminal (or a script) would check it — stdout, stderr, exit code.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::os::unix::fs::PermissionsExt;
 use std::process::Output;
@@ -24,12 +25,7 @@ async fn sbx(daemon: &Daemon, args: &[&str]) -> Output {
 }
 
 fn show(out: &Output) -> String {
-    format!(
-        "exit={:?} stdout={:?} stderr={:?}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    format!("exit={:?} stdout={:?} stderr={:?}", out.status.code(), String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
 /// `sbx create`, asserting success; returns the printed id.
@@ -180,7 +176,11 @@ async fn sbx_exec_it_runs_python_interactively() {
     let slave: OwnedFd = pty.slave;
     let fd = |f: &OwnedFd| std::process::Stdio::from(f.try_clone().expect("dup"));
     let mut cmd = std::process::Command::new(sbx_bin().expect("locating sbx"));
-    cmd.args(["--socket", &daemon.address, "exec", "-it", &id, "--", "python3", "-q"]).env_remove("SANDBOXD_SOCKET").stdin(fd(&slave)).stdout(fd(&slave)).stderr(fd(&slave));
+    cmd.args(["--socket", &daemon.address, "exec", "-it", &id, "--", "python3", "-q"])
+        .env_remove("SANDBOXD_SOCKET")
+        .stdin(fd(&slave))
+        .stdout(fd(&slave))
+        .stderr(fd(&slave));
     let slave_raw = slave.as_raw_fd();
     // SAFETY: between fork and exec the child only makes async-signal-safe calls: a session of
     // its own with the terminal as its controlling terminal, as a shell would give it.
@@ -206,7 +206,7 @@ async fn sbx_exec_it_runs_python_interactively() {
         }
     });
     let mut seen = String::new();
-    let mut expect = |want: &str, seen: &mut String| {
+    let expect = |want: &str, seen: &mut String| {
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         while !seen.contains(want) {
             let left = deadline.saturating_duration_since(std::time::Instant::now());

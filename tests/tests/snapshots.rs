@@ -1,5 +1,6 @@
 //! End to end: snapshots, rollback, fork, background and idempotent execs, durable state across
 //! daemon restarts, TTLs — through the gRPC API of a real daemon.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -24,10 +25,7 @@ async fn rollback_restores_content_deletions_and_modes() {
 
     sh_ok(&c, &sb, "echo v2 > /workspace/keep; chmod 777 /workspace/keep; rm -r /workspace/d; echo new > /workspace/new; rm /bin/ls").await;
     // A background process that must not survive the rollback.
-    let bg = c
-        .exec(proto::ExecRequest { background: true, ..exec_request(&sb, ["sleep", "300"]) })
-        .await
-        .expect("background exec");
+    let bg = c.exec(proto::ExecRequest { background: true, ..exec_request(&sb, ["sleep", "300"]) }).await.expect("background exec");
     assert_eq!(bg.status, proto::ExecStatus::Running as i32);
 
     let after = c.rollback(&sb, &snap.snapshot_id).await.expect("rollback");
@@ -156,7 +154,10 @@ async fn background_exec_survives_its_client_and_can_be_signalled() {
 #[tokio::test(flavor = "multi_thread")]
 async fn idempotent_exec_runs_once_even_across_a_daemon_kill() {
     let (mut daemon, c, sb) = daemon_with_sandbox(proto::Isolation::Process).await;
-    let append = |key: &str| proto::ExecRequest { idempotency_key: key.into(), ..exec_request(&sb, ["sh", "-c", "echo line >> /workspace/log; wc -l < /workspace/log"]) };
+    let append = |key: &str| proto::ExecRequest {
+        idempotency_key: key.into(),
+        ..exec_request(&sb, ["sh", "-c", "echo line >> /workspace/log; wc -l < /workspace/log"])
+    };
     let first = c.exec(append("step-1")).await.expect("first");
     let replay = c.exec(append("step-1")).await.expect("replay");
     assert_eq!(replay.exec_id, first.exec_id, "the recorded exec is returned");

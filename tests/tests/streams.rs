@@ -7,12 +7,13 @@
 //!
 //! Each case takes the tier; [`streams!`] makes a module per tier, as the conformance suite
 //! does. Nothing skips.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::time::Duration;
 
 use agent_client::proto::{
-    self as pb, exec_session_event::Event, exec_session_request::Item, upload_request, CreateSandboxRequest, ExecRequest, ExecSessionEvent, ExecSessionRequest, ExecSessionStart,
-    ExecStatus, Isolation, TerminalSize, UploadHeader, UploadRequest,
+    self as pb, exec_session_event::Event, exec_session_request::Item, upload_request, CreateSandboxRequest, ExecRequest, ExecSessionEvent, ExecSessionRequest,
+    ExecSessionStart, ExecStatus, Isolation, TerminalSize, UploadHeader, UploadRequest,
 };
 use sandbox_tests::{text, within, Harness};
 use sha2::{Digest, Sha256};
@@ -153,7 +154,8 @@ fn hex(bytes: &[u8]) -> String {
 
 /// Downloads a file: (content, the size announced first, the sha256 announced last).
 async fn download(h: &Harness, id: &str, path: &str) -> (Vec<u8>, u64, String) {
-    let mut stream = within(60, h.client.raw().download_file(pb::DownloadRequest { sandbox_id: id.into(), path: path.into() })).await.expect("DownloadFile").into_inner();
+    let mut stream =
+        within(60, h.client.raw().download_file(pb::DownloadRequest { sandbox_id: id.into(), path: path.into() })).await.expect("DownloadFile").into_inner();
     let (mut content, mut size, mut sha) = (Vec::new(), None, String::new());
     while let Some(chunk) = within(120, stream.message()).await.expect("download chunk") {
         size.get_or_insert(chunk.size);
@@ -174,14 +176,17 @@ async fn big_file_round_trip(isolation: Isolation) {
     let content: Vec<u8> = (0..size).map(|i: usize| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
     let sum = hex(&Sha256::digest(&content));
     let pieces: Vec<Vec<u8>> = content.chunks(1 << 20).map(<[u8]>::to_vec).collect();
-    let reply = within(300, h.client.raw().upload_file(upload_stream(&id, "/workspace/big.bin", pieces, Some(sum.clone())))).await.expect("UploadFile").into_inner();
+    let reply =
+        within(300, h.client.raw().upload_file(upload_stream(&id, "/workspace/big.bin", pieces, Some(sum.clone())))).await.expect("UploadFile").into_inner();
     assert_eq!((reply.bytes_written, reply.sha256.as_str()), (size as u64, sum.as_str()));
     let (back, announced, sha) = download(&h, &id, "/workspace/big.bin").await;
     assert_eq!((back.len(), announced, sha.as_str()), (size, size as u64, sum.as_str()));
     assert!(back == content, "downloaded content differs");
 
     // A wrong checksum: refused, the old file untouched.
-    let bad = within(60, h.client.raw().upload_file(upload_stream(&id, "/workspace/big.bin", vec![b"new".to_vec()], Some("00".repeat(32))))).await.expect_err("bad checksum");
+    let bad = within(60, h.client.raw().upload_file(upload_stream(&id, "/workspace/big.bin", vec![b"new".to_vec()], Some("00".repeat(32)))))
+        .await
+        .expect_err("bad checksum");
     assert_eq!(bad.code(), Code::DataLoss, "{bad}");
     let (_, announced, sha) = download(&h, &id, "/workspace/big.bin").await;
     assert_eq!((announced, sha.as_str()), (size as u64, sum.as_str()), "the old file stays");
@@ -197,7 +202,13 @@ async fn big_file_round_trip(isolation: Isolation) {
 async fn interrupted_upload_keeps_the_old_file(isolation: Isolation) {
     let h = Harness::start().await;
     let id = sandbox(&h, isolation, "minimal").await;
-    let reply = h.client.raw().upload_file(upload_stream(&id, "keep.txt", vec![b"old content".to_vec()], Some(hex(&Sha256::digest(b"old content"))))).await.expect("first upload").into_inner();
+    let reply = h
+        .client
+        .raw()
+        .upload_file(upload_stream(&id, "keep.txt", vec![b"old content".to_vec()], Some(hex(&Sha256::digest(b"old content")))))
+        .await
+        .expect("first upload")
+        .into_inner();
     assert_eq!(reply.bytes_written, 11);
     // A stream that ends without its digest may have been cut short (a cancelled call looks
     // like a clean end to a server): ABORTED, and nothing replaced.
@@ -207,10 +218,11 @@ async fn interrupted_upload_keeps_the_old_file(isolation: Isolation) {
     let root = sandbox_tests::workspace_root();
     let script = root.join("tests/python/grpcio_cut_upload.py");
     let (address, sid) = (h.daemon.address.clone(), id.clone());
-    let status = tokio::task::spawn_blocking(move || std::process::Command::new("python3").arg(&script).arg(&root).arg(&address).arg(&sid).arg("keep.txt").status())
-        .await
-        .expect("join")
-        .expect("running python3 (grpcio and grpcio-tools: make pydeps)");
+    let status =
+        tokio::task::spawn_blocking(move || std::process::Command::new("python3").arg(&script).arg(&root).arg(&address).arg(&sid).arg("keep.txt").status())
+            .await
+            .expect("join")
+            .expect("running python3 (grpcio and grpcio-tools: make pydeps)");
     assert_eq!(status.code(), Some(3), "the client died mid-upload as planned");
     // The daemon notices the broken stream and drops the half-written file.
     assert!(sandbox_tests::eventually(30, || async { download(&h, &id, "keep.txt").await.0 == b"old content" }).await, "the old file stays");
@@ -263,7 +275,10 @@ async fn directory_round_trip(isolation: Isolation) {
     let out = h.sh_ok(&id, "cd /workspace/tree && ./link && ls sub | wc -l && stat -c %a sub/deeper/tool.sh sub/deeper && readlink link").await;
     assert_eq!(out.split_whitespace().collect::<Vec<_>>(), ["tool", &(n + 1).to_string(), "750", "700", "sub/deeper/tool.sh"], "{out}");
 
-    let mut stream = within(60, h.client.raw().download_archive(pb::DownloadRequest { sandbox_id: id.clone(), path: "/workspace/tree".into() })).await.expect("DownloadArchive").into_inner();
+    let mut stream = within(60, h.client.raw().download_archive(pb::DownloadRequest { sandbox_id: id.clone(), path: "/workspace/tree".into() }))
+        .await
+        .expect("DownloadArchive")
+        .into_inner();
     let mut tar_bytes = Vec::new();
     while let Some(chunk) = within(120, stream.message()).await.expect("archive chunk") {
         tar_bytes.extend_from_slice(&chunk.data);

@@ -89,7 +89,12 @@ fn run_spec(max_steps: u64, context_window: usize, managed_context: bool) -> Run
 
 /// The scripted model at `base_url`, and run options without rate limiting, runs kept in `dir`.
 fn model_and_options(base_url: &str, dir: &Path) -> Result<(Arc<dyn LlmProvider>, RunOptions)> {
-    let llm: Arc<dyn LlmProvider> = Arc::new(OpenAiProvider::new(base_url, None, "gpt-4o", Duration::from_secs(60))?);
+    let llm: Arc<dyn LlmProvider> = Arc::new(OpenAiProvider::new(
+        base_url,
+        None,
+        "gpt-4o",
+        Duration::from_secs(60),
+    )?);
     let mut opts = RunOptions::new(dir);
     opts.rate_burst = 1_000;
     opts.rate_per_sec = 1_000.0;
@@ -121,17 +126,33 @@ async fn one_run<S: SandboxApi + Clone + 'static>(
 /// Resume time of a long run: a run stopped by its step budget after `steps` steps, continued
 /// with a budget of one more step. Timed from the resume call to its report: loading the
 /// checkpoint, finding the last exec by its idempotency key, and one more model call and action.
-async fn resume_after<S: SandboxApi + Clone + 'static>(sandbox: S, steps: usize, dir: &Path) -> Result<(u64, Duration)> {
+async fn resume_after<S: SandboxApi + Clone + 'static>(
+    sandbox: S,
+    steps: usize,
+    dir: &Path,
+) -> Result<(u64, Duration)> {
     // A script that never finishes on its own: the step budget stops it.
     let server = FixtureServer::start(script(usize::MAX, Duration::ZERO)).await?;
     let spec = run_spec(steps as u64, 16_000, true);
     let (llm, mut opts) = model_and_options(&server.base_url, dir)?;
-    let first = agent::start(sandbox.clone(), llm.clone(), spec, Some("resumed".into()), opts.clone()).await?;
+    let first = agent::start(
+        sandbox.clone(),
+        llm.clone(),
+        spec,
+        Some("resumed".into()),
+        opts.clone(),
+    )
+    .await?;
     opts.new_budgets.max_steps = Some(steps as u64 + 1);
     let started = Instant::now();
     let report = agent::resume(sandbox, move |_| Ok(llm), "resumed", opts).await?;
     let took = started.elapsed();
-    anyhow::ensure!(report.steps > first.steps, "the resumed run took no step ({} then {})", first.steps, report.steps);
+    anyhow::ensure!(
+        report.steps > first.steps,
+        "the resumed run took no step ({} then {})",
+        first.steps,
+        report.steps
+    );
     Ok((first.steps, took))
 }
 
@@ -254,7 +275,16 @@ async fn main() -> Result<()> {
     };
     let resume_dir = dir.join("resume");
     let (resume_steps, resume_time) = match &args.socket {
-        Some(addr) => resume_after(agent_client::Client::connect(addr).await.context("connecting to the daemon")?, 100, &resume_dir).await?,
+        Some(addr) => {
+            resume_after(
+                agent_client::Client::connect(addr)
+                    .await
+                    .context("connecting to the daemon")?,
+                100,
+                &resume_dir,
+            )
+            .await?
+        }
         None => resume_after(FakeSandbox::new(basic_handler()), 100, &resume_dir).await?,
     };
     let (m, f) = (&results[0], &results[1]);

@@ -298,8 +298,20 @@ pub async fn upload_archive(
     mut requests: Streaming<UploadRequest>,
 ) -> Result<UploadArchiveResponse, Status> {
     let (header, data, digest) = read_upload(mock, &mut requests).await?;
-    if digest.is_some() {
-        return Err(Status::invalid_argument("sha256 is for UploadFile"));
+    // As the daemon: the digest is required, and checked before anything is extracted.
+    match digest {
+        Some(expected) if expected == sha(&data) => {}
+        Some(expected) => {
+            return Err(Status::data_loss(format!(
+                "{}: sha256 differs from the client's {expected}",
+                header.path
+            )))
+        }
+        None => {
+            return Err(Status::aborted(
+                "the stream ended without its sha256 message",
+            ))
+        }
     }
     let dir = local(mock, &header.path);
     let outcome = tokio::task::spawn_blocking(move || extract(&data, &dir))

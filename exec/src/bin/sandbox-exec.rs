@@ -41,9 +41,8 @@ fn main() {
     // SAFETY: raise stops this single-threaded process until the daemon continues it.
     unsafe { libc::raise(libc::SIGSTOP) };
     // Environment strings come from the daemon's API, which only carries UTF-8.
-    let env: Vec<(String, String)> = std::env::vars_os()
-        .map(|(k, v)| (String::from_utf8_lossy(&k.into_vec()).into_owned(), String::from_utf8_lossy(&v.into_vec()).into_owned()))
-        .collect();
+    let env: Vec<(String, String)> =
+        std::env::vars_os().map(|(k, v)| (String::from_utf8_lossy(&k.into_vec()).into_owned(), String::from_utf8_lossy(&v.into_vec()).into_owned())).collect();
     let cmd = match Command::new(&args[3..], &env, &args[2]) {
         Ok(cmd) => cmd,
         Err(_) => report(Stage::Setup, Errno::EINVAL),

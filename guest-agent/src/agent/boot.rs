@@ -73,7 +73,8 @@ pub fn boot() -> Result<Booted, BootError> {
     load_modules(Path::new(MODULE_ORDER), Path::new(MODULE_DIR))?;
     let modules_ms = t0.elapsed().as_millis();
 
-    let disk = wait_for(Path::new(ROOT_DEV), DISK_TIMEOUT).ok_or(BootError { step: "wait for the disk", message: format!("{ROOT_DEV} did not appear within {} s", DISK_TIMEOUT.as_secs()) })?;
+    let disk = wait_for(Path::new(ROOT_DEV), DISK_TIMEOUT)
+        .ok_or(BootError { step: "wait for the disk", message: format!("{ROOT_DEV} did not appear within {} s", DISK_TIMEOUT.as_secs()) })?;
     mount_fs(disk.to_str().unwrap_or(ROOT_DEV), NEWROOT, "ext4", MsFlags::MS_NOATIME, None)?;
     let mounted_ms = t0.elapsed().as_millis();
     // The host sizes the disk to the sandbox's disk limit; the filesystem on the image is only
@@ -104,7 +105,10 @@ pub fn boot() -> Result<Booted, BootError> {
     // Every exec runs below this cgroup; without it there are no limits, so no agent.
     let sandbox = step("create the sandbox cgroup", SandboxCgroup::create(Path::new(cgroup::MOUNT)))?;
     let root = step("open /", File::open("/"))?;
-    let port = port::find(PORT_TIMEOUT).ok_or(BootError { step: "find the host port", message: format!("no virtio-serial port named {} within {} s", guest_agent::protocol::PORT_NAME, PORT_TIMEOUT.as_secs()) })?;
+    let port = port::find(PORT_TIMEOUT).ok_or(BootError {
+        step: "find the host port",
+        message: format!("no virtio-serial port named {} within {} s", guest_agent::protocol::PORT_NAME, PORT_TIMEOUT.as_secs()),
+    })?;
     log!("booted in {} ms (modules {modules_ms} ms, disk mounted at {mounted_ms} ms); kernel uptime {} ms", t0.elapsed().as_millis(), machine::uptime_ms());
     Ok(Booted { agent: Agent::new(sandbox, Box::new(Guest::new(root))), port })
 }
@@ -236,7 +240,10 @@ fn switch_root(new: &Path) -> Result<(), BootError> {
     for dir in ["dev", "proc", "sys"] {
         let target = new.join(dir);
         ensure_dir(target.to_str().unwrap_or_default(), 0o755)?;
-        step("move a mount into the new root", mount(Some(Path::new("/").join(dir).as_path()), &target, None::<&str>, MsFlags::MS_MOVE, None::<&str>).map_err(|e| format!("/{dir}: {}", e.desc())))?;
+        step(
+            "move a mount into the new root",
+            mount(Some(Path::new("/").join(dir).as_path()), &target, None::<&str>, MsFlags::MS_MOVE, None::<&str>).map_err(|e| format!("/{dir}: {}", e.desc())),
+        )?;
     }
     step("chdir to the new root", nix::unistd::chdir(new))?;
     step("move the new root to /", mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>))?;
@@ -252,7 +259,9 @@ fn populate_dev() -> Result<(), BootError> {
     step("mount devpts", mount(Some("devpts"), "/dev/pts", Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("ptmxmode=0666,mode=0620,gid=5")))?;
     ensure_dir("/dev/shm", 0o1777)?;
     step("mount /dev/shm", mount(Some("shm"), "/dev/shm", Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777")))?;
-    for (link, target) in [("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"), ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2")] {
+    for (link, target) in
+        [("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"), ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2")]
+    {
         match std::os::unix::fs::symlink(target, link) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -264,12 +273,12 @@ fn populate_dev() -> Result<(), BootError> {
 
 /// The image's /etc/hostname, or `sandbox`.
 fn set_hostname() {
-    let name = std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).unwrap_or_else(|| DEFAULT_HOSTNAME.to_string());
+    let name =
+        std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).unwrap_or_else(|| DEFAULT_HOSTNAME.to_string());
     if let Err(e) = nix::unistd::sethostname(&name) {
         log!("sethostname {name}: {e}");
     }
 }
-
 
 /// After a fatal boot error: give the console a moment, then power off, so the host sees the VM
 /// end instead of waiting for an answer that will never come.

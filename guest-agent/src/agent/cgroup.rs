@@ -294,7 +294,8 @@ mod tests {
         blank(root.path());
         blank(&root.path().join(SANDBOX));
         let cg = SandboxCgroup::create(root.path()).expect("create");
-        cg.configure(&GuestLimits { memory_bytes: 256 << 20, max_pids: 64, cpu_millicores: 1500, hostname: String::new(), workdir: String::new() }).expect("configure");
+        cg.configure(&GuestLimits { memory_bytes: 256 << 20, max_pids: 64, cpu_millicores: 1500, hostname: String::new(), workdir: String::new() })
+            .expect("configure");
         let read = |f: &str| std::fs::read_to_string(root.path().join(SANDBOX).join(f)).expect("read");
         assert_eq!(read("memory.max"), "268435456");
         assert_eq!(read("pids.max"), "64");

@@ -19,19 +19,19 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sandbox_exec::capture::{CapturedOutput, OutputCapture, SpillTarget};
 use guest_agent::protocol::{ErrorKind, ExecExit, ExecRequest, ExitStatus, Response, Stream, StreamMeta};
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
+use sandbox_exec::capture::{CapturedOutput, OutputCapture, SpillTarget};
 
 use super::cgroup::{ExecCgroup, SandboxCgroup, Usage};
 use super::console::log;
 use super::files::Files;
 use super::input::{Answer, Feed, Input, StopOnDrop, Target};
 use super::reaper::{ChildExit, Reaper};
-use sandbox_exec::spawn::{self, describe_failure, ChildFds, Command, Stage};
 use super::RequestError;
+use sandbox_exec::spawn::{self, describe_failure, ChildFds, Command, Stage};
 
 pub use sandbox_exec::capture::SPILL_DIR;
 /// Largest `Output` frame payload, and the read size.
@@ -140,7 +140,6 @@ impl Group {
     fn usage(&self) -> Usage {
         self.cgroup.as_ref().map(ExecCgroup::usage).unwrap_or_default()
     }
-
 }
 
 impl Drop for Group {
@@ -184,20 +183,17 @@ impl Watchdog {
         let state = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
         let fired = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (s, f) = (state.clone(), fired.clone());
-        let thread = std::thread::Builder::new()
-            .name("exec-timeout".into())
-            .stack_size(64 << 10)
-            .spawn(move || {
-                let (disarmed, cv) = &*s;
-                let guard = disarmed.lock().unwrap_or_else(|p| p.into_inner());
-                let (guard, _) = cv.wait_timeout_while(guard, after, |d| !*d).unwrap_or_else(|p| p.into_inner());
-                if !*guard {
-                    f.store(true, std::sync::atomic::Ordering::SeqCst);
-                    drop(guard);
-                    // The whole tree goes, daemons included; the exit report follows.
-                    group.kill();
-                }
-            });
+        let thread = std::thread::Builder::new().name("exec-timeout".into()).stack_size(64 << 10).spawn(move || {
+            let (disarmed, cv) = &*s;
+            let guard = disarmed.lock().unwrap_or_else(|p| p.into_inner());
+            let (guard, _) = cv.wait_timeout_while(guard, after, |d| !*d).unwrap_or_else(|p| p.into_inner());
+            if !*guard {
+                f.store(true, std::sync::atomic::Ordering::SeqCst);
+                drop(guard);
+                // The whole tree goes, daemons included; the exit report follows.
+                group.kill();
+            }
+        });
         let thread = match thread {
             Ok(t) => Some(t),
             Err(e) => {
@@ -328,7 +324,15 @@ fn dup(fd: &OwnedFd) -> Result<OwnedFd, RequestError> {
     fd.try_clone().map_err(|e| RequestError::new(ErrorKind::Internal, format!("dup: {e}")))
 }
 
-fn run_in_group(env: &Env<'_>, req: &ExecRequest, session: Session, cmd: &Command, group: &Arc<Group>, stdin: Vec<u8>, send: &dyn Fn(&Response, &[u8])) -> Result<Finished, RequestError> {
+fn run_in_group(
+    env: &Env<'_>,
+    req: &ExecRequest,
+    session: Session,
+    cmd: &Command,
+    group: &Arc<Group>,
+    stdin: Vec<u8>,
+    send: &dyn Fn(&Response, &[u8]),
+) -> Result<Finished, RequestError> {
     // The sandbox's workdir was made at Configure; a missing per-exec workdir is a start failure
     // reported by the child's chdir, as on the other tiers.
     let procs = match &group.cgroup {
@@ -481,7 +485,8 @@ fn run_in_group(env: &Env<'_>, req: &ExecRequest, session: Session, cmd: &Comman
         EndStatus::Lost => ExitStatus::Lost,
     };
     let (exit_code, signal) = (end.exit_code, end.signal);
-    let meta = |c: &CapturedOutput| StreamMeta { len: c.bytes.len() as u64, truncated: c.truncated, total_bytes: c.total_bytes, spill_path: c.spill_path.clone() };
+    let meta =
+        |c: &CapturedOutput| StreamMeta { len: c.bytes.len() as u64, truncated: c.truncated, total_bytes: c.total_bytes, spill_path: c.spill_path.clone() };
     let exit = ExecExit {
         status,
         exit_code,

@@ -124,7 +124,6 @@ fn file_components(path: &str) -> Result<Vec<String>, RequestError> {
     }
 }
 
-
 fn ensure_regular(file: &File, path: &str) -> Result<u64, RequestError> {
     let meta = file.metadata().map_err(|e| map_errno(path, io_errno(&e)))?;
     if !meta.file_type().is_file() {

@@ -4,12 +4,14 @@
 //! One reader turns the byte stream into frames; every request runs on its own thread (execs run
 //! concurrently) and answers through the shared [`Conn`], whose lock keeps each frame whole —
 //! except the live input of interactive execs (`Stdin`, `CloseStdin`, `Resize`), which the
-//! reader hands, in arrival order, to the exec's own writer ([`input`]): stdin bytes must not
-//! race each other on separate threads. What
+//! reader hands, in arrival order, to the exec's own writer ([`input`]), and the pieces of an
+//! archive upload, which it hands the same way to the upload's extraction thread ([`archive`]):
+//! stdin bytes and tar streams must not race each other on separate threads. What
 //! the host sends is never trusted: garbage and malformed headers are answered with
 //! `Error{BadRequest}`, a panic while handling a request with `Error{Internal}`, and the agent
 //! goes on — PID 1 must never exit.
 
+pub mod archive;
 pub mod boot;
 pub mod cgroup;
 pub mod console;
@@ -73,6 +75,7 @@ impl Conn {
 /// Everything a request may touch.
 pub struct Agent {
     files: files::Files,
+    archives: archive::Archives,
     /// Always present in the guest (boot fails without it); `None` only in unit tests.
     cgroup: Option<cgroup::SandboxCgroup>,
     running: exec::Running,
@@ -82,7 +85,13 @@ pub struct Agent {
 impl Agent {
     /// The agent of a booted guest: files under `/`, execs under `cgroup`.
     pub fn new(cgroup: cgroup::SandboxCgroup, machine: Box<dyn machine::Machine>) -> Arc<Self> {
-        Arc::new(Agent { files: files::Files::new("/"), cgroup: Some(cgroup), running: exec::Running::default(), machine })
+        Arc::new(Agent {
+            files: files::Files::new("/"),
+            archives: archive::Archives::new("/"),
+            cgroup: Some(cgroup),
+            running: exec::Running::default(),
+            machine,
+        })
     }
 
     /// Handles one event of the stream. A request gets a thread of its own; everything else is
@@ -113,6 +122,15 @@ impl Agent {
         // exec's writer answers it. Only a refusal is answered from here (on a thread: the
         // reader must not wait on the host).
         let input = match envelope.msg {
+            // Pieces of a tar stream, likewise in order; the extraction thread answers them.
+            Request::UploadArchive { transfer, dest, offset, last } => {
+                let answer_conn = conn.clone();
+                let answer: input::Answer = Arc::new(move |id, resp: &Response, bytes: &[u8]| answer_conn.send(id, resp, bytes));
+                if let Err(e) = self.archives.upload(id, &transfer, &dest, offset, last, payload, &answer) {
+                    answer_later(id, Response::Error { kind: e.kind, message: e.message }, conn);
+                }
+                None
+            }
             Request::Stdin { exec_id } => Some((exec_id, input::Input::Bytes(payload))),
             Request::CloseStdin { exec_id } => Some((exec_id, input::Input::Close)),
             Request::Resize { exec_id, rows, cols } => Some((exec_id, input::Input::Resize { rows, cols })),
@@ -131,10 +149,8 @@ impl Agent {
     /// Handles a request on a thread of its own.
     fn spawn_handler(self: &Arc<Self>, id: u64, msg: Request, payload: Vec<u8>, conn: &Arc<Conn>) {
         let (agent, thread_conn) = (self.clone(), conn.clone());
-        let spawned = std::thread::Builder::new()
-            .name(format!("req-{id}"))
-            .stack_size(REQUEST_STACK)
-            .spawn(move || agent.handle(id, msg, payload, &thread_conn));
+        let spawned =
+            std::thread::Builder::new().name(format!("req-{id}")).stack_size(REQUEST_STACK).spawn(move || agent.handle(id, msg, payload, &thread_conn));
         if let Err(e) = spawned {
             conn.send(id, &Response::Error { kind: ErrorKind::Internal, message: format!("cannot start a thread for the request: {e}") }, &[]);
         }
@@ -182,6 +198,12 @@ impl Agent {
             Request::Stdin { .. } | Request::CloseStdin { .. } | Request::Resize { .. } => {
                 Err(RequestError::new(ErrorKind::Internal, "exec input reached a request thread"))
             }
+            Request::UploadArchive { .. } => Err(RequestError::new(ErrorKind::Internal, "an archive piece reached a request thread")),
+            Request::DownloadArchive { transfer, path } => {
+                let send = |resp: &Response, bytes: &[u8]| conn.send(id, resp, bytes);
+                let made = self.archives.download(&transfer, &path, &send)?;
+                Ok((Response::ArchiveEnd(made), Vec::new()))
+            }
             Request::Signal { exec_id, signal } => {
                 if !(1..=64).contains(&signal) {
                     return Err(RequestError::new(ErrorKind::BadRequest, format!("invalid signal number {signal}")));
@@ -205,7 +227,9 @@ impl Agent {
                 Ok((Response::Written { size }, Vec::new()))
             }
             Request::AbortWrite { transfer } => {
+                // One namespace of transfer ids: whichever kind goes by this one stops.
                 self.files.abort_staged(&transfer);
+                self.archives.abort(&transfer);
                 ok
             }
             Request::RemoveFile { path } => {
@@ -225,7 +249,14 @@ impl Agent {
     }
 
     /// Runs an exec (request `id`) to its final record.
-    fn exec(&self, id: u64, req: &guest_agent::protocol::ExecRequest, session: exec::Session, payload: Vec<u8>, conn: &Arc<Conn>) -> Result<(Response, Vec<u8>), RequestError> {
+    fn exec(
+        &self,
+        id: u64,
+        req: &guest_agent::protocol::ExecRequest,
+        session: exec::Session,
+        payload: Vec<u8>,
+        conn: &Arc<Conn>,
+    ) -> Result<(Response, Vec<u8>), RequestError> {
         let answer_conn = conn.clone();
         let answer: input::Answer = Arc::new(move |id, resp: &Response, bytes: &[u8]| answer_conn.send(id, resp, bytes));
         let env = exec::Env { files: &self.files, cgroup: self.cgroup.as_ref(), running: &self.running, answer };
@@ -275,9 +306,12 @@ impl Session {
         }
     }
 
-    /// The host went away: half a frame of the old connection must not prefix the new one's.
+    /// The host went away: half a frame of the old connection must not prefix the new one's,
+    /// and its archive transfers are orphans (a new host cannot know their ids; an upload would
+    /// otherwise hold its slot until it expires).
     pub fn reset(&mut self) {
         self.decoder = Decoder::new();
+        self.agent.archives.abort_all();
     }
 }
 

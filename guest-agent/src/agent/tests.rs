@@ -8,10 +8,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use guest_agent::protocol::{encode, Decoded, Decoder, ErrorKind, ExecExit, ExecRequest, ExitStatus, Request, Response, Stream, GuestLimits, MAGIC, VERSION};
+use guest_agent::protocol::{
+    encode, ArchiveCreated, ArchiveExtracted, Decoded, Decoder, ErrorKind, ExecExit, ExecRequest, ExitStatus, GuestLimits, Request, Response, Stream,
+    FILE_CHUNK, MAGIC, MAX_ARCHIVE_TRANSFERS, VERSION,
+};
 
 use super::machine::Machine;
-use super::{exec, files, Agent, Conn, RequestError, Session};
+use super::{archive, exec, files, Agent, Conn, RequestError, Session};
 
 #[derive(Default)]
 struct FakeMachine {
@@ -50,17 +53,30 @@ struct Host {
     next_id: u64,
     root: tempfile::TempDir,
     machine: Arc<FakeMachine>,
+    agent: Arc<Agent>,
     /// Frames read while waiting for another request's, by request id.
     held: Vec<(u64, Response, Vec<u8>)>,
 }
 
 impl Host {
     fn start() -> Host {
+        Host::start_with_idle(archive::ARCHIVE_IDLE)
+    }
+
+    /// An agent whose archive uploads give up after `idle` without a piece.
+    fn start_with_idle(idle: Duration) -> Host {
         let root = tempfile::tempdir().expect("tempdir");
         let machine = Arc::new(FakeMachine::default());
-        let agent = Arc::new(Agent { files: files::Files::new(root.path()), cgroup: None, running: exec::Running::default(), machine: Box::new(machine.clone()) });
+        let agent = Arc::new(Agent {
+            files: files::Files::new(root.path()),
+            archives: archive::Archives::with_idle(root.path(), idle),
+            cgroup: None,
+            running: exec::Running::default(),
+            machine: Box::new(machine.clone()),
+        });
         let (host, guest) = UnixStream::pair().expect("socketpair");
         let mut reader = guest.try_clone().expect("clone");
+        let served = agent.clone();
         std::thread::spawn(move || {
             let mut session = Session::new(agent, Conn::new(guest));
             let mut buf = vec![0u8; 4096];
@@ -72,7 +88,7 @@ impl Host {
             }
         });
         host.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
-        Host { stream: host, decoder: Decoder::new(), next_id: 1, root, machine, held: Vec::new() }
+        Host { stream: host, decoder: Decoder::new(), next_id: 1, root, machine, agent: served, held: Vec::new() }
     }
 
     fn send(&mut self, req: &Request, payload: &[u8]) -> u64 {
@@ -327,7 +343,8 @@ fn staged_writes_replace_the_file_only_at_commit_and_remove_file_unlinks() {
     assert_eq!(host.call(&chunk(0, false), b"abc").0, Response::Written { size: 3 });
     assert_eq!(host.call(&Request::AbortWrite { transfer: "t-1".into() }, b"").0, Response::Ok);
     assert_eq!(host.call(&Request::AbortWrite { transfer: "never".into() }, b"").0, Response::Ok);
-    let names: Vec<String> = std::fs::read_dir(host.root.path().join("w")).expect("ls").flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    let names: Vec<String> =
+        std::fs::read_dir(host.root.path().join("w")).expect("ls").flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(names, ["f"], "no temporary file is left");
     assert_eq!(host.call(&Request::RemoveFile { path: "/w/f".into() }, b"").0, Response::Ok);
     assert!(!f.exists());
@@ -566,10 +583,13 @@ fn interactive_stdin_keeps_its_order_after_the_payload_and_closes_on_request() {
     let expected: String = std::iter::once("payload;".to_string()).chain((0..50).map(|i| format!("{i};"))).collect();
     assert_eq!((exit.status, exit.exit_code), (ExitStatus::Exited, 0));
     assert_eq!(String::from_utf8_lossy(stdout_of(&exit, &payload)), expected, "cat ended at the close");
-    let answers: Vec<u64> = std::iter::from_fn(|| host.held.first().map(|(id, _, _)| *id).inspect(|_| {
-        let (_, resp, _) = host.held.remove(0);
-        assert_eq!(resp, Response::Ok);
-    })).collect();
+    let answers: Vec<u64> = std::iter::from_fn(|| {
+        host.held.first().map(|(id, _, _)| *id).inspect(|_| {
+            let (_, resp, _) = host.held.remove(0);
+            assert_eq!(resp, Response::Ok);
+        })
+    })
+    .collect();
     assert_eq!(answers, sent, "one Ok each, in the order sent");
 }
 
@@ -702,4 +722,265 @@ fn a_terminal_exec_that_is_not_interactive_gets_its_payload_then_end_of_file() {
     assert!(out.contains("tty\r\n") && out.contains("payload\r\n") && out.ends_with("cat-done\r\n"), "{out:?}");
     let typed = host.input("ex-tty-plain", b"x");
     assert!(matches!(host.recv_for(typed).0, Response::Error { kind: ErrorKind::NoSuchExec, .. }));
+}
+
+// --- Archives (protocol 4) ---
+
+impl Host {
+    /// Uploads `tar` into `dest` in pieces of `piece` bytes, each sent once the one before was
+    /// answered, as the host does; the last (possibly empty) piece's answer, or the first error.
+    fn upload_archive(&mut self, transfer: &str, dest: &str, tar: &[u8], piece: usize) -> Response {
+        let mut offset = 0u64;
+        for chunk in tar.chunks(piece) {
+            let req = Request::UploadArchive { transfer: transfer.into(), dest: dest.into(), offset, last: false };
+            let id = self.send(&req, chunk);
+            offset += chunk.len() as u64;
+            match self.recv_for(id).0 {
+                Response::Written { size } => assert_eq!(size, offset, "the bytes taken so far"),
+                other => return other,
+            }
+        }
+        let id = self.send(&Request::UploadArchive { transfer: transfer.into(), dest: dest.into(), offset, last: true }, b"");
+        self.recv_for(id).0
+    }
+
+    /// Downloads the tar stream of `path`: the bytes and the final answer.
+    fn download_archive(&mut self, transfer: &str, path: &str) -> (Vec<u8>, Response) {
+        let id = self.send(&Request::DownloadArchive { transfer: transfer.into(), path: path.into() }, b"");
+        let mut tar = Vec::new();
+        loop {
+            match self.recv_for(id) {
+                (Response::ArchiveData, bytes) => {
+                    assert!(!bytes.is_empty() && bytes.len() as u64 <= FILE_CHUNK, "a frame of {} bytes", bytes.len());
+                    tar.extend_from_slice(&bytes);
+                }
+                (last, bytes) => {
+                    assert!(last.is_final() && bytes.is_empty(), "{last:?}");
+                    return (tar, last);
+                }
+            }
+        }
+    }
+}
+
+/// A ustar archive of `(name, type flag, data or link target)` entries, written by hand: the
+/// `tar` crate refuses to write the names a hostile client would.
+fn raw_tar(entries: &[(&str, u8, &[u8])]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, kind, body) in entries {
+        let mut h = [0u8; 512];
+        h[..name.len()].copy_from_slice(name.as_bytes());
+        let size = if *kind == b'0' { body.len() } else { 0 };
+        h[100..108].copy_from_slice(b"0000644\0");
+        h[108..116].copy_from_slice(b"0000000\0");
+        h[116..124].copy_from_slice(b"0000000\0");
+        h[124..136].copy_from_slice(format!("{size:011o}\0").as_bytes());
+        h[136..148].copy_from_slice(b"14000000000\0");
+        h[156] = *kind;
+        if *kind == b'2' {
+            h[157..157 + body.len()].copy_from_slice(body);
+        }
+        h[257..265].copy_from_slice(b"ustar\x0000");
+        h[148..156].copy_from_slice(b"        ");
+        let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
+        h[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+        out.extend_from_slice(&h);
+        if size > 0 {
+            out.extend_from_slice(body);
+            out.resize(out.len().next_multiple_of(512), 0);
+        }
+    }
+    out.extend_from_slice(&[0u8; 1024]);
+    out
+}
+
+/// Every name below `dir` with what it is: `d mode`, `f mode <bytes>`, `l <target>`.
+fn tree_of(dir: &std::path::Path) -> std::collections::BTreeMap<String, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).expect("ls") {
+            let path = entry.expect("entry").path();
+            let rel = path.strip_prefix(dir).expect("below").to_string_lossy().into_owned();
+            let meta = std::fs::symlink_metadata(&path).expect("lstat");
+            let mode = meta.permissions().mode() & 0o7777;
+            let what = if meta.file_type().is_symlink() {
+                format!("l {}", std::fs::read_link(&path).expect("readlink").display())
+            } else if meta.is_dir() {
+                todo.push(path.clone());
+                format!("d {mode:o}")
+            } else {
+                let bytes = std::fs::read(&path).expect("read");
+                format!("f {mode:o} {} {:?}", bytes.len(), &bytes[..bytes.len().min(32)])
+            };
+            out.insert(rel, what);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_tree_goes_out_and_back_in_as_a_tar_stream() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut host = Host::start();
+    let src = host.root.path().join("src");
+    std::fs::create_dir_all(src.join("a/b/c")).expect("mkdir");
+    std::fs::create_dir(src.join("empty")).expect("mkdir");
+    std::fs::write(src.join("top.txt"), b"top\n").expect("write");
+    std::fs::write(src.join("a/b/c/deep.txt"), b"deep down\n").expect("write");
+    std::fs::write(src.join("a/run.sh"), b"#!/bin/sh\necho hi\n").expect("write");
+    std::fs::set_permissions(src.join("a/run.sh"), std::fs::Permissions::from_mode(0o750)).expect("chmod");
+    // More than a frame, so the stream comes in several.
+    let big: Vec<u8> = (0..(FILE_CHUNK as usize + 300_000)).map(|i| (i % 251) as u8).collect();
+    std::fs::write(src.join("a/b/big.bin"), &big).expect("write");
+    std::os::unix::fs::symlink("../top.txt", src.join("a/up")).expect("symlink");
+    std::os::unix::fs::symlink("/etc/passwd", src.join("abs-link")).expect("symlink");
+
+    let (tar, end) = host.download_archive("d1", "/src");
+    let Response::ArchiveEnd(made) = end else { panic!("{end:?}") };
+    assert_eq!(made, ArchiveCreated { files: 4, dirs: 5, symlinks: 2, hardlinks: 0, bytes: big.len() as u64 + 4 + 10 + 18, skipped: 0, changed: 0 });
+    assert_eq!(tar.len() % 512, 0, "whole tar records");
+
+    // Back in, into a directory that does not exist yet, in pieces that cut headers in two.
+    let answer = host.upload_archive("u1", "/restored/here", &tar, 100_003);
+    let Response::Extracted(stats) = answer else { panic!("{answer:?}") };
+    assert_eq!(stats, ArchiveExtracted { files: 4, dirs: 5, symlinks: 2, hardlinks: 0, bytes: made.bytes });
+    let restored = host.root.path().join("restored/here");
+    assert_eq!(tree_of(&restored), tree_of(&src), "the same tree");
+    assert_eq!(std::fs::read(restored.join("a/b/big.bin")).expect("read"), big);
+    assert_eq!(std::fs::read_link(restored.join("abs-link")).expect("readlink"), std::path::Path::new("/etc/passwd"), "stored, not followed");
+    // A whole stream in its last piece works as well, and a single file downloads as itself.
+    let (one, end) = host.download_archive("d2", "/src/top.txt");
+    assert!(matches!(end, Response::ArchiveEnd(ArchiveCreated { files: 1, .. })), "{end:?}");
+    let id = host.send(&Request::UploadArchive { transfer: "u2".into(), dest: "/single".into(), offset: 0, last: true }, &one);
+    assert!(matches!(host.recv_for(id).0, Response::Extracted(ArchiveExtracted { files: 1, .. })));
+    assert_eq!(std::fs::read(host.root.path().join("single/top.txt")).expect("read"), b"top\n");
+    assert_eq!(host.agent.archives.in_progress(), 0, "finished transfers leave nothing behind");
+}
+
+#[test]
+fn a_hostile_archive_is_refused_naming_the_entry_and_nothing_lands_outside() {
+    let mut host = Host::start();
+    let tar = raw_tar(&[("fine", b'0', b"ok"), ("../x", b'0', b"evil")]);
+    let answer = host.upload_archive("h1", "/dst", &tar, 1 << 20);
+    let Response::Error { kind, message } = answer else { panic!("{answer:?}") };
+    assert_eq!(kind, ErrorKind::InvalidPath, "{message}");
+    assert!(message.starts_with("../x: refused"), "names the entry: {message}");
+    assert_eq!(std::fs::read(host.root.path().join("dst/fine")).expect("read"), b"ok", "what came before stays");
+    assert!(!host.root.path().join("x").exists());
+    // Refused before the last piece: the next piece hears it.
+    let tar = raw_tar(&[("link", b'2', b"/"), ("link/etc-owned", b'0', b"evil")]);
+    let id = host.send(&Request::UploadArchive { transfer: "h2".into(), dest: "/dst2".into(), offset: 0, last: false }, &tar);
+    assert_eq!(host.recv_for(id).0, Response::Written { size: tar.len() as u64 });
+    let id = host.send(&Request::UploadArchive { transfer: "h2".into(), dest: "/dst2".into(), offset: tar.len() as u64, last: true }, b"");
+    let answer = host.recv_for(id).0;
+    assert!(matches!(&answer, Response::Error { kind: ErrorKind::InvalidPath, message } if message.starts_with("link/etc-owned")), "{answer:?}");
+    assert!(!host.root.path().join("etc-owned").exists());
+    // Not a tar at all, a device node, and a destination that is a file.
+    let garbage = host.upload_archive("h3", "/dst3", &[b'x'; 1024], 1 << 20);
+    assert!(matches!(garbage, Response::Error { kind: ErrorKind::InvalidPath, .. }), "{garbage:?}");
+    let device = host.upload_archive("h4", "/dst4", &raw_tar(&[("null", b'3', b"")]), 1 << 20);
+    assert!(matches!(&device, Response::Error { kind: ErrorKind::InvalidPath, message } if message.contains("null")), "{device:?}");
+    std::fs::write(host.root.path().join("plain"), b"x").expect("write");
+    let not_dir = host.upload_archive("h5", "/plain", &raw_tar(&[("f", b'0', b"x")]), 1 << 20);
+    assert!(matches!(not_dir, Response::Error { kind: ErrorKind::InvalidPath, .. }), "{not_dir:?}");
+    assert_eq!(host.agent.archives.in_progress(), 0, "failed transfers leave nothing behind once told");
+}
+
+#[test]
+fn an_aborted_upload_stops_and_frees_its_slot() {
+    let mut host = Host::start();
+    let tar = raw_tar(&[("a", b'0', b"first"), ("b", b'0', &[7u8; 5000])]);
+    let half = 1024;
+    let id = host.send(&Request::UploadArchive { transfer: "t1".into(), dest: "/dst".into(), offset: 0, last: false }, &tar[..half]);
+    assert_eq!(host.recv_for(id).0, Response::Written { size: half as u64 });
+    assert_eq!(host.call(&Request::AbortWrite { transfer: "t1".into() }, b"").0, Response::Ok);
+    let id = host.send(&Request::UploadArchive { transfer: "t1".into(), dest: "/dst".into(), offset: half as u64, last: true }, &tar[half..]);
+    let answer = host.recv_for(id).0;
+    assert!(matches!(&answer, Response::Error { kind: ErrorKind::BadRequest, message } if message.contains("aborted")), "{answer:?}");
+    assert!(!host.root.path().join("dst/b").exists(), "nothing after the abort");
+    // A piece out of step drops the transfer; so does an abort of an unknown id (Ok).
+    let id = host.send(&Request::UploadArchive { transfer: "t2".into(), dest: "/dst".into(), offset: 0, last: false }, &tar[..half]);
+    assert_eq!(host.recv_for(id).0, Response::Written { size: half as u64 });
+    let id = host.send(&Request::UploadArchive { transfer: "t2".into(), dest: "/dst".into(), offset: 7, last: false }, b"x");
+    assert!(matches!(host.recv_for(id).0, Response::Error { kind: ErrorKind::BadRequest, .. }));
+    assert_eq!(host.call(&Request::AbortWrite { transfer: "nope".into() }, b"").0, Response::Ok);
+    // The bound counts open uploads; an abort makes room.
+    for i in 0..MAX_ARCHIVE_TRANSFERS {
+        let id = host.send(&Request::UploadArchive { transfer: format!("m{i}"), dest: format!("/m{i}"), offset: 0, last: false }, &tar[..512]);
+        assert_eq!(host.recv_for(id).0, Response::Written { size: 512 });
+    }
+    let id = host.send(&Request::UploadArchive { transfer: "more".into(), dest: "/more".into(), offset: 0, last: false }, &tar[..512]);
+    assert!(matches!(host.recv_for(id).0, Response::Error { kind: ErrorKind::Internal, .. }), "over the bound");
+    assert_eq!(host.call(&Request::AbortWrite { transfer: "m0".into() }, b"").0, Response::Ok);
+    assert_eq!(host.upload_archive("more", "/more", &tar, 700), Response::Extracted(ArchiveExtracted { files: 2, bytes: 5005, ..Default::default() }));
+    // A host that goes away takes its transfers with it.
+    let mut session = Session::new(host.agent.clone(), Conn::new(std::io::sink()));
+    session.reset();
+    assert_eq!(host.agent.archives.in_progress(), 0);
+}
+
+#[test]
+fn an_upload_left_idle_expires_and_its_next_piece_hears_why() {
+    let mut host = Host::start_with_idle(Duration::from_millis(200));
+    let tar = raw_tar(&[("a", b'0', &[1u8; 3000])]);
+    let id = host.send(&Request::UploadArchive { transfer: "slow".into(), dest: "/dst".into(), offset: 0, last: false }, &tar[..1000]);
+    assert_eq!(host.recv_for(id).0, Response::Written { size: 1000 });
+    std::thread::sleep(Duration::from_millis(600));
+    let id = host.send(&Request::UploadArchive { transfer: "slow".into(), dest: "/dst".into(), offset: 1000, last: true }, &tar[1000..]);
+    let answer = host.recv_for(id).0;
+    assert!(matches!(&answer, Response::Error { kind: ErrorKind::BadRequest, message } if message.contains("no piece")), "{answer:?}");
+    assert_eq!(host.agent.archives.in_progress(), 0);
+}
+
+#[test]
+fn a_download_of_nothing_fails_before_any_byte_and_an_abort_stops_one() {
+    let mut host = Host::start();
+    let (tar, end) = host.download_archive("d1", "/missing");
+    assert!(tar.is_empty());
+    assert!(matches!(&end, Response::Error { kind: ErrorKind::NotFound, message } if message.contains("/missing")), "{end:?}");
+    nix::unistd::mkfifo(&host.root.path().join("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o644)).expect("mkfifo");
+    let (tar, end) = host.download_archive("d2", "/fifo");
+    assert!(tar.is_empty() && matches!(end, Response::Error { kind: ErrorKind::InvalidPath, .. }), "{end:?}");
+    let (_, end) = host.download_archive("d3", "/../..");
+    assert!(matches!(end, Response::Error { kind: ErrorKind::InvalidPath, .. }), "`..` is refused: {end:?}");
+
+    // Far more than the socket holds: the guest waits for the host to read, frame by frame.
+    std::fs::create_dir(host.root.path().join("big")).expect("mkdir");
+    for i in 0..4 {
+        std::fs::write(host.root.path().join(format!("big/f{i}")), vec![i as u8; 8 << 20]).expect("write");
+    }
+    let id = host.send(&Request::DownloadArchive { transfer: "d4".into(), path: "/big".into() }, b"");
+    let (first, bytes) = host.recv_for(id);
+    assert_eq!((first, bytes.is_empty()), (Response::ArchiveData, false));
+    let abort = host.send(&Request::AbortWrite { transfer: "d4".into() }, b"");
+    let mut got = bytes.len();
+    let end = loop {
+        match host.recv_for(id) {
+            (Response::ArchiveData, bytes) => got += bytes.len(),
+            (end, _) => break end,
+        }
+    };
+    assert!(matches!(&end, Response::Error { message, .. } if message.contains("aborted")), "{end:?}");
+    assert!(got < 32 << 20, "stopped early: {got} bytes");
+    assert_eq!(host.recv_for(abort).0, Response::Ok);
+    assert_eq!(host.agent.archives.in_progress(), 0);
+    // A second transfer of a running download's id is refused (the running one is registered
+    // before its first frame).
+    let id = host.send(&Request::DownloadArchive { transfer: "d5".into(), path: "/big".into() }, b"");
+    let (first, bytes) = host.recv_for(id);
+    assert_eq!(first, Response::ArchiveData);
+    let dup = host.send(&Request::DownloadArchive { transfer: "d5".into(), path: "/big".into() }, b"");
+    let refused = host.recv_for(dup).0;
+    assert!(matches!(refused, Response::Error { kind: ErrorKind::BadRequest, .. }), "{refused:?}");
+    let mut got = bytes.len();
+    let end = loop {
+        match host.recv_for(id) {
+            (Response::ArchiveData, bytes) => got += bytes.len(),
+            (end, _) => break end,
+        }
+    };
+    assert!(matches!(end, Response::ArchiveEnd(ArchiveCreated { files: 4, .. })), "{end:?}");
+    assert!(got > 32 << 20, "the whole stream: {got}");
 }

@@ -77,10 +77,7 @@ mod tests {
     use crate::config::TokenConfig;
 
     fn auth() -> Auth {
-        Auth::new(&AuthConfig {
-            tokens: vec![TokenConfig { tenant: "team-a".into(), sha256: token_hash("secret-a") }],
-            ..AuthConfig::default()
-        })
+        Auth::new(&AuthConfig { tokens: vec![TokenConfig { tenant: "team-a".into(), sha256: token_hash("secret-a") }], ..AuthConfig::default() })
     }
 
     #[test]

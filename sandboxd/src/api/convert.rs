@@ -8,7 +8,8 @@ use tonic::Status;
 
 use crate::error::Error;
 use crate::model::{
-    CreateRequest, ExecEvent, ExecRecord, ExecRequest, ExecStatus, Isolation, ListExecsQuery, OutputChunk, RequestedLimits, SandboxInfo, SandboxState, SnapshotRecord,
+    CreateRequest, ExecEvent, ExecRecord, ExecRequest, ExecStatus, Isolation, ListExecsQuery, OutputChunk, RequestedLimits, SandboxInfo, SandboxState,
+    SnapshotRecord,
 };
 
 fn timestamp(t: SystemTime) -> prost_types::Timestamp {

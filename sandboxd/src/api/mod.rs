@@ -100,7 +100,13 @@ impl Api {
     /// upload's header, a session's command): that message is read first (within
     /// [`FIRST_MESSAGE_DEADLINE`]; a stream without one is INVALID_ARGUMENT), the audit line is
     /// made from it, and `f` gets it with the rest of the stream.
-    async fn call_streaming<M, R, F, Fut>(&self, rpc: &'static str, request: Request<tonic::Streaming<M>>, audit_of: impl FnOnce(&M) -> Audited, f: F) -> Result<Response<R>, Status>
+    async fn call_streaming<M, R, F, Fut>(
+        &self,
+        rpc: &'static str,
+        request: Request<tonic::Streaming<M>>,
+        audit_of: impl FnOnce(&M) -> Audited,
+        f: F,
+    ) -> Result<Response<R>, Status>
     where
         F: FnOnce(String, M, tonic::Streaming<M>) -> Fut,
         Fut: Future<Output = Result<R, Status>>,
@@ -178,8 +184,7 @@ impl SandboxService for Api {
     }
 
     async fn get_sandbox(&self, request: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
-        self.call("GetSandbox", request, None, |tenant, req| async move { Ok(convert::sandbox(&self.manager.get(&tenant, &req.sandbox_id)?)) })
-            .await
+        self.call("GetSandbox", request, None, |tenant, req| async move { Ok(convert::sandbox(&self.manager.get(&tenant, &req.sandbox_id)?)) }).await
     }
 
     async fn list_sandboxes(&self, request: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
@@ -351,7 +356,6 @@ impl SandboxService for Api {
         .await
     }
 
-
     async fn upload_archive(&self, request: Request<tonic::Streaming<pb::UploadRequest>>) -> Result<Response<pb::UploadArchiveResponse>, Status> {
         self.call_streaming("UploadArchive", request, upload_audit, |tenant, first, stream| async move {
             let header = upload_header(first)?;
@@ -373,5 +377,4 @@ impl SandboxService for Api {
         })
         .await
     }
-
 }

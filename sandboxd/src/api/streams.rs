@@ -43,7 +43,12 @@ fn terminal_size(size: pb::TerminalSize, field: &str) -> Result<TerminalSize, St
 /// ends with the client's stream. Signals go to the exec once it has an id (`started`), through
 /// the manager like SignalExec. A malformed message ends the input (as a close of stdin) and is
 /// logged; the command's own fate is decided by its stdin and the client's presence.
-pub fn session_input(manager: Arc<Manager>, tenant: String, mut stream: tonic::Streaming<pb::ExecSessionRequest>, started: watch::Receiver<Option<ExecId>>) -> mpsc::Receiver<SessionInput> {
+pub fn session_input(
+    manager: Arc<Manager>,
+    tenant: String,
+    mut stream: tonic::Streaming<pb::ExecSessionRequest>,
+    started: watch::Receiver<Option<ExecId>>,
+) -> mpsc::Receiver<SessionInput> {
     use pb::exec_session_request::Item;
     let (tx, rx) = mpsc::channel(INPUT_BUFFER);
     tokio::spawn(async move {
@@ -131,7 +136,9 @@ pub async fn feed_upload(mut stream: tonic::Streaming<pb::UploadRequest>, tx: mp
     };
     {
         if expected != digest {
-            return Err(FeedError::Client(Status::data_loss(format!("upload: sha256 of the received content is {digest}, the client said {expected}; the old file is unchanged"))));
+            return Err(FeedError::Client(Status::data_loss(format!(
+                "upload: sha256 of the received content is {digest}, the client said {expected}; the old file is unchanged"
+            ))));
         }
     }
     tx.send(UploadPiece::Commit).await.map_err(|_| FeedError::BackendStopped)?;

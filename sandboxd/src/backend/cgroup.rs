@@ -69,16 +69,10 @@ const POLL_INTERVAL: Duration = Duration::from_millis(5);
 pub enum CgroupError {
     /// A required v1 controller has no mounted hierarchy.
     #[error("cgroup v1 controller `{controller}` is not mounted (per {mountinfo})")]
-    ControllerNotMounted {
-        controller: &'static str,
-        mountinfo: PathBuf,
-    },
+    ControllerNotMounted { controller: &'static str, mountinfo: PathBuf },
     /// A required v2 controller is not offered by the parent cgroup.
     #[error("cgroup v2 controller `{controller}` is not available in {path}")]
-    ControllerUnavailable {
-        controller: &'static str,
-        path: PathBuf,
-    },
+    ControllerUnavailable { controller: &'static str, path: PathBuf },
     /// A root name, sandbox id or exec id cannot be used as a cgroup directory name.
     #[error("invalid cgroup name {name:?}: {reason}")]
     InvalidName { name: String, reason: &'static str },
@@ -92,18 +86,10 @@ pub enum CgroupError {
     },
     /// Freezing or thawing did not settle in time.
     #[error("cgroup {path} did not become {state} within {waited_ms} ms")]
-    FreezeTimeout {
-        path: PathBuf,
-        state: &'static str,
-        waited_ms: u64,
-    },
+    FreezeTimeout { path: PathBuf, state: &'static str, waited_ms: u64 },
     /// Processes survived repeated SIGKILL rounds.
     #[error("cgroup {path} still has {remaining} process(es) after {waited_ms} ms of killing")]
-    KillTimeout {
-        path: PathBuf,
-        remaining: usize,
-        waited_ms: u64,
-    },
+    KillTimeout { path: PathBuf, remaining: usize, waited_ms: u64 },
     /// Sending a signal failed for a reason other than the process being gone.
     #[error("sending signal {signal} to pid {pid} of {path}: {source}")]
     Signal {
@@ -119,11 +105,7 @@ pub enum CgroupError {
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> CgroupError + 'a {
-    move |source| CgroupError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| CgroupError::Io { op, path: path.to_path_buf(), source }
 }
 
 /// Which cgroup interface the host uses.
@@ -189,22 +171,14 @@ struct Node {
 
 impl Node {
     fn dirs(&self) -> Vec<PathBuf> {
-        self.root
-            .hierarchies
-            .iter()
-            .map(|h| h.mount.join(&self.rel))
-            .collect()
+        self.root.hierarchies.iter().map(|h| h.mount.join(&self.rel)).collect()
     }
 
     /// Directory of this cgroup in the hierarchy carrying `controller`.
     fn dir_for(&self, controller: &str) -> Option<PathBuf> {
         let h = match self.root.version {
             CgroupVersion::V2 => self.root.hierarchies.first(),
-            CgroupVersion::V1 => self
-                .root
-                .hierarchies
-                .iter()
-                .find(|h| h.controllers.contains(&controller)),
+            CgroupVersion::V1 => self.root.hierarchies.iter().find(|h| h.controllers.contains(&controller)),
         }?;
         Some(h.mount.join(&self.rel))
     }
@@ -218,10 +192,7 @@ impl Node {
     }
 
     fn child(&self, name: &str) -> Node {
-        Node {
-            root: Arc::clone(&self.root),
-            rel: self.rel.join(name),
-        }
+        Node { root: Arc::clone(&self.root), rel: self.rel.join(name) }
     }
 
     fn exists(&self) -> bool {
@@ -241,10 +212,7 @@ impl Node {
             .map(|d| {
                 let p = d.join("cgroup.procs");
                 // Rust opens with O_CLOEXEC: the fd survives fork (pre_exec) but not exec.
-                OpenOptions::new()
-                    .write(true)
-                    .open(&p)
-                    .map_err(io_err("open", &p))
+                OpenOptions::new().write(true).open(&p).map_err(io_err("open", &p))
             })
             .collect()
     }
@@ -303,10 +271,7 @@ impl Node {
                 let ctl = dir.join("cgroup.freeze");
                 let events = dir.join("cgroup.events");
                 write_file(&ctl, "1")?;
-                wait_state(&dir, "frozen", || {
-                    Ok(read_keyed(&events, "frozen") == Some(1))
-                })
-                .inspect_err(|_| {
+                wait_state(&dir, "frozen", || Ok(read_keyed(&events, "frozen") == Some(1))).inspect_err(|_| {
                     let _ = write_file(&ctl, "0");
                 })
             }
@@ -321,16 +286,12 @@ impl Node {
             CgroupVersion::V1 => {
                 let state = dir.join("freezer.state");
                 write_file(&state, "THAWED")?;
-                wait_state(&state, "THAWED", || {
-                    Ok(read_trim(&state).as_deref() == Some("THAWED"))
-                })
+                wait_state(&state, "THAWED", || Ok(read_trim(&state).as_deref() == Some("THAWED")))
             }
             CgroupVersion::V2 => {
                 let events = dir.join("cgroup.events");
                 write_file(&dir.join("cgroup.freeze"), "0")?;
-                wait_state(&dir, "thawed", || {
-                    Ok(read_keyed(&events, "frozen") == Some(0))
-                })
+                wait_state(&dir, "thawed", || Ok(read_keyed(&events, "frozen") == Some(0)))
             }
         }
     }
@@ -353,11 +314,7 @@ impl Node {
                     return Ok(());
                 }
                 if start.elapsed() > KILL_TIMEOUT {
-                    return Err(CgroupError::KillTimeout {
-                        path: primary,
-                        remaining: self.pids_recursive().len(),
-                        waited_ms: elapsed_ms(start),
-                    });
+                    return Err(CgroupError::KillTimeout { path: primary, remaining: self.pids_recursive().len(), waited_ms: elapsed_ms(start) });
                 }
                 backoff.sleep();
             }
@@ -368,11 +325,7 @@ impl Node {
                 return Ok(());
             }
             if start.elapsed() > KILL_TIMEOUT {
-                return Err(CgroupError::KillTimeout {
-                    path: primary,
-                    remaining: self.pids_recursive().len(),
-                    waited_ms: elapsed_ms(start),
-                });
+                return Err(CgroupError::KillTimeout { path: primary, remaining: self.pids_recursive().len(), waited_ms: elapsed_ms(start) });
             }
             // Frozen tasks cannot fork, so the pid list read after freezing is complete.
             // A task stuck in D state can make the freeze time out; kill anyway, the next
@@ -451,11 +404,7 @@ impl Backoff {
     }
 }
 
-fn wait_state(
-    path: &Path,
-    state: &'static str,
-    mut check: impl FnMut() -> Result<bool, CgroupError>,
-) -> Result<(), CgroupError> {
+fn wait_state(path: &Path, state: &'static str, mut check: impl FnMut() -> Result<bool, CgroupError>) -> Result<(), CgroupError> {
     let start = Instant::now();
     let mut backoff = Backoff::new();
     loop {
@@ -463,11 +412,7 @@ fn wait_state(
             return Ok(());
         }
         if start.elapsed() > FREEZE_TIMEOUT {
-            return Err(CgroupError::FreezeTimeout {
-                path: path.to_path_buf(),
-                state,
-                waited_ms: elapsed_ms(start),
-            });
+            return Err(CgroupError::FreezeTimeout { path: path.to_path_buf(), state, waited_ms: elapsed_ms(start) });
         }
         backoff.sleep();
     }
@@ -483,20 +428,12 @@ fn send_signal(pid: i32, sig: i32, cgroup: &Path) -> Result<(), CgroupError> {
     // SAFETY: kill(2) with a positive pid and a plain signal number touches no memory.
     match Errno::result(unsafe { libc::kill(pid, sig) }) {
         Ok(_) | Err(Errno::ESRCH) => Ok(()),
-        Err(source) => Err(CgroupError::Signal {
-            pid,
-            signal: sig,
-            path: cgroup.to_path_buf(),
-            source,
-        }),
+        Err(source) => Err(CgroupError::Signal { pid, signal: sig, path: cgroup.to_path_buf(), source }),
     }
 }
 
 fn write_file(path: &Path, value: &str) -> Result<(), CgroupError> {
-    let mut f = OpenOptions::new()
-        .write(true)
-        .open(path)
-        .map_err(io_err("open", path))?;
+    let mut f = OpenOptions::new().write(true).open(path).map_err(io_err("open", path))?;
     // One write(2) per value: cgroupfs parses each write on its own.
     f.write_all(value.as_bytes()).map_err(io_err("write", path))
 }
@@ -506,9 +443,7 @@ fn read_trim(path: &Path) -> Option<String> {
 }
 
 fn read_keyed(path: &Path, key: &str) -> Option<u64> {
-    fs::read_to_string(path)
-        .ok()
-        .and_then(|s| parse_keyed(&s, key))
+    fs::read_to_string(path).ok().and_then(|s| parse_keyed(&s, key))
 }
 
 fn read_u64(path: &Path) -> Option<u64> {
@@ -519,11 +454,7 @@ fn mkdir_idempotent(dir: &Path) -> Result<(), CgroupError> {
     match fs::create_dir(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(CgroupError::Io {
-            op: "mkdir",
-            path: dir.to_path_buf(),
-            source: e,
-        }),
+        Err(e) => Err(CgroupError::Io { op: "mkdir", path: dir.to_path_buf(), source: e }),
     }
 }
 
@@ -544,10 +475,7 @@ fn subdirs(dir: &Path) -> Vec<String> {
     let Ok(rd) = fs::read_dir(dir) else {
         return Vec::new();
     };
-    rd.filter_map(Result::ok)
-        .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect()
+    rd.filter_map(Result::ok).filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false)).filter_map(|e| e.file_name().into_string().ok()).collect()
 }
 
 /// Removes `dir` and its child cgroups. Ok(false) if still busy after `busy_timeout`.
@@ -569,34 +497,20 @@ fn rmdir_tree(dir: &Path, busy_timeout: Duration) -> Result<bool, CgroupError> {
                 }
                 backoff.sleep();
             }
-            Err(e) => {
-                return Err(CgroupError::Io {
-                    op: "rmdir",
-                    path: dir.to_path_buf(),
-                    source: e,
-                })
-            }
+            Err(e) => return Err(CgroupError::Io { op: "rmdir", path: dir.to_path_buf(), source: e }),
         }
     }
 }
 
 /// Validates one path component used as a sandbox or exec id.
 fn validate_id(name: &str) -> Result<(), CgroupError> {
-    let bad = |reason| {
-        Err(CgroupError::InvalidName {
-            name: name.to_string(),
-            reason,
-        })
-    };
+    let bad = |reason| Err(CgroupError::InvalidName { name: name.to_string(), reason });
     if name.is_empty() || name.len() > 200 {
         return bad("must be 1..=200 bytes");
     }
     // Dots are excluded so an id can never collide with an interface file such as
     // `cgroup.procs` or `memory.max`.
-    if !name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-    {
+    if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
         return bad("only ASCII letters, digits, '-' and '_' are allowed");
     }
     Ok(())
@@ -604,12 +518,7 @@ fn validate_id(name: &str) -> Result<(), CgroupError> {
 
 /// Validates the daemon's root name, which may be nested ("a/b") but stays relative.
 fn validate_root_name(name: &str) -> Result<PathBuf, CgroupError> {
-    let bad = |reason| {
-        Err(CgroupError::InvalidName {
-            name: name.to_string(),
-            reason,
-        })
-    };
+    let bad = |reason| Err(CgroupError::InvalidName { name: name.to_string(), reason });
     if name.is_empty() || name.starts_with('/') {
         return bad("must be a non-empty relative path");
     }
@@ -618,11 +527,7 @@ fn validate_root_name(name: &str) -> Result<PathBuf, CgroupError> {
         if comp.is_empty() || comp == "." || comp == ".." {
             return bad("empty, '.' or '..' component");
         }
-        if comp.starts_with("cgroup.")
-            || !comp
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-        {
+        if comp.starts_with("cgroup.") || !comp.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
             return bad("components may use ASCII letters, digits, '-', '_' and '.'");
         }
         rel.push(comp);
@@ -645,11 +550,7 @@ fn parse_keyed(content: &str, key: &str) -> Option<u64> {
 
 /// Parses cgroup.procs (one pid per line).
 fn parse_pids(content: &str) -> Vec<i32> {
-    content
-        .lines()
-        .filter_map(|l| l.trim().parse::<i32>().ok())
-        .filter(|&p| p > 0)
-        .collect()
+    content.lines().filter_map(|l| l.trim().parse::<i32>().ok()).filter(|&p| p > 0).collect()
 }
 
 /// CFS quota in microseconds per CPU_PERIOD_US for `millicores`; None = unlimited.
@@ -715,11 +616,7 @@ fn is_optional_limit_file(file: &str) -> bool {
 
 /// Mount points of cgroup v1 hierarchies from mountinfo: (mount point, super options).
 fn parse_v1_mounts(mountinfo: &str) -> Vec<(PathBuf, Vec<String>)> {
-    super::mountinfo::parse(mountinfo)
-        .into_iter()
-        .filter(|m| m.fstype == "cgroup")
-        .map(|m| (m.mount_point, m.super_options))
-        .collect()
+    super::mountinfo::parse(mountinfo).into_iter().filter(|m| m.fstype == "cgroup").map(|m| (m.mount_point, m.super_options)).collect()
 }
 
 fn v1_hierarchies(mountinfo: &str, mountinfo_path: &Path) -> Result<Vec<Hierarchy>, CgroupError> {
@@ -733,17 +630,11 @@ fn v1_hierarchies(mountinfo: &str, mountinfo_path: &Path) -> Result<Vec<Hierarch
             .min_by_key(|(mp, _)| !mp.starts_with(CGROUP_MOUNT))
             .map(|(mp, _)| mp.clone());
         let Some(mount) = found else {
-            return Err(CgroupError::ControllerNotMounted {
-                controller,
-                mountinfo: mountinfo_path.to_path_buf(),
-            });
+            return Err(CgroupError::ControllerNotMounted { controller, mountinfo: mountinfo_path.to_path_buf() });
         };
         match out.iter_mut().find(|h| h.mount == mount) {
             Some(h) => h.controllers.push(controller),
-            None => out.push(Hierarchy {
-                mount,
-                controllers: vec![controller],
-            }),
+            None => out.push(Hierarchy { mount, controllers: vec![controller] }),
         }
     }
     Ok(out)
@@ -752,15 +643,11 @@ fn v1_hierarchies(mountinfo: &str, mountinfo_path: &Path) -> Result<Vec<Hierarch
 /// Enables V2_CONTROLLERS in `dir`'s subtree_control; tolerates failure when they are
 /// already on (e.g. a namespaced root that refuses writes but has them enabled).
 fn v2_enable_subtree(dir: &Path) -> Result<(), CgroupError> {
-    let available = fs::read_to_string(dir.join("cgroup.controllers"))
-        .map_err(io_err("read", &dir.join("cgroup.controllers")))?;
+    let available = fs::read_to_string(dir.join("cgroup.controllers")).map_err(io_err("read", &dir.join("cgroup.controllers")))?;
     let control = dir.join("cgroup.subtree_control");
     for c in V2_CONTROLLERS {
         if !available.split_whitespace().any(|a| a == c) {
-            return Err(CgroupError::ControllerUnavailable {
-                controller: c,
-                path: dir.to_path_buf(),
-            });
+            return Err(CgroupError::ControllerUnavailable { controller: c, path: dir.to_path_buf() });
         }
         if let Err(e) = write_file(&control, &format!("+{c}")) {
             let enabled = fs::read_to_string(&control).unwrap_or_default();
@@ -780,25 +667,13 @@ impl CgroupRoot {
         let rel = validate_root_name(name)?;
         let mount = Path::new(CGROUP_MOUNT);
         let (version, hierarchies) = if mount.join("cgroup.controllers").exists() {
-            (
-                CgroupVersion::V2,
-                vec![Hierarchy {
-                    mount: mount.to_path_buf(),
-                    controllers: Vec::new(),
-                }],
-            )
+            (CgroupVersion::V2, vec![Hierarchy { mount: mount.to_path_buf(), controllers: Vec::new() }])
         } else {
             let mi = Path::new(MOUNTINFO);
             let content = fs::read_to_string(mi).map_err(io_err("read", mi))?;
             (CgroupVersion::V1, v1_hierarchies(&content, mi)?)
         };
-        let root = CgroupRoot {
-            inner: Arc::new(RootInner {
-                version,
-                hierarchies,
-                name: rel,
-            }),
-        };
+        let root = CgroupRoot { inner: Arc::new(RootInner { version, hierarchies, name: rel }) };
         root.setup()?;
         debug!(version = ?version, name, "cgroup root ready");
         Ok(root)
@@ -828,10 +703,7 @@ impl CgroupRoot {
     }
 
     fn node(&self) -> Node {
-        Node {
-            root: Arc::clone(&self.inner),
-            rel: self.inner.name.clone(),
-        }
+        Node { root: Arc::clone(&self.inner), rel: self.inner.name.clone() }
     }
 
     /// The cgroup interface in use.
@@ -845,18 +717,11 @@ impl CgroupRoot {
     }
 
     /// Creates (or reuses) the cgroup of sandbox `id` and applies `limits`.
-    pub fn create_sandbox(
-        &self,
-        id: &str,
-        limits: &CgroupLimits,
-    ) -> Result<SandboxCgroup, CgroupError> {
+    pub fn create_sandbox(&self, id: &str, limits: &CgroupLimits) -> Result<SandboxCgroup, CgroupError> {
         validate_id(id)?;
         let node = self.node().child(id);
         node.mkdir()?;
-        let cg = SandboxCgroup {
-            id: id.to_string(),
-            node,
-        };
+        let cg = SandboxCgroup { id: id.to_string(), node };
         let res = cg.apply_limits(limits).and_then(|()| {
             if self.inner.version == CgroupVersion::V2 {
                 let dir = cg.node.dir_for("").unwrap_or_default();
@@ -878,21 +743,12 @@ impl CgroupRoot {
     pub fn open_sandbox(&self, id: &str) -> Option<SandboxCgroup> {
         validate_id(id).ok()?;
         let node = self.node().child(id);
-        node.exists().then(|| SandboxCgroup {
-            id: id.to_string(),
-            node,
-        })
+        node.exists().then(|| SandboxCgroup { id: id.to_string(), node })
     }
 
     /// Ids of all sandbox cgroups present in any hierarchy.
     pub fn list_sandboxes(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self
-            .node()
-            .dirs()
-            .iter()
-            .flat_map(|d| subdirs(d))
-            .filter(|n| validate_id(n).is_ok())
-            .collect();
+        let mut ids: Vec<String> = self.node().dirs().iter().flat_map(|d| subdirs(d)).filter(|n| validate_id(n).is_ok()).collect();
         ids.sort();
         ids.dedup();
         ids
@@ -909,13 +765,7 @@ impl CgroupRoot {
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::ENOTEMPTY)) => {
                     all_gone = false;
                 }
-                Err(e) => {
-                    return Err(CgroupError::Io {
-                        op: "rmdir",
-                        path: dir,
-                        source: e,
-                    })
-                }
+                Err(e) => return Err(CgroupError::Io { op: "rmdir", path: dir, source: e }),
             }
         }
         Ok(all_gone)
@@ -974,20 +824,14 @@ impl SandboxCgroup {
         validate_id(exec_id)?;
         let node = self.node.child(&format!("{EXEC_PREFIX}{exec_id}"));
         node.mkdir()?;
-        Ok(ExecCgroup {
-            exec_id: exec_id.to_string(),
-            node,
-        })
+        Ok(ExecCgroup { exec_id: exec_id.to_string(), node })
     }
 
     /// Re-attaches to an existing exec cgroup (reconcile).
     pub fn open_exec(&self, exec_id: &str) -> Option<ExecCgroup> {
         validate_id(exec_id).ok()?;
         let node = self.node.child(&format!("{EXEC_PREFIX}{exec_id}"));
-        node.exists().then(|| ExecCgroup {
-            exec_id: exec_id.to_string(),
-            node,
-        })
+        node.exists().then(|| ExecCgroup { exec_id: exec_id.to_string(), node })
     }
 
     /// Ids of the exec cgroups present in any hierarchy.
@@ -1041,10 +885,7 @@ impl SandboxCgroup {
             debug!(sandbox = %self.id, "sandbox cgroup destroyed");
             Ok(())
         } else {
-            Err(CgroupError::Busy {
-                path: self.node.primary_dir().unwrap_or_default(),
-                waited_ms: elapsed_ms(start),
-            })
+            Err(CgroupError::Busy { path: self.node.primary_dir().unwrap_or_default(), waited_ms: elapsed_ms(start) })
         }
     }
 }
@@ -1066,9 +907,7 @@ fn oom_kills(node: &Node, hierarchical: bool) -> u64 {
                 if !recursive {
                     return own;
                 }
-                subdirs(dir)
-                    .iter()
-                    .fold(own, |acc, s| acc.saturating_add(sum(&dir.join(s), true)))
+                subdirs(dir).iter().fold(own, |acc, s| acc.saturating_add(sum(&dir.join(s), true)))
             }
             sum(&dir, hierarchical)
         }
@@ -1108,25 +947,14 @@ impl ExecCgroup {
                 let (user, sys) = match (ns("cpuacct.usage_user"), ns("cpuacct.usage_sys")) {
                     (Some(u), Some(s)) => (u / 1_000_000, s / 1_000_000),
                     _ => {
-                        let stat = acct
-                            .as_ref()
-                            .and_then(|d| fs::read_to_string(d.join("cpuacct.stat")).ok())
-                            .unwrap_or_default();
+                        let stat = acct.as_ref().and_then(|d| fs::read_to_string(d.join("cpuacct.stat")).ok()).unwrap_or_default();
                         let hz = clock_ticks_per_sec();
                         let ms = |k| parse_keyed(&stat, k).unwrap_or(0) * 1000 / hz;
                         (ms("user"), ms("system"))
                     }
                 };
-                let peak = n
-                    .dir_for("memory")
-                    .and_then(|d| read_u64(&d.join("memory.max_usage_in_bytes")))
-                    .unwrap_or(0);
-                ExecUsage {
-                    cpu_user_ms: user,
-                    cpu_system_ms: sys,
-                    peak_memory_bytes: peak,
-                    oom_kills: oom_kills(n, true),
-                }
+                let peak = n.dir_for("memory").and_then(|d| read_u64(&d.join("memory.max_usage_in_bytes"))).unwrap_or(0);
+                ExecUsage { cpu_user_ms: user, cpu_system_ms: sys, peak_memory_bytes: peak, oom_kills: oom_kills(n, true) }
             }
             CgroupVersion::V2 => {
                 let dir = n.dir_for("").unwrap_or_default();
@@ -1177,10 +1005,7 @@ impl ExecCgroup {
 
 /// (user ms, system ms) from a v2 cpu.stat.
 fn parse_v2_cpu_stat(stat: &str) -> (u64, u64) {
-    (
-        parse_keyed(stat, "user_usec").unwrap_or(0) / 1000,
-        parse_keyed(stat, "system_usec").unwrap_or(0) / 1000,
-    )
+    (parse_keyed(stat, "user_usec").unwrap_or(0) / 1000, parse_keyed(stat, "system_usec").unwrap_or(0) / 1000)
 }
 
 fn clock_ticks_per_sec() -> u64 {
@@ -1254,11 +1079,7 @@ mod tests {
         assert_eq!(format_cpu_max(0), "max 100000");
         assert_eq!(format_cpu_max(500), "50000 100000");
         assert_eq!(format_cpu_max(2000), "200000 100000");
-        assert_eq!(
-            format_cpu_max(1),
-            "1000 100000",
-            "rounded up to the kernel minimum"
-        );
+        assert_eq!(format_cpu_max(1), "1000 100000", "rounded up to the kernel minimum");
         assert_eq!(cpu_quota_us(0), None);
         assert_eq!(cpu_quota_us(250), Some(25_000));
     }
@@ -1285,11 +1106,7 @@ mod tests {
 
     #[test]
     fn limit_plan_v1_and_v2() {
-        let l = CgroupLimits {
-            memory_bytes: 64 << 20,
-            max_pids: 20,
-            cpu_millicores: 1500,
-        };
+        let l = CgroupLimits { memory_bytes: 64 << 20, max_pids: 20, cpu_millicores: 1500 };
         let v2 = limit_writes(CgroupVersion::V2, &l);
         assert_eq!(
             v2,
@@ -1318,16 +1135,10 @@ mod tests {
                   41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
         let h = v1_hierarchies(mi, Path::new("mi")).expect("all mounted");
         assert_eq!(h.len(), 4, "cpu and cpuacct share one hierarchy");
-        let cpu = h
-            .iter()
-            .find(|h| h.controllers.contains(&"cpu"))
-            .expect("cpu");
+        let cpu = h.iter().find(|h| h.controllers.contains(&"cpu")).expect("cpu");
         assert_eq!(cpu.controllers, vec!["cpu", "cpuacct"]);
         assert_eq!(cpu.mount, Path::new("/sys/fs/cgroup/cpu,cpuacct"));
-        let pids = h
-            .iter()
-            .find(|h| h.controllers.contains(&"pids"))
-            .expect("pids");
+        let pids = h.iter().find(|h| h.controllers.contains(&"pids")).expect("pids");
         assert_eq!(pids.mount, Path::new("/sys/fs/cgroup/pids"));
         let missing = mi.replace("rw,freezer", "rw,devices");
         match v1_hierarchies(&missing, Path::new("mi")) {
@@ -1347,10 +1158,7 @@ mod tests {
         assert!(validate_root_name("sandboxd").is_ok());
         assert!(validate_root_name("sandboxd/state-1.x").is_ok());
         for bad in ["", "/abs", "a/../b", "a//b", "cgroup.kill"] {
-            assert!(
-                validate_root_name(bad).is_err(),
-                "{bad:?} should be rejected"
-            );
+            assert!(validate_root_name(bad).is_err(), "{bad:?} should be rejected");
         }
     }
 
@@ -1359,11 +1167,7 @@ mod tests {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
 
     fn unique_name() -> String {
-        format!(
-            "sandboxd-test-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        )
+        format!("sandboxd-test-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst))
     }
 
     /// Destroys the sandbox and its root on drop, even when an assertion failed.
@@ -1376,10 +1180,7 @@ mod tests {
         fn new(limits: CgroupLimits) -> Fixture {
             let root = CgroupRoot::detect(&unique_name()).expect("detect cgroups");
             let sandbox = root.create_sandbox("sb", &limits).expect("create sandbox");
-            Fixture {
-                root,
-                sandbox: Some(sandbox),
-            }
+            Fixture { root, sandbox: Some(sandbox) }
         }
         fn sb(&self) -> &SandboxCgroup {
             self.sandbox.as_ref().expect("sandbox present")
@@ -1403,11 +1204,7 @@ mod tests {
     fn spawn_in(files: Vec<File>, script: &str, stderr: Stdio) -> Child {
         let fds: Vec<RawFd> = files.iter().map(AsRawFd::as_raw_fd).collect();
         let mut cmd = Command::new("sh");
-        cmd.arg("-c")
-            .arg(script)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr);
+        cmd.arg("-c").arg(script).stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
         // SAFETY: the closure runs between fork and exec; it only calls write(2) with a
         // 1-byte static buffer on fds that stay open in the child until exec
         // (O_CLOEXEC), and it does not allocate.
@@ -1429,10 +1226,7 @@ mod tests {
     fn wait_until(mut f: impl FnMut() -> bool, what: &str) {
         let start = Instant::now();
         while !f() {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "timed out: {what}"
-            );
+            assert!(start.elapsed() < Duration::from_secs(10), "timed out: {what}");
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -1440,11 +1234,7 @@ mod tests {
     #[test]
     fn detects_v1_on_this_host() {
         let root = CgroupRoot::detect(&unique_name()).expect("detect");
-        let expected = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
-            CgroupVersion::V2
-        } else {
-            CgroupVersion::V1
-        };
+        let expected = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() { CgroupVersion::V2 } else { CgroupVersion::V1 };
         assert_eq!(root.version(), expected);
         for p in root.paths() {
             assert!(p.is_dir(), "{} created", p.display());
@@ -1458,24 +1248,14 @@ mod tests {
 
     #[test]
     fn limits_written_and_read_back() {
-        let fx = Fixture::new(CgroupLimits {
-            memory_bytes: 64 << 20,
-            max_pids: 20,
-            cpu_millicores: 500,
-        });
+        let fx = Fixture::new(CgroupLimits { memory_bytes: 64 << 20, max_pids: 20, cpu_millicores: 500 });
         let sb = fx.sb();
         let n = &sb.node;
-        let read = |ctrl: &str, file: &str| {
-            read_trim(&n.dir_for(ctrl).expect("dir").join(file)).expect("readable")
-        };
+        let read = |ctrl: &str, file: &str| read_trim(&n.dir_for(ctrl).expect("dir").join(file)).expect("readable");
         match fx.root.version() {
             CgroupVersion::V1 => {
                 assert_eq!(read("memory", "memory.limit_in_bytes"), "67108864");
-                if n.dir_for("memory")
-                    .expect("dir")
-                    .join("memory.memsw.limit_in_bytes")
-                    .exists()
-                {
+                if n.dir_for("memory").expect("dir").join("memory.memsw.limit_in_bytes").exists() {
                     assert_eq!(read("memory", "memory.memsw.limit_in_bytes"), "67108864");
                 }
                 assert_eq!(read("pids", "pids.max"), "20");
@@ -1504,11 +1284,7 @@ mod tests {
         let fx = Fixture::new(CgroupLimits::default());
         let ex = fx.sb().create_exec("k").expect("exec");
         // A grandchild too, so the kill is not just "the pid we spawned".
-        let mut child = spawn_in(
-            ex.procs_files().expect("procs"),
-            "sleep 1000 & sleep 1000",
-            Stdio::null(),
-        );
+        let mut child = spawn_in(ex.procs_files().expect("procs"), "sleep 1000 & sleep 1000", Stdio::null());
         wait_until(|| ex.pids().len() >= 2, "sh and sleeps in the exec cgroup");
         assert!(ex.pids().contains(&(child.id() as i32)));
         assert!(!ex.is_empty());
@@ -1526,16 +1302,8 @@ mod tests {
         let fx = Fixture::new(CgroupLimits::default());
         let sb = fx.sb();
         let ex = sb.create_exec("s").expect("exec");
-        let mut a = spawn_in(
-            ex.procs_files().expect("procs"),
-            "sleep 1000",
-            Stdio::null(),
-        );
-        let mut b = spawn_in(
-            sb.procs_files().expect("procs"),
-            "sleep 1000",
-            Stdio::null(),
-        );
+        let mut a = spawn_in(ex.procs_files().expect("procs"), "sleep 1000", Stdio::null());
+        let mut b = spawn_in(sb.procs_files().expect("procs"), "sleep 1000", Stdio::null());
         let (pa, pb) = (a.id() as i32, b.id() as i32);
         wait_until(
             || {
@@ -1550,11 +1318,7 @@ mod tests {
         sb.thaw().expect("thaw");
         // A separately frozen (paused) exec must not survive the sandbox kill.
         let paused = sb.create_exec("paused").expect("exec");
-        let mut c = spawn_in(
-            paused.procs_files().expect("procs"),
-            "sleep 1000",
-            Stdio::null(),
-        );
+        let mut c = spawn_in(paused.procs_files().expect("procs"), "sleep 1000", Stdio::null());
         wait_until(|| !paused.is_empty(), "paused child joined");
         paused.node.freeze().expect("freeze exec");
         sb.kill_all().expect("kill_all");
@@ -1567,11 +1331,7 @@ mod tests {
     fn cpu_usage_is_reported() {
         let fx = Fixture::new(CgroupLimits::default());
         let ex = fx.sb().create_exec("cpu").expect("exec");
-        let mut child = spawn_in(
-            ex.procs_files().expect("procs"),
-            "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done",
-            Stdio::null(),
-        );
+        let mut child = spawn_in(ex.procs_files().expect("procs"), "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done", Stdio::null());
         assert!(child.wait().expect("wait").success());
         let u = ex.usage();
         eprintln!("cpu loop usage: {u:?}");
@@ -1582,48 +1342,28 @@ mod tests {
 
     #[test]
     fn memory_hog_is_oom_killed() {
-        let fx = Fixture::new(CgroupLimits {
-            memory_bytes: 64 << 20,
-            ..CgroupLimits::default()
-        });
+        let fx = Fixture::new(CgroupLimits { memory_bytes: 64 << 20, ..CgroupLimits::default() });
         let sb = fx.sb();
         let ex = sb.create_exec("hog").expect("exec");
-        let mut child = spawn_in(
-            ex.procs_files().expect("procs"),
-            r#"x=$(head -c 200000000 /dev/zero | tr "\0" a)"#,
-            Stdio::null(),
-        );
+        let mut child = spawn_in(ex.procs_files().expect("procs"), r#"x=$(head -c 200000000 /dev/zero | tr "\0" a)"#, Stdio::null());
         let status = child.wait().expect("wait");
         let u = ex.usage();
-        eprintln!(
-            "memory hog: status {status:?}, exec {u:?}, sandbox oom_kills {}",
-            sb.oom_kills()
-        );
+        eprintln!("memory hog: status {status:?}, exec {u:?}, sandbox oom_kills {}", sb.oom_kills());
         assert_eq!(status.signal(), Some(libc::SIGKILL));
         assert!(u.oom_kills >= 1);
-        assert!(
-            sb.oom_kills() >= u.oom_kills,
-            "sandbox count includes its execs"
-        );
+        assert!(sb.oom_kills() >= u.oom_kills, "sandbox count includes its execs");
         assert!(u.peak_memory_bytes <= 64 << 20, "{u:?}");
     }
 
     #[test]
     fn fork_loop_is_capped_by_max_pids() {
-        let fx = Fixture::new(CgroupLimits {
-            max_pids: 10,
-            ..CgroupLimits::default()
-        });
+        let fx = Fixture::new(CgroupLimits { max_pids: 10, ..CgroupLimits::default() });
         let sb = fx.sb();
         let ex = sb.create_exec("forks").expect("exec");
         // dash exits on its first failed fork, so the loop ends either way. stderr goes
         // to a file because the sleeps would keep a pipe open.
         let mut errf = tempfile::tempfile().expect("tempfile");
-        let mut child = spawn_in(
-            ex.procs_files().expect("procs"),
-            "for i in $(seq 1 40); do sleep 1000 & done",
-            Stdio::from(errf.try_clone().expect("dup")),
-        );
+        let mut child = spawn_in(ex.procs_files().expect("procs"), "for i in $(seq 1 40); do sleep 1000 & done", Stdio::from(errf.try_clone().expect("dup")));
         let status = child.wait().expect("wait");
         let mut err = String::new();
         std::io::Seek::rewind(&mut errf).expect("rewind");
@@ -1635,33 +1375,19 @@ mod tests {
         assert!(n >= 5, "some forks should have succeeded: {n}");
         // Which cgroup counts the failed fork differs by kernel and version (the one
         // with the limit, or the one the forking task is in), so accept either.
-        let max_events: u64 = [&sb.node, &ex.node]
-            .iter()
-            .filter_map(|n| n.dir_for("pids"))
-            .filter_map(|d| read_keyed(&d.join("pids.events"), "max"))
-            .sum();
-        assert!(
-            max_events > 0,
-            "pids.events max should count the failed forks"
-        );
+        let max_events: u64 = [&sb.node, &ex.node].iter().filter_map(|n| n.dir_for("pids")).filter_map(|d| read_keyed(&d.join("pids.events"), "max")).sum();
+        assert!(max_events > 0, "pids.events max should count the failed forks");
         ex.kill_all().expect("kill_all");
         assert!(ex.is_empty());
     }
 
     #[test]
     fn kill_all_beats_a_fork_bomb() {
-        let fx = Fixture::new(CgroupLimits {
-            max_pids: 64,
-            ..CgroupLimits::default()
-        });
+        let fx = Fixture::new(CgroupLimits { max_pids: 64, ..CgroupLimits::default() });
         let sb = fx.sb();
         let ex = sb.create_exec("bomb").expect("exec");
         let errf = tempfile::tempfile().expect("tempfile");
-        let mut child = spawn_in(
-            ex.procs_files().expect("procs"),
-            "f() { while :; do f & sleep 0.01; done; }; f",
-            Stdio::from(errf),
-        );
+        let mut child = spawn_in(ex.procs_files().expect("procs"), "f() { while :; do f & sleep 0.01; done; }; f", Stdio::from(errf));
         wait_until(|| sb.pids().len() >= 32, "bomb grows");
         let t = Instant::now();
         sb.kill_all().expect("kill_all against a fork bomb");
@@ -1673,23 +1399,10 @@ mod tests {
     #[test]
     fn destroy_leaves_no_directory() {
         let root = CgroupRoot::detect(&unique_name()).expect("detect");
-        let sb = root
-            .create_sandbox(
-                "gone",
-                &CgroupLimits {
-                    memory_bytes: 32 << 20,
-                    max_pids: 50,
-                    cpu_millicores: 100,
-                },
-            )
-            .expect("create");
+        let sb = root.create_sandbox("gone", &CgroupLimits { memory_bytes: 32 << 20, max_pids: 50, cpu_millicores: 100 }).expect("create");
         let ex = sb.create_exec("a").expect("exec");
         let _ex2 = sb.create_exec("b").expect("exec");
-        let mut child = spawn_in(
-            ex.procs_files().expect("procs"),
-            "sleep 1000",
-            Stdio::null(),
-        );
+        let mut child = spawn_in(ex.procs_files().expect("procs"), "sleep 1000", Stdio::null());
         wait_until(|| !ex.is_empty(), "child joined");
         let paths = sb.paths();
         let t = Instant::now();

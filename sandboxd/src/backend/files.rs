@@ -29,7 +29,6 @@ use crate::backend::{ArchiveStats, BackendError, ByteChunks, Download, FileChunk
 /// Largest slice one ReadFile returns.
 pub const MAX_READ: u64 = 4 << 20;
 
-
 /// Splits a sandbox path into its normal components, resolving it against `workdir` when relative.
 /// `..` is kept for the kernel to clamp at the root; empty and NUL-containing paths are refused.
 pub(crate) fn components(path: &str, workdir: &str) -> Result<Vec<String>, BackendError> {
@@ -95,7 +94,10 @@ fn refuse_kernel_fs(file: &File, path: &str) -> Result<(), BackendError> {
     use nix::sys::statfs::{fstatfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC, DEBUGFS_MAGIC, PROC_SUPER_MAGIC, SECURITYFS_MAGIC, SYSFS_MAGIC};
     let fs = fstatfs(file).map_err(|e| map_errno(path, e))?.filesystem_type();
     if [PROC_SUPER_MAGIC, SYSFS_MAGIC, CGROUP_SUPER_MAGIC, CGROUP2_SUPER_MAGIC, DEBUGFS_MAGIC, SECURITYFS_MAGIC].contains(&fs) {
-        return Err(BackendError::InvalidPath { path: path.to_string(), reason: "is on a kernel filesystem (/proc, /sys), which the file API does not read; read it with an exec".into() });
+        return Err(BackendError::InvalidPath {
+            path: path.to_string(),
+            reason: "is on a kernel filesystem (/proc, /sys), which the file API does not read; read it with an exec".into(),
+        });
     }
     Ok(())
 }
@@ -352,7 +354,9 @@ pub(crate) fn stream_archive(root: File, workdir: &str, path: &str) -> Result<By
     let (tx, rx) = mpsc::channel(4);
     tokio::task::spawn_blocking(move || {
         let mut out = ChunkWriter { tx: tx.clone(), buf: Vec::with_capacity(DOWNLOAD_CHUNK) };
-        let result = sandbox_exec::archive::create(root.as_fd(), &src, &mut out, &Default::default()).map_err(BackendError::from).and_then(|_| out.flush().map_err(|e| BackendError::io("sending the archive", e)));
+        let result = sandbox_exec::archive::create(root.as_fd(), &src, &mut out, &Default::default())
+            .map_err(BackendError::from)
+            .and_then(|_| out.flush().map_err(|e| BackendError::io("sending the archive", e)));
         if let Err(e) = result {
             let _ = tx.blocking_send(Err(e));
         }

@@ -40,7 +40,10 @@ pub const MAX_IMAGE_NAME_BYTES: usize = 64;
 /// Whether `image` can name an image: a directory name under the images dir, nothing hidden, no
 /// path. The manager refuses others at the API; the tiers check again before they touch a path.
 pub fn is_image_name(image: &str) -> bool {
-    !image.is_empty() && image.len() <= MAX_IMAGE_NAME_BYTES && !image.starts_with('.') && image.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    !image.is_empty()
+        && image.len() <= MAX_IMAGE_NAME_BYTES
+        && !image.starts_with('.')
+        && image.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 /// What a backend needs to create a sandbox; the manager has validated and defaulted it.
@@ -190,7 +193,14 @@ pub trait Backend: Send + Sync {
     /// Makes the sandbox exist and ready to exec.
     async fn create(&self, spec: &SandboxSpec) -> Result<(), BackendError>;
     /// Runs one command to its end (or until `cancel` fires, which kills its process tree).
-    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError>;
+    async fn exec(
+        &self,
+        sandbox: &SandboxId,
+        spec: ExecSpec,
+        sink: OutputSink,
+        started: StartSignal,
+        cancel: CancellationToken,
+    ) -> Result<ExecOutcome, BackendError>;
     /// Sends a signal to every process of a running exec.
     async fn signal_exec(&self, sandbox: &SandboxId, exec: &ExecId, signal: i32) -> Result<(), BackendError>;
     /// Writes a whole file inside the sandbox, creating parent directories.
@@ -250,10 +260,7 @@ impl Backends {
     /// The backend of `tier`, for operations on sandboxes it already serves (no availability
     /// check: that may cost I/O, and these calls are the hot path).
     pub fn get(&self, tier: Isolation) -> Result<&Arc<dyn Backend>, BackendError> {
-        self.by_tier.get(&tier).ok_or_else(|| BackendError::Unavailable {
-            isolation: tier,
-            reason: "not implemented by this build of sandboxd".to_string(),
-        })
+        self.by_tier.get(&tier).ok_or_else(|| BackendError::Unavailable { isolation: tier, reason: "not implemented by this build of sandboxd".to_string() })
     }
 
     /// The backend of `tier` if this host can serve it now, else why not: for creating

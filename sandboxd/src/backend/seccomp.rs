@@ -54,16 +54,7 @@ pub const DENIED_FAMILIES: &[(&str, &[(&str, i64)])] = &[
         ],
     ),
     ("namespaces", &[sys!(SYS_unshare), sys!(SYS_setns)]),
-    (
-        "kernel modules and kexec",
-        &[
-            sys!(SYS_init_module),
-            sys!(SYS_finit_module),
-            sys!(SYS_delete_module),
-            sys!(SYS_kexec_load),
-            sys!(SYS_kexec_file_load),
-        ],
-    ),
+    ("kernel modules and kexec", &[sys!(SYS_init_module), sys!(SYS_finit_module), sys!(SYS_delete_module), sys!(SYS_kexec_load), sys!(SYS_kexec_file_load)]),
     ("bpf", &[sys!(SYS_bpf)]),
     ("keyring", &[sys!(SYS_keyctl), sys!(SYS_add_key), sys!(SYS_request_key)]),
     ("perf and tracing", &[sys!(SYS_perf_event_open), sys!(SYS_lookup_dcookie), sys!(SYS_fanotify_init)]),

@@ -173,7 +173,13 @@ impl Manager {
 
     /// [`Manager::run_exec`] of a session: its input and terminal go to the backend, and its id
     /// to `started` once the command runs.
-    async fn run_exec_with(self: &Arc<Self>, tenant: &str, req: ExecRequest, sink: OutputSink, session: Option<(Session, Option<tokio::sync::oneshot::Sender<ExecId>>)>) -> Result<ExecRecord, Error> {
+    async fn run_exec_with(
+        self: &Arc<Self>,
+        tenant: &str,
+        req: ExecRequest,
+        sink: OutputSink,
+        session: Option<(Session, Option<tokio::sync::oneshot::Sender<ExecId>>)>,
+    ) -> Result<ExecRecord, Error> {
         let (sid, entry) = self.entry(tenant, &req.sandbox_id)?;
         let info = entry.info()?;
         if !info.state.can_exec() {
@@ -305,10 +311,8 @@ impl Manager {
             if let Err(e) = self.store.put_exec(record) {
                 tracing::error!(exec = %record.exec_id, error = %e, "cannot record exec result");
             }
-            let retention = Retention {
-                max_records: self.cfg.exec.max_records_per_sandbox,
-                max_output_bytes: self.cfg.exec.max_output_storage_bytes_per_sandbox,
-            };
+            let retention =
+                Retention { max_records: self.cfg.exec.max_records_per_sandbox, max_output_bytes: self.cfg.exec.max_output_storage_bytes_per_sandbox };
             match self.store.trim_execs(record.sandbox_id.as_str(), retention) {
                 Ok(trimmed) if state.can_exec() => self.remove_spill_files(&record.sandbox_id, isolation, trimmed),
                 Ok(_) => {}
@@ -504,6 +508,7 @@ mod tests {
                     ExecEvent::Output(OutputChunk::Stdout(b)) => format!("stdout {}", String::from_utf8_lossy(&b)),
                     ExecEvent::Output(OutputChunk::Stderr(b)) => format!("stderr {}", String::from_utf8_lossy(&b)),
                     ExecEvent::Ended(r) => format!("ended {} {:?}", r.exec_id, r.outcome.status),
+                    ExecEvent::Started(id) => format!("started {id} (only sessions report it)"),
                 })
                 .collect();
             reads.push(read);
@@ -520,7 +525,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let m = fake_manager(dir.path(), 8 << 30, "");
         let sb = m.create("t", CreateRequest::default()).await.expect("sandbox").id.to_string();
-        let sleep = |key: &str| ExecRequest { sandbox_id: sb.clone(), argv: vec!["sleep".into(), "1000".into()], idempotency_key: key.into(), ..Default::default() };
+        let sleep =
+            |key: &str| ExecRequest { sandbox_id: sb.clone(), argv: vec!["sleep".into(), "1000".into()], idempotency_key: key.into(), ..Default::default() };
         let unkeyed = m.exec_stream("t", sleep("")).expect("stream");
         let keyed = m.exec_stream("t", sleep("k")).expect("stream");
         records_when(&m, &sb, |r| r.len() == 2).await;

@@ -31,7 +31,14 @@ impl Backend for FakeBackend {
         tokio::time::sleep(Duration::from_millis(20)).await;
         Ok(())
     }
-    async fn exec(&self, _sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+    async fn exec(
+        &self,
+        _sandbox: &SandboxId,
+        spec: ExecSpec,
+        sink: OutputSink,
+        started: StartSignal,
+        cancel: CancellationToken,
+    ) -> Result<ExecOutcome, BackendError> {
         let started_at = SystemTime::now();
         if let Some(s) = started {
             let _ = s.send(());
@@ -66,7 +73,13 @@ impl Backend for FakeBackend {
     async fn remove_file(&self, _sandbox: &SandboxId, _path: &str) -> Result<(), BackendError> {
         Ok(())
     }
-    async fn upload_file(&self, _sandbox: &SandboxId, _path: &str, _mode: u32, mut data: tokio::sync::mpsc::Receiver<crate::backend::UploadPiece>) -> Result<u64, BackendError> {
+    async fn upload_file(
+        &self,
+        _sandbox: &SandboxId,
+        _path: &str,
+        _mode: u32,
+        mut data: tokio::sync::mpsc::Receiver<crate::backend::UploadPiece>,
+    ) -> Result<u64, BackendError> {
         let mut n = 0;
         while let Some(piece) = data.recv().await {
             match piece {
@@ -76,7 +89,12 @@ impl Backend for FakeBackend {
         }
         Err(BackendError::UploadIncomplete { path: _path.to_string() })
     }
-    async fn upload_archive(&self, _sandbox: &SandboxId, _dir: &str, _data: tokio::sync::mpsc::Receiver<crate::backend::UploadPiece>) -> Result<crate::backend::ArchiveStats, BackendError> {
+    async fn upload_archive(
+        &self,
+        _sandbox: &SandboxId,
+        _dir: &str,
+        _data: tokio::sync::mpsc::Receiver<crate::backend::UploadPiece>,
+    ) -> Result<crate::backend::ArchiveStats, BackendError> {
         Ok(crate::backend::ArchiveStats::default())
     }
     async fn download_archive(&self, _sandbox: &SandboxId, _path: &str) -> Result<crate::backend::ByteChunks, BackendError> {

@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use super::validate::validate_mode;
 use super::{Manager, SandboxEntry};
+use crate::backend::{ArchiveStats, ByteChunks, Download, UploadPiece};
 use crate::error::Error;
 use crate::ids::SandboxId;
-use crate::backend::{ArchiveStats, ByteChunks, Download, UploadPiece};
 use crate::model::{FileChunk, SandboxInfo};
 use tokio::sync::mpsc;
 

@@ -66,7 +66,10 @@ impl Manager {
         };
         let decision = self.cfg.policy.decide(requested, &req.labels).map_err(|e| Error::PermissionDenied(e.to_string()))?;
         if from_snapshot.is_some() && Some(decision.isolation) != requested {
-            return Err(Error::PermissionDenied(format!("policy requires {} for this request; the snapshot belongs to another tier", decision.isolation.name())));
+            return Err(Error::PermissionDenied(format!(
+                "policy requires {} for this request; the snapshot belongs to another tier",
+                decision.isolation.name()
+            )));
         }
         let isolation = decision.isolation;
         let limits = resolve_limits(&req.limits, &decision.defaults, &decision.ceilings)?;
@@ -206,7 +209,6 @@ impl Manager {
             }
         }
     }
-
 }
 
 #[cfg(test)]

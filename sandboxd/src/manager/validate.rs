@@ -47,12 +47,19 @@ fn env_bytes<'a>(env: impl IntoIterator<Item = (&'a String, &'a String)>) -> usi
 fn validate_env(field: &str, env: &BTreeMap<String, String>) -> Result<(), Error> {
     for (k, v) in env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(Error::invalid(field, format!("bad variable {:?}: names must be non-empty without '=' or NUL", k.chars().take(64).collect::<String>())));
+            return Err(Error::invalid(
+                field,
+                format!("bad variable {:?}: names must be non-empty without '=' or NUL", k.chars().take(64).collect::<String>()),
+            ));
         }
         if k.len() + v.len() + 2 > MAX_ARG_STRLEN {
             return Err(Error::invalid(
                 field,
-                format!("variable {:?} is {} bytes; one variable may take at most {MAX_ARG_STRLEN} (execve refuses longer)", k.chars().take(64).collect::<String>(), k.len() + v.len() + 2),
+                format!(
+                    "variable {:?} is {} bytes; one variable may take at most {MAX_ARG_STRLEN} (execve refuses longer)",
+                    k.chars().take(64).collect::<String>(),
+                    k.len() + v.len() + 2
+                ),
             ));
         }
     }
@@ -137,7 +144,10 @@ pub(super) fn validate_minimums(limits: &Limits) -> Result<(), Error> {
         return Err(Error::invalid("limits.memory_bytes", format!("{} is below the minimum {}", limits.memory_bytes, human_bytes(m.memory_bytes))));
     }
     if limits.max_pids < m.max_pids {
-        return Err(Error::invalid("limits.max_pids", format!("{} is below the minimum {} (a shell running a pipeline needs that many)", limits.max_pids, m.max_pids)));
+        return Err(Error::invalid(
+            "limits.max_pids",
+            format!("{} is below the minimum {} (a shell running a pipeline needs that many)", limits.max_pids, m.max_pids),
+        ));
     }
     if limits.disk_bytes < m.disk_bytes {
         return Err(Error::invalid(
@@ -154,10 +164,7 @@ fn resolve_limit<T: Copy + PartialOrd + Default + Into<u64>>(field: &str, reques
         return Ok(default);
     }
     if requested > max {
-        return Err(Error::invalid(
-            format!("limits.{field}"),
-            format!("{} is above the configured ceiling {}", requested.into(), max.into()),
-        ));
+        return Err(Error::invalid(format!("limits.{field}"), format!("{} is above the configured ceiling {}", requested.into(), max.into())));
     }
     Ok(requested)
 }
@@ -201,10 +208,7 @@ pub(super) fn exec_spec(cfg: &Config, info: &SandboxInfo, req: &ExecRequest, exe
     }
     let max_output = if req.max_output_bytes == 0 { cfg.exec.default_max_output_bytes } else { req.max_output_bytes };
     if max_output > cfg.exec.max_output_bytes_ceiling {
-        return Err(Error::invalid(
-            "max_output_bytes",
-            format!("{max_output} is above the configured ceiling {}", cfg.exec.max_output_bytes_ceiling),
-        ));
+        return Err(Error::invalid("max_output_bytes", format!("{max_output} is above the configured ceiling {}", cfg.exec.max_output_bytes_ceiling)));
     }
     let mut env = base_env(&info.id);
     env.extend(info.env.clone());

@@ -7,6 +7,7 @@
 //! `--files N` (default 10000) set the sizes; `--tiers process,container,microvm` the tiers.
 //! Every transfer is checked (sha256 of the file, entry count of the directory): a mismatch
 //! fails the run.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -103,7 +104,9 @@ async fn sandboxd_tier(client: &agent_client::Client, tier: proto::Isolation, ar
 
     // The file, in.
     let n = args.file_mib;
-    let header = proto::UploadRequest { item: Some(proto::upload_request::Item::Header(proto::UploadHeader { sandbox_id: id.clone(), path: "/workspace/big.bin".into(), mode: 0 })) };
+    let header = proto::UploadRequest {
+        item: Some(proto::upload_request::Item::Header(proto::UploadHeader { sandbox_id: id.clone(), path: "/workspace/big.bin".into(), mode: 0 })),
+    };
     let owned = block.to_vec();
     let sum = want_sha.to_string();
     let pieces = (0..n).map(move |i| proto::UploadRequest { item: Some(proto::upload_request::Item::Data(piece(&owned, i))) });
@@ -116,7 +119,8 @@ async fn sandboxd_tier(client: &agent_client::Client, tier: proto::Isolation, ar
 
     // The file, out.
     let t0 = Instant::now();
-    let mut stream = raw.download_file(proto::DownloadRequest { sandbox_id: id.clone(), path: "/workspace/big.bin".into() }).await.context("DownloadFile")?.into_inner();
+    let mut stream =
+        raw.download_file(proto::DownloadRequest { sandbox_id: id.clone(), path: "/workspace/big.bin".into() }).await.context("DownloadFile")?.into_inner();
     let (mut hasher, mut got, mut trailer) = (Sha256::new(), 0u64, String::new());
     while let Some(chunk) = stream.message().await.context("download chunk")? {
         hasher.update(&chunk.data);
@@ -131,15 +135,23 @@ async fn sandboxd_tier(client: &agent_client::Client, tier: proto::Isolation, ar
     let file = Row { what: format!("{tier:?} file {n} MiB"), into, out, note: String::new() };
 
     // The directory, in and out.
-    let header = proto::UploadRequest { item: Some(proto::upload_request::Item::Header(proto::UploadHeader { sandbox_id: id.clone(), path: "/workspace/tree".into(), mode: 0 })) };
-    let pieces: Vec<proto::UploadRequest> = tar.chunks(PIECE).map(|c| proto::UploadRequest { item: Some(proto::upload_request::Item::Data(c.to_vec())) }).collect();
+    let header = proto::UploadRequest {
+        item: Some(proto::upload_request::Item::Header(proto::UploadHeader { sandbox_id: id.clone(), path: "/workspace/tree".into(), mode: 0 })),
+    };
+    let pieces: Vec<proto::UploadRequest> =
+        tar.chunks(PIECE).map(|c| proto::UploadRequest { item: Some(proto::upload_request::Item::Data(c.to_vec())) }).collect();
     let t0 = Instant::now();
     let digest = proto::UploadRequest { item: Some(proto::upload_request::Item::Sha256(hex(&Sha256::digest(tar)))) };
-    let stats = raw.upload_archive(tokio_stream::iter(std::iter::once(header).chain(pieces).chain(std::iter::once(digest)))).await.context("UploadArchive")?.into_inner();
+    let stats = raw
+        .upload_archive(tokio_stream::iter(std::iter::once(header).chain(pieces).chain(std::iter::once(digest))))
+        .await
+        .context("UploadArchive")?
+        .into_inner();
     let into = t0.elapsed();
     ensure!(stats.files == args.files as u64, "archive upload: {stats:?}");
     let t0 = Instant::now();
-    let mut stream = raw.download_archive(proto::DownloadRequest { sandbox_id: id.clone(), path: "/workspace/tree".into() }).await.context("DownloadArchive")?.into_inner();
+    let mut stream =
+        raw.download_archive(proto::DownloadRequest { sandbox_id: id.clone(), path: "/workspace/tree".into() }).await.context("DownloadArchive")?.into_inner();
     let mut bytes = Vec::new();
     while let Some(chunk) = stream.message().await.context("archive chunk")? {
         bytes.extend_from_slice(&chunk.data);
@@ -280,7 +292,11 @@ async fn main() -> Result<()> {
             md.push_str(&format!("| {} | {} | | | |\n", r.what, r.note));
             continue;
         }
-        let (a, b) = if r.what.contains("directory") { (files_s(args.files, r.into), files_s(args.files, r.out)) } else { (mib_s((args.file_mib * PIECE) as u64, r.into), mib_s((args.file_mib * PIECE) as u64, r.out)) };
+        let (a, b) = if r.what.contains("directory") {
+            (files_s(args.files, r.into), files_s(args.files, r.out))
+        } else {
+            (mib_s((args.file_mib * PIECE) as u64, r.into), mib_s((args.file_mib * PIECE) as u64, r.out))
+        };
         md.push_str(&format!("| {} | {:.2} s | {:.2} s | {a} | {b} |\n", r.what, r.into.as_secs_f64(), r.out.as_secs_f64()));
     }
     md.push_str(&format!(

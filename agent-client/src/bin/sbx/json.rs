@@ -80,7 +80,10 @@ pub fn bytes_text(bytes: &[u8]) -> (String, &'static str) {
         Ok(text) => (text.to_string(), "utf-8"),
         Err(_) => {
             use base64::Engine;
-            (base64::engine::general_purpose::STANDARD.encode(bytes), "base64")
+            (
+                base64::engine::general_purpose::STANDARD.encode(bytes),
+                "base64",
+            )
         }
     }
 }
@@ -155,7 +158,10 @@ mod tests {
         assert_eq!(v["stdout"], "hi\n");
         assert_eq!(v["stdout_encoding"], "utf-8");
         // Not UTF-8: base64, never a lossy replacement character.
-        assert_eq!((v["stderr"].as_str(), v["stderr_encoding"].as_str()), (Some("/3g="), Some("base64")));
+        assert_eq!(
+            (v["stderr"].as_str(), v["stderr_encoding"].as_str()),
+            (Some("/3g="), Some("base64"))
+        );
         assert_eq!(v["stdout_truncated"], false);
         assert_eq!(v["started_at"], "2023-11-14T22:13:20Z");
         assert_eq!(v["duration_ms"], 12);
@@ -180,13 +186,22 @@ mod tests {
     #[test]
     fn binary_output_is_base64_and_says_so() {
         let bytes: Vec<u8> = vec![0xff, 0x00, b'a', 0xc3, 0x28];
-        let result = ExecResult { stdout: bytes.clone(), stderr: "ünïcode\n".as_bytes().to_vec(), ..Default::default() };
+        let result = ExecResult {
+            stdout: bytes.clone(),
+            stderr: "ünïcode\n".as_bytes().to_vec(),
+            ..Default::default()
+        };
         let v = exec_result(&result);
         assert_eq!(v["stdout_encoding"], "base64");
         use base64::Engine;
-        let back = base64::engine::general_purpose::STANDARD.decode(v["stdout"].as_str().expect("a string")).expect("base64");
+        let back = base64::engine::general_purpose::STANDARD
+            .decode(v["stdout"].as_str().expect("a string"))
+            .expect("base64");
         assert_eq!(back, bytes, "nothing is lost");
-        assert_eq!((v["stderr"].as_str(), v["stderr_encoding"].as_str()), (Some("ünïcode\n"), Some("utf-8")));
+        assert_eq!(
+            (v["stderr"].as_str(), v["stderr_encoding"].as_str()),
+            (Some("ünïcode\n"), Some("utf-8"))
+        );
     }
 
     #[test]

@@ -19,17 +19,18 @@ pub fn parse_size(input: &str) -> Result<u64, String> {
             "invalid size {input:?}: expected a number such as 512M, 1G or 1048576"
         ));
     }
-    let shift =
-        match unit.to_ascii_lowercase().as_str() {
-            "" | "b" => 0,
-            "k" | "ki" | "kb" | "kib" => 10,
-            "m" | "mi" | "mb" | "mib" => 20,
-            "g" | "gi" | "gb" | "gib" => 30,
-            "t" | "ti" | "tb" | "tib" => 40,
-            _ => return Err(format!(
+    let shift = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "ki" | "kb" | "kib" => 10,
+        "m" | "mi" | "mb" | "mib" => 20,
+        "g" | "gi" | "gb" | "gib" => 30,
+        "t" | "ti" | "tb" | "tib" => 40,
+        _ => {
+            return Err(format!(
                 "invalid size {input:?}: unknown unit {unit:?} (use K, M, G or T, powers of 1024)"
-            )),
-        };
+            ))
+        }
+    };
     let multiplier = 1u64 << shift;
     let too_large = || format!("invalid size {input:?}: too large");
     if let Ok(whole) = number.parse::<u64>() {

@@ -198,7 +198,11 @@ async fn pump(mut output: OutputStream, mut out: OutputCapture, mut err: OutputC
         if bytes.is_empty() {
             continue;
         }
-        if is_stdout { out.feed(&bytes) } else { err.feed(&bytes) }
+        if is_stdout {
+            out.feed(&bytes)
+        } else {
+            err.feed(&bytes)
+        }
         if let Some(tx) = &sink {
             let event = if is_stdout { OutputChunk::Stdout(bytes) } else { OutputChunk::Stderr(bytes) };
             // A slow reader slows the command (back-pressure through Docker's pipe); a gone
@@ -413,7 +417,14 @@ async fn drain_start_error(output: &mut OutputStream) -> String {
 
 impl ContainerSandbox {
     /// Runs `spec` to its end. See the module documentation.
-    pub(super) async fn run_exec(self: &Arc<Self>, inner: &Inner, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+    pub(super) async fn run_exec(
+        self: &Arc<Self>,
+        inner: &Inner,
+        spec: ExecSpec,
+        sink: OutputSink,
+        started: StartSignal,
+        cancel: CancellationToken,
+    ) -> Result<ExecOutcome, BackendError> {
         let started_at = SystemTime::now();
         let exec_id = spec.exec_id.to_string();
         let cgroup = Arc::new(self.cgroup.create_exec(&exec_id).map_err(|e| BackendError::Internal(format!("exec cgroup: {e}")))?);
@@ -421,7 +432,6 @@ impl ContainerSandbox {
         self.execs.finished(&exec_id, &cgroup);
         result
     }
-
 
     /// The outcome of an exec whose container went away (or was never reachable).
     fn lost_outcome(&self, fallback: impl FnOnce() -> String, started_at: SystemTime) -> ExecOutcome {
@@ -492,7 +502,11 @@ impl ContainerSandbox {
                     return Ok(self.lost_outcome(String::new, started_at));
                 }
                 let said = drain_start_error(&mut output).await;
-                let error = if said.is_empty() { format!("the command could not be started (Docker exit code {code:?})") } else { format!("the command could not be started: {said}") };
+                let error = if said.is_empty() {
+                    format!("the command could not be started (Docker exit code {code:?})")
+                } else {
+                    format!("the command could not be started: {said}")
+                };
                 return Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, 126, error, started_at));
             }
             Err(e) => return Ok(self.lost_outcome(|| format!("the sandbox's container stopped answering: {e}"), started_at)),
@@ -505,9 +519,7 @@ impl ContainerSandbox {
         };
         // 2. Into its own cgroup while it cannot fork, then a pidfd that outlives its reaping.
         let cg = cgroup.clone();
-        let joined = tokio::task::spawn_blocking(move || join_cgroup(&cg, pid))
-            .await
-            .unwrap_or_else(|e| Err(format!("join task: {e}")));
+        let joined = tokio::task::spawn_blocking(move || join_cgroup(&cg, pid)).await.unwrap_or_else(|e| Err(format!("join task: {e}")));
         let pidfd = match joined {
             Ok(fd) => fd,
             Err(e) => {

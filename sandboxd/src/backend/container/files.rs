@@ -51,9 +51,7 @@ fn open_root(init_pid: i32, container_id: &str) -> Result<File, BackendError> {
 /// FUSE, and a sync waits for the disk).
 async fn with_root<T: Send + 'static>(sb: &ContainerSandbox, op: impl FnOnce(&File) -> Result<T, BackendError> + Send + 'static) -> Result<T, BackendError> {
     let (init_pid, container_id) = (sb.init_pid, sb.container_id.clone());
-    tokio::task::spawn_blocking(move || op(&open_root(init_pid, &container_id)?))
-        .await
-        .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
+    tokio::task::spawn_blocking(move || op(&open_root(init_pid, &container_id)?)).await.map_err(|e| BackendError::Internal(format!("file task: {e}")))?
 }
 
 /// Writes a whole file (creating parents), with `mode` (0 = 0644), replacing an old one

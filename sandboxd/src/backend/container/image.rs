@@ -115,13 +115,7 @@ impl ImageCache {
         if self.ready.lock().ok().and_then(|r| r.get(name).cloned()).as_deref() == Some(tag.as_str()) {
             return Ok(tag);
         }
-        let lock = self
-            .locks
-            .lock()
-            .map_err(|_| BackendError::Internal("image lock table poisoned".into()))?
-            .entry(name.to_string())
-            .or_default()
-            .clone();
+        let lock = self.locks.lock().map_err(|_| BackendError::Internal("image lock table poisoned".into()))?.entry(name.to_string()).or_default().clone();
         let _guard = lock.lock().await;
         match docker.inspect_image(&tag).await {
             Ok(_) => {}

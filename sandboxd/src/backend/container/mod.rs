@@ -39,9 +39,11 @@ use bollard::Docker;
 use tokio_util::sync::CancellationToken;
 
 use super::cgroup as process_cgroup;
-use process_cgroup::{CgroupRoot, SandboxCgroup};
-use super::{ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
+use super::{
+    ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal, UploadPiece,
+};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
+use process_cgroup::{CgroupRoot, SandboxCgroup};
 
 /// Where the Docker Engine listens by default.
 pub const DEFAULT_DOCKER_SOCKET: &str = "/var/run/docker.sock";
@@ -60,10 +62,7 @@ pub struct ContainerConfig {
 /// The Docker socket to use: `DOCKER_HOST` when it names a UNIX socket (as the docker CLI
 /// reads it), else [`DEFAULT_DOCKER_SOCKET`].
 pub fn docker_socket_from_env() -> PathBuf {
-    std::env::var("DOCKER_HOST")
-        .ok()
-        .and_then(|h| h.strip_prefix("unix://").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_DOCKER_SOCKET))
+    std::env::var("DOCKER_HOST").ok().and_then(|h| h.strip_prefix("unix://").map(PathBuf::from)).unwrap_or_else(|| PathBuf::from(DEFAULT_DOCKER_SOCKET))
 }
 
 /// Whether Docker can cap a container's writable layer (`StorageOpt size`): it depends on the
@@ -173,7 +172,9 @@ impl ContainerBackend {
         // Every command starts through the exec helper: without it no exec could run.
         let helper = exec::helper_path(&cfg.images_dir);
         if !helper.is_file() {
-            unavailable.get_or_insert_with(|| format!("the exec helper {} is missing: build it with `make exec-helper` (make run and make test do)", helper.display()));
+            unavailable.get_or_insert_with(|| {
+                format!("the exec helper {} is missing: build it with `make exec-helper` (make run and make test do)", helper.display())
+            });
         }
         if let Some(reason) = &unavailable {
             tracing::error!(%reason, "container tier unavailable");
@@ -238,10 +239,7 @@ impl Inner {
     }
 
     fn insert_sandbox(&self, sb: Arc<ContainerSandbox>) -> Result<(), BackendError> {
-        self.sandboxes
-            .write()
-            .map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?
-            .insert(sb.spec.id.clone(), sb);
+        self.sandboxes.write().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?.insert(sb.spec.id.clone(), sb);
         Ok(())
     }
 
@@ -289,7 +287,12 @@ impl Backend for ContainerBackend {
         }
         // SAFETY: kill with signal 0 sends nothing; it only asks whether the pid exists.
         let gone = unsafe { libc::kill(sb.init_pid, 0) } == -1 && nix::errno::Errno::last() == nix::errno::Errno::ESRCH;
-        gone.then(|| format!("the container's init (host pid {}) exited, so the container stopped; nothing in it can run any more (destroy it; its snapshots are kept)", sb.init_pid))
+        gone.then(|| {
+            format!(
+                "the container's init (host pid {}) exited, so the container stopped; nothing in it can run any more (destroy it; its snapshots are kept)",
+                sb.init_pid
+            )
+        })
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
@@ -304,7 +307,14 @@ impl Backend for ContainerBackend {
         inner.insert_sandbox(sb)
     }
 
-    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+    async fn exec(
+        &self,
+        sandbox: &SandboxId,
+        spec: ExecSpec,
+        sink: OutputSink,
+        started: StartSignal,
+        cancel: CancellationToken,
+    ) -> Result<ExecOutcome, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
         sb.run_exec(&self.inner, spec, sink, started, cancel).await
     }

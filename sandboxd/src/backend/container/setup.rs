@@ -16,19 +16,7 @@ use crate::ids::SnapshotId;
 /// Capabilities a container keeps: the same set as the process tier — Docker's default minus
 /// `MKNOD` (device nodes a sandbox makes could be opened by a careless host tool) and `NET_RAW`
 /// (no network anyway). Everything else is dropped.
-const KEPT_CAPS: [&str; 11] = [
-    "CHOWN",
-    "DAC_OVERRIDE",
-    "FOWNER",
-    "FSETID",
-    "KILL",
-    "SETGID",
-    "SETUID",
-    "SETPCAP",
-    "NET_BIND_SERVICE",
-    "SYS_CHROOT",
-    "SETFCAP",
-];
+const KEPT_CAPS: [&str; 11] = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "SETFCAP"];
 
 /// The container's main process under docker-init: the exec helper waiting for signals forever.
 /// Execs are separate processes started through the exec API; this only keeps the container up,
@@ -120,7 +108,12 @@ impl Inner {
 
     /// Creates and starts the container of `spec` in `role`, its writable layer copied from
     /// `layer` when given (a fork, rollback or standby). On failure nothing is left behind.
-    pub(super) async fn launch(self: &Arc<Self>, spec: &SandboxSpec, role: &Role, layer_from: Option<&SnapshotId>) -> Result<Arc<ContainerSandbox>, BackendError> {
+    pub(super) async fn launch(
+        self: &Arc<Self>,
+        spec: &SandboxSpec,
+        role: &Role,
+        layer_from: Option<&SnapshotId>,
+    ) -> Result<Arc<ContainerSandbox>, BackendError> {
         let docker = self.docker()?;
         let image = self.images.ensure(docker, &self.cfg.images_dir, &spec.image).await?;
         let name = role.name(spec);
@@ -234,15 +227,20 @@ impl Inner {
         let info = self.docker()?.inspect_container(container_id, None).await.map_err(|e| api_error(format!("inspecting container {container_id}"), e))?;
         let driver = info.graph_driver.unwrap_or_default();
         driver.data.get("UpperDir").map(PathBuf::from).ok_or_else(|| {
-            BackendError::Internal(format!("Docker's storage driver {:?} has no writable layer directory; container snapshots need overlay2 or fuse-overlayfs", driver.name))
+            BackendError::Internal(format!(
+                "Docker's storage driver {:?} has no writable layer directory; container snapshots need overlay2 or fuse-overlayfs",
+                driver.name
+            ))
         })
     }
 
     /// The container's cgroup (in every hierarchy), found from its init's `/proc/<pid>/cgroup`:
     /// Docker's cgroupfs driver puts it at `docker/<container id>`.
     pub(super) fn cgroup_of(&self, container_id: &str, init_pid: i32) -> Result<super::process_cgroup::SandboxCgroup, BackendError> {
-        let unsupported = |why: String| BackendError::Internal(format!("container {container_id}: {why}; per-exec cgroups need Docker's cgroupfs cgroup driver"));
-        let proc_cgroup = std::fs::read_to_string(format!("/proc/{init_pid}/cgroup")).map_err(|e| BackendError::io(format!("reading the cgroup of container {container_id}"), e))?;
+        let unsupported =
+            |why: String| BackendError::Internal(format!("container {container_id}: {why}; per-exec cgroups need Docker's cgroupfs cgroup driver"));
+        let proc_cgroup = std::fs::read_to_string(format!("/proc/{init_pid}/cgroup"))
+            .map_err(|e| BackendError::io(format!("reading the cgroup of container {container_id}"), e))?;
         let path = cgroup_path(&proc_cgroup, "freezer").ok_or_else(|| unsupported("no cgroup path".into()))?;
         let (parent, leaf) = path.rsplit_once('/').ok_or_else(|| unsupported(format!("cgroup {path:?} has no parent")))?;
         let root = {

@@ -77,7 +77,12 @@ impl AgentConn {
     /// what is sent before the agent opens its port and the agent then answers every queued one;
     /// the answers to the older ids are dropped). `alive` is polled between attempts so a QEMU
     /// that died fails fast with its reason.
-    pub async fn connect(socket: &Path, deadline: tokio::time::Instant, retry: Duration, mut alive: impl FnMut() -> Result<(), String>) -> Result<(AgentConn, HelloInfo), AgentError> {
+    pub async fn connect(
+        socket: &Path,
+        deadline: tokio::time::Instant,
+        retry: Duration,
+        mut alive: impl FnMut() -> Result<(), String>,
+    ) -> Result<(AgentConn, HelloInfo), AgentError> {
         let started = tokio::time::Instant::now();
         let stream = loop {
             alive().map_err(AgentError::Closed)?;
@@ -228,6 +233,8 @@ pub fn request_name(req: &Request) -> &'static str {
         Request::WriteStaged { .. } => "write_staged",
         Request::AbortWrite { .. } => "abort_write",
         Request::RemoveFile { .. } => "remove_file",
+        Request::UploadArchive { .. } => "upload_archive",
+        Request::DownloadArchive { .. } => "download_archive",
         Request::Freeze => "freeze",
         Request::Thaw => "thaw",
         Request::Shutdown => "shutdown",

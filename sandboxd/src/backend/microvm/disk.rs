@@ -98,24 +98,14 @@ pub async fn create_overlay(qemu_img: &Path, backing: &Path, path: &Path, size: 
         .await
         .map_err(|e| BackendError::io(format!("running {}", qemu_img.display()), e))?;
     if !out.status.success() {
-        return Err(BackendError::Internal(format!(
-            "qemu-img create {} failed: {}",
-            path.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+        return Err(BackendError::Internal(format!("qemu-img create {} failed: {}", path.display(), String::from_utf8_lossy(&out.stderr).trim())));
     }
     Ok(())
 }
 
 /// Bytes allocated on the host by the chain above the base (the top and the snapshots under it).
 pub fn chain_bytes_above_base(top: &Path, bases_dir: &Path) -> u64 {
-    chain(top)
-        .unwrap_or_default()
-        .iter()
-        .filter(|p| !p.starts_with(bases_dir))
-        .filter_map(|p| std::fs::metadata(p).ok())
-        .map(|m| m.blocks() * 512)
-        .sum()
+    chain(top).unwrap_or_default().iter().filter(|p| !p.starts_with(bases_dir)).filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.blocks() * 512).sum()
 }
 
 /// A stable, private copy of an image's base disk: a hard link (or a copy across filesystems)
@@ -221,7 +211,7 @@ mod tests {
         assert_eq!(read_header(&top).expect("header"), Qcow2Header { virtual_size: 2 << 30, backing: Some(s2.clone()) });
         assert_eq!(chain(&top).expect("chain"), vec![top.clone(), s2.clone(), s1.clone(), base.clone()]);
         // s1 is still needed by top's chain though no root names it; orphan is not.
-        let removed = collect_garbage(&[top.clone()], &[d]);
+        let removed = collect_garbage(std::slice::from_ref(&top), &[d]);
         assert_eq!(removed, vec![orphan.clone()]);
         assert!(s1.exists() && base.exists());
     }
@@ -240,7 +230,7 @@ mod tests {
         // A root with an unreadable chain stops garbage collection altogether.
         let other = dir.path().join("other.qcow2");
         std::fs::write(&other, header(None, 1)).expect("write");
-        assert!(collect_garbage(&[junk.clone()], &[dir.path()]).is_empty());
+        assert!(collect_garbage(std::slice::from_ref(&junk), &[dir.path()]).is_empty());
         assert!(other.exists());
     }
 }

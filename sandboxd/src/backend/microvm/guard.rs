@@ -61,10 +61,8 @@ fn guard(args: Vec<OsString>) -> Result<i32, String> {
     if command.is_empty() {
         return Err("no QEMU command given".into());
     }
-    let argv: Vec<CString> = command
-        .iter()
-        .map(|a| CString::new(a.as_bytes()).map_err(|_| format!("argument {a:?} contains a NUL byte")))
-        .collect::<Result<_, _>>()?;
+    let argv: Vec<CString> =
+        command.iter().map(|a| CString::new(a.as_bytes()).map_err(|_| format!("argument {a:?} contains a NUL byte"))).collect::<Result<_, _>>()?;
     // The daemon set this before exec; set again so the guard holds it whatever started it,
     // then make sure the daemon did not die before it took effect.
     // SAFETY: prctl with integer arguments only.

@@ -38,8 +38,10 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use super::cgroup::{CgroupLimits, CgroupRoot};
-use super::{ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
-use crate::config::{Limits, MicroVmConfig, MicroVmAccel};
+use super::{
+    ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal, UploadPiece,
+};
+use crate::config::{Limits, MicroVmAccel, MicroVmConfig};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 pub use vm::Accel;
 use vm::{BootFiles, LaunchSpec, Vm};
@@ -257,7 +259,7 @@ impl Inner {
                 Accel::Kvm
             }
             Err(e) => {
-                tracing::warn!(error = %e, timeout_ms = self.cfg.kvm_probe_timeout_ms as u64, "KVM probe failed (nested guests may hang here): falling back to TCG (software emulation)");
+                tracing::warn!(error = %e, timeout_ms = self.cfg.kvm_probe_timeout_ms, "KVM probe failed (nested guests may hang here): falling back to TCG (software emulation)");
                 Accel::Tcg
             }
         };
@@ -303,7 +305,17 @@ impl Inner {
     }
 
     /// Creates a VM directory with a fresh top over `backing` and boots it.
-    async fn boot_new(&self, name: &str, dir: &Path, gen: u64, backing: &Path, disk_bytes: u64, image: &VmImage, limits: &Limits) -> Result<Arc<Vm>, BackendError> {
+    #[allow(clippy::too_many_arguments)] // one boot's inputs, each distinct; a struct would only rename them
+    async fn boot_new(
+        &self,
+        name: &str,
+        dir: &Path,
+        gen: u64,
+        backing: &Path,
+        disk_bytes: u64,
+        image: &VmImage,
+        limits: &Limits,
+    ) -> Result<Arc<Vm>, BackendError> {
         let (qemu, qemu_img) = self.tools()?.clone();
         std::fs::create_dir_all(dir).map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
         let top = dir.join(format!("top-{gen}.qcow2"));
@@ -658,7 +670,11 @@ fn vm_image(images_dir: &Path, image: &str) -> Result<VmImage, BackendError> {
     let text = std::fs::read_to_string(&manifest)
         .map_err(|_| unavailable(format!("image {image:?} has no microVM artifacts ({} missing); build them with `make images`", manifest.display())))?;
     let m: VmJson = serde_json::from_str(&text).map_err(|e| unavailable(format!("{}: {e}", manifest.display())))?;
-    let img = VmImage { name: image.to_string(), boot: BootFiles { kernel: vm_dir.join(&m.kernel), initramfs: vm_dir.join(&m.initramfs) }, disk: vm_dir.join(&m.disk) };
+    let img = VmImage {
+        name: image.to_string(),
+        boot: BootFiles { kernel: vm_dir.join(&m.kernel), initramfs: vm_dir.join(&m.initramfs) },
+        disk: vm_dir.join(&m.disk),
+    };
     for p in [&img.boot.kernel, &img.boot.initramfs, &img.disk] {
         if !p.is_file() {
             return Err(unavailable(format!("image {image:?}: {} is missing (kernel, initramfs and disk are needed)", p.display())));
@@ -670,7 +686,13 @@ fn vm_image(images_dir: &Path, image: &str) -> Result<VmImage, BackendError> {
 /// The sandbox as the guest applies it.
 fn guest_config(spec: &SandboxSpec) -> GuestLimits {
     let l = &spec.limits;
-    GuestLimits { memory_bytes: l.memory_bytes, max_pids: l.max_pids, cpu_millicores: l.cpu_millicores, hostname: spec.id.to_string(), workdir: spec.workdir.clone() }
+    GuestLimits {
+        memory_bytes: l.memory_bytes,
+        max_pids: l.max_pids,
+        cpu_millicores: l.cpu_millicores,
+        hostname: spec.id.to_string(),
+        workdir: spec.workdir.clone(),
+    }
 }
 
 /// The current top disk of a VM.
@@ -721,9 +743,7 @@ impl Backend for MicroVmBackend {
         inner.tools.as_ref().map_err(|e| e.clone())?;
         inner.cgroups.as_ref().map_err(|e| e.clone())?;
         // At least one image must have its kernel, initramfs and disk.
-        let has_vm_image = std::fs::read_dir(&inner.images_dir)
-            .map(|rd| rd.flatten().any(|e| e.path().join("vm/vm.json").is_file()))
-            .unwrap_or(false);
+        let has_vm_image = std::fs::read_dir(&inner.images_dir).map(|rd| rd.flatten().any(|e| e.path().join("vm/vm.json").is_file())).unwrap_or(false);
         if !has_vm_image {
             return Err(format!(
                 "no image under {} has microVM artifacts (vm/vm.json: kernel, initramfs, disk); build them with `make images`",
@@ -747,7 +767,14 @@ impl Backend for MicroVmBackend {
         Inner::create(&self.inner, spec).await
     }
 
-    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+    async fn exec(
+        &self,
+        sandbox: &SandboxId,
+        spec: ExecSpec,
+        sink: OutputSink,
+        started: StartSignal,
+        cancel: CancellationToken,
+    ) -> Result<ExecOutcome, BackendError> {
         let vm = self.inner.sandbox(sandbox)?.vm()?;
         exec::run(&vm, spec, sink, started, cancel).await
     }

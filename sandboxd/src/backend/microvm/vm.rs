@@ -109,10 +109,16 @@ impl Vm {
         // Both host files the VM writes are created here, appended to, and kept bounded by
         // `cap_logs` through these handles (they follow a pooled VM's directory rename).
         let create = |name: &str| {
-            std::fs::OpenOptions::new().create(true).append(true).open(spec.dir.join(name)).and_then(|f| f.set_len(0).map(|()| f)).map_err(|e| BackendError::io(format!("creating {name}"), e))
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(spec.dir.join(name))
+                .and_then(|f| f.set_len(0).map(|()| f))
+                .map_err(|e| BackendError::io(format!("creating {name}"), e))
         };
         let (console_file, log) = (create("console.log")?, create("qemu.log")?);
-        let caps = [console_file.try_clone(), log.try_clone()].into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| BackendError::io("opening the VM's logs", e))?;
+        let caps =
+            [console_file.try_clone(), log.try_clone()].into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| BackendError::io("opening the VM's logs", e))?;
         let log2 = log.try_clone().map_err(|e| BackendError::io("creating qemu.log", e))?;
         drop(console_file);
         cmd.stdout(log).stderr(log2);
@@ -312,7 +318,10 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
     // file.locking=off: a snapshot file stays open (as a backing file, never written again) in
     // the VM it was taken from while forks open it too; QEMU's image locks would refuse that,
     // and the daemon itself guarantees that only the top of a chain is ever written.
-    push(&["-blockdev", &format!("driver=qcow2,node-name=disk{},cache.no-flush=on,file.driver=file,file.locking=off,file.filename={}", spec.gen, p(&spec.top))]);
+    push(&[
+        "-blockdev",
+        &format!("driver=qcow2,node-name=disk{},cache.no-flush=on,file.driver=file,file.locking=off,file.filename={}", spec.gen, p(&spec.top)),
+    ]);
     push(&["-device", &format!("virtio-blk-device,drive=disk{}", spec.gen)]);
     push(&["-qmp", &format!("unix:{},server=on,wait=off", p(qmp_sock))]);
     // No elevateprivileges=deny: QEMU 7.2 installs the filter before -runas drops privileges,

@@ -14,12 +14,12 @@ use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::cgroup::ExecCgroup;
-use crate::backend::files;
 use super::pty;
 use super::wire::ToInit;
 use super::ProcessSandbox;
-use crate::backend::{SessionInput, BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
+use crate::backend::cgroup::ExecCgroup;
+use crate::backend::files;
+use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, SessionInput, StartSignal};
 use sandbox_exec::capture::{OutputCapture, SpillTarget};
 use sandbox_exec::spawn::describe_failure;
 
@@ -156,7 +156,13 @@ fn pipe_reader(fd: OwnedFd) -> Option<tokio::net::unix::pipe::Receiver> {
 
 /// Reads one stream (a pipe, or a terminal's master side) into its capture (and the sink, if
 /// streaming) until EOF or `stop`.
-async fn pump<R: tokio::io::AsyncRead + AsRawFd + Unpin>(rx: Option<R>, mut capture: OutputCapture, sink: OutputSink, is_stdout: bool, stop: CancellationToken) -> CapturedOutput {
+async fn pump<R: tokio::io::AsyncRead + AsRawFd + Unpin>(
+    rx: Option<R>,
+    mut capture: OutputCapture,
+    sink: OutputSink,
+    is_stdout: bool,
+    stop: CancellationToken,
+) -> CapturedOutput {
     let Some(mut rx) = rx else { return capture.finish() };
     let mut buf = vec![0u8; 64 << 10];
     loop {
@@ -247,7 +253,13 @@ impl ProcessSandbox {
     }
 
     /// Runs `spec` to its end. See the module documentation.
-    pub(super) async fn run_exec(self: &Arc<Self>, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+    pub(super) async fn run_exec(
+        self: &Arc<Self>,
+        spec: ExecSpec,
+        sink: OutputSink,
+        started: StartSignal,
+        cancel: CancellationToken,
+    ) -> Result<ExecOutcome, BackendError> {
         let started_at = SystemTime::now();
         let exec_id = spec.exec_id.to_string();
         // The armed slot's cgroup (its spare process already inside), or a fresh one.
@@ -269,7 +281,8 @@ impl ProcessSandbox {
         result
     }
 
-
+    /// [`ProcessSandbox::run_exec`] once the exec's cgroup (and maybe its spare) is ready.
+    #[allow(clippy::too_many_arguments)] // the exec's pieces, each distinct, handed down once
     async fn run_in_cgroup(
         self: &Arc<Self>,
         spec: &ExecSpec,

@@ -29,8 +29,8 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use nix::unistd::{fork, ForkResult, Pid};
 
-use crate::backend::seccomp;
 use super::wire::{decode, encode, recv_raw, send_raw, FromInit, InitConfig, ToInit, MAX_MESSAGE};
+use crate::backend::seccomp;
 
 /// The hidden first argument that turns the `sandboxd` binary into a sandbox init.
 pub const INIT_ARG: &str = "__sandbox-init";
@@ -190,13 +190,7 @@ fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
     drop(cgroup_fds);
     stage(
         "unshare namespaces",
-        unshare(
-            CloneFlags::CLONE_NEWNS
-                | CloneFlags::CLONE_NEWUTS
-                | CloneFlags::CLONE_NEWIPC
-                | CloneFlags::CLONE_NEWNET
-                | CloneFlags::CLONE_NEWCGROUP,
-        ),
+        unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWNET | CloneFlags::CLONE_NEWCGROUP),
     )?;
 
     // Nothing mounted from here on may propagate back to the host (its / is usually shared).
@@ -266,13 +260,7 @@ fn mount_proc(root: &Path) -> StageResult {
             stage("bind /proc read-only", mount(Some(&target), &target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>))?;
             stage(
                 "remount /proc read-only",
-                mount(
-                    None::<&str>,
-                    &target,
-                    None::<&str>,
-                    MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | nosuid_nodev_noexec,
-                    None::<&str>,
-                ),
+                mount(None::<&str>, &target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | nosuid_nodev_noexec, None::<&str>),
             )?;
         }
     }
@@ -282,10 +270,7 @@ fn mount_proc(root: &Path) -> StageResult {
 /// A minimal /dev on its own tmpfs: the usual character devices, a private devpts and /dev/shm.
 fn mount_dev(root: &Path) -> StageResult {
     let dev = root.join("dev");
-    stage(
-        "mount /dev",
-        mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME, Some("mode=755,size=1m")),
-    )?;
+    stage("mount /dev", mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME, Some("mode=755,size=1m")))?;
     for (name, major, minor) in [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)] {
         let path = dev.join(name);
         stage("mknod", mknod(&path, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(major, minor)))?;
@@ -296,36 +281,16 @@ fn mount_dev(root: &Path) -> StageResult {
     }
     stage(
         "mount devpts",
-        mount(
-            Some("devpts"),
-            &dev.join("pts"),
-            Some("devpts"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
-            Some("newinstance,ptmxmode=0666,mode=0620"),
-        ),
+        mount(Some("devpts"), &dev.join("pts"), Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620")),
     )?;
-    stage(
-        "mount /dev/shm",
-        mount(
-            Some("shm"),
-            &dev.join("shm"),
-            Some("tmpfs"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-            Some("mode=1777,size=64m"),
-        ),
-    )?;
-    for (link, target) in [
-        ("ptmx", "pts/ptmx"),
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ] {
+    stage("mount /dev/shm", mount(Some("shm"), &dev.join("shm"), Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777,size=64m")))?;
+    for (link, target) in
+        [("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")]
+    {
         stage("symlink in /dev", std::os::unix::fs::symlink(target, dev.join(link)))?;
     }
     Ok(())
 }
-
 
 fn drop_capabilities() -> StageResult {
     use caps::CapSet;
@@ -479,7 +444,16 @@ impl Server {
     /// Starts one command: through the slot's spare when it is there, else by a fresh fork.
     /// Returns the reply, and for a `tty` spawn that started the terminal's master side.
     #[allow(clippy::too_many_arguments)]
-    fn spawn(&mut self, exec_id: &str, slot: Option<&str>, argv: &[String], env: &[(String, String)], workdir: &str, tty: Option<(u16, u16)>, mut fds: Vec<OwnedFd>) -> (FromInit, Option<OwnedFd>) {
+    fn spawn(
+        &mut self,
+        exec_id: &str,
+        slot: Option<&str>,
+        argv: &[String],
+        env: &[(String, String)],
+        workdir: &str,
+        tty: Option<(u16, u16)>,
+        mut fds: Vec<OwnedFd>,
+    ) -> (FromInit, Option<OwnedFd>) {
         let failed = |errno: Errno| (FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: Stage::Setup, errno: errno as i32 }, None);
         // The command's stdio: the daemon's three descriptors, or a new terminal's slave side.
         let (stdio, master) = match tty {

@@ -16,8 +16,8 @@
 
 mod channel;
 mod exec;
-mod pty;
 pub mod init;
+mod pty;
 pub mod storage;
 mod wire;
 
@@ -32,12 +32,14 @@ use async_trait::async_trait;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use tokio_util::sync::CancellationToken;
 
+use self::channel::InitChannel;
+use self::storage::Pool;
 use super::cgroup::{self, CgroupLimits, CgroupRoot, ExecCgroup, ExecCgroups, SandboxCgroup};
 use super::files;
 use super::mountinfo;
-use self::channel::InitChannel;
-use self::storage::Pool;
-use super::{ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, UploadPiece, Isolation, OutputSink, SandboxSpec, StartSignal};
+use super::{
+    ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal, UploadPiece,
+};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 
 /// How long sandbox setup may take before it is abandoned.
@@ -135,8 +137,6 @@ fn tree_bytes(dir: &Path) -> u64 {
     total
 }
 
-
-
 impl ProcessBackend {
     /// Prepares the tier: the cgroup root and the storage pool. A host that cannot provide them
     /// gets a backend that reports why on every create (the daemon still serves other tiers).
@@ -223,10 +223,7 @@ impl ProcessBackend {
     async fn start(&self, spec: &SandboxSpec, source: Layer<'_>) -> Result<(), BackendError> {
         match self.setup(spec, source).await {
             Ok(sandbox) => {
-                self.sandboxes
-                    .write()
-                    .map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?
-                    .insert(spec.id.clone(), sandbox);
+                self.sandboxes.write().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?.insert(spec.id.clone(), sandbox);
                 Ok(())
             }
             Err(e) => {
@@ -331,7 +328,12 @@ impl ProcessBackend {
         let exe = std::env::current_exe().map_err(|e| BackendError::io("locating sandboxd binary", e))?;
         let mut cmd = std::process::Command::new(exe);
         // argv[0] is a name, not the daemon's host path, which the sandbox has no business seeing.
-        cmd.arg0("sandbox-init").arg(init::INIT_ARG).env_clear().stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::from(log_w));
+        cmd.arg0("sandbox-init")
+            .arg(init::INIT_ARG)
+            .env_clear()
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::from(log_w));
         let child_fd = theirs.as_raw_fd();
         // SAFETY: dup2 is async-signal-safe; it only places the control socket on fd 3 (clearing
         // CLOEXEC) in the child between fork and exec.
@@ -397,7 +399,11 @@ impl ProcessBackend {
             }
         }
         sb.execs.remove_leftovers();
-        if let Err(e) = self.cgroups().map_err(|e| e.to_string()).and_then(|c| c.open_sandbox(sb.id.as_str()).map(|cg| cg.destroy().map_err(|e| e.to_string())).unwrap_or(Ok(()))) {
+        if let Err(e) = self
+            .cgroups()
+            .map_err(|e| e.to_string())
+            .and_then(|c| c.open_sandbox(sb.id.as_str()).map(|cg| cg.destroy().map_err(|e| e.to_string())).unwrap_or(Ok(())))
+        {
             tracing::warn!(sandbox = %sb.id, error = %e, "removing sandbox cgroup");
         }
         teardown_mount(&sb.rootfs);
@@ -459,7 +465,14 @@ impl Backend for ProcessBackend {
         Some(format!("the sandbox's init exited{said}; nothing in it can run any more (its files are kept: snapshot, roll back or destroy it)"))
     }
 
-    async fn exec(&self, sandbox: &SandboxId, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
+    async fn exec(
+        &self,
+        sandbox: &SandboxId,
+        spec: ExecSpec,
+        sink: OutputSink,
+        started: StartSignal,
+        cancel: CancellationToken,
+    ) -> Result<ExecOutcome, BackendError> {
         self.sandbox(sandbox)?.run_exec(spec, sink, started, cancel).await
     }
 

@@ -90,11 +90,7 @@ pub enum StorageError {
     },
     /// An external command used at pool creation failed.
     #[error("`{command}` for {path} failed: {detail}")]
-    Command {
-        command: String,
-        path: PathBuf,
-        detail: String,
-    },
+    Command { command: String, path: PathBuf, detail: String },
     /// The pool directory is not on btrfs after mounting.
     #[error("{path} is not a btrfs filesystem")]
     NotBtrfs { path: PathBuf },
@@ -107,19 +103,11 @@ pub enum StorageError {
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> StorageError + 'a {
-    move |source| StorageError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| StorageError::Io { op, path: path.to_path_buf(), source }
 }
 
 fn sys_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(Errno) -> StorageError + 'a {
-    move |source| StorageError::Sys {
-        op,
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| StorageError::Sys { op, path: path.to_path_buf(), source }
 }
 
 // ---- ioctl ABI (linux/btrfs.h) ----
@@ -254,22 +242,13 @@ fn fill_name<const N: usize>(buf: &mut [u8; N], name: &OsStr) {
 }
 
 fn vol_args(name: &OsStr) -> Box<BtrfsVolArgs> {
-    let mut a = Box::new(BtrfsVolArgs {
-        fd: 0,
-        name: [0; BTRFS_PATH_NAME_MAX + 1],
-    });
+    let mut a = Box::new(BtrfsVolArgs { fd: 0, name: [0; BTRFS_PATH_NAME_MAX + 1] });
     fill_name(&mut a.name, name);
     a
 }
 
 fn vol_args_v2(src_fd: i64, flags: u64, name: &OsStr) -> Box<BtrfsVolArgsV2> {
-    let mut a = Box::new(BtrfsVolArgsV2 {
-        fd: src_fd,
-        transid: 0,
-        flags,
-        unused: [0; 4],
-        name: [0; BTRFS_SUBVOL_NAME_MAX + 1],
-    });
+    let mut a = Box::new(BtrfsVolArgsV2 { fd: src_fd, transid: 0, flags, unused: [0; 4], name: [0; BTRFS_SUBVOL_NAME_MAX + 1] });
     fill_name(&mut a.name, name);
     a
 }
@@ -283,10 +262,7 @@ struct RelPath<'a> {
 }
 
 fn parse_rel(rel: &str) -> Result<RelPath<'_>, StorageError> {
-    let bad = |reason| StorageError::InvalidPath {
-        rel: rel.to_string(),
-        reason,
-    };
+    let bad = |reason| StorageError::InvalidPath { rel: rel.to_string(), reason };
     if rel.is_empty() {
         return Err(bad("empty"));
     }
@@ -310,10 +286,7 @@ fn parse_rel(rel: &str) -> Result<RelPath<'_>, StorageError> {
     if name.len() > BTRFS_SUBVOL_NAME_MAX {
         return Err(bad("final component too long"));
     }
-    Ok(RelPath {
-        parents: comps,
-        name,
-    })
+    Ok(RelPath { parents: comps, name })
 }
 
 /// Opens a directory below `root` one component at a time without following symlinks,
@@ -321,13 +294,8 @@ fn parse_rel(rel: &str) -> Result<RelPath<'_>, StorageError> {
 fn open_beneath(root: &OwnedFd, comps: &[&OsStr], shown: &Path) -> Result<OwnedFd, StorageError> {
     let mut cur = dup_fd(root, shown)?;
     for c in comps {
-        let fd = fcntl::openat(
-            Some(cur.as_raw_fd()),
-            *c,
-            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(sys_err("open", shown))?;
+        let fd = fcntl::openat(Some(cur.as_raw_fd()), *c, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(sys_err("open", shown))?;
         // SAFETY: openat just returned this fd and nothing else owns it.
         cur = unsafe { OwnedFd::from_raw_fd(fd) };
     }
@@ -345,23 +313,11 @@ fn mount_fstype(mountinfo: &str, dir: &Path) -> Option<String> {
 
 fn run(cmd: &mut Command, path: &Path) -> Result<(), StorageError> {
     let shown = format!("{cmd:?}");
-    let out = cmd.output().map_err(|e| StorageError::Command {
-        command: shown.clone(),
-        path: path.to_path_buf(),
-        detail: e.to_string(),
-    })?;
+    let out = cmd.output().map_err(|e| StorageError::Command { command: shown.clone(), path: path.to_path_buf(), detail: e.to_string() })?;
     if out.status.success() {
         return Ok(());
     }
-    Err(StorageError::Command {
-        command: shown,
-        path: path.to_path_buf(),
-        detail: format!(
-            "{}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ),
-    })
+    Err(StorageError::Command { command: shown, path: path.to_path_buf(), detail: format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()) })
 }
 
 /// Reads the little-endian u64 at `off`, if the buffer is long enough.
@@ -406,9 +362,7 @@ fn qgroup_info_excl(item: &[u8]) -> Option<u64> {
 /// `max_rfer` of a `btrfs_qgroup_limit_item` (flags, max_rfer, ...) if that limit is set.
 fn qgroup_limit_rfer(item: &[u8]) -> Option<u64> {
     let flags = le_u64(item, 0)?;
-    (flags & BTRFS_QGROUP_LIMIT_MAX_RFER != 0)
-        .then(|| le_u64(item, 8))
-        .flatten()
+    (flags & BTRFS_QGROUP_LIMIT_MAX_RFER != 0).then(|| le_u64(item, 8)).flatten()
 }
 
 /// `flags` of a `btrfs_qgroup_status_item` (version, generation, flags, rescan).
@@ -417,12 +371,7 @@ fn qgroup_status_flags(item: &[u8]) -> Option<u64> {
 }
 
 /// Reads one item (objectid 0) of the quota tree through `fd`'s filesystem.
-fn quota_tree_item(
-    fd: &OwnedFd,
-    path: &Path,
-    typ: u32,
-    offset: u64,
-) -> Result<Option<Vec<u8>>, StorageError> {
+fn quota_tree_item(fd: &OwnedFd, path: &Path, typ: u32, offset: u64) -> Result<Option<Vec<u8>>, StorageError> {
     let mut args = Box::new(BtrfsSearchArgs {
         key: BtrfsSearchKey {
             tree_id: BTRFS_QUOTA_TREE_OBJECTID,
@@ -479,10 +428,7 @@ impl Pool {
         let root = fs::canonicalize(dir).map_err(io_err("canonicalize", dir))?;
         let file_name = root
             .file_name()
-            .ok_or_else(|| StorageError::InvalidPath {
-                rel: root.display().to_string(),
-                reason: "pool dir needs a final component",
-            })?
+            .ok_or_else(|| StorageError::InvalidPath { rel: root.display().to_string(), reason: "pool dir needs a final component" })?
             .to_os_string();
         let mut img_name = file_name;
         img_name.push(".img");
@@ -509,34 +455,19 @@ impl Pool {
                 // turn every read into a metadata copy-on-write. nosuid,nodev,noexec: the pool
                 // holds what sandboxes wrote (setuid binaries, device nodes); on the host it is
                 // data only. Execs inside still run: they go through the overlay mount.
-                run(
-                    Command::new("mount")
-                        .args(["-t", "btrfs", "-o", "loop,noatime,nosuid,nodev,noexec"])
-                        .arg(&image)
-                        .arg(&root),
-                    &root,
-                )?;
+                run(Command::new("mount").args(["-t", "btrfs", "-o", "loop,noatime,nosuid,nodev,noexec"]).arg(&image).arg(&root), &root)?;
                 info!(pool = %root.display(), image = %image.display(), "pool mounted");
             }
         }
 
-        let fd = fcntl::open(
-            &root,
-            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(sys_err("open", &root))?;
+        let fd = fcntl::open(&root, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty()).map_err(sys_err("open", &root))?;
         // SAFETY: open just returned this fd and nothing else owns it.
         let root_fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let sfs = nix::sys::statfs::fstatfs(&root_fd).map_err(sys_err("statfs", &root))?;
         if sfs.filesystem_type() != nix::sys::statfs::BTRFS_SUPER_MAGIC {
             return Err(StorageError::NotBtrfs { path: root });
         }
-        let pool = Pool {
-            root,
-            image,
-            root_fd,
-        };
+        let pool = Pool { root, image, root_fd };
         pool.enable_quota()?;
         for sub in ["sandboxes", "snapshots"] {
             let p = pool.root.join(sub);
@@ -556,8 +487,7 @@ impl Pool {
         tmp_name.push(".tmp");
         let tmp = PathBuf::from(tmp_name);
         let f = File::create(&tmp).map_err(io_err("create", &tmp))?;
-        f.set_len(size_bytes.max(MIN_POOL_BYTES))
-            .map_err(io_err("truncate", &tmp))?;
+        f.set_len(size_bytes.max(MIN_POOL_BYTES)).map_err(io_err("truncate", &tmp))?;
         drop(f);
         run(Command::new("mkfs.btrfs").arg("-q").arg(&tmp), &tmp)?;
         fs::rename(&tmp, image).map_err(io_err("rename", image))?;
@@ -570,24 +500,16 @@ impl Pool {
     /// inconsistent (observed), so wait for it, and rescan again if needed.
     fn enable_quota(&self) -> Result<(), StorageError> {
         let fd = self.root_fd.as_raw_fd();
-        let mut args = BtrfsQuotaCtlArgs {
-            cmd: BTRFS_QUOTA_CTL_ENABLE,
-            status: 0,
-        };
+        let mut args = BtrfsQuotaCtlArgs { cmd: BTRFS_QUOTA_CTL_ENABLE, status: 0 };
         // SAFETY: fd is an open btrfs directory; args is a valid, live struct of the
         // size encoded in the ioctl number. Enabling twice is a no-op in the kernel.
-        unsafe { ioctl::quota_ctl(fd, &mut args) }
-            .map_err(sys_err("BTRFS_IOC_QUOTA_CTL enable", &self.root))?;
+        unsafe { ioctl::quota_ctl(fd, &mut args) }.map_err(sys_err("BTRFS_IOC_QUOTA_CTL enable", &self.root))?;
         self.rescan_wait()?;
         if self.quota_consistent()? {
             return Ok(());
         }
         warn!(pool = %self.root.display(), "qgroups inconsistent; rescanning");
-        let rescan = BtrfsQuotaRescanArgs {
-            flags: 0,
-            progress: 0,
-            reserved: [0; 6],
-        };
+        let rescan = BtrfsQuotaRescanArgs { flags: 0, progress: 0, reserved: [0; 6] };
         // SAFETY: fd is an open btrfs directory; rescan is a live, zeroed struct.
         match unsafe { ioctl::quota_rescan(fd, &rescan) } {
             // EINPROGRESS: one is already running, which is just as good.
@@ -603,8 +525,7 @@ impl Pool {
 
     fn rescan_wait(&self) -> Result<(), StorageError> {
         // SAFETY: root_fd is an open btrfs directory; the ioctl takes no argument.
-        unsafe { ioctl::quota_rescan_wait(self.root_fd.as_raw_fd()) }
-            .map_err(sys_err("BTRFS_IOC_QUOTA_RESCAN_WAIT", &self.root))?;
+        unsafe { ioctl::quota_rescan_wait(self.root_fd.as_raw_fd()) }.map_err(sys_err("BTRFS_IOC_QUOTA_RESCAN_WAIT", &self.root))?;
         Ok(())
     }
 
@@ -616,10 +537,7 @@ impl Pool {
         Ok(item
             .as_deref()
             .and_then(qgroup_status_flags)
-            .is_some_and(|f| {
-                f & BTRFS_QGROUP_STATUS_FLAG_ON != 0
-                    && f & BTRFS_QGROUP_STATUS_FLAG_INCONSISTENT == 0
-            }))
+            .is_some_and(|f| f & BTRFS_QGROUP_STATUS_FLAG_ON != 0 && f & BTRFS_QGROUP_STATUS_FLAG_INCONSISTENT == 0))
     }
 
     /// Mount point of the pool.
@@ -644,8 +562,7 @@ impl Pool {
         let args = vol_args(r.name);
         // SAFETY: parent is an open directory fd; args is a live, fully initialised
         // btrfs_ioctl_vol_args with a NUL-terminated name.
-        unsafe { ioctl::subvol_create(parent.as_raw_fd(), &*args) }
-            .map_err(sys_err("BTRFS_IOC_SUBVOL_CREATE", &path))?;
+        unsafe { ioctl::subvol_create(parent.as_raw_fd(), &*args) }.map_err(sys_err("BTRFS_IOC_SUBVOL_CREATE", &path))?;
         debug!(subvol = rel, "subvolume created");
         Ok(path)
     }
@@ -653,12 +570,7 @@ impl Pool {
     /// Snapshots subvolume `src_rel` to `dst_rel` (read-only if `readonly`). The
     /// snapshot's qgroup starts with the source's limit (kernel behaviour); call
     /// `set_limit` on it to change that.
-    pub fn snapshot(
-        &self,
-        src_rel: &str,
-        dst_rel: &str,
-        readonly: bool,
-    ) -> Result<PathBuf, StorageError> {
+    pub fn snapshot(&self, src_rel: &str, dst_rel: &str, readonly: bool) -> Result<PathBuf, StorageError> {
         let s = parse_rel(src_rel)?;
         let d = parse_rel(dst_rel)?;
         let src_path = self.abs(src_rel);
@@ -670,8 +582,7 @@ impl Pool {
         let args = vol_args_v2(i64::from(src.as_raw_fd()), flags, d.name);
         // SAFETY: both fds are open directories; args is a live, fully initialised
         // btrfs_ioctl_vol_args_v2 with a NUL-terminated name and no qgroup_inherit.
-        unsafe { ioctl::snap_create_v2(dst_parent.as_raw_fd(), &*args) }
-            .map_err(sys_err("BTRFS_IOC_SNAP_CREATE_V2", &dst_path))?;
+        unsafe { ioctl::snap_create_v2(dst_parent.as_raw_fd(), &*args) }.map_err(sys_err("BTRFS_IOC_SNAP_CREATE_V2", &dst_path))?;
         debug!(src = src_rel, dst = dst_rel, readonly, "snapshot created");
         Ok(dst_path)
     }
@@ -683,20 +594,11 @@ impl Pool {
         let path = self.abs(rel);
         let parent = match open_beneath(&self.root_fd, &r.parents, &path) {
             Ok(p) => p,
-            Err(StorageError::Sys {
-                source: Errno::ENOENT,
-                ..
-            }) => return Ok(()),
+            Err(StorageError::Sys { source: Errno::ENOENT, .. }) => return Ok(()),
             Err(e) => return Err(e),
         };
-        match stat::fstatat(
-            Some(parent.as_raw_fd()),
-            r.name,
-            fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-        ) {
-            Ok(st) if st.st_ino != BTRFS_FIRST_FREE_OBJECTID => {
-                return Err(StorageError::NotSubvolume { path })
-            }
+        match stat::fstatat(Some(parent.as_raw_fd()), r.name, fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) if st.st_ino != BTRFS_FIRST_FREE_OBJECTID => return Err(StorageError::NotSubvolume { path }),
             Ok(_) => {}
             Err(Errno::ENOENT) => return Ok(()),
             Err(e) => return Err(sys_err("stat", &path)(e)),
@@ -715,8 +617,7 @@ impl Pool {
                 let sub = open_beneath(&parent, &[r.name], &path)?;
                 let flags: u64 = 0;
                 // SAFETY: sub is an open subvolume root; flags is a live u64.
-                unsafe { ioctl::subvol_setflags(sub.as_raw_fd(), &flags) }
-                    .map_err(sys_err("BTRFS_IOC_SUBVOL_SETFLAGS", &path))?;
+                unsafe { ioctl::subvol_setflags(sub.as_raw_fd(), &flags) }.map_err(sys_err("BTRFS_IOC_SUBVOL_SETFLAGS", &path))?;
                 drop(sub);
                 match destroy() {
                     Ok(_) | Err(Errno::ENOENT) => {}
@@ -739,11 +640,7 @@ impl Pool {
             qgroupid: 0,
             lim: BtrfsQgroupLimit {
                 flags: BTRFS_QGROUP_LIMIT_MAX_RFER,
-                max_rfer: if bytes == 0 {
-                    BTRFS_QGROUP_LIMIT_CLEAR
-                } else {
-                    bytes
-                },
+                max_rfer: if bytes == 0 { BTRFS_QGROUP_LIMIT_CLEAR } else { bytes },
                 max_excl: 0,
                 rsv_rfer: 0,
                 rsv_excl: 0,
@@ -751,8 +648,7 @@ impl Pool {
         };
         // SAFETY: sub is an open subvolume root; args is a live struct of the size
         // encoded in the ioctl number.
-        unsafe { ioctl::qgroup_limit(sub.as_raw_fd(), &mut args) }
-            .map_err(sys_err("BTRFS_IOC_QGROUP_LIMIT", &path))?;
+        unsafe { ioctl::qgroup_limit(sub.as_raw_fd(), &mut args) }.map_err(sys_err("BTRFS_IOC_QGROUP_LIMIT", &path))?;
         debug!(subvol = rel, bytes, "qgroup limit set");
         Ok(())
     }
@@ -787,13 +683,7 @@ impl Pool {
         // Qgroup numbers are only updated when a transaction commits.
         commit(&fd, &path)?;
         // A level-0 qgroup id is just the subvolume id.
-        quota_tree_item(&fd, &path, BTRFS_QGROUP_INFO_KEY, id)?
-            .as_deref()
-            .and_then(qgroup_info_excl)
-            .ok_or(StorageError::NoQgroup {
-                subvol_id: id,
-                path,
-            })
+        quota_tree_item(&fd, &path, BTRFS_QGROUP_INFO_KEY, id)?.as_deref().and_then(qgroup_info_excl).ok_or(StorageError::NoQgroup { subvol_id: id, path })
     }
 
     /// The referenced-bytes limit of subvolume `rel`, None if unlimited. Commits the
@@ -803,10 +693,7 @@ impl Pool {
         let fd = self.open_subvolume(rel)?;
         let id = subvol_id(&fd, &path)?;
         commit(&fd, &path)?;
-        Ok(quota_tree_item(&fd, &path, BTRFS_QGROUP_LIMIT_KEY, id)?
-            .as_deref()
-            .and_then(qgroup_limit_rfer)
-            .filter(|&l| l != 0 && l != BTRFS_QGROUP_LIMIT_CLEAR))
+        Ok(quota_tree_item(&fd, &path, BTRFS_QGROUP_LIMIT_KEY, id)?.as_deref().and_then(qgroup_limit_rfer).filter(|&l| l != 0 && l != BTRFS_QGROUP_LIMIT_CLEAR))
     }
 
     /// Names of the subvolumes directly inside `dir_rel` (e.g. "sandboxes").
@@ -821,10 +708,7 @@ impl Pool {
             .filter_map(Result::ok)
             .filter(|e| {
                 // symlink_metadata: a symlink must not be mistaken for what it points at.
-                e.path()
-                    .symlink_metadata()
-                    .map(|m| m.is_dir() && m.ino() == BTRFS_FIRST_FREE_OBJECTID)
-                    .unwrap_or(false)
+                e.path().symlink_metadata().map(|m| m.is_dir() && m.ino() == BTRFS_FIRST_FREE_OBJECTID).unwrap_or(false)
             })
             .filter_map(|e| e.file_name().into_string().ok())
             .collect();
@@ -837,8 +721,7 @@ impl Pool {
         let Pool { root, root_fd, .. } = self;
         // Our own fd on the mount would make umount fail with EBUSY.
         drop(root_fd);
-        nix::mount::umount2(&root, nix::mount::MntFlags::empty())
-            .map_err(sys_err("umount", &root))?;
+        nix::mount::umount2(&root, nix::mount::MntFlags::empty()).map_err(sys_err("umount", &root))?;
         info!(pool = %root.display(), "pool unmounted");
         Ok(())
     }
@@ -846,15 +729,10 @@ impl Pool {
 
 /// Subvolume id of the subvolume `fd` belongs to.
 fn subvol_id(fd: &OwnedFd, path: &Path) -> Result<u64, StorageError> {
-    let mut args = Box::new(BtrfsInoLookupArgs {
-        treeid: 0,
-        objectid: BTRFS_FIRST_FREE_OBJECTID,
-        name: [0; BTRFS_INO_LOOKUP_PATH_MAX],
-    });
+    let mut args = Box::new(BtrfsInoLookupArgs { treeid: 0, objectid: BTRFS_FIRST_FREE_OBJECTID, name: [0; BTRFS_INO_LOOKUP_PATH_MAX] });
     // SAFETY: fd is an open btrfs directory; args is a live, initialised struct the
     // kernel fills in place (treeid 0 = the fd's own subvolume).
-    unsafe { ioctl::ino_lookup(fd.as_raw_fd(), &mut *args) }
-        .map_err(sys_err("BTRFS_IOC_INO_LOOKUP", path))?;
+    unsafe { ioctl::ino_lookup(fd.as_raw_fd(), &mut *args) }.map_err(sys_err("BTRFS_IOC_INO_LOOKUP", path))?;
     Ok(args.treeid)
 }
 
@@ -862,8 +740,7 @@ fn subvol_id(fd: &OwnedFd, path: &Path) -> Result<u64, StorageError> {
 fn subvol_readonly(fd: &OwnedFd, path: &Path) -> Result<bool, StorageError> {
     let mut flags: u64 = 0;
     // SAFETY: fd is an open subvolume root; flags is a live u64 the kernel writes.
-    unsafe { ioctl::subvol_getflags(fd.as_raw_fd(), &mut flags) }
-        .map_err(sys_err("BTRFS_IOC_SUBVOL_GETFLAGS", path))?;
+    unsafe { ioctl::subvol_getflags(fd.as_raw_fd(), &mut flags) }.map_err(sys_err("BTRFS_IOC_SUBVOL_GETFLAGS", path))?;
     Ok(flags & BTRFS_SUBVOL_RDONLY != 0)
 }
 
@@ -899,14 +776,8 @@ mod tests {
         let mi = "22 1 0:21 / /proc rw - proc proc rw\n\
                   90 23 0:50 / /tmp/st\\040x/pool rw,noatime - btrfs /dev/loop3 rw,quota\n\
                   91 23 0:51 / /tmp/other rw - ext4 /dev/vda rw\n";
-        assert_eq!(
-            mount_fstype(mi, Path::new("/tmp/st x/pool")).as_deref(),
-            Some("btrfs")
-        );
-        assert_eq!(
-            mount_fstype(mi, Path::new("/tmp/other")).as_deref(),
-            Some("ext4")
-        );
+        assert_eq!(mount_fstype(mi, Path::new("/tmp/st x/pool")).as_deref(), Some("btrfs"));
+        assert_eq!(mount_fstype(mi, Path::new("/tmp/other")).as_deref(), Some("ext4"));
         assert_eq!(mount_fstype(mi, Path::new("/tmp/st")), None);
     }
 
@@ -922,15 +793,9 @@ mod tests {
         assert_eq!(item.len(), 40);
         assert_eq!(qgroup_info_excl(item), Some(12345));
         assert_eq!(find_search_item(&buf, 1, BTRFS_QGROUP_INFO_KEY, 258), None);
-        assert_eq!(
-            find_search_item(&buf, 1, BTRFS_QGROUP_STATUS_KEY, 257),
-            None
-        );
+        assert_eq!(find_search_item(&buf, 1, BTRFS_QGROUP_STATUS_KEY, 257), None);
         assert_eq!(find_search_item(&buf, 0, BTRFS_QGROUP_INFO_KEY, 257), None);
-        assert_eq!(
-            find_search_item(&buf[..40], 1, BTRFS_QGROUP_INFO_KEY, 257),
-            None
-        );
+        assert_eq!(find_search_item(&buf[..40], 1, BTRFS_QGROUP_INFO_KEY, 257), None);
     }
 
     // ---- real btrfs on a loop file (root) ----
@@ -951,12 +816,7 @@ mod tests {
             let pool = Pool::open_or_create(&dir, 1 << 30).expect("open_or_create");
             eprintln!("timing: new pool (mkfs + mount + quota) {:?}", t.elapsed());
             assert!(pool.quota_consistent().expect("quota status"));
-            TestPool {
-                pool: Some(pool),
-                extra_mounts: Vec::new(),
-                dir,
-                _tmp: tmp,
-            }
+            TestPool { pool: Some(pool), extra_mounts: Vec::new(), dir, _tmp: tmp }
         }
         fn p(&self) -> &Pool {
             self.pool.as_ref().expect("pool")
@@ -999,17 +859,11 @@ mod tests {
         let t = Instant::now();
         p.set_limit("sandboxes/lim", 16 << 20).expect("limit");
         let t_limit = t.elapsed();
-        assert_eq!(
-            p.limit("sandboxes/lim").expect("read limit"),
-            Some(16 << 20)
-        );
+        assert_eq!(p.limit("sandboxes/lim").expect("read limit"), Some(16 << 20));
         eprintln!("timing: create_subvolume {t_create:?}, set_limit {t_limit:?}");
         let err = write_bytes(&sv.join("big"), 32 << 20).expect_err("write past limit");
         // Observed on kernel 6.18: EDQUOT ("Disk quota exceeded") from write(2).
-        eprintln!(
-            "write past qgroup limit: {err} (errno {:?})",
-            err.raw_os_error()
-        );
+        eprintln!("write past qgroup limit: {err} (errno {:?})", err.raw_os_error());
         assert_eq!(err.raw_os_error(), Some(libc::EDQUOT));
         // Writes below the limit work in a fresh subvolume.
         let ok = p.create_subvolume("sandboxes/ok").expect("create");
@@ -1034,14 +888,10 @@ mod tests {
         write_bytes(&src.join("bulk"), 4 << 20).expect("bulk");
 
         let t = Instant::now();
-        let ro = p
-            .snapshot("sandboxes/src", "snapshots/ro", true)
-            .expect("ro snap");
+        let ro = p.snapshot("sandboxes/src", "snapshots/ro", true).expect("ro snap");
         let t_ro = t.elapsed();
         let t = Instant::now();
-        let rw = p
-            .snapshot("sandboxes/src", "sandboxes/fork", false)
-            .expect("rw snap");
+        let rw = p.snapshot("sandboxes/src", "sandboxes/fork", false).expect("rw snap");
         let t_rw = t.elapsed();
         eprintln!("timing: snapshot ro {t_ro:?}, snapshot rw {t_rw:?}");
 
@@ -1084,20 +934,11 @@ mod tests {
         assert!(!ro.exists() && !rw.exists());
         p.delete_subvolume("snapshots/ro").expect("missing is ok");
         assert!(p.subvolumes("snapshots").is_empty());
-        assert!(
-            p.quota_consistent().expect("status"),
-            "qgroups stay consistent"
-        );
+        assert!(p.quota_consistent().expect("status"), "qgroups stay consistent");
         // A plain directory is refused rather than deleted.
         fs::create_dir(p.root().join("sandboxes/plain")).expect("mkdir");
-        assert!(matches!(
-            p.delete_subvolume("sandboxes/plain"),
-            Err(StorageError::NotSubvolume { .. })
-        ));
-        assert!(matches!(
-            p.create_subvolume("../escape"),
-            Err(StorageError::InvalidPath { .. })
-        ));
+        assert!(matches!(p.delete_subvolume("sandboxes/plain"), Err(StorageError::NotSubvolume { .. })));
+        assert!(matches!(p.create_subvolume("../escape"), Err(StorageError::InvalidPath { .. })));
     }
 
     #[test]
@@ -1120,8 +961,7 @@ mod tests {
             p.set_limit(&rel, 64 << 20).expect("limit");
             limit += t.elapsed();
             let t = Instant::now();
-            p.snapshot("snapshots/base", &format!("sandboxes/f{i}"), false)
-                .expect("snap");
+            p.snapshot("snapshots/base", &format!("sandboxes/f{i}"), false).expect("snap");
             snap += t.elapsed();
         }
         for i in 0..n {
@@ -1131,13 +971,7 @@ mod tests {
             delete += t.elapsed() / 2;
         }
         let avg = |d: std::time::Duration| d / n;
-        eprintln!(
-            "timing (avg of {n}): create {:?}, set_limit {:?}, snapshot {:?}, delete {:?}",
-            avg(create),
-            avg(limit),
-            avg(snap),
-            avg(delete)
-        );
+        eprintln!("timing (avg of {n}): create {:?}, set_limit {:?}, snapshot {:?}, delete {:?}", avg(create), avg(limit), avg(snap), avg(delete));
     }
 
     #[test]
@@ -1160,13 +994,9 @@ mod tests {
         tp.pool = Some(Pool::open_or_create(&tp.dir, 1 << 30).expect("remount image"));
         eprintln!("timing: remount of an existing image {:?}", t.elapsed());
         let p = tp.p();
-        assert_eq!(
-            fs::read_to_string(p.root().join("sandboxes/keep/f")).expect("read"),
-            "kept"
-        );
+        assert_eq!(fs::read_to_string(p.root().join("sandboxes/keep/f")).expect("read"), "kept");
         // The qgroup limit is persistent.
-        let err = write_bytes(&p.root().join("sandboxes/keep/big"), 16 << 20)
-            .expect_err("limit survives remount");
+        let err = write_bytes(&p.root().join("sandboxes/keep/big"), 16 << 20).expect_err("limit survives remount");
         assert_eq!(err.raw_os_error(), Some(libc::EDQUOT));
     }
 
@@ -1180,35 +1010,17 @@ mod tests {
         let lower = tempfile::tempdir().expect("lower");
         fs::write(lower.path().join("from-lower"), "l").expect("write");
         let merged = tempfile::tempdir().expect("merged");
-        let opts = format!(
-            "lowerdir={},upperdir={},workdir={}",
-            lower.path().display(),
-            sv.join("upper").display(),
-            sv.join("work").display()
-        );
-        nix::mount::mount(
-            Some("overlay"),
-            merged.path(),
-            Some("overlay"),
-            nix::mount::MsFlags::empty(),
-            Some(opts.as_str()),
-        )
-        .expect("mount overlay");
+        let opts = format!("lowerdir={},upperdir={},workdir={}", lower.path().display(), sv.join("upper").display(), sv.join("work").display());
+        nix::mount::mount(Some("overlay"), merged.path(), Some("overlay"), nix::mount::MsFlags::empty(), Some(opts.as_str())).expect("mount overlay");
         tp.extra_mounts.push(merged.path().to_path_buf());
 
         assert!(merged.path().join("from-lower").exists());
         write_bytes(&merged.path().join("small"), 4 << 20).expect("under the limit");
         let err = write_bytes(&merged.path().join("big"), 32 << 20).expect_err("past limit");
         // Observed on kernel 6.18: EDQUOT passes through overlayfs unchanged.
-        eprintln!(
-            "write past qgroup limit via overlayfs: {err} (errno {:?})",
-            err.raw_os_error()
-        );
+        eprintln!("write past qgroup limit via overlayfs: {err} (errno {:?})", err.raw_os_error());
         assert_eq!(err.raw_os_error(), Some(libc::EDQUOT));
-        assert!(
-            sv.join("upper/small").exists(),
-            "writes land in the subvolume"
-        );
+        assert!(sv.join("upper/small").exists(), "writes land in the subvolume");
 
         // The overlay holds the subvolume busy; after unmounting it deletes cleanly.
         nix::mount::umount2(merged.path(), nix::mount::MntFlags::empty()).expect("umount");

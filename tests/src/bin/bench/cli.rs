@@ -131,32 +131,9 @@ impl Plan {
         };
         if let Some(n) = args.iterations {
             let n = n.max(1);
-            (
-                p.create,
-                p.exec,
-                p.stream,
-                p.spaced,
-                p.docker_run,
-                p.docker_create,
-                p.docker_exec,
-            ) = (n, n, n, n, n, n, n);
-            (
-                p.snap_small,
-                p.snap_large,
-                p.fork,
-                p.fork_batches,
-                p.container_create,
-                p.container_exec,
-                p.container_snap,
-            ) = (n, n, n, n, n, n, n);
-            (
-                p.microvm_boot,
-                p.microvm_pool,
-                p.microvm_exec,
-                p.microvm_stream,
-                p.microvm_snap,
-                p.microvm_fork,
-            ) = (n, n, n, n, n, n);
+            (p.create, p.exec, p.stream, p.spaced, p.docker_run, p.docker_create, p.docker_exec) = (n, n, n, n, n, n, n);
+            (p.snap_small, p.snap_large, p.fork, p.fork_batches, p.container_create, p.container_exec, p.container_snap) = (n, n, n, n, n, n, n);
+            (p.microvm_boot, p.microvm_pool, p.microvm_exec, p.microvm_stream, p.microvm_snap, p.microvm_fork) = (n, n, n, n, n, n);
         }
         if let Some(n) = args.live {
             p.live = n.max(1);

@@ -13,19 +13,11 @@ use crate::snapshots::{snapshot_rollback, CHANGED_SMALL_MIB};
 
 /// The container tier's rows, once a first container sandbox has been created.
 async fn container_sections(sb: &mut Sandboxes, plan: &Plan, report: &mut Report) -> Result<()> {
-    let request = || proto::CreateSandboxRequest {
-        isolation: proto::Isolation::Container as i32,
-        ..process_sandbox("minimal")
-    };
-    eprintln!(
-        "bench: sandboxd container tier create/destroy × {}",
-        plan.container_create
-    );
+    let request = || proto::CreateSandboxRequest { isolation: proto::Isolation::Container as i32, ..process_sandbox("minimal") };
+    eprintln!("bench: sandboxd container tier create/destroy × {}", plan.container_create);
     let (mut creates, mut destroys) = (Vec::new(), Vec::new());
     for i in 0..plan.warmup.min(2) + plan.container_create {
-        let (id, took) = sb
-            .create_with(request(), &format!("container tier sample {i}"))
-            .await?;
+        let (id, took) = sb.create_with(request(), &format!("container tier sample {i}")).await?;
         let destroyed = sb.destroy(&id).await?;
         if i >= plan.warmup.min(2) {
             creates.push(took);
@@ -35,13 +27,8 @@ async fn container_sections(sb: &mut Sandboxes, plan: &Plan, report: &mut Report
     report.measured(Key::ContainerCreate, &creates);
     report.measured(Key::ContainerDestroy, &destroys);
 
-    eprintln!(
-        "bench: sandboxd container tier Exec × {}",
-        plan.container_exec
-    );
-    let (id, _) = sb
-        .create_with(request(), "the sandbox of the container tier exec section")
-        .await?;
+    eprintln!("bench: sandboxd container tier Exec × {}", plan.container_exec);
+    let (id, _) = sb.create_with(request(), "the sandbox of the container tier exec section").await?;
     let mut execs = Vec::new();
     for i in 0..plan.warmup * 3 + plan.container_exec {
         let took = exec_true(&sb.client, &id, &format!("container tier exec {i}")).await?;
@@ -52,12 +39,8 @@ async fn container_sections(sb: &mut Sandboxes, plan: &Plan, report: &mut Report
     report.measured(Key::ContainerExec, &execs);
     sb.destroy(&id).await?;
 
-    eprintln!(
-        "bench: sandboxd container tier snapshot+rollback, {CHANGED_SMALL_MIB} MiB changed × {}",
-        plan.container_snap
-    );
-    let (snaps, rollbacks, _) =
-        snapshot_rollback(sb, request(), CHANGED_SMALL_MIB, plan.container_snap).await?;
+    eprintln!("bench: sandboxd container tier snapshot+rollback, {CHANGED_SMALL_MIB} MiB changed × {}", plan.container_snap);
+    let (snaps, rollbacks, _) = snapshot_rollback(sb, request(), CHANGED_SMALL_MIB, plan.container_snap).await?;
     report.measured(Key::ContainerSnapshot, &snaps);
     report.measured(Key::ContainerRollback, &rollbacks);
     Ok(())
@@ -69,18 +52,13 @@ async fn container_sections(sb: &mut Sandboxes, plan: &Plan, report: &mut Report
 pub(crate) async fn sandboxd_container(plan: &Plan, report: &mut Report) {
     let started = Instant::now();
     let unavailable = |report: &mut Report, why: String| {
-        let line = format!(
-            "!!!!! SANDBOXD CONTAINER TIER UNAVAILABLE: {why} — its rows say \"unavailable\" !!!!!"
-        );
+        let line = format!("!!!!! SANDBOXD CONTAINER TIER UNAVAILABLE: {why} — its rows say \"unavailable\" !!!!!");
         eprintln!("{line}");
         println!("{line}");
         report.unavailable(&Key::CONTAINER, &why);
         report.container_unavailable = Some(why);
     };
-    let daemon = match Daemon::start()
-        .await
-        .context("starting sandboxd for the container tier")
-    {
+    let daemon = match Daemon::start().await.context("starting sandboxd for the container tier") {
         Ok(d) => d,
         Err(e) => return report.failed(&Key::CONTAINER, &e),
     };
@@ -90,16 +68,10 @@ pub(crate) async fn sandboxd_container(plan: &Plan, report: &mut Report) {
     };
     let mut sb = Sandboxes::new(client);
     eprintln!("bench: sandboxd container tier: a first, untimed create (may import the image)");
-    let probe = proto::CreateSandboxRequest {
-        isolation: proto::Isolation::Container as i32,
-        ..process_sandbox("minimal")
-    };
+    let probe = proto::CreateSandboxRequest { isolation: proto::Isolation::Container as i32, ..process_sandbox("minimal") };
     let result = match sb.create_with(probe, "container tier, first create").await {
         Err(e) => {
-            unavailable(
-                report,
-                format!("CreateSandbox with ISOLATION_CONTAINER failed: {e:#}"),
-            );
+            unavailable(report, format!("CreateSandbox with ISOLATION_CONTAINER failed: {e:#}"));
             Ok(())
         }
         Ok((id, _)) => match sb.destroy(&id).await {
@@ -112,7 +84,5 @@ pub(crate) async fn sandboxd_container(plan: &Plan, report: &mut Report) {
         report.failed_unless_done(&Key::CONTAINER, &e);
     }
     drop(daemon);
-    report
-        .section_times
-        .push(("sandboxd container tier".into(), started.elapsed()));
+    report.section_times.push(("sandboxd container tier".into(), started.elapsed()));
 }

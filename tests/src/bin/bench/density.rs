@@ -15,11 +15,7 @@ use crate::sandboxes::{exec_true, Sandboxes};
 fn pss_of_tree(root: u32) -> Option<(u64, usize)> {
     let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
             continue;
         };
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
@@ -29,24 +25,14 @@ fn pss_of_tree(root: u32) -> Option<(u64, usize)> {
         let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
             continue;
         };
-        if let Some(ppid) = rest
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse::<u32>().ok())
-        {
+        if let Some(ppid) = rest.split_whitespace().nth(1).and_then(|s| s.parse::<u32>().ok()) {
             children.entry(ppid).or_default().push(pid);
         }
     }
     let (mut total, mut count, mut todo) = (0u64, 0usize, vec![root]);
     while let Some(pid) = todo.pop() {
-        let rollup =
-            std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-        if let Some(kb) = rollup
-            .lines()
-            .find(|l| l.starts_with("Pss:"))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-        {
+        let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+        if let Some(kb) = rollup.lines().find(|l| l.starts_with("Pss:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()) {
             total += kb * 1024;
         }
         count += 1;
@@ -55,20 +41,13 @@ fn pss_of_tree(root: u32) -> Option<(u64, usize)> {
     Some((total, count))
 }
 
-async fn fill_and_measure(
-    sb: &mut Sandboxes,
-    pid: Option<u32>,
-    plan: &Plan,
-    report: &mut Report,
-) -> Result<Density> {
+async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, report: &mut Report) -> Result<Density> {
     let rss_idle = pid.and_then(rss_bytes);
     let mut ids = Vec::with_capacity(plan.live);
     let mut creates = Vec::with_capacity(plan.live);
     let t = Instant::now();
     for i in 0..plan.live {
-        let (id, took) = sb
-            .create(&format!("live sandbox {} of {}", i + 1, plan.live))
-            .await?;
+        let (id, took) = sb.create(&format!("live sandbox {} of {}", i + 1, plan.live)).await?;
         ids.push(id);
         creates.push(took);
     }
@@ -82,14 +61,7 @@ async fn fill_and_measure(
     let mut execs = Vec::with_capacity(ids.len() * 3);
     for round in 0..3 {
         for id in &ids {
-            execs.push(
-                exec_true(
-                    &sb.client,
-                    id,
-                    &format!("round {round} across {} live", ids.len()),
-                )
-                .await?,
-            );
+            execs.push(exec_true(&sb.client, id, &format!("round {round} across {} live", ids.len())).await?);
         }
     }
     report.measured(Key::LiveExec, &execs);
@@ -102,15 +74,7 @@ async fn fill_and_measure(
     let destroy_total = t.elapsed();
     report.measured(Key::LiveDestroy, &destroys);
     let rss_after = pid.and_then(rss_bytes);
-    Ok(Density {
-        live: plan.live,
-        rss_idle,
-        rss_live,
-        pss_tree,
-        create_total,
-        destroy_total,
-        rss_after,
-    })
+    Ok(Density { live: plan.live, rss_idle, rss_live, pss_tree, create_total, destroy_total, rss_after })
 }
 
 /// Section 4, on a fresh daemon so that its RSS is not that of the latency runs.
@@ -118,10 +82,7 @@ pub(crate) async fn sandboxd_density(plan: &Plan, report: &mut Report) {
     let started = Instant::now();
     let keys = [Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
     eprintln!("bench: sandboxd {} live sandboxes", plan.live);
-    let daemon = match Daemon::start()
-        .await
-        .context("starting sandboxd for the density section")
-    {
+    let daemon = match Daemon::start().await.context("starting sandboxd for the density section") {
         Ok(d) => d,
         Err(e) => {
             report.density = Some(Err(format!("{e:#}")));
@@ -146,7 +107,5 @@ pub(crate) async fn sandboxd_density(plan: &Plan, report: &mut Report) {
         }
     }
     drop(daemon);
-    report
-        .section_times
-        .push(("sandboxd density".into(), started.elapsed()));
+    report.section_times.push(("sandboxd density".into(), started.elapsed()));
 }

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use bollard::models::{ContainerCreateBody, HostConfig};
 use bollard::query_parameters::{
-    CreateContainerOptionsBuilder, CreateImageOptionsBuilder, ListContainersOptionsBuilder,
-    RemoveContainerOptionsBuilder, RemoveImageOptionsBuilder, WaitContainerOptionsBuilder,
+    CreateContainerOptionsBuilder, CreateImageOptionsBuilder, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, RemoveImageOptionsBuilder,
+    WaitContainerOptionsBuilder,
 };
 use bollard::Docker;
 use futures::StreamExt;
@@ -26,10 +26,7 @@ pub(crate) const DOCKER_IMAGE: &str = "sandboxd-bench-minimal:latest";
 const DOCKER_LABEL: &str = "sandboxd-bench";
 
 pub(crate) fn docker_socket() -> String {
-    std::env::var("DOCKER_HOST")
-        .ok()
-        .and_then(|h| h.strip_prefix("unix://").map(str::to_string))
-        .unwrap_or_else(|| DOCKER_SOCKET.to_string())
+    std::env::var("DOCKER_HOST").ok().and_then(|h| h.strip_prefix("unix://").map(str::to_string)).unwrap_or_else(|| DOCKER_SOCKET.to_string())
 }
 
 /// The Docker side: the containers alive, so that each one is removed whatever happens.
@@ -49,42 +46,18 @@ impl DockerBench {
             .await
             .with_context(|| format!("cannot reach Docker at {socket}"))?;
         let v = docker.version().await.context("Docker version")?;
-        let desc = format!(
-            "Engine {} (API {})",
-            v.version.unwrap_or_default(),
-            v.api_version.unwrap_or_default()
-        );
-        Ok((
-            DockerBench {
-                docker,
-                containers: BTreeSet::new(),
-            },
-            desc,
-        ))
+        let desc = format!("Engine {} (API {})", v.version.unwrap_or_default(), v.api_version.unwrap_or_default());
+        Ok((DockerBench { docker, containers: BTreeSet::new() }, desc))
     }
 
     /// Removes containers that an interrupted earlier run left behind.
     async fn remove_leftovers(&self) -> Result<()> {
         let filters = HashMap::from([("label".to_string(), vec![DOCKER_LABEL.to_string()])]);
-        let options = ListContainersOptionsBuilder::default()
-            .all(true)
-            .filters(&filters)
-            .build();
-        for c in self
-            .docker
-            .list_containers(Some(options))
-            .await
-            .context("listing leftover bench containers")?
-        {
+        let options = ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
+        for c in self.docker.list_containers(Some(options)).await.context("listing leftover bench containers")? {
             if let Some(id) = c.id {
                 eprintln!("bench: removing container {id} left by an earlier run");
-                let _ = self
-                    .docker
-                    .remove_container(
-                        &id,
-                        Some(RemoveContainerOptionsBuilder::default().force(true).build()),
-                    )
-                    .await;
+                let _ = self.docker.remove_container(&id, Some(RemoveContainerOptionsBuilder::default().force(true).build())).await;
             }
         }
         Ok(())
@@ -98,25 +71,14 @@ impl DockerBench {
             let mut tar = tar::Builder::new(Vec::new());
             // Busybox's applets are symlinks: keep them links, not 300 copies of busybox.
             tar.follow_symlinks(false);
-            tar.append_dir_all(".", &rootfs)
-                .with_context(|| format!("packing {} into a tar stream", rootfs.display()))?;
+            tar.append_dir_all(".", &rootfs).with_context(|| format!("packing {} into a tar stream", rootfs.display()))?;
             tar.into_inner().context("finishing the tar stream")
         })
         .await
         .context("packing the rootfs")??;
-        let (repo, tag) = DOCKER_IMAGE
-            .split_once(':')
-            .unwrap_or((DOCKER_IMAGE, "latest"));
-        let options = CreateImageOptionsBuilder::default()
-            .from_src("-")
-            .repo(repo)
-            .tag(tag)
-            .build();
-        let mut progress = self.docker.create_image(
-            Some(options),
-            Some(bollard::body_full(tarball.into())),
-            None,
-        );
+        let (repo, tag) = DOCKER_IMAGE.split_once(':').unwrap_or((DOCKER_IMAGE, "latest"));
+        let options = CreateImageOptionsBuilder::default().from_src("-").repo(repo).tag(tag).build();
+        let mut progress = self.docker.create_image(Some(options), Some(bollard::body_full(tarball.into())), None);
         while let Some(item) = progress.next().await {
             item.with_context(|| format!("importing {DOCKER_IMAGE} from the minimal rootfs"))?;
         }
@@ -128,10 +90,7 @@ impl DockerBench {
             image: Some(DOCKER_IMAGE.to_string()),
             cmd: Some(cmd.iter().map(|s| s.to_string()).collect()),
             labels: Some(HashMap::from([(DOCKER_LABEL.to_string(), "1".to_string())])),
-            host_config: Some(HostConfig {
-                network_mode: network.map(str::to_string),
-                ..Default::default()
-            }),
+            host_config: Some(HostConfig { network_mode: network.map(str::to_string), ..Default::default() }),
             ..Default::default()
         }
     }
@@ -140,10 +99,7 @@ impl DockerBench {
         check_interrupt()?;
         let created = self
             .docker
-            .create_container(
-                Some(CreateContainerOptionsBuilder::default().build()),
-                Self::body(cmd, network),
-            )
+            .create_container(Some(CreateContainerOptionsBuilder::default().build()), Self::body(cmd, network))
             .await
             .with_context(|| format!("creating a container of {DOCKER_IMAGE} running {cmd:?}"))?;
         self.containers.insert(created.id.clone());
@@ -151,20 +107,14 @@ impl DockerBench {
     }
 
     pub(crate) async fn start(&self, id: &str) -> Result<()> {
-        self.docker
-            .start_container(id, None)
-            .await
-            .with_context(|| format!("starting container {id}"))
+        self.docker.start_container(id, None).await.with_context(|| format!("starting container {id}"))
     }
 
     /// `docker rm -f`; returns the call's time.
     pub(crate) async fn remove(&mut self, id: &str) -> Result<Duration> {
         let t = Instant::now();
         self.docker
-            .remove_container(
-                id,
-                Some(RemoveContainerOptionsBuilder::default().force(true).build()),
-            )
+            .remove_container(id, Some(RemoveContainerOptionsBuilder::default().force(true).build()))
             .await
             .with_context(|| format!("removing container {id}"))?;
         let took = t.elapsed();
@@ -177,9 +127,7 @@ impl DockerBench {
         let t = Instant::now();
         let id = self.create(&["true"], Some("none")).await?;
         self.start(&id).await?;
-        let options = WaitContainerOptionsBuilder::default()
-            .condition("not-running")
-            .build();
+        let options = WaitContainerOptionsBuilder::default().condition("not-running").build();
         let mut wait = self.docker.wait_container(&id, Some(options));
         while let Some(r) = wait.next().await {
             r.with_context(|| format!("waiting for container {id} (`true`) to exit"))?;
@@ -201,58 +149,28 @@ impl DockerBench {
     async fn exec_true(&self, id: &str) -> Result<Duration> {
         check_interrupt()?;
         let t = Instant::now();
-        let config = bollard::exec::CreateExecOptions::<&str> {
-            cmd: Some(vec!["true"]),
-            attach_stdout: Some(true),
-            attach_stderr: Some(true),
-            ..Default::default()
-        };
-        let exec = self
-            .docker
-            .create_exec(id, config)
-            .await
-            .with_context(|| format!("creating an exec of `true` in container {id}"))?;
-        match self
-            .docker
-            .start_exec(&exec.id, None)
-            .await
-            .with_context(|| format!("starting exec {} in container {id}", exec.id))?
-        {
+        let config =
+            bollard::exec::CreateExecOptions::<&str> { cmd: Some(vec!["true"]), attach_stdout: Some(true), attach_stderr: Some(true), ..Default::default() };
+        let exec = self.docker.create_exec(id, config).await.with_context(|| format!("creating an exec of `true` in container {id}"))?;
+        match self.docker.start_exec(&exec.id, None).await.with_context(|| format!("starting exec {} in container {id}", exec.id))? {
             bollard::exec::StartExecResults::Attached { mut output, .. } => {
                 while let Some(chunk) = output.next().await {
                     chunk.with_context(|| format!("reading exec {} output", exec.id))?;
                 }
             }
-            bollard::exec::StartExecResults::Detached => bail!(
-                "exec {} started detached although attached was asked",
-                exec.id
-            ),
+            bollard::exec::StartExecResults::Detached => bail!("exec {} started detached although attached was asked", exec.id),
         }
-        let inspect = self
-            .docker
-            .inspect_exec(&exec.id)
-            .await
-            .with_context(|| format!("inspecting exec {}", exec.id))?;
+        let inspect = self.docker.inspect_exec(&exec.id).await.with_context(|| format!("inspecting exec {}", exec.id))?;
         let took = t.elapsed();
         if inspect.exit_code != Some(0) {
-            bail!(
-                "docker exec of `true` in {id} ended with exit code {:?}",
-                inspect.exit_code
-            );
+            bail!("docker exec of `true` in {id} ended with exit code {:?}", inspect.exit_code);
         }
         Ok(took)
     }
 
     pub(crate) async fn cleanup(&mut self) {
         for id in std::mem::take(&mut self.containers) {
-            if let Err(e) = self
-                .docker
-                .remove_container(
-                    &id,
-                    Some(RemoveContainerOptionsBuilder::default().force(true).build()),
-                )
-                .await
-            {
+            if let Err(e) = self.docker.remove_container(&id, Some(RemoveContainerOptionsBuilder::default().force(true).build())).await {
                 eprintln!("bench: WARNING: could not remove container {id} while cleaning up: {e}");
             }
         }
@@ -271,15 +189,8 @@ async fn docker_sections(d: &mut DockerBench, plan: &Plan, report: &mut Report) 
     }
     report.measured(Key::DockerRun, &runs);
 
-    for (key, network) in [
-        (Key::DockerCreateStart, Some("none")),
-        (Key::DockerCreateStartBridge, None),
-    ] {
-        eprintln!(
-            "bench: docker create+start ({}) × {}",
-            network.unwrap_or("bridge"),
-            plan.docker_create
-        );
+    for (key, network) in [(Key::DockerCreateStart, Some("none")), (Key::DockerCreateStartBridge, None)] {
+        eprintln!("bench: docker create+start ({}) × {}", network.unwrap_or("bridge"), plan.docker_create);
         let (mut starts, mut removes) = (Vec::new(), Vec::new());
         for i in 0..warmup + plan.docker_create {
             let (id, took) = d.create_start(network).await?;
@@ -350,19 +261,9 @@ pub(crate) async fn docker_baseline(plan: &Plan, report: &mut Report) {
         report.unavailable(&Key::DOCKER, &why);
     }
     if report.docker_import.is_some() {
-        if let Err(e) = d
-            .docker
-            .remove_image(
-                DOCKER_IMAGE,
-                Some(RemoveImageOptionsBuilder::default().force(true).build()),
-                None,
-            )
-            .await
-        {
+        if let Err(e) = d.docker.remove_image(DOCKER_IMAGE, Some(RemoveImageOptionsBuilder::default().force(true).build()), None).await {
             eprintln!("bench: WARNING: could not remove image {DOCKER_IMAGE}: {e}");
         }
     }
-    report
-        .section_times
-        .push(("Docker".into(), started.elapsed()));
+    report.section_times.push(("Docker".into(), started.elapsed()));
 }

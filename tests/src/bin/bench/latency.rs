@@ -21,10 +21,7 @@ async fn create_destroy(sb: &mut Sandboxes, plan: &Plan) -> Result<(Vec<Duration
         let (id, _) = sb.create(&format!("warm-up {i}")).await?;
         sb.destroy(&id).await?;
     }
-    let (mut creates, mut destroys) = (
-        Vec::with_capacity(plan.create),
-        Vec::with_capacity(plan.create),
-    );
+    let (mut creates, mut destroys) = (Vec::with_capacity(plan.create), Vec::with_capacity(plan.create));
     for i in 0..plan.create {
         let (id, took) = sb.create(&format!("sample {i} of {}", plan.create)).await?;
         creates.push(took);
@@ -47,15 +44,8 @@ enum Call {
 }
 
 /// Sections 2 and 3: `n` timed calls in one sandbox, after `warmup` untimed ones.
-async fn calls_in_one(
-    sb: &mut Sandboxes,
-    call: Call,
-    n: usize,
-    warmup: usize,
-) -> Result<Vec<Duration>> {
-    let (id, _) = sb
-        .create(&format!("the sandbox of the {call:?} section"))
-        .await?;
+async fn calls_in_one(sb: &mut Sandboxes, call: Call, n: usize, warmup: usize) -> Result<Vec<Duration>> {
+    let (id, _) = sb.create(&format!("the sandbox of the {call:?} section")).await?;
     let mut samples = Vec::with_capacity(n);
     for i in 0..warmup + n {
         let what = format!("{call:?} sample {i}");
@@ -63,10 +53,7 @@ async fn calls_in_one(
             Call::Get => {
                 check_interrupt()?;
                 let t = Instant::now();
-                sb.client
-                    .get(id.as_str())
-                    .await
-                    .with_context(|| format!("GetSandbox {id} ({what})"))?;
+                sb.client.get(id.as_str()).await.with_context(|| format!("GetSandbox {id} ({what})"))?;
                 t.elapsed()
             }
             Call::Exec => exec_true(&sb.client, &id, &what).await?,
@@ -87,14 +74,7 @@ async fn calls_in_one(
 /// Sections 1–3 on one daemon.
 pub(crate) async fn sandboxd_latency(plan: &Plan, report: &mut Report) {
     let started = Instant::now();
-    let keys = [
-        Key::Create,
-        Key::Destroy,
-        Key::Get,
-        Key::Exec,
-        Key::ExecSpaced,
-        Key::ExecStream,
-    ];
+    let keys = [Key::Create, Key::Destroy, Key::Get, Key::Exec, Key::ExecSpaced, Key::ExecStream];
     let daemon = match Daemon::start().await.context("starting sandboxd") {
         Ok(d) => d,
         Err(e) => return report.failed(&keys, &e),
@@ -132,7 +112,5 @@ pub(crate) async fn sandboxd_latency(plan: &Plan, report: &mut Report) {
 
     report.rss_after_latency = daemon.pid().and_then(rss_bytes);
     drop(daemon);
-    report
-        .section_times
-        .push(("sandboxd latency".into(), started.elapsed()));
+    report.section_times.push(("sandboxd latency".into(), started.elapsed()));
 }

@@ -25,9 +25,7 @@ pub(crate) struct Machine {
 }
 
 fn read_trimmed(path: &str) -> String {
-    std::fs::read_to_string(path)
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
+    std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_else(|_| "unknown".into())
 }
 
 /// The value of the first `key: value` (or `key=value`) line of a file.
@@ -40,11 +38,7 @@ fn field_of(path: &str, key: &str, sep: char) -> Option<String> {
 }
 
 pub(crate) fn loadavg() -> String {
-    read_trimmed("/proc/loadavg")
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
+    read_trimmed("/proc/loadavg").split_whitespace().take(3).collect::<Vec<_>>().join(" ")
 }
 
 impl Machine {
@@ -77,27 +71,16 @@ impl Machine {
             .output()
             .ok()
             .filter(|o| o.status.success())
-            .and_then(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .lines()
-                    .next()
-                    .map(str::to_string)
-            });
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).lines().next().map(str::to_string));
         let qemu = format!(
             "{}; /dev/kvm {}",
             qemu_version.unwrap_or_else(|| "qemu-system-x86_64 not found".into()),
-            if Path::new("/dev/kvm").exists() {
-                "present"
-            } else {
-                "absent"
-            }
+            if Path::new("/dev/kvm").exists() { "present" } else { "absent" }
         );
         Machine {
             qemu,
             date: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
-            nproc: std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(0),
+            nproc: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             cpu: field_of("/proc/cpuinfo", "model name", ':').unwrap_or_else(|| "unknown".into()),
             memory: field_of("/proc/meminfo", "MemTotal", ':')
                 .and_then(|v| v.trim_end_matches("kB").trim().parse::<u64>().ok())
@@ -108,9 +91,7 @@ impl Machine {
             cgroups,
             load_start: loadavg(),
             load_end: String::new(),
-            sandboxd_bin: sandboxd_bin()
-                .map(|p| p.display().to_string())
-                .unwrap_or_else(|e| format!("not found: {e}")),
+            sandboxd_bin: sandboxd_bin().map(|p| p.display().to_string()).unwrap_or_else(|e| format!("not found: {e}")),
             commit: match commit {
                 Some(c) if dirty => format!("{c} with uncommitted changes"),
                 Some(c) => c,
@@ -133,14 +114,8 @@ impl Machine {
             ("OS", self.os.clone()),
             ("kernel", self.kernel.clone()),
             ("cgroups", self.cgroups.clone()),
-            (
-                "load average (1, 5, 15 min) before → after",
-                format!("{} → {}", self.load_start, self.load_end),
-            ),
-            (
-                "sandboxd",
-                format!("{} (commit {})", self.sandboxd_bin, self.commit),
-            ),
+            ("load average (1, 5, 15 min) before → after", format!("{} → {}", self.load_start, self.load_end)),
+            ("sandboxd", format!("{} (commit {})", self.sandboxd_bin, self.commit)),
             ("Docker", docker),
             ("QEMU (microVM tier)", self.qemu.clone()),
         ]

@@ -23,6 +23,7 @@
 //! through [`sandboxes`]; then [`results`] (what a run measured, by row), [`stats`]
 //! (percentiles, number formats), [`targets`] (the issues' targets), [`machine`] (the host) and
 //! [`report`] (the markdown, and BENCHMARKS.md).
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 mod cli;
 mod container;
@@ -72,12 +73,7 @@ async fn run(args: Args) -> Result<bool> {
             INTERRUPTED.store(true, Ordering::Relaxed);
         }
     });
-    eprintln!(
-        "bench: sandboxd = {}, images = {}, {}",
-        machine.sandboxd_bin,
-        images_dir().display(),
-        if plan.quick { "quick mode" } else { "full run" }
-    );
+    eprintln!("bench: sandboxd = {}, images = {}, {}", machine.sandboxd_bin, images_dir().display(), if plan.quick { "quick mode" } else { "full run" });
 
     let mut report = Report::default();
     latency::sandboxd_latency(&plan, &mut report).await;
@@ -103,9 +99,7 @@ async fn run(args: Args) -> Result<bool> {
         microvm::sandboxd_microvm(&plan, &mut report).await;
     }
     if let Some(took) = report.docker_import {
-        report
-            .section_times
-            .push(("(of which Docker image import)".into(), took));
+        report.section_times.push(("(of which Docker image import)".into(), took));
     }
     machine.load_end = loadavg();
 

@@ -34,27 +34,18 @@ const POOL_FILL_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// The daemon's answer in an error (`CODE: message`), without the bench's context around it.
 fn daemon_answer(e: &anyhow::Error) -> String {
-    e.chain()
-        .find_map(|c| c.downcast_ref::<agent_client::Error>())
-        .map(|c| c.to_string())
-        .unwrap_or_else(|| format!("{e:#}"))
+    e.chain().find_map(|c| c.downcast_ref::<agent_client::Error>()).map(|c| c.to_string()).unwrap_or_else(|| format!("{e:#}"))
 }
 
 /// Whether the daemon refused because this host cannot provide the tier (no QEMU, no VM
 /// artifacts), as opposed to a tier that tried and failed.
 fn is_failed_precondition(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
-        c.downcast_ref::<agent_client::Error>()
-            .is_some_and(|e| e.code() == tonic::Code::FailedPrecondition)
-    })
+    e.chain().any(|c| c.downcast_ref::<agent_client::Error>().is_some_and(|e| e.code() == tonic::Code::FailedPrecondition))
 }
 
 /// A microVM sandbox of image `minimal` with the default limits (those of the warm pool).
 fn microvm_request() -> proto::CreateSandboxRequest {
-    proto::CreateSandboxRequest {
-        isolation: proto::Isolation::Microvm as i32,
-        ..process_sandbox("minimal")
-    }
+    proto::CreateSandboxRequest { isolation: proto::Isolation::Microvm as i32, ..process_sandbox("minimal") }
 }
 
 /// Starts a daemon for the microVM tier: JSON log, with the tier's debug lines.
@@ -64,10 +55,7 @@ async fn start_microvm_daemon(toml: &str, extra_args: &[&str], what: &str) -> Re
     // after another, so nothing else reads the environment meanwhile.
     const VAR: &str = "SANDBOXD_TEST_LOG";
     let before = std::env::var(VAR).ok();
-    let filter = format!(
-        "{},{MICROVM_LOG_DIRECTIVE}",
-        before.as_deref().unwrap_or("info")
-    );
+    let filter = format!("{},{MICROVM_LOG_DIRECTIVE}", before.as_deref().unwrap_or("info"));
     std::env::set_var(VAR, filter);
     let mut args = vec!["--log-format", "json"];
     args.extend_from_slice(extra_args);
@@ -82,11 +70,7 @@ async fn start_microvm_daemon(toml: &str, extra_args: &[&str], what: &str) -> Re
 /// One `Exec` of `true` timed from `since` (the start of its `CreateSandbox`).
 async fn first_exec(sb: &Sandboxes, id: &str, since: Instant, what: &str) -> Result<Duration> {
     check_interrupt()?;
-    let result = sb
-        .client
-        .exec(exec_request(id, ["true"]))
-        .await
-        .with_context(|| format!("first Exec of `true` in {id} ({what})"))?;
+    let result = sb.client.exec(exec_request(id, ["true"])).await.with_context(|| format!("first Exec of `true` in {id} ({what})"))?;
     let took = since.elapsed();
     check_true(&result, what)?;
     Ok(took)
@@ -105,12 +89,7 @@ struct ColdBoots {
 /// `n` cold boots on a daemon without a pool: `CreateSandbox` and the first `Exec` of `true`
 /// timed as one (and the create alone), the destroy apart. Fails unless the daemon logged each
 /// of them as booted under `accel`.
-async fn cold_boots(
-    daemon: &Daemon,
-    sb: &mut Sandboxes,
-    accel: VmAccel,
-    n: usize,
-) -> Result<ColdBoots> {
+async fn cold_boots(daemon: &Daemon, sb: &mut Sandboxes, accel: VmAccel, n: usize) -> Result<ColdBoots> {
     let before = count_logged(&log_lines(&daemon.log()), LOG_BOOTED);
     let mut cold = ColdBoots::default();
     for i in 0..n {
@@ -123,25 +102,13 @@ async fn cold_boots(
         cold.creates.push(created);
     }
     let lines = log_lines(&daemon.log());
-    let booted: Vec<&LogLine> = lines
-        .iter()
-        .filter(|l| l.message == LOG_BOOTED)
-        .skip(before)
-        .collect();
+    let booted: Vec<&LogLine> = lines.iter().filter(|l| l.message == LOG_BOOTED).skip(before).collect();
     if booted.len() != n {
-        bail!(
-            "{n} cold boots under {} but {} `{LOG_BOOTED}` lines in the daemon's log",
-            accel.name(),
-            booted.len()
-        );
+        bail!("{n} cold boots under {} but {} `{LOG_BOOTED}` lines in the daemon's log", accel.name(), booted.len());
     }
     for line in booted {
         if line.field("accel").as_deref() != Some(accel.config()) {
-            bail!(
-                "a cold boot meant to run under {} did not: {}",
-                accel.name(),
-                line.text()
-            );
+            bail!("a cold boot meant to run under {} did not: {}", accel.name(), line.text());
         }
         cold.logged.0.extend(line.millis("boot_ms"));
         cold.logged.1.extend(line.millis("guest_uptime_ms"));
@@ -157,9 +124,7 @@ fn record_cold_boots(report: &mut Report, accel: VmAccel, cold: ColdBoots) {
 
 /// Unary and streamed execs of `true` in one microVM, after untimed ones.
 async fn microvm_execs(sb: &mut Sandboxes, plan: &Plan) -> Result<(Vec<Duration>, Vec<Duration>)> {
-    let (id, _) = sb
-        .create_with(microvm_request(), "the microVM of the exec rows")
-        .await?;
+    let (id, _) = sb.create_with(microvm_request(), "the microVM of the exec rows").await?;
     let warmup = plan.warmup * 3;
     let mut unary = Vec::with_capacity(plan.microvm_exec);
     for i in 0..warmup + plan.microvm_exec {
@@ -181,35 +146,15 @@ async fn microvm_execs(sb: &mut Sandboxes, plan: &Plan) -> Result<(Vec<Duration>
 
 /// `n` forks of microVM snapshot `snap` (each destroyed before the next), after an untimed one
 /// that checks the fork sees the origin's file.
-async fn microvm_fork_rounds(
-    sb: &mut Sandboxes,
-    snap: &str,
-    n: usize,
-    what: &str,
-) -> Result<Vec<Duration>> {
+async fn microvm_fork_rounds(sb: &mut Sandboxes, snap: &str, n: usize, what: &str) -> Result<Vec<Duration>> {
     let warmup = 1;
     let mut forks = Vec::with_capacity(n);
     for i in 0..warmup + n {
-        let request = proto::CreateSandboxRequest {
-            from_snapshot_id: snap.to_string(),
-            ..microvm_request()
-        };
-        let (id, took) = sb
-            .create_with(request, &format!("microVM fork {i} of {snap}, {what}"))
-            .await?;
+        let request = proto::CreateSandboxRequest { from_snapshot_id: snap.to_string(), ..microvm_request() };
+        let (id, took) = sb.create_with(request, &format!("microVM fork {i} of {snap}, {what}")).await?;
         if i == 0 {
-            let check = format!(
-                "[ \"$(wc -c < /workspace/blob)\" -eq {} ]",
-                u64::from(CHANGED_SMALL_MIB) << 20
-            );
-            sh(
-                &sb.client,
-                &id,
-                &check,
-                &format!("the first microVM fork, {what}"),
-            )
-            .await
-            .context("a microVM fork does not see its snapshot's files")?;
+            let check = format!("[ \"$(wc -c < /workspace/blob)\" -eq {} ]", u64::from(CHANGED_SMALL_MIB) << 20);
+            sh(&sb.client, &id, &check, &format!("the first microVM fork, {what}")).await.context("a microVM fork does not see its snapshot's files")?;
         }
         sb.destroy(&id).await?;
         if i >= warmup {
@@ -222,20 +167,9 @@ async fn microvm_fork_rounds(
 /// Forks of one snapshot of a microVM with [`CHANGED_SMALL_MIB`] MiB written: first while the
 /// origin still runs (how forks are used: the origin goes on), then once it is destroyed. The
 /// second set is measured even when the first fails, so a failure there still leaves a time.
-async fn microvm_forks(
-    sb: &mut Sandboxes,
-    n: usize,
-) -> Result<(Result<Vec<Duration>>, Result<Vec<Duration>>)> {
-    let (origin, _) = sb
-        .create_with(microvm_request(), "the origin of the microVM forks")
-        .await?;
-    write_blob(
-        &sb.client,
-        &origin,
-        CHANGED_SMALL_MIB,
-        "the origin of the microVM forks",
-    )
-    .await?;
+async fn microvm_forks(sb: &mut Sandboxes, n: usize) -> Result<(Result<Vec<Duration>>, Result<Vec<Duration>>)> {
+    let (origin, _) = sb.create_with(microvm_request(), "the origin of the microVM forks").await?;
+    write_blob(&sb.client, &origin, CHANGED_SMALL_MIB, "the origin of the microVM forks").await?;
     let (snap, _, _) = sb.snapshot(&origin, "the microVM snapshot to fork").await?;
     let running = microvm_fork_rounds(sb, &snap, n, "origin running").await;
     // A fork that failed after its create is still alive: it goes, with the origin.
@@ -259,26 +193,12 @@ async fn wait_for_pool(daemon: &Daemon, count: usize) -> Result<()> {
         if count_logged(&lines, LOG_POOL_READY) >= count {
             return Ok(());
         }
-        let complaints = || {
-            lines
-                .iter()
-                .filter(|l| l.level == "WARN" || l.level == "ERROR")
-                .map(LogLine::text)
-                .collect::<Vec<_>>()
-                .join("; ")
-        };
-        if lines
-            .iter()
-            .any(|l| l.message.starts_with(LOG_POOL_GAVE_UP))
-        {
+        let complaints = || lines.iter().filter(|l| l.level == "WARN" || l.level == "ERROR").map(LogLine::text).collect::<Vec<_>>().join("; ");
+        if lines.iter().any(|l| l.message.starts_with(LOG_POOL_GAVE_UP)) {
             bail!("the warm pool gave up booting VMs: {}", complaints());
         }
         if Instant::now() > deadline {
-            bail!(
-                "the warm pool did not log its VM number {count} (`{LOG_POOL_READY}`) within {} s; warnings: {}",
-                POOL_FILL_TIMEOUT.as_secs(),
-                complaints()
-            );
+            bail!("the warm pool did not log its VM number {count} (`{LOG_POOL_READY}`) within {} s; warnings: {}", POOL_FILL_TIMEOUT.as_secs(), complaints());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -287,11 +207,7 @@ async fn wait_for_pool(daemon: &Daemon, count: usize) -> Result<()> {
 /// Creates served by the warm pool of size 1: before each, wait for the pool to hold a VM again;
 /// after it, check the daemon says this create took it. Returns the creates, the creates with
 /// their first exec, and the boot times of the pool's VMs.
-async fn microvm_pool_creates(
-    daemon: &Daemon,
-    sb: &mut Sandboxes,
-    n: usize,
-) -> Result<(Vec<Duration>, Vec<Duration>, Vec<Duration>)> {
+async fn microvm_pool_creates(daemon: &Daemon, sb: &mut Sandboxes, n: usize) -> Result<(Vec<Duration>, Vec<Duration>, Vec<Duration>)> {
     let warmup = 1;
     let (mut creates, mut readies) = (Vec::with_capacity(n), Vec::with_capacity(n));
     for i in 0..warmup + n {
@@ -300,9 +216,7 @@ async fn microvm_pool_creates(
         let t = Instant::now();
         let (id, created) = sb.create_with(microvm_request(), &what).await?;
         let ready = first_exec(sb, &id, t, &what).await?;
-        let taken = log_lines(&daemon.log()).iter().any(|l| {
-            l.message == LOG_POOL_TAKEN && l.field("sandbox").as_deref() == Some(id.as_str())
-        });
+        let taken = log_lines(&daemon.log()).iter().any(|l| l.message == LOG_POOL_TAKEN && l.field("sandbox").as_deref() == Some(id.as_str()));
         if !taken {
             bail!(
                 "{what}: the pool held a booted VM, yet the daemon did not log `{LOG_POOL_TAKEN}` for \
@@ -315,11 +229,7 @@ async fn microvm_pool_creates(
             readies.push(ready);
         }
     }
-    let pool_boots = log_lines(&daemon.log())
-        .iter()
-        .filter(|l| l.message == LOG_POOL_READY)
-        .filter_map(|l| l.millis("boot_ms"))
-        .collect();
+    let pool_boots = log_lines(&daemon.log()).iter().filter(|l| l.message == LOG_POOL_READY).filter_map(|l| l.millis("boot_ms")).collect();
     Ok((creates, readies, pool_boots))
 }
 
@@ -330,13 +240,8 @@ async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel
     let mut sb = Sandboxes::new(daemon.client().await?);
     eprintln!("bench: sandboxd microVM tier: a first, untimed boot (may probe KVM)");
     let t = Instant::now();
-    let first = match sb
-        .create_with(microvm_request(), "microVM tier, first create")
-        .await
-    {
-        Ok((id, _)) => first_exec(&sb, &id, t, "microVM tier, first boot")
-            .await
-            .map(|took| (id, took)),
+    let first = match sb.create_with(microvm_request(), "microVM tier, first create").await {
+        Ok((id, _)) => first_exec(&sb, &id, t, "microVM tier, first boot").await.map(|took| (id, took)),
         Err(e) => Err(e),
     };
     let lines = log_lines(&daemon.log());
@@ -346,9 +251,7 @@ async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel
         Ok(x) => x,
         Err(e) if is_failed_precondition(&e) => {
             let why = format!("CreateSandbox with ISOLATION_MICROVM: {e:#}");
-            let line = format!(
-                "!!!!! SANDBOXD MICROVM TIER UNAVAILABLE: {why} — its rows say \"unavailable\" !!!!!"
-            );
+            let line = format!("!!!!! SANDBOXD MICROVM TIER UNAVAILABLE: {why} — its rows say \"unavailable\" !!!!!");
             eprintln!("{line}");
             println!("{line}");
             report.unavailable(&Key::MICROVM, &why);
@@ -362,11 +265,7 @@ async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel
             return Err(e.context("the first microVM create and exec"));
         }
     };
-    let accel = lines
-        .iter()
-        .find(|l| l.message == LOG_BOOTED)
-        .and_then(|l| l.field("accel"))
-        .and_then(|a| VmAccel::from_log(&a));
+    let accel = lines.iter().find(|l| l.message == LOG_BOOTED).and_then(|l| l.field("accel")).and_then(|a| VmAccel::from_log(&a));
     let Some(accel) = accel else {
         sb.cleanup().await;
         bail!("the daemon booted a microVM but logged no `{LOG_BOOTED}` line with accel=tcg or accel=kvm");
@@ -380,11 +279,7 @@ async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel
     );
     sb.destroy(&id).await?;
 
-    eprintln!(
-        "bench: sandboxd microVM cold boots ({}) × {}",
-        accel.name(),
-        plan.microvm_boot
-    );
+    eprintln!("bench: sandboxd microVM cold boots ({}) × {}", accel.name(), plan.microvm_boot);
     match cold_boots(&daemon, &mut sb, accel, plan.microvm_boot).await {
         Ok(cold) => {
             report.measured(Key::MicroVmDestroy, &cold.destroys);
@@ -392,20 +287,13 @@ async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel
         }
         Err(e) => {
             print_log_tail(&daemon, "microVM (auto)");
-            let keys = [
-                Key::MicroVmBoot(accel),
-                Key::MicroVmCreate(accel),
-                Key::MicroVmDestroy,
-            ];
+            let keys = [Key::MicroVmBoot(accel), Key::MicroVmCreate(accel), Key::MicroVmDestroy];
             report.failed(&keys, &e);
         }
     }
     sb.cleanup().await;
 
-    eprintln!(
-        "bench: sandboxd microVM Exec × {}, ExecStream × {}",
-        plan.microvm_exec, plan.microvm_stream
-    );
+    eprintln!("bench: sandboxd microVM Exec × {}, ExecStream × {}", plan.microvm_exec, plan.microvm_stream);
     match microvm_execs(&mut sb, plan).await {
         Ok((unary, streamed)) => {
             report.measured(Key::MicroVmExec, &unary);
@@ -418,18 +306,8 @@ async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel
     }
     sb.cleanup().await;
 
-    eprintln!(
-        "bench: sandboxd microVM snapshot+rollback, {CHANGED_SMALL_MIB} MiB changed × {}",
-        plan.microvm_snap
-    );
-    match snapshot_rollback(
-        &mut sb,
-        microvm_request(),
-        CHANGED_SMALL_MIB,
-        plan.microvm_snap,
-    )
-    .await
-    {
+    eprintln!("bench: sandboxd microVM snapshot+rollback, {CHANGED_SMALL_MIB} MiB changed × {}", plan.microvm_snap);
+    match snapshot_rollback(&mut sb, microvm_request(), CHANGED_SMALL_MIB, plan.microvm_snap).await {
         Ok((snaps, rollbacks, sizes)) => {
             report.measured(Key::MicroVmSnapshot, &snaps);
             report.measured(Key::MicroVmRollback, &rollbacks);
@@ -442,10 +320,7 @@ async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel
     }
     sb.cleanup().await;
 
-    eprintln!(
-        "bench: sandboxd microVM forks × {}, origin running then destroyed",
-        plan.microvm_fork
-    );
+    eprintln!("bench: sandboxd microVM forks × {}, origin running then destroyed", plan.microvm_fork);
     let fork_keys = [Key::MicroVmFork, Key::MicroVmForkOriginGone];
     match microvm_forks(&mut sb, plan.microvm_fork).await {
         Ok((running, gone)) => {
@@ -481,31 +356,16 @@ async fn microvm_other_accel(plan: &Plan, report: &mut Report, accel: VmAccel) -
     let what = format!("accel = \"{}\"", accel.config());
     let daemon = start_microvm_daemon(&toml, &[], &what).await?;
     let mut sb = Sandboxes::new(daemon.client().await?);
-    eprintln!(
-        "bench: sandboxd microVM tier under {}: a first, untimed boot",
-        accel.name()
-    );
+    eprintln!("bench: sandboxd microVM tier under {}: a first, untimed boot", accel.name());
     let t = Instant::now();
-    let first = match sb
-        .create_with(
-            microvm_request(),
-            &format!("first microVM create with {what}"),
-        )
-        .await
-    {
-        Ok((id, _)) => first_exec(&sb, &id, t, &format!("first microVM boot with {what}"))
-            .await
-            .map(|_| id),
+    let first = match sb.create_with(microvm_request(), &format!("first microVM create with {what}")).await {
+        Ok((id, _)) => first_exec(&sb, &id, t, &format!("first microVM boot with {what}")).await.map(|_| id),
         Err(e) => Err(e),
     };
     let result = match first {
         Ok(id) => {
             sb.destroy(&id).await?;
-            eprintln!(
-                "bench: sandboxd microVM cold boots ({}) × {}",
-                accel.name(),
-                plan.microvm_boot
-            );
+            eprintln!("bench: sandboxd microVM cold boots ({}) × {}", accel.name(), plan.microvm_boot);
             match cold_boots(&daemon, &mut sb, accel, plan.microvm_boot).await {
                 Ok(cold) => {
                     record_cold_boots(report, accel, cold);
@@ -515,13 +375,8 @@ async fn microvm_other_accel(plan: &Plan, report: &mut Report, accel: VmAccel) -
             }
         }
         Err(e) if accel == VmAccel::Kvm => {
-            let reason = report
-                .microvm
-                .kvm_reason
-                .clone()
-                .unwrap_or_else(|| "the daemon left at accel = \"auto\" chose TCG".to_string());
-            let why =
-                format!("KVM unusable on this host: {reason}; a boot forced to KVM failed too");
+            let reason = report.microvm.kvm_reason.clone().unwrap_or_else(|| "the daemon left at accel = \"auto\" chose TCG".to_string());
+            let why = format!("KVM unusable on this host: {reason}; a boot forced to KVM failed too");
             let forced = format!(
                 "a daemon with {what} and boot_timeout_ms = {KVM_TRY_BOOT_TIMEOUT_MS} failed its \
                  first create after {:.1} s: {}",
@@ -546,10 +401,7 @@ async fn microvm_other_accel(plan: &Plan, report: &mut Report, accel: VmAccel) -
 async fn microvm_pool(plan: &Plan, report: &mut Report) -> Result<()> {
     let daemon = start_microvm_daemon("", &["--microvm-pool", "1"], "--microvm-pool 1").await?;
     let mut sb = Sandboxes::new(daemon.client().await?);
-    eprintln!(
-        "bench: sandboxd microVM creates from the warm pool × {}",
-        plan.microvm_pool
-    );
+    eprintln!("bench: sandboxd microVM creates from the warm pool × {}", plan.microvm_pool);
     let result = microvm_pool_creates(&daemon, &mut sb, plan.microvm_pool).await;
     sb.cleanup().await;
     match result {
@@ -576,10 +428,7 @@ pub(crate) async fn sandboxd_microvm(plan: &Plan, report: &mut Report) {
     match microvm_auto(plan, report).await {
         Ok(Some(accel)) => {
             if let Err(e) = microvm_other_accel(plan, report, accel.other()).await {
-                let keys = [
-                    Key::MicroVmBoot(accel.other()),
-                    Key::MicroVmCreate(accel.other()),
-                ];
+                let keys = [Key::MicroVmBoot(accel.other()), Key::MicroVmCreate(accel.other())];
                 report.failed(&keys, &e);
             }
             if let Err(e) = microvm_pool(plan, report).await {
@@ -589,7 +438,5 @@ pub(crate) async fn sandboxd_microvm(plan: &Plan, report: &mut Report) {
         Ok(None) => {}
         Err(e) => report.failed_unless_done(&Key::MICROVM, &e),
     }
-    report
-        .section_times
-        .push(("sandboxd microVM tier".into(), started.elapsed()));
+    report.section_times.push(("sandboxd microVM tier".into(), started.elapsed()));
 }

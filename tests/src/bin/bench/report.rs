@@ -11,9 +11,7 @@ use crate::cli::Plan;
 use crate::docker::{docker_socket, DOCKER_IMAGE};
 use crate::latency::EXEC_GAP;
 use crate::machine::Machine;
-use crate::microvm::{
-    KVM_TRY_BOOT_TIMEOUT_MS, LOG_BOOTED, LOG_POOL_READY, LOG_POOL_TAKEN, MICROVM_LOG_DIRECTIVE,
-};
+use crate::microvm::{KVM_TRY_BOOT_TIMEOUT_MS, LOG_BOOTED, LOG_POOL_READY, LOG_POOL_TAKEN, MICROVM_LOG_DIRECTIVE};
 use crate::results::{Key, Outcome, Report};
 use crate::snapshots::{CHANGED_LARGE_MIB, CHANGED_SMALL_MIB, FORK_BATCH};
 use crate::stats::{mib, mib_of, ms, p50_of};
@@ -28,11 +26,7 @@ fn one_line(s: &str) -> String {
 /// Markdown table cells can hold neither newlines nor pipes.
 fn cell(s: &str) -> String {
     let one_line = one_line(s);
-    let short: String = if one_line.chars().count() > 160 {
-        one_line.chars().take(160).chain("…".chars()).collect()
-    } else {
-        one_line
-    };
+    let short: String = if one_line.chars().count() > 160 { one_line.chars().take(160).chain("…".chars()).collect() } else { one_line };
     short.replace('|', "\\|")
 }
 
@@ -41,15 +35,7 @@ fn table_row(w: &mut String, report: &Report, key: Key, plan: &Plan) {
     let label = key.label(plan.live);
     match report.rows.get(&key) {
         Some(Outcome::Measured(s)) => {
-            let _ = writeln!(
-                w,
-                "| {label} | {} | {} | {} | {} | {} |",
-                s.n,
-                ms(s.p50),
-                ms(s.p99),
-                ms(s.mean),
-                ms(s.max)
-            );
+            let _ = writeln!(w, "| {label} | {} | {} | {} | {} | {} |", s.n, ms(s.p50), ms(s.p99), ms(s.mean), ms(s.max));
         }
         Some(Outcome::Unavailable(why)) => {
             let _ = writeln!(w, "| {label} | — | unavailable | | | {} |", cell(why));
@@ -86,11 +72,7 @@ fn render_microvm(w: &mut String, report: &Report, plan: &Plan) {
                 if vm.accel_log.is_empty() {
                     "nothing about KVM or TCG".to_string()
                 } else {
-                    vm.accel_log
-                        .iter()
-                        .map(|l| format!("`{}`", one_line(l).replace('`', "'")))
-                        .collect::<Vec<_>>()
-                        .join("; ")
+                    vm.accel_log.iter().map(|l| format!("`{}`", one_line(l).replace('`', "'"))).collect::<Vec<_>>().join("; ")
                 }
             );
         }
@@ -102,17 +84,11 @@ fn render_microvm(w: &mut String, report: &Report, plan: &Plan) {
         let _ = writeln!(
             w,
             "KVM is unusable on this host: {}; then {}.\n",
-            vm.kvm_reason
-                .as_deref()
-                .map(one_line)
-                .unwrap_or_else(|| "the daemon left at `accel = \"auto\"` chose TCG".into()),
+            vm.kvm_reason.as_deref().map(one_line).unwrap_or_else(|| "the daemon left at `accel = \"auto\"` chose TCG".into()),
             one_line(forced)
         );
     }
-    let _ = writeln!(
-        w,
-        "| measurement | n | p50 ms | p99 ms | mean ms | max ms |\n|---|---:|---:|---:|---:|---:|"
-    );
+    let _ = writeln!(w, "| measurement | n | p50 ms | p99 ms | mean ms | max ms |\n|---|---:|---:|---:|---:|---:|");
     for key in Key::MICROVM {
         table_row(w, report, key, plan);
     }
@@ -135,10 +111,7 @@ fn render_microvm(w: &mut String, report: &Report, plan: &Plan) {
         ));
     }
     if let Some(size) = vm.snapshot_size {
-        notes.push(format!(
-            "the snapshots' `size_bytes` with {CHANGED_SMALL_MIB} MiB changed (median): {}",
-            mib_of(size)
-        ));
+        notes.push(format!("the snapshots' `size_bytes` with {CHANGED_SMALL_MIB} MiB changed (median): {}", mib_of(size)));
     }
     if !notes.is_empty() {
         let _ = writeln!(w);
@@ -168,20 +141,9 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
     }
 
     let _ = writeln!(w, "\n## Latency\n");
-    let _ = writeln!(
-        w,
-        "Milliseconds of wall time per API call, as the client sees it.\n"
-    );
-    let _ = writeln!(
-        w,
-        "| measurement | n | p50 ms | p99 ms | mean ms | max ms |\n|---|---:|---:|---:|---:|---:|"
-    );
-    let all_rows = Key::SANDBOXD
-        .iter()
-        .chain(Key::SNAPSHOTS.iter())
-        .chain(Key::FORKS.iter())
-        .chain(Key::CONTAINER.iter())
-        .chain(Key::DOCKER.iter());
+    let _ = writeln!(w, "Milliseconds of wall time per API call, as the client sees it.\n");
+    let _ = writeln!(w, "| measurement | n | p50 ms | p99 ms | mean ms | max ms |\n|---|---:|---:|---:|---:|---:|");
+    let all_rows = Key::SANDBOXD.iter().chain(Key::SNAPSHOTS.iter()).chain(Key::FORKS.iter()).chain(Key::CONTAINER.iter()).chain(Key::DOCKER.iter());
     for key in all_rows {
         table_row(w, report, *key, plan);
     }
@@ -189,19 +151,11 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
         let sizes: Vec<String> = Key::SNAPSHOTS
             .iter()
             .filter_map(|k| match (k, report.snapshot_sizes.get(k)) {
-                (Key::Snapshot(image, mib), Some(size)) => Some(format!(
-                    "{} with {mib} MiB changed: {}",
-                    image.name(),
-                    mib_of(*size)
-                )),
+                (Key::Snapshot(image, mib), Some(size)) => Some(format!("{} with {mib} MiB changed: {}", image.name(), mib_of(*size))),
                 _ => None,
             })
             .collect();
-        let _ = writeln!(
-            w,
-            "\nThe snapshots' `size_bytes` as the daemon reported them (median): {}.",
-            sizes.join("; ")
-        );
+        let _ = writeln!(w, "\nThe snapshots' `size_bytes` as the daemon reported them (median): {}.", sizes.join("; "));
     }
 
     let _ = writeln!(w, "\n## Exec throughput\n");
@@ -214,10 +168,7 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
              concurrent client tasks; execs/s is the count over the wall time from the first send to the \
              last answer, latency is each exec's round trip under that load.\n"
         );
-        let _ = writeln!(
-            w,
-            "| concurrency | execs | wall s | execs/s | p50 ms | p99 ms | mean ms | max ms |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
-        );
+        let _ = writeln!(w, "| concurrency | execs | wall s | execs/s | p50 ms | p99 ms | mean ms | max ms |\n|---:|---:|---:|---:|---:|---:|---:|---:|");
         for (concurrency, result) in &report.throughput {
             match result {
                 Ok(t) => {
@@ -235,11 +186,7 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
                     );
                 }
                 Err(why) => {
-                    let _ = writeln!(
-                        w,
-                        "| {concurrency} | — | | **FAILED** | | | | {} |",
-                        cell(why)
-                    );
+                    let _ = writeln!(w, "| {concurrency} | — | | **FAILED** | | | | {} |", cell(why));
                 }
             }
         }
@@ -250,7 +197,14 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
         Some(Ok(d)) => {
             let opt = |v: Option<u64>| v.map(mib).unwrap_or_else(|| "unknown".into());
             let _ = writeln!(w, "A fresh daemon, then {} process-tier sandboxes created one after another and kept alive:\n", d.live);
-            let _ = writeln!(w, "- daemon RSS (VmRSS) idle: {}; with {} live: **{}**; after destroying them all: {}", opt(d.rss_idle), d.live, opt(d.rss_live), opt(d.rss_after));
+            let _ = writeln!(
+                w,
+                "- daemon RSS (VmRSS) idle: {}; with {} live: **{}**; after destroying them all: {}",
+                opt(d.rss_idle),
+                d.live,
+                opt(d.rss_live),
+                opt(d.rss_after)
+            );
             if let Some((pss, procs)) = d.pss_tree {
                 let _ = writeln!(
                     w,
@@ -259,7 +213,14 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
                     pss as f64 / (1u64 << 20) as f64 / d.live.max(1) as f64
                 );
             }
-            let _ = writeln!(w, "- time to create all {}: {:.2} s ({:.1} ms each on average); to destroy them all: {:.2} s", d.live, d.create_total.as_secs_f64(), d.create_total.as_secs_f64() * 1e3 / d.live.max(1) as f64, d.destroy_total.as_secs_f64());
+            let _ = writeln!(
+                w,
+                "- time to create all {}: {:.2} s ({:.1} ms each on average); to destroy them all: {:.2} s",
+                d.live,
+                d.create_total.as_secs_f64(),
+                d.create_total.as_secs_f64() * 1e3 / d.live.max(1) as f64,
+                d.destroy_total.as_secs_f64()
+            );
         }
         Some(Err(e)) => {
             let _ = writeln!(w, "**FAILED**: {}", cell(e));
@@ -269,74 +230,33 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
         }
     }
     if let Some(rss) = report.rss_after_latency {
-        let _ = writeln!(
-            w,
-            "- the latency daemon, after its creates, destroys and execs with nothing live: {} RSS",
-            mib(rss)
-        );
+        let _ = writeln!(w, "- the latency daemon, after its creates, destroys and execs with nothing live: {} RSS", mib(rss));
     }
 
     render_microvm(w, report, plan);
 
     let _ = writeln!(w, "\n## Against Docker\n");
-    let _ = writeln!(
-        w,
-        "p50 against p50, measured in this run; ratio = Docker ÷ sandboxd.\n"
-    );
-    let _ = writeln!(
-        w,
-        "| | sandboxd p50 ms | Docker p50 ms | ratio |\n|---|---:|---:|---:|"
-    );
-    let one_shot = match (
-        report.p50(Key::Create),
-        report.p50(Key::Exec),
-        report.p50(Key::Destroy),
-    ) {
+    let _ = writeln!(w, "p50 against p50, measured in this run; ratio = Docker ÷ sandboxd.\n");
+    let _ = writeln!(w, "| | sandboxd p50 ms | Docker p50 ms | ratio |\n|---|---:|---:|---:|");
+    let one_shot = match (report.p50(Key::Create), report.p50(Key::Exec), report.p50(Key::Destroy)) {
         (Some(c), Some(e), Some(d)) => Some(c + e + d),
         _ => None,
     };
     let comparisons = [
-        (
-            "a sandbox ready to exec: `CreateSandbox` vs container create+start (`--network none`)",
-            report.p50(Key::Create),
-            report.p50(Key::DockerCreateStart),
-        ),
-        (
-            "run `true` in it: `Exec` vs `docker exec`",
-            report.p50(Key::Exec),
-            report.p50(Key::DockerExec),
-        ),
-        (
-            "tear down: `DestroySandbox` vs `rm -f`",
-            report.p50(Key::Destroy),
-            report.p50(Key::DockerRemove),
-        ),
-        (
-            "one-shot `true`: create+exec+destroy (sum of p50s) vs `docker run --rm`",
-            one_shot,
-            report.p50(Key::DockerRun),
-        ),
+        ("a sandbox ready to exec: `CreateSandbox` vs container create+start (`--network none`)", report.p50(Key::Create), report.p50(Key::DockerCreateStart)),
+        ("run `true` in it: `Exec` vs `docker exec`", report.p50(Key::Exec), report.p50(Key::DockerExec)),
+        ("tear down: `DestroySandbox` vs `rm -f`", report.p50(Key::Destroy), report.p50(Key::DockerRemove)),
+        ("one-shot `true`: create+exec+destroy (sum of p50s) vs `docker run --rm`", one_shot, report.p50(Key::DockerRun)),
         (
             "container tier, a sandbox ready to exec: `CreateSandbox` vs container create+start (`--network none`)",
             report.p50(Key::ContainerCreate),
             report.p50(Key::DockerCreateStart),
         ),
-        (
-            "container tier, run `true` in it: `Exec` vs `docker exec`",
-            report.p50(Key::ContainerExec),
-            report.p50(Key::DockerExec),
-        ),
-        (
-            "container tier, tear down: `DestroySandbox` vs `rm -f`",
-            report.p50(Key::ContainerDestroy),
-            report.p50(Key::DockerRemove),
-        ),
+        ("container tier, run `true` in it: `Exec` vs `docker exec`", report.p50(Key::ContainerExec), report.p50(Key::DockerExec)),
+        ("container tier, tear down: `DestroySandbox` vs `rm -f`", report.p50(Key::ContainerDestroy), report.p50(Key::DockerRemove)),
         (
             "microVM tier, cold: boot to first exec vs container create+start (`--network none`)",
-            report
-                .microvm
-                .auto_accel
-                .and_then(|a| report.p50(Key::MicroVmBoot(a))),
+            report.microvm.auto_accel.and_then(|a| report.p50(Key::MicroVmBoot(a))),
             report.p50(Key::DockerCreateStart),
         ),
         (
@@ -344,11 +264,7 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
             report.p50(Key::MicroVmPoolCreate),
             report.p50(Key::DockerCreateStart),
         ),
-        (
-            "microVM tier, run `true` in it: `Exec` vs `docker exec`",
-            report.p50(Key::MicroVmExec),
-            report.p50(Key::DockerExec),
-        ),
+        ("microVM tier, run `true` in it: `Exec` vs `docker exec`", report.p50(Key::MicroVmExec), report.p50(Key::DockerExec)),
     ];
     for (what, ours, theirs) in comparisons {
         let f = |v: Option<f64>| v.map(ms).unwrap_or_else(|| "unavailable".into());
@@ -455,23 +371,12 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
          (`{LOG_POOL_TAKEN}`); the pool's refill boots in the background meanwhile, as it would in \
          use. A host that cannot run the tier at all (FAILED_PRECONDITION: no QEMU, no VM artifacts) \
          marks its rows unavailable.",
-        plan.microvm_boot,
-        plan.microvm_exec,
-        plan.microvm_stream,
-        plan.microvm_snap,
-        plan.microvm_fork,
-        plan.microvm_boot,
-        plan.microvm_pool,
+        plan.microvm_boot, plan.microvm_exec, plan.microvm_stream, plan.microvm_snap, plan.microvm_fork, plan.microvm_boot, plan.microvm_pool,
     );
     let _ = writeln!(
         w,
         "\nTime per section: {}.",
-        report
-            .section_times
-            .iter()
-            .map(|(s, d)| format!("{s} {:.1} s", d.as_secs_f64()))
-            .collect::<Vec<_>>()
-            .join(", ")
+        report.section_times.iter().map(|(s, d)| format!("{s} {:.1} s", d.as_secs_f64())).collect::<Vec<_>>().join(", ")
     );
     md
 }
@@ -487,9 +392,7 @@ fn agent_loop_section(text: &str) -> Option<&str> {
     for line in text.split_inclusive('\n') {
         let heading = line.trim_end();
         match start {
-            None if heading == AGENT_LOOP_HEADING
-                || heading.starts_with(&format!("{AGENT_LOOP_HEADING} ")) =>
-            {
+            None if heading == AGENT_LOOP_HEADING || heading.starts_with(&format!("{AGENT_LOOP_HEADING} ")) => {
                 start = Some(offset);
             }
             Some(s) if heading.starts_with("## ") => return Some(&text[s..offset]),
@@ -508,9 +411,7 @@ fn section_tail(section: &str) -> String {
 /// Writes the report `md` to `out`, carrying over the `## Agent loop` section an earlier file
 /// there has: the agent-loop bench appends its own section to the same file.
 pub(crate) fn write(out: &Path, md: String) -> Result<()> {
-    let kept = std::fs::read_to_string(out)
-        .ok()
-        .and_then(|old| agent_loop_section(&old).map(str::to_string));
+    let kept = std::fs::read_to_string(out).ok().and_then(|old| agent_loop_section(&old).map(str::to_string));
     let text = match kept {
         Some(section) => format!("{}\n{}", md.trim_end(), section_tail(&section)),
         None => md,
@@ -527,23 +428,11 @@ mod tests {
     #[test]
     fn agent_loop_section_is_kept_verbatim() {
         let old = "# sandboxd benchmarks\n\n## Latency\n\nrows\n\n## Agent loop\n\n| a | b |\n### sub\nmore\n";
-        assert_eq!(
-            agent_loop_section(old),
-            Some("## Agent loop\n\n| a | b |\n### sub\nmore\n")
-        );
+        assert_eq!(agent_loop_section(old), Some("## Agent loop\n\n| a | b |\n### sub\nmore\n"));
         let middle = "# x\n## Agent loop\nloop rows\n\n## How measured\ntext\n";
-        assert_eq!(
-            agent_loop_section(middle),
-            Some("## Agent loop\nloop rows\n\n")
-        );
-        assert_eq!(
-            agent_loop_section("# x\n## Latency\n## Agent loops\n"),
-            None
-        );
-        assert_eq!(
-            section_tail("## Agent loop\nrows\n\n"),
-            "\n## Agent loop\nrows\n"
-        );
+        assert_eq!(agent_loop_section(middle), Some("## Agent loop\nloop rows\n\n"));
+        assert_eq!(agent_loop_section("# x\n## Latency\n## Agent loops\n"), None);
+        assert_eq!(section_tail("## Agent loop\nrows\n\n"), "\n## Agent loop\nrows\n");
     }
 
     #[test]

@@ -113,17 +113,8 @@ pub(crate) enum Key {
 }
 
 impl Key {
-    pub(crate) const SANDBOXD: [Key; 9] = [
-        Key::Create,
-        Key::Destroy,
-        Key::Get,
-        Key::Exec,
-        Key::ExecSpaced,
-        Key::ExecStream,
-        Key::LiveCreate,
-        Key::LiveExec,
-        Key::LiveDestroy,
-    ];
+    pub(crate) const SANDBOXD: [Key; 9] =
+        [Key::Create, Key::Destroy, Key::Get, Key::Exec, Key::ExecSpaced, Key::ExecStream, Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
     pub(crate) const SNAPSHOTS: [Key; 8] = [
         Key::Snapshot(Image::Minimal, CHANGED_SMALL_MIB),
         Key::Rollback(Image::Minimal, CHANGED_SMALL_MIB),
@@ -135,20 +126,8 @@ impl Key {
         Key::Rollback(Image::Debian, CHANGED_LARGE_MIB),
     ];
     pub(crate) const FORKS: [Key; 3] = [Key::Fork, Key::ForkDestroy, Key::ForkBatch];
-    pub(crate) const CONTAINER: [Key; 5] = [
-        Key::ContainerCreate,
-        Key::ContainerDestroy,
-        Key::ContainerExec,
-        Key::ContainerSnapshot,
-        Key::ContainerRollback,
-    ];
-    pub(crate) const DOCKER: [Key; 5] = [
-        Key::DockerRun,
-        Key::DockerCreateStart,
-        Key::DockerCreateStartBridge,
-        Key::DockerRemove,
-        Key::DockerExec,
-    ];
+    pub(crate) const CONTAINER: [Key; 5] = [Key::ContainerCreate, Key::ContainerDestroy, Key::ContainerExec, Key::ContainerSnapshot, Key::ContainerRollback];
+    pub(crate) const DOCKER: [Key; 5] = [Key::DockerRun, Key::DockerCreateStart, Key::DockerCreateStartBridge, Key::DockerRemove, Key::DockerExec];
     pub(crate) const MICROVM: [Key; 13] = [
         Key::MicroVmBoot(VmAccel::Tcg),
         Key::MicroVmCreate(VmAccel::Tcg),
@@ -171,37 +150,23 @@ impl Key {
             Key::Destroy => "sandboxd `DestroySandbox`".into(),
             Key::Get => "sandboxd `GetSandbox` (the gRPC floor: no process is started)".into(),
             Key::Exec => "sandboxd `Exec` of `true` (unary), back to back".into(),
-            Key::ExecSpaced => format!(
-                "sandboxd `Exec` of `true` (unary), {} ms apart",
-                EXEC_GAP.as_millis()
-            ),
+            Key::ExecSpaced => format!("sandboxd `Exec` of `true` (unary), {} ms apart", EXEC_GAP.as_millis()),
             Key::ExecStream => "sandboxd `ExecStream` of `true`".into(),
             Key::LiveCreate => format!("sandboxd `CreateSandbox`, filling up to {live} live"),
             Key::LiveExec => format!("sandboxd `Exec` of `true` across {live} live sandboxes"),
             Key::LiveDestroy => format!("sandboxd `DestroySandbox`, emptying {live} live"),
             Key::Snapshot(image, mib) => {
-                format!(
-                    "sandboxd `Snapshot`, {mib} MiB changed (image {})",
-                    image.name()
-                )
+                format!("sandboxd `Snapshot`, {mib} MiB changed (image {})", image.name())
             }
             Key::Rollback(image, mib) => {
-                format!(
-                    "sandboxd `Rollback`, {mib} MiB changed (image {})",
-                    image.name()
-                )
+                format!("sandboxd `Rollback`, {mib} MiB changed (image {})", image.name())
             }
-            Key::Fork => {
-                "sandboxd fork: `CreateSandbox{from_snapshot_id}` (image minimal, 1 MiB changed)"
-                    .into()
-            }
+            Key::Fork => "sandboxd fork: `CreateSandbox{from_snapshot_id}` (image minimal, 1 MiB changed)".into(),
             Key::ForkDestroy => "sandboxd `DestroySandbox` of a fork".into(),
             Key::ForkBatch => {
                 format!("sandboxd {FORK_BATCH} forks of one snapshot, one after another (total)")
             }
-            Key::ContainerCreate => {
-                "sandboxd container tier `CreateSandbox` (image minimal)".into()
-            }
+            Key::ContainerCreate => "sandboxd container tier `CreateSandbox` (image minimal)".into(),
             Key::ContainerDestroy => "sandboxd container tier `DestroySandbox`".into(),
             Key::ContainerExec => "sandboxd container tier `Exec` of `true`, back to back".into(),
             Key::ContainerSnapshot => {
@@ -212,41 +177,22 @@ impl Key {
             }
             Key::DockerRun => "Docker `run --rm` of `true` (create+start+wait+remove)".into(),
             Key::DockerCreateStart => "Docker container create+start (`--network none`)".into(),
-            Key::DockerCreateStartBridge => {
-                "Docker container create+start (default bridge network)".into()
-            }
+            Key::DockerCreateStartBridge => "Docker container create+start (default bridge network)".into(),
             Key::DockerRemove => "Docker `rm -f` of a running container".into(),
             Key::DockerExec => "Docker `exec` of `true` (exec create+start+inspect)".into(),
-            Key::MicroVmBoot(accel) => format!(
-                "microVM boot to first exec, cold ({}, no pool): `CreateSandbox` + first `Exec` of `true`",
-                accel.name()
-            ),
-            Key::MicroVmCreate(accel) => format!(
-                "microVM `CreateSandbox` alone, cold ({}, no pool)",
-                accel.name()
-            ),
+            Key::MicroVmBoot(accel) => format!("microVM boot to first exec, cold ({}, no pool): `CreateSandbox` + first `Exec` of `true`", accel.name()),
+            Key::MicroVmCreate(accel) => format!("microVM `CreateSandbox` alone, cold ({}, no pool)", accel.name()),
             Key::MicroVmDestroy => "microVM `DestroySandbox`".into(),
-            Key::MicroVmPoolCreate => {
-                "microVM `CreateSandbox` from the warm pool (`--microvm-pool 1`)".into()
-            }
-            Key::MicroVmPoolReady => {
-                "microVM from the warm pool to first exec: `CreateSandbox` + first `Exec` of `true`"
-                    .into()
-            }
+            Key::MicroVmPoolCreate => "microVM `CreateSandbox` from the warm pool (`--microvm-pool 1`)".into(),
+            Key::MicroVmPoolReady => "microVM from the warm pool to first exec: `CreateSandbox` + first `Exec` of `true`".into(),
             Key::MicroVmExec => "microVM `Exec` of `true` (unary), back to back".into(),
             Key::MicroVmExecStream => "microVM `ExecStream` of `true`".into(),
             Key::MicroVmSnapshot => {
                 format!("microVM `Snapshot`, {CHANGED_SMALL_MIB} MiB changed")
             }
-            Key::MicroVmRollback => format!(
-                "microVM `Rollback`, {CHANGED_SMALL_MIB} MiB changed (boots a new VM over the snapshot)"
-            ),
-            Key::MicroVmFork => format!(
-                "microVM fork: `CreateSandbox{{from_snapshot_id}}`, the origin running ({CHANGED_SMALL_MIB} MiB changed)"
-            ),
-            Key::MicroVmForkOriginGone => format!(
-                "microVM fork of a snapshot whose origin was destroyed ({CHANGED_SMALL_MIB} MiB changed)"
-            ),
+            Key::MicroVmRollback => format!("microVM `Rollback`, {CHANGED_SMALL_MIB} MiB changed (boots a new VM over the snapshot)"),
+            Key::MicroVmFork => format!("microVM fork: `CreateSandbox{{from_snapshot_id}}`, the origin running ({CHANGED_SMALL_MIB} MiB changed)"),
+            Key::MicroVmForkOriginGone => format!("microVM fork of a snapshot whose origin was destroyed ({CHANGED_SMALL_MIB} MiB changed)"),
         }
     }
 }
@@ -342,13 +288,7 @@ impl Report {
 
     pub(crate) fn failed(&mut self, keys: &[Key], err: &anyhow::Error) {
         let msg = format!("{err:#}");
-        eprintln!(
-            "bench: FAILED {}: {msg}",
-            keys.iter()
-                .map(|k| format!("{k:?}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        eprintln!("bench: FAILED {}: {msg}", keys.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", "));
         for k in keys {
             self.rows.insert(*k, Outcome::Failed(msg.clone()));
         }
@@ -357,19 +297,13 @@ impl Report {
     /// [`Report::failed`] for those of `keys` that have no outcome yet: a section that fails
     /// part-way keeps the rows it measured.
     pub(crate) fn failed_unless_done(&mut self, keys: &[Key], err: &anyhow::Error) {
-        let missing: Vec<Key> = keys
-            .iter()
-            .copied()
-            .filter(|k| !self.rows.contains_key(k))
-            .collect();
+        let missing: Vec<Key> = keys.iter().copied().filter(|k| !self.rows.contains_key(k)).collect();
         self.failed(&missing, err);
     }
 
     pub(crate) fn unavailable(&mut self, keys: &[Key], reason: &str) {
         for k in keys {
-            self.rows
-                .entry(*k)
-                .or_insert_with(|| Outcome::Unavailable(reason.to_string()));
+            self.rows.entry(*k).or_insert_with(|| Outcome::Unavailable(reason.to_string()));
         }
     }
 
@@ -381,8 +315,6 @@ impl Report {
     }
 
     pub(crate) fn any_failed(&self) -> bool {
-        self.rows.values().any(|o| matches!(o, Outcome::Failed(_)))
-            || matches!(self.density, Some(Err(_)))
-            || self.throughput.iter().any(|(_, r)| r.is_err())
+        self.rows.values().any(|o| matches!(o, Outcome::Failed(_))) || matches!(self.density, Some(Err(_))) || self.throughput.iter().any(|(_, r)| r.is_err())
     }
 }

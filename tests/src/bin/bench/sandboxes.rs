@@ -20,11 +20,7 @@ pub(crate) struct Sandboxes {
 
 impl Sandboxes {
     pub(crate) fn new(client: Client) -> Self {
-        Sandboxes {
-            client,
-            live: BTreeSet::new(),
-            snapshots: BTreeSet::new(),
-        }
+        Sandboxes { client, live: BTreeSet::new(), snapshots: BTreeSet::new() }
     }
 
     /// Creates a process-tier sandbox of image `minimal`; returns its id and the call's time.
@@ -34,27 +30,15 @@ impl Sandboxes {
 
     /// Creates a sandbox as asked; returns its id and the call's time. Fails unless it is
     /// RUNNING in the tier asked for (a policy upgrade would measure another tier's numbers).
-    pub(crate) async fn create_with(
-        &mut self,
-        request: proto::CreateSandboxRequest,
-        what: &str,
-    ) -> Result<(String, Duration)> {
+    pub(crate) async fn create_with(&mut self, request: proto::CreateSandboxRequest, what: &str) -> Result<(String, Duration)> {
         check_interrupt()?;
         let asked = request.isolation;
         let t = Instant::now();
-        let sandbox = self
-            .client
-            .create(request)
-            .await
-            .with_context(|| format!("CreateSandbox ({what})"))?;
+        let sandbox = self.client.create(request).await.with_context(|| format!("CreateSandbox ({what})"))?;
         let took = t.elapsed();
         self.live.insert(sandbox.id.clone());
         if sandbox.state != proto::SandboxState::Running as i32 {
-            bail!(
-                "CreateSandbox ({what}) returned sandbox {} in state {}, not RUNNING",
-                sandbox.id,
-                state_name(sandbox.state)
-            );
+            bail!("CreateSandbox ({what}) returned sandbox {} in state {}, not RUNNING", sandbox.id, state_name(sandbox.state));
         }
         if asked != proto::Isolation::Unspecified as i32 && sandbox.isolation != asked {
             bail!(
@@ -62,63 +46,36 @@ impl Sandboxes {
                 isolation_name(asked),
                 sandbox.id,
                 isolation_name(sandbox.isolation),
-                if sandbox.isolation_reason.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({})", sandbox.isolation_reason)
-                }
+                if sandbox.isolation_reason.is_empty() { String::new() } else { format!(" ({})", sandbox.isolation_reason) }
             );
         }
         Ok((sandbox.id, took))
     }
 
     /// Snapshots sandbox `id`; returns the snapshot's id and size and the call's time.
-    pub(crate) async fn snapshot(
-        &mut self,
-        id: &str,
-        what: &str,
-    ) -> Result<(String, u64, Duration)> {
+    pub(crate) async fn snapshot(&mut self, id: &str, what: &str) -> Result<(String, u64, Duration)> {
         check_interrupt()?;
         let t = Instant::now();
-        let snap = self
-            .client
-            .snapshot(id, "")
-            .await
-            .with_context(|| format!("Snapshot of {id} ({what})"))?;
+        let snap = self.client.snapshot(id, "").await.with_context(|| format!("Snapshot of {id} ({what})"))?;
         let took = t.elapsed();
         self.snapshots.insert(snap.snapshot_id.clone());
         Ok((snap.snapshot_id, snap.size_bytes, took))
     }
 
     /// Rolls sandbox `id` back to `snapshot`; returns the call's time.
-    pub(crate) async fn rollback(
-        &mut self,
-        id: &str,
-        snapshot: &str,
-        what: &str,
-    ) -> Result<Duration> {
+    pub(crate) async fn rollback(&mut self, id: &str, snapshot: &str, what: &str) -> Result<Duration> {
         check_interrupt()?;
         let t = Instant::now();
-        let sandbox = self
-            .client
-            .rollback(id, snapshot)
-            .await
-            .with_context(|| format!("Rollback of {id} to {snapshot} ({what})"))?;
+        let sandbox = self.client.rollback(id, snapshot).await.with_context(|| format!("Rollback of {id} to {snapshot} ({what})"))?;
         let took = t.elapsed();
         if sandbox.state != proto::SandboxState::Running as i32 {
-            bail!(
-                "Rollback of {id} to {snapshot} ({what}) left the sandbox in state {}, not RUNNING",
-                state_name(sandbox.state)
-            );
+            bail!("Rollback of {id} to {snapshot} ({what}) left the sandbox in state {}, not RUNNING", state_name(sandbox.state));
         }
         Ok(took)
     }
 
     pub(crate) async fn delete_snapshot(&mut self, snapshot: &str) -> Result<()> {
-        self.client
-            .delete_snapshot(snapshot)
-            .await
-            .with_context(|| format!("DeleteSnapshot {snapshot}"))?;
+        self.client.delete_snapshot(snapshot).await.with_context(|| format!("DeleteSnapshot {snapshot}"))?;
         self.snapshots.remove(snapshot);
         Ok(())
     }
@@ -126,10 +83,7 @@ impl Sandboxes {
     /// Destroys one sandbox; returns the call's time.
     pub(crate) async fn destroy(&mut self, id: &str) -> Result<Duration> {
         let t = Instant::now();
-        self.client
-            .destroy(id)
-            .await
-            .with_context(|| format!("DestroySandbox {id}"))?;
+        self.client.destroy(id).await.with_context(|| format!("DestroySandbox {id}"))?;
         let took = t.elapsed();
         self.live.remove(id);
         Ok(took)
@@ -145,32 +99,23 @@ impl Sandboxes {
         }
         for snap in std::mem::take(&mut self.snapshots) {
             if let Err(e) = self.client.delete_snapshot(snap.as_str()).await {
-                eprintln!(
-                    "bench: WARNING: could not delete snapshot {snap} while cleaning up: {e}"
-                );
+                eprintln!("bench: WARNING: could not delete snapshot {snap} while cleaning up: {e}");
             }
         }
     }
 }
 
 fn isolation_name(isolation: i32) -> &'static str {
-    proto::Isolation::try_from(isolation)
-        .map(|i| i.as_str_name())
-        .unwrap_or("unknown")
+    proto::Isolation::try_from(isolation).map(|i| i.as_str_name()).unwrap_or("unknown")
 }
 
 /// Runs `script` with `sh -c` in sandbox `id` (untimed set-up and checks); fails unless it
 /// exits 0, with its stderr in the error.
 pub(crate) async fn sh(client: &Client, id: &str, script: &str, what: &str) -> Result<()> {
     check_interrupt()?;
-    let result = client
-        .exec(exec_request(id, ["sh", "-c", script]))
-        .await
-        .with_context(|| format!("Exec of `{script}` in {id} ({what})"))?;
+    let result = client.exec(exec_request(id, ["sh", "-c", script])).await.with_context(|| format!("Exec of `{script}` in {id} ({what})"))?;
     if result.status != proto::ExecStatus::Exited as i32 || result.exit_code != 0 {
-        let status = proto::ExecStatus::try_from(result.status)
-            .map(|s| s.as_str_name())
-            .unwrap_or("unknown");
+        let status = proto::ExecStatus::try_from(result.status).map(|s| s.as_str_name()).unwrap_or("unknown");
         bail!(
             "{what}: `{script}` in {id} ended with status {status}, exit code {}: {}{}",
             result.exit_code,
@@ -183,31 +128,22 @@ pub(crate) async fn sh(client: &Client, id: &str, script: &str, what: &str) -> R
 
 /// Writes `mib` MiB of fresh random bytes to /workspace/blob and flushes them to disk.
 pub(crate) async fn write_blob(client: &Client, id: &str, mib: u32, what: &str) -> Result<()> {
-    let script =
-        format!("dd if=/dev/urandom of=/workspace/blob bs=1M count={mib} 2>/dev/null && sync");
+    let script = format!("dd if=/dev/urandom of=/workspace/blob bs=1M count={mib} 2>/dev/null && sync");
     sh(client, id, &script, what).await
 }
 
 fn state_name(state: i32) -> &'static str {
-    proto::SandboxState::try_from(state)
-        .map(|s| s.as_str_name())
-        .unwrap_or("unknown")
+    proto::SandboxState::try_from(state).map(|s| s.as_str_name()).unwrap_or("unknown")
 }
 
 /// Fails unless `true` ran and exited 0.
 pub(crate) fn check_true(result: &proto::ExecResult, what: &str) -> Result<()> {
     if result.status != proto::ExecStatus::Exited as i32 || result.exit_code != 0 {
-        let status = proto::ExecStatus::try_from(result.status)
-            .map(|s| s.as_str_name())
-            .unwrap_or("unknown");
+        let status = proto::ExecStatus::try_from(result.status).map(|s| s.as_str_name()).unwrap_or("unknown");
         bail!(
             "{what}: `true` ended with status {status}, exit code {}{}",
             result.exit_code,
-            if result.error.is_empty() {
-                String::new()
-            } else {
-                format!(": {}", result.error)
-            }
+            if result.error.is_empty() { String::new() } else { format!(": {}", result.error) }
         );
     }
     Ok(())
@@ -217,10 +153,7 @@ pub(crate) fn check_true(result: &proto::ExecResult, what: &str) -> Result<()> {
 pub(crate) async fn exec_true(client: &Client, id: &str, what: &str) -> Result<Duration> {
     check_interrupt()?;
     let t = Instant::now();
-    let result = client
-        .exec(exec_request(id, ["true"]))
-        .await
-        .with_context(|| format!("Exec of `true` in {id} ({what})"))?;
+    let result = client.exec(exec_request(id, ["true"])).await.with_context(|| format!("Exec of `true` in {id} ({what})"))?;
     let took = t.elapsed();
     check_true(&result, what)?;
     Ok(took)
@@ -230,14 +163,8 @@ pub(crate) async fn exec_true(client: &Client, id: &str, what: &str) -> Result<D
 pub(crate) async fn exec_stream_true(client: &Client, id: &str, what: &str) -> Result<Duration> {
     check_interrupt()?;
     let t = Instant::now();
-    let stream = client
-        .exec_stream(exec_request(id, ["true"]))
-        .await
-        .with_context(|| format!("ExecStream of `true` in {id} ({what})"))?;
-    let result = stream
-        .into_result()
-        .await
-        .with_context(|| format!("reading the ExecStream of `true` in {id} ({what})"))?;
+    let stream = client.exec_stream(exec_request(id, ["true"])).await.with_context(|| format!("ExecStream of `true` in {id} ({what})"))?;
+    let result = stream.into_result().await.with_context(|| format!("reading the ExecStream of `true` in {id} ({what})"))?;
     let took = t.elapsed();
     check_true(&result, what)?;
     Ok(took)

@@ -28,44 +28,22 @@ pub(crate) async fn snapshot_rollback(
     mib: u32,
     n: usize,
 ) -> Result<(Vec<Duration>, Vec<Duration>, Vec<u64>)> {
-    let section = format!(
-        "snapshot+rollback, {mib} MiB changed, image {}",
-        request.image
-    );
-    let (id, _) = sb
-        .create_with(request, &format!("the sandbox of the {section} section"))
-        .await?;
+    let section = format!("snapshot+rollback, {mib} MiB changed, image {}", request.image);
+    let (id, _) = sb.create_with(request, &format!("the sandbox of the {section} section")).await?;
     let bytes = u64::from(mib) << 20;
     // After the rollback the blob must be back whole and the file written after the snapshot gone.
-    let check = format!(
-        "[ \"$(wc -c < /workspace/blob)\" -eq {bytes} ] && [ ! -e /workspace/after-snapshot ]"
-    );
+    let check = format!("[ \"$(wc -c < /workspace/blob)\" -eq {bytes} ] && [ ! -e /workspace/after-snapshot ]");
     let warmup = 1;
-    let (mut snaps, mut rollbacks, mut sizes) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
+    let (mut snaps, mut rollbacks, mut sizes) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     for i in 0..warmup + n {
         let what = format!("{section}, sample {i}");
         write_blob(&sb.client, &id, mib, &what).await?;
         let (snap, size, took_snap) = sb.snapshot(&id, &what).await?;
-        sh(
-            &sb.client,
-            &id,
-            "rm /workspace/blob && echo changed > /workspace/after-snapshot",
-            &what,
-        )
-        .await?;
+        sh(&sb.client, &id, "rm /workspace/blob && echo changed > /workspace/after-snapshot", &what).await?;
         let took_rollback = sb.rollback(&id, &snap, &what).await?;
-        sh(
-            &sb.client,
-            &id,
-            &check,
-            &format!("{what}, after the rollback"),
-        )
-        .await
-        .with_context(|| format!("rollback to {snap} did not restore the filesystem"))?;
+        sh(&sb.client, &id, &check, &format!("{what}, after the rollback"))
+            .await
+            .with_context(|| format!("rollback to {snap} did not restore the filesystem"))?;
         sb.delete_snapshot(&snap).await?;
         if i >= warmup {
             snaps.push(took_snap);
@@ -88,35 +66,15 @@ struct Forks {
 /// forks (create and destroy timed apart), then batches of [`FORK_BATCH`].
 async fn forks(sb: &mut Sandboxes, plan: &Plan) -> Result<Forks> {
     let (origin, _) = sb.create("the origin of the forks").await?;
-    write_blob(
-        &sb.client,
-        &origin,
-        CHANGED_SMALL_MIB,
-        "the origin of the forks",
-    )
-    .await?;
+    write_blob(&sb.client, &origin, CHANGED_SMALL_MIB, "the origin of the forks").await?;
     let (snap, _, _) = sb.snapshot(&origin, "the snapshot to fork").await?;
-    let fork_request = || proto::CreateSandboxRequest {
-        from_snapshot_id: snap.clone(),
-        ..process_sandbox("minimal")
-    };
-    let mut forks = Forks {
-        creates: Vec::with_capacity(plan.fork),
-        destroys: Vec::with_capacity(plan.fork),
-        batches: Vec::with_capacity(plan.fork_batches),
-    };
+    let fork_request = || proto::CreateSandboxRequest { from_snapshot_id: snap.clone(), ..process_sandbox("minimal") };
+    let mut forks = Forks { creates: Vec::with_capacity(plan.fork), destroys: Vec::with_capacity(plan.fork), batches: Vec::with_capacity(plan.fork_batches) };
     for i in 0..plan.warmup + plan.fork {
-        let (id, took) = sb
-            .create_with(fork_request(), &format!("fork {i} of {snap}"))
-            .await?;
+        let (id, took) = sb.create_with(fork_request(), &format!("fork {i} of {snap}")).await?;
         if i == 0 {
-            let check = format!(
-                "[ \"$(wc -c < /workspace/blob)\" -eq {} ]",
-                u64::from(CHANGED_SMALL_MIB) << 20
-            );
-            sh(&sb.client, &id, &check, "the first fork")
-                .await
-                .context("a fork does not see its snapshot's files")?;
+            let check = format!("[ \"$(wc -c < /workspace/blob)\" -eq {} ]", u64::from(CHANGED_SMALL_MIB) << 20);
+            sh(&sb.client, &id, &check, "the first fork").await.context("a fork does not see its snapshot's files")?;
         }
         let destroyed = sb.destroy(&id).await?;
         if i >= plan.warmup {
@@ -128,9 +86,7 @@ async fn forks(sb: &mut Sandboxes, plan: &Plan) -> Result<Forks> {
         let mut ids = Vec::with_capacity(FORK_BATCH);
         let t = Instant::now();
         for k in 0..FORK_BATCH {
-            let (id, _) = sb
-                .create_with(fork_request(), &format!("fork {k} of batch {b}"))
-                .await?;
+            let (id, _) = sb.create_with(fork_request(), &format!("fork {k} of batch {b}")).await?;
             ids.push(id);
         }
         forks.batches.push(t.elapsed());
@@ -147,21 +103,14 @@ async fn forks(sb: &mut Sandboxes, plan: &Plan) -> Result<Forks> {
 /// daemon's RSS nor the density daemon's is theirs.
 pub(crate) async fn sandboxd_snapshots(plan: &Plan, report: &mut Report) {
     let started = Instant::now();
-    let keys: Vec<Key> = Key::SNAPSHOTS
-        .iter()
-        .chain(Key::FORKS.iter())
-        .copied()
-        .collect();
+    let keys: Vec<Key> = Key::SNAPSHOTS.iter().chain(Key::FORKS.iter()).copied().collect();
     let fail_all = |report: &mut Report, e: &anyhow::Error| {
         report.failed(&keys, e);
         for (concurrency, _) in plan.throughput {
             report.throughput.push((concurrency, Err(format!("{e:#}"))));
         }
     };
-    let daemon = match Daemon::start()
-        .await
-        .context("starting sandboxd for the snapshot, fork and throughput sections")
-    {
+    let daemon = match Daemon::start().await.context("starting sandboxd for the snapshot, fork and throughput sections") {
         Ok(d) => d,
         Err(e) => return fail_all(report, &e),
     };
@@ -172,14 +121,8 @@ pub(crate) async fn sandboxd_snapshots(plan: &Plan, report: &mut Report) {
     let mut sb = Sandboxes::new(client);
 
     for image in [Image::Minimal, Image::Debian] {
-        for (mib, n) in [
-            (CHANGED_SMALL_MIB, plan.snap_small),
-            (CHANGED_LARGE_MIB, plan.snap_large),
-        ] {
-            eprintln!(
-                "bench: sandboxd snapshot+rollback, {mib} MiB changed, image {} × {n}",
-                image.name()
-            );
+        for (mib, n) in [(CHANGED_SMALL_MIB, plan.snap_small), (CHANGED_LARGE_MIB, plan.snap_large)] {
+            eprintln!("bench: sandboxd snapshot+rollback, {mib} MiB changed, image {} × {n}", image.name());
             let (snap_key, rollback_key) = (Key::Snapshot(image, mib), Key::Rollback(image, mib));
             match snapshot_rollback(&mut sb, process_sandbox(image.name()), mib, n).await {
                 Ok((snaps, rollbacks, sizes)) => {
@@ -195,10 +138,7 @@ pub(crate) async fn sandboxd_snapshots(plan: &Plan, report: &mut Report) {
         }
     }
 
-    eprintln!(
-        "bench: sandboxd forks × {}, batches of {FORK_BATCH} × {}",
-        plan.fork, plan.fork_batches
-    );
+    eprintln!("bench: sandboxd forks × {}, batches of {FORK_BATCH} × {}", plan.fork, plan.fork_batches);
     match forks(&mut sb, plan).await {
         Ok(f) => {
             report.measured(Key::Fork, &f.creates);
@@ -221,8 +161,5 @@ pub(crate) async fn sandboxd_snapshots(plan: &Plan, report: &mut Report) {
     sb.cleanup().await;
 
     drop(daemon);
-    report.section_times.push((
-        "sandboxd snapshots, forks, throughput".into(),
-        started.elapsed(),
-    ));
+    report.section_times.push(("sandboxd snapshots, forks, throughput".into(), started.elapsed()));
 }

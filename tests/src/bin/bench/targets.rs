@@ -39,22 +39,14 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
     let mut out = Vec::new();
     let t = format!("`CreateSandbox` p50 ≤ {TARGET_CREATE_P50_MS} ms");
     out.push(match report.p50(Key::Create) {
-        Some(p) => (
-            t,
-            format!("{} ms", ms(p)),
-            verdict(p <= TARGET_CREATE_P50_MS),
-        ),
+        Some(p) => (t, format!("{} ms", ms(p)), verdict(p <= TARGET_CREATE_P50_MS)),
         None => (t, "not measured".into(), "not measured".into()),
     });
     let t = format!("exec round trip p50 ≤ {TARGET_EXEC_P50_MS} ms");
     let gap = EXEC_GAP.as_millis();
     out.push(match (report.p50(Key::Exec), report.p50(Key::ExecSpaced)) {
         (Some(p), Some(spaced)) => {
-            let measured = format!(
-                "{} ms back to back; {} ms with {gap} ms between execs (unary `Exec` of `true`)",
-                ms(p),
-                ms(spaced)
-            );
+            let measured = format!("{} ms back to back; {} ms with {gap} ms between execs (unary `Exec` of `true`)", ms(p), ms(spaced));
             let result = match (p <= TARGET_EXEC_P50_MS, spaced <= TARGET_EXEC_P50_MS) {
                 (true, true) => "PASS".to_string(),
                 (true, false) => format!("PASS back to back, **MISS** {gap} ms apart"),
@@ -63,35 +55,16 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
             };
             (t, measured, result)
         }
-        (Some(p), None) => (
-            t,
-            format!("{} ms back to back (unary `Exec` of `true`)", ms(p)),
-            verdict(p <= TARGET_EXEC_P50_MS),
-        ),
+        (Some(p), None) => (t, format!("{} ms back to back (unary `Exec` of `true`)", ms(p)), verdict(p <= TARGET_EXEC_P50_MS)),
         _ => (t, "not measured".into(), "not measured".into()),
     });
-    let t = format!(
-        "{TARGET_LIVE} live sandboxes, daemon RSS < {}",
-        mib(TARGET_RSS_BYTES)
-    );
+    let t = format!("{TARGET_LIVE} live sandboxes, daemon RSS < {}", mib(TARGET_RSS_BYTES));
     out.push(match &report.density {
         Some(Ok(d)) if d.live >= TARGET_LIVE => match d.rss_live {
-            Some(rss) => (
-                t,
-                format!("{} with {} live", mib(rss), d.live),
-                verdict(rss < TARGET_RSS_BYTES),
-            ),
+            Some(rss) => (t, format!("{} with {} live", mib(rss), d.live), verdict(rss < TARGET_RSS_BYTES)),
             None => (t, "RSS unreadable".into(), "not measured".into()),
         },
-        Some(Ok(d)) => (
-            t,
-            format!(
-                "only {} live in this run ({})",
-                d.live,
-                d.rss_live.map(mib).unwrap_or_default()
-            ),
-            "not measured".into(),
-        ),
+        Some(Ok(d)) => (t, format!("only {} live in this run ({})", d.live, d.rss_live.map(mib).unwrap_or_default()), "not measured".into()),
         Some(Err(e)) => (t, format!("failed: {e}"), "**MISS**".into()),
         None => (t, "not run".into(), "not measured".into()),
     });
@@ -99,16 +72,8 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
     // Snapshots (issue 3): absolute targets with a small change over the small image...
     let small = CHANGED_SMALL_MIB;
     for (op, key, target) in [
-        (
-            "`Snapshot`",
-            Key::Snapshot(Image::Minimal, small),
-            TARGET_SNAPSHOT_P50_MS,
-        ),
-        (
-            "`Rollback`",
-            Key::Rollback(Image::Minimal, small),
-            TARGET_ROLLBACK_P50_MS,
-        ),
+        ("`Snapshot`", Key::Snapshot(Image::Minimal, small), TARGET_SNAPSHOT_P50_MS),
+        ("`Rollback`", Key::Rollback(Image::Minimal, small), TARGET_ROLLBACK_P50_MS),
     ] {
         let t = format!("{op} p50 ≤ {target} ms with {small} MiB changed (image minimal)");
         out.push(match report.p50(key) {
@@ -118,16 +83,8 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
     }
     // ...and the same change over a 100× larger image costs at most twice as much.
     for (op, large, base) in [
-        (
-            "`Snapshot`",
-            Key::Snapshot(Image::Debian, small),
-            Key::Snapshot(Image::Minimal, small),
-        ),
-        (
-            "`Rollback`",
-            Key::Rollback(Image::Debian, small),
-            Key::Rollback(Image::Minimal, small),
-        ),
+        ("`Snapshot`", Key::Snapshot(Image::Debian, small), Key::Snapshot(Image::Minimal, small)),
+        ("`Rollback`", Key::Rollback(Image::Debian, small), Key::Rollback(Image::Minimal, small)),
     ] {
         let t = format!(
             "{op} over the 100× larger image within {TARGET_LARGE_IMAGE_FACTOR}× of the small one \
@@ -136,39 +93,21 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
         out.push(match (report.p50(large), report.p50(base)) {
             (Some(l), Some(b)) => {
                 let ratio = l / b.max(1e-9);
-                (
-                    t,
-                    format!("{} ms vs {} ms: {ratio:.2}×", ms(l), ms(b)),
-                    verdict(ratio <= TARGET_LARGE_IMAGE_FACTOR),
-                )
+                (t, format!("{} ms vs {} ms: {ratio:.2}×", ms(l), ms(b)), verdict(ratio <= TARGET_LARGE_IMAGE_FACTOR))
             }
             _ => (t, "not measured".into(), "not measured".into()),
         });
     }
     let t = format!("fork p50 ≤ `CreateSandbox` p50 + {TARGET_FORK_OVER_CREATE_MS} ms");
     out.push(match (report.p50(Key::Fork), report.p50(Key::Create)) {
-        (Some(f), Some(c)) => (
-            t,
-            format!(
-                "fork {} ms, create {} ms: {} ms",
-                ms(f),
-                ms(c),
-                signed_ms(f - c)
-            ),
-            verdict(f <= c + TARGET_FORK_OVER_CREATE_MS),
-        ),
+        (Some(f), Some(c)) => (t, format!("fork {} ms, create {} ms: {} ms", ms(f), ms(c), signed_ms(f - c)), verdict(f <= c + TARGET_FORK_OVER_CREATE_MS)),
         _ => (t, "not measured".into(), "not measured".into()),
     });
 
     // Container tier (issue 4).
-    for (what, ours, theirs) in [
-        (
-            "container tier `CreateSandbox`",
-            Key::ContainerCreate,
-            Key::DockerCreateStart,
-        ),
-        ("container tier `Exec`", Key::ContainerExec, Key::DockerExec),
-    ] {
+    for (what, ours, theirs) in
+        [("container tier `CreateSandbox`", Key::ContainerCreate, Key::DockerCreateStart), ("container tier `Exec`", Key::ContainerExec, Key::DockerExec)]
+    {
         let t = format!(
             "{what} p50 within {TARGET_CONTAINER_VS_DOCKER}× of the raw Docker calls ({})",
             match theirs {
@@ -179,24 +118,14 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
         out.push(match (report.p50(ours), report.p50(theirs)) {
             (Some(o), Some(d)) => {
                 let ratio = o / d.max(1e-9);
-                (
-                    t,
-                    format!("{} ms vs Docker {} ms: {ratio:.2}×", ms(o), ms(d)),
-                    verdict(ratio <= TARGET_CONTAINER_VS_DOCKER),
-                )
+                (t, format!("{} ms vs Docker {} ms: {ratio:.2}×", ms(o), ms(d)), verdict(ratio <= TARGET_CONTAINER_VS_DOCKER))
             }
             _ => (t, "not measured".into(), "not measured".into()),
         });
     }
-    let t = format!(
-        "container tier `Rollback` p50 ≤ {TARGET_CONTAINER_ROLLBACK_P50_MS} ms ({small} MiB changed)"
-    );
+    let t = format!("container tier `Rollback` p50 ≤ {TARGET_CONTAINER_ROLLBACK_P50_MS} ms ({small} MiB changed)");
     out.push(match report.p50(Key::ContainerRollback) {
-        Some(p) => (
-            t,
-            format!("{} ms", ms(p)),
-            verdict(p <= TARGET_CONTAINER_ROLLBACK_P50_MS),
-        ),
+        Some(p) => (t, format!("{} ms", ms(p)), verdict(p <= TARGET_CONTAINER_ROLLBACK_P50_MS)),
         None => (t, "not measured".into(), "not measured".into()),
     });
 
@@ -206,36 +135,19 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
         None => String::new(),
     };
     let create_start = docker(Key::DockerCreateStart, "create+start");
-    for (accel, target) in [
-        (VmAccel::Tcg, TARGET_MICROVM_TCG_BOOT_P50_MS),
-        (VmAccel::Kvm, TARGET_MICROVM_KVM_BOOT_P50_MS),
-    ] {
+    for (accel, target) in [(VmAccel::Tcg, TARGET_MICROVM_TCG_BOOT_P50_MS), (VmAccel::Kvm, TARGET_MICROVM_KVM_BOOT_P50_MS)] {
         let t = format!(
             "microVM boot to first exec under {} p50 ≤ {target} ms (no pool){}",
             accel.name(),
-            if accel == VmAccel::Kvm {
-                ", where KVM works"
-            } else {
-                ""
-            }
+            if accel == VmAccel::Kvm { ", where KVM works" } else { "" }
         );
         let boot = Key::MicroVmBoot(accel);
         out.push(match report.rows.get(&boot) {
             Some(Outcome::Measured(s)) => {
                 let create = report.p50(Key::MicroVmCreate(accel)).map(ms);
-                (
-                    t,
-                    format!(
-                        "{} ms (`CreateSandbox` alone {} ms){create_start}",
-                        ms(s.p50),
-                        create.unwrap_or_else(|| "?".into())
-                    ),
-                    verdict(s.p50 <= target),
-                )
+                (t, format!("{} ms (`CreateSandbox` alone {} ms){create_start}", ms(s.p50), create.unwrap_or_else(|| "?".into())), verdict(s.p50 <= target))
             }
-            Some(Outcome::Unavailable(why)) if accel == VmAccel::Kvm => {
-                (t, why.clone(), "not measured (no usable KVM)".into())
-            }
+            Some(Outcome::Unavailable(why)) if accel == VmAccel::Kvm => (t, why.clone(), "not measured (no usable KVM)".into()),
             _ => (t, "not measured".into(), "not measured".into()),
         });
     }
@@ -246,26 +158,16 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
             format!(
                 "{} ms (unary `Exec` of `true`, back to back{}){}",
                 ms(p),
-                report
-                    .microvm
-                    .auto_accel
-                    .map(|a| format!(", under {}", a.name()))
-                    .unwrap_or_default(),
+                report.microvm.auto_accel.map(|a| format!(", under {}", a.name())).unwrap_or_default(),
                 docker(Key::DockerExec, "exec")
             ),
             verdict(p <= TARGET_MICROVM_EXEC_P50_MS),
         ),
         None => (t, "not measured".into(), "not measured".into()),
     });
-    let t = format!(
-        "microVM `CreateSandbox` from the warm pool p50 ≤ {TARGET_MICROVM_POOL_CREATE_P50_MS} ms"
-    );
+    let t = format!("microVM `CreateSandbox` from the warm pool p50 ≤ {TARGET_MICROVM_POOL_CREATE_P50_MS} ms");
     out.push(match report.p50(Key::MicroVmPoolCreate) {
-        Some(p) => (
-            t,
-            format!("{} ms{create_start}", ms(p)),
-            verdict(p <= TARGET_MICROVM_POOL_CREATE_P50_MS),
-        ),
+        Some(p) => (t, format!("{} ms{create_start}", ms(p)), verdict(p <= TARGET_MICROVM_POOL_CREATE_P50_MS)),
         None => (t, "not measured".into(), "not measured".into()),
     });
     out
@@ -285,10 +187,7 @@ mod tests {
         report.measured(Key::ExecSpaced, &[Duration::from_millis(9)]);
         let t = targets(&report);
         assert!(t[0].2.contains("MISS"), "{t:?}");
-        assert!(
-            t[1].2.starts_with("PASS back to back") && t[1].2.contains("MISS"),
-            "{t:?}"
-        );
+        assert!(t[1].2.starts_with("PASS back to back") && t[1].2.contains("MISS"), "{t:?}");
         assert_eq!(t[2].2, "not measured");
     }
 
@@ -303,12 +202,8 @@ mod tests {
         report.measured(Key::Rollback(Image::Minimal, CHANGED_SMALL_MIB), &ms(31));
         report.measured(Key::Rollback(Image::Debian, CHANGED_SMALL_MIB), &ms(70));
         let t = targets(&report);
-        let find = |start: &str| {
-            t.iter()
-                .find(|(target, _, _)| target.starts_with(start))
-                .unwrap_or_else(|| panic!("no target starting {start:?} in {t:?}"))
-                .clone()
-        };
+        let find =
+            |start: &str| t.iter().find(|(target, _, _)| target.starts_with(start)).unwrap_or_else(|| panic!("no target starting {start:?} in {t:?}")).clone();
         assert_eq!(find("`Snapshot` p50").2, "PASS");
         assert_eq!(find("`Rollback` p50").2, "**MISS**");
         let large = find("`Snapshot` over the 100×");
@@ -332,23 +227,13 @@ mod tests {
         report.measured(Key::MicroVmExec, &ms(25));
         report.measured(Key::MicroVmPoolCreate, &ms(40));
         report.measured(Key::DockerCreateStart, &ms(300));
-        report.unavailable(
-            &[Key::MicroVmBoot(VmAccel::Kvm)],
-            "KVM unusable on this host: KVM probe failed",
-        );
+        report.unavailable(&[Key::MicroVmBoot(VmAccel::Kvm)], "KVM unusable on this host: KVM probe failed");
         let t = targets(&report);
-        let find = |start: &str| {
-            t.iter()
-                .find(|(target, _, _)| target.starts_with(start))
-                .unwrap_or_else(|| panic!("no target starting {start:?} in {t:?}"))
-                .clone()
-        };
+        let find =
+            |start: &str| t.iter().find(|(target, _, _)| target.starts_with(start)).unwrap_or_else(|| panic!("no target starting {start:?} in {t:?}")).clone();
         let tcg = find("microVM boot to first exec under TCG");
         assert_eq!(tcg.2, "PASS", "{tcg:?}");
-        assert!(
-            tcg.1.contains("Docker create+start p50 300.0 ms"),
-            "{tcg:?}"
-        );
+        assert!(tcg.1.contains("Docker create+start p50 300.0 ms"), "{tcg:?}");
         let kvm = find("microVM boot to first exec under KVM");
         assert_eq!(kvm.2, "not measured (no usable KVM)", "{kvm:?}");
         assert!(kvm.1.starts_with("KVM unusable on this host"), "{kvm:?}");

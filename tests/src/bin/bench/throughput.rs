@@ -18,12 +18,7 @@ use crate::stats::summarize;
 pub(crate) const THROUGHPUT_SANDBOXES: usize = 8;
 
 /// `execs` unary execs of `true` over `ids` by `concurrency` tasks sharing one client.
-async fn throughput_level(
-    client: &Client,
-    ids: &Arc<Vec<String>>,
-    concurrency: usize,
-    execs: usize,
-) -> Result<Throughput> {
+async fn throughput_level(client: &Client, ids: &Arc<Vec<String>>, concurrency: usize, execs: usize) -> Result<Throughput> {
     let next = Arc::new(AtomicUsize::new(0));
     let mut tasks = tokio::task::JoinSet::new();
     let started = Instant::now();
@@ -49,12 +44,7 @@ async fn throughput_level(
     }
     let wall = started.elapsed();
     let latency = summarize(&samples).ok_or_else(|| anyhow!("no execs were run"))?;
-    Ok(Throughput {
-        concurrency,
-        execs: samples.len(),
-        wall,
-        latency,
-    })
+    Ok(Throughput { concurrency, execs: samples.len(), wall, latency })
 }
 
 /// Exec throughput at each concurrency level of the plan, over [`THROUGHPUT_SANDBOXES`]
@@ -64,12 +54,7 @@ pub(crate) async fn throughput(sb: &mut Sandboxes, plan: &Plan, report: &mut Rep
     for i in 0..THROUGHPUT_SANDBOXES {
         let (id, _) = sb.create(&format!("throughput sandbox {i}")).await?;
         for w in 0..plan.warmup {
-            exec_true(
-                &sb.client,
-                &id,
-                &format!("warm-up {w} of throughput sandbox {i}"),
-            )
-            .await?;
+            exec_true(&sb.client, &id, &format!("warm-up {w} of throughput sandbox {i}")).await?;
         }
         ids.push(id);
     }
@@ -80,9 +65,7 @@ pub(crate) async fn throughput(sb: &mut Sandboxes, plan: &Plan, report: &mut Rep
         if let Err(e) = &result {
             eprintln!("bench: FAILED exec throughput at concurrency {concurrency}: {e:#}");
         }
-        report
-            .throughput
-            .push((concurrency, result.map_err(|e| format!("{e:#}"))));
+        report.throughput.push((concurrency, result.map_err(|e| format!("{e:#}"))));
         check_interrupt()?;
     }
     for id in ids.iter() {

@@ -20,22 +20,9 @@ impl LogLine {
         let value: serde_json::Value = serde_json::from_str(line).ok()?;
         let mut fields = value.get("fields")?.as_object()?.clone();
         let message = fields.remove("message")?.as_str()?.to_string();
-        let level = value
-            .get("level")
-            .and_then(|l| l.as_str())
-            .unwrap_or_default()
-            .to_string();
-        let timestamp = value
-            .get("timestamp")
-            .and_then(|t| t.as_str())
-            .unwrap_or_default()
-            .to_string();
-        Some(LogLine {
-            timestamp,
-            level,
-            message,
-            fields,
-        })
+        let level = value.get("level").and_then(|l| l.as_str()).unwrap_or_default().to_string();
+        let timestamp = value.get("timestamp").and_then(|t| t.as_str()).unwrap_or_default().to_string();
+        Some(LogLine { timestamp, level, message, fields })
     }
 
     /// A field as text (a string without its quotes).
@@ -72,11 +59,7 @@ pub(crate) fn count_logged(lines: &[LogLine], message: &str) -> usize {
 /// The lines in which the daemon says how its microVMs run their CPUs (`decide_accel`: the
 /// configured accelerator, no /dev/kvm, the KVM probe and its verdict cached for this boot).
 pub(crate) fn accel_decision(lines: &[LogLine]) -> Vec<String> {
-    lines
-        .iter()
-        .filter(|l| l.message.contains("KVM") || l.message.contains("TCG"))
-        .map(LogLine::text)
-        .collect()
+    lines.iter().filter(|l| l.message.contains("KVM") || l.message.contains("TCG")).map(LogLine::text).collect()
 }
 
 /// Says on stderr what the daemon logged, so a failing microVM section can be diagnosed after
@@ -91,11 +74,7 @@ pub(crate) fn print_log_tail(daemon: &Daemon, what: &str) {
         })
         .collect();
     let tail = &lines[lines.len().saturating_sub(60)..];
-    eprintln!(
-        "bench: the last {} lines of the log of the {what} daemon:\n{}",
-        tail.len(),
-        tail.join("\n")
-    );
+    eprintln!("bench: the last {} lines of the log of the {what} daemon:\n{}", tail.len(), tail.join("\n"));
 }
 
 /// Why a daemon left at `accel = "auto"` did not use KVM, in a few words from its log.
@@ -103,22 +82,11 @@ pub(crate) fn kvm_reason(lines: &[LogLine]) -> Option<String> {
     lines.iter().find_map(|l| {
         let field = |k: &str| l.field(k).unwrap_or_else(|| "?".into());
         if l.message.starts_with("KVM probe failed") {
-            Some(format!(
-                "the KVM probe boot failed ({}; deadline {} ms)",
-                field("error"),
-                field("timeout_ms")
-            ))
+            Some(format!("the KVM probe boot failed ({}; deadline {} ms)", field("error"), field("timeout_ms")))
         } else if l.message.starts_with("no usable /dev/kvm") {
             Some(format!("no usable /dev/kvm ({})", field("error")))
-        } else if l
-            .message
-            .starts_with("microVM acceleration from this boot's KVM probe")
-            && l.field("accel").as_deref() == Some("tcg")
-        {
-            Some(format!(
-                "the KVM probe of this host boot failed (verdict cached in {})",
-                field("cache")
-            ))
+        } else if l.message.starts_with("microVM acceleration from this boot's KVM probe") && l.field("accel").as_deref() == Some("tcg") {
+            Some(format!("the KVM probe of this host boot failed (verdict cached in {})", field("cache")))
         } else {
             None
         }
@@ -145,17 +113,10 @@ mod tests {
         assert_eq!(lines.len(), 3);
         assert_eq!(count_logged(&lines, LOG_BOOTED), 1);
         assert_eq!(lines[1].field("accel").as_deref(), Some("tcg"));
-        assert_eq!(
-            lines[1].millis("boot_ms"),
-            Some(Duration::from_millis(1834))
-        );
+        assert_eq!(lines[1].millis("boot_ms"), Some(Duration::from_millis(1834)));
         assert_eq!(lines[2].field("sandbox").as_deref(), Some("sb-1"));
         let decision = accel_decision(&lines);
         assert_eq!(decision.len(), 1, "{decision:?}");
-        assert!(
-            decision[0].starts_with("WARN KVM probe failed")
-                && decision[0].contains("error=boot timed out"),
-            "{decision:?}"
-        );
+        assert!(decision[0].starts_with("WARN KVM probe failed") && decision[0].contains("error=boot timed out"), "{decision:?}");
     }
 }
