@@ -248,6 +248,9 @@ impl Drop for Daemon {
             // Graceful, so the daemon unmounts its pool and removes its cgroups.
             let _ = self.stop();
         }
+        // A stopped daemon keeps its containers for re-adoption, and a test's state dir is never
+        // reused: remove them, or every run of the container-tier tests leaves some behind.
+        crate::host::remove_containers_of(&self.state_dir());
         // A killed daemon leaves its mounts (the state dir's own bind mount, the pool, overlay
         // roots); never let TempDir recurse into a mount. Deepest first.
         let mut mounts = mounts_under(&self.state_dir());

@@ -25,7 +25,10 @@ pub use checks::{assert_hello_file_reads_back, assert_paths_stay_inside};
 pub use daemon::{images_dir, require_environment, sandboxd_bin, sbx_bin, workspace_root, Daemon, TEST_POOL_BYTES};
 pub use exec::{assert_exited, describe, exec, read_stream, sh, sh_ok, status, tagged_execs_at_once, text, Streamed};
 pub use harness::{daemon_with_sandbox, Harness};
-pub use host::{cgroups_of, dirs_named, find_under, free_port, mounted, mounts_of, mounts_under, proc_status_bytes, rss_bytes, unique, PeakRss};
+pub use host::{
+    cgroups_of, dirs_named, find_under, free_port, mounted, mounts_of, mounts_under, owner_label, proc_status_bytes, remove_containers_of, rss_bytes, unique,
+    PeakRss,
+};
 pub use probes::build_probe;
 pub use requests::{process_sandbox, sandbox_request};
 pub use wait::{eventually, within};

@@ -81,49 +81,6 @@ impl Harness {
     }
 }
 
-impl Drop for Harness {
-    fn drop(&mut self) {
-        if self.isolation == Isolation::Container {
-            let _ = self.daemon.stop();
-            remove_containers_of(&self.daemon.state_dir());
-        }
-    }
-}
-
-/// The owner label sandboxd puts on its containers: FNV-1a 64 of its state dir (see
-/// `sandboxd::backend::container::docker::owner_of`).
-fn owner_label(state_dir: &std::path::Path) -> String {
-    use std::os::unix::ffi::OsStrExt;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in state_dir.as_os_str().as_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
-}
-
-/// Removes every container of the daemon that used `state_dir` (from a plain thread: this runs
-/// in `Drop`, possibly inside a runtime).
-fn remove_containers_of(state_dir: &std::path::Path) {
-    let owner = owner_label(state_dir);
-    let cleanup = std::thread::spawn(move || {
-        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
-        rt.block_on(async move {
-            let Ok(docker) = bollard::Docker::connect_with_local_defaults() else { return };
-            let Ok(docker) = docker.negotiate_version().await else { return };
-            let filters = HashMap::from([("label".to_string(), vec![format!("sandboxd.owner={owner}")])]);
-            let options = bollard::query_parameters::ListContainersOptions { all: true, filters: Some(filters), ..Default::default() };
-            for c in docker.list_containers(Some(options)).await.unwrap_or_default() {
-                if let Some(id) = c.id {
-                    let rm = bollard::query_parameters::RemoveContainerOptions { force: true, v: true, ..Default::default() };
-                    let _ = docker.remove_container(&id, Some(rm)).await;
-                }
-            }
-        });
-    });
-    let _ = cleanup.join();
-}
-
 /// Instantiates every case of the suite for one tier, as `<tier>::<case>`.
 macro_rules! conformance {
     ($tier:ident, $isolation:expr) => {
