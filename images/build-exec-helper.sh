@@ -3,7 +3,7 @@
 # tier's exec helper (exec/src/bin/sandbox-exec.rs), statically linked, and
 # installs it as OUT_DIR/.tools/sandbox-exec, where sandboxd looks for it (next
 # to the images it serves). sandboxd bind-mounts it read-only into every
-# container at /.sandboxd/exec and starts each command through it.
+# container (the directory, at /.sandboxd) and starts each command through it.
 #
 # Cheap when nothing changed (cargo is incremental; the file is replaced only
 # when its bytes differ). Env: CARGO=cargo, AGENT_TARGET_DIR=DIR.

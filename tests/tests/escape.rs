@@ -338,3 +338,28 @@ async fn a_microvm_flooding_its_serial_console_stays_bounded_on_the_host() {
     assert!(on_host <= 2 << 20, "the host keeps {on_host} bytes of the {written} the guest wrote to its console");
     within(120, client.destroy(&id)).await.expect("DestroySandbox");
 }
+
+/// The container tier's exec helper (a host file, mounted into every container) cannot be
+/// changed, moved aside or replaced from inside: every later exec still starts through the real
+/// one, so its cgroup join — what a timeout's kill reaches — cannot be skipped by a planted
+/// look-alike, and the host's file is byte for byte the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_container_exec_helper_cannot_be_changed_or_moved_aside_from_inside() {
+    let (_daemon, client, id) = daemon_with_sandbox(Isolation::Container).await;
+    let host_helper = sandbox_tests::images_dir().join(".tools/sandbox-exec");
+    let before = std::fs::read(&host_helper).expect("the host's exec helper");
+    let attack = r#"
+        echo planted > /.sandboxd/sandbox-exec && echo "ESCAPE: wrote the helper"
+        chmod 777 /.sandboxd/sandbox-exec && echo "ESCAPE: chmod of the helper"
+        rm -f /.sandboxd/sandbox-exec && echo "ESCAPE: removed the helper"
+        mv /.sandboxd /moved-aside && echo "ESCAPE: moved the helper's directory aside"
+        mkdir -p /.sandboxd 2>/dev/null
+        printf '#!/bin/sh\necho planted-helper-ran\n' > /.sandboxd/sandbox-exec 2>/dev/null && echo "ESCAPE: planted a helper"
+        true"#;
+    let r = run(&client, &id, &["sh", "-c", attack]).await;
+    assert_eq!(r.status(), ExecStatus::Exited, "{}", text(&r));
+    assert!(!String::from_utf8_lossy(&r.stdout).contains("ESCAPE"), "{}", text(&r));
+    let after = run(&client, &id, &["echo", "the real helper"]).await;
+    assert_eq!(String::from_utf8_lossy(&after.stdout), "the real helper\n", "{}", text(&after));
+    assert!(std::fs::read(&host_helper).expect("the host's exec helper") == before, "the host's exec helper changed");
+}

@@ -1,7 +1,7 @@
 //! `sandbox-exec`: how the container tier starts a command, with the spawn every tier shares.
 //!
 //! Docker's exec API starts this (statically linked, bind-mounted read-only into every container
-//! at `/.sandboxd/exec`, so it needs nothing from the image — not even a shell) as
+//! in `/.sandboxd` (the directory is the mount point, so code inside cannot move it aside), so it needs nothing from the image — not even a shell) as
 //! `sandbox-exec TAG WORKDIR ARGV...` with exactly the command's environment. It stops itself
 //! first, so the daemon can find it by TAG (`sandboxd-<exec id>`), move it into the exec's own
 //! cgroup before anything forks, and continue it. Then it takes its own session and becomes the

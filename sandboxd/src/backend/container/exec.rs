@@ -4,7 +4,7 @@
 //! its host pid only when asked, and reports its exit code only after its output pipes closed —
 //! up to 2 s late when a background child holds them (and then it also delays the container's
 //! next exec). So every exec starts as the exec helper (`sandbox-exec`, a static binary of the
-//! `sandbox-exec` crate bind-mounted read-only at [`HELPER_IN_CONTAINER`]: it needs nothing from
+//! `sandbox-exec` crate in a directory bind-mounted read-only at [`HELPER_DIR_IN_CONTAINER`]: it needs nothing from
 //! the image, not even a shell), whose first act is to stop itself. The daemon then:
 //!
 //! 1. finds the helper's host pid (exec inspect) and waits until it is stopped;
@@ -56,18 +56,29 @@ pub use sandbox_exec::capture::SPILL_DIR;
 const START_DEADLINE: Duration = Duration::from_secs(10);
 /// How long to wait for the exit after the exec's cgroup was killed.
 const KILL_WAIT: Duration = Duration::from_secs(5);
-/// Where the exec helper is mounted in every container.
-pub const HELPER_IN_CONTAINER: &str = "/.sandboxd/exec";
+/// Where the helper's directory is mounted (read-only) in every container. A directory, not the
+/// file: a mount point cannot be renamed (EBUSY), so code in the container cannot move it aside
+/// and plant its own `/.sandboxd/sandbox-exec` for later execs to start through — one that forks
+/// before the daemon has moved it into the exec's cgroup would leave processes no timeout kills.
+/// A bind-mounted file's parent directory, by contrast, is an ordinary directory of the image.
+pub const HELPER_DIR_IN_CONTAINER: &str = "/.sandboxd";
+/// The helper, inside that directory.
+pub const HELPER_IN_CONTAINER: &str = "/.sandboxd/sandbox-exec";
 /// The helper's first argument is this followed by the exec id: how the daemon finds it on the
 /// host, and what `ps` inside the sandbox shows until the command replaces it.
 const TAG_PREFIX: &str = "sandboxd-";
-/// Where the helper is expected on the host, relative to the images directory
-/// (`images/build-exec-helper.sh` installs it there).
-const HELPER_ON_HOST: &str = ".tools/sandbox-exec";
+/// The host directory holding the helper, relative to the images directory
+/// (`images/build-exec-helper.sh` installs it there; it holds nothing else).
+const HELPER_DIR_ON_HOST: &str = ".tools";
+
+/// The host directory mounted at [`HELPER_DIR_IN_CONTAINER`] for `images_dir`.
+pub fn helper_dir(images_dir: &Path) -> PathBuf {
+    images_dir.join(HELPER_DIR_ON_HOST)
+}
 
 /// The host path of the exec helper for `images_dir`.
 pub fn helper_path(images_dir: &Path) -> PathBuf {
-    images_dir.join(HELPER_ON_HOST)
+    helper_dir(images_dir).join("sandbox-exec")
 }
 
 /// The exit code and error sentence of a start failure the helper reported (the sentences every

@@ -44,7 +44,7 @@ impl Role {
     }
 }
 
-fn host_config(spec: &SandboxSpec, disk: Option<u64>, helper: &std::path::Path) -> HostConfig {
+fn host_config(spec: &SandboxSpec, disk: Option<u64>, helper_dir: &std::path::Path) -> HostConfig {
     let l = &spec.limits;
     let memory = i64::try_from(l.memory_bytes).unwrap_or(i64::MAX);
     let nano_cpus = (i64::from(l.cpu_millicores) * 1_000_000).max(MIN_NANO_CPUS);
@@ -67,7 +67,7 @@ fn host_config(spec: &SandboxSpec, disk: Option<u64>, helper: &std::path::Path) 
         restart_policy: Some(RestartPolicy { name: Some(RestartPolicyNameEnum::NO), maximum_retry_count: None }),
         storage_opt: disk.map(|bytes| HashMap::from([("size".to_string(), bytes.to_string())])),
         // Read-only: nothing in the container can replace how its commands are started.
-        binds: Some(vec![format!("{}:{}:ro", helper.display(), super::exec::HELPER_IN_CONTAINER)]),
+        binds: Some(vec![format!("{}:{}:ro", helper_dir.display(), super::exec::HELPER_DIR_IN_CONTAINER)]),
         ..Default::default()
     }
 }
@@ -153,7 +153,7 @@ impl Inner {
             attach_stderr: Some(false),
             network_disabled: Some(true),
             stop_timeout: Some(1),
-            host_config: Some(host_config(spec, disk, &super::exec::helper_path(&self.cfg.images_dir))),
+            host_config: Some(host_config(spec, disk, &super::exec::helper_dir(&self.cfg.images_dir))),
             ..Default::default()
         };
         let options = || CreateContainerOptions { name: Some(name.to_string()), ..Default::default() };
@@ -279,13 +279,13 @@ mod tests {
             workdir: "/workspace".into(),
             from_snapshot: None,
         };
-        let hc = host_config(&spec, None, std::path::Path::new("/x/sandbox-exec"));
+        let hc = host_config(&spec, None, std::path::Path::new("/x/.tools"));
         assert_eq!((hc.memory, hc.memory_swap, hc.pids_limit), (Some(64 << 20), Some(64 << 20), Some(32)));
         assert_eq!(hc.nano_cpus, Some(MIN_NANO_CPUS), "tiny CPU limits are rounded up to Docker's minimum");
         assert_eq!(hc.init, Some(true));
         assert_eq!(hc.network_mode.as_deref(), Some("none"));
         assert!(hc.storage_opt.is_none());
-        assert_eq!(hc.binds.as_deref(), Some(&["/x/sandbox-exec:/.sandboxd/exec:ro".to_string()][..]), "the exec helper, read-only");
+        assert_eq!(hc.binds.as_deref(), Some(&["/x/.tools:/.sandboxd:ro".to_string()][..]), "the exec helper's directory, read-only");
         assert!(!hc.cap_add.unwrap_or_default().iter().any(|c| c == "MKNOD" || c == "NET_RAW" || c == "SYS_ADMIN"));
     }
 }
