@@ -472,7 +472,12 @@ impl Server {
         if argv.is_empty() {
             return failed(Errno::EINVAL);
         }
-        let stdio_raw: Vec<RawFd> = (0..3).map(|i| stdio[i.min(stdio.len() - 1)].as_raw_fd()).collect();
+        let stdio_raw: [RawFd; 3] = match stdio.as_slice() {
+            // A terminal's slave side is all three.
+            [tty] => [tty.as_raw_fd(); 3],
+            [stdin, stdout, stderr] => [stdin.as_raw_fd(), stdout.as_raw_fd(), stderr.as_raw_fd()],
+            _ => return failed(Errno::EINVAL),
+        };
         if let Some(spare) = self.spare.take_if(|s| Some(s.slot.as_str()) == slot) {
             let job = super::wire::Job { argv: argv.to_vec(), env: env.to_vec(), workdir: workdir.to_string(), tty: tty.is_some() };
             let sent = encode(&job).and_then(|bytes| send_raw(spare.jobs.as_fd(), &bytes, &stdio_raw));
@@ -500,7 +505,7 @@ impl Server {
             Err(e) => failed(e),
             Ok(ForkResult::Child) => {
                 drop(err_r);
-                let child_fds = ChildFds { stdio: [stdio_raw[0], stdio_raw[1], stdio_raw[2]], cgroup_procs: &procs, err_w: err_w.as_raw_fd() };
+                let child_fds = ChildFds { stdio: stdio_raw, cgroup_procs: &procs, err_w: err_w.as_raw_fd() };
                 spawn::child(&cmd, &child_fds)
             }
             Ok(ForkResult::Parent { child }) => {
