@@ -3,8 +3,10 @@
 # images/build-debian.sh [OUT_DIR] - build the "debian" image.
 #
 # Produces OUT_DIR/debian/{rootfs/,image.json} (OUT_DIR defaults to
-# images/build): a Debian bookworm minbase rootfs with python3, bash, git,
-# coreutils and ca-certificates, for sandboxes that run real tooling.
+# images/build): a Debian bookworm minbase rootfs with the toolchain an agent's
+# typical `pip install` or `make` needs: python3 with pip and venv (and pytest
+# with pytest-xdist), bash, git, procps (ps, top, kill), build-essential (gcc,
+# g++, make, libc headers), python3-dev, ca-certificates.
 #
 # The rootfs comes from debootstrap, pointed at the same Debian mirror this
 # host's apt uses (read from /etc/apt/sources.list{,.d} via apt itself), so
@@ -25,7 +27,7 @@ umask 022
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 SUITE=${SUITE:-bookworm}
-INCLUDE=python3,bash,git,coreutils,ca-certificates
+INCLUDE=python3,python3-pip,python3-venv,python3-dev,python3-pytest,python3-pytest-xdist,bash,git,coreutils,procps,build-essential,ca-certificates
 IMAGE_HOSTNAME=sandbox
 
 # Print the URL of the Debian archive the host's apt uses for $SUITE.
@@ -122,7 +124,9 @@ mkdir -p "$ROOTFS/workspace"
 log "set /etc/hostname=$IMAGE_HOSTNAME, /etc/hosts, empty /etc/resolv.conf, created /workspace"
 
 # --- 3. Smoke test -------------------------------------------------------
-for check in "/bin/bash -c true" "/usr/bin/python3 -c pass" "/usr/bin/git --version"; do
+for check in "/bin/bash -c true" "/usr/bin/python3 -c pass" "/usr/bin/git --version" \
+    "/usr/bin/python3 -m pip --version" "/usr/bin/python3 -m venv --help" "/usr/bin/python3 -m pytest --version" \
+    "/usr/bin/python3 -c __import__('xdist')" "/usr/bin/test -x /usr/bin/ps" "/usr/bin/gcc --version" "/usr/bin/make --version"; do
     # shellcheck disable=SC2086 # split the command string on purpose
     chroot "$ROOTFS" $check >/dev/null || die "smoke test failed: $check"
 done

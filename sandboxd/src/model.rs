@@ -61,6 +61,17 @@ impl Limits {
     /// pipeline next to the sandbox's init; 16 MiB of disk hold the writable layer's own files
     /// (workdir, spilled output) with room to work.
     pub const MINIMUMS: Limits = Limits { cpu_millicores: 1, memory_bytes: 4 << 20, max_pids: 8, disk_bytes: 16 << 20, exec_timeout_ms: 1 };
+
+    /// Each limit, or the ceiling's where that is lower.
+    pub fn capped_by(&self, ceilings: &Limits) -> Limits {
+        Limits {
+            cpu_millicores: self.cpu_millicores.min(ceilings.cpu_millicores),
+            memory_bytes: self.memory_bytes.min(ceilings.memory_bytes),
+            max_pids: self.max_pids.min(ceilings.max_pids),
+            disk_bytes: self.disk_bytes.min(ceilings.disk_bytes),
+            exec_timeout_ms: self.exec_timeout_ms.min(ceilings.exec_timeout_ms),
+        }
+    }
 }
 
 /// Lifecycle of a sandbox. Transitions: Creating → Running | Failed; Running → Destroyed;
@@ -152,6 +163,20 @@ pub struct SnapshotRecord {
     /// A snapshot only makes sense over the same tier and image it was taken from.
     pub isolation: Isolation,
     pub image: String,
+    /// What its sandbox was given, which a fork inherits unless its request says otherwise.
+    /// Absent in records written before forks inherited (they fork with the defaults).
+    #[serde(default)]
+    pub origin: Option<SandboxOrigin>,
+}
+
+/// The settings of a sandbox that a fork of its snapshot inherits: its limits, environment,
+/// labels and workdir at the time of the snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxOrigin {
+    pub limits: Limits,
+    pub env: BTreeMap<String, String>,
+    pub labels: BTreeMap<String, String>,
+    pub workdir: String,
 }
 
 /// An Exec call.

@@ -454,7 +454,15 @@ async fn atomic_write_refused_by_the_quota_leaves_the_old_file(isolation: Isolat
 async fn snapshot_rollback_and_forks(isolation: Isolation) {
     let h = Harness::start(isolation).await;
     let c = &h.client;
-    let sb = h.sandbox().await;
+    // Given non-default limits, env, labels and workdir, which its forks inherit.
+    let parent = CreateSandboxRequest {
+        env: HashMap::from([("FROM_PARENT".to_string(), "yes".to_string())]),
+        labels: HashMap::from([("lineage".to_string(), "parent".to_string())]),
+        workdir: "/workspace/wd".into(),
+        ..h.request(ResourceLimits { memory_bytes: 384 << 20, max_pids: 200, ..Default::default() })
+    };
+    let sb = h.create(parent).await;
+    let parent = c.get(&sb).await.expect("GetSandbox");
     h.sh_ok(&sb, "echo v1 > /workspace/keep; chmod 640 /workspace/keep; mkdir -p /workspace/d; echo x > /workspace/d/f").await;
     let t0 = Instant::now();
     let snap = within(60, c.snapshot(&sb, "before")).await.expect("snapshot");
@@ -497,6 +505,8 @@ async fn snapshot_rollback_and_forks(isolation: Isolation) {
         let f = within(120, c.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() })).await.expect("fork");
         eprintln!("{isolation:?}: fork took {:?}", t0.elapsed());
         assert_eq!((f.parent_snapshot_id.as_str(), f.image.as_str(), f.isolation), (snap.snapshot_id.as_str(), "minimal", isolation as i32));
+        assert_eq!((&f.limits, &f.labels, f.workdir.as_str()), (&parent.limits, &parent.labels, "/workspace/wd"), "a fork inherits its parent's settings");
+        assert_eq!(h.sh_ok(&f.id, "echo $FROM_PARENT; pwd").await, "yes\n/workspace/wd\n");
         forks.push(f.id);
     }
     for (i, f) in forks.iter().enumerate() {

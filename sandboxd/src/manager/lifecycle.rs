@@ -44,13 +44,11 @@ impl Manager {
         // Everything a request says is checked before anything is made: a sandbox in which
         // nothing could run (no room for a command line, no pids for a shell, no disk for its
         // own files) is refused here, naming the field, rather than failing later.
-        let workdir = if req.workdir.is_empty() { "/workspace".to_string() } else { req.workdir };
-        validate_workdir(&workdir)?;
         let id = SandboxId::generate();
-        validate_sandbox_env(&id, &req.env)?;
-        validate_labels(&req.labels)?;
-        // A fork inherits its tier and image from the snapshot: its layer only makes sense there.
-        let (requested, image, from_snapshot) = if req.from_snapshot_id.is_empty() {
+        // A fork inherits its tier and image from the snapshot (its layer only makes sense
+        // there), and what its parent was given — limits, environment, labels, workdir — unless
+        // the request says otherwise: a 1 GiB sandbox forks into 1 GiB, not the default.
+        let (requested, image, origin) = if req.from_snapshot_id.is_empty() {
             let image = if req.image.is_empty() { "minimal".to_string() } else { req.image };
             validate_image(&image)?;
             (req.isolation, image, None)
@@ -62,9 +60,24 @@ impl Manager {
             if !req.image.is_empty() && req.image != snap.image {
                 return Err(Error::invalid("image", format!("snapshot {} is of image {:?}", snap.snapshot_id, snap.image)));
             }
-            (Some(snap.isolation), snap.image, Some(snap.snapshot_id))
+            (Some(snap.isolation), snap.image, Some((snap.snapshot_id, snap.origin)))
         };
-        let decision = self.cfg.policy.decide(requested, &req.labels).map_err(|e| Error::PermissionDenied(e.to_string()))?;
+        let inherited = origin.as_ref().and_then(|(_, o)| o.as_ref());
+        let from_snapshot = origin.as_ref().map(|(snap, _)| snap.clone());
+        let workdir = match (req.workdir.is_empty(), inherited) {
+            (false, _) => req.workdir,
+            (true, Some(parent)) => parent.workdir.clone(),
+            (true, None) => "/workspace".to_string(),
+        };
+        validate_workdir(&workdir)?;
+        // Inherited maps are the base; the request's keys override theirs.
+        let (env, labels) = match inherited {
+            Some(parent) => (merged(&parent.env, req.env), merged(&parent.labels, req.labels)),
+            None => (req.env, req.labels),
+        };
+        validate_sandbox_env(&id, &env)?;
+        validate_labels(&labels)?;
+        let decision = self.cfg.policy.decide(requested, &labels).map_err(|e| Error::PermissionDenied(e.to_string()))?;
         if from_snapshot.is_some() && Some(decision.isolation) != requested {
             return Err(Error::PermissionDenied(format!(
                 "policy requires {} for this request; the snapshot belongs to another tier",
@@ -72,7 +85,13 @@ impl Manager {
             )));
         }
         let isolation = decision.isolation;
-        let limits = resolve_limits(&req.limits, &decision.defaults, &decision.ceilings)?;
+        // The parent's limits stand in for the defaults, kept under today's ceilings (the
+        // policy may have tightened since the snapshot).
+        let defaults = match inherited {
+            Some(parent) => parent.limits.capped_by(&decision.ceilings),
+            None => decision.defaults,
+        };
+        let limits = resolve_limits(&req.limits, &defaults, &decision.ceilings)?;
         validate_minimums(&limits)?;
         // Never a weaker tier than decided: an unavailable tier is an error, not a fallback.
         let backend = self.backends.available(isolation)?.clone();
@@ -86,8 +105,8 @@ impl Manager {
             image,
             state: SandboxState::Creating,
             limits,
-            labels: req.labels,
-            env: req.env,
+            labels,
+            env,
             created_at: now,
             workdir,
             parent_snapshot_id: from_snapshot.clone(),
@@ -211,6 +230,13 @@ impl Manager {
     }
 }
 
+/// `base` with `over`'s entries added, replacing those of the same key.
+fn merged(base: &BTreeMap<String, String>, over: BTreeMap<String, String>) -> BTreeMap<String, String> {
+    let mut map = base.clone();
+    map.extend(over);
+    map
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -266,5 +292,39 @@ mod tests {
         let sb = m.create("t", CreateRequest { env, ..Default::default() }).await.expect("120 KiB of env");
         let r = m.exec("t", ExecRequest { sandbox_id: sb.id.to_string(), argv: vec!["true".into()], ..Default::default() }).await.expect("exec");
         assert_eq!(r.outcome.status, ExecStatus::Exited);
+    }
+
+    #[tokio::test]
+    async fn a_fork_inherits_what_its_parent_was_given_unless_the_request_overrides_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let map = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>();
+        let parent = CreateRequest {
+            limits: RequestedLimits { memory_bytes: 1 << 30, cpu_millicores: 500, disk_bytes: 2 << 30, ..Default::default() },
+            env: map(&[("A", "1"), ("B", "2")]),
+            labels: map(&[("team", "x"), ("run", "7")]),
+            workdir: "/src".into(),
+            ..Default::default()
+        };
+        let parent = m.create("t", parent).await.expect("parent");
+        let snap = m.snapshot("t", parent.id.as_str(), "s").await.expect("snapshot");
+
+        let fork = m.create("t", CreateRequest { from_snapshot_id: snap.snapshot_id.to_string(), ..Default::default() }).await.expect("fork");
+        assert_eq!(fork.limits, parent.limits, "limits are inherited, not the defaults");
+        assert_eq!((&fork.env, &fork.labels, fork.workdir.as_str()), (&parent.env, &parent.labels, "/src"));
+
+        let overridden = CreateRequest {
+            from_snapshot_id: snap.snapshot_id.to_string(),
+            limits: RequestedLimits { memory_bytes: 256 << 20, ..Default::default() },
+            env: map(&[("B", "3")]),
+            labels: map(&[("run", "8")]),
+            workdir: "/other".into(),
+            ..Default::default()
+        };
+        let fork = m.create("t", overridden).await.expect("fork with overrides");
+        assert_eq!((fork.limits.memory_bytes, fork.limits.cpu_millicores, fork.limits.disk_bytes), (256 << 20, 500, 2 << 30));
+        assert_eq!(fork.env, map(&[("A", "1"), ("B", "3")]));
+        assert_eq!(fork.labels, map(&[("team", "x"), ("run", "8")]));
+        assert_eq!(fork.workdir, "/other");
     }
 }

@@ -7,7 +7,7 @@ use super::Manager;
 use crate::error::Error;
 use crate::ids::{SandboxId, SnapshotId};
 use crate::metrics::Op;
-use crate::model::{SandboxInfo, SandboxState, SnapshotRecord};
+use crate::model::{SandboxInfo, SandboxOrigin, SandboxState, SnapshotRecord};
 
 impl Manager {
     /// The snapshot `id` if it belongs to `tenant` (NOT_FOUND otherwise, like the sandboxes).
@@ -43,6 +43,7 @@ impl Manager {
             parent_snapshot_id: info.head_snapshot.clone(),
             isolation: info.isolation,
             image: info.image.clone(),
+            origin: Some(SandboxOrigin { limits: info.limits, env: info.env.clone(), labels: info.labels.clone(), workdir: info.workdir.clone() }),
         };
         self.store.put_snapshot(&record)?;
         let info = entry.update(|i| i.head_snapshot = Some(snap_id.clone()))?;

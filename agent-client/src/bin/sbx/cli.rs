@@ -128,7 +128,22 @@ pub enum Command {
         /// Snapshot id.
         snapshot: String,
     },
-    /// Create a sandbox from a snapshot and print its id.
+    /// Create a sandbox from a snapshot and print its id. The fork runs on the snapshot's tier
+    /// and image, and inherits its parent's limits, environment, labels and workdir; options
+    /// given here override them (environment and labels key by key).
+    #[command(
+        mut_arg("image", |a| a.help("Image: must be the snapshot's (the default)")),
+        mut_arg("isolation", |a| a.help("Isolation tier: must be the snapshot's (the default)")),
+        mut_arg("memory", |a| a.help("Memory limit, e.g. 512M or 1G [default: the parent's]")),
+        mut_arg("cpus", |a| a.help("CPU limit in CPUs, e.g. 0.5 [default: the parent's]")),
+        mut_arg("cpu_millicores", |a| a.help("CPU limit in thousandths of a CPU [default: the parent's]")),
+        mut_arg("pids", |a| a.help("Maximum number of processes [default: the parent's]")),
+        mut_arg("disk", |a| a.help("Disk limit, e.g. 1G [default: the parent's]")),
+        mut_arg("timeout_ms", |a| a.help("Default timeout of each exec, in milliseconds [default: the parent's]")),
+        mut_arg("env", |a| a.help("Environment of every exec, added to the parent's (repeatable)")),
+        mut_arg("labels", |a| a.help("Label, added to the parent's (repeatable)")),
+        mut_arg("workdir", |a| a.help("Working directory of every exec [default: the parent's]"))
+    )]
     Fork {
         /// Snapshot id.
         snapshot: String,
