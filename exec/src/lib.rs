@@ -14,6 +14,8 @@
 //! - [`archive`]: directories in and out of a sandbox as tar streams, on top of [`sys`], with
 //!   every entry confined to the sandbox's root and nothing followed below the chosen path.
 //!
+//! - [`user`]: the user an exec runs as, resolved against the sandbox's own passwd and group.
+//!
 //! It has no async runtime and few dependencies: the guest agent links it into a static binary.
 
 pub mod archive;
@@ -22,3 +24,4 @@ pub mod outcome;
 pub mod pty;
 pub mod spawn;
 pub mod sys;
+pub mod user;

@@ -31,6 +31,8 @@ pub enum Stage {
     /// Before there was a child: the runtime could not make the pipe or fork, or could not use
     /// the request.
     Setup = 5,
+    /// The exec's user: not in the sandbox's passwd/group, or the switch to it failed.
+    User = 6,
 }
 
 impl Stage {
@@ -41,6 +43,7 @@ impl Stage {
             2 => Stage::Workdir,
             4 => Stage::Stdio,
             5 => Stage::Setup,
+            6 => Stage::User,
             _ => Stage::Exec,
         }
     }
@@ -53,17 +56,19 @@ impl Stage {
             Stage::Exec => "exec",
             Stage::Stdio => "stdio",
             Stage::Setup => "setup",
+            Stage::User => "user",
         }
     }
 
     /// The stage named `name`, if it is one.
     pub fn from_name(name: &str) -> Option<Stage> {
-        [Stage::Cgroup, Stage::Workdir, Stage::Exec, Stage::Stdio, Stage::Setup].into_iter().find(|s| s.name() == name)
+        [Stage::Cgroup, Stage::Workdir, Stage::Exec, Stage::Stdio, Stage::Setup, Stage::User].into_iter().find(|s| s.name() == name)
     }
 
     /// The exit code a child failing here ends with.
     pub fn exit_code(self, errno: Errno) -> i32 {
-        if self == Stage::Exec && errno != Errno::ENOENT && errno != Errno::ENOTDIR {
+        // Docker's `exec -u nobody-here` ends 126 too: the command exists, it cannot be run so.
+        if self == Stage::User || (self == Stage::Exec && errno != Errno::ENOENT && errno != Errno::ENOTDIR) {
             126
         } else {
             127
@@ -72,7 +77,8 @@ impl Stage {
 }
 
 /// Why a command did not start: exit code and a sentence.
-pub fn describe_failure(stage: Stage, errno: Errno, argv0: &str, workdir: &str) -> (i32, String) {
+pub fn describe_failure(stage: Stage, errno: Errno, argv0: &str, workdir: &str, user: Option<&str>) -> (i32, String) {
+    let user = user.unwrap_or("root");
     let sentence = match (stage, errno) {
         (Stage::Exec, Errno::ENOENT | Errno::ENOTDIR) => format!("executable not found: {argv0}"),
         (Stage::Exec, Errno::EACCES) => format!("permission denied: {argv0} is not executable"),
@@ -82,6 +88,9 @@ pub fn describe_failure(stage: Stage, errno: Errno, argv0: &str, workdir: &str) 
         (Stage::Cgroup, e) => format!("cannot join the exec's cgroup: {}", e.desc()),
         (Stage::Stdio, e) => format!("cannot set up the command's stdio: {}", e.desc()),
         (Stage::Setup, e) => format!("cannot start {argv0}: {}", e.desc()),
+        (Stage::User, Errno::ENOENT) => format!("user {user:?} is not in the sandbox's /etc/passwd or /etc/group"),
+        (Stage::User, Errno::EINVAL) => format!("user {user:?} is malformed: expected name, uid, name:group or uid:gid"),
+        (Stage::User, e) => format!("cannot switch to user {user:?}: {}", e.desc()),
     };
     (stage.exit_code(errno), sentence)
 }
@@ -96,6 +105,8 @@ pub struct Command {
     workdir: CString,
     /// Make stdin (a terminal's slave side) the controlling terminal of the command's session.
     controlling_tty: bool,
+    /// Switch to these before anything of the command's (none: the runtime's own, root).
+    user: Option<(libc::uid_t, libc::gid_t, Vec<libc::gid_t>)>,
 }
 
 /// Why a command cannot even be prepared (the daemon validates requests, so these are a
@@ -134,7 +145,7 @@ impl Command {
         argv_ptrs.push(std::ptr::null());
         let mut env_ptrs: Vec<_> = env_c.iter().map(|c| c.as_ptr()).collect();
         env_ptrs.push(std::ptr::null());
-        Ok(Command { _argv: argv_c, argv_ptrs, _env: env_c, env_ptrs, candidates, workdir: cstring(workdir)?, controlling_tty: false })
+        Ok(Command { _argv: argv_c, argv_ptrs, _env: env_c, env_ptrs, candidates, workdir: cstring(workdir)?, controlling_tty: false, user: None })
     }
 }
 
@@ -144,6 +155,13 @@ impl Command {
     /// job control works and Ctrl-C on the terminal reaches its foreground process group.
     pub fn on_terminal(mut self) -> Command {
         self.controlling_tty = true;
+        self
+    }
+
+    /// The command runs with these credentials (groups, then gid, then uid, all three of each
+    /// id: a process cannot switch back). A non-root uid loses every capability at the switch.
+    pub fn as_user(mut self, creds: &crate::user::Credentials) -> Command {
+        self.user = Some((creds.uid, creds.gid, creds.groups.clone()));
         self
     }
 }
@@ -221,6 +239,17 @@ pub fn attempt(cmd: &Command, stdio: [RawFd; 3]) -> (Stage, Errno) {
         // without a controlling terminal acquires the one it names here.
         if cmd.controlling_tty && libc::ioctl(0, libc::TIOCSCTTY, 0) != 0 {
             return (Stage::Stdio, Errno::last());
+        }
+        // Raw syscalls, not glibc's wrappers: those signal every thread of a multi-threaded
+        // process (the guest agent), and only this thread exists in the child. Before chdir, so
+        // the working directory is entered with the user's permissions.
+        if let Some((uid, gid, groups)) = &cmd.user {
+            if libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) != 0
+                || libc::syscall(libc::SYS_setresgid, *gid, *gid, *gid) != 0
+                || libc::syscall(libc::SYS_setresuid, *uid, *uid, *uid) != 0
+            {
+                return (Stage::User, Errno::last());
+            }
         }
         if libc::chdir(cmd.workdir.as_ptr()) != 0 {
             return (Stage::Workdir, Errno::last());
@@ -310,12 +339,14 @@ mod tests {
             (Stage::Workdir, Errno::ENOTDIR, 127, "cannot enter working directory /w: Not a directory"),
             (Stage::Cgroup, Errno::ENOSPC, 127, "cannot join the exec's cgroup: No space left on device"),
             (Stage::Stdio, Errno::EBADF, 127, "cannot set up the command's stdio: Bad file number"),
+            (Stage::User, Errno::ENOENT, 126, "user \"ghost\" is not in the sandbox's /etc/passwd or /etc/group"),
+            (Stage::User, Errno::EPERM, 126, "cannot switch to user \"ghost\": Operation not permitted"),
         ];
         for (stage, errno, code, sentence) in cases {
-            assert_eq!(describe_failure(stage, errno, "prog", "/w"), (code, sentence.to_string()), "{stage:?} {errno:?}");
+            assert_eq!(describe_failure(stage, errno, "prog", "/w", Some("ghost")), (code, sentence.to_string()), "{stage:?} {errno:?}");
         }
-        assert_eq!(describe_failure(Stage::Setup, Errno::EMFILE, "prog", "/w"), (127, "cannot start prog: Too many open files".to_string()));
-        for stage in [Stage::Cgroup, Stage::Workdir, Stage::Exec, Stage::Stdio, Stage::Setup] {
+        assert_eq!(describe_failure(Stage::Setup, Errno::EMFILE, "prog", "/w", Some("ghost")), (127, "cannot start prog: Too many open files".to_string()));
+        for stage in [Stage::Cgroup, Stage::Workdir, Stage::Exec, Stage::Stdio, Stage::Setup, Stage::User] {
             assert_eq!(Stage::from_byte(stage as u8), stage);
             assert_eq!(Stage::from_name(stage.name()), Some(stage));
             let line = failure_line(stage, Errno::ENOENT);
@@ -355,9 +386,9 @@ mod tests {
 
     #[test]
     fn failures_map_to_the_shell_exit_codes() {
-        assert_eq!(describe_failure(Stage::Exec, Errno::ENOENT, "nope", "/").0, 127);
-        assert_eq!(describe_failure(Stage::Exec, Errno::EACCES, "x", "/").0, 126);
-        let (code, msg) = describe_failure(Stage::Workdir, Errno::ENOTDIR, "x", "/w");
+        assert_eq!(describe_failure(Stage::Exec, Errno::ENOENT, "nope", "/", None).0, 127);
+        assert_eq!(describe_failure(Stage::Exec, Errno::EACCES, "x", "/", None).0, 126);
+        let (code, msg) = describe_failure(Stage::Workdir, Errno::ENOTDIR, "x", "/w", None);
         assert_eq!(code, 127);
         assert!(msg.contains("/w"), "{msg}");
     }
@@ -365,9 +396,17 @@ mod tests {
     /// Forks a child through [`child`] with /dev/null as stdio; returns its error-pipe report
     /// and its wait status.
     fn run(argv: &[&str], workdir: &str) -> (Option<(Stage, Errno)>, i32) {
+        run_as(argv, workdir, None)
+    }
+
+    fn run_as(argv: &[&str], workdir: &str, user: Option<&crate::user::Credentials>) -> (Option<(Stage, Errno)>, i32) {
         let argv: Vec<String> = argv.iter().map(|a| a.to_string()).collect();
         let env = vec![("PATH".to_string(), "/nonexistent:/usr/bin:/bin".to_string())];
         let cmd = Command::new(&argv, &env, workdir).expect("command");
+        let cmd = match user {
+            Some(creds) => cmd.as_user(creds),
+            None => cmd,
+        };
         let null = std::fs::File::open("/dev/null").expect("/dev/null");
         let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).expect("pipe");
         let fd = null.as_raw_fd();
@@ -384,6 +423,21 @@ mod tests {
         // SAFETY: waits for the child forked above.
         unsafe { libc::waitpid(pid, &mut status, 0) };
         (report, status)
+    }
+
+    #[test]
+    fn a_child_switches_to_its_user_before_it_runs() {
+        // Needs root (CI is root): the switch is what is tested.
+        assert!(nix::unistd::geteuid().is_root(), "this test runs as root");
+        let nobody = crate::user::Credentials { uid: 65534, gid: 65534, groups: vec![65534, 4] };
+        let check = "test \"$(id -u):$(id -g):$(id -G)\" = '65534:65534:65534 4' && ! cat /proc/self/status | grep -q '^CapEff:.*[1-9a-f]'";
+        assert_eq!(run_as(&["sh", "-c", check], "/", Some(&nobody)), (None, 0), "uid, gid, groups set; no capability left");
+        // The working directory is entered as the user: one only root may enter is refused.
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o700)).expect("chmod");
+        let workdir = dir.path().to_str().expect("utf8");
+        assert_eq!(run_as(&["true"], workdir, Some(&nobody)).0, Some((Stage::Workdir, Errno::EACCES)));
+        assert_eq!(run_as(&["true"], workdir, None), (None, 0));
     }
 
     #[test]

@@ -88,8 +88,9 @@ pub const FILE_CHUNK: u64 = 1 << 20;
 /// `RemoveFile`; 3 added `ExecSession`, `Stdin`, `CloseStdin` and `Resize` (interactive execs
 /// and terminals); 4 added `UploadArchive`, `DownloadArchive` and their answers `Extracted`,
 /// `ArchiveData`, `ArchiveEnd` (directories as tar streams), and lets `AbortWrite` drop an
-/// archive transfer too. Everything of 1 is unchanged, so a host speaks to any of them.
-pub const VERSION: u32 = 4;
+/// archive transfer too; 5 added `ExecRequest.user` (execs as another user). Everything of 1 is
+/// unchanged, so a host speaks to any of them.
+pub const VERSION: u32 = 5;
 /// Oldest guest protocol a host still accepts.
 pub const MIN_VERSION: u32 = 1;
 /// Longest transfer id of a `WriteStaged`.
@@ -239,6 +240,10 @@ pub struct ExecRequest {
     pub io_drain_ms: u64,
     /// Send `Output` frames as the command writes.
     pub stream: bool,
+    /// Who it runs as (`name`, `uid`, `name:group`, `uid:gid`), resolved by the agent in the
+    /// guest's /etc; None = root. Version 5 and later; the host never sends it to older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 /// One of the two output streams.
@@ -538,6 +543,7 @@ mod tests {
             max_output_bytes: 1 << 20,
             io_drain_ms: 300,
             stream: true,
+            user: Some("app:staff".into()),
         });
         let bytes = encode(7, &req, b"stdin bytes").expect("encode");
         let mut d = Decoder::new();
@@ -619,6 +625,7 @@ mod tests {
             max_output_bytes: 1 << 20,
             io_drain_ms: 300,
             stream: true,
+            user: None,
         };
         let session = Request::ExecSession { exec: exec.clone(), tty: Some((24, 80)), interactive: true };
         let json = serde_json::to_value(Envelope { id: 1, msg: &session }).expect("json");

@@ -121,6 +121,8 @@ pub struct CreateRequest {
     pub labels: BTreeMap<String, String>,
     pub ttl_seconds: u32,
     pub from_snapshot_id: String,
+    /// Empty = the image's, else root.
+    pub user: String,
 }
 
 /// What a sandbox is, as users read it back.
@@ -147,6 +149,10 @@ pub struct SandboxInfo {
     /// Why the sandbox is FAILED, when it is.
     #[serde(default)]
     pub failure_reason: Option<String>,
+    /// Who execs run as unless they say otherwise (None: root), as given (resolved in the
+    /// sandbox at each exec, since its /etc/passwd is its own).
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// A snapshot of a sandbox's filesystem.
@@ -177,6 +183,8 @@ pub struct SandboxOrigin {
     pub env: BTreeMap<String, String>,
     pub labels: BTreeMap<String, String>,
     pub workdir: String,
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// An Exec call.
@@ -191,6 +199,8 @@ pub struct ExecRequest {
     pub max_output_bytes: u64,
     pub idempotency_key: String,
     pub background: bool,
+    /// Empty = the sandbox's user.
+    pub user: String,
 }
 
 /// Why an exec ended.

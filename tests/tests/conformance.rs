@@ -90,6 +90,7 @@ macro_rules! conformance {
             cases!(
                 $isolation;
                 exec_semantics,
+                execs_run_as_the_requested_user,
                 timeout_kills_the_whole_tree,
                 output_cap_spill_and_streaming,
                 memory_and_pid_limits,
@@ -201,6 +202,42 @@ async fn exec_semantics(isolation: Isolation) {
     assert_eq!(r.stdout, b"200000\n", "{}", describe(&r));
     assert!(r.cpu_user_ms > 0, "a busy loop reported cpu_user_ms=0: {}", describe(&r));
     assert!(r.cpu_user_ms + r.cpu_system_ms <= r.duration_ms + 200, "more CPU than wall time: {}", describe(&r));
+}
+
+async fn execs_run_as_the_requested_user(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let c = &h.client;
+    let as_user = |sb: &str, user: &str, script: &str| ExecRequest { user: user.into(), ..exec_request(sb, ["sh", "-c", script]) };
+    let ids = "echo $(id -u):$(id -g):$(id -G)";
+    // The sandbox's default is root; an exec may name a user of the image, or bare numbers.
+    let sb = h.sandbox().await;
+    assert_eq!(h.sh_ok(&sb, ids).await, "0:0:0\n");
+    let r = c.exec(as_user(&sb, "nobody", ids)).await.expect("exec");
+    assert_eq!((status(&r), String::from_utf8_lossy(&r.stdout).as_ref()), (ExecStatus::Exited, "65534:65534:65534\n"), "{}", describe(&r));
+    let r = c.exec(as_user(&sb, "1234:nogroup", ids)).await.expect("exec");
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "1234:65534:65534\n", "{}", describe(&r));
+    // Not root any more: no capability left to read root's files or write the image's.
+    let r = c.exec(as_user(&sb, "nobody", "cat /root/.profile 2>/dev/null; touch /etc/x")).await.expect("exec");
+    assert_ne!(r.exit_code, 0, "nobody wrote /etc: {}", describe(&r));
+    // A user the sandbox does not know: the same record on every tier, and nothing ran.
+    let r = c.exec(as_user(&sb, "ghost", "touch /tmp/ran")).await.expect("exec");
+    assert_eq!((status(&r), r.exit_code), (ExecStatus::SpawnFailed, 126), "{}", describe(&r));
+    assert_eq!(r.error, "user \"ghost\" is not in the sandbox's /etc/passwd or /etc/group");
+    assert_eq!(h.sh(&sb, "test -e /tmp/ran").await.exit_code, 1);
+    let bad = c.exec(as_user(&sb, "a:b:c", "true")).await.expect_err("malformed user");
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad}");
+    assert!(bad.to_string().contains("user"), "{bad}");
+
+    // A sandbox's user is every exec's default (an exec may still ask for root), and a fork
+    // inherits it.
+    let sb = h.create(CreateSandboxRequest { user: "nobody".into(), ..h.request(ResourceLimits::default()) }).await;
+    assert_eq!(c.get(&sb).await.expect("get").user, "nobody");
+    assert_eq!(h.sh_ok(&sb, ids).await, "65534:65534:65534\n");
+    let r = c.exec(as_user(&sb, "root", ids)).await.expect("exec");
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "0:0:0\n", "{}", describe(&r));
+    let snap = within(60, c.snapshot(&sb, "u")).await.expect("snapshot");
+    let fork = within(120, c.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id, ..Default::default() })).await.expect("fork");
+    assert_eq!(h.sh_ok(&fork.id, ids).await, "65534:65534:65534\n");
 }
 
 async fn timeout_kills_the_whole_tree(isolation: Isolation) {

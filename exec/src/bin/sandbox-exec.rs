@@ -2,7 +2,8 @@
 //!
 //! Docker's exec API starts this (statically linked, bind-mounted read-only into every container
 //! in `/.sandboxd` (the directory is the mount point, so code inside cannot move it aside), so it needs nothing from the image — not even a shell) as
-//! `sandbox-exec TAG WORKDIR ARGV...` with exactly the command's environment. It stops itself
+//! `sandbox-exec TAG WORKDIR USER ARGV...` with exactly the command's environment (USER empty
+//! for root, else resolved in the container's own /etc/passwd and /etc/group). It stops itself
 //! first, so the daemon can find it by TAG (`sandboxd-<exec id>`), move it into the exec's own
 //! cgroup before anything forks, and continue it. Then it takes its own session and becomes the
 //! command through `sandbox_exec::spawn`, like the process tier's init and the microVM's guest
@@ -34,8 +35,8 @@ fn main() {
             unsafe { libc::pause() };
         }
     }
-    if args.len() < 4 {
-        eprintln!("usage: sandbox-exec TAG WORKDIR PROGRAM [ARG...] (the container tier's exec helper; sandboxd runs it)");
+    if args.len() < 5 {
+        eprintln!("usage: sandbox-exec TAG WORKDIR USER PROGRAM [ARG...] (the container tier's exec helper; sandboxd runs it)");
         std::process::exit(2);
     }
     // SAFETY: raise stops this single-threaded process until the daemon continues it.
@@ -43,9 +44,16 @@ fn main() {
     // Environment strings come from the daemon's API, which only carries UTF-8.
     let env: Vec<(String, String)> =
         std::env::vars_os().map(|(k, v)| (String::from_utf8_lossy(&k.into_vec()).into_owned(), String::from_utf8_lossy(&v.into_vec()).into_owned())).collect();
-    let cmd = match Command::new(&args[3..], &env, &args[2]) {
+    let cmd = match Command::new(&args[4..], &env, &args[2]) {
         Ok(cmd) => cmd,
         Err(_) => report(Stage::Setup, Errno::EINVAL),
+    };
+    let cmd = match args[3].as_str() {
+        "" => cmd,
+        user => match sandbox_exec::user::resolve(user, std::path::Path::new("/etc")) {
+            Ok(creds) => cmd.as_user(&creds),
+            Err(e) => report(Stage::User, e.errno()),
+        },
     };
     // No cgroup to join here (the daemon moved this process while it was stopped); the session
     // is the same as on every other tier.

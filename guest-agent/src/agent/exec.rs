@@ -301,8 +301,17 @@ pub fn run(env: &Env<'_>, req: &ExecRequest, session: Session, stdin: Vec<u8>, s
         Ok(c) if session.tty.is_some() => c.on_terminal(),
         Ok(c) => c,
         Err(why) => {
-            let (code, _) = describe_failure(Stage::Setup, nix::errno::Errno::EINVAL, "", "");
+            let (code, _) = describe_failure(Stage::Setup, nix::errno::Errno::EINVAL, "", "", None);
             return Ok(spawn_failed(code, format!("cannot run the command: {why}")));
+        }
+    };
+    // The guest's own passwd and group (the agent runs behind switch_root).
+    let cmd = match req.user.as_deref().map(|u| sandbox_exec::user::resolve(u, std::path::Path::new("/etc"))).transpose() {
+        Ok(Some(creds)) => cmd.as_user(&creds),
+        Ok(None) => cmd,
+        Err(e) => {
+            let (code, error) = describe_failure(Stage::User, e.errno(), &req.argv[0], &req.workdir, req.user.as_deref());
+            return Ok(spawn_failed(code, error));
         }
     };
     let reservation = env.running.reserve(&req.exec_id)?;
@@ -352,7 +361,7 @@ fn run_in_group(
         Some((rows, cols)) => match sandbox_exec::pty::open(PTMX, rows, cols) {
             Ok((master, slave)) => (vec![slave], Target::Terminal(dup(&master)?), master, None),
             Err(e) => {
-                let (code, _) = describe_failure(Stage::Setup, e, &req.argv[0], &req.workdir);
+                let (code, _) = describe_failure(Stage::Setup, e, &req.argv[0], &req.workdir, req.user.as_deref());
                 return Ok(spawn_failed(code, format!("cannot open a terminal for {}: {}", req.argv[0], e.desc())));
             }
         },
@@ -389,7 +398,7 @@ fn run_in_group(
     let (pid, watch) = match spawned {
         Ok(s) => s,
         Err(e) => {
-            let (code, error) = describe_failure(Stage::Setup, e.errno, &req.argv[0], &req.workdir);
+            let (code, error) = describe_failure(Stage::Setup, e.errno, &req.argv[0], &req.workdir, req.user.as_deref());
             return Ok(spawn_failed(code, error));
         }
     };
@@ -397,7 +406,7 @@ fn run_in_group(
     if let Some((stage, errno)) = spawn::read_failure(&err_r) {
         // The child _exits right away; wait for it so its cgroup can be removed.
         let _ = ChildExit::read(&watch);
-        let (code, error) = describe_failure(stage, errno, &req.argv[0], &req.workdir);
+        let (code, error) = describe_failure(stage, errno, &req.argv[0], &req.workdir, req.user.as_deref());
         return Ok(spawn_failed(code, error));
     }
     drop(err_r);

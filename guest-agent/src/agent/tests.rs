@@ -191,6 +191,7 @@ fn exec_req(id: &str, argv: &[&str]) -> ExecRequest {
         max_output_bytes: 1 << 20,
         io_drain_ms: 300,
         stream: false,
+        user: None,
     }
 }
 

@@ -75,6 +75,7 @@ pub fn create_request(r: pb::CreateSandboxRequest) -> Result<CreateRequest, Stat
         labels: r.labels.into_iter().collect(),
         ttl_seconds: r.ttl_seconds,
         from_snapshot_id: r.from_snapshot_id,
+        user: r.user,
     })
 }
 
@@ -99,6 +100,7 @@ pub fn sandbox(i: &SandboxInfo) -> pb::Sandbox {
         expires_at: i.expires_at.map(timestamp),
         isolation_reason: i.isolation_reason.clone().unwrap_or_default(),
         failure_reason: i.failure_reason.clone().unwrap_or_default(),
+        user: i.user.clone().unwrap_or_default(),
     }
 }
 
@@ -114,6 +116,7 @@ pub fn exec_request(r: pb::ExecRequest) -> ExecRequest {
         max_output_bytes: r.max_output_bytes,
         idempotency_key: r.idempotency_key,
         background: r.background,
+        user: r.user,
     }
 }
 

@@ -62,6 +62,9 @@ pub struct SandboxSpec {
 #[derive(Debug, Clone)]
 pub struct ExecSpec {
     pub exec_id: ExecId,
+    /// Who it runs as (`name`, `uid`, `name:group`, `uid:gid`), resolved by the tier's runtime
+    /// inside the sandbox; None = root.
+    pub user: Option<String>,
     pub argv: Vec<String>,
     /// The complete environment of the process.
     pub env: Vec<(String, String)>,

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use super::validate::{resolve_limits, validate_image, validate_labels, validate_minimums, validate_sandbox_env, validate_workdir};
+use super::validate::{resolve_limits, validate_image, validate_labels, validate_minimums, validate_sandbox_env, validate_user, validate_workdir};
 use super::{spec_of, Manager, SandboxEntry};
 use crate::error::Error;
 use crate::ids::SandboxId;
@@ -77,6 +77,11 @@ impl Manager {
         };
         validate_sandbox_env(&id, &env)?;
         validate_labels(&labels)?;
+        let user = match (req.user.is_empty(), inherited) {
+            (false, _) => Some(validate_user("user", req.user)?),
+            (true, Some(parent)) => parent.user.clone(),
+            (true, None) => None,
+        };
         let decision = self.cfg.policy.decide(requested, &labels).map_err(|e| Error::PermissionDenied(e.to_string()))?;
         if from_snapshot.is_some() && Some(decision.isolation) != requested {
             return Err(Error::PermissionDenied(format!(
@@ -113,6 +118,7 @@ impl Manager {
             expires_at: (req.ttl_seconds > 0).then(|| now + Duration::from_secs(req.ttl_seconds.into())),
             head_snapshot: from_snapshot,
             failure_reason: None,
+            user,
         };
         let entry = SandboxEntry::new(info.clone());
         {

@@ -43,7 +43,13 @@ impl Manager {
             parent_snapshot_id: info.head_snapshot.clone(),
             isolation: info.isolation,
             image: info.image.clone(),
-            origin: Some(SandboxOrigin { limits: info.limits, env: info.env.clone(), labels: info.labels.clone(), workdir: info.workdir.clone() }),
+            origin: Some(SandboxOrigin {
+                limits: info.limits,
+                env: info.env.clone(),
+                labels: info.labels.clone(),
+                workdir: info.workdir.clone(),
+                user: info.user.clone(),
+            }),
         };
         self.store.put_snapshot(&record)?;
         let info = entry.update(|i| i.head_snapshot = Some(snap_id.clone()))?;

@@ -137,6 +137,17 @@ pub(super) fn validate_image(image: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// A user an exec runs as: `name`, `uid`, `name:group` or `uid:gid` (resolved in the sandbox).
+pub(super) fn validate_user(field: &str, user: String) -> Result<String, Error> {
+    if !sandbox_exec::user::is_valid_spec(&user) {
+        return Err(Error::invalid(
+            field,
+            format!("{:?}: expected name, uid, name:group or uid:gid, each 1-64 of [A-Za-z0-9._-]", user.chars().take(80).collect::<String>()),
+        ));
+    }
+    Ok(user)
+}
+
 /// Refuses limits below [`Limits::MINIMUMS`]: a sandbox with them could not run anything.
 pub(super) fn validate_minimums(limits: &Limits) -> Result<(), Error> {
     let m = Limits::MINIMUMS;
@@ -223,8 +234,10 @@ pub(super) fn exec_spec(cfg: &Config, info: &SandboxInfo, req: &ExecRequest, exe
             format!("argv and env together are {size} bytes; the limit is {} KiB (pass large data on stdin or as a file)", MAX_ARGV_ENV_BYTES >> 10),
         ));
     }
+    let user = if req.user.is_empty() { info.user.clone() } else { Some(validate_user("user", req.user.clone())?) };
     Ok(ExecSpec {
         exec_id,
+        user,
         argv: req.argv.clone(),
         env: env.into_iter().collect(),
         workdir,

@@ -142,7 +142,8 @@ pub enum Command {
         mut_arg("timeout_ms", |a| a.help("Default timeout of each exec, in milliseconds [default: the parent's]")),
         mut_arg("env", |a| a.help("Environment of every exec, added to the parent's (repeatable)")),
         mut_arg("labels", |a| a.help("Label, added to the parent's (repeatable)")),
-        mut_arg("workdir", |a| a.help("Working directory of every exec [default: the parent's]"))
+        mut_arg("workdir", |a| a.help("Working directory of every exec [default: the parent's]")),
+        mut_arg("user", |a| a.help("Who every exec runs as: name, uid, name:group or uid:gid [default: the parent's]"))
     )]
     Fork {
         /// Snapshot id.
@@ -365,6 +366,9 @@ pub struct SandboxSpec {
     /// Destroy the sandbox after this many seconds.
     #[arg(long, value_name = "SECS")]
     pub ttl: Option<u32>,
+    /// Who every exec runs as: name, uid, name:group or uid:gid [default: the image's USER, else root].
+    #[arg(long, short = 'u', value_name = "USER")]
+    pub user: Option<String>,
 }
 
 impl SandboxSpec {
@@ -388,6 +392,7 @@ impl SandboxSpec {
             labels: self.labels.iter().cloned().collect(),
             ttl_seconds: self.ttl.unwrap_or(0),
             from_snapshot_id: from_snapshot_id.unwrap_or_default(),
+            user: self.user.clone().unwrap_or_default(),
         }
     }
 }
@@ -445,6 +450,9 @@ pub struct ExecArgs {
     /// Start the command, print its exec id and return at once.
     #[arg(long)]
     pub background: bool,
+    /// Run as this user: name, uid, name:group or uid:gid [default: the sandbox's].
+    #[arg(long, short = 'u', value_name = "USER")]
+    pub user: Option<String>,
     /// The command and its arguments (no shell is implied).
     #[arg(
         required = true,
@@ -469,6 +477,9 @@ pub struct ShellArgs {
     /// End the shell after this many milliseconds [default: the sandbox's exec timeout].
     #[arg(long, value_name = "MS")]
     pub timeout_ms: Option<u64>,
+    /// Run as this user: name, uid, name:group or uid:gid [default: the sandbox's].
+    #[arg(long, short = 'u', value_name = "USER")]
+    pub user: Option<String>,
 }
 
 /// The command `sbx shell` runs: bash when there is one, else sh. `exec` of a missing
@@ -490,6 +501,7 @@ impl ShellArgs {
             tty: true,
             idempotency_key: None,
             background: false,
+            user: self.user,
             argv: vec!["/bin/sh".into(), "-c".into(), SHELL_SCRIPT.into()],
         }
     }

@@ -23,6 +23,7 @@ pub async fn exec(ctx: &Ctx, args: ExecArgs) -> Result<u8> {
         max_output_bytes: args.max_output.unwrap_or(0),
         idempotency_key: args.idempotency_key.unwrap_or_default(),
         background: args.background,
+        user: args.user.unwrap_or_default(),
         ..agent_client::exec_request(args.id, args.argv)
     };
     if args.stdin {

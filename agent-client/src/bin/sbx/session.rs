@@ -50,6 +50,7 @@ pub async fn run(ctx: &Ctx, args: ExecArgs) -> Result<u8> {
         timeout_ms: args.timeout_ms.unwrap_or(0),
         max_output_bytes: args.max_output.unwrap_or(0),
         idempotency_key: args.idempotency_key.unwrap_or_default(),
+        user: args.user.unwrap_or_default(),
         ..agent_client::exec_request(args.id, args.argv)
     };
     let size = if tty { terminal::size() } else { None };

@@ -83,9 +83,9 @@ pub fn helper_path(images_dir: &Path) -> PathBuf {
 
 /// The exit code and error sentence of a start failure the helper reported (the sentences every
 /// tier uses, `sandbox_exec::spawn`).
-fn describe_failure_line(line: &str, argv0: &str, workdir: &str) -> (i32, String) {
+fn describe_failure_line(line: &str, argv0: &str, workdir: &str, user: Option<&str>) -> (i32, String) {
     match spawn::parse_failure_line(line) {
-        Some((stage, errno)) => spawn::describe_failure(stage, errno, argv0, workdir),
+        Some((stage, errno)) => spawn::describe_failure(stage, errno, argv0, workdir, user),
         None => (127, format!("exec setup failed: {line}")),
     }
 }
@@ -468,7 +468,8 @@ impl ContainerSandbox {
         let exec_id = spec.exec_id.to_string();
         let phase0 = Instant::now();
         let tag = format!("{TAG_PREFIX}{exec_id}");
-        let mut cmd = vec![HELPER_IN_CONTAINER.to_string(), tag.clone(), spec.workdir.clone()];
+        // USER is a fixed slot ("" for root), so no argv[0] can be mistaken for it.
+        let mut cmd = vec![HELPER_IN_CONTAINER.to_string(), tag.clone(), spec.workdir.clone(), spec.user.clone().unwrap_or_default()];
         cmd.extend(spec.argv.iter().cloned());
         let env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         let session = spec.input.take();
@@ -624,7 +625,7 @@ impl ContainerSandbox {
             return Ok(ExecOutcome { status: ExecStatus::Lost, exit_code: -1, signal: 0, stdout, stderr, started_at, duration, usage, error });
         }
         if let (Some(m), Exit::Code(126 | 127)) = (&marker, exit) {
-            let (code, error) = describe_failure_line(m, &spec.argv[0], &spec.workdir);
+            let (code, error) = describe_failure_line(m, &spec.argv[0], &spec.workdir, spec.user.as_deref());
             return Ok(ExecOutcome { status: ExecStatus::SpawnFailed, exit_code: code, signal: 0, stdout, stderr, started_at, duration, usage, error });
         }
         use sandbox_exec::outcome::{classify, Cause, UNKNOWN_EXIT};
@@ -705,12 +706,12 @@ mod tests {
             let bytes = spawn::failure_line(stage, errno);
             String::from_utf8_lossy(&bytes[spawn::FAILURE_LINE_PREFIX.len()..]).trim_end().to_string()
         };
-        assert_eq!(describe_failure_line(&line(spawn::Stage::Exec, Errno::ENOENT), "nope", "/w"), (127, "executable not found: nope".into()));
-        assert_eq!(describe_failure_line(&line(spawn::Stage::Exec, Errno::EACCES), "/x.sh", "/w").0, 126);
-        let (code, text) = describe_failure_line(&line(spawn::Stage::Workdir, Errno::ENOENT), "pwd", "/no/such/dir");
+        assert_eq!(describe_failure_line(&line(spawn::Stage::Exec, Errno::ENOENT), "nope", "/w", None), (127, "executable not found: nope".into()));
+        assert_eq!(describe_failure_line(&line(spawn::Stage::Exec, Errno::EACCES), "/x.sh", "/w", None).0, 126);
+        let (code, text) = describe_failure_line(&line(spawn::Stage::Workdir, Errno::ENOENT), "pwd", "/no/such/dir", None);
         assert_eq!(code, 127);
         assert!(text.contains("/no/such/dir"), "{text}");
-        assert_eq!(describe_failure_line("garbage", "x", "/").0, 127);
+        assert_eq!(describe_failure_line("garbage", "x", "/", None).0, 127);
     }
 
     #[test]

@@ -128,6 +128,15 @@ impl Copier {
         let context = |e: io::Error| io::Error::new(e.kind(), format!("copying {} to {}: {e}", src.display(), dst.display()));
         let meta = std::fs::symlink_metadata(src).map_err(context)?;
         let ft = meta.file_type();
+        // What Docker made in a fresh layer before the copy (the working directory it creates at
+        // container create, with fuse-overlayfs' opaque marker inside) gives way to the copy; a
+        // directory on both sides is merged into.
+        match std::fs::symlink_metadata(dst) {
+            Ok(m) if m.is_dir() && ft.is_dir() => {}
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(dst).map_err(context)?,
+            Ok(_) => std::fs::remove_file(dst).map_err(context)?,
+            Err(_) => {}
+        }
         if ft.is_dir() {
             match std::fs::create_dir(dst) {
                 Ok(()) => self.stats.entries += 1,
@@ -141,6 +150,7 @@ impl Copier {
         if ft.is_socket() {
             return Ok(());
         }
+
         if meta.nlink() > 1 && !ft.is_symlink() {
             if let Some(first) = self.links.get(&(meta.dev(), meta.ino())) {
                 std::fs::hard_link(first, dst).map_err(context)?;
@@ -166,7 +176,7 @@ impl Copier {
 
 /// Copies the contents of directory `src` into the existing directory `dst` (whose own owner,
 /// mode and times become those of `src`). Entries already in `dst` with other names are kept;
-/// callers copy into empty directories.
+/// one with the same name is replaced (a directory is merged into when both are directories).
 pub fn copy_tree(src: &Path, dst: &Path) -> io::Result<CopyStats> {
     let mut copier = Copier { stats: CopyStats::default(), links: HashMap::new() };
     copier.copy_dir_contents(src, dst)?;
@@ -207,5 +217,24 @@ mod tests {
         assert!(std::fs::symlink_metadata(dst.join("fifo")).expect("stat").file_type().is_fifo());
         let gone = std::fs::symlink_metadata(dst.join("gone")).expect("stat");
         assert!(gone.file_type().is_char_device() && gone.rdev() == 0, "whiteout kept");
+    }
+
+    #[test]
+    fn what_a_fresh_layer_already_holds_gives_way_to_the_copy() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let (src, dst) = (tmp.path().join("src"), tmp.path().join("dst"));
+        std::fs::create_dir_all(src.join("work/wd")).expect("mkdir");
+        std::fs::write(src.join("work/wd/.wh..opq"), b"").expect("marker");
+        std::fs::write(src.join("work/file"), b"snapshot").expect("write");
+        std::fs::create_dir(src.join("was-a-file")).expect("mkdir");
+        // Docker created the working directory (with its opaque marker) in the new layer.
+        std::fs::create_dir_all(dst.join("work/wd")).expect("mkdir");
+        std::fs::write(dst.join("work/wd/.wh..opq"), b"").expect("marker");
+        std::os::unix::fs::symlink("/elsewhere", dst.join("work/file")).expect("symlink");
+        std::fs::write(dst.join("was-a-file"), b"x").expect("write");
+        std::fs::write(dst.join("kept"), b"k").expect("write");
+        copy_tree(&src, &dst).expect("copy over what is there");
+        assert_eq!(std::fs::read(dst.join("work/file")).expect("read"), b"snapshot", "the symlink was replaced, not followed");
+        assert!(dst.join("work/wd/.wh..opq").is_file() && dst.join("was-a-file").is_dir() && dst.join("kept").is_file());
     }
 }

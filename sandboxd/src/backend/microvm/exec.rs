@@ -25,6 +25,8 @@ const REPORT_GRACE: Duration = Duration::from_secs(30);
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 /// The guest protocol that brought sessions: `ExecSession`, `Stdin`, `CloseStdin`, `Resize`.
 const SESSIONS: u32 = 3;
+/// The guest protocol that brought `ExecRequest.user`.
+const USERS: u32 = 5;
 
 /// Runs one command in the VM.
 pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal, cancel: CancellationToken) -> Result<ExecOutcome, BackendError> {
@@ -38,7 +40,15 @@ pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal
         max_output_bytes: spec.max_output_bytes,
         io_drain_ms: spec.io_drain_timeout.as_millis().min(u64::MAX as u128) as u64,
         stream: sink.is_some(),
+        user: spec.user.clone(),
     };
+    // An older agent would ignore the user and run the command as root.
+    if exec.user.is_some() && vm.hello.version < USERS {
+        return Err(BackendError::Internal(format!(
+            "the guest agent of this microVM speaks protocol {}, which cannot run execs as another user: rebuild the VM images (make vm-images)",
+            vm.hello.version
+        )));
+    }
     let input = spec.input.take();
     let req = if input.is_some() || spec.tty.is_some() {
         if vm.hello.version < SESSIONS {

@@ -134,6 +134,7 @@ async fn warm_up(vm: &Vm) {
         max_output_bytes: 4096,
         io_drain_ms: 100,
         stream: false,
+        user: None,
     });
     if let Err(e) = vm.agent.call(&req, &[], Duration::from_secs(15)).await {
         tracing::debug!(error = %e, "warm-up exec in a pooled VM");

@@ -303,7 +303,15 @@ impl ProcessSandbox {
         let mut fds: Vec<_> = pipes.iter().flat_map(|p| [p.stdin.0.as_raw_fd(), p.stdout.1.as_raw_fd(), p.stderr.1.as_raw_fd()]).collect();
         fds.extend(procs.iter().map(|f| f.as_raw_fd()));
         let tty = spec.tty.map(|t| (t.rows, t.cols));
-        let msg = ToInit::Spawn { exec_id: exec_id.clone(), slot, argv: spec.argv.clone(), env: spec.env.clone(), workdir: spec.workdir.clone(), tty };
+        let msg = ToInit::Spawn {
+            exec_id: exec_id.clone(),
+            slot,
+            argv: spec.argv.clone(),
+            env: spec.env.clone(),
+            workdir: spec.workdir.clone(),
+            tty,
+            user: spec.user.clone(),
+        };
         self.execs.started(&exec_id, cgroup.clone());
         let waiters = self.channel.spawn(&exec_id, &msg, &fds).await;
         // The init holds its own copies now; ours must close so EOF means "the process is done".
@@ -318,7 +326,7 @@ impl ProcessSandbox {
         let master = match tokio::time::timeout(SPAWN_REPLY_DEADLINE, waiters.spawned).await {
             Ok(Ok(Ok((_pid, master)))) => master,
             Ok(Ok(Err((stage, errno)))) => {
-                let (code, error) = describe_failure(stage, nix::errno::Errno::from_raw(errno), &spec.argv[0], &spec.workdir);
+                let (code, error) = describe_failure(stage, nix::errno::Errno::from_raw(errno), &spec.argv[0], &spec.workdir, spec.user.as_deref());
                 return Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, code, error, started_at));
             }
             Ok(Err(_)) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the sandbox's init exited before the exec started".into(), started_at)),

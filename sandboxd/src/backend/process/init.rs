@@ -364,8 +364,8 @@ fn serve(ctrl: OwnedFd) -> i32 {
                 // The daemon is gone: exiting as PID 1 kills everything in the sandbox.
                 Ok(None) => return 0,
                 Ok(Some((n, fds))) => match decode::<ToInit>(&buf[..n]) {
-                    Ok(ToInit::Spawn { exec_id, slot, argv, env, workdir, tty }) => {
-                        let (reply, master) = server.spawn(&exec_id, slot.as_deref(), &argv, &env, &workdir, tty, fds);
+                    Ok(ToInit::Spawn { exec_id, slot, argv, env, workdir, tty, user }) => {
+                        let (reply, master) = server.spawn(&exec_id, slot.as_deref(), &argv, &env, &workdir, tty, user.as_deref(), fds);
                         let master = master.filter(|_| matches!(reply, FromInit::Spawned { .. }));
                         report_with(&server.ctrl, &reply, master.as_ref());
                     }
@@ -452,9 +452,16 @@ impl Server {
         env: &[(String, String)],
         workdir: &str,
         tty: Option<(u16, u16)>,
+        user: Option<&str>,
         mut fds: Vec<OwnedFd>,
     ) -> (FromInit, Option<OwnedFd>) {
-        let failed = |errno: Errno| (FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage: Stage::Setup, errno: errno as i32 }, None);
+        let failed_at = |stage: Stage, errno: Errno| (FromInit::SpawnFailed { exec_id: exec_id.to_string(), stage, errno: errno as i32 }, None);
+        let failed = |errno: Errno| failed_at(Stage::Setup, errno);
+        // Resolved here, behind pivot_root: the sandbox's own passwd and group.
+        let creds = match user.map(|u| sandbox_exec::user::resolve(u, std::path::Path::new("/etc"))).transpose() {
+            Ok(creds) => creds,
+            Err(e) => return failed_at(Stage::User, e.errno()),
+        };
         // The command's stdio: the daemon's three descriptors, or a new terminal's slave side.
         let (stdio, master) = match tty {
             None if fds.len() >= 3 => {
@@ -479,7 +486,7 @@ impl Server {
             _ => return failed(Errno::EINVAL),
         };
         if let Some(spare) = self.spare.take_if(|s| Some(s.slot.as_str()) == slot) {
-            let job = super::wire::Job { argv: argv.to_vec(), env: env.to_vec(), workdir: workdir.to_string(), tty: tty.is_some() };
+            let job = super::wire::Job { argv: argv.to_vec(), env: env.to_vec(), workdir: workdir.to_string(), tty: tty.is_some(), user: creds.clone() };
             let sent = encode(&job).and_then(|bytes| send_raw(spare.jobs.as_fd(), &bytes, &stdio_raw));
             if sent.is_ok() {
                 drop((fds, stdio));
@@ -494,6 +501,10 @@ impl Server {
             Ok(cmd) if tty.is_some() => cmd.on_terminal(),
             Ok(cmd) => cmd,
             Err(_) => return failed(Errno::EINVAL),
+        };
+        let cmd = match &creds {
+            Some(creds) => cmd.as_user(creds),
+            None => cmd,
         };
         let (err_r, err_w) = match nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC) {
             Ok(p) => p,
@@ -531,9 +542,14 @@ fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>, err_w: OwnedFd) -> ! {
             unsafe { libc::_exit(0) }
         }
     };
-    let cmd = decode::<super::wire::Job>(&buf[..n])
-        .ok()
-        .and_then(|job| Command::new(&job.argv, &job.env, &job.workdir).ok().map(|cmd| if job.tty { cmd.on_terminal() } else { cmd }));
+    let cmd = decode::<super::wire::Job>(&buf[..n]).ok().and_then(|job| {
+        let cmd = Command::new(&job.argv, &job.env, &job.workdir).ok()?;
+        let cmd = if job.tty { cmd.on_terminal() } else { cmd };
+        Some(match &job.user {
+            Some(creds) => cmd.as_user(creds),
+            None => cmd,
+        })
+    });
     drop(buf);
     match cmd {
         Some(cmd) if stdio.len() == 3 => spawn::exec(&cmd, [stdio[0].as_raw_fd(), stdio[1].as_raw_fd(), stdio[2].as_raw_fd()], err_w.as_raw_fd()),

@@ -43,6 +43,9 @@ pub enum ToInit {
         workdir: String,
         #[serde(default)]
         tty: Option<(u16, u16)>,
+        /// Who it runs as, resolved by the init in the sandbox's /etc (None: root).
+        #[serde(default)]
+        user: Option<String>,
     },
     /// Fork a spare process into the next exec's cgroup now, off the exec's critical path
     /// (joining a cgroup v1 can wait for an RCU grace period). Fds: that cgroup's
@@ -59,6 +62,9 @@ pub struct Job {
     /// Stdin is a terminal to make the controlling terminal.
     #[serde(default)]
     pub tty: bool,
+    /// The credentials to switch to (None: stay root).
+    #[serde(default)]
+    pub user: Option<sandbox_exec::user::Credentials>,
 }
 
 /// Init → daemon.
@@ -143,7 +149,7 @@ mod tests {
     #[test]
     fn messages_and_fds_cross_the_pair() {
         let (a, b) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).expect("socketpair");
-        let msg = ToInit::Spawn { exec_id: "ex-1".into(), slot: None, argv: vec!["true".into()], env: vec![], workdir: "/".into(), tty: None };
+        let msg = ToInit::Spawn { exec_id: "ex-1".into(), slot: None, argv: vec!["true".into()], env: vec![], workdir: "/".into(), tty: None, user: None };
         let devnull = std::fs::File::open("/dev/null").expect("open");
         send_raw(a.as_fd(), &encode(&msg).expect("encode"), &[devnull.as_raw_fd()]).expect("send");
         let mut buf = vec![0u8; 4096];
