@@ -94,6 +94,40 @@ async fn sbx_exec_passes_output_and_exit_code_through() {
 
     let out = sbx(&daemon, &["exec", &id, "--", "no-such-command"]).await;
     assert_eq!(out.status.code(), Some(127), "{}", show(&out));
+
+    // -u: another user of the image; one it lacks is exit 126 with the reason on stderr.
+    let out = sbx(&daemon, &["exec", "-u", "nobody", &id, "--", "id", "-u"]).await;
+    assert_eq!((out.status.code(), out.stdout.as_slice()), (Some(0), &b"65534\n"[..]), "{}", show(&out));
+    let out = sbx(&daemon, &["exec", "-u", "ghost", &id, "--", "true"]).await;
+    assert_eq!(out.status.code(), Some(126), "{}", show(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("user \"ghost\" is not in the sandbox's /etc/passwd"), "{}", show(&out));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sbx_fork_inherits_and_says_so() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let out = sbx(&daemon, &["fork", "--help"]).await;
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && !help.contains("minimal") && help.contains("[default: the parent's]"), "{}", show(&out));
+
+    let out = sbx(&daemon, &["create", "--memory", "300M", "-e", "A=1", "-l", "team=x", "--workdir", "/srv", "-u", "nobody"]).await;
+    assert!(out.status.success(), "{}", show(&out));
+    let parent = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let out = sbx(&daemon, &["snapshot", &parent]).await;
+    assert!(out.status.success(), "{}", show(&out));
+    let snap = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let out = sbx(&daemon, &["fork", &snap, "-e", "B=2"]).await;
+    assert!(out.status.success(), "{}", show(&out));
+    let fork = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let out = sbx(&daemon, &["exec", &fork, "--", "sh", "-c", "echo $A$B $(pwd) $(id -u)"]).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "12 /srv 65534\n", "{}", show(&out));
+    let out = sbx(&daemon, &["--json", "get", &fork]).await;
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", show(&out)));
+    assert_eq!(
+        (got["limits"]["memory_bytes"].as_u64(), got["labels"]["team"].as_str(), got["user"].as_str()),
+        (Some(314_572_800), Some("x"), Some("nobody")),
+        "{got}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -25,6 +25,7 @@ pub fn sandbox(s: &Sandbox) -> Value {
         "created_at": timestamp(s.created_at.as_ref()),
         "expires_at": timestamp(s.expires_at.as_ref()),
         "workdir": s.workdir,
+        "user": s.user,
         "parent_snapshot_id": s.parent_snapshot_id,
         "isolation_reason": s.isolation_reason,
         "failure_reason": s.failure_reason,

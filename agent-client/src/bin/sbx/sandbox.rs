@@ -71,6 +71,14 @@ pub async fn get(ctx: &Ctx, id: String) -> Result<u8> {
         ("CREATED", output::time(s.created_at.as_ref())),
         ("EXPIRES", output::time(s.expires_at.as_ref())),
         ("WORKDIR", output::or_dash(&s.workdir)),
+        (
+            "USER",
+            if s.user.is_empty() {
+                "root".to_string()
+            } else {
+                s.user.clone()
+            },
+        ),
         ("PARENT_SNAPSHOT", output::or_dash(&s.parent_snapshot_id)),
         ("CPU", format!("{}m", limits.cpu_millicores)),
         ("MEMORY", output::size(limits.memory_bytes)),
