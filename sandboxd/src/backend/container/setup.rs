@@ -275,7 +275,14 @@ mod tests {
         let spec = SandboxSpec {
             id: crate::ids::SandboxId::generate(),
             image: "minimal".into(),
-            limits: crate::config::Limits { cpu_millicores: 1, memory_bytes: 64 << 20, max_pids: 32, disk_bytes: 1 << 30, exec_timeout_ms: 1000 },
+            limits: crate::config::Limits {
+                cpu_millicores: 1,
+                memory_bytes: 64 << 20,
+                max_pids: 32,
+                disk_bytes: 1 << 30,
+                exec_timeout_ms: 1000,
+                shm_bytes: 32 << 20,
+            },
             workdir: "/workspace".into(),
             from_snapshot: None,
         };
