@@ -424,10 +424,11 @@ async fn atomic_write_refused_by_the_quota_leaves_the_old_file(isolation: Isolat
     const DISK: u64 = 64 << 20;
     let h = Harness::start(isolation).await;
     let c = &h.client;
-    let id = h.sandbox_with(ResourceLimits { disk_bytes: DISK, ..Default::default() }).await;
+    let id = h.sandbox_with(ResourceLimits { disk_bytes: DISK, shm_bytes: DISK, ..Default::default() }).await;
     // Where a write can run out of room. The container tier caps its writable layer only where
     // Docker's storage driver can (not fuse-overlayfs, as on the reference host), so there the
-    // container's /dev/shm — a 64 MiB tmpfs — fills up instead: the same atomic-replace path.
+    // container's /dev/shm — a tmpfs of shm_bytes, 64 MiB here — fills up instead: the same
+    // atomic-replace path.
     let dir = if isolation == Isolation::Container { "/dev/shm" } else { "/workspace" };
     let keep = format!("{dir}/keep.bin");
     let old: Vec<u8> = (0..(1u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
