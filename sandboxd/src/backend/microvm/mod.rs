@@ -692,6 +692,7 @@ fn guest_config(spec: &SandboxSpec) -> GuestLimits {
         cpu_millicores: l.cpu_millicores,
         hostname: spec.id.to_string(),
         workdir: spec.workdir.clone(),
+        shm_bytes: l.shm_size(),
     }
 }
 
