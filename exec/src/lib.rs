@@ -11,6 +11,8 @@
 //! - [`pty`]: pseudo-terminals for interactive execs, opened in the devpts the command sees.
 //! - [`sys`]: file access confined to a sandbox's root (`openat2` with `RESOLVE_IN_ROOT`), used by
 //!   the daemon's file API on the process and container tiers and by the guest agent.
+//! - [`etc`]: `/etc/hostname` and `/etc/hosts` naming the sandbox, written at every start
+//!   without following anything the sandbox planted there.
 //! - [`archive`]: directories in and out of a sandbox as tar streams, on top of [`sys`], with
 //!   every entry confined to the sandbox's root and nothing followed below the chosen path.
 //!
@@ -20,6 +22,7 @@
 
 pub mod archive;
 pub mod capture;
+pub mod etc;
 pub mod outcome;
 pub mod pty;
 pub mod spawn;

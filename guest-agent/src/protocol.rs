@@ -88,8 +88,11 @@ pub const FILE_CHUNK: u64 = 1 << 20;
 /// `RemoveFile`; 3 added `ExecSession`, `Stdin`, `CloseStdin` and `Resize` (interactive execs
 /// and terminals); 4 added `UploadArchive`, `DownloadArchive` and their answers `Extracted`,
 /// `ArchiveData`, `ArchiveEnd` (directories as tar streams), and lets `AbortWrite` drop an
-/// archive transfer too; 5 added `ExecRequest.user` (execs as another user). Everything of 1 is
-/// unchanged, so a host speaks to any of them.
+/// archive transfer too; 5 added `shm_bytes` to `Configure` (the size of /dev/shm), and a
+/// `Configure` of 5 also writes /etc/hostname and /etc/hosts for the hostname, while the guest
+/// shows its sandbox's cgroup read-only at /sys/fs/cgroup; 5 also added `ExecRequest.user` (execs as
+/// another user). Everything of 1 is unchanged, so a
+/// host speaks to any of them (and refuses what an older guest would silently leave undone).
 pub const VERSION: u32 = 5;
 /// Oldest guest protocol a host still accepts.
 pub const MIN_VERSION: u32 = 1;
@@ -213,7 +216,12 @@ pub enum Request {
 }
 
 /// The sandbox as the guest applies it: limits on the cgroup every exec runs under, the
-/// hostname (the sandbox id) and the default working directory, created if missing.
+/// hostname (the sandbox id; from protocol 5 also written to /etc/hostname and mapped to
+/// 127.0.1.1 in /etc/hosts), the default working directory, created if missing, and (protocol
+/// 5) the size of /dev/shm.
+///
+/// An agent older than 5 ignores `shm_bytes` (serde skips unknown fields), so a host sends it
+/// only to an agent that said 5 or more in `Hello`, and refuses an older one instead.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GuestLimits {
     pub memory_bytes: u64,
@@ -223,6 +231,10 @@ pub struct GuestLimits {
     pub hostname: String,
     #[serde(default)]
     pub workdir: String,
+    /// Size of the /dev/shm tmpfs (its pages count against `memory_bytes`: they are charged to
+    /// the sandbox's cgroup); 0 leaves it as it is.
+    #[serde(default)]
+    pub shm_bytes: u64,
 }
 
 /// One command to run in the guest, fully resolved by the host.
@@ -612,6 +624,23 @@ mod tests {
         let env: Envelope<Request> = serde_json::from_slice(v1).expect("v1 write_file");
         assert_eq!(env.msg, Request::WriteFile { path: "/f".into(), mode: 0o644, append: false });
         const { assert!(MIN_VERSION <= VERSION) };
+    }
+
+    #[test]
+    fn version_5_configure_carries_the_shm_size_and_older_ones_parse_as_before() {
+        let limits =
+            GuestLimits { memory_bytes: 1 << 30, max_pids: 64, cpu_millicores: 1000, hostname: "sb-1".into(), workdir: "/w".into(), shm_bytes: 512 << 20 };
+        let json = serde_json::to_value(Envelope { id: 1, msg: &Request::Configure(limits.clone()) }).expect("json");
+        assert_eq!((json["msg"]["type"].as_str(), json["msg"]["shm_bytes"].as_u64()), (Some("configure"), Some(512 << 20)));
+        let mut d = Decoder::new();
+        d.push(&encode(1, &Request::Configure(limits.clone()), b"").expect("encode"));
+        let Some(Decoded::Frame(f)) = d.next() else { panic!("no frame") };
+        assert_eq!(f.envelope::<Request>().expect("parse").msg, Request::Configure(limits));
+        // A host of protocol 4 sends no size: 0, which leaves /dev/shm as it is.
+        let v4 = br#"{"id":2,"msg":{"type":"configure","memory_bytes":1,"max_pids":2,"cpu_millicores":3,"hostname":"h","workdir":"/w"}}"#;
+        let Request::Configure(old) = serde_json::from_slice::<Envelope<Request>>(v4).expect("v4 configure").msg else { panic!("not configure") };
+        assert_eq!(old.shm_bytes, 0);
+        const { assert!(VERSION >= 5) };
     }
 
     #[test]

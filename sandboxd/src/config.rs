@@ -459,16 +459,25 @@ impl Config {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let (d, m) = (&self.limits.default, &self.limits.max);
-        let checks: [(&str, u64, u64); 5] = [
+        let checks: [(&str, u64, u64); 6] = [
             ("cpu_millicores", d.cpu_millicores.into(), m.cpu_millicores.into()),
             ("memory_bytes", d.memory_bytes, m.memory_bytes),
             ("max_pids", d.max_pids.into(), m.max_pids.into()),
             ("disk_bytes", d.disk_bytes, m.disk_bytes),
             ("exec_timeout_ms", d.exec_timeout_ms, m.exec_timeout_ms),
+            ("shm_bytes", d.shm_bytes, m.shm_bytes),
         ];
         let floors = Limits::MINIMUMS;
-        let floors: [u64; 5] = [floors.cpu_millicores.into(), floors.memory_bytes, floors.max_pids.into(), floors.disk_bytes, floors.exec_timeout_ms];
+        let floors: [u64; 6] =
+            [floors.cpu_millicores.into(), floors.memory_bytes, floors.max_pids.into(), floors.disk_bytes, floors.exec_timeout_ms, floors.shm_bytes];
+        if m.shm_bytes < floors[5] {
+            return Err(ConfigError::Invalid(format!("limits.max.shm_bytes = {} is below the minimum {} of a /dev/shm", m.shm_bytes, floors[5])));
+        }
         for ((name, default, max), floor) in checks.into_iter().zip(floors) {
+            // The default /dev/shm may be 0: half of each sandbox's memory limit.
+            if name == "shm_bytes" && default == 0 {
+                continue;
+            }
             if default == 0 || default > max {
                 return Err(ConfigError::Invalid(format!("limits.default.{name} = {default} must be > 0 and <= limits.max.{name} = {max}")));
             }
@@ -569,6 +578,8 @@ mod tests {
         for (toml, key) in [
             ("[limits.default]\ndisk_bytes = 1048576\n", "limits.default.disk_bytes"),
             ("[limits.default]\nmax_pids = 2\n", "limits.default.max_pids"),
+            ("[limits.default]\nshm_bytes = 4096\n", "limits.default.shm_bytes"),
+            ("[limits.max]\nshm_bytes = 4096\n", "limits.max.shm_bytes"),
             ("[files]\nmax_concurrent_writes = 0\n", "files.max_concurrent_writes"),
             ("[microvm]\ndisk_pool_bytes = 0\n", "microvm.disk_pool_bytes"),
             ("[container]\ndisk_pool_bytes = 1\n", "container.disk_pool_bytes"),

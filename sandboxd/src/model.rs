@@ -47,20 +47,46 @@ pub struct Limits {
     pub max_pids: u32,
     pub disk_bytes: u64,
     pub exec_timeout_ms: u64,
+    /// Size of the sandbox's `/dev/shm`. Its pages are charged to the sandbox's memory cgroup
+    /// (or live in the guest's RAM), so it is a share of `memory_bytes`, never more memory.
+    /// As a default (`[limits.default]`), 0 means half of the sandbox's memory limit; a
+    /// sandbox's effective limits always hold the size (records written before this field
+    /// existed read as 0: see [`Limits::shm_size`]).
+    #[serde(default)]
+    pub shm_bytes: u64,
 }
 
 impl Limits {
-    /// Built-in defaults applied when a request leaves a limit at 0.
-    pub const DEFAULTS: Limits = Limits { cpu_millicores: 1000, memory_bytes: 512 << 20, max_pids: 256, disk_bytes: 1 << 30, exec_timeout_ms: 300_000 };
-    /// Built-in ceilings: a request above one is refused.
-    pub const CEILINGS: Limits =
-        Limits { cpu_millicores: 64_000, memory_bytes: 16 << 30, max_pids: 16_384, disk_bytes: 64 << 30, exec_timeout_ms: 24 * 3600 * 1000 };
+    /// Built-in defaults applied when a request leaves a limit at 0 (`/dev/shm`: half of the
+    /// memory limit, as `shm_bytes` 0 says).
+    pub const DEFAULTS: Limits =
+        Limits { cpu_millicores: 1000, memory_bytes: 512 << 20, max_pids: 256, disk_bytes: 1 << 30, exec_timeout_ms: 300_000, shm_bytes: 0 };
+    /// Built-in ceilings: a request above one is refused. `/dev/shm` can never be larger than
+    /// the sandbox's own memory limit either.
+    pub const CEILINGS: Limits = Limits {
+        cpu_millicores: 64_000,
+        memory_bytes: 16 << 30,
+        max_pids: 16_384,
+        disk_bytes: 64 << 30,
+        exec_timeout_ms: 24 * 3600 * 1000,
+        shm_bytes: 16 << 30,
+    };
     /// Floors: a sandbox below one could not run anything, so a request below one is refused
     /// at create (INVALID_ARGUMENT naming the field) and a configured default or ceiling below
     /// one stops the daemon at start. 4 MiB of memory runs a shell; 8 pids let a shell run a
     /// pipeline next to the sandbox's init; 16 MiB of disk hold the writable layer's own files
-    /// (workdir, spilled output) with room to work.
-    pub const MINIMUMS: Limits = Limits { cpu_millicores: 1, memory_bytes: 4 << 20, max_pids: 8, disk_bytes: 16 << 20, exec_timeout_ms: 1 };
+    /// (workdir, spilled output) with room to work; 1 MiB of `/dev/shm` holds the semaphores
+    /// and small shared buffers programs make there (and is never 0, which a tmpfs would read
+    /// as "no size limit").
+    pub const MINIMUMS: Limits = Limits { cpu_millicores: 1, memory_bytes: 4 << 20, max_pids: 8, disk_bytes: 16 << 20, exec_timeout_ms: 1, shm_bytes: 1 << 20 };
+
+    /// The size of `/dev/shm` these limits give a sandbox: `shm_bytes`, or half of the memory
+    /// limit when it is 0 (a default, or a record from before the field), never 0 and never
+    /// above the memory limit.
+    pub fn shm_size(&self) -> u64 {
+        let size = if self.shm_bytes == 0 { self.memory_bytes / 2 } else { self.shm_bytes };
+        size.min(self.memory_bytes).max(Self::MINIMUMS.shm_bytes)
+    }
 
     /// Each limit, or the ceiling's where that is lower.
     pub fn capped_by(&self, ceilings: &Limits) -> Limits {
@@ -70,6 +96,7 @@ impl Limits {
             max_pids: self.max_pids.min(ceilings.max_pids),
             disk_bytes: self.disk_bytes.min(ceilings.disk_bytes),
             exec_timeout_ms: self.exec_timeout_ms.min(ceilings.exec_timeout_ms),
+            shm_bytes: self.shm_bytes.min(ceilings.shm_bytes),
         }
     }
 }
@@ -107,6 +134,7 @@ pub struct RequestedLimits {
     pub max_pids: u32,
     pub disk_bytes: u64,
     pub exec_timeout_ms: u64,
+    pub shm_bytes: u64,
 }
 
 /// A CreateSandbox call.
@@ -368,6 +396,15 @@ pub struct FileChunk {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shm_size_is_half_the_memory_unless_given() {
+        let l = Limits { memory_bytes: 1 << 30, ..Limits::DEFAULTS };
+        assert_eq!(l.shm_size(), 512 << 20, "0 means half of the memory limit");
+        assert_eq!(Limits { shm_bytes: 100 << 20, ..l }.shm_size(), 100 << 20);
+        assert_eq!(Limits { shm_bytes: 2 << 30, ..l }.shm_size(), 1 << 30, "never above the memory limit");
+        assert_eq!(Limits { memory_bytes: 1 << 20, ..Limits::DEFAULTS }.shm_size(), Limits::MINIMUMS.shm_bytes, "never 0 (unlimited to a tmpfs)");
+    }
 
     #[test]
     fn lifecycle_checks() {

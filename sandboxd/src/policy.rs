@@ -39,6 +39,7 @@ pub struct PartialLimits {
     pub max_pids: Option<u32>,
     pub disk_bytes: Option<u64>,
     pub exec_timeout_ms: Option<u64>,
+    pub shm_bytes: Option<u64>,
 }
 
 impl PartialLimits {
@@ -50,6 +51,7 @@ impl PartialLimits {
             max_pids: self.max_pids.unwrap_or(base.max_pids),
             disk_bytes: self.disk_bytes.unwrap_or(base.disk_bytes),
             exec_timeout_ms: self.exec_timeout_ms.unwrap_or(base.exec_timeout_ms),
+            shm_bytes: self.shm_bytes.unwrap_or(base.shm_bytes),
         }
     }
 }
@@ -61,18 +63,28 @@ fn min_limits(a: Limits, b: Limits) -> Limits {
         max_pids: a.max_pids.min(b.max_pids),
         disk_bytes: a.disk_bytes.min(b.disk_bytes),
         exec_timeout_ms: a.exec_timeout_ms.min(b.exec_timeout_ms),
+        // A default of 0 is "half of the memory limit", not the smallest value: it stays, and
+        // the ceiling cuts it when the sandbox's limits are resolved.
+        shm_bytes: if a.shm_bytes == 0 { 0 } else { a.shm_bytes.min(b.shm_bytes) },
     }
 }
 
 /// Names and values of each limit, for validation messages.
-fn fields(l: &Limits) -> [(&'static str, u64); 5] {
+fn fields(l: &Limits) -> [(&'static str, u64); 6] {
     [
         ("cpu_millicores", l.cpu_millicores.into()),
         ("memory_bytes", l.memory_bytes),
         ("max_pids", l.max_pids.into()),
         ("disk_bytes", l.disk_bytes),
         ("exec_timeout_ms", l.exec_timeout_ms),
+        ("shm_bytes", l.shm_bytes),
     ]
+}
+
+/// Whether 0 is a valid default of the limit `name`: `shm_bytes` 0 means half of the memory
+/// limit.
+fn zero_default_allowed(name: &str) -> bool {
+    name == "shm_bytes"
 }
 
 /// One rule: requests whose labels include all of `match_labels` get its minimum isolation and
@@ -299,7 +311,7 @@ impl Policy {
             }
             let defaults = rule.limits_default.over(self.global_defaults);
             for ((name, d), (_, m)) in fields(&defaults).into_iter().zip(fields(&ceilings)) {
-                if rule.limits_default != PartialLimits::default() && (d == 0 || d > m) {
+                if rule.limits_default != PartialLimits::default() && ((d == 0 && !zero_default_allowed(name)) || d > m) {
                     return Err(at(format!("limits_default.{name} = {d} must be > 0 and <= its ceiling {m}")));
                 }
             }

@@ -13,7 +13,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/ptrace.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -133,6 +136,72 @@ static int do_io_uring(void) {
     return escaped;
 }
 
+/* Writes `value` to `path`; reports a write that got through (or a file that could be made). */
+static void try_write(const char *path, const char *value) {
+    char what[256];
+    snprintf(what, sizeof what, "write %s to %s", value, path);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) { verdict(0, what, errno); return; }
+    ssize_t n = write(fd, value, strlen(value));
+    int err = errno;
+    close(fd);
+    verdict(n == (ssize_t)strlen(value), what, err);
+}
+
+static void try_mount(const char *src, const char *target, const char *type, unsigned long flags, const char *data, const char *what) {
+    errno = 0;
+    int r = mount(src, target, type, flags, data);
+    verdict(r == 0, what, errno);
+}
+
+/* The sandbox's view of its own cgroup (/sys/fs/cgroup) must stay read-only and un-remountable,
+ * and no cgroupfs may be mounted again: CVE-2022-0492 (release_agent) and every way around a
+ * read-only mount. v1 and v2 paths are both tried; a missing file is reported as blocked. */
+static int do_cgroup(void) {
+    const char *files[] = {
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/cgroup.procs", "/sys/fs/cgroup/pids/cgroup.procs", "/sys/fs/cgroup/cgroup.procs",
+        "/sys/fs/cgroup/memory/release_agent", "/sys/fs/cgroup/pids/release_agent", "/sys/fs/cgroup/release_agent",
+        "/sys/fs/cgroup/memory/notify_on_release", "/sys/fs/cgroup/cgroup.subtree_control",
+        "/sys/fs/cgroup/planted", "/sys/devices/system/cpu/online", "/sys/kernel/uevent_helper",
+    };
+    char pid[32];
+    snprintf(pid, sizeof pid, "%d", (int)getpid());
+    for (size_t i = 0; i < sizeof files / sizeof *files; i++) try_write(files[i], strstr(files[i], "procs") ? pid : "1");
+    /* Each call before its verdict: the order arguments are evaluated in is unspecified. */
+    int r = mkdir("/sys/fs/cgroup/memory/escape", 0755);
+    verdict(r == 0, "mkdir a cgroup in /sys/fs/cgroup/memory", errno);
+    r = mkdir("/sys/fs/cgroup/escape", 0755);
+    verdict(r == 0, "mkdir in /sys/fs/cgroup", errno);
+
+    mkdir("/tmp/cgprobe", 0755);
+    try_mount("cgroup", "/tmp/cgprobe", "cgroup", 0, "memory", "mount cgroup v1 memory");
+    try_mount("cgroup", "/tmp/cgprobe", "cgroup", 0, "rdma,release_agent=/tmp/x", "mount a new cgroup v1 hierarchy with release_agent");
+    try_mount("cgroup2", "/tmp/cgprobe", "cgroup2", 0, NULL, "mount cgroup2");
+    try_mount("sysfs", "/tmp/cgprobe", "sysfs", 0, NULL, "mount sysfs");
+    try_mount(NULL, "/sys/fs/cgroup", NULL, MS_REMOUNT | MS_BIND, NULL, "remount /sys/fs/cgroup read-write");
+    try_mount(NULL, "/sys/fs/cgroup/memory", NULL, MS_REMOUNT | MS_BIND, NULL, "remount /sys/fs/cgroup/memory read-write");
+    try_mount(NULL, "/sys", NULL, MS_REMOUNT, NULL, "remount /sys read-write");
+    try_mount("/sys/fs/cgroup", "/tmp/cgprobe", NULL, MS_BIND | MS_REC, NULL, "bind /sys/fs/cgroup elsewhere");
+    r = umount2("/sys/fs/cgroup", MNT_DETACH);
+    verdict(r == 0, "unmount /sys/fs/cgroup", errno);
+    r = umount2("/sys/devices/system/cpu/online", MNT_DETACH);
+    verdict(r == 0, "unmount the CPU list", errno);
+    long fs = syscall(SYS_fsopen, "cgroup2", 0);
+    verdict(fs >= 0, "fsopen(cgroup2)", errno);
+    /* CVE-2022-0492 the classic way: a user namespace gives CAP_SYS_ADMIN over a new cgroupfs. */
+    if (unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWCGROUP) == 0) {
+        verdict(1, "unshare a user, mount and cgroup namespace", 0);
+        try_mount("cgroup", "/tmp/cgprobe", "cgroup", 0, "rdma", "mount cgroup v1 in a user namespace");
+    } else {
+        verdict(0, "unshare a user, mount and cgroup namespace", errno);
+    }
+    /* After all that, the view is still read-only. */
+    try_write("/sys/fs/cgroup/memory/memory.limit_in_bytes", "1");
+    try_write("/sys/fs/cgroup/memory.max", "1");
+    return escaped;
+}
+
 /* Not an attack: what must keep working. Code in a sandbox traces its own children (strace,
  * gdb). Exit 0 with "OK" when a child could be seized, stopped and inspected. */
 static int do_ptrace_child(void) {
@@ -158,6 +227,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "fds")) return do_fds();
     if (!strcmp(argv[1], "io_uring")) return do_io_uring();
     if (!strcmp(argv[1], "ptrace_child")) return do_ptrace_child();
+    if (!strcmp(argv[1], "cgroup")) return do_cgroup();
     fprintf(stderr, "unknown probe %s\n", argv[1]);
     return 2;
 }

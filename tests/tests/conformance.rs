@@ -79,6 +79,14 @@ impl Harness {
     async fn sandbox(&self) -> String {
         self.sandbox_with(ResourceLimits::default()).await
     }
+
+    /// A `debian` sandbox (python3, pytest, pytest-xdist) of the tier under test; returns the
+    /// whole record, whose limits are the effective ones.
+    async fn debian(&self, limits: ResourceLimits) -> agent_client::proto::Sandbox {
+        let request = CreateSandboxRequest { image: "debian".into(), ..self.request(limits) };
+        let id = self.create(request).await;
+        self.client.get(&id).await.expect("GetSandbox")
+    }
 }
 
 /// Instantiates every case of the suite for one tier, as `<tier>::<case>`.
@@ -100,6 +108,11 @@ macro_rules! conformance {
                 snapshot_rollback_and_forks,
                 concurrent_execs_keep_their_output,
                 kill9_restart_readopts,
+                shm_is_sized_from_the_memory_limit,
+                cpu_count_follows_the_cpu_limit,
+                hostname_resolves_and_matches_etc_hostname,
+                own_cgroup_is_visible_read_only,
+                df_shows_what_the_tier_can,
             );
         }
     };
@@ -448,10 +461,11 @@ async fn atomic_write_refused_by_the_quota_leaves_the_old_file(isolation: Isolat
     const DISK: u64 = 64 << 20;
     let h = Harness::start(isolation).await;
     let c = &h.client;
-    let id = h.sandbox_with(ResourceLimits { disk_bytes: DISK, ..Default::default() }).await;
+    let id = h.sandbox_with(ResourceLimits { disk_bytes: DISK, shm_bytes: DISK, ..Default::default() }).await;
     // Where a write can run out of room. The container tier caps its writable layer only where
     // Docker's storage driver can (not fuse-overlayfs, as on the reference host), so there the
-    // container's /dev/shm — a 64 MiB tmpfs — fills up instead: the same atomic-replace path.
+    // container's /dev/shm — a tmpfs of shm_bytes, 64 MiB here — fills up instead: the same
+    // atomic-replace path.
     let dir = if isolation == Isolation::Container { "/dev/shm" } else { "/workspace" };
     let keep = format!("{dir}/keep.bin");
     let old: Vec<u8> = (0..(1u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
@@ -575,6 +589,136 @@ async fn concurrent_execs_keep_their_output(isolation: Isolation) {
         assert_exited(&r, 0);
         assert_eq!(text(&r.stdout), format!("exec {i} {id}\n"), "exec {i} got another exec's output");
         assert_eq!(r.stderr, b"done\n");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The environment programs size themselves by (#15): /dev/shm, CPUs, hostname, cgroup, disk.
+
+const MIB: u64 = 1 << 20;
+
+/// The bytes of the filesystem at `path` inside the sandbox, as `statvfs` (and `df`) gives them.
+async fn fs_size(h: &Harness, id: &str, path: &str) -> u64 {
+    let out = h.sh_ok(id, &format!("python3 -c 'import os; s = os.statvfs(\"{path}\"); print(s.f_blocks * s.f_frsize)'")).await;
+    out.trim().parse().unwrap_or_else(|_| panic!("statvfs({path}) printed {out:?}"))
+}
+
+/// `/sys/fs/cgroup`'s memory limit file: cgroup v2's `memory.max`, or v1's memory hierarchy.
+const CGROUP_MEMORY_FILES: &str =
+    "if [ -e /sys/fs/cgroup/memory.max ]; then d=/sys/fs/cgroup; max=memory.max; cur=memory.current; else d=/sys/fs/cgroup/memory; max=memory.limit_in_bytes; cur=memory.usage_in_bytes; fi";
+
+async fn shm_is_sized_from_the_memory_limit(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    // The default: half of the memory limit, reported in the effective limits.
+    let sb = h.debian(ResourceLimits { memory_bytes: 1 << 30, ..Default::default() }).await;
+    assert_eq!(sb.limits.as_ref().map(|l| l.shm_bytes), Some(512 * MIB), "{sb:?}");
+    assert_eq!(fs_size(&h, &sb.id, "/dev/shm").await, 512 * MIB, "/dev/shm of a 1 GiB sandbox");
+    // A Python test writing 100 MB to /dev/shm (a file, and a POSIX shared memory segment, as
+    // multiprocessing, PyTorch data loaders and Chrome make them) passes.
+    let test = "import os\nfrom multiprocessing import shared_memory\n\n\
+                def test_100mb_file_in_dev_shm():\n    chunk = b'x' * (1 << 20)\n    with open('/dev/shm/big', 'wb') as f:\n        for _ in range(100):\n            f.write(chunk)\n    assert os.path.getsize('/dev/shm/big') == 100 << 20\n    os.unlink('/dev/shm/big')\n\n\
+                def test_100mb_shared_memory_segment():\n    seg = shared_memory.SharedMemory(create=True, size=100 << 20)\n    try:\n        seg.buf[:] = b'\\x01' * (100 << 20)\n        assert seg.buf[(100 << 20) - 1] == 1\n    finally:\n        seg.close()\n        seg.unlink()\n";
+    within(60, h.client.write_file(&sb.id, "/workspace/test_shm.py", test.as_bytes().to_vec(), 0o644)).await.expect("WriteFile");
+    let r = h.sh(&sb.id, "cd /workspace && python3 -m pytest -q -p no:cacheprovider test_shm.py 2>&1").await;
+    assert_exited(&r, 0);
+    assert!(text(&r.stdout).contains("2 passed"), "{}", describe(&r));
+
+    // An explicit size, and what does not fit in it fails inside, as a full disk would.
+    let sb = h.debian(ResourceLimits { memory_bytes: 1 << 30, shm_bytes: 200 * MIB, ..Default::default() }).await;
+    assert_eq!(sb.limits.as_ref().map(|l| l.shm_bytes), Some(200 * MIB), "{sb:?}");
+    assert_eq!(fs_size(&h, &sb.id, "/dev/shm").await, 200 * MIB, "/dev/shm of shm_bytes 200 MiB");
+    let r = h.sh(&sb.id, "dd if=/dev/zero of=/dev/shm/over bs=1M count=300 2>&1").await;
+    assert_ne!(r.exit_code, 0, "300 MiB fit in a 200 MiB /dev/shm: {}", describe(&r));
+    assert!(text(&r.stdout).contains("No space left"), "{}", describe(&r));
+
+    // Not a way around the memory limit: what /dev/shm holds is memory the sandbox uses.
+    let sb = h.debian(ResourceLimits { memory_bytes: 256 * MIB, ..Default::default() }).await;
+    let used = h.sh_ok(&sb.id, &format!("{CGROUP_MEMORY_FILES}; dd if=/dev/zero of=/dev/shm/fill bs=1M count=100 2>/dev/null; cat $d/$cur")).await;
+    let used: u64 = used.trim().parse().unwrap_or_else(|_| panic!("memory usage {used:?}"));
+    assert!(used >= 100 * MIB, "100 MiB in /dev/shm, but the sandbox's memory cgroup counts {used} bytes");
+
+    // Larger than the memory limit: refused, naming the field.
+    let err = h
+        .client
+        .create(CreateSandboxRequest {
+            image: "debian".into(),
+            ..h.request(ResourceLimits { memory_bytes: 256 * MIB, shm_bytes: 257 * MIB, ..Default::default() })
+        })
+        .await
+        .expect_err("shm above the memory limit");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("limits.shm_bytes"), "{err}");
+}
+
+/// `nproc`, `os.cpu_count()` and `len(os.sched_getaffinity(0))` in one line.
+const CPU_COUNTS: &str = "echo $(nproc) $(python3 -c 'import os; print(os.cpu_count(), len(os.sched_getaffinity(0)))')";
+
+async fn cpu_count_follows_the_cpu_limit(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let host = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let tiny = b"def test_one():\n    pass\n\ndef test_two():\n    pass\n".to_vec();
+    for (millicores, want) in [(1000, 1), (2000, host.min(2))] {
+        let sb = h.debian(ResourceLimits { cpu_millicores: millicores, ..Default::default() }).await;
+        let counts = h.sh_ok(&sb.id, CPU_COUNTS).await;
+        assert_eq!(counts.trim(), format!("{want} {want} {want}"), "nproc, os.cpu_count(), sched_getaffinity under {millicores} millicores");
+        // pytest-xdist sizes `-n auto` by the CPUs it may use: exactly that many workers.
+        within(60, h.client.write_file(&sb.id, "/workspace/test_tiny.py", tiny.clone(), 0o644)).await.expect("WriteFile");
+        let r = h.sh(&sb.id, "cd /workspace && python3 -m pytest -n auto -p no:cacheprovider test_tiny.py 2>&1").await;
+        assert_exited(&r, 0);
+        let out = text(&r.stdout);
+        // xdist's status line once every worker collected the 2 tests: `gw0 [2] / gw1 [2]`.
+        let workers = (0..want).map(|i| format!("gw{i} [2]")).collect::<Vec<_>>().join(" / ");
+        assert!(out.lines().any(|l| l == workers), "pytest-xdist -n auto under {millicores} millicores; expected the line {workers:?}: {}", describe(&r));
+    }
+}
+
+async fn hostname_resolves_and_matches_etc_hostname(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let resolve = "python3 -c 'import socket; print(socket.gethostbyname(socket.gethostname()))'; hostname; cat /etc/hostname; grep -c localhost /etc/hosts";
+    let sb = h.debian(ResourceLimits::default()).await;
+    let out = h.sh_ok(&sb.id, resolve).await;
+    assert_eq!(out, format!("127.0.1.1\n{0}\n{0}\n2\n", sb.id), "resolved address, hostname, /etc/hostname, localhost lines");
+    // Hostile files in the snapshot a fork starts from: /etc/hosts a link to PID 1's stderr,
+    // /etc/hostname a FIFO. (A tier whose /etc/hosts is a mount refuses the change; fine too.)
+    h.sh(&sb.id, "rm -f /etc/hosts /etc/hostname && ln -s /proc/1/fd/2 /etc/hosts && mkfifo /etc/hostname").await;
+    let snap = within(60, h.client.snapshot(&sb.id, "hostile-etc")).await.expect("snapshot");
+    let fork = within(120, h.client.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() })).await.expect("fork");
+    assert_ne!(fork.id, sb.id);
+    assert_eq!(h.sh_ok(&fork.id, resolve).await, format!("127.0.1.1\n{0}\n{0}\n2\n", fork.id), "the fork's own name, not its parent's");
+    assert_eq!(h.sh_ok(&fork.id, "test -L /etc/hosts || test -p /etc/hostname || echo replaced").await, "replaced\n");
+    // A rollback starts the sandbox again: its name is its own again too.
+    within(120, h.client.rollback(&sb.id, &snap.snapshot_id)).await.expect("rollback");
+    assert_eq!(h.sh_ok(&sb.id, resolve).await, format!("127.0.1.1\n{0}\n{0}\n2\n", sb.id));
+}
+
+async fn own_cgroup_is_visible_read_only(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let sb = h.debian(ResourceLimits { memory_bytes: 300 * MIB, ..Default::default() }).await;
+    let limit = h.sh_ok(&sb.id, &format!("{CGROUP_MEMORY_FILES}; cat $d/$max")).await;
+    assert_eq!(limit.trim(), (300 * MIB).to_string(), "/sys/fs/cgroup shows the sandbox's memory limit");
+    // Read-only, for root inside: the limit, a new cgroup, joining a cgroup, the view's root.
+    for attempt in ["echo 1073741824 > $d/$max", "mkdir $d/escape", "echo $$ > $d/cgroup.procs", "touch /sys/fs/cgroup/x"] {
+        let r = h.sh(&sb.id, &format!("{CGROUP_MEMORY_FILES}; {{ {attempt}; }} 2>&1")).await;
+        assert_ne!(r.exit_code, 0, "`{attempt}` worked inside: {}", describe(&r));
+        assert!(text(&r.stdout).contains("Read-only file system"), "`{attempt}`: {}", describe(&r));
+    }
+    let limit = h.sh_ok(&sb.id, &format!("{CGROUP_MEMORY_FILES}; cat $d/$max")).await;
+    assert_eq!(limit.trim(), (300 * MIB).to_string(), "the limit is unchanged");
+}
+
+async fn df_shows_what_the_tier_can(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let disk = 2048 * MIB;
+    let sb = h.debian(ResourceLimits { disk_bytes: disk, ..Default::default() }).await;
+    let size = fs_size(&h, &sb.id, "/").await;
+    match isolation {
+        // The sandbox's own disk, less ext4's own metadata.
+        Isolation::Microvm => assert!(size <= disk && size >= disk / 10 * 9, "df / of a {disk}-byte microVM disk: {size}"),
+        // Documented limits (README, "The environment inside"): the process tier's writable
+        // layer is a btrfs subvolume with a quota in a shared pool, and statfs of the overlay
+        // reports the pool; the container tier on fuse-overlayfs has no disk limit at all and
+        // shows Docker's filesystem. Both are larger than the sandbox's limit.
+        _ => assert!(size > disk, "df / shows the shared filesystem, larger than disk_bytes {disk}: {size}"),
     }
 }
 

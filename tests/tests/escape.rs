@@ -215,6 +215,34 @@ async fn container_and_microvm_execs_get_only_their_stdio() {
     within(120, client.destroy(&vm)).await.expect("DestroySandbox");
 }
 
+/// The sandbox's cgroup view (`/sys/fs/cgroup`, issue #15) on the tiers that share the host's
+/// kernel: no write to a limit, `cgroup.procs`, `release_agent` or the view's own directory, no
+/// cgroupfs or sysfs mounted again (also not from a new user namespace, CVE-2022-0492), no
+/// remount read-write, no unmount revealing what is below.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cgroup_view_stays_read_only_and_no_cgroupfs_can_be_mounted() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let probe = build_probe("escape_probe", tmp.path()).expect("building the probe");
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    for isolation in [Isolation::Process, Isolation::Container] {
+        let id = sandbox_with_probe(&client, isolation, &probe).await;
+        let r = assert_blocked(&client, &id, "cgroup").await;
+        // It attacked the real view (present, refused as read-only), not a missing file.
+        let out = String::from_utf8_lossy(&r.stdout).to_string();
+        let refused = |file: &str| out.contains(&format!("BLOCKED: write 1 to {file} (Read-only file system)"));
+        assert!(
+            refused("/sys/fs/cgroup/memory/memory.limit_in_bytes") || refused("/sys/fs/cgroup/memory.max"),
+            "{isolation:?}: the memory limit file was not refused as read-only:\n{}",
+            text(&r)
+        );
+        let limit = run(&client, &id, &["sh", "-c", "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max"]).await;
+        let want = (512u64 << 20).to_string();
+        assert_eq!(String::from_utf8_lossy(&limit.stdout).trim(), want, "{isolation:?}: the limit after the attacks:\n{}", text(&limit));
+        within(120, client.destroy(&id)).await.expect("DestroySandbox");
+    }
+}
+
 /// The sandbox once it shows FAILED (polled for 5 s); panics if it still shows anything else.
 async fn failed_within_5s(client: &Client, id: &str) -> agent_client::proto::Sandbox {
     for _ in 0..100 {

@@ -85,10 +85,12 @@ pub fn boot() -> Result<Booted, BootError> {
     free_initramfs();
     switch_root(Path::new(NEWROOT))?;
 
-    // Mounts that belong to the running system, now on the real root.
-    mount_fs("cgroup2", cgroup::MOUNT, "cgroup2", MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, Some("nsdelegate"))?;
+    // Mounts that belong to the running system, now on the real root. /run first: the agent's
+    // own cgroup2 mount lives below it.
     ensure_dir("/run", 0o755)?;
     mount_fs("tmpfs", "/run", "tmpfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=0755"))?;
+    ensure_dir("/run/sandboxd", 0o700)?;
+    mount_fs("cgroup2", cgroup::MOUNT, "cgroup2", MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, Some("nsdelegate"))?;
     ensure_dir("/run/lock", 0o1777)?;
     ensure_dir("/tmp", 0o1777)?;
     populate_dev()?;
@@ -104,6 +106,9 @@ pub fn boot() -> Result<Booted, BootError> {
 
     // Every exec runs below this cgroup; without it there are no limits, so no agent.
     let sandbox = step("create the sandbox cgroup", SandboxCgroup::create(Path::new(cgroup::MOUNT)))?;
+    // What programs inside read at /sys/fs/cgroup: the sandbox's cgroup (its limits at the top,
+    // as the other tiers show theirs), read-only.
+    bind_read_only(sandbox.dir(), Path::new(cgroup::VIEW))?;
     let root = step("open /", File::open("/"))?;
     let port = port::find(PORT_TIMEOUT).ok_or(BootError {
         step: "find the host port",
@@ -111,6 +116,17 @@ pub fn boot() -> Result<Booted, BootError> {
     })?;
     log!("booted in {} ms (modules {modules_ms} ms, disk mounted at {mounted_ms} ms); kernel uptime {} ms", t0.elapsed().as_millis(), machine::uptime_ms());
     Ok(Booted { agent: Agent::new(sandbox, Box::new(Guest::new(root))), port })
+}
+
+/// Binds `source` over `target`, then makes that mount read-only (a bind takes no flags of its
+/// own until remounted).
+fn bind_read_only(source: &Path, target: &Path) -> Result<(), BootError> {
+    let bind = |flags: MsFlags| {
+        mount(Some(source), target, None::<&str>, flags, None::<&str>).map_err(|e| format!("{} on {}: {}", source.display(), target.display(), e.desc()))
+    };
+    step("bind", bind(MsFlags::MS_BIND))?;
+    let ro = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    step("remount read-only", mount(None::<&str>, target, None::<&str>, ro, None::<&str>).map_err(|e| format!("{}: {}", target.display(), e.desc())))
 }
 
 fn mount_fs(source: &str, target: &str, fstype: &str, flags: MsFlags, data: Option<&str>) -> Result<(), BootError> {
@@ -271,12 +287,12 @@ fn populate_dev() -> Result<(), BootError> {
     Ok(())
 }
 
-/// The image's /etc/hostname, or `sandbox`.
+/// `sandbox`, until `Configure` names the sandbox (and writes its /etc/hostname). Not read from
+/// the disk's /etc/hostname: that is sandbox content, and a fork's disk may hold a FIFO there,
+/// on which a read would hang the boot.
 fn set_hostname() {
-    let name =
-        std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).unwrap_or_else(|| DEFAULT_HOSTNAME.to_string());
-    if let Err(e) = nix::unistd::sethostname(&name) {
-        log!("sethostname {name}: {e}");
+    if let Err(e) = nix::unistd::sethostname(DEFAULT_HOSTNAME) {
+        log!("sethostname {DEFAULT_HOSTNAME}: {e}");
     }
 }
 

@@ -1,7 +1,7 @@
 //! The guest's cgroups (v2 only: the agent mounts the hierarchy itself).
 //!
 //! ```text
-//! /sys/fs/cgroup/              the agent (PID 1) stays in the root
+//! /run/sandboxd/cgroup/        the whole hierarchy, the agent's (PID 1 stays in the root)
 //!   sandbox/                   Configure's limits: memory.max, pids.max, cpu.max
 //!     <exec id>/               one per exec: usage, OOM count, and a kill that reaches all
 //! ```
@@ -9,6 +9,10 @@
 //! Limits sit on `sandbox/` so every exec shares them, as in the other tiers; each exec gets its
 //! own child for per-exec accounting and for `cgroup.kill`, which reaches every descendant even
 //! after it daemonized, with no pid-reuse race.
+//!
+//! What the sandbox's programs see at `/sys/fs/cgroup` is `sandbox/`, bound read-only ([`VIEW`]):
+//! its `memory.max` is the sandbox's limit, as on the other tiers. Guest root could remount it
+//! (it holds every capability in its own kernel); the microVM's boundary is the VM, not this.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -19,8 +23,10 @@ use guest_agent::protocol::GuestLimits;
 
 use crate::agent::console::log;
 
-/// Where the agent mounts cgroup2.
-pub const MOUNT: &str = "/sys/fs/cgroup";
+/// Where the agent mounts cgroup2 for itself.
+pub const MOUNT: &str = "/run/sandboxd/cgroup";
+/// Where programs in the sandbox look for their cgroup: the sandbox's own, read-only.
+pub const VIEW: &str = "/sys/fs/cgroup";
 const SANDBOX: &str = "sandbox";
 const CONTROLLERS: &str = "+cpu +memory +pids";
 const CPU_PERIOD_US: u64 = 100_000;
@@ -67,6 +73,11 @@ impl SandboxCgroup {
         }
         write(&dir.join("cgroup.subtree_control"), CONTROLLERS)?;
         Ok(SandboxCgroup { dir })
+    }
+
+    /// The sandbox's cgroup directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Applies the sandbox's limits; 0 means no limit for that resource.
@@ -294,15 +305,23 @@ mod tests {
         blank(root.path());
         blank(&root.path().join(SANDBOX));
         let cg = SandboxCgroup::create(root.path()).expect("create");
-        cg.configure(&GuestLimits { memory_bytes: 256 << 20, max_pids: 64, cpu_millicores: 1500, hostname: String::new(), workdir: String::new() })
-            .expect("configure");
+        cg.configure(&GuestLimits {
+            memory_bytes: 256 << 20,
+            max_pids: 64,
+            cpu_millicores: 1500,
+            hostname: String::new(),
+            workdir: String::new(),
+            shm_bytes: 0,
+        })
+        .expect("configure");
         let read = |f: &str| std::fs::read_to_string(root.path().join(SANDBOX).join(f)).expect("read");
         assert_eq!(read("memory.max"), "268435456");
         assert_eq!(read("pids.max"), "64");
         assert_eq!(read("cpu.max"), "150000 100000");
         assert_eq!(read("cgroup.subtree_control"), "+cpu +memory +pids");
         blank(&root.path().join(SANDBOX));
-        cg.configure(&GuestLimits { memory_bytes: 0, max_pids: 0, cpu_millicores: 0, hostname: String::new(), workdir: String::new() }).expect("configure");
+        cg.configure(&GuestLimits { memory_bytes: 0, max_pids: 0, cpu_millicores: 0, hostname: String::new(), workdir: String::new(), shm_bytes: 0 })
+            .expect("configure");
         assert_eq!(read("memory.max"), "max");
         assert_eq!(read("pids.max"), "max");
     }

@@ -138,6 +138,16 @@ impl Files {
         Files { root: root.into(), staged: Arc::default() }
     }
 
+    /// Writes /etc/hostname and /etc/hosts for `hostname` (see `sandbox_exec::etc`: nothing the
+    /// sandbox planted in /etc is followed).
+    pub fn write_identity(&self, hostname: &str) -> Result<(), RequestError> {
+        let root = self.open_root()?;
+        sandbox_exec::etc::write_identity(root.as_raw_fd(), hostname).map_err(|e| match e {
+            sandbox_exec::etc::EtcError::BadHostname(_) => RequestError::new(ErrorKind::BadRequest, e.to_string()),
+            sandbox_exec::etc::EtcError::Sys { .. } => RequestError::new(ErrorKind::Internal, e.to_string()),
+        })
+    }
+
     fn open_root(&self) -> Result<File, RequestError> {
         File::open(&self.root).map_err(|e| RequestError::new(ErrorKind::Internal, format!("opening root {}: {e}", self.root.display())))
     }

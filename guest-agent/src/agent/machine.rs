@@ -26,6 +26,8 @@ pub trait Machine: Send + Sync {
     fn power_off(&self);
     /// Sets the hostname (the sandbox's id).
     fn set_hostname(&self, name: &str) -> Result<(), RequestError>;
+    /// Sizes /dev/shm (a remount of its tmpfs).
+    fn size_shm(&self, bytes: u64) -> Result<(), RequestError>;
 }
 
 /// The real VM: the root filesystem is the disk the agent switched into.
@@ -76,6 +78,16 @@ impl Machine for Guest {
 
     fn set_hostname(&self, name: &str) -> Result<(), RequestError> {
         nix::unistd::sethostname(name).map_err(|e| RequestError::new(ErrorKind::BadRequest, format!("cannot set hostname {name:?}: {}", e.desc())))
+    }
+
+    fn size_shm(&self, bytes: u64) -> Result<(), RequestError> {
+        // Tmpfs pages are charged to the memory cgroup of the process that writes them, an
+        // exec's under the sandbox's: a full /dev/shm is memory the sandbox uses, within its
+        // limit, not more.
+        let opts = format!("size={bytes}");
+        let flags = nix::mount::MsFlags::MS_REMOUNT | nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV;
+        nix::mount::mount(None::<&str>, "/dev/shm", None::<&str>, flags, Some(opts.as_str()))
+            .map_err(|e| RequestError::new(ErrorKind::Internal, format!("cannot size /dev/shm to {bytes} bytes: {}", e.desc())))
     }
 }
 

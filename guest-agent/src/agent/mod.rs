@@ -184,8 +184,14 @@ impl Agent {
                 if let Some(cg) = &self.cgroup {
                     cg.configure(&limits).map_err(|e| RequestError::new(ErrorKind::Internal, e.to_string()))?;
                 }
+                if limits.shm_bytes > 0 {
+                    self.machine.size_shm(limits.shm_bytes)?;
+                }
                 if !limits.hostname.is_empty() {
                     self.machine.set_hostname(&limits.hostname)?;
+                    // The name resolves and /etc/hostname agrees (a fork's disk names its
+                    // parent, a pooled VM's the image).
+                    self.files.write_identity(&limits.hostname)?;
                 }
                 if !limits.workdir.is_empty() {
                     self.files.create_dir_all(&limits.workdir)?;

@@ -21,6 +21,7 @@ struct FakeMachine {
     frozen: AtomicBool,
     powered_off: AtomicBool,
     hostname: std::sync::Mutex<String>,
+    shm_bytes: std::sync::atomic::AtomicU64,
 }
 
 impl Machine for Arc<FakeMachine> {
@@ -39,6 +40,10 @@ impl Machine for Arc<FakeMachine> {
     }
     fn set_hostname(&self, name: &str) -> Result<(), RequestError> {
         *self.hostname.lock().expect("lock") = name.to_string();
+        Ok(())
+    }
+    fn size_shm(&self, bytes: u64) -> Result<(), RequestError> {
+        self.shm_bytes.store(bytes, Ordering::SeqCst);
         Ok(())
     }
 }
@@ -291,13 +296,25 @@ fn shutdown_answers_before_powering_off() {
 #[test]
 fn configure_sets_the_hostname_and_creates_the_workdir() {
     let mut host = Host::start();
-    let limits = GuestLimits { memory_bytes: 256 << 20, max_pids: 100, cpu_millicores: 500, hostname: "sb-1".into(), workdir: "/workspace/proj".into() };
+    std::fs::create_dir(host.root.path().join("etc")).expect("etc");
+    std::fs::write(host.root.path().join("etc/hosts"), "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n").expect("image hosts");
+    let limits = GuestLimits {
+        memory_bytes: 256 << 20,
+        max_pids: 100,
+        cpu_millicores: 500,
+        hostname: "sb-1".into(),
+        workdir: "/workspace/proj".into(),
+        shm_bytes: 128 << 20,
+    };
     assert_eq!(host.call(&Request::Configure(limits.clone()), b"").0, Response::Ok);
     assert_eq!(*host.machine.hostname.lock().expect("lock"), "sb-1");
+    assert_eq!(host.machine.shm_bytes.load(Ordering::SeqCst), 128 << 20);
     assert!(host.root.path().join("workspace/proj").is_dir());
+    assert_eq!(std::fs::read_to_string(host.root.path().join("etc/hostname")).expect("hostname"), "sb-1\n");
+    assert_eq!(std::fs::read_to_string(host.root.path().join("etc/hosts")).expect("hosts"), "::1\tlocalhost\n127.0.0.1\tlocalhost\n127.0.1.1\tsb-1\n");
     // Again (a VM taken from the warm pool is configured twice): still fine.
     assert_eq!(host.call(&Request::Configure(limits), b"").0, Response::Ok);
-    let relative = GuestLimits { memory_bytes: 0, max_pids: 0, cpu_millicores: 0, hostname: String::new(), workdir: "work".into() };
+    let relative = GuestLimits { memory_bytes: 0, max_pids: 0, cpu_millicores: 0, hostname: String::new(), workdir: "work".into(), shm_bytes: 0 };
     let (resp, _) = host.call(&Request::Configure(relative), b"");
     assert!(matches!(resp, Response::Error { kind: ErrorKind::InvalidPath, .. }), "{resp:?}");
 }

@@ -50,6 +50,10 @@ pub fn daemon_cgroup_name(state_dir: &Path) -> String {
 const MOUNTINFO: &str = "/proc/self/mountinfo";
 /// v1 controllers the daemon needs, each of which must be mounted somewhere.
 const V1_CONTROLLERS: [&str; 5] = ["memory", "pids", "cpu", "cpuacct", "freezer"];
+/// Every cgroup v1 controller the kernel knows: the names among a v1 hierarchy's mount options
+/// (the others are flags such as `xattr` or `name=`).
+const V1_ALL_CONTROLLERS: [&str; 15] =
+    ["cpuset", "cpu", "cpuacct", "io", "blkio", "memory", "devices", "freezer", "net_cls", "perf_event", "net_prio", "hugetlb", "pids", "rdma", "misc"];
 /// v2 controllers enabled down the tree so sandboxes and execs get them.
 const V2_CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
 const CPU_PERIOD_US: u64 = 100_000;
@@ -147,6 +151,22 @@ struct Hierarchy {
     mount: PathBuf,
     /// Empty on v2, where every controller lives in the single hierarchy.
     controllers: Vec<&'static str>,
+    /// v1: every controller bound to the hierarchy, comma-separated as mounting it again needs
+    /// (`cpu,cpuacct`, also when only some are ours); empty on v2.
+    mount_options: String,
+}
+
+/// How a sandbox sees its own cgroup at `/sys/fs/cgroup`, as Docker shows a container's: mounted
+/// read-only from inside the sandbox's cgroup namespace, whose root is the sandbox's cgroup, so
+/// it shows the sandbox's limits and usage and nothing of the host's tree.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum CgroupView {
+    /// cgroup2 itself at `/sys/fs/cgroup`.
+    V2,
+    /// A tmpfs at `/sys/fs/cgroup` with a directory per hierarchy the sandbox is in, named by
+    /// its controllers (`cpu,cpuacct`, which are also its mount options), and a symlink for each
+    /// controller of a co-mounted hierarchy (`cpu -> cpu,cpuacct`).
+    V1 { hierarchies: Vec<String> },
 }
 
 #[derive(Debug)]
@@ -624,17 +644,16 @@ fn v1_hierarchies(mountinfo: &str, mountinfo_path: &Path) -> Result<Vec<Hierarch
     let mut out: Vec<Hierarchy> = Vec::new();
     for controller in V1_CONTROLLERS {
         // Prefer the conventional location when a hierarchy is mounted twice.
-        let found = mounts
-            .iter()
-            .filter(|(_, opts)| opts.iter().any(|o| o == controller))
-            .min_by_key(|(mp, _)| !mp.starts_with(CGROUP_MOUNT))
-            .map(|(mp, _)| mp.clone());
-        let Some(mount) = found else {
+        let found = mounts.iter().filter(|(_, opts)| opts.iter().any(|o| o == controller)).min_by_key(|(mp, _)| !mp.starts_with(CGROUP_MOUNT));
+        let Some((mount, opts)) = found else {
             return Err(CgroupError::ControllerNotMounted { controller, mountinfo: mountinfo_path.to_path_buf() });
         };
-        match out.iter_mut().find(|h| h.mount == mount) {
+        match out.iter_mut().find(|h| &h.mount == mount) {
             Some(h) => h.controllers.push(controller),
-            None => out.push(Hierarchy { mount, controllers: vec![controller] }),
+            None => {
+                let bound: Vec<&str> = V1_ALL_CONTROLLERS.into_iter().filter(|c| opts.iter().any(|o| o == c)).collect();
+                out.push(Hierarchy { mount: mount.clone(), controllers: vec![controller], mount_options: bound.join(",") })
+            }
         }
     }
     Ok(out)
@@ -667,7 +686,7 @@ impl CgroupRoot {
         let rel = validate_root_name(name)?;
         let mount = Path::new(CGROUP_MOUNT);
         let (version, hierarchies) = if mount.join("cgroup.controllers").exists() {
-            (CgroupVersion::V2, vec![Hierarchy { mount: mount.to_path_buf(), controllers: Vec::new() }])
+            (CgroupVersion::V2, vec![Hierarchy { mount: mount.to_path_buf(), controllers: Vec::new(), mount_options: String::new() }])
         } else {
             let mi = Path::new(MOUNTINFO);
             let content = fs::read_to_string(mi).map_err(io_err("read", mi))?;
@@ -718,14 +737,28 @@ impl CgroupRoot {
 
     /// Creates (or reuses) the cgroup of sandbox `id` and applies `limits`.
     pub fn create_sandbox(&self, id: &str, limits: &CgroupLimits) -> Result<SandboxCgroup, CgroupError> {
+        self.create_sandbox_with(id, limits, true)
+    }
+
+    /// As [`CgroupRoot::create_sandbox`], for a sandbox whose init makes a cgroup namespace
+    /// rooted at the sandbox's cgroup (see [`SandboxCgroup::init_join_files`]): on v2 the
+    /// controllers are not enabled for the children yet, since a cgroup that has them cannot
+    /// hold a process, and the init must sit in the sandbox's cgroup itself while it unshares.
+    /// [`SandboxCgroup::enable_children`] does it once the init moved on into its leaf.
+    pub fn create_namespaced_sandbox(&self, id: &str, limits: &CgroupLimits) -> Result<SandboxCgroup, CgroupError> {
+        self.create_sandbox_with(id, limits, false)
+    }
+
+    fn create_sandbox_with(&self, id: &str, limits: &CgroupLimits, enable_children: bool) -> Result<SandboxCgroup, CgroupError> {
         validate_id(id)?;
         let node = self.node().child(id);
         node.mkdir()?;
         let cg = SandboxCgroup { id: id.to_string(), node };
         let res = cg.apply_limits(limits).and_then(|()| {
             if self.inner.version == CgroupVersion::V2 {
-                let dir = cg.node.dir_for("").unwrap_or_default();
-                v2_enable_subtree(&dir)?;
+                if enable_children {
+                    cg.enable_children()?;
+                }
                 cg.node.child(V2_LEAF).mkdir()?;
             }
             Ok(())
@@ -737,6 +770,18 @@ impl CgroupRoot {
         }
         debug!(sandbox = id, ?limits, "sandbox cgroup created");
         Ok(cg)
+    }
+
+    /// How a sandbox of this root sees its cgroup from inside its cgroup namespace (the v1
+    /// hierarchies are the ones its processes join, and only those: in any other one the
+    /// namespace's root would be the daemon's own cgroup there).
+    pub fn sandbox_view(&self) -> CgroupView {
+        match self.inner.version {
+            CgroupVersion::V2 => CgroupView::V2,
+            CgroupVersion::V1 => {
+                CgroupView::V1 { hierarchies: self.inner.hierarchies.iter().map(|h| h.mount_options.clone()).filter(|o| !o.is_empty()).collect() }
+            }
+        }
     }
 
     /// Re-attaches to an existing sandbox cgroup (reconcile after a daemon restart).
@@ -816,6 +861,28 @@ impl SandboxCgroup {
     /// each hierarchy (the `init` leaf on v2). A process joins by writing "0" to each.
     pub fn procs_files(&self) -> Result<Vec<File>, CgroupError> {
         self.procs_node().procs_files()
+    }
+
+    /// What the init of a namespaced sandbox (see [`CgroupRoot::create_namespaced_sandbox`])
+    /// writes "0" to, opened write-only (O_CLOEXEC): first the sandbox's own `cgroup.procs` in
+    /// every hierarchy, joined before it unshares its cgroup namespace, whose root is then the
+    /// sandbox's cgroup; then (v2 only) the `init` leaf's, joined right after, so the sandbox's
+    /// cgroup is free for [`SandboxCgroup::enable_children`].
+    pub fn init_join_files(&self) -> Result<(Vec<File>, Vec<File>), CgroupError> {
+        match self.node.root.version {
+            CgroupVersion::V1 => Ok((self.node.procs_files()?, Vec::new())),
+            CgroupVersion::V2 => Ok((self.node.procs_files()?, self.node.child(V2_LEAF).procs_files()?)),
+        }
+    }
+
+    /// v2: enables the memory, pids and cpu controllers for the sandbox's children (its init's
+    /// leaf and the exec cgroups), which must be empty of processes itself by then. Nothing to
+    /// do on v1.
+    pub fn enable_children(&self) -> Result<(), CgroupError> {
+        match self.node.root.version {
+            CgroupVersion::V1 => Ok(()),
+            CgroupVersion::V2 => v2_enable_subtree(&self.node.dir_for("").unwrap_or_default()),
+        }
     }
 
     /// Creates (or reuses) the child cgroup `x-<exec_id>`; sandbox limits apply from
@@ -1140,6 +1207,13 @@ mod tests {
         assert_eq!(cpu.mount, Path::new("/sys/fs/cgroup/cpu,cpuacct"));
         let pids = h.iter().find(|h| h.controllers.contains(&"pids")).expect("pids");
         assert_eq!(pids.mount, Path::new("/sys/fs/cgroup/pids"));
+        // What a sandbox mounts again inside: each hierarchy by all its controllers, flags left
+        // out, also a controller the daemon does not use.
+        let with_extra = mi.replace("rw,cpu,cpuacct", "rw,xattr,cpu,cpuacct,net_cls").replace("rw,memory", "rw,memory,release_agent=/x");
+        let root = CgroupRoot {
+            inner: Arc::new(RootInner { version: CgroupVersion::V1, hierarchies: v1_hierarchies(&with_extra, Path::new("mi")).expect("v1"), name: "x".into() }),
+        };
+        assert_eq!(root.sandbox_view(), CgroupView::V1 { hierarchies: vec!["memory".into(), "pids".into(), "cpu,cpuacct,net_cls".into(), "freezer".into()] });
         let missing = mi.replace("rw,freezer", "rw,devices");
         match v1_hierarchies(&missing, Path::new("mi")) {
             Err(CgroupError::ControllerNotMounted { controller, .. }) => {

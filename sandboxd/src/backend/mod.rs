@@ -8,6 +8,7 @@
 
 pub mod cgroup;
 pub mod container;
+pub mod cpus;
 pub mod files;
 pub mod microvm;
 pub mod process;

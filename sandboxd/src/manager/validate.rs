@@ -166,6 +166,9 @@ pub(super) fn validate_minimums(limits: &Limits) -> Result<(), Error> {
             format!("{} is below the minimum {} (the writable layer must hold the sandbox's own files)", limits.disk_bytes, human_bytes(m.disk_bytes)),
         ));
     }
+    if limits.shm_bytes < m.shm_bytes {
+        return Err(Error::invalid("limits.shm_bytes", format!("{} is below the minimum {}", limits.shm_bytes, human_bytes(m.shm_bytes))));
+    }
     Ok(())
 }
 
@@ -181,14 +184,31 @@ fn resolve_limit<T: Copy + PartialOrd + Default + Into<u64>>(field: &str, reques
 }
 
 /// The limits of a new sandbox: each requested one, or the default when it is 0, refused above
-/// its ceiling.
+/// its ceiling. `/dev/shm` is a share of the memory limit: a request above it is refused, and
+/// a default (half of the memory limit when 0) is cut to it.
 pub(super) fn resolve_limits(r: &RequestedLimits, d: &Limits, m: &Limits) -> Result<Limits, Error> {
+    let memory_bytes = resolve_limit("memory_bytes", r.memory_bytes, d.memory_bytes, m.memory_bytes)?;
+    let shm_bytes = if r.shm_bytes == 0 {
+        Limits { memory_bytes, ..*d }.shm_size().min(m.shm_bytes)
+    } else if r.shm_bytes > memory_bytes {
+        return Err(Error::invalid(
+            "limits.shm_bytes",
+            format!(
+                "{} is above the sandbox's memory limit {} (limits.memory_bytes): /dev/shm is memory the sandbox uses",
+                human_bytes(r.shm_bytes),
+                human_bytes(memory_bytes)
+            ),
+        ));
+    } else {
+        resolve_limit("shm_bytes", r.shm_bytes, d.shm_bytes, m.shm_bytes)?
+    };
     Ok(Limits {
         cpu_millicores: resolve_limit("cpu_millicores", r.cpu_millicores, d.cpu_millicores, m.cpu_millicores)?,
-        memory_bytes: resolve_limit("memory_bytes", r.memory_bytes, d.memory_bytes, m.memory_bytes)?,
+        memory_bytes,
         max_pids: resolve_limit("max_pids", r.max_pids, d.max_pids, m.max_pids)?,
         disk_bytes: resolve_limit("disk_bytes", r.disk_bytes, d.disk_bytes, m.disk_bytes)?,
         exec_timeout_ms: resolve_limit("exec_timeout_ms", r.exec_timeout_ms, d.exec_timeout_ms, m.exec_timeout_ms)?,
+        shm_bytes,
     })
 }
 
@@ -287,6 +307,29 @@ mod tests {
     }
 
     #[test]
+    fn shm_defaults_to_half_the_memory_and_never_exceeds_it() {
+        let (d, m) = (Limits::DEFAULTS, Limits::CEILINGS);
+        let gib = RequestedLimits { memory_bytes: 1 << 30, ..Default::default() };
+        assert_eq!(resolve_limits(&gib, &d, &m).expect("default").shm_bytes, 512 << 20);
+        assert_eq!(resolve_limits(&RequestedLimits::default(), &d, &m).expect("all defaults").shm_bytes, d.memory_bytes / 2);
+        let asked = RequestedLimits { shm_bytes: 200 << 20, ..gib };
+        assert_eq!(resolve_limits(&asked, &d, &m).expect("explicit").shm_bytes, 200 << 20);
+        let equal = RequestedLimits { shm_bytes: 1 << 30, ..gib };
+        assert_eq!(resolve_limits(&equal, &d, &m).expect("all of the memory").shm_bytes, 1 << 30);
+        let over = RequestedLimits { shm_bytes: (1 << 30) + 1, ..gib };
+        let err = resolve_limits(&over, &d, &m).expect_err("above the memory limit");
+        assert!(err.to_string().contains("limits.shm_bytes") && err.to_string().contains("memory"), "{err}");
+        // A configured default larger than a sandbox's memory is cut to it, not refused.
+        let big_default = Limits { shm_bytes: 1 << 30, ..d };
+        let small = RequestedLimits { memory_bytes: 64 << 20, ..Default::default() };
+        assert_eq!(resolve_limits(&small, &big_default, &m).expect("default cut").shm_bytes, 64 << 20);
+        // And a ceiling below the memory limit refuses, naming the field.
+        let low_ceiling = Limits { shm_bytes: 100 << 20, ..m };
+        let err = resolve_limits(&asked, &d, &low_ceiling).expect_err("above the ceiling");
+        assert!(err.to_string().contains("limits.shm_bytes"), "{err}");
+    }
+
+    #[test]
     fn env_and_paths_are_validated() {
         let mut env = BTreeMap::new();
         env.insert("A=B".to_string(), "x".to_string());
@@ -302,13 +345,15 @@ mod tests {
 
     #[test]
     fn create_time_floors_and_names_are_validated() {
-        let ok = Limits::DEFAULTS;
+        // Resolved limits always hold a /dev/shm size.
+        let ok = Limits { shm_bytes: Limits::DEFAULTS.shm_size(), ..Limits::DEFAULTS };
         assert!(validate_minimums(&ok).is_ok());
         assert!(validate_minimums(&Limits::MINIMUMS).is_ok(), "the floors themselves are allowed");
         for (limits, field) in [
             (Limits { disk_bytes: 1, ..ok }, "limits.disk_bytes"),
             (Limits { max_pids: 7, ..ok }, "limits.max_pids"),
             (Limits { memory_bytes: 1 << 20, ..ok }, "limits.memory_bytes"),
+            (Limits { shm_bytes: 4096, ..ok }, "limits.shm_bytes"),
         ] {
             let err = validate_minimums(&limits).expect_err(field);
             assert!(err.to_string().contains(field), "{err}");

@@ -139,6 +139,7 @@ pub enum Command {
         mut_arg("cpu_millicores", |a| a.help("CPU limit in thousandths of a CPU [default: the parent's]")),
         mut_arg("pids", |a| a.help("Maximum number of processes [default: the parent's]")),
         mut_arg("disk", |a| a.help("Disk limit, e.g. 1G [default: the parent's]")),
+        mut_arg("shm", |a| a.help("Size of /dev/shm, e.g. 256M [default: the parent's; half of the memory limit if it had none]")),
         mut_arg("timeout_ms", |a| a.help("Default timeout of each exec, in milliseconds [default: the parent's]")),
         mut_arg("env", |a| a.help("Environment of every exec, added to the parent's (repeatable)")),
         mut_arg("labels", |a| a.help("Label, added to the parent's (repeatable)")),
@@ -351,6 +352,9 @@ pub struct SandboxSpec {
     /// Disk limit, e.g. 1G.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub disk: Option<u64>,
+    /// Size of /dev/shm, e.g. 256M [default: half of the memory limit; at most the memory limit].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub shm: Option<u64>,
     /// Default timeout of each exec, in milliseconds.
     #[arg(long, value_name = "MS")]
     pub timeout_ms: Option<u64>,
@@ -386,6 +390,7 @@ impl SandboxSpec {
                 max_pids: self.pids.unwrap_or(0),
                 disk_bytes: self.disk.unwrap_or(0),
                 exec_timeout_ms: self.timeout_ms.unwrap_or(0),
+                shm_bytes: self.shm.unwrap_or(0),
             }),
             env: self.env.iter().cloned().collect(),
             workdir: self.workdir.clone().unwrap_or_default(),
@@ -533,6 +538,8 @@ mod tests {
             "0.5",
             "--disk",
             "1G",
+            "--shm",
+            "256M",
             "--env",
             "A=1",
             "--label",
@@ -550,6 +557,7 @@ mod tests {
         assert_eq!(limits.memory_bytes, 512 << 20);
         assert_eq!(limits.cpu_millicores, 500);
         assert_eq!(limits.disk_bytes, 1 << 30);
+        assert_eq!(limits.shm_bytes, 256 << 20);
         assert_eq!(req.env.get("A").map(String::as_str), Some("1"));
         assert_eq!(req.labels.get("team").map(String::as_str), Some("infra"));
         assert_eq!(req.ttl_seconds, 60);

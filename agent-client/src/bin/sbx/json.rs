@@ -40,6 +40,7 @@ pub fn limits(l: &ResourceLimits) -> Value {
         "max_pids": l.max_pids,
         "disk_bytes": l.disk_bytes,
         "exec_timeout_ms": l.exec_timeout_ms,
+        "shm_bytes": l.shm_bytes,
     })
 }
 

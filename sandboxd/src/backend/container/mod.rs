@@ -91,6 +91,9 @@ pub(crate) struct ContainerSandbox {
     lost: Mutex<Option<String>>,
     /// Cgroups of running execs and of finished ones with processes left behind.
     execs: process_cgroup::ExecCgroups,
+    /// The host CPUs of its cpuset; given back when the container goes.
+    #[allow(dead_code)] // held for its Drop
+    cpus: super::cpus::CpuLease,
 }
 
 impl ContainerSandbox {

@@ -26,6 +26,27 @@ const KEEPALIVE: [&str; 2] = [super::exec::HELPER_IN_CONTAINER, "--pause"];
 /// Docker refuses a CPU limit below 0.01 CPU.
 const MIN_NANO_CPUS: i64 = 10_000_000;
 
+/// Docker's default read-only paths (20.10; setting the list replaces Docker's, so they are
+/// repeated), plus:
+/// * `/sys/fs/cgroup`: Docker mounts the container's own cgroups read-only there but leaves the
+///   tmpfs holding them writable;
+/// * `/etc/hosts`, `/etc/hostname`, `/etc/resolv.conf`: Docker binds them writable from files of
+///   its own directory on the host (`/var/lib/docker/containers/<id>/`), outside any bound on
+///   what the sandbox writes — a sandbox could fill the host's disk through `/etc/hosts`.
+const READONLY_PATHS: [&str; 9] =
+    ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger", "/sys/fs/cgroup", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf"];
+
+/// Where glibc reads the number of online CPUs (`sysconf(_SC_NPROCESSORS_ONLN)`, Python's
+/// `os.cpu_count()`); a file saying the container's CPU set is bound over it.
+const CPU_ONLINE: &str = "/sys/devices/system/cpu/online";
+
+/// What a container is told about itself beyond its limits: its CPUs, and the host file that
+/// lists them for its `/sys/devices/system/cpu/online`.
+pub(super) struct Placement {
+    pub cpus: crate::backend::cpus::CpuLease,
+    pub online_file: PathBuf,
+}
+
 /// What a container is for.
 #[derive(Debug, Clone)]
 pub enum Role {
@@ -44,7 +65,7 @@ impl Role {
     }
 }
 
-fn host_config(spec: &SandboxSpec, disk: Option<u64>, helper_dir: &std::path::Path) -> HostConfig {
+fn host_config(spec: &SandboxSpec, disk: Option<u64>, helper_dir: &std::path::Path, placement: &Placement) -> HostConfig {
     let l = &spec.limits;
     let memory = i64::try_from(l.memory_bytes).unwrap_or(i64::MAX);
     let nano_cpus = (i64::from(l.cpu_millicores) * 1_000_000).max(MIN_NANO_CPUS);
@@ -54,6 +75,18 @@ fn host_config(spec: &SandboxSpec, disk: Option<u64>, helper_dir: &std::path::Pa
         memory_swap: Some(memory),
         pids_limit: Some(i64::from(l.max_pids)),
         nano_cpus: Some(nano_cpus),
+        // The CPUs programs see (nproc, os.cpu_count(), the JVM): the limit rounded up, spread
+        // over the host with the process tier's sandboxes. The CFS quota above stays the limit.
+        cpuset_cpus: Some(placement.cpus.list()),
+        // /dev/shm from the limits (half of the memory by default). Its pages are charged to
+        // the memory cgroup of the container process that writes them, so this is a share of
+        // the memory limit, never more memory.
+        shm_size: Some(i64::try_from(l.shm_size()).unwrap_or(i64::MAX)),
+        // The hostname resolves: Docker writes it into /etc/hosts with the container's address,
+        // and with network `none` there is none, so it is given the loopback one the other
+        // tiers use.
+        extra_hosts: Some(vec![format!("{}:{}", spec.id, sandbox_exec::etc::SELF_ADDRESS)]),
+        readonly_paths: Some(READONLY_PATHS.iter().map(|p| p.to_string()).collect()),
         cap_drop: Some(vec!["ALL".to_string()]),
         cap_add: Some(KEPT_CAPS.iter().map(|c| c.to_string()).collect()),
         // The process tier's seccomp list as a profile (see `backend::seccomp`): Docker's own
@@ -67,7 +100,10 @@ fn host_config(spec: &SandboxSpec, disk: Option<u64>, helper_dir: &std::path::Pa
         restart_policy: Some(RestartPolicy { name: Some(RestartPolicyNameEnum::NO), maximum_retry_count: None }),
         storage_opt: disk.map(|bytes| HashMap::from([("size".to_string(), bytes.to_string())])),
         // Read-only: nothing in the container can replace how its commands are started.
-        binds: Some(vec![format!("{}:{}:ro", helper_dir.display(), super::exec::HELPER_DIR_IN_CONTAINER)]),
+        binds: Some(vec![
+            format!("{}:{}:ro", helper_dir.display(), super::exec::HELPER_DIR_IN_CONTAINER),
+            format!("{}:{CPU_ONLINE}:ro", placement.online_file.display()),
+        ]),
         ..Default::default()
     }
 }
@@ -117,7 +153,9 @@ impl Inner {
         let docker = self.docker()?;
         let image = self.images.ensure(docker, &self.cfg.images_dir, &spec.image).await?;
         let name = role.name(spec);
-        let container_id = self.create_container(spec, role, &image, &name).await?;
+        // Held until the container is attached, which then holds its CPUs (see `attach`).
+        let placement = self.place(spec)?;
+        let container_id = self.create_container(spec, role, &image, &name, &placement).await?;
         match self.start_created(spec, &container_id, layer_from).await {
             Ok(sb) => Ok(sb),
             Err(e) => {
@@ -127,8 +165,32 @@ impl Inner {
         }
     }
 
+    /// The CPUs of a new container of `spec`, and the file listing them (one per CPU list under
+    /// the state dir, kept: a re-adopted container is restarted with the same bind).
+    fn place(&self, spec: &SandboxSpec) -> Result<Placement, BackendError> {
+        let cpus = crate::backend::cpus::place(spec.limits.cpu_millicores);
+        let online_file = self.cpu_online_file(&cpus.list())?;
+        Ok(Placement { cpus, online_file })
+    }
+
+    /// `<state>/container/cpus-online/<list>`, holding `<list>`; written once, read-only.
+    fn cpu_online_file(&self, list: &str) -> Result<PathBuf, BackendError> {
+        let dir = self.cfg.state_dir.join("container").join("cpus-online");
+        let path = dir.join(list);
+        if !path.is_file() {
+            std::fs::create_dir_all(&dir).map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
+            // Written aside and renamed, so a container never binds a half-written file.
+            let tmp = dir.join(format!(".{list}.{}", std::process::id()));
+            std::fs::write(&tmp, format!("{list}\n"))
+                .and_then(|()| std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444)))
+                .and_then(|()| std::fs::rename(&tmp, &path))
+                .map_err(|e| BackendError::io(format!("writing {}", path.display()), e))?;
+        }
+        Ok(path)
+    }
+
     /// 1. The container: limits, privileges and labels, all fixed at create time.
-    async fn create_container(&self, spec: &SandboxSpec, role: &Role, image: &str, name: &str) -> Result<String, BackendError> {
+    async fn create_container(&self, spec: &SandboxSpec, role: &Role, image: &str, name: &str, placement: &Placement) -> Result<String, BackendError> {
         let docker = self.docker()?;
         let mut labels = HashMap::from([
             (LABEL_ID.to_string(), spec.id.to_string()),
@@ -151,9 +213,11 @@ impl Inner {
             attach_stdin: Some(false),
             attach_stdout: Some(false),
             attach_stderr: Some(false),
-            network_disabled: Some(true),
+            // Network mode `none` (in the host config) gives the container a network namespace
+            // with only `lo`. Not `network_disabled` as well: with it Docker writes no /etc/hosts
+            // at all, and the hostname would not resolve.
             stop_timeout: Some(1),
-            host_config: Some(host_config(spec, disk, &super::exec::helper_dir(&self.cfg.images_dir))),
+            host_config: Some(host_config(spec, disk, &super::exec::helper_dir(&self.cfg.images_dir), placement)),
             ..Default::default()
         };
         let options = || CreateContainerOptions { name: Some(name.to_string()), ..Default::default() };
@@ -210,6 +274,10 @@ impl Inner {
         };
         let upper_dir = info.graph_driver.and_then(|g| g.data.get("UpperDir").map(PathBuf::from));
         let cgroup = self.cgroup_of(container_id, init_pid)?;
+        // The CPUs it runs on, as Docker holds them (also for a container re-adopted after a
+        // restart), count for the placement of the next sandboxes until it goes.
+        let cpuset = info.host_config.and_then(|h| h.cpuset_cpus).unwrap_or_default();
+        let cpus = crate::backend::cpus::claim(&crate::backend::cpus::parse_list(&cpuset).unwrap_or_default());
         tracing::debug!(sandbox = %spec.id, container = %container_id, pid = init_pid, "container running");
         Ok(Arc::new(ContainerSandbox {
             spec: spec.clone(),
@@ -219,6 +287,7 @@ impl Inner {
             upper_dir,
             lost: Mutex::new(None),
             execs: Default::default(),
+            cpus,
         }))
     }
 
@@ -275,17 +344,32 @@ mod tests {
         let spec = SandboxSpec {
             id: crate::ids::SandboxId::generate(),
             image: "minimal".into(),
-            limits: crate::config::Limits { cpu_millicores: 1, memory_bytes: 64 << 20, max_pids: 32, disk_bytes: 1 << 30, exec_timeout_ms: 1000 },
+            limits: crate::config::Limits {
+                cpu_millicores: 1,
+                memory_bytes: 64 << 20,
+                max_pids: 32,
+                disk_bytes: 1 << 30,
+                exec_timeout_ms: 1000,
+                shm_bytes: 32 << 20,
+            },
             workdir: "/workspace".into(),
             from_snapshot: None,
         };
-        let hc = host_config(&spec, None, std::path::Path::new("/x/.tools"));
+        let placement = Placement { cpus: crate::backend::cpus::claim(&[0]), online_file: PathBuf::from("/state/container/cpus-online/0") };
+        let hc = host_config(&spec, None, std::path::Path::new("/x/.tools"), &placement);
         assert_eq!((hc.memory, hc.memory_swap, hc.pids_limit), (Some(64 << 20), Some(64 << 20), Some(32)));
         assert_eq!(hc.nano_cpus, Some(MIN_NANO_CPUS), "tiny CPU limits are rounded up to Docker's minimum");
         assert_eq!(hc.init, Some(true));
         assert_eq!(hc.network_mode.as_deref(), Some("none"));
         assert!(hc.storage_opt.is_none());
-        assert_eq!(hc.binds.as_deref(), Some(&["/x/.tools:/.sandboxd:ro".to_string()][..]), "the exec helper's directory, read-only");
+        assert_eq!(
+            hc.binds.as_deref(),
+            Some(&["/x/.tools:/.sandboxd:ro".to_string(), "/state/container/cpus-online/0:/sys/devices/system/cpu/online:ro".to_string()][..]),
+            "the exec helper's directory and the CPU list, read-only"
+        );
+        assert_eq!((hc.cpuset_cpus.as_deref(), hc.shm_size), (Some("0"), Some(32 << 20)));
+        assert_eq!(hc.extra_hosts, Some(vec![format!("{}:127.0.1.1", spec.id)]), "the hostname resolves");
+        assert!(hc.readonly_paths.unwrap_or_default().iter().any(|p| p == "/sys/fs/cgroup"));
         assert!(!hc.cap_add.unwrap_or_default().iter().any(|c| c == "MKNOD" || c == "NET_RAW" || c == "SYS_ADMIN"));
     }
 }

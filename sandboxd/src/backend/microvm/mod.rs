@@ -412,7 +412,7 @@ impl Inner {
         let image = self.image(&spec.image)?;
         let dir = self.vms_dir.join(spec.id.as_str());
         let vm = match &spec.from_snapshot {
-            None => match self.pool.take(&spec.image, &spec.limits) {
+            None => match self.pool.take(&spec.image, &spec.limits, |l| self.vcpus(l)) {
                 Some(pooled) => {
                     let vm = pooled.adopt(&dir)?;
                     tracing::info!(sandbox = %spec.id, "microVM taken from the warm pool");
@@ -692,6 +692,7 @@ fn guest_config(spec: &SandboxSpec) -> GuestLimits {
         cpu_millicores: l.cpu_millicores,
         hostname: spec.id.to_string(),
         workdir: spec.workdir.clone(),
+        shm_bytes: l.shm_size(),
     }
 }
 

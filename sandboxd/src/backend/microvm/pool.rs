@@ -3,7 +3,7 @@
 //!
 //! A pooled VM is booted with the pool's memory and the default CPU limit; the sandbox's own limits are
 //! applied inside the guest when it is taken (its cgroup), so any request at or below the pool's
-//! memory and with the default disk size fits. Taking a VM renames its directory to the
+//! memory, with as many vCPUs and with the default disk size fits. Taking a VM renames its directory to the
 //! sandbox's (QEMU, chrooted there, is unaffected) and starts a refill in the background.
 
 use std::path::{Path, PathBuf};
@@ -48,13 +48,15 @@ impl Pool {
         Pool { size, ready: Mutex::new(Vec::new()), filling: AtomicBool::new(false), closed: AtomicBool::new(false) }
     }
 
-    /// A ready VM that can serve a sandbox of `image` with `limits`.
-    pub fn take(&self, image: &str, limits: &Limits) -> Option<Pooled> {
+    /// A ready VM that can serve a sandbox of `image` with `limits`. Its vCPUs are what
+    /// programs inside count (`nproc`, `os.cpu_count()`), so they must be the sandbox's own
+    /// (`vcpus` of each set of limits), not merely enough: the CPU quota is set inside.
+    pub fn take(&self, image: &str, limits: &Limits, vcpus: impl Fn(&Limits) -> u32) -> Option<Pooled> {
         let mut ready = self.ready.lock().ok()?;
         let fits = |p: &Pooled| {
             p.image == image
                 && limits.memory_bytes <= p.limits.memory_bytes
-                && limits.cpu_millicores <= p.limits.cpu_millicores
+                && vcpus(limits) == vcpus(&p.limits)
                 && limits.disk_bytes == p.limits.disk_bytes
                 && p.vm.exited().is_none()
                 && p.vm.agent.is_open()

@@ -14,6 +14,20 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use guest_agent::protocol::{GuestLimits, Request, Response, PORT_NAME};
+
+/// The first guest protocol whose `Configure` sizes /dev/shm and writes /etc/hostname and
+/// /etc/hosts (and whose guest shows the sandbox's cgroup at /sys/fs/cgroup).
+const ENVIRONMENT: u32 = 5;
+
+/// Refuses an agent too old to set up the sandbox's environment (its VM images predate it).
+fn need_environment(version: u32) -> Result<(), BackendError> {
+    if version < ENVIRONMENT {
+        return Err(BackendError::Internal(format!(
+            "the guest agent of this microVM speaks protocol {version}, which cannot size /dev/shm or name the sandbox in /etc/hosts: rebuild the VM images (make vm-images)"
+        )));
+    }
+    Ok(())
+}
 use tokio::sync::oneshot;
 
 use super::agent::{AgentConn, AgentError, HelloInfo};
@@ -241,8 +255,11 @@ impl Vm {
         self.dir.lock().map(|d| d.clone()).unwrap_or_default()
     }
 
-    /// Applies the sandbox's limits inside the guest.
+    /// Applies the sandbox's limits inside the guest. An agent older than protocol 5 would
+    /// leave /dev/shm unsized and /etc/hosts naming another sandbox without a word (it skips
+    /// what it does not know), so it is refused.
     pub async fn configure(&self, limits: GuestLimits) -> Result<(), BackendError> {
+        need_environment(self.hello.version)?;
         match self.agent.call(&Request::Configure(limits), &[], Duration::from_secs(10)).await {
             Ok(r) => expect_ok(r.msg, "configure"),
             Err(e) => Err(self.agent_error(e)),
@@ -418,6 +435,15 @@ pub fn console_tail(path: &Path, lines: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_agent_older_than_the_environment_protocol_is_refused_by_name() {
+        for old in [1, 4] {
+            let err = need_environment(old).expect_err("an old agent").to_string();
+            assert!(err.contains(&format!("protocol {old}")) && err.contains("make vm-images"), "{err}");
+        }
+        assert!(need_environment(guest_agent::protocol::VERSION).is_ok());
+    }
 
     #[test]
     fn command_line_confines_qemu() {

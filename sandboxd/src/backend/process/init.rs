@@ -30,6 +30,7 @@ use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use nix::unistd::{fork, ForkResult, Pid};
 
 use super::wire::{decode, encode, recv_raw, send_raw, FromInit, InitConfig, ToInit, MAX_MESSAGE};
+use crate::backend::cgroup::CgroupView;
 use crate::backend::seccomp;
 
 /// The hidden first argument that turns the `sandboxd` binary into a sandbox init.
@@ -183,15 +184,26 @@ fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
     stage("pdeathsig", Errno::result(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) }))?;
 
     // Join the sandbox cgroup before unsharing the cgroup namespace, so the namespace's root is
-    // the sandbox's cgroup and processes inside cannot see or name the host's hierarchy.
-    for fd in &cgroup_fds {
+    // the sandbox's cgroup and processes inside cannot see or name the host's hierarchy: its
+    // /sys/fs/cgroup (mounted below) shows the sandbox's own limits at its top.
+    let (before, after) = cgroup_fds.split_at(cfg.join_before_unshare.min(cgroup_fds.len()));
+    for fd in before {
         stage("join cgroup", nix::unistd::write(fd, b"0"))?;
     }
-    drop(cgroup_fds);
     stage(
         "unshare namespaces",
         unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWNET | CloneFlags::CLONE_NEWCGROUP),
     )?;
+    // v2: on into the leaf, so the sandbox's cgroup holds no process and the daemon can enable
+    // its controllers for the exec cgroups ("no internal processes").
+    for fd in after {
+        stage("join leaf cgroup", nix::unistd::write(fd, b"0"))?;
+    }
+    drop(cgroup_fds);
+    // The CPUs programs see (nproc, sched_getaffinity, the JVM, Go): the limit rounded up, on
+    // the CPUs the daemon chose. Every exec is a fork of this process and inherits it. The CFS
+    // quota stays the real limit; this is what programs size their thread pools by.
+    stage("set CPU affinity", set_affinity(&cfg.cpus))?;
 
     // Nothing mounted from here on may propagate back to the host (its / is usually shared).
     stage("make mounts private", mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>))?;
@@ -201,8 +213,12 @@ fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
 
     let root = Path::new(&cfg.rootfs);
     // /dev first: masking /proc files binds /dev/null over them.
-    mount_dev(root)?;
+    mount_dev(root, cfg.shm_bytes)?;
     mount_proc(root)?;
+    // /sys after the network namespace (sysfs shows its devices) and the cgroup namespace (the
+    // cgroup mounts show its root); before pivot_root, while the daemon's CPU list file is
+    // still reachable by its host path.
+    mount_sys(root, cfg)?;
 
     // pivot_root, not chroot: afterwards the old root is unmounted and unreachable, even for a
     // process that keeps a directory fd or has CAP_SYS_CHROOT.
@@ -211,6 +227,19 @@ fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
     stage("pivot_root", Errno::result(unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) }))?;
     stage("unmount old root", umount2(".", MntFlags::MNT_DETACH))?;
     stage("chdir /", nix::unistd::chdir("/"))?;
+
+    // /etc/hostname and /etc/hosts name this sandbox (a fork's files name its parent): written
+    // here, where no path leads out of the sandbox, and without following anything in /etc
+    // (see sandbox_exec::etc). A sandbox that broke its own /etc gets a line in the init log
+    // and starts anyway: the name not resolving is its own doing, not less isolation.
+    match std::fs::File::open("/") {
+        Ok(dir) => {
+            if let Err(e) = sandbox_exec::etc::write_identity(dir.as_raw_fd(), &cfg.hostname) {
+                eprintln!("sandbox-init: cannot write /etc/hostname and /etc/hosts: {e}");
+            }
+        }
+        Err(e) => eprintln!("sandbox-init: cannot open /: {e}"),
+    }
 
     use nix::sys::resource::{setrlimit, Resource};
     // Bounded open files per process (lowering is always allowed; raising may not be).
@@ -267,8 +296,9 @@ fn mount_proc(root: &Path) -> StageResult {
     Ok(())
 }
 
-/// A minimal /dev on its own tmpfs: the usual character devices, a private devpts and /dev/shm.
-fn mount_dev(root: &Path) -> StageResult {
+/// A minimal /dev on its own tmpfs: the usual character devices, a private devpts and a
+/// `/dev/shm` of `shm_bytes`.
+fn mount_dev(root: &Path, shm_bytes: u64) -> StageResult {
     let dev = root.join("dev");
     stage("mount /dev", mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME, Some("mode=755,size=1m")))?;
     for (name, major, minor) in [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)] {
@@ -283,13 +313,74 @@ fn mount_dev(root: &Path) -> StageResult {
         "mount devpts",
         mount(Some("devpts"), &dev.join("pts"), Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620")),
     )?;
-    stage("mount /dev/shm", mount(Some("shm"), &dev.join("shm"), Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777,size=64m")))?;
+    // Sized from the sandbox's limits (half of its memory by default). Not a way around the
+    // memory limit: tmpfs pages are charged to the memory cgroup of the process that first
+    // touches them, the sandbox's, so a full /dev/shm counts as memory the sandbox uses (and
+    // the size is never above its memory limit). 0 would mean "unlimited" to tmpfs: refused.
+    if shm_bytes == 0 {
+        return Err(("mount /dev/shm", "a /dev/shm of 0 bytes would have no size limit".to_string()));
+    }
+    let shm_opts = format!("mode=1777,size={shm_bytes}");
+    stage("mount /dev/shm", mount(Some("shm"), &dev.join("shm"), Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(shm_opts.as_str())))?;
     for (link, target) in
         [("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")]
     {
         stage("symlink in /dev", std::os::unix::fs::symlink(target, dev.join(link)))?;
     }
     Ok(())
+}
+
+/// /sys as Docker shows it: sysfs read-only (of the sandbox's network namespace: only `lo`
+/// under class/net), Docker's masked paths covered, the sandbox's own cgroup read-only at
+/// /sys/fs/cgroup, and the CPU list of `online` saying the CPUs the sandbox runs on.
+///
+/// Read-only holds: nothing inside has CAP_SYS_ADMIN and seccomp denies mount and the new mount
+/// API, so no process can remount any of it writable or mount cgroupfs again (release_agent).
+fn mount_sys(root: &Path, cfg: &InitConfig) -> StageResult {
+    let sys = root.join("sys");
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    stage("mount /sys", mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>))?;
+    for masked in ["firmware", "devices/virtual/powercap"] {
+        let target = sys.join(masked);
+        if target.is_dir() {
+            stage("mask /sys dir", mount(Some("tmpfs"), &target, Some("tmpfs"), ro, None::<&str>))?;
+        }
+    }
+    let cgroup = sys.join("fs/cgroup");
+    match &cfg.cgroup_view {
+        CgroupView::V2 => stage("mount /sys/fs/cgroup", mount(Some("cgroup2"), &cgroup, Some("cgroup2"), ro, None::<&str>))?,
+        CgroupView::V1 { hierarchies } => {
+            let rw = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+            stage("mount /sys/fs/cgroup", mount(Some("tmpfs"), &cgroup, Some("tmpfs"), rw, Some("mode=755,size=64k")))?;
+            for controllers in hierarchies {
+                let dir = cgroup.join(controllers);
+                stage("mkdir /sys/fs/cgroup/<controllers>", nix::unistd::mkdir(&dir, Mode::from_bits_truncate(0o555)))?;
+                // Inside the cgroup namespace the mount's root is the sandbox's cgroup in that
+                // hierarchy, not the hierarchy's root.
+                stage("mount a cgroup hierarchy", mount(Some("cgroup"), &dir, Some("cgroup"), ro, Some(controllers.as_str())))?;
+                for name in controllers.split(',').filter(|c| c != controllers) {
+                    stage("symlink a co-mounted controller", std::os::unix::fs::symlink(controllers, cgroup.join(name)))?;
+                }
+            }
+            stage("remount /sys/fs/cgroup read-only", mount(None::<&str>, &cgroup, None::<&str>, MsFlags::MS_REMOUNT | ro, None::<&str>))?;
+        }
+    }
+    let online = sys.join("devices/system/cpu/online");
+    stage("bind the CPU list", mount(Some(Path::new(&cfg.cpu_online_file)), &online, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    stage("remount the CPU list read-only", mount(None::<&str>, &online, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | ro, None::<&str>))?;
+    Ok(())
+}
+
+/// Pins this process (and so every process forked from it) to `cpus`.
+fn set_affinity(cpus: &[usize]) -> Result<(), Errno> {
+    let mut set = nix::sched::CpuSet::new();
+    for &cpu in cpus {
+        set.set(cpu)?;
+    }
+    if cpus.is_empty() {
+        return Err(Errno::EINVAL);
+    }
+    nix::sched::sched_setaffinity(Pid::from_raw(0), &set)
 }
 
 fn drop_capabilities() -> StageResult {

@@ -98,6 +98,8 @@ pub(crate) struct ProcessSandbox {
     spare: Mutex<Option<(String, Arc<ExecCgroup>)>>,
     /// A slot is being armed.
     arming: std::sync::atomic::AtomicBool,
+    /// The host CPUs its processes run on; given back when the runtime goes.
+    cpus: super::cpus::CpuLease,
 }
 
 /// The process-tier backend.
@@ -304,7 +306,7 @@ impl ProcessBackend {
         let opts = format!("lowerdir={},upperdir={},workdir={}", lower.display(), layer.join("upper").display(), layer.join("work").display());
         mount(Some("overlay"), &rootfs, Some("overlay"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(opts.as_str()))
             .map_err(|e| BackendError::io("mounting overlay root filesystem", e.into()))?;
-        for dir in ["proc", "dev", "tmp", &spec.workdir] {
+        for dir in ["proc", "dev", "sys", "tmp", &spec.workdir] {
             files::create_dir_all(&rootfs, dir)?;
         }
         let tmp = rootfs.join("tmp");
@@ -312,7 +314,13 @@ impl ProcessBackend {
 
         // 3. The cgroup, with the memory, pids and cpu limits.
         let limits = CgroupLimits { memory_bytes: spec.limits.memory_bytes, max_pids: spec.limits.max_pids, cpu_millicores: spec.limits.cpu_millicores };
-        let cgroup = self.cgroups()?.create_sandbox(id.as_str(), &limits)?;
+        let cgroup = self.cgroups()?.create_namespaced_sandbox(id.as_str(), &limits)?;
+
+        // The CPUs the sandbox runs on (its limit rounded up, spread over the host), and the CPU
+        // list its /sys shows: a file of the run dir, bound read-only inside.
+        let cpus = super::cpus::place(spec.limits.cpu_millicores);
+        let cpu_online_file = run_dir.join("cpus-online");
+        std::fs::write(&cpu_online_file, format!("{}\n", cpus.list())).map_err(|e| BackendError::io("writing the sandbox's CPU list", e))?;
 
         // 4. The shim + init, from this same binary (see init.rs for the in-sandbox recipe).
         let (ours, theirs) = nix::sys::socket::socketpair(
@@ -363,12 +371,25 @@ impl ProcessBackend {
             execs: ExecCgroups::default(),
             spare: Mutex::new(None),
             arming: std::sync::atomic::AtomicBool::new(false),
+            cpus,
         });
-        let config = wire::encode(&wire::InitConfig { rootfs: rootfs.display().to_string(), hostname: id.to_string() })
-            .map_err(|e| BackendError::Internal(e.to_string()))?;
-        let procs = sandbox.cgroup.procs_files()?;
-        let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
-        if let Err(reason) = sandbox.channel.handshake(&config, &fds, SETUP_DEADLINE).await {
+        let (join_first, join_then) = sandbox.cgroup.init_join_files()?;
+        let config = wire::encode(&wire::InitConfig {
+            rootfs: rootfs.display().to_string(),
+            hostname: id.to_string(),
+            join_before_unshare: join_first.len(),
+            shm_bytes: spec.limits.shm_size(),
+            cpus: sandbox.cpus.cpus().to_vec(),
+            cpu_online_file: cpu_online_file.display().to_string(),
+            cgroup_view: self.cgroups()?.sandbox_view(),
+        })
+        .map_err(|e| BackendError::Internal(e.to_string()))?;
+        let fds: Vec<i32> = join_first.iter().chain(&join_then).map(|f| f.as_raw_fd()).collect();
+        let ready = sandbox.channel.handshake(&config, &fds, SETUP_DEADLINE).await;
+        drop((join_first, join_then));
+        // v2: the init has moved on into its leaf, so the exec cgroups may get the controllers.
+        let ready = ready.and_then(|()| sandbox.cgroup.enable_children().map_err(|e| format!("enabling the exec cgroups' controllers: {e}")));
+        if let Err(reason) = ready {
             let log_tail = sandbox.log.tail();
             self.stop_runtime(&sandbox, "setup failed").await;
             return Err(BackendError::Internal(format!("sandbox {id} setup: {reason} (init log: {log_tail})")));

@@ -11,6 +11,8 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use sandbox_exec::spawn::Stage;
+
+use crate::backend::cgroup::CgroupView;
 use serde::{Deserialize, Serialize};
 
 /// Largest control message; argv plus env of one exec must fit.
@@ -18,12 +20,24 @@ pub const MAX_MESSAGE: usize = 512 << 10;
 /// Most descriptors passed with one message (stdio + one per cgroup hierarchy).
 pub const MAX_FDS: usize = 16;
 
-/// How the init should set up the sandbox. Sent once, with the sandbox's `cgroup.procs` fds.
+/// How the init should set up the sandbox. Sent once, with the `cgroup.procs` fds it joins:
+/// the first `join_before_unshare` before it unshares its cgroup namespace (the sandbox's own
+/// cgroup, which becomes the namespace's root), the rest right after (v2: its leaf).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct InitConfig {
     /// The merged overlay, as a host path: becomes `/` after pivot_root.
     pub rootfs: String,
     pub hostname: String,
+    pub join_before_unshare: usize,
+    /// Size of the `/dev/shm` tmpfs.
+    pub shm_bytes: u64,
+    /// The CPUs the init (and so every exec) runs on.
+    pub cpus: Vec<usize>,
+    /// Host path of a read-only file listing `cpus` as the kernel does (`0-1`), bound over
+    /// `/sys/devices/system/cpu/online`, which glibc reads for `sysconf(_SC_NPROCESSORS_ONLN)`.
+    pub cpu_online_file: String,
+    /// How the sandbox's cgroup is mounted at `/sys/fs/cgroup`.
+    pub cgroup_view: CgroupView,
 }
 
 /// Daemon → init.
