@@ -114,6 +114,25 @@ pub fn create_dir_all(root: &Path, path: &str) -> Result<(), BackendError> {
     mkdir_all(&root_file, &comps, path)
 }
 
+/// Makes `name`, one component directly below `root`, a real directory to mount on: a symlink,
+/// file or special file the sandbox put there is removed first (every such name is mounted over
+/// when the sandbox runs, so nothing of the sandbox's is lost), and a missing one made (0755).
+/// A mount follows symlinks in its target: without this a sandbox could point its `/sys` or
+/// `/proc` anywhere in the next start's (fork's, rollback's) mount namespace.
+pub fn ensure_mount_point(root: &Path, name: &str) -> Result<(), BackendError> {
+    let root_file = open_root(root)?;
+    let dir = root_file.as_raw_fd();
+    let c_name = std::ffi::CString::new(name).map_err(|_| BackendError::InvalidPath { path: name.to_string(), reason: "contains NUL".into() })?;
+    let err = |op: &str, e: nix::errno::Errno| BackendError::io(format!("{op} mount point /{name}"), std::io::Error::from_raw_os_error(e as i32));
+    match sandbox_exec::sys::stat_at(dir, &c_name).map_err(|e| err("inspecting", e))? {
+        Some(st) if sandbox_exec::sys::file_type(&st) == libc::S_IFDIR => return Ok(()),
+        Some(_) => sandbox_exec::sys::unlink_at(dir, &c_name).map_err(|e| err("removing what is at", e))?,
+        None => {}
+    }
+    // SAFETY: mkdirat with a directory fd we own and a NUL-terminated single-component name.
+    nix::errno::Errno::result(unsafe { libc::mkdirat(dir, c_name.as_ptr(), 0o755) }).map(drop).map_err(|e| err("creating", e))
+}
+
 /// The components of a path that names a file: not the root, not ending in `..`.
 fn file_components(path: &str, workdir: &str) -> Result<Vec<String>, BackendError> {
     let comps = components(path, workdir)?;
@@ -390,6 +409,22 @@ mod tests {
 
     fn root() -> tempfile::TempDir {
         tempfile::tempdir().expect("tempdir")
+    }
+
+    #[test]
+    fn mount_points_become_real_directories() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let outside = tempfile::tempdir().expect("outside");
+        std::os::unix::fs::symlink(outside.path(), root.path().join("sys")).expect("link");
+        std::fs::write(root.path().join("proc"), b"file").expect("file");
+        std::fs::create_dir(root.path().join("dev")).expect("dir");
+        std::fs::write(root.path().join("dev/keep"), b"x").expect("in dev");
+        for name in ["sys", "proc", "dev", "new"] {
+            ensure_mount_point(root.path(), name).expect(name);
+            assert!(std::fs::symlink_metadata(root.path().join(name)).expect(name).is_dir(), "{name}");
+        }
+        assert!(root.path().join("dev/keep").is_file(), "a directory is left as it is");
+        assert!(outside.path().is_dir(), "the link's target is untouched");
     }
 
     #[test]

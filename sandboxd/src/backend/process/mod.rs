@@ -306,7 +306,12 @@ impl ProcessBackend {
         let opts = format!("lowerdir={},upperdir={},workdir={}", lower.display(), layer.join("upper").display(), layer.join("work").display());
         mount(Some("overlay"), &rootfs, Some("overlay"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(opts.as_str()))
             .map_err(|e| BackendError::io("mounting overlay root filesystem", e.into()))?;
-        for dir in ["proc", "dev", "sys", "tmp", &spec.workdir] {
+        // The init mounts /proc, /dev and /sys there, by host path, before pivot_root: real
+        // directories, whatever a snapshot this starts from holds.
+        for dir in ["proc", "dev", "sys"] {
+            files::ensure_mount_point(&rootfs, dir)?;
+        }
+        for dir in ["tmp", &spec.workdir] {
             files::create_dir_all(&rootfs, dir)?;
         }
         let tmp = rootfs.join("tmp");
