@@ -15,6 +15,7 @@ pub mod config;
 pub mod error;
 pub mod hostfs;
 pub mod ids;
+pub mod images;
 pub mod manager;
 pub mod metrics;
 pub mod model;

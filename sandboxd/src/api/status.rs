@@ -7,9 +7,12 @@ use crate::error::Error;
 impl From<Error> for Status {
     fn from(e: Error) -> Self {
         let code = match &e {
-            Error::SandboxNotFound(_) | Error::ExecNotFound(_) | Error::SnapshotNotFound(_) | Error::ImageNotFound { .. } | Error::FileNotFound(_) => {
-                Code::NotFound
-            }
+            Error::SandboxNotFound(_)
+            | Error::ExecNotFound(_)
+            | Error::SnapshotNotFound(_)
+            | Error::ImageNotFound { .. }
+            | Error::FileNotFound(_)
+            | Error::NotFound(_) => Code::NotFound,
             Error::InvalidArgument { .. } => Code::InvalidArgument,
             Error::IncorrectState { .. } | Error::Unavailable { .. } | Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,

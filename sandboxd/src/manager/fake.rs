@@ -132,7 +132,14 @@ pub(super) fn fake_manager(dir: &std::path::Path, pool_size_bytes: u64, toml: &s
     let mut backends = Backends::default();
     backends.insert(Arc::new(FakeBackend));
     let store = Store::open(&dir.join("state.db")).expect("store");
-    Manager::new(cfg, backends, store, Metrics::new().expect("metrics"))
+    // The catalog: a `minimal` image (an empty rootfs is enough for a backend that makes nothing).
+    let images = dir.join("images");
+    std::fs::create_dir_all(images.join("minimal/rootfs")).expect("mkdir");
+    std::fs::write(images.join("minimal/image.json"), "{}").expect("write");
+    let catalog = Arc::new(crate::images::Catalog::new(&images, dir, "minimal"));
+    catalog.prepare().expect("catalog");
+    let engine = Arc::new(crate::images::Engine::new(std::path::Path::new("/nonexistent/docker.sock")));
+    Manager::new(cfg, backends, catalog, engine, store, Metrics::new().expect("metrics"))
 }
 
 /// A create on the PROCESS tier asking for `disk_bytes`.

@@ -11,6 +11,9 @@ use crate::ids::SandboxId;
 use crate::metrics::Op;
 use crate::model::{CreateRequest, Isolation, SandboxInfo, SandboxState};
 
+/// The image of a create request that names none.
+pub const DEFAULT_IMAGE: &str = "minimal";
+
 impl Manager {
     /// Refuses a create past the configured capacity or the disk pool of `tier`, naming the
     /// limit. Called with the table's write lock held by the create that then inserts itself, so
@@ -44,14 +47,11 @@ impl Manager {
         // Everything a request says is checked before anything is made: a sandbox in which
         // nothing could run (no room for a command line, no pids for a shell, no disk for its
         // own files) is refused here, naming the field, rather than failing later.
-        let workdir = if req.workdir.is_empty() { "/workspace".to_string() } else { req.workdir };
-        validate_workdir(&workdir)?;
         let id = SandboxId::generate();
-        validate_sandbox_env(&id, &req.env)?;
         validate_labels(&req.labels)?;
         // A fork inherits its tier and image from the snapshot: its layer only makes sense there.
         let (requested, image, from_snapshot) = if req.from_snapshot_id.is_empty() {
-            let image = if req.image.is_empty() { "minimal".to_string() } else { req.image };
+            let image = if req.image.is_empty() { DEFAULT_IMAGE.to_string() } else { req.image };
             validate_image(&image)?;
             (req.isolation, image, None)
         } else {
@@ -64,6 +64,19 @@ impl Manager {
             }
             (Some(snap.isolation), snap.image, Some(snap.snapshot_id))
         };
+        // From the catalog check until the sandbox is in the table, the image cannot be removed
+        // (a removal checks the table under the write side of this lock).
+        let image_held = self.image_gate.read().await;
+        let image_config = self.catalog.config(&image)?;
+        // The image's WorkingDir is the default workdir; one the sandbox could not use (under
+        // /proc, say) is ignored, as an image's say-so is no request.
+        let workdir = match (req.workdir.is_empty(), image_config.workdir.is_empty()) {
+            (false, _) => req.workdir,
+            (true, false) if validate_workdir(&image_config.workdir).is_ok() => image_config.workdir.clone(),
+            _ => "/workspace".to_string(),
+        };
+        validate_workdir(&workdir)?;
+        validate_sandbox_env(&id, &image_config.env, &req.env)?;
         let decision = self.cfg.policy.decide(requested, &req.labels).map_err(|e| Error::PermissionDenied(e.to_string()))?;
         if from_snapshot.is_some() && Some(decision.isolation) != requested {
             return Err(Error::PermissionDenied(format!(
@@ -94,6 +107,7 @@ impl Manager {
             expires_at: (req.ttl_seconds > 0).then(|| now + Duration::from_secs(req.ttl_seconds.into())),
             head_snapshot: from_snapshot,
             failure_reason: None,
+            image_config,
         };
         let entry = SandboxEntry::new(info.clone());
         {
@@ -106,6 +120,7 @@ impl Manager {
             }
             map.insert(id.clone(), entry.clone());
         }
+        drop(image_held);
         if let Err(e) = self.store.put_sandbox(&info) {
             if let Ok(mut map) = self.sandboxes.write() {
                 map.remove(&id);

@@ -115,7 +115,7 @@ impl Inner {
         layer_from: Option<&SnapshotId>,
     ) -> Result<Arc<ContainerSandbox>, BackendError> {
         let docker = self.docker()?;
-        let image = self.images.ensure(docker, &self.cfg.images_dir, &spec.image).await?;
+        let image = self.images.ensure(docker, &self.cfg.catalog, &spec.image).await?;
         let name = role.name(spec);
         let container_id = self.create_container(spec, role, &image, &name).await?;
         match self.start_created(spec, &container_id, layer_from).await {
