@@ -250,9 +250,11 @@ impl Catalog {
             None if img.origin == Origin::Script => {
                 return Err(not_ready(format!("image {name:?} has no microVM artifacts (vm/vm.json: kernel, initramfs, disk); build them with `make images`")))
             }
-            None => return Err(not_ready(format!(
+            None => {
+                return Err(not_ready(format!(
                 "image {name:?} has no microVM base disk: preparing it failed at import (see the daemon log); import it again once mkfs.ext4 and qemu-img work"
-            ))),
+            )))
+            }
         };
         if manifest.disk.is_empty() || manifest.disk.contains('/') {
             return Err(not_ready(format!("image {name:?}: vm/vm.json names no disk")));
