@@ -287,9 +287,12 @@ async fn a_docker_save_archive_and_a_docker_image_import_and_run() {
     host("docker", &["rmi", &tag]);
 }
 
+/// One raw layer entry: name, type, link target, data.
+type Entry<'a> = (&'a str, tar::EntryType, &'a str, &'a [u8]);
+
 /// A `docker save`-shaped archive of `layers` (each a list of raw tar entries), written raw so
 /// hostile names survive.
-fn hostile_archive(dir: &Path, layers: &[Vec<(&str, tar::EntryType, &str, &[u8])>]) -> PathBuf {
+fn hostile_archive(dir: &Path, layers: &[Vec<Entry<'_>>]) -> PathBuf {
     let mut layer_tars = Vec::new();
     for entries in layers {
         let mut out = Vec::new();
@@ -353,7 +356,7 @@ async fn hostile_archives_are_refused_and_nothing_lands_outside() {
     let escape_rel = format!("../../../../../../../../../../../../tmp/{marker}");
     let abs_link = target.to_str().unwrap().to_string();
     let planted_through = format!("link/{marker}");
-    let cases: Vec<(&str, Vec<Vec<(&str, tar::EntryType, &str, &[u8])>>)> = vec![
+    let cases: Vec<(&str, Vec<Vec<Entry<'_>>>)> = vec![
         ("dot-dot", vec![vec![(escape_rel.as_str(), tar::EntryType::Regular, "", b"x".as_slice())]]),
         (
             "symlink then a file through it, across layers",

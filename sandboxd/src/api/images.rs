@@ -65,11 +65,11 @@ pub fn build_request(header: pb::BuildImageHeader) -> (BuildRequest, mpsc::Sende
     (req, tx, detail)
 }
 
+/// The feeding of an upload: its content's digest once complete.
+pub type Feed = Pin<Box<dyn Future<Output = Result<String, FeedError>> + Send>>;
+
 /// Feeds the rest of `stream` (chunks, then the sha256) to `tx`.
-pub fn feed<M: UploadMessage + Send + 'static>(
-    stream: tonic::Streaming<M>,
-    tx: mpsc::Sender<UploadPiece>,
-) -> Pin<Box<dyn Future<Output = Result<String, FeedError>> + Send>> {
+pub fn feed<M: UploadMessage + Send + 'static>(stream: tonic::Streaming<M>, tx: mpsc::Sender<UploadPiece>) -> Feed {
     Box::pin(feed_upload(stream, tx))
 }
 
@@ -85,7 +85,7 @@ pub struct CallEnd {
 /// The manager's events as the client's stream, while the upload (if any) is fed. The client's
 /// own fault (it broke off, a bad checksum) is the answer when it happens; otherwise the
 /// manager's events run to their `done` or error. The audit line is written at the end.
-pub fn progress(events: ImageEvents, feed: Option<Pin<Box<dyn Future<Output = Result<String, FeedError>> + Send>>>, end: CallEnd) -> ProgressStream {
+pub fn progress(events: ImageEvents, feed: Option<Feed>, end: CallEnd) -> ProgressStream {
     let (out, rx) = mpsc::channel::<Result<pb::ImageProgress, Status>>(16);
     tokio::spawn(async move {
         let mut events = events;

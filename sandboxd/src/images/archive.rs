@@ -134,7 +134,10 @@ fn normalize(name: &str) -> Option<String> {
 }
 
 /// Indexes the archive's regular members and symlinks.
-fn index(file: &File) -> Result<(HashMap<String, Member>, HashMap<String, String>), ImageError> {
+/// Regular members by name, and links by name with their target.
+type Index = (HashMap<String, Member>, HashMap<String, String>);
+
+fn index(file: &File) -> Result<Index, ImageError> {
     let budget = std::cell::Cell::new(MAX_HEADER_BYTES);
     let mut reader = Metered { inner: BufReader::new(file), left: &budget };
     reader.seek(SeekFrom::Start(0)).map_err(|e| ImageError::io("reading the archive", e))?;

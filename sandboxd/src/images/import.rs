@@ -57,7 +57,7 @@ pub enum Prepared {
         name: String,
         digest: String,
     },
-    Staged(Staged),
+    Staged(Box<Staged>),
 }
 
 /// Where progress goes; `false` means the client went away (the import stops).
@@ -189,7 +189,7 @@ pub fn stage(catalog: &Catalog, cfg: &ImagesConfig, path: &Path, spec: &ImportSp
     std::fs::rename(&tmp, staging.dir.join("image.json")).map_err(|e| ImageError::io("writing image.json", e))?;
     tracing::info!(image = %name, digest = %archive.digest, layers = archive.layers.len(), entries = totals.entries, bytes = totals.bytes, ms = started.elapsed().as_millis() as u64, "image layers applied");
     staging.json = json;
-    Ok(Prepared::Staged(staging))
+    Ok(Prepared::Staged(Box::new(staging)))
 }
 
 /// Applies one (decompressed) layer, drains what follows its end marker, and checks the
@@ -340,7 +340,7 @@ mod tests {
         let c = catalog(tmp.path());
         // The config names one layer, the archive carries another under its name.
         let good = layer(&[("a", b"1")]);
-        let path = docker_save(tmp.path(), &[good.clone()], &[], "x:1");
+        let path = docker_save(tmp.path(), std::slice::from_ref(&good), &[], "x:1");
         let bytes = std::fs::read(&path).expect("read");
         let swapped = layer(&[("b", b"2")]);
         assert_eq!(good.len(), swapped.len());
@@ -358,7 +358,7 @@ mod tests {
         h.set_mode(0o644);
         h.set_cksum();
         let mut evil = h.as_bytes().to_vec();
-        evil.extend_from_slice(&[b'x']);
+        evil.extend_from_slice(b"x");
         evil.resize(1024, 0);
         evil.extend_from_slice(&[0; 1024]);
         let path = docker_save(tmp.path(), &[evil], &[], "evil:1");

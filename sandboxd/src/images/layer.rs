@@ -273,7 +273,7 @@ impl Applier<'_> {
             if totals.entries > limits.max_entries {
                 return Err(LayerError::Limit { path: shown, what: "entries", limit: limits.max_entries, key: "max_entries" });
             }
-            if totals.entries % 256 == 0 && cancelled() {
+            if totals.entries.is_multiple_of(256) && cancelled() {
                 return Err(LayerError::Cancelled);
             }
             self.entry(&mut entry, &name, &shown, budget, totals, limits)?;

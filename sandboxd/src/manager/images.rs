@@ -411,7 +411,7 @@ impl Manager {
         };
         self.prepare_tiers(&name, report).await;
         tracing::info!(tenant, image = %name, ms = started.elapsed().as_millis() as u64, "image imported");
-        Ok(self.get_image(&name)?)
+        self.get_image(&name)
     }
 
     /// Asks every tier to prepare the image; a tier that cannot is reported, not an error.

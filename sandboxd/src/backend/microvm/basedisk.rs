@@ -48,7 +48,7 @@ fn usage_bytes(root: &Path) -> u64 {
 /// Size of the ext4 file for `content` bytes: content plus 15% and 48 MiB, in whole 4 MiB.
 pub fn disk_bytes(content: u64) -> u64 {
     let kib = content / 1024;
-    let mib = (kib * 115 / 100 / 1024 + 48 + 3) / 4 * 4;
+    let mib = (kib * 115 / 100 / 1024 + 48).div_ceil(4) * 4;
     mib << 20
 }
 
@@ -143,6 +143,6 @@ mod tests {
         // build-vm.sh: ((kib * 115 / 100 / 1024 + 48 + 3) / 4 * 4) MiB.
         assert_eq!(disk_bytes(0), 48 << 20);
         assert_eq!(disk_bytes(2 << 20), 52 << 20);
-        assert_eq!(disk_bytes(300 << 20), (((300 * 1024 * 115 / 100 / 1024) + 48 + 3) / 4 * 4) << 20);
+        assert_eq!(disk_bytes(300 << 20), 396 << 20);
     }
 }
