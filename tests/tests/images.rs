@@ -239,6 +239,11 @@ async fn a_docker_save_archive_and_a_docker_image_import_and_run() {
     assert_eq!(info.digest, docker_id, "the digest is Docker's image ID");
     assert_eq!((info.user.as_str(), info.cmd.clone()), ("nobody", vec!["sh".to_string()]), "{info:?}");
     assert!(tiers(&info).contains(&Isolation::Process) && tiers(&info).contains(&Isolation::Container), "{info:?}");
+    // The imported rootfs lies on the sealed state dir, mounted noexec; the process tier's
+    // overlay over it still runs its programs (the exec check is the overlay mount's).
+    let store = daemon.state_dir().join("images").join(&name).join("rootfs");
+    let flags = nix::sys::statvfs::statvfs(&store).expect("statvfs").flags();
+    assert!(flags.contains(nix::sys::statvfs::FsFlags::ST_NOEXEC) && flags.contains(nix::sys::statvfs::FsFlags::ST_NOSUID), "{flags:?}");
     for tier in [Isolation::Process, Isolation::Container] {
         let id = sandbox(&c, tier, &name).await;
         assert_eq!(sh_ok(&c, &id, "echo $SAVED; pwd; busybox | head -1 | cut -d' ' -f1").await, "yes\n/opt/app\nBusyBox\n", "{tier:?}");

@@ -80,13 +80,22 @@ pub fn choose_name(spec: &ImportSpec, archive: &ImageArchive) -> Result<String, 
         .iter()
         .filter(|r| r.contains(':') || r.contains('/'))
         .find_map(|r| archive::name_from_reference(r))
-        .or_else(|| archive::name_from_reference(&spec.name_hint))
+        // An image ID (`sha256:…`) names no image.
+        .or_else(|| if spec.name_hint.starts_with("sha256:") { None } else { archive::name_from_reference(&spec.name_hint) })
         .ok_or_else(|| ImageError::Invalid { field: "name", message: "the archive names no image and none was given; pass a name".into() })
 }
 
 /// Reads the archive at `path` and, unless the same image is already imported under its name,
-/// assembles it in a staging dir.
-pub fn stage(catalog: &Catalog, cfg: &ImagesConfig, path: &Path, spec: &ImportSpec, progress: Progress<'_>) -> Result<Prepared, ImageError> {
+/// assembles it in a staging dir. `gone` says whether the client went away (polled while a
+/// layer is applied, so a long layer stops soon after).
+pub fn stage(
+    catalog: &Catalog,
+    cfg: &ImagesConfig,
+    path: &Path,
+    spec: &ImportSpec,
+    progress: Progress<'_>,
+    gone: &dyn Fn() -> bool,
+) -> Result<Prepared, ImageError> {
     let started = Instant::now();
     let archive = ImageArchive::open(path)?;
     let name = choose_name(spec, &archive)?;
@@ -121,15 +130,17 @@ pub fn stage(catalog: &Catalog, cfg: &ImagesConfig, path: &Path, spec: &ImportSp
     let limits = Limits { max_bytes: cfg.max_rootfs_bytes, max_entries: cfg.max_entries };
     let mut totals = Totals::default();
     let mut done = 0u64;
-    let gone = std::cell::Cell::new(false);
     for (i, l) in archive.layers.iter().enumerate() {
+        if gone() {
+            return Err(ImageError::Aborted("the client went away".into()));
+        }
         let layer_started = Instant::now();
         let mut raw = Hashing::new(ImageArchive::layer_reader(path, l)?);
         let stats = {
             let mut buffered = BufReader::with_capacity(256 << 10, &mut raw);
             let stats = match archive::compression(&mut buffered, &l.member)? {
-                Compression::Gzip => apply_checked(root.as_fd(), flate2::read::GzDecoder::new(&mut buffered), l, &mut totals, &limits, &gone)?,
-                Compression::None => apply_checked(root.as_fd(), &mut buffered, l, &mut totals, &limits, &gone)?,
+                Compression::Gzip => apply_checked(root.as_fd(), flate2::read::GzDecoder::new(&mut buffered), l, &mut totals, &limits, gone)?,
+                Compression::None => apply_checked(root.as_fd(), &mut buffered, l, &mut totals, &limits, gone)?,
             };
             io::copy(&mut buffered, &mut io::sink()).map_err(|e| ImageError::io(format!("reading layer {}", l.member), e))?;
             stats
@@ -164,7 +175,6 @@ pub fn stage(catalog: &Catalog, cfg: &ImagesConfig, path: &Path, spec: &ImportSp
             ..Default::default()
         });
         if !go_on {
-            gone.set(true);
             return Err(ImageError::Aborted("the client went away".into()));
         }
     }
@@ -200,10 +210,10 @@ fn apply_checked<R: Read>(
     l: &archive::LayerRef,
     totals: &mut Totals,
     limits: &Limits,
-    gone: &std::cell::Cell<bool>,
+    gone: &dyn Fn() -> bool,
 ) -> Result<layer::LayerStats, ImageError> {
     let mut plain = Hashing::new(input);
-    let stats = layer::apply(root, &mut plain, totals, limits, &|| gone.get()).map_err(|e| layer_error(&l.member, e))?;
+    let stats = layer::apply(root, &mut plain, totals, limits, gone).map_err(|e| layer_error(&l.member, e))?;
     let trailer =
         io::copy(&mut (&mut plain).take(MAX_TRAILER_BYTES + 1), &mut io::sink()).map_err(|e| ImageError::Archive(format!("layer {}: {e}", l.member)))?;
     if trailer > MAX_TRAILER_BYTES {
@@ -303,10 +313,17 @@ mod tests {
             "reg/app:3",
         );
         let mut events = Vec::new();
-        let prepared = stage(&c, &ImagesConfig::default(), &path, &spec(""), &mut |e| {
-            events.push(e);
-            true
-        })
+        let prepared = stage(
+            &c,
+            &ImagesConfig::default(),
+            &path,
+            &spec(""),
+            &mut |e| {
+                events.push(e);
+                true
+            },
+            &|| false,
+        )
         .expect("stage");
         let Prepared::Staged(staged) = prepared else { panic!("not staged") };
         assert_eq!(staged.name, "app", "named after RepoTags");
@@ -319,12 +336,12 @@ mod tests {
         c.commit(&dir, "app").expect("commit");
         drop(staged);
         assert!(c.resolve("app").expect("in the catalog").rootfs().join("bin/tool").exists(), "a committed image is not removed");
-        let again = stage(&c, &ImagesConfig::default(), &path, &spec("app"), &mut |_| true).expect("again");
+        let again = stage(&c, &ImagesConfig::default(), &path, &spec("app"), &mut |_| true, &|| false).expect("again");
         assert!(matches!(again, Prepared::Unchanged { .. }), "{again:?}");
         // A script-built name is refused; a dropped staging dir is removed.
-        let err = stage(&c, &ImagesConfig::default(), &path, &spec("minimal"), &mut |_| true).expect_err("script name");
+        let err = stage(&c, &ImagesConfig::default(), &path, &spec("minimal"), &mut |_| true, &|| false).expect_err("script name");
         assert!(matches!(err, ImageError::Refused(_)), "{err}");
-        match stage(&c, &ImagesConfig::default(), &path, &spec("other"), &mut |_| true).expect("other") {
+        match stage(&c, &ImagesConfig::default(), &path, &spec("other"), &mut |_| true, &|| false).expect("other") {
             Prepared::Staged(s) => {
                 let d = s.dir.clone();
                 drop(s);
@@ -348,7 +365,7 @@ mod tests {
         let mut forged = bytes.clone();
         forged[at..at + good.len()].copy_from_slice(&swapped);
         std::fs::write(&path, forged).expect("write");
-        let err = stage(&c, &ImagesConfig::default(), &path, &spec("x"), &mut |_| true).expect_err("forged");
+        let err = stage(&c, &ImagesConfig::default(), &path, &spec("x"), &mut |_| true, &|| false).expect_err("forged");
         assert!(err.to_string().contains("digest"), "{err}");
         assert_eq!(std::fs::read_dir(c.imported_dir()).expect("ls").count(), 0, "no staging dir left behind");
         // `..` in a layer: refused, nothing outside the staging dir.
@@ -362,13 +379,72 @@ mod tests {
         evil.resize(1024, 0);
         evil.extend_from_slice(&[0; 1024]);
         let path = docker_save(tmp.path(), &[evil], &[], "evil:1");
-        let err = stage(&c, &ImagesConfig::default(), &path, &spec(""), &mut |_| true).expect_err("evil");
+        let err = stage(&c, &ImagesConfig::default(), &path, &spec(""), &mut |_| true, &|| false).expect_err("evil");
         assert!(matches!(err, ImageError::Archive(_)) && err.to_string().contains("escape"), "{err}");
         assert!(!tmp.path().join("escape").exists() && !tmp.path().join("state/escape").exists());
         // Bounds are the configured keys.
         let path = docker_save(tmp.path(), &[layer(&[("big", &[0u8; 4096])])], &[], "big:1");
         let small = ImagesConfig { max_rootfs_bytes: 1000, ..Default::default() };
-        let err = stage(&c, &small, &path, &spec(""), &mut |_| true).expect_err("bound");
+        let err = stage(&c, &small, &path, &spec(""), &mut |_| true, &|| false).expect_err("bound");
         assert!(matches!(err, ImageError::Limit { key: "max_rootfs_bytes", .. }), "{err}");
+    }
+
+    #[test]
+    fn an_oci_layout_with_gzip_layers_is_applied() {
+        use std::io::Write;
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let c = catalog(tmp.path());
+        let plain = [layer(&[("usr/bin/tool", b"gz-ok")]), layer(&[("usr/bin/.wh.tool", b""), ("etc/conf", b"1")])];
+        let gz: Vec<Vec<u8>> = plain
+            .iter()
+            .map(|l| {
+                let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+                e.write_all(l).expect("gz");
+                e.finish().expect("gz")
+            })
+            .collect();
+        let cfg =
+            serde_json::to_vec(&serde_json::json!({"config": {"Cmd": ["tool"]}, "rootfs": {"diff_ids": plain.iter().map(|l| digest(l)).collect::<Vec<_>>()}}))
+                .expect("json");
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "config": {"digest": digest(&cfg)},
+            "layers": gz.iter().map(|g| serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest(g)})).collect::<Vec<_>>()
+        }))
+        .expect("json");
+        let index = serde_json::to_vec(
+            &serde_json::json!({"manifests": [{"digest": digest(&manifest), "annotations": {"org.opencontainers.image.ref.name": "latest"}}]}),
+        )
+        .expect("json");
+        let path = tmp.path().join("oci.tar");
+        let mut b = tar::Builder::new(File::create(&path).expect("create"));
+        let blob = |d: &str| format!("blobs/sha256/{}", d.trim_start_matches("sha256:"));
+        let mut members = vec![
+            ("index.json".to_string(), index),
+            ("oci-layout".to_string(), b"{}".to_vec()),
+            (blob(&digest(&manifest)), manifest.clone()),
+            (blob(&digest(&cfg)), cfg.clone()),
+        ];
+        members.extend(gz.iter().map(|g| (blob(&digest(g)), g.clone())));
+        for (name, data) in &members {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            b.append_data(&mut h, name, data.as_slice()).expect("append");
+        }
+        b.finish().expect("finish");
+        drop(b);
+        // No usable reference in the archive ("latest" is a tag): the file's stem names it.
+        let spec = ImportSpec { name: String::new(), name_hint: "oci-tool".into(), source: "archive:oci-tool.tar".into() };
+        let Prepared::Staged(staged) = stage(&c, &ImagesConfig::default(), &path, &spec, &mut |_| true, &|| false).expect("stage") else {
+            panic!("not staged")
+        };
+        assert_eq!((staged.name.as_str(), staged.json.format.as_str(), staged.json.layers), ("oci-tool", "oci", 2));
+        assert!(!staged.dir.join("rootfs/usr/bin/tool").exists(), "whited out by the second gzip layer");
+        assert_eq!(std::fs::read(staged.dir.join("rootfs/etc/conf")).expect("read"), b"1");
+        assert_eq!(staged.json.config.cmd, ["tool"]);
+        // A client that goes away stops the import.
+        let err = stage(&c, &ImagesConfig::default(), &path, &spec, &mut |_| true, &|| true).expect_err("gone");
+        assert!(matches!(err, ImageError::Aborted(_)), "{err}");
     }
 }

@@ -30,6 +30,7 @@ use std::cell::Cell;
 use std::collections::HashSet;
 use std::ffi::{CStr, CString};
 use std::fs::File;
+use std::hash::BuildHasher;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::rc::Rc;
@@ -223,8 +224,11 @@ struct Applier<'a> {
     root: BorrowedFd<'a>,
     /// The last parent directory opened, by path: a layer lists a directory's files together.
     cached: Option<(Vec<u8>, Rc<OwnedFd>)>,
-    /// Paths this layer wrote, which an opaque whiteout in it must keep.
-    seen: HashSet<Vec<u8>>,
+    /// Paths this layer wrote, which an opaque whiteout in it must keep: their hashes, so a
+    /// layer of two million entries costs 16 MiB here, not its names (a collision could only
+    /// keep one lower-layer entry an opaque directory should hide).
+    seen: HashSet<u64>,
+    hasher: std::collections::hash_map::RandomState,
     dirs: Vec<PendingDir>,
     stats: LayerStats,
     buf: Vec<u8>,
@@ -237,7 +241,15 @@ pub fn apply<R: Read>(root: BorrowedFd<'_>, input: R, totals: &mut Totals, limit
     let budget = Budget::default();
     budget.allow(MAX_HEADER_BYTES);
     let mut archive = Archive::new(Metered { inner: input, budget: &budget });
-    let mut a = Applier { root, cached: None, seen: HashSet::new(), dirs: Vec::new(), stats: LayerStats::default(), buf: vec![0; COPY_BUF] };
+    let mut a = Applier {
+        root,
+        cached: None,
+        seen: HashSet::new(),
+        hasher: std::collections::hash_map::RandomState::new(),
+        dirs: Vec::new(),
+        stats: LayerStats::default(),
+        buf: vec![0; COPY_BUF],
+    };
     let walked = a.entries(&mut archive, &budget, totals, limits, cancelled);
     let finished = a.finish_dirs();
     walked?;
@@ -246,6 +258,12 @@ pub fn apply<R: Read>(root: BorrowedFd<'_>, input: R, totals: &mut Totals, limit
 }
 
 impl Applier<'_> {
+    /// Notes that this layer wrote `path`.
+    fn saw(&mut self, path: &[u8]) {
+        let h = self.hasher.hash_one(path);
+        self.seen.insert(h);
+    }
+
     fn entries<R: Read>(
         &mut self,
         archive: &mut Archive<R>,
@@ -448,7 +466,7 @@ impl Applier<'_> {
             }
         }
         meta.apply_fd(file.as_raw_fd()).map_err(|e| sys_err(shown, e))?;
-        self.seen.insert(comps.join(&b'/'));
+        self.saw(&comps.join(&b'/'));
         self.stats.files += 1;
         self.stats.bytes += size;
         Ok(())
@@ -465,7 +483,7 @@ impl Applier<'_> {
                 Err(e) => return Err(sys_err(shown, e)),
             }
         }
-        self.seen.insert(path.clone());
+        self.saw(&path);
         self.dirs.push(PendingDir { depth: comps.len(), path, meta });
         self.stats.dirs += 1;
         Ok(())
@@ -481,7 +499,7 @@ impl Applier<'_> {
         self.clear(pfd, &name, false, shown)?;
         nix::unistd::symlinkat(target.as_c_str(), Some(pfd), name.as_c_str()).map_err(|e| sys_err(shown, e))?;
         meta.apply_link(pfd, &name).map_err(|e| sys_err(shown, e))?;
-        self.seen.insert(comps.join(&b'/'));
+        self.saw(&comps.join(&b'/'));
         self.stats.symlinks += 1;
         Ok(())
     }
@@ -511,7 +529,7 @@ impl Applier<'_> {
         // The parent may have replaced the cached target directory's descriptor; both are
         // held by their Rc.
         nix::unistd::linkat(Some(tparent.as_raw_fd()), tname.as_c_str(), Some(pfd), name.as_c_str(), AtFlags::empty()).map_err(|e| sys_err(shown, e))?;
-        self.seen.insert(comps.join(&b'/'));
+        self.saw(&comps.join(&b'/'));
         self.stats.hardlinks += 1;
         Ok(())
     }
@@ -548,7 +566,7 @@ impl Applier<'_> {
             };
             for name in names {
                 let child = if rel.is_empty() { name.as_bytes().to_vec() } else { [rel.as_slice(), b"/", name.as_bytes()].concat() };
-                if !self.seen.contains(&child) {
+                if !self.seen.contains(&self.hasher.hash_one(child.as_slice())) {
                     self.clear(fd.as_raw_fd(), &name, false, shown)?;
                 } else if sys::stat_at(fd.as_raw_fd(), &name).map_err(|e| sys_err(shown, e))?.is_some_and(|st| sys::file_type(&st) == libc::S_IFDIR) {
                     pending.push(child);

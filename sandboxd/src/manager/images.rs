@@ -369,9 +369,12 @@ impl Manager {
         let prepared = {
             let (catalog, cfg, path) = (self.catalog.clone(), self.cfg.images.clone(), path.to_path_buf());
             let tx = report.0.clone();
-            tokio::task::spawn_blocking(move || import::stage(&catalog, &cfg, &path, &spec, &mut |event| tx.blocking_send(Ok(event)).is_ok()))
-                .await
-                .map_err(|e| Error::Internal(format!("image import task: {e}")))??
+            let closed = tx.clone();
+            tokio::task::spawn_blocking(move || {
+                import::stage(&catalog, &cfg, &path, &spec, &mut |event| tx.blocking_send(Ok(event)).is_ok(), &|| closed.is_closed())
+            })
+            .await
+            .map_err(|e| Error::Internal(format!("image import task: {e}")))??
         };
         let layers_ms = started.elapsed().as_millis();
         let name = match prepared {
