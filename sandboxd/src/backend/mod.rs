@@ -256,8 +256,10 @@ pub trait Backend: Send + Sync {
     async fn prepare_image(&self, _image: &str) -> Result<String, BackendError> {
         Ok("nothing to prepare".to_string())
     }
-    /// Frees what the tier made for `image` (its Docker image, base disks), once no sandbox or
-    /// snapshot uses it; the image's own files are the catalog's.
+    /// Frees what the tier made for `image` (its Docker image, base disks) once no sandbox or
+    /// snapshot uses it, just before the image leaves the catalog (it is still there, so the
+    /// tier can tell which of its artifacts belong to this build of it); the image's own files
+    /// are the catalog's.
     async fn remove_image(&self, _image: &str) -> Result<(), BackendError> {
         Ok(())
     }

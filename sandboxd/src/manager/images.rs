@@ -171,6 +171,7 @@ impl Manager {
         let lock = self.image_lock(name)?;
         let _named = lock.lock().await;
         let (trash, freed) = {
+            // No create starts from the image while its tiers' copies and then its files go.
             let _gate = self.image_gate.write().await;
             if self.catalog.is_script_built(name) {
                 return Err(Error::FailedPrecondition(format!(
@@ -179,16 +180,9 @@ impl Manager {
             }
             let Some(img) = self.catalog.imported(name) else { return Err(self.catalog.not_found(name).into()) };
             self.refuse_if_used(tenant, name, "remove")?;
-            let freed = img.json().size_bytes;
-            (self.catalog.take_out(name)?, freed)
+            self.remove_tier_copies(name).await;
+            (self.catalog.take_out(name)?, img.json().size_bytes)
         };
-        // Out of the catalog: no create can start from it. Now what the tiers made of it, and
-        // its files.
-        for backend in self.backends.all() {
-            if let Err(e) = backend.remove_image(name).await {
-                tracing::warn!(image = name, tier = backend.isolation().name(), error = %e, "removing a tier's copy of an image");
-            }
-        }
         let removed = tokio::task::spawn_blocking(move || catalog::remove_any(&trash)).await;
         if let Err(e) = removed {
             tracing::warn!(image = name, error = %e, "removing an image's files");
@@ -389,17 +383,13 @@ impl Manager {
                 let replaced = {
                     let _gate = self.image_gate.write().await;
                     if self.catalog.imported(&name).is_some() {
+                        // Nothing may use the old image, and what the tiers made of it goes.
                         self.refuse_if_used(tenant, &name, "replace")?;
+                        self.remove_tier_copies(&name).await;
                     }
                     self.catalog.commit(&staged.dir, &name)?
                 };
                 if let Some(old) = replaced {
-                    // Nothing uses the old image: what the tiers made of it goes too.
-                    for backend in self.backends.all() {
-                        if let Err(e) = backend.remove_image(&name).await {
-                            tracing::warn!(image = %name, tier = backend.isolation().name(), error = %e, "removing a tier's copy of a replaced image");
-                        }
-                    }
                     let _ = tokio::task::spawn_blocking(move || catalog::remove_any(&old)).await;
                 }
                 let j = &staged.json;
@@ -415,6 +405,16 @@ impl Manager {
         self.prepare_tiers(&name, report).await;
         tracing::info!(tenant, image = %name, ms = started.elapsed().as_millis() as u64, "image imported");
         self.get_image(&name)
+    }
+
+    /// Frees what every tier made of the image (failures are logged: the image goes anyway,
+    /// and a leftover Docker image or base disk is only space).
+    async fn remove_tier_copies(&self, name: &str) {
+        for backend in self.backends.all() {
+            if let Err(e) = backend.remove_image(name).await {
+                tracing::warn!(image = name, tier = backend.isolation().name(), error = %e, "removing a tier's copy of an image");
+            }
+        }
     }
 
     /// Asks every tier to prepare the image; a tier that cannot is reported, not an error.

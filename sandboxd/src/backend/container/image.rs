@@ -121,45 +121,43 @@ impl ImageCache {
     }
 
     /// Tags the Docker image of `name` (`tag`, from [`ImageCache::ensure`]) as
-    /// `sandboxd/<name>:latest`, the image `FROM sandboxd/<name>` means in a build, and removes
-    /// the tags of older builds of the image that no container uses.
+    /// `sandboxd/<name>:latest`, the image `FROM sandboxd/<name>` means in a build.
     pub async fn tag_latest(&self, docker: &Docker, name: &str, tag: &str) -> Result<(), BackendError> {
         let Some((repo, _)) = tag.rsplit_once(':') else { return Ok(()) };
         if !valid_repo_component(name) {
             return Ok(());
         }
         let options = bollard::query_parameters::TagImageOptions { repo: Some(repo.to_string()), tag: Some("latest".to_string()) };
-        docker.tag_image(tag, Some(options)).await.map_err(|e| api_error(format!("tagging {tag} as {repo}:latest"), e))?;
-        for old in self.tags_of(docker, name).await? {
-            if old != tag && !old.ends_with(":latest") {
-                // Docker refuses while a container uses it: then it stays until the next time.
-                if let Err(e) = docker.remove_image(&old, None::<bollard::query_parameters::RemoveImageOptions>, None).await {
-                    tracing::debug!(image = %old, error = %e, "older Docker image of a sandbox image kept");
-                }
-            }
-        }
-        Ok(())
+        docker.tag_image(tag, Some(options)).await.map_err(|e| api_error(format!("tagging {tag} as {repo}:latest"), e))
     }
 
-    /// Every Docker tag of sandbox image `name` (`sandboxd/<repo>:*`).
-    async fn tags_of(&self, docker: &Docker, name: &str) -> Result<Vec<String>, BackendError> {
-        let repo = reference(name, 0).rsplit_once(':').map(|(r, _)| r.to_string()).unwrap_or_default();
-        let filters = HashMap::from([("reference".to_string(), vec![repo.clone()])]);
-        let options = bollard::query_parameters::ListImagesOptions { filters: Some(filters), ..Default::default() };
-        let images = docker.list_images(Some(options)).await.map_err(|e| api_error(format!("listing the images of {repo}"), e))?;
-        Ok(images.into_iter().flat_map(|i| i.repo_tags).filter(|t| t.rsplit_once(':').is_some_and(|(r, _)| r == repo)).collect())
-    }
-
-    /// Removes every Docker tag of sandbox image `name` (its images go with their last tag).
-    pub async fn remove(&self, docker: &Docker, name: &str) -> Result<(), BackendError> {
+    /// Removes the Docker image this daemon made of catalog image `name` (its tag, and
+    /// `:latest` when that is the same image). Only that one: another daemon on this Docker
+    /// host may hold an image of the same name, built from other bytes, under another tag.
+    /// Called while the image is still in the catalog (its `image.json` gives the tag).
+    pub async fn remove(&self, docker: &Docker, catalog: &Catalog, name: &str) -> Result<(), BackendError> {
         if let Ok(mut ready) = self.ready.lock() {
             ready.remove(name);
         }
-        for tag in self.tags_of(docker, name).await? {
-            match docker.remove_image(&tag, None::<bollard::query_parameters::RemoveImageOptions>, None).await {
-                Ok(_) => tracing::info!(image = %tag, "Docker image removed"),
+        let Ok(img) = catalog.resolve(name) else { return Ok(()) };
+        let tag = reference(name, stable_hash(&img.meta));
+        let id = match docker.inspect_image(&tag).await {
+            Ok(info) => info.id,
+            Err(e) if is_not_found(&e) => return Ok(()),
+            Err(e) => return Err(api_error(format!("inspecting {tag}"), e)),
+        };
+        let mut tags = vec![tag.clone()];
+        if let Some((repo, _)) = tag.rsplit_once(':') {
+            let latest = format!("{repo}:latest");
+            if docker.inspect_image(&latest).await.ok().and_then(|i| i.id).is_some_and(|l| Some(l) == id) {
+                tags.insert(0, latest);
+            }
+        }
+        for t in tags {
+            match docker.remove_image(&t, None::<bollard::query_parameters::RemoveImageOptions>, None).await {
+                Ok(_) => tracing::info!(image = %t, "Docker image removed"),
                 Err(e) if is_not_found(&e) => {}
-                Err(e) => return Err(api_error(format!("removing {tag}"), e)),
+                Err(e) => return Err(api_error(format!("removing {t}"), e)),
             }
         }
         Ok(())

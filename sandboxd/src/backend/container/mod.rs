@@ -296,7 +296,7 @@ impl Backend for ContainerBackend {
 
     async fn remove_image(&self, image: &str) -> Result<(), BackendError> {
         let docker = self.inner.docker()?;
-        self.inner.images.remove(docker, image).await
+        self.inner.images.remove(docker, &self.inner.cfg.catalog, image).await
     }
 
     fn failure(&self, sandbox: &SandboxId) -> Option<String> {
