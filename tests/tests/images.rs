@@ -101,6 +101,21 @@ fn tiers(info: &proto::ImageInfo) -> Vec<Isolation> {
     info.ready_tiers.iter().filter_map(|t| Isolation::try_from(*t).ok()).collect()
 }
 
+/// Removes Docker images a test made (its tags, and the `sandboxd/<name>` ones the daemon made
+/// for it) when the test ends, also when it fails half way.
+struct DockerCleanup(Vec<String>);
+
+impl Drop for DockerCleanup {
+    fn drop(&mut self) {
+        for repo in &self.0 {
+            let tags = std::process::Command::new("docker").args(["images", "--format", "{{.Repository}}:{{.Tag}}", repo]).output();
+            for tag in tags.map(|o| text(&o.stdout)).unwrap_or_default().lines() {
+                let _ = std::process::Command::new("docker").args(["rmi", tag]).output();
+            }
+        }
+    }
+}
+
 /// Docker image tags of repository `repo`.
 fn docker_tags(repo: &str) -> Vec<String> {
     host("docker", &["images", "--format", "{{.Repository}}:{{.Tag}}", repo]).lines().map(str::to_string).collect()
@@ -114,6 +129,7 @@ async fn a_built_image_runs_its_package_on_every_tier_and_is_removed_when_unused
     let daemon = Daemon::start().await.expect("starting sandboxd");
     let c = daemon.client().await.expect("client");
     let name = unique("hello-deb");
+    let _cleanup = DockerCleanup(vec![format!("sandboxd/{name}")]);
     let ctx = tempfile::tempdir().expect("tempdir");
     build_deb(ctx.path(), "sbx-hello", "sbx-hello", "hello-from-deb");
     std::fs::write(
@@ -203,6 +219,7 @@ async fn a_docker_save_archive_and_a_docker_image_import_and_run() {
     let c = daemon.client().await.expect("client");
     let tag = format!("{}:v1", unique("sbx-test-saved"));
     let repo = tag.split(':').next().unwrap().to_string();
+    let _cleanup = DockerCleanup(vec![repo.clone(), format!("sandboxd/{repo}"), format!("sandboxd/{repo}-d")]);
     let dir = tempfile::tempdir().expect("tempdir");
     // A Docker image of the minimal rootfs with a config of its own.
     let rootfs_tar = dir.path().join("rootfs.tar");
@@ -288,8 +305,8 @@ async fn a_docker_save_archive_and_a_docker_image_import_and_run() {
 
     for n in [name.clone(), format!("{name}-d")] {
         c.remove_image(&n).await.expect("remove");
+        assert!(docker_tags(&format!("sandboxd/{n}")).is_empty(), "RemoveImage removes the Docker image of {n}");
     }
-    host("docker", &["rmi", &tag]);
 }
 
 /// One raw layer entry: name, type, link target, data.

@@ -600,12 +600,25 @@ impl Applier<'_> {
     }
 }
 
-/// The `SCHILY.xattr.*` PAX records of an entry, as names and values for `fsetxattr`.
+/// Extended attributes an image may carry: the user namespace, file capabilities and ACLs.
+/// `trusted.*` is never set: `trusted.overlay.*` in a lower layer means something to the
+/// process tier's overlayfs (redirects, opaque dirs, metacopy), and nothing of that may come
+/// from a client; other `security.*` attributes (SELinux labels, IMA) are the host's business.
+fn allowed_xattr(key: &[u8]) -> bool {
+    key.starts_with(b"user.") || key == b"security.capability" || key == b"system.posix_acl_access" || key == b"system.posix_acl_default"
+}
+
+/// The `SCHILY.xattr.*` PAX records of an entry that [`allowed_xattr`] lets through, as names
+/// and values for `fsetxattr`.
 fn xattrs_of<R: Read>(entry: &mut tar::Entry<'_, R>) -> Vec<(CString, Vec<u8>)> {
     let Ok(Some(exts)) = entry.pax_extensions() else { return Vec::new() };
     exts.filter_map(Result::ok)
         .filter_map(|ext| {
             let key = ext.key_bytes().strip_prefix(b"SCHILY.xattr.")?;
+            if !allowed_xattr(key) {
+                tracing::debug!(xattr = %String::from_utf8_lossy(key), "layer: extended attribute not kept");
+                return None;
+            }
             Some((CString::new(key).ok()?, ext.value_bytes().to_vec()))
         })
         .collect()
@@ -819,5 +832,31 @@ mod tests {
         layer.extend(std::iter::repeat_n(b'a', 2 << 20));
         let err = apply_to(&root, &layer, &mut Totals::default(), &LIMITS).expect_err("long name");
         assert!(matches!(err, LayerError::Limit { .. } | LayerError::Malformed { .. }), "{err}");
+    }
+
+    #[test]
+    fn user_xattrs_are_kept_and_trusted_overlay_ones_never() {
+        let (_tmp, root) = rootfs();
+        let mut b = tar::Builder::new(Vec::new());
+        let pax: Vec<(&str, &[u8])> = vec![("SCHILY.xattr.user.origin", b"layer"), ("SCHILY.xattr.trusted.overlay.redirect", b"/etc")];
+        b.append_pax_extensions(pax).expect("pax");
+        let mut h = Header::new_gnu();
+        h.set_size(1);
+        h.set_mode(0o644);
+        h.set_cksum();
+        b.append_data(&mut h, "f", &b"x"[..]).expect("append");
+        let layer = b.into_inner().expect("tar");
+        apply_to(&root, &layer, &mut Totals::default(), &LIMITS).expect("apply");
+        let get = |name: &str| {
+            let path = CString::new(root.join("f").to_str().expect("utf8")).expect("path");
+            let key = CString::new(name).expect("key");
+            let mut buf = [0u8; 64];
+            // SAFETY: lgetxattr with NUL-terminated path and name into a buffer of its length.
+            let n = unsafe { libc::lgetxattr(path.as_ptr(), key.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+            (n >= 0).then(|| buf[..n as usize].to_vec())
+        };
+        // tmpfs and ext4 both take user.* xattrs on regular files.
+        assert_eq!(get("user.origin").as_deref(), Some(&b"layer"[..]));
+        assert_eq!(get("trusted.overlay.redirect"), None);
     }
 }

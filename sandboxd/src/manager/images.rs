@@ -529,3 +529,52 @@ async fn receive(mut data: mpsc::Receiver<UploadPiece>, path: &Path, size: u64, 
         .await;
     Ok(total)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::fake::fake_manager;
+    use crate::error::Error;
+    use crate::model::{CreateRequest, ExecRequest};
+
+    #[tokio::test]
+    async fn an_images_config_sets_the_defaults_and_removal_waits_for_its_users() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let py = dir.path().join("images/py");
+        std::fs::create_dir_all(py.join("rootfs")).expect("mkdir");
+        let json =
+            r#"{"name":"py","digest":"sha256:00","size_bytes":9,"config":{"env":{"LANG":"en_US.UTF-8","A":"1","B":"image"},"workdir":"/app","user":"app"}}"#;
+        std::fs::write(py.join("image.json"), json).expect("write");
+        assert_eq!(m.list_images().expect("list").iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["minimal", "py"]);
+
+        let env = std::collections::BTreeMap::from([("B".to_string(), "sandbox".to_string())]);
+        let sb = m.create("t", CreateRequest { image: "py".into(), env, ..Default::default() }).await.expect("create");
+        assert_eq!((sb.workdir.as_str(), sb.image_config.user.as_str()), ("/app", "app"));
+        let run = |id: String| ExecRequest { sandbox_id: id, argv: vec!["env".into()], ..Default::default() };
+        let out = String::from_utf8(m.exec("t", run(sb.id.to_string())).await.expect("exec").outcome.stdout.bytes).expect("utf8");
+        for line in ["LANG=en_US.UTF-8", "A=1", "B=sandbox", "PATH="] {
+            assert!(out.lines().any(|l| l.starts_with(line)), "{line} in {out}");
+        }
+        // A script-built image has no config: LANG is C.UTF-8, the workdir /workspace.
+        let plain = m.create("t", CreateRequest::default()).await.expect("create");
+        assert_eq!(plain.workdir, "/workspace");
+        let out = String::from_utf8(m.exec("t", run(plain.id.to_string())).await.expect("exec").outcome.stdout.bytes).expect("utf8");
+        assert!(out.lines().any(|l| l == "LANG=C.UTF-8"), "{out}");
+
+        let err = m.remove_image("t", "py").await.expect_err("in use");
+        assert!(matches!(&err, Error::FailedPrecondition(m) if m.contains(sb.id.as_str())), "{err}");
+        let err = m.remove_image("other", "py").await.expect_err("in use by another tenant's sandbox");
+        assert!(matches!(&err, Error::FailedPrecondition(m) if !m.contains(sb.id.as_str()) && m.contains("other tenants")), "{err}");
+        let err = m.remove_image("t", "minimal").await.expect_err("script-built");
+        assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+        m.destroy("t", sb.id.as_str()).await.expect("destroy");
+        assert_eq!(m.remove_image("t", "py").await.expect("remove"), 9);
+        assert!(!py.exists());
+        for err in [
+            m.remove_image("t", "py").await.expect_err("gone"),
+            m.create("t", CreateRequest { image: "py".into(), ..Default::default() }).await.expect_err("gone"),
+        ] {
+            assert!(matches!(&err, Error::ImageNotFound { available, .. } if available == &["minimal".to_string()]), "{err}");
+        }
+    }
+}
