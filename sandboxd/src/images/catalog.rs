@@ -114,6 +114,12 @@ impl Catalog {
             }
         }
         for name in self.names_in(&self.imported_dir) {
+            // A base disk being made when the daemon stopped (the microVM tier's staging dir).
+            if let Ok(inside) = std::fs::read_dir(self.imported_dir.join(&name)) {
+                for entry in inside.flatten().filter(|e| e.file_name().to_string_lossy().starts_with(".vm.tmp-")) {
+                    remove_any(&entry.path());
+                }
+            }
             if self.lookup(Origin::Script, &name).is_some() {
                 tracing::warn!(image = %name, "an imported image has the name of a script-built one, which wins; remove the imported one with `sbx image rm` after renaming the script's");
             }

@@ -371,15 +371,19 @@ impl Manager {
             .map_err(|e| Error::Internal(format!("image import task: {e}")))??
         };
         let layers_ms = started.elapsed().as_millis();
-        let name = match prepared {
+        let name = match &prepared {
+            Prepared::Unchanged { name, .. } => name.clone(),
+            Prepared::Staged(staged) => staged.name.clone(),
+        };
+        // Held through the tiers' preparation too: two imports of one name never build one base
+        // disk at once.
+        let lock = self.image_lock(&name)?;
+        let _named = lock.lock().await;
+        match prepared {
             Prepared::Unchanged { name, digest } => {
                 report.say("metadata", format!("image {name} is already imported with digest {digest}: nothing to do")).await;
-                name
             }
             Prepared::Staged(staged) => {
-                let name = staged.name.clone();
-                let lock = self.image_lock(&name)?;
-                let _named = lock.lock().await;
                 let replaced = {
                     let _gate = self.image_gate.write().await;
                     if self.catalog.imported(&name).is_some() {
@@ -399,9 +403,8 @@ impl Manager {
                         format!("image {name} {}: {} in {} entries, {} layers ({layers_ms} ms)", short(&j.digest), human(j.size_bytes), j.entries, j.layers),
                     )
                     .await;
-                name
             }
-        };
+        }
         self.prepare_tiers(&name, report).await;
         tracing::info!(tenant, image = %name, ms = started.elapsed().as_millis() as u64, "image imported");
         self.get_image(&name)
