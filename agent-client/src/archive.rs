@@ -85,6 +85,16 @@ pub struct PackReport {
 /// stream into `out`, finished with the end-of-archive blocks. Walks in name order, each
 /// directory before what it holds; never follows a symlink, the root's included.
 pub fn pack<W: Write>(dir: &Path, out: W) -> Result<PackReport, ArchiveError> {
+    pack_filtered(dir, out, &|_, _| true)
+}
+
+/// [`pack`], leaving out every entry (and a directory's whole contents) for which `keep`,
+/// given the path relative to `dir` and whether it is a directory, says `false`.
+pub fn pack_filtered<W: Write>(
+    dir: &Path,
+    out: W,
+    keep: &dyn Fn(&Path, bool) -> bool,
+) -> Result<PackReport, ArchiveError> {
     let meta = fs::symlink_metadata(dir).map_err(io_err(dir))?;
     if !meta.is_dir() {
         return Err(ArchiveError::Io {
@@ -96,7 +106,7 @@ pub fn pack<W: Write>(dir: &Path, out: W) -> Result<PackReport, ArchiveError> {
     builder.mode(HeaderMode::Complete);
     builder.follow_symlinks(false);
     let mut report = PackReport::default();
-    pack_dir(&mut builder, dir, Path::new(""), &mut report)?;
+    pack_dir(&mut builder, dir, Path::new(""), &mut report, keep)?;
     builder.into_inner().map_err(ArchiveError::Tar)?;
     Ok(report)
 }
@@ -106,6 +116,7 @@ fn pack_dir<W: Write>(
     root: &Path,
     rel: &Path,
     report: &mut PackReport,
+    keep: &dyn Fn(&Path, bool) -> bool,
 ) -> Result<(), ArchiveError> {
     let here = root.join(rel);
     let mut names: Vec<OsString> = fs::read_dir(&here)
@@ -119,6 +130,9 @@ fn pack_dir<W: Write>(
         let path = root.join(&rel);
         let meta = fs::symlink_metadata(&path).map_err(io_err(&path))?;
         let kind = meta.file_type();
+        if !keep(&rel, kind.is_dir()) {
+            continue;
+        }
         if kind.is_symlink() {
             let target = fs::read_link(&path).map_err(io_err(&path))?;
             let mut header = header_from(&meta, EntryType::Symlink);
@@ -129,7 +143,7 @@ fn pack_dir<W: Write>(
         } else if kind.is_dir() {
             builder.append_dir(&rel, &path).map_err(ArchiveError::Tar)?;
             report.directories += 1;
-            pack_dir(builder, root, &rel, report)?;
+            pack_dir(builder, root, &rel, report, keep)?;
         } else if kind.is_file() {
             let mut file = fs::File::open(&path).map_err(io_err(&path))?;
             // The size in the header is the one this handle sees, so a file that grows while

@@ -33,6 +33,7 @@ pub mod agent;
 pub mod archive;
 pub mod client;
 pub mod error;
+pub mod images;
 pub mod session;
 pub mod transfer;
 

@@ -20,6 +20,8 @@ use agent_client::{exec_request, Client};
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status, Streaming};
 
+#[path = "mock_daemon/images.rs"]
+mod images;
 #[path = "mock_daemon/sessions.rs"]
 mod sessions;
 #[path = "mock_daemon/streams.rs"]
@@ -330,6 +332,35 @@ impl SandboxService for Mock {
         Ok(Response::new(
             streams::download_archive(self, r.into_inner()).await?,
         ))
+    }
+    async fn list_images(
+        &self,
+        _r: Request<ListImagesRequest>,
+    ) -> Result<Response<ListImagesResponse>, Status> {
+        Ok(Response::new(images::list()))
+    }
+    async fn get_image(&self, r: Request<GetImageRequest>) -> Result<Response<ImageInfo>, Status> {
+        Ok(Response::new(images::get(&r.into_inner().name)?))
+    }
+    async fn remove_image(
+        &self,
+        r: Request<RemoveImageRequest>,
+    ) -> Result<Response<RemoveImageResponse>, Status> {
+        Ok(Response::new(images::remove(&r.into_inner().name)?))
+    }
+    type ImportImageStream = images::ProgressStream;
+    async fn import_image(
+        &self,
+        r: Request<Streaming<ImportImageRequest>>,
+    ) -> Result<Response<Self::ImportImageStream>, Status> {
+        Ok(Response::new(images::import(r.into_inner()).await?))
+    }
+    type BuildImageStream = images::ProgressStream;
+    async fn build_image(
+        &self,
+        r: Request<Streaming<BuildImageRequest>>,
+    ) -> Result<Response<Self::BuildImageStream>, Status> {
+        Ok(Response::new(images::build(r.into_inner()).await?))
     }
 }
 

@@ -187,6 +187,41 @@ pub struct FileConfig {
     pub container: ContainerTierConfig,
     #[serde(default)]
     pub files: FilesConfig,
+    #[serde(default)]
+    pub images: ImagesConfig,
+}
+
+/// Where the RUN steps of a `BuildImage` may connect to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum BuildNetwork {
+    /// No network at all (Docker's `none`): a remote client gets no egress through this host.
+    #[default]
+    None,
+    /// Docker's default bridge network: RUN steps reach whatever this host reaches.
+    Default,
+}
+
+/// The `[images]` table: imports and builds of images through the API.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ImagesConfig {
+    /// Largest archive or build context a client may send, and largest `docker:` export.
+    pub max_archive_bytes: u64,
+    /// Most bytes of file content an imported image's root filesystem may hold.
+    pub max_rootfs_bytes: u64,
+    /// Most entries (files, directories, links, whiteouts) across an image's layers.
+    pub max_entries: u64,
+    /// Imports and builds served at once; the others wait (and say so).
+    pub max_concurrent: usize,
+    /// Network of the RUN steps of builds.
+    pub build_network: BuildNetwork,
+}
+
+impl Default for ImagesConfig {
+    fn default() -> Self {
+        ImagesConfig { max_archive_bytes: 32 << 30, max_rootfs_bytes: 32 << 30, max_entries: 2_000_000, max_concurrent: 2, build_network: BuildNetwork::None }
+    }
 }
 
 /// How microVM guests run their CPUs.
@@ -413,6 +448,7 @@ pub struct Config {
     pub microvm: MicroVmConfig,
     pub container: ContainerTierConfig,
     pub files: FilesConfig,
+    pub images: ImagesConfig,
 }
 
 impl Config {
@@ -445,6 +481,7 @@ impl Config {
             microvm: MicroVmConfig { pool_size: cli.microvm_pool.unwrap_or(file.microvm.pool_size), ..file.microvm },
             container: file.container,
             files: file.files,
+            images: file.images,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -518,6 +555,10 @@ impl Config {
         }
         if self.microvm.pool_image.is_empty() {
             return Err(ConfigError::Invalid("microvm.pool_image must name an image".into()));
+        }
+        let i = &self.images;
+        if i.max_concurrent == 0 || i.max_concurrent > 64 || i.max_entries == 0 || i.max_archive_bytes == 0 || i.max_rootfs_bytes == 0 {
+            return Err(ConfigError::Invalid("images: max_concurrent must be 1-64, and max_entries, max_archive_bytes and max_rootfs_bytes above 0".into()));
         }
         Ok(())
     }

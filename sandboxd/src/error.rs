@@ -1,6 +1,7 @@
 //! The daemon core's error type. It becomes a gRPC status in exactly one place (`api::status`).
 
 use crate::backend::BackendError;
+use crate::images::ImageError;
 use crate::model::{Isolation, SandboxState};
 use crate::store::StoreError;
 
@@ -13,8 +14,11 @@ pub enum Error {
     ExecNotFound(String),
     #[error("snapshot {0} not found")]
     SnapshotNotFound(String),
-    #[error("image {image:?} not found in {dir}")]
-    ImageNotFound { image: String, dir: String },
+    #[error("image {image:?} not found; available: {}", if .available.is_empty() { "none".to_string() } else { .available.join(", ") })]
+    ImageNotFound { image: String, available: Vec<String> },
+    /// Something else a request names does not exist (a Docker image to import).
+    #[error("{0}")]
+    NotFound(String),
     #[error("no such file in sandbox: {0}")]
     FileNotFound(String),
     #[error("invalid {field}: {message}")]
@@ -49,7 +53,7 @@ impl Error {
 impl From<BackendError> for Error {
     fn from(e: BackendError) -> Self {
         match e {
-            BackendError::ImageNotFound { image, dir } => Error::ImageNotFound { image, dir },
+            BackendError::ImageNotFound { image, available } => Error::ImageNotFound { image, available },
             BackendError::Unavailable { isolation, reason } => Error::Unavailable { isolation, reason },
             BackendError::NoSuchSandbox(id) => Error::SandboxNotFound(id.to_string()),
             BackendError::NoSuchSnapshot(id) => Error::SnapshotNotFound(id.to_string()),
@@ -60,6 +64,28 @@ impl From<BackendError> for Error {
             e @ BackendError::UploadIncomplete { .. } => Error::Aborted(e.to_string()),
             BackendError::Archive(e) => archive_error(e),
             e @ (BackendError::Io { .. } | BackendError::Internal(_)) => Error::Internal(e.to_string()),
+        }
+    }
+}
+
+impl From<ImageError> for Error {
+    /// Each image error with its code: an unknown image or Docker image NOT_FOUND, a bad
+    /// request or archive INVALID_ARGUMENT, a bound or a full disk RESOURCE_EXHAUSTED, what the
+    /// state forbids (in use, a script-built image, Docker down, a failed build)
+    /// FAILED_PRECONDITION, a client that broke off ABORTED.
+    fn from(e: ImageError) -> Self {
+        match e {
+            ImageError::NotFound { image, available } => Error::ImageNotFound { image, available },
+            e @ ImageError::DockerImageNotFound(_) => Error::NotFound(e.to_string()),
+            ImageError::Invalid { field, message } => Error::invalid(field, message),
+            e @ ImageError::Archive(_) => Error::invalid("archive", e.to_string()),
+            e @ ImageError::Limit { .. } => Error::ResourceExhausted(e.to_string()),
+            e if e.is_disk_full() => Error::ResourceExhausted(e.to_string()),
+            e @ (ImageError::Refused(_) | ImageError::NotReady { .. } | ImageError::DockerUnavailable(_) | ImageError::BuildFailed(_)) => {
+                Error::FailedPrecondition(e.to_string())
+            }
+            ImageError::Aborted(m) => Error::Aborted(m),
+            e @ (ImageError::Io { .. } | ImageError::Internal(_)) => Error::Internal(e.to_string()),
         }
     }
 }

@@ -4,7 +4,8 @@
 //! core) → [`manager`] (ids, lifecycle, limits, records) → [`backend`] (one folder per tier).
 //! [`model`] holds the plain data they all share, so that the store, metrics, errors and policy
 //! need not import the manager or the backends: no module imports in a circle, and no tier
-//! reaches into another (`tests/layering.rs` checks both).
+//! reaches into another (`tests/layering.rs` checks both). [`images`] sits below the backends:
+//! the catalog they all find images through, imports and builds (which the manager drives).
 
 pub mod admission;
 pub mod api;
@@ -15,6 +16,7 @@ pub mod config;
 pub mod error;
 pub mod hostfs;
 pub mod ids;
+pub mod images;
 pub mod manager;
 pub mod metrics;
 pub mod model;

@@ -181,6 +181,62 @@ pub struct SandboxInfo {
     /// sandbox at each exec, since its /etc/passwd is its own).
     #[serde(default)]
     pub user: Option<String>,
+    /// What the image's config said when the sandbox was made: its env is the base of every
+    /// exec's (its `user` became the sandbox's `user` unless the request named one).
+    #[serde(default)]
+    pub image_config: ImageConfig,
+}
+
+/// How an image says it wants to be run (from an OCI/Docker image config; empty for a
+/// script-built image).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ImageConfig {
+    /// `Env`: the base environment of every exec (the sandbox's and the request's env win).
+    pub env: BTreeMap<String, String>,
+    /// `WorkingDir`: the sandbox's workdir when the create request gives none.
+    pub workdir: String,
+    /// `User`: who execs run as unless the sandbox or the exec names another.
+    pub user: String,
+    pub entrypoint: Vec<String>,
+    pub cmd: Vec<String>,
+}
+
+/// One image of the catalog, as users read it back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageRecord {
+    pub name: String,
+    /// `sha256:<hex>`.
+    pub digest: String,
+    pub size_bytes: u64,
+    pub created_at: SystemTime,
+    /// Where it came from (`docker:<ref>`, `archive:<file>`, `build:<name>`, a script's words).
+    pub source: String,
+    pub config: ImageConfig,
+    /// Imported or built through the API (removable), not one of the operator's scripts.
+    pub imported: bool,
+    /// The tiers that can run it now.
+    pub ready_tiers: Vec<Isolation>,
+}
+
+/// One progress event of an image import or build (see the API's `ImageProgress`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ImageProgress {
+    pub phase: &'static str,
+    pub message: String,
+    pub bytes: u64,
+    pub total_bytes: u64,
+    pub count: u64,
+    pub total_count: u64,
+    /// The last event: the image as it now is in the catalog.
+    pub done: Option<Box<ImageRecord>>,
+}
+
+impl ImageProgress {
+    /// An event with only a phase and a sentence.
+    pub fn say(phase: &'static str, message: impl Into<String>) -> Self {
+        ImageProgress { phase, message: message.into(), ..Default::default() }
+    }
 }
 
 /// A snapshot of a sandbox's filesystem.

@@ -17,6 +17,7 @@ use crate::backend::microvm::MicroVmBackend;
 use crate::backend::process::{ProcessBackend, ProcessConfig};
 use crate::backend::Backends;
 use crate::config::{Config, ListenAddr};
+use crate::images::{Catalog, Engine};
 use crate::manager::Manager;
 use crate::metrics::{self, Metrics};
 use crate::store::Store;
@@ -34,25 +35,31 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let cfg = Arc::new(cfg);
     // Before anything writes there: the trees that will hold sandbox bytes are sealed.
     crate::hostfs::seal_state_dir(&cfg.state_dir).with_context(|| format!("sealing state dir {}", cfg.state_dir.display()))?;
+    // The image catalog: the operator's images dir and the imported images under the (sealed)
+    // state dir, which every tier finds its images through.
+    let catalog = Arc::new(Catalog::new(&cfg.images_dir, &cfg.state_dir, crate::manager::DEFAULT_IMAGE));
+    catalog.prepare().context("preparing the image store")?;
+    let docker_socket = docker_socket_from_env();
 
     let mut backends = Backends::default();
-    let process =
-        ProcessBackend::new(ProcessConfig { state_dir: cfg.state_dir.clone(), images_dir: cfg.images_dir.clone(), pool_size_bytes: cfg.pool_size_bytes });
+    let process = ProcessBackend::new(ProcessConfig { state_dir: cfg.state_dir.clone(), catalog: catalog.clone(), pool_size_bytes: cfg.pool_size_bytes });
     backends.insert(Arc::new(process));
     // Never fails: without Docker the tier reports itself unavailable, with the reason.
     let container = ContainerBackend::new(ContainerConfig {
         state_dir: cfg.state_dir.clone(),
         images_dir: cfg.images_dir.clone(),
-        docker_socket: docker_socket_from_env(),
+        catalog: catalog.clone(),
+        docker_socket: docker_socket.clone(),
     })
     .await;
     backends.insert(Arc::new(container));
     // Never fails either: without QEMU or VM images the tier reports why.
-    let microvm = MicroVmBackend::new(cfg.microvm.clone(), &cfg.state_dir, &cfg.images_dir, cfg.limits.default);
+    let microvm = MicroVmBackend::new(cfg.microvm.clone(), &cfg.state_dir, catalog.clone(), cfg.limits.default);
     backends.insert(Arc::new(microvm));
+    let engine = Arc::new(Engine::new(&docker_socket));
     let store = Store::open(&cfg.state_dir.join("state.db")).context("opening the state database")?;
     let metrics = Metrics::new().context("registering metrics")?;
-    let manager = Manager::new(cfg.clone(), backends, store, metrics);
+    let manager = Manager::new(cfg.clone(), backends, catalog, engine, store, metrics);
     let auth = Arc::new(Auth::new(&cfg.auth));
     let audit = Arc::new(AuditLog::open(&cfg.audit, cfg.state_dir.join("audit.jsonl")).context("opening the audit log")?);
     // Before serving: re-adopt the sandboxes on record and clean whatever a crash left behind.

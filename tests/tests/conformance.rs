@@ -177,7 +177,9 @@ async fn exec_semantics(isolation: Isolation) {
     let env = h.exec(exec_request(&id, ["env"])).await;
     let mut names: Vec<String> = text(&env.stdout).lines().filter_map(|l| l.split_once('=')).map(|(k, _)| k.to_string()).collect();
     names.sort();
-    assert_eq!(names, ["FROM_SANDBOX", "HOME", "HOSTNAME", "OVERRIDDEN", "PATH"], "{}", describe(&env));
+    assert_eq!(names, ["FROM_SANDBOX", "HOME", "HOSTNAME", "LANG", "OVERRIDDEN", "PATH"], "{}", describe(&env));
+    // Every exec gets a UTF-8 locale unless the image or the request sets LANG (#15).
+    assert!(text(&env.stdout).lines().any(|l| l == "LANG=C.UTF-8"), "{}", describe(&env));
 
     // Workdir: /workspace by default, per exec when asked; the hostname is the sandbox id.
     assert_eq!(h.exec(exec_request(&id, ["pwd"])).await.stdout, b"/workspace\n");

@@ -8,8 +8,8 @@ use tonic::Status;
 
 use crate::error::Error;
 use crate::model::{
-    CreateRequest, ExecEvent, ExecRecord, ExecRequest, ExecStatus, Isolation, ListExecsQuery, OutputChunk, RequestedLimits, SandboxInfo, SandboxState,
-    SnapshotRecord,
+    CreateRequest, ExecEvent, ExecRecord, ExecRequest, ExecStatus, ImageProgress, ImageRecord, Isolation, ListExecsQuery, OutputChunk, RequestedLimits,
+    SandboxInfo, SandboxState, SnapshotRecord,
 };
 
 fn timestamp(t: SystemTime) -> prost_types::Timestamp {
@@ -191,5 +191,36 @@ pub fn snapshot(s: &SnapshotRecord) -> pb::SnapshotInfo {
         created_at: Some(timestamp(s.created_at)),
         size_bytes: s.size_bytes,
         parent_snapshot_id: s.parent_snapshot_id.as_ref().map(|p| p.to_string()).unwrap_or_default(),
+    }
+}
+
+/// Core image → proto.
+pub fn image(r: &ImageRecord) -> pb::ImageInfo {
+    pb::ImageInfo {
+        name: r.name.clone(),
+        digest: r.digest.clone(),
+        size_bytes: r.size_bytes,
+        created_at: Some(timestamp(r.created_at)),
+        source: r.source.clone(),
+        ready_tiers: r.ready_tiers.iter().map(|t| isolation_to_proto(*t) as i32).collect(),
+        env: r.config.env.clone().into_iter().collect(),
+        workdir: r.config.workdir.clone(),
+        user: r.config.user.clone(),
+        entrypoint: r.config.entrypoint.clone(),
+        cmd: r.config.cmd.clone(),
+        imported: r.imported,
+    }
+}
+
+/// Core image progress → proto.
+pub fn image_progress(p: &ImageProgress) -> pb::ImageProgress {
+    pb::ImageProgress {
+        phase: p.phase.to_string(),
+        message: p.message.clone(),
+        bytes: p.bytes,
+        total_bytes: p.total_bytes,
+        count: p.count,
+        total_count: p.total_count,
+        done: p.done.as_deref().map(image),
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod auth;
 mod convert;
+mod images;
 mod status;
 mod streams;
 
@@ -128,16 +129,7 @@ impl Api {
 
     /// Writes the audit line of a mutating call.
     fn record(&self, rpc: &'static str, tenant: Option<&str>, a: &Audited, error: Option<&Status>, started: Instant) {
-        self.audit.record(&AuditEntry {
-            tenant: tenant.unwrap_or("-"),
-            rpc,
-            sandbox_id: &a.sandbox_id,
-            argv: a.argv.as_deref(),
-            env: a.env.clone(),
-            detail: &a.detail,
-            status: error.map(|s| code_name(s.code())).unwrap_or("OK"),
-            duration_ms: millis(started.elapsed()),
-        });
+        record_audit(&self.audit, rpc, tenant, a, error, started);
     }
 
     fn audited_exec(&self, req: &pb::ExecRequest) -> Audited {
@@ -148,6 +140,20 @@ impl Api {
             detail: if req.background { "background".into() } else { String::new() },
         }
     }
+}
+
+/// Writes the audit line of a mutating call into `audit`.
+fn record_audit(audit: &AuditLog, rpc: &'static str, tenant: Option<&str>, a: &Audited, error: Option<&Status>, started: Instant) {
+    audit.record(&AuditEntry {
+        tenant: tenant.unwrap_or("-"),
+        rpc,
+        sandbox_id: &a.sandbox_id,
+        argv: a.argv.as_deref(),
+        env: a.env.clone(),
+        detail: &a.detail,
+        status: error.map(|s| code_name(s.code())).unwrap_or("OK"),
+        duration_ms: millis(started.elapsed()),
+    });
 }
 
 /// The audit line of an upload, from its header.
@@ -376,5 +382,82 @@ impl SandboxService for Api {
             Ok(Box::pin(streams::archive_chunks(chunks)) as ChunkStream)
         })
         .await
+    }
+    async fn list_images(&self, request: Request<pb::ListImagesRequest>) -> Result<Response<pb::ListImagesResponse>, Status> {
+        self.call("ListImages", request, None, |_tenant, _req| async move {
+            Ok(pb::ListImagesResponse { images: self.manager.list_images()?.iter().map(convert::image).collect() })
+        })
+        .await
+    }
+
+    async fn get_image(&self, request: Request<pb::GetImageRequest>) -> Result<Response<pb::ImageInfo>, Status> {
+        self.call("GetImage", request, None, |_tenant, req| async move { Ok(convert::image(&self.manager.get_image(&req.name)?)) }).await
+    }
+
+    async fn remove_image(&self, request: Request<pb::RemoveImageRequest>) -> Result<Response<pb::RemoveImageResponse>, Status> {
+        let audited = Some(Audited { detail: format!("image={}", request.get_ref().name.chars().take(80).collect::<String>()), ..Default::default() });
+        self.call("RemoveImage", request, audited, |tenant, req| async move {
+            Ok(pb::RemoveImageResponse { freed_bytes: self.manager.remove_image(&tenant, &req.name).await? })
+        })
+        .await
+    }
+
+    type ImportImageStream = images::ProgressStream;
+
+    async fn import_image(&self, request: Request<tonic::Streaming<pb::ImportImageRequest>>) -> Result<Response<Self::ImportImageStream>, Status> {
+        use pb::import_image_request::Item;
+        let started = Instant::now();
+        let tenant = self.auth.tenant(&request)?;
+        let mut stream = request.into_inner();
+        let first = images::first_message(&mut stream, "ImportImage").await?;
+        let Some(Item::Header(header)) = first.item else {
+            return Err(Status::invalid_argument("the first message of ImportImage must be `header`"));
+        };
+        let (req, pieces, detail) = images::import_request(header)?;
+        let end = images::CallEnd {
+            audit: self.audit.clone(),
+            rpc: "ImportImage",
+            tenant: tenant.clone(),
+            audited: Audited { detail, ..Default::default() },
+            started,
+        };
+        let events = match images::start_import(&self.manager, &tenant, req) {
+            Ok(events) => events,
+            Err(status) => {
+                images::refused(&end, &status);
+                return Err(status);
+            }
+        };
+        let feed = pieces.map(|tx| images::feed(stream, tx));
+        Ok(Response::new(images::progress(events, feed, end)))
+    }
+
+    type BuildImageStream = images::ProgressStream;
+
+    async fn build_image(&self, request: Request<tonic::Streaming<pb::BuildImageRequest>>) -> Result<Response<Self::BuildImageStream>, Status> {
+        use pb::build_image_request::Item;
+        let started = Instant::now();
+        let tenant = self.auth.tenant(&request)?;
+        let mut stream = request.into_inner();
+        let first = images::first_message(&mut stream, "BuildImage").await?;
+        let Some(Item::Header(header)) = first.item else {
+            return Err(Status::invalid_argument("the first message of BuildImage must be `header`"));
+        };
+        let (req, pieces, detail) = images::build_request(header);
+        let end = images::CallEnd {
+            audit: self.audit.clone(),
+            rpc: "BuildImage",
+            tenant: tenant.clone(),
+            audited: Audited { detail, ..Default::default() },
+            started,
+        };
+        let events = match images::start_build(&self.manager, &tenant, req) {
+            Ok(events) => events,
+            Err(status) => {
+                images::refused(&end, &status);
+                return Err(status);
+            }
+        };
+        Ok(Response::new(images::progress(events, Some(images::feed(stream, pieces)), end)))
     }
 }

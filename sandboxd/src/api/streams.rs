@@ -100,17 +100,67 @@ pub fn session_input(
     rx
 }
 
+/// One message of an upload stream after its header, whatever the call.
+pub enum Piece {
+    Data(Vec<u8>),
+    Sha256(String),
+    /// A second header.
+    Header,
+    Empty,
+}
+
+/// The messages of the calls that upload: UploadFile and UploadArchive, ImportImage and
+/// BuildImage.
+pub trait UploadMessage {
+    fn piece(self) -> Piece;
+}
+
+impl UploadMessage for pb::UploadRequest {
+    fn piece(self) -> Piece {
+        use pb::upload_request::Item;
+        match self.item {
+            Some(Item::Data(d)) => Piece::Data(d),
+            Some(Item::Sha256(s)) => Piece::Sha256(s),
+            Some(Item::Header(_)) => Piece::Header,
+            None => Piece::Empty,
+        }
+    }
+}
+
+impl UploadMessage for pb::ImportImageRequest {
+    fn piece(self) -> Piece {
+        use pb::import_image_request::Item;
+        match self.item {
+            Some(Item::Chunk(d)) => Piece::Data(d),
+            Some(Item::Sha256(s)) => Piece::Sha256(s),
+            Some(Item::Header(_)) => Piece::Header,
+            None => Piece::Empty,
+        }
+    }
+}
+
+impl UploadMessage for pb::BuildImageRequest {
+    fn piece(self) -> Piece {
+        use pb::build_image_request::Item;
+        match self.item {
+            Some(Item::Chunk(d)) => Piece::Data(d),
+            Some(Item::Sha256(s)) => Piece::Sha256(s),
+            Some(Item::Header(_)) => Piece::Header,
+            None => Piece::Empty,
+        }
+    }
+}
+
 /// What an upload stream brought, checked: its pieces go to `tx` as they arrive, and `Commit`
 /// only once the client half-closed the stream and its `sha256` (required) matched. Returns the
 /// hex digest of the content; an error (the client broke off, a second header, a bad checksum)
 /// drops `tx` without a commit, so the backend abandons the upload.
-pub async fn feed_upload(mut stream: tonic::Streaming<pb::UploadRequest>, tx: mpsc::Sender<UploadPiece>) -> Result<String, FeedError> {
-    use pb::upload_request::Item;
+pub async fn feed_upload<M: UploadMessage>(mut stream: tonic::Streaming<M>, tx: mpsc::Sender<UploadPiece>) -> Result<String, FeedError> {
     let mut hasher = Sha256::new();
     let mut expected: Option<String> = None;
     loop {
-        match stream.message().await.map_err(FeedError::Client)? {
-            Some(pb::UploadRequest { item: Some(Item::Data(data)) }) => {
+        match stream.message().await.map_err(FeedError::Client)?.map(UploadMessage::piece) {
+            Some(Piece::Data(data)) => {
                 if expected.is_some() {
                     return Err(FeedError::Client(Status::invalid_argument("upload: data after the sha256 message")));
                 }
@@ -119,9 +169,9 @@ pub async fn feed_upload(mut stream: tonic::Streaming<pb::UploadRequest>, tx: mp
                     return Err(FeedError::BackendStopped);
                 }
             }
-            Some(pb::UploadRequest { item: Some(Item::Sha256(sum)) }) => expected = Some(sum.trim().to_ascii_lowercase()),
-            Some(pb::UploadRequest { item: Some(Item::Header(_)) }) => return Err(FeedError::Client(Status::invalid_argument("upload: a second header"))),
-            Some(pb::UploadRequest { item: None }) => {}
+            Some(Piece::Sha256(sum)) => expected = Some(sum.trim().to_ascii_lowercase()),
+            Some(Piece::Header) => return Err(FeedError::Client(Status::invalid_argument("upload: a second header"))),
+            Some(Piece::Empty) => {}
             None => break,
         }
     }

@@ -36,15 +36,12 @@ use crate::model::Limits;
 pub use crate::model::{CapturedOutput, ExecOutcome, ExecStatus, ExecUsage, FileChunk, Isolation, OutputChunk};
 
 /// Longest image name.
-pub const MAX_IMAGE_NAME_BYTES: usize = 64;
+pub const MAX_IMAGE_NAME_BYTES: usize = crate::images::MAX_NAME_BYTES;
 
-/// Whether `image` can name an image: a directory name under the images dir, nothing hidden, no
-/// path. The manager refuses others at the API; the tiers check again before they touch a path.
+/// Whether `image` can name an image: a directory name in the catalog, nothing hidden, no path.
+/// The manager refuses others at the API; the catalog checks again before it makes a path.
 pub fn is_image_name(image: &str) -> bool {
-    !image.is_empty()
-        && image.len() <= MAX_IMAGE_NAME_BYTES
-        && !image.starts_with('.')
-        && image.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    crate::images::is_valid_name(image)
 }
 
 /// What a backend needs to create a sandbox; the manager has validated and defaulted it.
@@ -154,8 +151,9 @@ pub const DOWNLOAD_CHUNK: usize = 1 << 20;
 /// Errors a backend reports. The manager turns them into API errors.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    #[error("image {image:?} not found in {dir}")]
-    ImageNotFound { image: String, dir: String },
+    /// No image of that name: the names there are, never a host path.
+    #[error("image {image:?} not found; available: {}", if .available.is_empty() { "none".to_string() } else { .available.join(", ") })]
+    ImageNotFound { image: String, available: Vec<String> },
     #[error("isolation {} unavailable: {reason}", .isolation.name())]
     Unavailable { isolation: Isolation, reason: String },
     #[error("sandbox {0} is not known to its backend")]
@@ -184,6 +182,18 @@ impl BackendError {
     /// Wraps an I/O error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         BackendError::Io { context: context.into(), source }
+    }
+
+    /// A catalog error met by `tier`: an unknown image is NOT_FOUND, one the tier cannot run
+    /// (yet) is the tier's unavailability for it, with the reason.
+    pub fn from_image(tier: Isolation, e: crate::images::ImageError) -> Self {
+        use crate::images::ImageError;
+        match e {
+            ImageError::NotFound { image, available } => BackendError::ImageNotFound { image, available },
+            ImageError::NotReady { reason, .. } => BackendError::Unavailable { isolation: tier, reason },
+            ImageError::Io { context, source } => BackendError::Io { context, source },
+            e => BackendError::Internal(e.to_string()),
+        }
     }
 }
 
@@ -239,6 +249,24 @@ pub trait Backend: Send + Sync {
     /// sandbox (its processes died with that daemon), writable layers and snapshots not on record —
     /// and brings each recorded sandbox back up over its preserved filesystem.
     async fn recover(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)>;
+    /// Whether the tier can run the catalog image `image` now (its availability included), and
+    /// the reason when it cannot. Cheap: it is asked for every image of every ListImages.
+    fn image_ready(&self, _image: &str) -> Result<(), String> {
+        self.availability()
+    }
+    /// Makes the tier ready to run the catalog image `image` (already in the catalog), once, so
+    /// the first sandbox of it does not wait: the container tier's Docker image, the microVM
+    /// tier's base disk. Idempotent. Returns what it did, in a sentence for the user.
+    async fn prepare_image(&self, _image: &str) -> Result<String, BackendError> {
+        Ok("nothing to prepare".to_string())
+    }
+    /// Frees what the tier made for `image` (its Docker image, base disks) once no sandbox or
+    /// snapshot uses it, just before the image leaves the catalog (it is still there, so the
+    /// tier can tell which of its artifacts belong to this build of it); the image's own files
+    /// are the catalog's.
+    async fn remove_image(&self, _image: &str) -> Result<(), BackendError> {
+        Ok(())
+    }
     /// Why a sandbox this backend runs has stopped working on its own (its init or VM died),
     /// or `None` while it is healthy. The manager then records it as FAILED with this reason.
     fn failure(&self, _sandbox: &SandboxId) -> Option<String> {

@@ -43,6 +43,12 @@ impl Backend for FakeBackend {
         if let Some(s) = started {
             let _ = s.send(());
         }
+        if spec.argv[0] == "env" {
+            let text: String = spec.env.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+            let mut outcome = ExecOutcome::failed(ExecStatus::Exited, 0, String::new(), started_at);
+            outcome.stdout = CapturedOutput { total_bytes: text.len() as u64, bytes: text.into_bytes(), ..Default::default() };
+            return Ok(outcome);
+        }
         if spec.argv[0] == "echo" {
             let words = spec.argv[1..].join(" ");
             if let Some(sink) = sink {
@@ -132,7 +138,15 @@ pub(super) fn fake_manager(dir: &std::path::Path, pool_size_bytes: u64, toml: &s
     let mut backends = Backends::default();
     backends.insert(Arc::new(FakeBackend));
     let store = Store::open(&dir.join("state.db")).expect("store");
-    Manager::new(cfg, backends, store, Metrics::new().expect("metrics"))
+    // The catalog: a script-built `minimal` image (an empty rootfs is enough for a backend that
+    // makes nothing); imported images go to `<dir>/images`.
+    let images = dir.join("script-images");
+    std::fs::create_dir_all(images.join("minimal/rootfs")).expect("mkdir");
+    std::fs::write(images.join("minimal/image.json"), "{}").expect("write");
+    let catalog = Arc::new(crate::images::Catalog::new(&images, dir, "minimal"));
+    catalog.prepare().expect("catalog");
+    let engine = Arc::new(crate::images::Engine::new(std::path::Path::new("/nonexistent/docker.sock")));
+    Manager::new(cfg, backends, catalog, engine, store, Metrics::new().expect("metrics"))
 }
 
 /// A create on the PROCESS tier asking for `disk_bytes`.

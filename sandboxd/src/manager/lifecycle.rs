@@ -11,6 +11,9 @@ use crate::ids::SandboxId;
 use crate::metrics::Op;
 use crate::model::{CreateRequest, Isolation, SandboxInfo, SandboxState};
 
+/// The image of a create request that names none.
+pub const DEFAULT_IMAGE: &str = "minimal";
+
 impl Manager {
     /// Refuses a create past the configured capacity or the disk pool of `tier`, naming the
     /// limit. Called with the table's write lock held by the create that then inserts itself, so
@@ -46,10 +49,10 @@ impl Manager {
         // own files) is refused here, naming the field, rather than failing later.
         let id = SandboxId::generate();
         // A fork inherits its tier and image from the snapshot (its layer only makes sense
-        // there), and what its parent was given — limits, environment, labels, workdir — unless
-        // the request says otherwise: a 1 GiB sandbox forks into 1 GiB, not the default.
+        // there), and what its parent was given — limits, environment, labels, workdir, user —
+        // unless the request says otherwise: a 1 GiB sandbox forks into 1 GiB, not the default.
         let (requested, image, origin) = if req.from_snapshot_id.is_empty() {
-            let image = if req.image.is_empty() { "minimal".to_string() } else { req.image };
+            let image = if req.image.is_empty() { DEFAULT_IMAGE.to_string() } else { req.image };
             validate_image(&image)?;
             (req.isolation, image, None)
         } else {
@@ -64,9 +67,17 @@ impl Manager {
         };
         let inherited = origin.as_ref().and_then(|(_, o)| o.as_ref());
         let from_snapshot = origin.as_ref().map(|(snap, _)| snap.clone());
+        // From the catalog check until the sandbox is in the table, the image cannot be removed
+        // (a removal checks the table under the write side of this lock).
+        let image_held = self.image_gate.read().await;
+        let image_config = self.catalog.config(&image)?;
+        // The workdir: the request's, the parent's, the image's WorkingDir (one the sandbox
+        // could not use, under /proc say, is ignored: an image's say-so is no request), or
+        // /workspace.
         let workdir = match (req.workdir.is_empty(), inherited) {
             (false, _) => req.workdir,
             (true, Some(parent)) => parent.workdir.clone(),
+            (true, None) if !image_config.workdir.is_empty() && validate_workdir(&image_config.workdir).is_ok() => image_config.workdir.clone(),
             (true, None) => "/workspace".to_string(),
         };
         validate_workdir(&workdir)?;
@@ -75,12 +86,14 @@ impl Manager {
             Some(parent) => (merged(&parent.env, req.env), merged(&parent.labels, req.labels)),
             None => (req.env, req.labels),
         };
-        validate_sandbox_env(&id, &env)?;
+        validate_sandbox_env(&id, &image_config.env, &env)?;
         validate_labels(&labels)?;
+        // Who execs run as: the request's user, the parent's, the image's USER, or root. An
+        // image's USER that is no valid user spec is ignored like its workdir.
         let user = match (req.user.is_empty(), inherited) {
             (false, _) => Some(validate_user("user", req.user)?),
             (true, Some(parent)) => parent.user.clone(),
-            (true, None) => None,
+            (true, None) => Some(image_config.user.clone()).filter(|u| !u.is_empty() && sandbox_exec::user::is_valid_spec(u)),
         };
         let decision = self.cfg.policy.decide(requested, &labels).map_err(|e| Error::PermissionDenied(e.to_string()))?;
         if from_snapshot.is_some() && Some(decision.isolation) != requested {
@@ -119,6 +132,7 @@ impl Manager {
             head_snapshot: from_snapshot,
             failure_reason: None,
             user,
+            image_config,
         };
         let entry = SandboxEntry::new(info.clone());
         {
@@ -131,6 +145,7 @@ impl Manager {
             }
             map.insert(id.clone(), entry.clone());
         }
+        drop(image_held);
         if let Err(e) = self.store.put_sandbox(&info) {
             if let Ok(mut map) = self.sandboxes.write() {
                 map.remove(&id);

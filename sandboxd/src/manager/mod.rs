@@ -11,6 +11,7 @@
 
 mod execs;
 mod files;
+mod images;
 mod lifecycle;
 mod snapshots;
 mod validate;
@@ -26,6 +27,7 @@ use crate::backend::{Backends, SandboxSpec};
 use crate::config::Config;
 use crate::error::Error;
 use crate::ids::{SandboxId, SnapshotId};
+use crate::images::{Catalog, Engine};
 use crate::metrics::Metrics;
 use crate::model::{Isolation, SandboxInfo, SandboxState};
 use crate::store::Store;
@@ -33,6 +35,8 @@ use crate::store::Store;
 use execs::Running;
 
 pub use execs::{ExecEvents, Session};
+pub use images::{BuildRequest, ImageEvents, ImportRequest, ImportSource};
+pub use lifecycle::DEFAULT_IMAGE;
 
 /// A sandbox in the table: its record, read and updated under a short lock, and the lock that
 /// whole-sandbox operations hold across their awaits.
@@ -77,6 +81,18 @@ pub struct Manager {
     disk_pools: DiskPools,
     /// Execs running now per sandbox and tenant, against the policy's exec caps.
     exec_slots: Arc<Mutex<ExecSlots>>,
+    /// The images sandboxes start from (see `images`).
+    catalog: Arc<Catalog>,
+    /// The local Docker Engine, for `docker:` imports and builds.
+    engine: Arc<Engine>,
+    /// Imports and builds at once (`images.max_concurrent`).
+    image_jobs: Arc<tokio::sync::Semaphore>,
+    /// Creates hold it (read) from their image check until the sandbox is in the table; image
+    /// removals and replacements hold it (write) from their in-use check until the image is out
+    /// of the catalog, so no sandbox starts from an image being removed.
+    image_gate: tokio::sync::RwLock<()>,
+    /// One import, build or removal of an image name at a time.
+    image_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// What the backend needs to (re)build a sandbox.
@@ -91,10 +107,17 @@ fn spec_of(info: &SandboxInfo) -> SandboxSpec {
 }
 
 impl Manager {
-    /// A manager over the given backends and store. Call [`Manager::recover`] before serving.
-    pub fn new(cfg: Arc<Config>, backends: Backends, store: Store, metrics: Arc<Metrics>) -> Arc<Self> {
+    /// A manager over the given backends, image catalog and store. Call [`Manager::recover`]
+    /// before serving.
+    pub fn new(cfg: Arc<Config>, backends: Backends, catalog: Arc<Catalog>, engine: Arc<Engine>, store: Store, metrics: Arc<Metrics>) -> Arc<Self> {
         let disk_pools = DiskPools::from_config(&cfg);
+        let image_jobs = Arc::new(tokio::sync::Semaphore::new(cfg.images.max_concurrent));
         Arc::new(Manager {
+            catalog,
+            engine,
+            image_jobs,
+            image_gate: tokio::sync::RwLock::new(()),
+            image_locks: Mutex::new(HashMap::new()),
             cfg,
             backends,
             store,

@@ -29,12 +29,15 @@ const MAX_LABEL_VALUE_BYTES: usize = 1024;
 /// Longest idempotency key (it is stored with the exec record and looked up by value).
 const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
 
-/// The variables every exec starts with, under the sandbox's and the request's own.
+/// The variables every exec starts with, under the image's, the sandbox's and the request's
+/// own. `LANG=C.UTF-8`: a UTF-8 locale every glibc since 2.35 (and musl, busybox) has built in,
+/// so Python, git and friends print non-ASCII text instead of failing on it.
 fn base_env(id: &SandboxId) -> BTreeMap<String, String> {
     BTreeMap::from([
         ("PATH".to_string(), sandbox_exec::capture::DEFAULT_PATH.to_string()),
         ("HOME".to_string(), "/root".to_string()),
         ("HOSTNAME".to_string(), id.to_string()),
+        ("LANG".to_string(), "C.UTF-8".to_string()),
     ])
 }
 
@@ -88,11 +91,14 @@ pub(super) fn validate_workdir(workdir: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// The env of sandbox `id`, which every exec in it inherits: valid variables, and room left
-/// for a command line.
-pub(super) fn validate_sandbox_env(id: &SandboxId, env: &BTreeMap<String, String>) -> Result<(), Error> {
+/// The env of sandbox `id`, which every exec in it inherits over its image's: valid variables,
+/// and room left for a command line.
+pub(super) fn validate_sandbox_env(id: &SandboxId, image_env: &BTreeMap<String, String>, env: &BTreeMap<String, String>) -> Result<(), Error> {
     validate_env("env", env)?;
-    let env_size = env_bytes(base_env(id).iter().chain(env.iter()));
+    let mut all = base_env(id);
+    all.extend(image_env.clone());
+    all.extend(env.clone());
+    let env_size = env_bytes(all.iter());
     if env_size + ARGV_ROOM_BYTES > MAX_ARGV_ENV_BYTES {
         return Err(Error::invalid(
             "env",
@@ -241,7 +247,9 @@ pub(super) fn exec_spec(cfg: &Config, info: &SandboxInfo, req: &ExecRequest, exe
     if max_output > cfg.exec.max_output_bytes_ceiling {
         return Err(Error::invalid("max_output_bytes", format!("{max_output} is above the configured ceiling {}", cfg.exec.max_output_bytes_ceiling)));
     }
+    // The image's env under the sandbox's, under the request's.
     let mut env = base_env(&info.id);
+    env.extend(info.image_config.env.clone());
     env.extend(info.env.clone());
     env.extend(req.env.clone());
     let argv_size: usize = req.argv.iter().map(|a| a.len() + 1).sum();

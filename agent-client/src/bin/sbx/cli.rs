@@ -165,6 +165,9 @@ pub enum Command {
     /// Drive an AI agent in a sandbox: `sbx agent run --task TEXT`, `resume RUN_ID`, `show RUN_ID`.
     #[command(subcommand)]
     Agent(AgentCommand),
+    /// Images: `sbx image ls`, `rm NAME`, `get NAME`, `import SRC`, `build -t NAME DIR`.
+    #[command(subcommand)]
+    Image(ImageCommand),
     /// Send a signal to an exec's process tree.
     Kill {
         /// Exec id.
@@ -172,6 +175,59 @@ pub enum Command {
         /// TERM, KILL, INT, … or a number.
         #[arg(long, short, default_value = "TERM", value_parser = parse_signal)]
         signal: i32,
+    },
+}
+
+/// `sbx image …`.
+#[derive(Debug, Subcommand)]
+pub enum ImageCommand {
+    /// List the daemon's images: NAME DIGEST SIZE CREATED TIERS (the tiers that can run it).
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Show one image: digest, size, source, ready tiers, env, workdir, user, entrypoint, cmd.
+    #[command(visible_alias = "inspect")]
+    Get {
+        /// Image name.
+        name: String,
+    },
+    /// Remove an imported image (refused while a sandbox or snapshot uses it, and for the
+    /// operator's script-built images).
+    #[command(visible_alias = "remove")]
+    Rm {
+        /// Image name.
+        name: String,
+    },
+    /// Import an image: `docker:NAME[:TAG]` from the daemon host's Docker Engine (nothing is
+    /// pulled), or a local `docker save` / OCI image-layout tar, streamed to the daemon.
+    /// Progress goes to stderr; the image's name to stdout.
+    Import {
+        /// `docker:REFERENCE` or the path of a .tar file.
+        source: String,
+        /// The image's name [default: the archive's RepoTags or ref-name annotation, the
+        /// reference's repository, or the file name's stem].
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Build an image from a directory with a Dockerfile on the daemon host's Docker Engine
+    /// (`FROM sandboxd/<name>` starts from a sandboxd image; RUN steps have no network unless
+    /// the daemon allows it), then import it. The build log and progress go to stderr.
+    Build {
+        /// The image's name.
+        #[arg(short = 't', long = "tag", value_name = "NAME")]
+        name: String,
+        /// The Dockerfile, relative to DIR.
+        #[arg(
+            short = 'f',
+            long = "file",
+            value_name = "PATH",
+            default_value = "Dockerfile"
+        )]
+        dockerfile: String,
+        /// A build argument, K=V (repeatable).
+        #[arg(long = "build-arg", value_name = "K=V", value_parser = parse_kv)]
+        build_args: Vec<(String, String)>,
+        /// The build context (its .dockerignore is honoured).
+        dir: PathBuf,
     },
 }
 

@@ -8,7 +8,8 @@
 use std::collections::HashMap;
 
 use agent_client::proto::{
-    ExecResult, ExecStatus, Isolation, ResourceLimits, Sandbox, SandboxState, SnapshotInfo,
+    ExecResult, ExecStatus, ImageInfo, Isolation, ResourceLimits, Sandbox, SandboxState,
+    SnapshotInfo,
 };
 use prost_types::Timestamp;
 use serde_json::{json, Map, Value};
@@ -88,6 +89,24 @@ pub fn bytes_text(bytes: &[u8]) -> (String, &'static str) {
             )
         }
     }
+}
+
+/// An image.
+pub fn image(i: &ImageInfo) -> Value {
+    json!({
+        "name": i.name,
+        "digest": i.digest,
+        "size_bytes": i.size_bytes,
+        "created_at": timestamp(i.created_at.as_ref()),
+        "source": i.source,
+        "ready_tiers": i.ready_tiers.iter().map(|t| isolation_name(*t)).collect::<Vec<_>>(),
+        "env": string_map(&i.env),
+        "workdir": i.workdir,
+        "user": i.user,
+        "entrypoint": i.entrypoint,
+        "cmd": i.cmd,
+        "imported": i.imported,
+    })
 }
 
 /// A snapshot.

@@ -8,6 +8,7 @@ mod agent;
 mod cli;
 mod exec;
 mod files;
+mod image;
 mod json;
 mod output;
 mod parse;
@@ -81,6 +82,7 @@ async fn run(cli: Cli) -> Result<u8> {
         Command::Rollback { id, snapshot } => snapshot::rollback(&ctx, id, snapshot).await,
         Command::Rmsnap { snapshot } => snapshot::delete(&ctx, snapshot).await,
         Command::Agent(command) => agent::agent(&ctx, command).await,
+        Command::Image(command) => image::image(&ctx, command).await,
     }
 }
 

@@ -1,12 +1,13 @@
 //! Sandbox images as local Docker images, without a registry.
 //!
-//! The source of truth for an image is the same as for the process tier:
-//! `<images_dir>/<name>/rootfs` plus its `image.json`, which the build scripts write last. On
-//! first use of a name the daemon looks for the local Docker image
+//! The source of truth for an image is the same as for the process tier: its rootfs plus its
+//! `image.json` in the catalog (`crate::images`; script-built or imported). On first use of a
+//! name (or eagerly, when an image is imported) the daemon looks for the local Docker image
 //! `sandboxd/<name>:<hash of image.json>`; when it is missing, the rootfs is streamed as a tar
 //! into Docker's image import (`POST /images/create?fromSrc=-`), which makes a one-layer image.
-//! Rebuilding an image rewrites `image.json` (its `built_at` changes), so the tag changes and the
-//! next sandbox gets the new image; sandboxes already running keep the old one.
+//! Rebuilding or re-importing an image rewrites `image.json`, so the tag changes and the next
+//! sandbox gets the new image; sandboxes already running keep the old one. Preparing an image
+//! also tags it `sandboxd/<name>:latest`, which is what `FROM sandboxd/<name>` in a build means.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -21,7 +22,8 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 
 use super::docker::{api_error, is_not_found, stable_hash};
-use crate::backend::BackendError;
+use crate::backend::{BackendError, Isolation};
+use crate::images::Catalog;
 
 /// Chunk size of the tar stream sent to Docker.
 const CHUNK: usize = 256 << 10;
@@ -97,21 +99,11 @@ fn stream_rootfs(rootfs: PathBuf, tx: mpsc::Sender<std::io::Result<Bytes>>) {
 }
 
 impl ImageCache {
-    /// The Docker image for sandbox image `name`, imported from `images_dir` on first use.
-    pub async fn ensure(&self, docker: &Docker, images_dir: &Path, name: &str) -> Result<String, BackendError> {
-        let not_found = || BackendError::ImageNotFound { image: name.to_string(), dir: images_dir.display().to_string() };
-        let valid = !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) && !name.starts_with('.');
-        if !valid {
-            return Err(not_found());
-        }
-        let dir = images_dir.join(name);
-        let rootfs = dir.join("rootfs");
-        // image.json is written last by the build scripts: without it the image is incomplete.
-        let meta = match tokio::fs::read(dir.join("image.json")).await {
-            Ok(m) if rootfs.is_dir() => m,
-            _ => return Err(not_found()),
-        };
-        let tag = reference(name, stable_hash(&meta));
+    /// The Docker image for sandbox image `name`, imported from its rootfs on first use.
+    pub async fn ensure(&self, docker: &Docker, catalog: &Catalog, name: &str) -> Result<String, BackendError> {
+        let img = catalog.resolve(name).map_err(|e| BackendError::from_image(Isolation::Container, e))?;
+        let rootfs = img.rootfs();
+        let tag = reference(name, stable_hash(&img.meta));
         if self.ready.lock().ok().and_then(|r| r.get(name).cloned()).as_deref() == Some(tag.as_str()) {
             return Ok(tag);
         }
@@ -126,6 +118,49 @@ impl ImageCache {
             ready.insert(name.to_string(), tag.clone());
         }
         Ok(tag)
+    }
+
+    /// Tags the Docker image of `name` (`tag`, from [`ImageCache::ensure`]) as
+    /// `sandboxd/<name>:latest`, the image `FROM sandboxd/<name>` means in a build.
+    pub async fn tag_latest(&self, docker: &Docker, name: &str, tag: &str) -> Result<(), BackendError> {
+        let Some((repo, _)) = tag.rsplit_once(':') else { return Ok(()) };
+        if !valid_repo_component(name) {
+            return Ok(());
+        }
+        let options = bollard::query_parameters::TagImageOptions { repo: Some(repo.to_string()), tag: Some("latest".to_string()) };
+        docker.tag_image(tag, Some(options)).await.map_err(|e| api_error(format!("tagging {tag} as {repo}:latest"), e))
+    }
+
+    /// Removes the Docker image this daemon made of catalog image `name` (its tag, and
+    /// `:latest` when that is the same image). Only that one: another daemon on this Docker
+    /// host may hold an image of the same name, built from other bytes, under another tag.
+    /// Called while the image is still in the catalog (its `image.json` gives the tag).
+    pub async fn remove(&self, docker: &Docker, catalog: &Catalog, name: &str) -> Result<(), BackendError> {
+        if let Ok(mut ready) = self.ready.lock() {
+            ready.remove(name);
+        }
+        let Ok(img) = catalog.resolve(name) else { return Ok(()) };
+        let tag = reference(name, stable_hash(&img.meta));
+        let id = match docker.inspect_image(&tag).await {
+            Ok(info) => info.id,
+            Err(e) if is_not_found(&e) => return Ok(()),
+            Err(e) => return Err(api_error(format!("inspecting {tag}"), e)),
+        };
+        let mut tags = vec![tag.clone()];
+        if let Some((repo, _)) = tag.rsplit_once(':') {
+            let latest = format!("{repo}:latest");
+            if docker.inspect_image(&latest).await.ok().and_then(|i| i.id).is_some_and(|l| Some(l) == id) {
+                tags.insert(0, latest);
+            }
+        }
+        for t in tags {
+            match docker.remove_image(&t, None::<bollard::query_parameters::RemoveImageOptions>, None).await {
+                Ok(_) => tracing::info!(image = %t, "Docker image removed"),
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(api_error(format!("removing {t}"), e)),
+            }
+        }
+        Ok(())
     }
 
     async fn import(&self, docker: &Docker, rootfs: &Path, tag: &str) -> Result<(), BackendError> {

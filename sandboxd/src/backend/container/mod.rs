@@ -43,6 +43,7 @@ use super::{
     ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal, UploadPiece,
 };
 use crate::ids::{ExecId, SandboxId, SnapshotId};
+use crate::images::Catalog;
 use process_cgroup::{CgroupRoot, SandboxCgroup};
 
 /// Where the Docker Engine listens by default.
@@ -53,8 +54,10 @@ pub const DEFAULT_DOCKER_SOCKET: &str = "/var/run/docker.sock";
 pub struct ContainerConfig {
     /// The daemon's state dir: snapshots live below it, and its hash marks our containers.
     pub state_dir: PathBuf,
-    /// Where images' rootfs come from (as for the process tier).
+    /// The operator's images dir: the exec helper lives in its `.tools/`.
     pub images_dir: PathBuf,
+    /// Where images are found (as for the process tier).
+    pub catalog: Arc<Catalog>,
     /// The Docker Engine's UNIX socket.
     pub docker_socket: PathBuf,
 }
@@ -278,6 +281,25 @@ impl Backend for ContainerBackend {
             Some(reason) => Err(reason.clone()),
             None => Ok(()),
         }
+    }
+
+    fn image_ready(&self, image: &str) -> Result<(), String> {
+        // The Docker image is made on first use if an import could not make it: a reachable
+        // Docker and the image's rootfs are all it takes.
+        self.availability()?;
+        self.inner.cfg.catalog.resolve(image).map(drop).map_err(|e| e.to_string())
+    }
+
+    async fn prepare_image(&self, image: &str) -> Result<String, BackendError> {
+        let docker = self.inner.docker()?;
+        let tag = self.inner.images.ensure(docker, &self.inner.cfg.catalog, image).await?;
+        self.inner.images.tag_latest(docker, image, &tag).await?;
+        Ok(format!("Docker image {tag}"))
+    }
+
+    async fn remove_image(&self, image: &str) -> Result<(), BackendError> {
+        let docker = self.inner.docker()?;
+        self.inner.images.remove(docker, &self.inner.cfg.catalog, image).await
     }
 
     fn failure(&self, sandbox: &SandboxId) -> Option<String> {

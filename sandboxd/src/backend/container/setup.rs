@@ -151,7 +151,7 @@ impl Inner {
         layer_from: Option<&SnapshotId>,
     ) -> Result<Arc<ContainerSandbox>, BackendError> {
         let docker = self.docker()?;
-        let image = self.images.ensure(docker, &self.cfg.images_dir, &spec.image).await?;
+        let image = self.images.ensure(docker, &self.cfg.catalog, &spec.image).await?;
         let name = role.name(spec);
         // Held until the container is attached, which then holds its CPUs (see `attach`).
         let placement = self.place(spec)?;

@@ -137,6 +137,19 @@ pub fn base_for(image: &str, source: &Path, bases_dir: &Path) -> Result<PathBuf,
     Ok(dest)
 }
 
+/// The base disks [`base_for`] made for `image` (`<image>-<16 hex>.qcow2`).
+pub fn bases_of(image: &str, bases_dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(bases_dir) else { return Vec::new() };
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let Some(name) = p.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".qcow2")) else { return false };
+            name.rsplit_once('-').is_some_and(|(img, key)| img == image && key.len() == 16 && key.bytes().all(|b| b.is_ascii_hexdigit()))
+        })
+        .collect()
+}
+
 /// Deletes the files in `dirs` that no chain from `roots` reaches. Roots whose chain cannot be
 /// read keep everything they might reach (only the files already followed are known), so a
 /// broken header never causes a deletion it should not.
@@ -214,6 +227,16 @@ mod tests {
         let removed = collect_garbage(std::slice::from_ref(&top), &[d]);
         assert_eq!(removed, vec![orphan.clone()]);
         assert!(s1.exists() && base.exists());
+    }
+
+    #[test]
+    fn bases_of_an_image_are_its_own_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for name in ["py-0123456789abcdef.qcow2", "py-app-0123456789abcdef.qcow2", "py-xyz.qcow2", ".py-0123456789abcdef.1.tmp"] {
+            std::fs::write(dir.path().join(name), b"").expect("write");
+        }
+        assert_eq!(bases_of("py", dir.path()), vec![dir.path().join("py-0123456789abcdef.qcow2")]);
+        assert_eq!(bases_of("py-app", dir.path()), vec![dir.path().join("py-app-0123456789abcdef.qcow2")]);
     }
 
     #[test]

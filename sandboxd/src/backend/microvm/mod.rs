@@ -18,6 +18,7 @@
 //! cached for this host boot in `/run/sandboxd/kvm-probe`.
 
 mod agent;
+mod basedisk;
 mod disk;
 mod exec;
 mod files;
@@ -43,6 +44,7 @@ use super::{
 };
 use crate::config::{Limits, MicroVmAccel, MicroVmConfig};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
+use crate::images::{Catalog, ImageError, Origin};
 pub use vm::Accel;
 use vm::{BootFiles, LaunchSpec, Vm};
 
@@ -60,19 +62,12 @@ const UID_COUNT: u32 = 1 << 16;
 /// Where the KVM verdict is cached for this host boot.
 const KVM_PROBE_CACHE: &str = "/run/sandboxd/kvm-probe";
 
-/// A VM's boot files and base disk, from `<images>/<name>/vm/vm.json`.
+/// A VM's boot files and base disk, from the catalog (`<image>/vm/vm.json`).
 #[derive(Debug, Clone)]
 struct VmImage {
     name: String,
     boot: BootFiles,
     disk: PathBuf,
-}
-
-#[derive(serde::Deserialize)]
-struct VmJson {
-    kernel: String,
-    initramfs: String,
-    disk: String,
 }
 
 /// One microVM sandbox.
@@ -91,7 +86,7 @@ impl MicroSandbox {
 
 pub(crate) struct Inner {
     cfg: MicroVmConfig,
-    images_dir: PathBuf,
+    catalog: Arc<Catalog>,
     default_limits: Limits,
     vms_dir: PathBuf,
     snapshots_dir: PathBuf,
@@ -131,7 +126,7 @@ fn resolve_tool(name: &Path) -> Result<PathBuf, String> {
 
 impl MicroVmBackend {
     /// Prepares the tier; never fails: a host without QEMU gets a backend that says why.
-    pub fn new(cfg: MicroVmConfig, state_dir: &Path, images_dir: &Path, default_limits: Limits) -> Self {
+    pub fn new(cfg: MicroVmConfig, state_dir: &Path, catalog: Arc<Catalog>, default_limits: Limits) -> Self {
         let root = state_dir.join("microvm");
         let tools = resolve_tool(&cfg.qemu).and_then(|q| resolve_tool(&cfg.qemu_img).map(|i| (q, i)));
         let mut dirs_err = None;
@@ -152,7 +147,7 @@ impl MicroVmBackend {
         let inner = Inner {
             pool: pool::Pool::new(cfg.pool_size),
             cfg,
-            images_dir: images_dir.to_path_buf(),
+            catalog,
             default_limits,
             vms_dir: root.join("vms"),
             snapshots_dir: root.join("snapshots"),
@@ -188,7 +183,7 @@ impl Inner {
 
     /// The VM artifacts of `image`.
     fn image(&self, image: &str) -> Result<VmImage, BackendError> {
-        vm_image(&self.images_dir, image)
+        vm_image(&self.catalog, image)
     }
 
     /// A uid for one QEMU, free on the whole host (see [`uids`]).
@@ -657,30 +652,11 @@ impl Inner {
     }
 }
 
-/// The VM artifacts of `image` under `images_dir`: NOT_FOUND for an unknown image,
+/// The VM artifacts of `image` from the catalog: NOT_FOUND for an unknown image,
 /// FAILED_PRECONDITION (with what is missing) for an image without them.
-fn vm_image(images_dir: &Path, image: &str) -> Result<VmImage, BackendError> {
-    let unavailable = |reason: String| BackendError::Unavailable { isolation: Isolation::MicroVm, reason };
-    let dir = images_dir.join(image);
-    if !super::is_image_name(image) || !dir.join("image.json").is_file() {
-        return Err(BackendError::ImageNotFound { image: image.to_string(), dir: images_dir.display().to_string() });
-    }
-    let vm_dir = dir.join("vm");
-    let manifest = vm_dir.join("vm.json");
-    let text = std::fs::read_to_string(&manifest)
-        .map_err(|_| unavailable(format!("image {image:?} has no microVM artifacts ({} missing); build them with `make images`", manifest.display())))?;
-    let m: VmJson = serde_json::from_str(&text).map_err(|e| unavailable(format!("{}: {e}", manifest.display())))?;
-    let img = VmImage {
-        name: image.to_string(),
-        boot: BootFiles { kernel: vm_dir.join(&m.kernel), initramfs: vm_dir.join(&m.initramfs) },
-        disk: vm_dir.join(&m.disk),
-    };
-    for p in [&img.boot.kernel, &img.boot.initramfs, &img.disk] {
-        if !p.is_file() {
-            return Err(unavailable(format!("image {image:?}: {} is missing (kernel, initramfs and disk are needed)", p.display())));
-        }
-    }
-    Ok(img)
+fn vm_image(catalog: &Catalog, image: &str) -> Result<VmImage, BackendError> {
+    let files = catalog.vm_files(image).map_err(|e| BackendError::from_image(Isolation::MicroVm, e))?;
+    Ok(VmImage { name: image.to_string(), boot: BootFiles { kernel: files.kernel, initramfs: files.initramfs }, disk: files.disk })
 }
 
 /// The sandbox as the guest applies it.
@@ -743,13 +719,48 @@ impl Backend for MicroVmBackend {
         let inner = &self.inner;
         inner.tools.as_ref().map_err(|e| e.clone())?;
         inner.cgroups.as_ref().map_err(|e| e.clone())?;
-        // At least one image must have its kernel, initramfs and disk.
-        let has_vm_image = std::fs::read_dir(&inner.images_dir).map(|rd| rd.flatten().any(|e| e.path().join("vm/vm.json").is_file())).unwrap_or(false);
-        if !has_vm_image {
+        // Every image boots with a script-built image's kernel and initramfs.
+        if inner.catalog.boot_files().is_none() {
             return Err(format!(
                 "no image under {} has microVM artifacts (vm/vm.json: kernel, initramfs, disk); build them with `make images`",
-                inner.images_dir.display()
+                inner.catalog.images_dir().display()
             ));
+        }
+        Ok(())
+    }
+
+    fn image_ready(&self, image: &str) -> Result<(), String> {
+        self.availability()?;
+        self.inner.image(image).map(drop).map_err(|e| e.to_string())
+    }
+
+    async fn prepare_image(&self, image: &str) -> Result<String, BackendError> {
+        let inner = &self.inner;
+        let (_, qemu_img) = inner.tools()?;
+        match inner.catalog.vm_files(image) {
+            Ok(_) => Ok("base disk ready".to_string()),
+            // An imported image gets its base disk here, once; a script-built one from
+            // `images/build-vm.sh`.
+            Err(ImageError::NotReady { .. }) if inner.catalog.imported(image).is_some() && !inner.catalog.is_script_built(image) => {
+                let img = inner.catalog.resolve(image).map_err(|e| BackendError::from_image(Isolation::MicroVm, e))?;
+                debug_assert_eq!(img.origin, Origin::Imported);
+                let built = basedisk::build(qemu_img, image, &img.dir).await?;
+                // The boot files must be there too, or the disk alone runs nothing.
+                inner.image(image)?;
+                Ok(built)
+            }
+            Err(e) => Err(BackendError::from_image(Isolation::MicroVm, e)),
+        }
+    }
+
+    async fn remove_image(&self, image: &str) -> Result<(), BackendError> {
+        // The hard links of its base disk; no sandbox or snapshot needs them any more.
+        let _g = self.inner.disk_lock.lock().await;
+        for path in disk::bases_of(image, &self.inner.bases_dir) {
+            match std::fs::remove_file(&path) {
+                Ok(()) => tracing::info!(image, file = %path.display(), "base disk removed"),
+                Err(e) => tracing::warn!(image, file = %path.display(), error = %e, "removing a base disk"),
+            }
         }
         Ok(())
     }
@@ -853,34 +864,5 @@ impl Backend for MicroVmBackend {
 
     async fn shutdown(&self) {
         self.inner.shutdown().await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn images_without_vm_artifacts_are_refused_with_the_reason() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let img = dir.path().join("bare");
-        std::fs::create_dir_all(img.join("rootfs")).expect("mkdir");
-        std::fs::write(img.join("image.json"), "{}").expect("write");
-        match vm_image(dir.path(), "bare") {
-            Err(BackendError::Unavailable { reason, .. }) => assert!(reason.contains("vm.json") && reason.contains("make images"), "{reason}"),
-            other => panic!("{other:?}"),
-        }
-        assert!(matches!(vm_image(dir.path(), "nope"), Err(BackendError::ImageNotFound { .. })));
-        assert!(matches!(vm_image(dir.path(), "../bare"), Err(BackendError::ImageNotFound { .. })));
-        std::fs::create_dir_all(img.join("vm")).expect("mkdir");
-        std::fs::write(img.join("vm/vm.json"), r#"{"kernel":"vmlinuz","initramfs":"initramfs.img","disk":"rootfs.qcow2"}"#).expect("write");
-        match vm_image(dir.path(), "bare") {
-            Err(BackendError::Unavailable { reason, .. }) => assert!(reason.contains("vmlinuz"), "{reason}"),
-            other => panic!("{other:?}"),
-        }
-        for f in ["vmlinuz", "initramfs.img", "rootfs.qcow2"] {
-            std::fs::write(img.join("vm").join(f), b"x").expect("write");
-        }
-        assert!(vm_image(dir.path(), "bare").is_ok());
     }
 }

@@ -41,6 +41,7 @@ use super::{
     ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal, UploadPiece,
 };
 use crate::ids::{ExecId, SandboxId, SnapshotId};
+use crate::images::Catalog;
 
 /// How long sandbox setup may take before it is abandoned.
 const SETUP_DEADLINE: Duration = Duration::from_secs(10);
@@ -61,7 +62,8 @@ impl From<storage::StorageError> for BackendError {
 #[derive(Debug, Clone)]
 pub struct ProcessConfig {
     pub state_dir: PathBuf,
-    pub images_dir: PathBuf,
+    /// Where images are found (their rootfs is the overlay's lower layer).
+    pub catalog: Arc<Catalog>,
     pub pool_size_bytes: u64,
 }
 
@@ -258,18 +260,11 @@ impl ProcessBackend {
         map.get(id).cloned().ok_or_else(|| BackendError::NoSuchSandbox(id.clone()))
     }
 
+    /// The image's rootfs, the overlay's lower layer. An imported image's lies on the sealed
+    /// (`noexec`) state dir: that is no obstacle, the exec check is the overlay mount's own.
     fn image_rootfs(&self, image: &str) -> Result<PathBuf, BackendError> {
-        let not_found = || BackendError::ImageNotFound { image: image.to_string(), dir: self.cfg.images_dir.display().to_string() };
-        if !super::is_image_name(image) {
-            return Err(not_found());
-        }
-        let dir = self.cfg.images_dir.join(image);
-        let rootfs = dir.join("rootfs");
-        // image.json is written last by the build scripts: without it the image is incomplete.
-        if !rootfs.is_dir() || !dir.join("image.json").is_file() {
-            return Err(not_found());
-        }
-        let rootfs = rootfs.canonicalize().map_err(|e| BackendError::io(format!("resolving image {image}"), e))?;
+        let img = self.cfg.catalog.resolve(image).map_err(|e| BackendError::from_image(Isolation::Process, e))?;
+        let rootfs = img.rootfs().canonicalize().map_err(|e| BackendError::io(format!("resolving image {image}"), e))?;
         if rootfs.to_string_lossy().contains([',', ':']) {
             return Err(BackendError::Internal(format!("image path {} contains ',' or ':', which overlayfs options cannot carry", rootfs.display())));
         }
@@ -465,6 +460,17 @@ impl Backend for ProcessBackend {
             Some(reason) => Err(reason.clone()),
             None => Ok(()),
         }
+    }
+
+    fn image_ready(&self, image: &str) -> Result<(), String> {
+        self.availability()?;
+        self.image_rootfs(image).map(drop).map_err(|e| e.to_string())
+    }
+
+    async fn prepare_image(&self, image: &str) -> Result<String, BackendError> {
+        // The rootfs is the lower layer as it is: nothing to make, only to check.
+        self.image_rootfs(image)?;
+        Ok("the rootfs is the overlay's lower layer".to_string())
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<(), BackendError> {

@@ -1,0 +1,586 @@
+//! Images as users see them: the catalog with the tiers that can run each image, removal
+//! (refused while a sandbox or snapshot uses the image), and imports and builds, which run as
+//! tasks of their own and report their progress as a stream.
+//!
+//! An import, whatever its source, ends the same way ([`Manager::finish_import`]): the archive
+//! (uploaded, exported from Docker, or the export of a build) is staged by
+//! `images::import::stage` on a blocking thread, committed into the catalog under the image
+//! gate (so no create and no removal sees half of it), and then every tier prepares it once:
+//! the container tier imports it into Docker, the microVM tier builds its base disk. A tier that
+//! cannot does not fail the import; the image is listed with the tiers that are ready.
+//!
+//! Images are the daemon's, not a tenant's: every caller sees the whole catalog and may import,
+//! build or remove (the audit log says who did). A removal refusal names the caller's own
+//! sandboxes and snapshots and only counts other tenants'.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::validate::validate_image;
+use super::Manager;
+use crate::backend::UploadPiece;
+use crate::error::Error;
+use crate::images::engine::BuildSpec;
+use crate::images::import::{self, ImportSpec, Prepared};
+use crate::images::{build, catalog, human, ImageError};
+use crate::model::{ImageProgress, ImageRecord, Isolation};
+
+/// Progress events waiting for a slow client.
+const EVENT_BUFFER: usize = 32;
+/// How often the bytes of an upload or export are reported.
+const REPORT_EVERY: Duration = Duration::from_millis(500);
+
+/// The events of an import or build: progress, then a last event with `done` set, or an error.
+pub type ImageEvents = ReceiverStream<Result<ImageProgress, Error>>;
+
+/// Where an import's image comes from.
+pub enum ImportSource {
+    /// A local Docker Engine image reference.
+    Docker(String),
+    /// An archive the client streams: its pieces, then `Commit` once its checksum matched.
+    Archive { file_name: String, size: u64, data: mpsc::Receiver<UploadPiece> },
+}
+
+/// An ImportImage call.
+pub struct ImportRequest {
+    /// Empty: from the archive's references or its source.
+    pub name: String,
+    pub source: ImportSource,
+}
+
+/// A BuildImage call: the context arrives as pieces of a tar.
+pub struct BuildRequest {
+    pub name: String,
+    /// Empty: `Dockerfile`.
+    pub dockerfile: String,
+    pub build_args: BTreeMap<String, String>,
+    pub size: u64,
+    pub data: mpsc::Receiver<UploadPiece>,
+}
+
+/// Where an import's events go.
+#[derive(Clone)]
+struct Reporter(mpsc::Sender<Result<ImageProgress, Error>>);
+
+impl Reporter {
+    /// Sends an event; `false` when the client is gone.
+    async fn send(&self, event: ImageProgress) -> bool {
+        self.0.send(Ok(event)).await.is_ok()
+    }
+
+    async fn say(&self, phase: &'static str, message: impl Into<String>) -> bool {
+        self.send(ImageProgress::say(phase, message)).await
+    }
+}
+
+/// A file removed when dropped (an upload, an export).
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+impl Manager {
+    /// Every image of the catalog, sorted by name, with the tiers that can run it now.
+    pub fn list_images(&self) -> Result<Vec<ImageRecord>, Error> {
+        let mut out = Vec::new();
+        for name in self.catalog.names() {
+            match self.catalog.record(&name) {
+                Ok(r) => out.push(self.with_ready_tiers(r)),
+                // Removed between the listing and the read.
+                Err(ImageError::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// One image, or NOT_FOUND listing the names there are.
+    pub fn get_image(&self, name: &str) -> Result<ImageRecord, Error> {
+        if !crate::images::is_valid_name(name) {
+            return Err(self.catalog.not_found(name).into());
+        }
+        Ok(self.with_ready_tiers(self.catalog.record(name)?))
+    }
+
+    fn with_ready_tiers(&self, mut record: ImageRecord) -> ImageRecord {
+        record.ready_tiers = Isolation::ALL.into_iter().filter(|t| self.backends.get(*t).is_ok_and(|b| b.image_ready(&record.name).is_ok())).collect();
+        record
+    }
+
+    /// The lock that serializes imports, builds and removals of one image name.
+    fn image_lock(&self, name: &str) -> Result<Arc<tokio::sync::Mutex<()>>, Error> {
+        let mut locks = self.image_locks.lock().map_err(|_| Error::Internal("image lock table poisoned".into()))?;
+        locks.retain(|_, l| Arc::strong_count(l) > 1);
+        Ok(locks.entry(name.to_string()).or_default().clone())
+    }
+
+    /// FAILED_PRECONDITION naming what uses image `name` (the caller's sandboxes and snapshots by
+    /// id, other tenants' counted), if anything does. Called under the image gate's write lock.
+    fn refuse_if_used(&self, tenant: &str, name: &str, doing: &str) -> Result<(), Error> {
+        let mut mine = Vec::new();
+        let mut others = 0usize;
+        {
+            let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
+            for info in map.values().filter_map(|e| e.info().ok()).filter(|i| i.image == name) {
+                if info.tenant == tenant {
+                    mine.push(format!("sandbox {}", info.id));
+                } else {
+                    others += 1;
+                }
+            }
+        }
+        for snap in self.store.snapshots(None)?.into_iter().filter(|s| s.image == name) {
+            if snap.tenant == tenant {
+                mine.push(format!("snapshot {}", snap.snapshot_id));
+            } else {
+                others += 1;
+            }
+        }
+        if mine.is_empty() && others == 0 {
+            return Ok(());
+        }
+        mine.sort();
+        let mut users = mine.join(", ");
+        if others > 0 {
+            if !users.is_empty() {
+                users.push_str(" and ");
+            }
+            users.push_str(&format!("{others} sandbox(es) or snapshot(s) of other tenants"));
+        }
+        Err(Error::FailedPrecondition(format!(
+            "cannot {doing} image {name:?}: it is in use by {users}; destroy those sandboxes and delete those snapshots first"
+        )))
+    }
+
+    /// Removes an imported image: refused while any sandbox or snapshot uses it, and for the
+    /// operator's script-built images. Returns the bytes of image files freed.
+    #[tracing::instrument(name = "manager.remove_image", skip_all)]
+    pub async fn remove_image(&self, tenant: &str, name: &str) -> Result<u64, Error> {
+        if !crate::images::is_valid_name(name) {
+            return Err(self.catalog.not_found(name).into());
+        }
+        let lock = self.image_lock(name)?;
+        let _named = lock.lock().await;
+        let (trash, freed) = {
+            // No create starts from the image while its tiers' copies and then its files go.
+            let _gate = self.image_gate.write().await;
+            if self.catalog.is_script_built(name) {
+                return Err(Error::FailedPrecondition(format!(
+                    "image {name:?} is built by the operator's image scripts into the images dir; the daemon never removes those (delete its directory there instead)"
+                )));
+            }
+            let Some(img) = self.catalog.imported(name) else { return Err(self.catalog.not_found(name).into()) };
+            self.refuse_if_used(tenant, name, "remove")?;
+            self.remove_tier_copies(name).await;
+            (self.catalog.take_out(name)?, img.json().size_bytes)
+        };
+        let removed = tokio::task::spawn_blocking(move || catalog::remove_any(&trash)).await;
+        if let Err(e) = removed {
+            tracing::warn!(image = name, error = %e, "removing an image's files");
+        }
+        tracing::info!(image = name, freed_bytes = freed, "image removed");
+        Ok(freed)
+    }
+
+    /// Imports an image (see the module documentation); the events end with `done` or an error.
+    pub fn import_image(self: &Arc<Self>, tenant: &str, req: ImportRequest) -> Result<ImageEvents, Error> {
+        check_name(&req.name)?;
+        if let ImportSource::Docker(reference) = &req.source {
+            if reference.is_empty() || reference.len() > 512 || reference.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(Error::invalid("docker_image", "a Docker image reference: 1-512 characters, no spaces"));
+            }
+        }
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        let manager = self.clone();
+        let tenant = tenant.to_string();
+        tokio::spawn(async move {
+            let report = Reporter(tx.clone());
+            let result = manager.run_import(&tenant, req, &report).await;
+            finish(&tx, result).await;
+        });
+        Ok(ReceiverStream::new(rx))
+    }
+
+    /// Builds an image with the local Docker Engine and imports the result.
+    pub fn build_image(self: &Arc<Self>, tenant: &str, req: BuildRequest) -> Result<ImageEvents, Error> {
+        if req.name.is_empty() {
+            return Err(Error::invalid("name", "a build needs the name of its image"));
+        }
+        check_name(&req.name)?;
+        if self.catalog.is_script_built(&req.name) {
+            return Err(Error::FailedPrecondition(format!(
+                "image {:?} is a script-built image of the operator's images dir; build under another name",
+                req.name
+            )));
+        }
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        let manager = self.clone();
+        let tenant = tenant.to_string();
+        tokio::spawn(async move {
+            let report = Reporter(tx.clone());
+            let result = manager.run_build(&tenant, req, &report).await;
+            finish(&tx, result).await;
+        });
+        Ok(ReceiverStream::new(rx))
+    }
+
+    /// One of `images.max_concurrent` slots for an import or build, saying so while it waits.
+    async fn image_slot(&self, report: &Reporter) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
+        if let Ok(permit) = self.image_jobs.clone().try_acquire_owned() {
+            return Ok(permit);
+        }
+        report.say("receive", format!("waiting: {} imports or builds are running (images.max_concurrent)", self.cfg.images.max_concurrent)).await;
+        self.image_jobs.clone().acquire_owned().await.map_err(|_| Error::Internal("image job slots closed".into()))
+    }
+
+    async fn run_import(&self, tenant: &str, req: ImportRequest, report: &Reporter) -> Result<ImageRecord, Error> {
+        let started = Instant::now();
+        let upload = TempFile(self.catalog.upload_path());
+        let (spec, permit) = match req.source {
+            ImportSource::Docker(reference) => {
+                let permit = self.image_slot(report).await?;
+                let id = self.engine.image_id(&reference).await?;
+                report.say("export", format!("exporting {reference} ({}) from the local Docker Engine", short(&id))).await;
+                self.export(&id, &upload.0, report).await?;
+                let spec = ImportSpec { name: req.name, name_hint: reference.clone(), source: format!("docker:{reference}") };
+                (spec, permit)
+            }
+            ImportSource::Archive { file_name, size, data } => {
+                // The bytes are received before a slot is taken: a slow client holds no slot.
+                receive(data, &upload.0, size, self.cfg.images.max_archive_bytes, report).await?;
+                let permit = self.image_slot(report).await?;
+                let stem = Path::new(&file_name).file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_string();
+                let spec = ImportSpec { name: req.name, name_hint: stem, source: format!("archive:{}", file_name.chars().take(200).collect::<String>()) };
+                (spec, permit)
+            }
+        };
+        tracing::info!(tenant, source = %spec.source, ms = started.elapsed().as_millis() as u64, "image archive received");
+        let record = self.finish_import(tenant, spec, &upload.0, report).await;
+        drop(permit);
+        record
+    }
+
+    async fn run_build(&self, tenant: &str, req: BuildRequest, report: &Reporter) -> Result<ImageRecord, Error> {
+        let context = TempFile(self.catalog.upload_path());
+        receive(req.data, &context.0, req.size, self.cfg.images.max_archive_bytes, report).await?;
+        let permit = self.image_slot(report).await?;
+        let dockerfile = if req.dockerfile.is_empty() { "Dockerfile".to_string() } else { req.dockerfile };
+        let text = {
+            let (path, file) = (context.0.clone(), dockerfile.clone());
+            tokio::task::spawn_blocking(move || build::dockerfile_of(&path, &file))
+                .await
+                .map_err(|e| Error::Internal(format!("reading the Dockerfile: {e}")))??
+        };
+        let container = self.backends.available(Isolation::Container).map_err(|e| Error::FailedPrecondition(format!("BuildImage needs Docker: {e}")))?.clone();
+        // `FROM sandboxd/<name>` means the catalog's image: in Docker, and tagged `:latest`.
+        for from in build::from_images(&text) {
+            let Some(base) = build::catalog_name(&from) else { continue };
+            self.catalog.resolve(base)?;
+            report.say("build", format!("FROM {from}: the catalog image {base}, prepared in Docker")).await;
+            container.prepare_image(base).await?;
+        }
+        let tag = format!("sandboxd-build:{}", crate::ids::SandboxId::generate().as_str().trim_start_matches("sb-").to_ascii_lowercase());
+        let spec = BuildSpec { dockerfile, tag: tag.clone(), build_args: req.build_args.into_iter().collect(), network: self.cfg.images.build_network };
+        let started = Instant::now();
+        report.say("build", format!("building with the local Docker Engine (network {:?})", spec.network).to_lowercase()).await;
+        let (log_tx, mut log_rx) = mpsc::channel::<String>(64);
+        let forward = {
+            let report = report.clone();
+            tokio::spawn(async move {
+                while let Some(line) = log_rx.recv().await {
+                    if !report.say("build", line).await {
+                        break;
+                    }
+                }
+            })
+        };
+        let built = self.engine.build(&context.0, &spec, &log_tx).await;
+        drop(log_tx);
+        let _ = forward.await;
+        drop(context);
+        let result = async {
+            built?;
+            tracing::info!(tenant, image = %req.name, ms = started.elapsed().as_millis() as u64, "docker build finished");
+            report.say("build", format!("built in {} ms", started.elapsed().as_millis())).await;
+            let export = TempFile(self.catalog.upload_path());
+            self.export(&tag, &export.0, report).await?;
+            // The intermediate tag goes before the (long) import: Docker keeps nothing of ours.
+            self.remove_build_tag(&tag).await;
+            let spec = ImportSpec { name: req.name.clone(), name_hint: req.name.clone(), source: format!("build:{}", req.name) };
+            self.finish_import(tenant, spec, &export.0, report).await
+        }
+        .await;
+        self.remove_build_tag(&tag).await;
+        drop(permit);
+        result
+    }
+
+    async fn remove_build_tag(&self, tag: &str) {
+        if let Err(e) = self.engine.remove(tag).await {
+            tracing::warn!(image = %tag, error = %e, "removing a build's intermediate Docker image");
+        }
+    }
+
+    /// `docker save` of `reference` into `dest`, with progress.
+    async fn export(&self, reference: &str, dest: &Path, report: &Reporter) -> Result<u64, Error> {
+        let started = Instant::now();
+        let (bytes_tx, mut bytes_rx) = tokio::sync::watch::channel(0u64);
+        let forward = {
+            let report = report.clone();
+            tokio::spawn(async move {
+                while bytes_rx.changed().await.is_ok() {
+                    let bytes = *bytes_rx.borrow_and_update();
+                    report.send(ImageProgress { phase: "export", message: format!("{} exported", human(bytes)), bytes, ..Default::default() }).await;
+                    tokio::time::sleep(REPORT_EVERY).await;
+                }
+            })
+        };
+        let result = self
+            .engine
+            .export(reference, dest, self.cfg.images.max_archive_bytes, |n| {
+                bytes_tx.send_replace(n);
+            })
+            .await;
+        drop(bytes_tx);
+        let _ = forward.await;
+        let bytes = result?;
+        report.say("export", format!("{} exported in {} ms", human(bytes), started.elapsed().as_millis())).await;
+        Ok(bytes)
+    }
+
+    /// Stages the archive at `path`, puts it in the catalog, and prepares every tier.
+    async fn finish_import(&self, tenant: &str, spec: ImportSpec, path: &Path, report: &Reporter) -> Result<ImageRecord, Error> {
+        let started = Instant::now();
+        let prepared = {
+            let (catalog, cfg, path) = (self.catalog.clone(), self.cfg.images.clone(), path.to_path_buf());
+            let tx = report.0.clone();
+            let closed = tx.clone();
+            tokio::task::spawn_blocking(move || {
+                import::stage(&catalog, &cfg, &path, &spec, &mut |event| tx.blocking_send(Ok(event)).is_ok(), &|| closed.is_closed())
+            })
+            .await
+            .map_err(|e| Error::Internal(format!("image import task: {e}")))??
+        };
+        let layers_ms = started.elapsed().as_millis();
+        let name = match &prepared {
+            Prepared::Unchanged { name, .. } => name.clone(),
+            Prepared::Staged(staged) => staged.name.clone(),
+        };
+        // Held through the tiers' preparation too: two imports of one name never build one base
+        // disk at once.
+        let lock = self.image_lock(&name)?;
+        let _named = lock.lock().await;
+        match prepared {
+            Prepared::Unchanged { name, digest } => {
+                report.say("metadata", format!("image {name} is already imported with digest {digest}: nothing to do")).await;
+            }
+            Prepared::Staged(staged) => {
+                let replaced = {
+                    let _gate = self.image_gate.write().await;
+                    if self.catalog.imported(&name).is_some() {
+                        // Nothing may use the old image, and what the tiers made of it goes.
+                        self.refuse_if_used(tenant, &name, "replace")?;
+                        self.remove_tier_copies(&name).await;
+                    }
+                    self.catalog.commit(&staged.dir, &name)?
+                };
+                if let Some(old) = replaced {
+                    let _ = tokio::task::spawn_blocking(move || catalog::remove_any(&old)).await;
+                }
+                let j = &staged.json;
+                report
+                    .say(
+                        "metadata",
+                        format!("image {name} {}: {} in {} entries, {} layers ({layers_ms} ms)", short(&j.digest), human(j.size_bytes), j.entries, j.layers),
+                    )
+                    .await;
+            }
+        }
+        self.prepare_tiers(&name, report).await;
+        tracing::info!(tenant, image = %name, ms = started.elapsed().as_millis() as u64, "image imported");
+        self.get_image(&name)
+    }
+
+    /// Frees what every tier made of the image (failures are logged: the image goes anyway,
+    /// and a leftover Docker image or base disk is only space).
+    async fn remove_tier_copies(&self, name: &str) {
+        for backend in self.backends.all() {
+            if let Err(e) = backend.remove_image(name).await {
+                tracing::warn!(image = name, tier = backend.isolation().name(), error = %e, "removing a tier's copy of an image");
+            }
+        }
+    }
+
+    /// Asks every tier to prepare the image; a tier that cannot is reported, not an error.
+    async fn prepare_tiers(&self, name: &str, report: &Reporter) {
+        for tier in Isolation::ALL {
+            let phase = match tier {
+                Isolation::Process => "process",
+                Isolation::Container => "container",
+                Isolation::MicroVm => "microvm",
+            };
+            let started = Instant::now();
+            let outcome = match self.backends.available(tier) {
+                Ok(backend) => backend.prepare_image(name).await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            let ms = started.elapsed().as_millis() as u64;
+            match outcome {
+                Ok(detail) => {
+                    tracing::info!(image = name, tier = tier.name(), ms, %detail, "image prepared");
+                    report.say(phase, format!("{detail} ({ms} ms)")).await;
+                }
+                Err(reason) => {
+                    tracing::warn!(image = name, tier = tier.name(), %reason, "image not ready on this tier");
+                    report.say(phase, format!("not ready: {reason}")).await;
+                }
+            }
+        }
+    }
+}
+
+/// A requested name: empty (derived later) or valid.
+fn check_name(name: &str) -> Result<(), Error> {
+    if name.is_empty() {
+        return Ok(());
+    }
+    validate_image(name).map_err(|e| match e {
+        Error::InvalidArgument { message, .. } => Error::invalid("name", message),
+        e => e,
+    })
+}
+
+/// The first 12 hex digits of a digest.
+fn short(digest: &str) -> String {
+    digest.trim_start_matches("sha256:").chars().take(12).collect()
+}
+
+/// The last event of an import: `done` with the image, or the error.
+async fn finish(tx: &mpsc::Sender<Result<ImageProgress, Error>>, result: Result<ImageRecord, Error>) {
+    let last = result.map(|record| ImageProgress {
+        phase: "done",
+        message: format!("image {} ready", record.name),
+        done: Some(Box::new(record)),
+        ..Default::default()
+    });
+    if let Err(e) = &last {
+        tracing::info!(error = %e, "image import or build failed");
+    }
+    let _ = tx.send(last).await;
+}
+
+/// Writes an upload's pieces to `path` (at most `max` bytes) until `Commit`; a channel that
+/// closes before it is an upload that did not complete.
+async fn receive(mut data: mpsc::Receiver<UploadPiece>, path: &Path, size: u64, max: u64, report: &Reporter) -> Result<u64, Error> {
+    let started = Instant::now();
+    if size > max {
+        return Err(Error::ResourceExhausted(format!("the archive is {}; at most {} (images.max_archive_bytes)", human(size), human(max))));
+    }
+    let mut file = tokio::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .await
+        .map_err(|e| Error::from(ImageError::io("creating the upload file", e)))?;
+    let mut total = 0u64;
+    let mut reported = Instant::now();
+    loop {
+        match data.recv().await {
+            Some(UploadPiece::Data(bytes)) => {
+                total += bytes.len() as u64;
+                if total > max {
+                    return Err(Error::ResourceExhausted(format!("the archive is over {} (images.max_archive_bytes)", human(max))));
+                }
+                file.write_all(&bytes).await.map_err(|e| Error::from(ImageError::io("writing the upload", e)))?;
+                if reported.elapsed() >= REPORT_EVERY {
+                    reported = Instant::now();
+                    report
+                        .send(ImageProgress {
+                            phase: "receive",
+                            message: format!("{} received", human(total)),
+                            bytes: total,
+                            total_bytes: size,
+                            ..Default::default()
+                        })
+                        .await;
+                }
+            }
+            Some(UploadPiece::Commit) => break,
+            None => return Err(Error::Aborted("the upload did not complete".into())),
+        }
+    }
+    file.flush().await.map_err(|e| Error::from(ImageError::io("writing the upload", e)))?;
+    let ms = started.elapsed().as_millis();
+    report
+        .send(ImageProgress {
+            phase: "receive",
+            message: format!("{} received in {ms} ms", human(total)),
+            bytes: total,
+            total_bytes: size.max(total),
+            ..Default::default()
+        })
+        .await;
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fake::fake_manager;
+    use crate::error::Error;
+    use crate::model::{CreateRequest, ExecRequest};
+
+    #[tokio::test]
+    async fn an_images_config_sets_the_defaults_and_removal_waits_for_its_users() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let py = dir.path().join("images/py");
+        std::fs::create_dir_all(py.join("rootfs")).expect("mkdir");
+        let json =
+            r#"{"name":"py","digest":"sha256:00","size_bytes":9,"config":{"env":{"LANG":"en_US.UTF-8","A":"1","B":"image"},"workdir":"/app","user":"app"}}"#;
+        std::fs::write(py.join("image.json"), json).expect("write");
+        assert_eq!(m.list_images().expect("list").iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["minimal", "py"]);
+
+        let env = std::collections::BTreeMap::from([("B".to_string(), "sandbox".to_string())]);
+        let sb = m.create("t", CreateRequest { image: "py".into(), env, ..Default::default() }).await.expect("create");
+        assert_eq!((sb.workdir.as_str(), sb.image_config.user.as_str(), sb.user.as_deref()), ("/app", "app", Some("app")), "the image's USER runs execs");
+        let root = m.create("t", CreateRequest { image: "py".into(), user: "0".into(), ..Default::default() }).await.expect("create as root");
+        assert_eq!(root.user.as_deref(), Some("0"), "a request's user wins over the image's");
+        m.destroy("t", root.id.as_str()).await.expect("destroy");
+        let run = |id: String| ExecRequest { sandbox_id: id, argv: vec!["env".into()], ..Default::default() };
+        let out = String::from_utf8(m.exec("t", run(sb.id.to_string())).await.expect("exec").outcome.stdout.bytes).expect("utf8");
+        for line in ["LANG=en_US.UTF-8", "A=1", "B=sandbox", "PATH="] {
+            assert!(out.lines().any(|l| l.starts_with(line)), "{line} in {out}");
+        }
+        // A script-built image has no config: LANG is C.UTF-8, the workdir /workspace.
+        let plain = m.create("t", CreateRequest::default()).await.expect("create");
+        assert_eq!(plain.workdir, "/workspace");
+        let out = String::from_utf8(m.exec("t", run(plain.id.to_string())).await.expect("exec").outcome.stdout.bytes).expect("utf8");
+        assert!(out.lines().any(|l| l == "LANG=C.UTF-8"), "{out}");
+
+        let err = m.remove_image("t", "py").await.expect_err("in use");
+        assert!(matches!(&err, Error::FailedPrecondition(m) if m.contains(sb.id.as_str())), "{err}");
+        let err = m.remove_image("other", "py").await.expect_err("in use by another tenant's sandbox");
+        assert!(matches!(&err, Error::FailedPrecondition(m) if !m.contains(sb.id.as_str()) && m.contains("other tenants")), "{err}");
+        let err = m.remove_image("t", "minimal").await.expect_err("script-built");
+        assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+        m.destroy("t", sb.id.as_str()).await.expect("destroy");
+        assert_eq!(m.remove_image("t", "py").await.expect("remove"), 9);
+        assert!(!py.exists());
+        for err in [
+            m.remove_image("t", "py").await.expect_err("gone"),
+            m.create("t", CreateRequest { image: "py".into(), ..Default::default() }).await.expect_err("gone"),
+        ] {
+            assert!(matches!(&err, Error::ImageNotFound { available, .. } if available == &["minimal".to_string()]), "{err}");
+        }
+    }
+}
