@@ -263,7 +263,9 @@ async fn a_docker_save_archive_and_a_docker_image_import_and_run() {
     assert!(flags.contains(nix::sys::statvfs::FsFlags::ST_NOEXEC) && flags.contains(nix::sys::statvfs::FsFlags::ST_NOSUID), "{flags:?}");
     for tier in [Isolation::Process, Isolation::Container] {
         let id = sandbox(&c, tier, &name).await;
-        assert_eq!(sh_ok(&c, &id, "echo $SAVED; pwd; busybox | head -1 | cut -d' ' -f1").await, "yes\n/opt/app\nBusyBox\n", "{tier:?}");
+        // The image's USER runs the execs (the sandbox says so), its env and WorkingDir apply.
+        assert_eq!(c.get(&id).await.expect("get").user, "nobody", "{tier:?}");
+        assert_eq!(sh_ok(&c, &id, "echo $SAVED; pwd; busybox | head -1 | cut -d' ' -f1; id -u").await, "yes\n/opt/app\nBusyBox\n65534\n", "{tier:?}");
         c.destroy(id.as_str()).await.expect("destroy");
     }
     // Importing the same archive again under the same name: nothing to do, and it says so.
