@@ -298,25 +298,39 @@ fn ignore_chown_refusal(r: Result<(), Errno>) -> Result<(), Errno> {
 
 /// How many bytes the `tar` crate may pull from the stream before we look again. It reads long
 /// names and PAX records into memory whole and skips data of entries we do not read, so
-/// without this a single header could make it allocate or read without end.
+/// without this a single header could make it allocate or read without end. (The daemon's
+/// image layers are read through the same meter.)
 #[derive(Debug, Default)]
-struct Budget {
+pub struct Budget {
     consumed: Cell<u64>,
     allowed: Cell<u64>,
     tripped: Cell<bool>,
 }
 
 impl Budget {
-    fn allow(&self, n: u64) {
+    /// Lets `n` more bytes through from where the stream is now.
+    pub fn allow(&self, n: u64) {
         self.allowed.set(self.consumed.get().saturating_add(n));
         self.tripped.set(false);
+    }
+
+    /// Whether a read was cut off since the last [`Budget::allow`].
+    pub fn tripped(&self) -> bool {
+        self.tripped.get()
     }
 }
 
 /// The input as the `tar` crate sees it, cut off where the [`Budget`] ends.
-struct Metered<'b, R> {
+pub struct Metered<'b, R> {
     inner: R,
     budget: &'b Budget,
+}
+
+impl<'b, R> Metered<'b, R> {
+    /// `inner`, metered by `budget`.
+    pub fn new(inner: R, budget: &'b Budget) -> Self {
+        Metered { inner, budget }
+    }
 }
 
 impl<R: Read> Read for Metered<'_, R> {
@@ -327,7 +341,7 @@ impl<R: Read> Read for Metered<'_, R> {
         let room = self.budget.allowed.get().saturating_sub(self.budget.consumed.get());
         if room == 0 {
             self.budget.tripped.set(true);
-            return Err(io::Error::other("archive read budget exhausted"));
+            return Err(io::Error::other("tar read budget exhausted"));
         }
         let want = buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
         let n = self.inner.read(&mut buf[..want])?;
@@ -473,7 +487,7 @@ pub fn extract<R: Read>(root: BorrowedFd<'_>, dest: &str, input: R, limits: &Ext
     let dest_fd = open_dest(root, dest)?;
     let budget = Budget::default();
     budget.allow(MAX_HEADER_BYTES);
-    let mut archive = Archive::new(Metered { inner: BufReader::with_capacity(COPY_BUF, input), budget: &budget });
+    let mut archive = Archive::new(Metered::new(BufReader::with_capacity(COPY_BUF, input), &budget));
     let mut x = Extractor {
         tree: Tree { dest: dest_fd, cached: None },
         files: HashMap::new(),
@@ -521,7 +535,7 @@ impl Extractor<'_> {
             let mut entry = match entries.next() {
                 None => return Ok(()),
                 Some(Ok(entry)) => entry,
-                Some(Err(_)) if budget.tripped.get() => {
+                Some(Err(_)) if budget.tripped() => {
                     return Err(ArchiveError::Limit {
                         path: here(),
                         what: "bytes of header, long names and skipped data for one entry",

@@ -26,7 +26,6 @@
 //! - Work is bounded: entries and file bytes across all layers ([`Limits`]), and the bytes the
 //!   `tar` crate may read into memory for one header (long names, PAX records).
 
-use std::cell::Cell;
 use std::collections::HashSet;
 use std::ffi::{CStr, CString};
 use std::fs::File;
@@ -40,6 +39,7 @@ use nix::fcntl::AtFlags;
 use nix::sys::stat::{Mode, UtimensatFlags};
 use nix::sys::time::TimeSpec;
 use nix::unistd::{Gid, Uid};
+use sandbox_exec::archive::{Budget, Metered};
 use sandbox_exec::sys;
 use tar::{Archive, EntryType, Header};
 
@@ -132,44 +132,6 @@ fn components<'a>(raw: &'a [u8], what: &str) -> Result<Vec<&'a [u8]>, String> {
     Ok(comps)
 }
 
-/// Bytes the `tar` crate may read before we look again (see the exec crate's archive module,
-/// which does the same for uploads).
-#[derive(Debug, Default)]
-struct Budget {
-    consumed: Cell<u64>,
-    allowed: Cell<u64>,
-    tripped: Cell<bool>,
-}
-
-impl Budget {
-    fn allow(&self, n: u64) {
-        self.allowed.set(self.consumed.get().saturating_add(n));
-        self.tripped.set(false);
-    }
-}
-
-struct Metered<'b, R> {
-    inner: R,
-    budget: &'b Budget,
-}
-
-impl<R: Read> Read for Metered<'_, R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if buf.is_empty() {
-            return Ok(0);
-        }
-        let room = self.budget.allowed.get().saturating_sub(self.budget.consumed.get());
-        if room == 0 {
-            self.budget.tripped.set(true);
-            return Err(io::Error::other("layer read budget exhausted"));
-        }
-        let want = buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
-        let n = self.inner.read(&mut buf[..want])?;
-        self.budget.consumed.set(self.budget.consumed.get() + n as u64);
-        Ok(n)
-    }
-}
-
 /// Owner, mode and mtime of an entry.
 #[derive(Debug, Clone, Copy)]
 struct Meta {
@@ -240,7 +202,7 @@ struct Applier<'a> {
 pub fn apply<R: Read>(root: BorrowedFd<'_>, input: R, totals: &mut Totals, limits: &Limits, cancelled: &dyn Fn() -> bool) -> Result<LayerStats, LayerError> {
     let budget = Budget::default();
     budget.allow(MAX_HEADER_BYTES);
-    let mut archive = Archive::new(Metered { inner: input, budget: &budget });
+    let mut archive = Archive::new(Metered::new(input, &budget));
     let mut a = Applier {
         root,
         cached: None,
@@ -280,7 +242,7 @@ impl Applier<'_> {
             let mut entry = match entries.next() {
                 None => return Ok(()),
                 Some(Ok(entry)) => entry,
-                Some(Err(_)) if budget.tripped.get() => {
+                Some(Err(_)) if budget.tripped() => {
                     return Err(LayerError::Limit { path: here(), what: "bytes of header, long names and skipped data", limit: MAX_HEADER_BYTES, key: "" });
                 }
                 Some(Err(source)) => return Err(LayerError::Malformed { path: here(), source }),
