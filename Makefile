@@ -74,6 +74,8 @@ bench: deps release
 	target/release/agent_bench --out BENCHMARKS.md
 	$(CARGO) build --release -p sandbox-tests --bin transfer_bench
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/transfer_bench --out BENCHMARKS.md
+	$(CARGO) build --release -p sandbox-tests --bin image_bench
+	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/image_bench --out BENCHMARKS.md
 
 clean:
 	$(CARGO) clean

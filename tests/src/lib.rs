@@ -16,6 +16,7 @@ mod exec;
 mod harness;
 mod host;
 mod probes;
+mod report;
 mod requests;
 mod wait;
 
@@ -30,5 +31,6 @@ pub use host::{
     PeakRss,
 };
 pub use probes::build_probe;
+pub use report::replace_section;
 pub use requests::{process_sandbox, sandbox_request};
 pub use wait::{eventually, within};

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
-use sandbox_tests::{proc_status_bytes, proto, Daemon};
+use sandbox_tests::{proc_status_bytes, proto, replace_section, Daemon};
 use sha2::{Digest, Sha256};
 
 #[derive(Parser)]
@@ -216,29 +216,6 @@ fn docker_baseline(args: &Args, block: &[u8], tar: &[u8], scratch: &Path) -> Res
     result
 }
 
-fn write_section(path: &Path, section: &str) -> Result<()> {
-    let old = std::fs::read_to_string(path).unwrap_or_default();
-    let heading = "## Transfers";
-    let lines: Vec<&str> = old.lines().collect();
-    let new = match lines.iter().position(|l| l.trim_end() == heading) {
-        None => format!("{}\n\n{}\n", old.trim_end(), section.trim_end()),
-        Some(start) => {
-            let end = lines[start + 1..].iter().position(|l| l.starts_with("## ") || l.starts_with("# ")).map_or(lines.len(), |i| start + 1 + i);
-            let mut s = lines[..start].join("\n");
-            s.push('\n');
-            s.push_str(section.trim_end());
-            s.push('\n');
-            if end < lines.len() {
-                s.push('\n');
-                s.push_str(&lines[end..].join("\n"));
-                s.push('\n');
-            }
-            s
-        }
-    };
-    std::fs::write(path, new).with_context(|| format!("writing {}", path.display()))
-}
-
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
@@ -306,7 +283,7 @@ async fn main() -> Result<()> {
     ));
     print!("{md}");
     if let Some(out) = &args.out {
-        write_section(out, &md)?;
+        replace_section(out, "## Transfers", &md)?;
         eprintln!("wrote the `## Transfers` section of {}", out.display());
     }
     Ok(())
