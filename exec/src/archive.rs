@@ -770,8 +770,9 @@ fn make_dir_at(dir: RawFd, name: &CStr) -> Result<(), Errno> {
     Err(Errno::EEXIST)
 }
 
-/// Copies exactly `size` bytes; a stream that ends sooner is an error (the archive was cut).
-fn copy_exact(from: &mut impl Read, to: &mut File, size: u64, buf: &mut [u8]) -> io::Result<()> {
+/// Copies exactly `size` bytes of a tar entry through `buf`; a stream that ends sooner is an
+/// error (the archive was cut). The image layer applier uses it too.
+pub fn copy_exact(from: &mut impl Read, to: &mut impl Write, size: u64, buf: &mut [u8]) -> io::Result<()> {
     let mut left = size;
     while left > 0 {
         let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));

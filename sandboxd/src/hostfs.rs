@@ -15,13 +15,53 @@
 //!
 //! The daemon refuses to start when it cannot establish this: running with less isolation than
 //! promised is worse than not running.
+//!
+//! It also measures those trees ([`tree_size`]): image sizes, snapshot sizes, disk sizes.
 
-use std::os::unix::fs::PermissionsExt;
+use std::collections::HashSet;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
 use crate::mountinfo;
+
+/// What [`tree_size`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measure {
+    /// Bytes of regular-file content.
+    Content,
+    /// Allocated blocks of every entry, directories included, like `du -sk`.
+    Allocated,
+}
+
+/// The size of the tree below `root`, never following a symlink; a file with several names
+/// counts once. Entries that cannot be read are skipped (the tree may change while measured).
+/// Blocks; call from `spawn_blocking`.
+pub fn tree_size(root: &Path, measure: Measure) -> u64 {
+    let mut total = 0u64;
+    let mut seen = HashSet::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            // DirEntry::metadata does not follow a symlink.
+            let Ok(m) = entry.metadata() else { continue };
+            if m.is_dir() {
+                stack.push(entry.path());
+            }
+            let bytes = match measure {
+                Measure::Content if m.is_file() => m.len(),
+                Measure::Content => continue,
+                Measure::Allocated => m.blocks() * 512,
+            };
+            if m.is_dir() || m.nlink() < 2 || seen.insert((m.dev(), m.ino())) {
+                total = total.saturating_add(bytes);
+            }
+        }
+    }
+    total
+}
 
 /// Errors sealing the state dir.
 #[derive(Debug, thiserror::Error)]

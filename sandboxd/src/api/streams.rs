@@ -115,40 +115,27 @@ pub trait UploadMessage {
     fn piece(self) -> Piece;
 }
 
-impl UploadMessage for pb::UploadRequest {
-    fn piece(self) -> Piece {
-        use pb::upload_request::Item;
-        match self.item {
-            Some(Item::Data(d)) => Piece::Data(d),
-            Some(Item::Sha256(s)) => Piece::Sha256(s),
-            Some(Item::Header(_)) => Piece::Header,
-            None => Piece::Empty,
+/// `UploadMessage` for a request whose `item` oneof is `header`, a data field and `sha256`.
+macro_rules! upload_message {
+    ($($msg:ty => $item:ident :: $data:ident),* $(,)?) => {$(
+        impl UploadMessage for $msg {
+            fn piece(self) -> Piece {
+                use pb::$item::Item;
+                match self.item {
+                    Some(Item::$data(d)) => Piece::Data(d),
+                    Some(Item::Sha256(s)) => Piece::Sha256(s),
+                    Some(Item::Header(_)) => Piece::Header,
+                    None => Piece::Empty,
+                }
+            }
         }
-    }
+    )*};
 }
 
-impl UploadMessage for pb::ImportImageRequest {
-    fn piece(self) -> Piece {
-        use pb::import_image_request::Item;
-        match self.item {
-            Some(Item::Chunk(d)) => Piece::Data(d),
-            Some(Item::Sha256(s)) => Piece::Sha256(s),
-            Some(Item::Header(_)) => Piece::Header,
-            None => Piece::Empty,
-        }
-    }
-}
-
-impl UploadMessage for pb::BuildImageRequest {
-    fn piece(self) -> Piece {
-        use pb::build_image_request::Item;
-        match self.item {
-            Some(Item::Chunk(d)) => Piece::Data(d),
-            Some(Item::Sha256(s)) => Piece::Sha256(s),
-            Some(Item::Header(_)) => Piece::Header,
-            None => Piece::Empty,
-        }
-    }
+upload_message! {
+    pb::UploadRequest => upload_request::Data,
+    pb::ImportImageRequest => import_image_request::Chunk,
+    pb::BuildImageRequest => build_image_request::Chunk,
 }
 
 /// What an upload stream brought, checked: its pieces go to `tx` as they arrive, and `Commit`

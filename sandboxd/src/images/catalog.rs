@@ -14,8 +14,7 @@
 //! written last) next to a `rootfs/`. When both halves have a name, the script-built image wins
 //! (the operator's word), and the daemon warns at start.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
-use std::os::unix::fs::MetadataExt;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::SystemTime;
@@ -24,6 +23,7 @@ use sha2::{Digest, Sha256};
 
 use super::meta::{ImageJson, VmJson};
 use super::{hex, ImageError};
+use crate::hostfs;
 use crate::model::{ImageConfig, ImageRecord};
 
 /// Longest image name.
@@ -238,7 +238,7 @@ impl Catalog {
                 return size;
             }
         }
-        let size = tree_bytes(&img.rootfs());
+        let size = hostfs::tree_size(&img.rootfs(), hostfs::Measure::Content);
         if let Ok(mut m) = self.sizes.lock() {
             m.insert(img.name.clone(), (sum, size));
         }
@@ -371,26 +371,6 @@ pub fn remove_any(path: &Path) {
     if let Err(e) = result {
         tracing::warn!(path = %path.display(), error = %e, "removing an image tree");
     }
-}
-
-/// Bytes of regular-file content below `root` (a file with several names once), never
-/// following a symlink.
-pub fn tree_bytes(root: &Path) -> u64 {
-    let mut total = 0u64;
-    let mut seen = HashSet::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
-        for entry in entries.flatten() {
-            let Ok(m) = entry.metadata() else { continue };
-            if m.is_dir() {
-                stack.push(entry.path());
-            } else if m.is_file() && (m.nlink() < 2 || seen.insert((m.dev(), m.ino()))) {
-                total = total.saturating_add(m.len());
-            }
-        }
-    }
-    total
 }
 
 /// Eight random lowercase characters.

@@ -28,9 +28,8 @@
 
 use std::collections::HashSet;
 use std::ffi::{CStr, CString};
-use std::fs::File;
 use std::hash::BuildHasher;
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::rc::Rc;
 
@@ -39,7 +38,7 @@ use nix::fcntl::AtFlags;
 use nix::sys::stat::{Mode, UtimensatFlags};
 use nix::sys::time::TimeSpec;
 use nix::unistd::{Gid, Uid};
-use sandbox_exec::archive::{Budget, Metered};
+use sandbox_exec::archive::{copy_exact, Budget, Metered};
 use sandbox_exec::sys;
 use tar::{Archive, EntryType, Header};
 
@@ -596,26 +595,10 @@ fn remove_tree_at(dir: RawFd, name: &CStr) -> io::Result<()> {
     std::fs::remove_dir_all(path)
 }
 
-/// Copies exactly `size` bytes; a stream that ends sooner is an error (the layer was cut).
-fn copy_exact(from: &mut impl Read, to: &mut File, size: u64, buf: &mut [u8]) -> io::Result<()> {
-    let mut left = size;
-    while left > 0 {
-        let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-        let n = match from.read(&mut buf[..want]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the layer ends inside this file")),
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        to.write_all(&buf[..n])?;
-        left -= n as u64;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::File;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     use std::path::Path;
 

@@ -4,12 +4,12 @@
 //! read-only (0444), and `vm/vm.json` written last. Unlike the script it does not normalize
 //! timestamps for a reproducible disk: the disk is made once per import, on this host.
 
-use std::collections::HashSet;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::backend::BackendError;
+use crate::hostfs;
 use crate::images::meta::VmJson;
 
 /// Most output of a tool kept for an error message.
@@ -23,26 +23,6 @@ fn mkfs() -> Result<PathBuf, BackendError> {
         .map(|d| d.join("mkfs.ext4"))
         .find(|p| p.is_file())
         .ok_or_else(|| BackendError::Internal("mkfs.ext4 not found (install e2fsprogs: make deps)".into()))
-}
-
-/// Disk usage of a tree like `du -sk`: allocated blocks, a file with several names once.
-fn usage_bytes(root: &Path) -> u64 {
-    let mut total = 0u64;
-    let mut seen = HashSet::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
-        for entry in entries.flatten() {
-            let Ok(m) = entry.metadata() else { continue };
-            if m.is_dir() {
-                stack.push(entry.path());
-            }
-            if m.nlink() < 2 || m.is_dir() || seen.insert((m.dev(), m.ino())) {
-                total = total.saturating_add(m.blocks() * 512);
-            }
-        }
-    }
-    total
 }
 
 /// Size of the ext4 file for `content` bytes: content plus 15% and 48 MiB, in whole 4 MiB.
@@ -73,8 +53,9 @@ pub async fn build(qemu_img: &Path, image: &str, image_dir: &Path) -> Result<Str
     tokio::fs::create_dir(&staging).await.map_err(|e| BackendError::io("creating the VM staging dir", e))?;
     let result = async {
         let measured = rootfs.clone();
-        let content =
-            tokio::task::spawn_blocking(move || usage_bytes(&measured)).await.map_err(|e| BackendError::Internal(format!("measuring the rootfs: {e}")))?;
+        let content = tokio::task::spawn_blocking(move || hostfs::tree_size(&measured, hostfs::Measure::Allocated))
+            .await
+            .map_err(|e| BackendError::Internal(format!("measuring the rootfs: {e}")))?;
         let size = disk_bytes(content);
         let raw = staging.join("rootfs.raw");
         let file = std::fs::File::create(&raw).map_err(|e| BackendError::io("creating the raw disk", e))?;

@@ -40,6 +40,7 @@ use super::mountinfo;
 use super::{
     ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal, UploadPiece,
 };
+use crate::hostfs;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 use crate::images::Catalog;
 
@@ -120,25 +121,6 @@ fn subvolume_of(id: &SandboxId) -> String {
 
 fn snapshot_of(id: &SnapshotId) -> String {
     format!("snapshots/{id}")
-}
-
-/// Bytes of the files in a directory tree (not following symlinks): what a snapshot's upper
-/// layer holds beyond the image.
-fn tree_bytes(dir: &Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else { continue };
-        for entry in entries.flatten() {
-            let Ok(meta) = entry.path().symlink_metadata() else { continue };
-            if meta.is_dir() {
-                stack.push(entry.path());
-            } else {
-                total += meta.len();
-            }
-        }
-    }
-    total
 }
 
 impl ProcessBackend {
@@ -588,7 +570,9 @@ impl Backend for ProcessBackend {
         }
         let path = taken?;
         let upper = path.join("upper");
-        tokio::task::spawn_blocking(move || tree_bytes(&upper)).await.map_err(|e| BackendError::Internal(format!("size task: {e}")))
+        tokio::task::spawn_blocking(move || hostfs::tree_size(&upper, hostfs::Measure::Content))
+            .await
+            .map_err(|e| BackendError::Internal(format!("size task: {e}")))
     }
 
     async fn rollback(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<(), BackendError> {
