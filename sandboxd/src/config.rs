@@ -214,13 +214,26 @@ pub struct ImagesConfig {
     pub max_entries: u64,
     /// Imports and builds served at once; the others wait (and say so).
     pub max_concurrent: usize,
+    /// Most bytes of host disk the image store may take: the imported images (rootfs and
+    /// microVM base disk) and the uploads, exports and staging of the imports in flight.
+    pub max_store_bytes: u64,
+    /// Bytes an import leaves free on the filesystem of the state dir; below it, it stops.
+    pub min_free_bytes: u64,
     /// Network of the RUN steps of builds.
     pub build_network: BuildNetwork,
 }
 
 impl Default for ImagesConfig {
     fn default() -> Self {
-        ImagesConfig { max_archive_bytes: 32 << 30, max_rootfs_bytes: 32 << 30, max_entries: 2_000_000, max_concurrent: 2, build_network: BuildNetwork::None }
+        ImagesConfig {
+            max_archive_bytes: 32 << 30,
+            max_rootfs_bytes: 32 << 30,
+            max_entries: 2_000_000,
+            max_concurrent: 2,
+            max_store_bytes: 64 << 30,
+            min_free_bytes: 2 << 30,
+            build_network: BuildNetwork::None,
+        }
     }
 }
 
@@ -557,8 +570,11 @@ impl Config {
             return Err(ConfigError::Invalid("microvm.pool_image must name an image".into()));
         }
         let i = &self.images;
-        if i.max_concurrent == 0 || i.max_concurrent > 64 || i.max_entries == 0 || i.max_archive_bytes == 0 || i.max_rootfs_bytes == 0 {
-            return Err(ConfigError::Invalid("images: max_concurrent must be 1-64, and max_entries, max_archive_bytes and max_rootfs_bytes above 0".into()));
+        if i.max_concurrent == 0 || i.max_concurrent > 64 || i.max_entries == 0 || i.max_archive_bytes == 0 || i.max_rootfs_bytes == 0 || i.max_store_bytes == 0
+        {
+            return Err(ConfigError::Invalid(
+                "images: max_concurrent must be 1-64, and max_entries, max_archive_bytes, max_rootfs_bytes and max_store_bytes above 0".into(),
+            ));
         }
         Ok(())
     }

@@ -79,7 +79,7 @@ impl From<ImageError> for Error {
             e @ ImageError::DockerImageNotFound(_) => Error::NotFound(e.to_string()),
             ImageError::Invalid { field, message } => Error::invalid(field, message),
             e @ ImageError::Archive(_) => Error::invalid("archive", e.to_string()),
-            e @ ImageError::Limit { .. } => Error::ResourceExhausted(e.to_string()),
+            e @ (ImageError::Limit { .. } | ImageError::StoreFull(_)) => Error::ResourceExhausted(e.to_string()),
             e if e.is_disk_full() => Error::ResourceExhausted(e.to_string()),
             e @ (ImageError::Refused(_) | ImageError::NotReady { .. } | ImageError::DockerUnavailable(_) | ImageError::BuildFailed(_)) => {
                 Error::FailedPrecondition(e.to_string())

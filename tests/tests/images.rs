@@ -433,3 +433,54 @@ async fn hostile_archives_are_refused_and_nothing_lands_outside() {
     assert!(audit.lines().filter(|l| l.contains("\"rpc\":\"ImportImage\"")).count() >= 6, "every import is audited");
     assert!(audit.contains("\"status\":\"DATA_LOSS\"") && audit.contains("\"status\":\"INVALID_ARGUMENT\""), "with how it ended");
 }
+
+/// The image store's budget (`images.max_store_bytes`): an upload that says it is too long is
+/// refused before a byte is written, one that does not say stops once it passes the budget, and
+/// layers that would pass it stop while they are applied. Each is RESOURCE_EXHAUSTED naming the
+/// key, leaves nothing in the store, and the daemon goes on; an import that fits still works.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_image_store_keeps_to_its_budget() {
+    require_images();
+    let daemon = Daemon::start_with_config("[images]\nmax_store_bytes = 5242880\n").await.expect("starting sandboxd");
+    let c = daemon.client().await.expect("client");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let archive = |sub: &str, bytes: usize| {
+        let d = dir.path().join(sub);
+        std::fs::create_dir(&d).unwrap();
+        let data = vec![7u8; bytes];
+        hostile_archive(&d, &[vec![("data.bin", tar::EntryType::Regular, "", data.as_slice())]])
+    };
+    let over = archive("over", 6 << 20);
+    let half = archive("half", 3 << 20);
+    let fits = archive("fits", 64 << 10);
+    let store = daemon.state_dir().join("images");
+    let left = || -> Vec<String> { std::fs::read_dir(&store).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect() };
+
+    let cases = [
+        ("an upload that says it is 6 MiB", &over, true, "images.max_store_bytes"),
+        ("an upload of 6 MiB that does not say", &over, false, "images.max_store_bytes"),
+        ("3 MiB uploaded, then 3 MiB of layers", &half, true, "the layers of"),
+    ];
+    for (what, path, say_size, needle) in cases {
+        let file = tokio::fs::File::open(path).await.unwrap();
+        let size = if say_size { file.metadata().await.unwrap().len() } else { 0 };
+        let mut phases = Vec::new();
+        let err = within(120, c.import_image_archive("big", "big.tar", size, file, |p| phases.push(p.phase.clone()))).await.expect_err(what);
+        assert_eq!(err.code(), Code::ResourceExhausted, "{what}: {err}");
+        let m = err.to_string();
+        assert!(m.contains(needle) && m.contains("sbx image rm") && !m.contains(&store.display().to_string()), "{what}: {m}");
+        assert!(left().is_empty(), "{what}: no upload or staging dir left: {:?}", left());
+        if !say_size {
+            assert!(phases.iter().any(|p| p == "receive") || phases.is_empty(), "{what}: {phases:?}");
+        }
+    }
+    assert!(listed(&c, "big").await.is_none());
+
+    // What fits is imported, and the budget counts it.
+    let file = tokio::fs::File::open(&fits).await.unwrap();
+    let size = file.metadata().await.unwrap().len();
+    let info = within(300, c.import_image_archive("fits", "fits.tar", size, file, |_| {})).await.expect("an image that fits");
+    assert!(tiers(&info).contains(&Isolation::Process), "{info:?}");
+    c.remove_image("fits").await.expect("remove");
+    assert!(left().is_empty(), "removed: {:?}", left());
+}

@@ -86,11 +86,14 @@ pub fn choose_name(spec: &ImportSpec, archive: &ImageArchive) -> Result<String, 
 }
 
 /// Reads the archive at `path` and, unless the same image is already imported under its name,
-/// assembles it in a staging dir. `gone` says whether the client went away (polled while a
-/// layer is applied, so a long layer stops soon after).
+/// assembles it in a staging dir of at most `room` bytes of file data (what is left of the
+/// image store's budget, see `store`) and `images.max_rootfs_bytes`. `gone` says whether the
+/// client went away (polled while a layer is applied, so a long layer stops soon after).
+#[allow(clippy::too_many_arguments)]
 pub fn stage(
     catalog: &Catalog,
     cfg: &ImagesConfig,
+    room: u64,
     path: &Path,
     spec: &ImportSpec,
     progress: Progress<'_>,
@@ -127,7 +130,17 @@ pub fn stage(
     std::fs::create_dir_all(&rootfs).map_err(|e| ImageError::io("creating the staging dir", e))?;
     std::fs::set_permissions(&rootfs, std::os::unix::fs::PermissionsExt::from_mode(0o755)).map_err(|e| ImageError::io("chmod the rootfs", e))?;
     let root = File::open(&rootfs).map_err(|e| ImageError::io("opening the rootfs", e))?;
-    let limits = Limits { max_bytes: cfg.max_rootfs_bytes, max_entries: cfg.max_entries };
+    let limits = Limits { max_bytes: cfg.max_rootfs_bytes.min(room), max_entries: cfg.max_entries };
+    // The store's room, not the image's own bound, is what a "max_rootfs_bytes" stop meant.
+    let store_full = |e: ImageError| {
+        match e {
+        ImageError::Limit { key: "max_rootfs_bytes", .. } if room < cfg.max_rootfs_bytes => ImageError::StoreFull(format!(
+            "the image store is full: the layers of {name} hold more than the {} left of images.max_store_bytes; remove images (sbx image rm) or raise the limit",
+            human(room)
+        )),
+        e => e,
+    }
+    };
     let mut totals = Totals::default();
     let mut done = 0u64;
     for (i, l) in archive.layers.iter().enumerate() {
@@ -139,8 +152,10 @@ pub fn stage(
         let stats = {
             let mut buffered = BufReader::with_capacity(256 << 10, &mut raw);
             let stats = match archive::compression(&mut buffered, &l.member)? {
-                Compression::Gzip => apply_checked(root.as_fd(), flate2::read::GzDecoder::new(&mut buffered), l, &mut totals, &limits, gone)?,
-                Compression::None => apply_checked(root.as_fd(), &mut buffered, l, &mut totals, &limits, gone)?,
+                Compression::Gzip => {
+                    apply_checked(root.as_fd(), flate2::read::GzDecoder::new(&mut buffered), l, &mut totals, &limits, gone).map_err(store_full)?
+                }
+                Compression::None => apply_checked(root.as_fd(), &mut buffered, l, &mut totals, &limits, gone).map_err(store_full)?,
             };
             io::copy(&mut buffered, &mut io::sink()).map_err(|e| ImageError::io(format!("reading layer {}", l.member), e))?;
             stats
@@ -316,6 +331,7 @@ mod tests {
         let prepared = stage(
             &c,
             &ImagesConfig::default(),
+            u64::MAX,
             &path,
             &spec(""),
             &mut |e| {
@@ -336,12 +352,12 @@ mod tests {
         c.commit(&dir, "app").expect("commit");
         drop(staged);
         assert!(c.resolve("app").expect("in the catalog").rootfs().join("bin/tool").exists(), "a committed image is not removed");
-        let again = stage(&c, &ImagesConfig::default(), &path, &spec("app"), &mut |_| true, &|| false).expect("again");
+        let again = stage(&c, &ImagesConfig::default(), u64::MAX, &path, &spec("app"), &mut |_| true, &|| false).expect("again");
         assert!(matches!(again, Prepared::Unchanged { .. }), "{again:?}");
         // A script-built name is refused; a dropped staging dir is removed.
-        let err = stage(&c, &ImagesConfig::default(), &path, &spec("minimal"), &mut |_| true, &|| false).expect_err("script name");
+        let err = stage(&c, &ImagesConfig::default(), u64::MAX, &path, &spec("minimal"), &mut |_| true, &|| false).expect_err("script name");
         assert!(matches!(err, ImageError::Refused(_)), "{err}");
-        match stage(&c, &ImagesConfig::default(), &path, &spec("other"), &mut |_| true, &|| false).expect("other") {
+        match stage(&c, &ImagesConfig::default(), u64::MAX, &path, &spec("other"), &mut |_| true, &|| false).expect("other") {
             Prepared::Staged(s) => {
                 let d = s.dir.clone();
                 drop(s);
@@ -365,7 +381,7 @@ mod tests {
         let mut forged = bytes.clone();
         forged[at..at + good.len()].copy_from_slice(&swapped);
         std::fs::write(&path, forged).expect("write");
-        let err = stage(&c, &ImagesConfig::default(), &path, &spec("x"), &mut |_| true, &|| false).expect_err("forged");
+        let err = stage(&c, &ImagesConfig::default(), u64::MAX, &path, &spec("x"), &mut |_| true, &|| false).expect_err("forged");
         assert!(err.to_string().contains("digest"), "{err}");
         assert_eq!(std::fs::read_dir(c.imported_dir()).expect("ls").count(), 0, "no staging dir left behind");
         // `..` in a layer: refused, nothing outside the staging dir.
@@ -379,14 +395,17 @@ mod tests {
         evil.resize(1024, 0);
         evil.extend_from_slice(&[0; 1024]);
         let path = docker_save(tmp.path(), &[evil], &[], "evil:1");
-        let err = stage(&c, &ImagesConfig::default(), &path, &spec(""), &mut |_| true, &|| false).expect_err("evil");
+        let err = stage(&c, &ImagesConfig::default(), u64::MAX, &path, &spec(""), &mut |_| true, &|| false).expect_err("evil");
         assert!(matches!(err, ImageError::Archive(_)) && err.to_string().contains("escape"), "{err}");
         assert!(!tmp.path().join("escape").exists() && !tmp.path().join("state/escape").exists());
         // Bounds are the configured keys.
         let path = docker_save(tmp.path(), &[layer(&[("big", &[0u8; 4096])])], &[], "big:1");
         let small = ImagesConfig { max_rootfs_bytes: 1000, ..Default::default() };
-        let err = stage(&c, &small, &path, &spec(""), &mut |_| true, &|| false).expect_err("bound");
+        let err = stage(&c, &small, u64::MAX, &path, &spec(""), &mut |_| true, &|| false).expect_err("bound");
         assert!(matches!(err, ImageError::Limit { key: "max_rootfs_bytes", .. }), "{err}");
+        // The store's room, when smaller, stops it as a full store.
+        let err = stage(&c, &ImagesConfig::default(), 1000, &path, &spec(""), &mut |_| true, &|| false).expect_err("room");
+        assert!(matches!(&err, ImageError::StoreFull(m) if m.contains("images.max_store_bytes")), "{err}");
     }
 
     #[test]
@@ -436,7 +455,7 @@ mod tests {
         drop(b);
         // No usable reference in the archive ("latest" is a tag): the file's stem names it.
         let spec = ImportSpec { name: String::new(), name_hint: "oci-tool".into(), source: "archive:oci-tool.tar".into() };
-        let Prepared::Staged(staged) = stage(&c, &ImagesConfig::default(), &path, &spec, &mut |_| true, &|| false).expect("stage") else {
+        let Prepared::Staged(staged) = stage(&c, &ImagesConfig::default(), u64::MAX, &path, &spec, &mut |_| true, &|| false).expect("stage") else {
             panic!("not staged")
         };
         assert_eq!((staged.name.as_str(), staged.json.format.as_str(), staged.json.layers), ("oci-tool", "oci", 2));
@@ -444,7 +463,7 @@ mod tests {
         assert_eq!(std::fs::read(staged.dir.join("rootfs/etc/conf")).expect("read"), b"1");
         assert_eq!(staged.json.config.cmd, ["tool"]);
         // A client that goes away stops the import.
-        let err = stage(&c, &ImagesConfig::default(), &path, &spec, &mut |_| true, &|| true).expect_err("gone");
+        let err = stage(&c, &ImagesConfig::default(), u64::MAX, &path, &spec, &mut |_| true, &|| true).expect_err("gone");
         assert!(matches!(err, ImageError::Aborted(_)), "{err}");
     }
 }

@@ -30,6 +30,7 @@ pub mod engine;
 pub mod import;
 pub mod layer;
 pub mod meta;
+pub mod store;
 
 pub use catalog::{is_valid_name, Catalog, ImageDir, Origin, VmFiles, MAX_NAME_BYTES};
 pub use engine::Engine;
@@ -57,6 +58,9 @@ pub enum ImageError {
     /// A configured bound was reached; names the key.
     #[error("{what}: over the limit of {limit} (images.{key})")]
     Limit { what: String, limit: String, key: &'static str },
+    /// The image store (or its filesystem) has no room for this import; names the key.
+    #[error("{0}")]
+    StoreFull(String),
     /// A `docker:` reference the local Docker Engine does not have (nothing is ever pulled).
     #[error("Docker image {0:?} not found in the local Docker Engine (nothing is pulled; build, load or tag it there first)")]
     DockerImageNotFound(String),

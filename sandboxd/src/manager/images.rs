@@ -28,6 +28,7 @@ use crate::backend::UploadPiece;
 use crate::error::Error;
 use crate::images::engine::BuildSpec;
 use crate::images::import::{self, ImportSpec, Prepared};
+use crate::images::store::Claim;
 use crate::images::{build, catalog, human, ImageError};
 use crate::model::{ImageProgress, ImageRecord, Isolation};
 
@@ -35,6 +36,8 @@ use crate::model::{ImageProgress, ImageRecord, Isolation};
 const EVENT_BUFFER: usize = 32;
 /// How often the bytes of an upload or export are reported.
 const REPORT_EVERY: Duration = Duration::from_millis(500);
+/// How often (in bytes received) an upload checks the free space of the store's filesystem.
+const FREE_CHECK_EVERY: u64 = 64 << 20;
 
 /// The events of an import or build: progress, then a last event with `done` set, or an error.
 pub type ImageEvents = ReceiverStream<Result<ImageProgress, Error>>;
@@ -183,7 +186,12 @@ impl Manager {
             self.remove_tier_copies(name).await;
             (self.catalog.take_out(name)?, img.json().size_bytes)
         };
-        let removed = tokio::task::spawn_blocking(move || catalog::remove_any(&trash)).await;
+        let store = self.image_store.clone();
+        let removed = tokio::task::spawn_blocking(move || {
+            catalog::remove_any(&trash);
+            store.measure();
+        })
+        .await;
         if let Err(e) = removed {
             tracing::warn!(image = name, error = %e, "removing an image's files");
         }
@@ -244,19 +252,21 @@ impl Manager {
 
     async fn run_import(&self, tenant: &str, req: ImportRequest, report: &Reporter) -> Result<ImageRecord, Error> {
         let started = Instant::now();
+        // Declared first, dropped last: the claim covers the upload file until it is gone.
+        let mut claim = self.image_store.claim()?;
         let upload = TempFile(self.catalog.upload_path());
         let (spec, permit) = match req.source {
             ImportSource::Docker(reference) => {
                 let permit = self.image_slot(report).await?;
                 let id = self.engine.image_id(&reference).await?;
                 report.say("export", format!("exporting {reference} ({}) from the local Docker Engine", short(&id))).await;
-                self.export(&id, &upload.0, report).await?;
+                self.export(&id, &upload.0, &mut claim, report).await?;
                 let spec = ImportSpec { name: req.name, name_hint: reference.clone(), source: format!("docker:{reference}") };
                 (spec, permit)
             }
             ImportSource::Archive { file_name, size, data } => {
                 // The bytes are received before a slot is taken: a slow client holds no slot.
-                receive(data, &upload.0, size, self.cfg.images.max_archive_bytes, report).await?;
+                receive(data, &upload.0, size, self.cfg.images.max_archive_bytes, &mut claim, report).await?;
                 let permit = self.image_slot(report).await?;
                 let stem = Path::new(&file_name).file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_string();
                 let spec = ImportSpec { name: req.name, name_hint: stem, source: format!("archive:{}", file_name.chars().take(200).collect::<String>()) };
@@ -264,14 +274,15 @@ impl Manager {
             }
         };
         tracing::info!(tenant, source = %spec.source, ms = started.elapsed().as_millis() as u64, "image archive received");
-        let record = self.finish_import(tenant, spec, &upload.0, report).await;
+        let record = self.finish_import(tenant, spec, &upload.0, &mut claim, report).await;
         drop(permit);
         record
     }
 
     async fn run_build(&self, tenant: &str, req: BuildRequest, report: &Reporter) -> Result<ImageRecord, Error> {
+        let mut claim = self.image_store.claim()?;
         let context = TempFile(self.catalog.upload_path());
-        receive(req.data, &context.0, req.size, self.cfg.images.max_archive_bytes, report).await?;
+        receive(req.data, &context.0, req.size, self.cfg.images.max_archive_bytes, &mut claim, report).await?;
         let permit = self.image_slot(report).await?;
         let dockerfile = if req.dockerfile.is_empty() { "Dockerfile".to_string() } else { req.dockerfile };
         let text = {
@@ -312,11 +323,11 @@ impl Manager {
             tracing::info!(tenant, image = %req.name, ms = started.elapsed().as_millis() as u64, "docker build finished");
             report.say("build", format!("built in {} ms", started.elapsed().as_millis())).await;
             let export = TempFile(self.catalog.upload_path());
-            self.export(&tag, &export.0, report).await?;
+            self.export(&tag, &export.0, &mut claim, report).await?;
             // The intermediate tag goes before the (long) import: Docker keeps nothing of ours.
             self.remove_build_tag(&tag).await;
             let spec = ImportSpec { name: req.name.clone(), name_hint: req.name.clone(), source: format!("build:{}", req.name) };
-            self.finish_import(tenant, spec, &export.0, report).await
+            self.finish_import(tenant, spec, &export.0, &mut claim, report).await
         }
         .await;
         self.remove_build_tag(&tag).await;
@@ -331,7 +342,9 @@ impl Manager {
     }
 
     /// `docker save` of `reference` into `dest`, with progress.
-    async fn export(&self, reference: &str, dest: &Path, report: &Reporter) -> Result<u64, Error> {
+    /// Exports `reference` from Docker into `dest`, counted against the image store's budget
+    /// once written (the export is bounded by `images.max_archive_bytes` while it runs).
+    async fn export(&self, reference: &str, dest: &Path, claim: &mut Claim, report: &Reporter) -> Result<u64, Error> {
         let started = Instant::now();
         let (bytes_tx, mut bytes_rx) = tokio::sync::watch::channel(0u64);
         let forward = {
@@ -353,23 +366,34 @@ impl Manager {
         drop(bytes_tx);
         let _ = forward.await;
         let bytes = result?;
+        claim.grow(bytes)?;
+        claim.check_free()?;
         report.say("export", format!("{} exported in {} ms", human(bytes), started.elapsed().as_millis())).await;
         Ok(bytes)
     }
 
     /// Stages the archive at `path`, puts it in the catalog, and prepares every tier.
-    async fn finish_import(&self, tenant: &str, spec: ImportSpec, path: &Path, report: &Reporter) -> Result<ImageRecord, Error> {
+    /// `claim` holds what the import wrote so far; the staged rootfs is added to it, and the
+    /// store is measured again once the image is in place.
+    async fn finish_import(&self, tenant: &str, spec: ImportSpec, path: &Path, claim: &mut Claim, report: &Reporter) -> Result<ImageRecord, Error> {
         let started = Instant::now();
         let prepared = {
             let (catalog, cfg, path) = (self.catalog.clone(), self.cfg.images.clone(), path.to_path_buf());
+            let room = self.image_store.room();
             let tx = report.0.clone();
             let closed = tx.clone();
             tokio::task::spawn_blocking(move || {
-                import::stage(&catalog, &cfg, &path, &spec, &mut |event| tx.blocking_send(Ok(event)).is_ok(), &|| closed.is_closed())
+                import::stage(&catalog, &cfg, room, &path, &spec, &mut |event| tx.blocking_send(Ok(event)).is_ok(), &|| closed.is_closed())
             })
             .await
             .map_err(|e| Error::Internal(format!("image import task: {e}")))??
         };
+        if let Prepared::Staged(staged) = &prepared {
+            // Another import may have taken the same room meanwhile; a failure drops `staged`,
+            // which removes its dir.
+            claim.grow(staged.json.size_bytes)?;
+            claim.check_free()?;
+        }
         let layers_ms = started.elapsed().as_millis();
         let name = match &prepared {
             Prepared::Unchanged { name, .. } => name.clone(),
@@ -406,6 +430,10 @@ impl Manager {
             }
         }
         self.prepare_tiers(&name, report).await;
+        let store = self.image_store.clone();
+        if let Err(e) = tokio::task::spawn_blocking(move || store.measure()).await {
+            tracing::warn!(image = %name, error = %e, "measuring the image store");
+        }
         tracing::info!(tenant, image = %name, ms = started.elapsed().as_millis() as u64, "image imported");
         self.get_image(&name)
     }
@@ -480,11 +508,12 @@ async fn finish(tx: &mpsc::Sender<Result<ImageProgress, Error>>, result: Result<
 
 /// Writes an upload's pieces to `path` (at most `max` bytes) until `Commit`; a channel that
 /// closes before it is an upload that did not complete.
-async fn receive(mut data: mpsc::Receiver<UploadPiece>, path: &Path, size: u64, max: u64, report: &Reporter) -> Result<u64, Error> {
+async fn receive(mut data: mpsc::Receiver<UploadPiece>, path: &Path, size: u64, max: u64, claim: &mut Claim, report: &Reporter) -> Result<u64, Error> {
     let started = Instant::now();
     if size > max {
         return Err(Error::ResourceExhausted(format!("the archive is {}; at most {} (images.max_archive_bytes)", human(size), human(max))));
     }
+    claim.fits(size)?;
     let mut file = tokio::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -500,6 +529,11 @@ async fn receive(mut data: mpsc::Receiver<UploadPiece>, path: &Path, size: u64, 
                 total += bytes.len() as u64;
                 if total > max {
                     return Err(Error::ResourceExhausted(format!("the archive is over {} (images.max_archive_bytes)", human(max))));
+                }
+                // Counted before it is written: a full store stops the upload here.
+                claim.grow(bytes.len() as u64)?;
+                if total / FREE_CHECK_EVERY != (total - bytes.len() as u64) / FREE_CHECK_EVERY {
+                    claim.check_free()?;
                 }
                 file.write_all(&bytes).await.map_err(|e| Error::from(ImageError::io("writing the upload", e)))?;
                 if reported.elapsed() >= REPORT_EVERY {

@@ -27,6 +27,7 @@ use crate::backend::{Backends, SandboxSpec};
 use crate::config::Config;
 use crate::error::Error;
 use crate::ids::{SandboxId, SnapshotId};
+use crate::images::store::StoreBudget;
 use crate::images::{Catalog, Engine};
 use crate::metrics::Metrics;
 use crate::model::{Isolation, SandboxInfo, SandboxState};
@@ -87,6 +88,8 @@ pub struct Manager {
     engine: Arc<Engine>,
     /// Imports and builds at once (`images.max_concurrent`).
     image_jobs: Arc<tokio::sync::Semaphore>,
+    /// The host disk the image store may take (`images.max_store_bytes`, `min_free_bytes`).
+    image_store: Arc<StoreBudget>,
     /// Creates hold it (read) from their image check until the sandbox is in the table; image
     /// removals and replacements hold it (write) from their in-use check until the image is out
     /// of the catalog, so no sandbox starts from an image being removed.
@@ -112,10 +115,12 @@ impl Manager {
     pub fn new(cfg: Arc<Config>, backends: Backends, catalog: Arc<Catalog>, engine: Arc<Engine>, store: Store, metrics: Arc<Metrics>) -> Arc<Self> {
         let disk_pools = DiskPools::from_config(&cfg);
         let image_jobs = Arc::new(tokio::sync::Semaphore::new(cfg.images.max_concurrent));
+        let image_store = StoreBudget::new(catalog.imported_dir(), cfg.images.max_store_bytes, cfg.images.min_free_bytes);
         Arc::new(Manager {
             catalog,
             engine,
             image_jobs,
+            image_store,
             image_gate: tokio::sync::RwLock::new(()),
             image_locks: Mutex::new(HashMap::new()),
             cfg,
