@@ -9,20 +9,23 @@
 //! `images.min_free_bytes` free for everything else on the host; a write past either is
 //! RESOURCE_EXHAUSTED naming the key, and the upload or staging dir is removed.
 //!
-//! * `committed`: the disk the imported images hold (`du` of `<state_dir>/images/<name>/`),
-//!   measured at start and again after each import and removal;
+//! * committed: the disk the imported images hold (`du` of `<state_dir>/images/<name>/`), each
+//!   measured at start, after its import (tiers included) and forgotten at its removal — one
+//!   image's tree per import, never the whole store again;
 //! * in flight: what the imports running now have written and not yet committed, claimed by
 //!   each as it writes ([`Claim::grow`]) and released when its claim is dropped (the temporary
 //!   file or staging dir is gone by then, or committed and measured).
 //!
 //! Two imports staging at once may each be told the same room, so the store can pass its budget
 //! by up to `max_concurrent` rootfs for the moment until the second one's claim fails; the base
-//! disk the microVM tier makes after the commit is counted at the next measure. The Docker
-//! Engine's copy of an image (container tier) is in Docker's storage and not counted here.
+//! disk the microVM tier makes after the commit is counted once it is made (the image is measured
+//! after its tiers), not claimed ahead. The Docker Engine's copy of an image (container tier) is
+//! in Docker's storage and not counted here.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use super::{human, ImageError};
 use crate::hostfs::{self, Measure};
@@ -33,8 +36,10 @@ pub struct StoreBudget {
     dir: PathBuf,
     max: u64,
     min_free: u64,
-    committed: AtomicU64,
-    images: AtomicUsize,
+    /// Disk of each imported image, by name.
+    committed: Mutex<HashMap<String, u64>>,
+    /// Their sum, read on every write of an upload.
+    committed_total: AtomicU64,
     in_flight: AtomicU64,
 }
 
@@ -53,41 +58,49 @@ impl StoreBudget {
             dir: dir.to_path_buf(),
             max,
             min_free,
-            committed: AtomicU64::new(0),
-            images: AtomicUsize::new(0),
+            committed: Mutex::new(HashMap::new()),
+            committed_total: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
         });
-        budget.measure();
-        budget
-    }
-
-    /// Measures the committed images again (after an import or a removal). Blocks.
-    pub fn measure(&self) {
-        let (mut bytes, mut images) = (0u64, 0usize);
-        if let Ok(entries) = std::fs::read_dir(&self.dir) {
+        if let Ok(entries) = std::fs::read_dir(dir) {
             for entry in entries.flatten() {
-                // Dot entries are in flight (uploads, staging) or going (trash): claims count
-                // the first, the second is about to be freed.
-                if entry.file_name().as_encoded_bytes().starts_with(b".") {
-                    continue;
-                }
-                let Ok(meta) = entry.metadata() else { continue };
-                if meta.is_dir() {
-                    images += 1;
-                    bytes = bytes.saturating_add(hostfs::tree_size(&entry.path(), Measure::Allocated));
-                } else {
-                    bytes = bytes.saturating_add(meta.len());
+                // Dot entries are in flight (uploads, staging) or going (trash), and the catalog
+                // clears them at start.
+                let name = entry.file_name();
+                match name.to_str() {
+                    Some(name) if !name.starts_with('.') && entry.file_type().is_ok_and(|t| t.is_dir()) => budget.measure(name),
+                    _ => {}
                 }
             }
         }
-        self.committed.store(bytes, Ordering::Relaxed);
-        self.images.store(images, Ordering::Relaxed);
-        tracing::debug!(bytes, images, max = self.max, "image store measured");
+        tracing::info!(bytes = budget.committed_total.load(Ordering::Relaxed), max, "image store measured");
+        budget
+    }
+
+    /// Measures imported image `name` (once it is in place with what its tiers made of it).
+    /// Blocks.
+    pub fn measure(&self, name: &str) {
+        let bytes = hostfs::tree_size(&self.dir.join(name), Measure::Allocated);
+        self.set(name, Some(bytes));
+    }
+
+    /// Forgets imported image `name` (removed).
+    pub fn forget(&self, name: &str) {
+        self.set(name, None);
+    }
+
+    fn set(&self, name: &str, bytes: Option<u64>) {
+        let Ok(mut sizes) = self.committed.lock() else { return };
+        match bytes {
+            Some(b) => sizes.insert(name.to_string(), b),
+            None => sizes.remove(name),
+        };
+        self.committed_total.store(sizes.values().fold(0u64, |a, b| a.saturating_add(*b)), Ordering::Relaxed);
     }
 
     /// Bytes the store holds and is being written, counted against the budget.
     pub fn used(&self) -> u64 {
-        self.committed.load(Ordering::Relaxed).saturating_add(self.in_flight.load(Ordering::Relaxed))
+        self.committed_total.load(Ordering::Relaxed).saturating_add(self.in_flight.load(Ordering::Relaxed))
     }
 
     /// Bytes an import may still write before the store is full.
@@ -109,8 +122,8 @@ impl StoreBudget {
             "the image store is full: {} more would pass images.max_store_bytes ({}); {} images hold {} and imports in flight {}; remove images (sbx image rm) or raise the limit",
             human(needed),
             human(self.max),
-            self.images.load(Ordering::Relaxed),
-            human(self.committed.load(Ordering::Relaxed)),
+            self.committed.lock().map(|s| s.len()).unwrap_or_default(),
+            human(self.committed_total.load(Ordering::Relaxed)),
             human(self.in_flight.load(Ordering::Relaxed)),
         ))
     }
@@ -209,8 +222,12 @@ mod tests {
         assert!(claim.fits(100 << 10).is_ok() && claim.fits(200 << 10).is_err(), "a declared length past the room is refused at once");
         drop(claim);
 
-        std::fs::remove_dir_all(tmp.path().join("one")).expect("rm");
-        budget.measure();
+        std::fs::create_dir_all(tmp.path().join("two/rootfs")).expect("mkdir");
+        std::fs::write(tmp.path().join("two/rootfs/f"), vec![1u8; 64 << 10]).expect("write");
+        budget.measure("two");
+        assert!(budget.used() >= 2 * (64 << 10), "two images: {}", budget.used());
+        budget.forget("one");
+        budget.forget("two");
         assert_eq!(budget.used(), 0);
     }
 

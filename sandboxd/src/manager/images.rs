@@ -186,12 +186,8 @@ impl Manager {
             self.remove_tier_copies(name).await;
             (self.catalog.take_out(name)?, img.json().size_bytes)
         };
-        let store = self.image_store.clone();
-        let removed = tokio::task::spawn_blocking(move || {
-            catalog::remove_any(&trash);
-            store.measure();
-        })
-        .await;
+        self.image_store.forget(name);
+        let removed = tokio::task::spawn_blocking(move || catalog::remove_any(&trash)).await;
         if let Err(e) = removed {
             tracing::warn!(image = name, error = %e, "removing an image's files");
         }
@@ -430,8 +426,8 @@ impl Manager {
             }
         }
         self.prepare_tiers(&name, report).await;
-        let store = self.image_store.clone();
-        if let Err(e) = tokio::task::spawn_blocking(move || store.measure()).await {
+        let (store, measured) = (self.image_store.clone(), name.clone());
+        if let Err(e) = tokio::task::spawn_blocking(move || store.measure(&measured)).await {
             tracing::warn!(image = %name, error = %e, "measuring the image store");
         }
         tracing::info!(tenant, image = %name, ms = started.elapsed().as_millis() as u64, "image imported");
