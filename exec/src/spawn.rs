@@ -99,7 +99,8 @@ pub fn describe_failure(stage: Stage, errno: Errno, argv0: &str, workdir: &str, 
 pub struct Command {
     _argv: Vec<CString>,
     argv_ptrs: Vec<*const libc::c_char>,
-    _env: Vec<CString>,
+    /// Owns the strings `env_ptrs` points to.
+    env: Vec<CString>,
     env_ptrs: Vec<*const libc::c_char>,
     candidates: Vec<CString>,
     workdir: CString,
@@ -145,7 +146,7 @@ impl Command {
         argv_ptrs.push(std::ptr::null());
         let mut env_ptrs: Vec<_> = env_c.iter().map(|c| c.as_ptr()).collect();
         env_ptrs.push(std::ptr::null());
-        Ok(Command { _argv: argv_c, argv_ptrs, _env: env_c, env_ptrs, candidates, workdir: cstring(workdir)?, controlling_tty: false, user: None })
+        Ok(Command { _argv: argv_c, argv_ptrs, env: env_c, env_ptrs, candidates, workdir: cstring(workdir)?, controlling_tty: false, user: None })
     }
 }
 
@@ -160,8 +161,17 @@ impl Command {
 
     /// The command runs with these credentials (groups, then gid, then uid, all three of each
     /// id: a process cannot switch back). A non-root uid loses every capability at the switch.
+    /// Its `HOME` is the user's home unless its env has one (as Docker does: the daemon leaves
+    /// `HOME` out of a non-root exec's defaults).
     pub fn as_user(mut self, creds: &crate::user::Credentials) -> Command {
         self.user = Some((creds.uid, creds.gid, creds.groups.clone()));
+        if !self.env.iter().any(|e| e.as_bytes().starts_with(b"HOME=")) {
+            if let Ok(home) = cstring(&format!("HOME={}", creds.home)) {
+                self.env.push(home);
+                // The strings' bytes stay where they were; only the pointer list is new.
+                self.env_ptrs = self.env.iter().map(|c| c.as_ptr()).chain(std::iter::once(std::ptr::null())).collect();
+            }
+        }
         self
     }
 }
@@ -429,8 +439,8 @@ mod tests {
     fn a_child_switches_to_its_user_before_it_runs() {
         // Needs root (CI is root): the switch is what is tested.
         assert!(nix::unistd::geteuid().is_root(), "this test runs as root");
-        let nobody = crate::user::Credentials { uid: 65534, gid: 65534, groups: vec![65534, 4] };
-        let check = "test \"$(id -u):$(id -g):$(id -G)\" = '65534:65534:65534 4' && ! cat /proc/self/status | grep -q '^CapEff:.*[1-9a-f]'";
+        let nobody = crate::user::Credentials { uid: 65534, gid: 65534, groups: vec![65534, 4], home: "/nonexistent".into() };
+        let check = "test \"$(id -u):$(id -g):$(id -G)\" = '65534:65534:65534 4' && ! cat /proc/self/status | grep -q '^CapEff:.*[1-9a-f]' && test \"$HOME\" = /nonexistent";
         assert_eq!(run_as(&["sh", "-c", check], "/", Some(&nobody)), (None, 0), "uid, gid, groups set; no capability left");
         // The working directory is entered as the user: one only root may enter is refused.
         let dir = tempfile::tempdir().expect("tempdir");

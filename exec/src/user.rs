@@ -30,6 +30,14 @@ pub struct Credentials {
     pub gid: u32,
     /// Supplementary groups (the primary one included).
     pub groups: Vec<u32>,
+    /// The user's home directory from `/etc/passwd` (`/` for a uid without a line, as in
+    /// Docker): the command's `HOME` unless its env sets one.
+    #[serde(default = "root_dir")]
+    pub home: String,
+}
+
+fn root_dir() -> String {
+    "/".to_string()
 }
 
 /// Why a user specification does not resolve.
@@ -80,13 +88,15 @@ pub fn resolve_in(spec: &str, passwd: &str, group: &str) -> Result<Credentials, 
         None => (spec, None),
     };
     // A name that is a number is still a name first (Docker does the same).
-    let (uid, primary, name) = match (passwd_lines(passwd).find(|e| e.name == user), user.parse::<u32>()) {
-        (Some(e), _) => (e.uid, e.gid, Some(e.name)),
-        (None, Ok(uid)) => match passwd_lines(passwd).find(|e| e.uid == uid) {
-            Some(e) => (uid, e.gid, Some(e.name)),
-            None => (uid, 0, None),
-        },
+    let entry = match (passwd_lines(passwd).find(|e| e.name == user), user.parse::<u32>()) {
+        (Some(e), _) => Some(e),
+        (None, Ok(uid)) => passwd_lines(passwd).find(|e| e.uid == uid),
         (None, Err(_)) => return Err(UserError::NoSuchUser(user.to_string())),
+    };
+    let (uid, primary, name, home) = match entry {
+        Some(e) => (e.uid, e.gid, Some(e.name), e.home),
+        // Only a number gets here without a line.
+        None => (user.parse::<u32>().map_err(|_| UserError::NoSuchUser(user.to_string()))?, 0, None, "/"),
     };
     let gid = match group_part {
         None => primary,
@@ -106,13 +116,16 @@ pub fn resolve_in(spec: &str, passwd: &str, group: &str) -> Result<Credentials, 
             }
         }
     }
-    Ok(Credentials { uid, gid, groups })
+    // Written by the sandbox: an absolute path of sane length, or `/`.
+    let home = if home.starts_with('/') && home.len() <= 4096 { home } else { "/" };
+    Ok(Credentials { uid, gid, groups, home: home.to_string() })
 }
 
 struct PasswdEntry<'a> {
     name: &'a str,
     uid: u32,
     gid: u32,
+    home: &'a str,
 }
 
 struct GroupEntry<'a> {
@@ -128,7 +141,9 @@ fn passwd_lines(text: &str) -> impl Iterator<Item = PasswdEntry<'_>> {
         let _password = f.next()?;
         let uid = f.next()?.parse().ok()?;
         let gid = f.next()?.parse().ok()?;
-        (!name.is_empty()).then_some(PasswdEntry { name, uid, gid })
+        let _gecos = f.next();
+        let home = f.next().unwrap_or("/");
+        (!name.is_empty()).then_some(PasswdEntry { name, uid, gid, home })
     })
 }
 
@@ -166,7 +181,13 @@ mod tests {
     const GROUP: &str = "root:x:0:\nadm:x:4:app,other\napp:x:1000:\ndocker:x:999:app\nstaff:x:50:\nnogid:x:notanumber:app\n";
 
     fn creds(uid: u32, gid: u32, groups: &[u32]) -> Credentials {
-        Credentials { uid, gid, groups: groups.to_vec() }
+        let home = match uid {
+            0 => "/root",
+            65534 => "/nonexistent",
+            1000 => "/home/app",
+            _ => "/",
+        };
+        Credentials { uid, gid, groups: groups.to_vec(), home: home.to_string() }
     }
 
     #[test]
@@ -178,6 +199,10 @@ mod tests {
         assert_eq!(resolve_in("app:77", PASSWD, GROUP), Ok(creds(1000, 77, &[77, 4, 999])));
         assert_eq!(resolve_in("0:0", PASSWD, GROUP), Ok(creds(0, 0, &[0])));
         assert_eq!(resolve_in("1234", PASSWD, GROUP), Ok(creds(1500, 1500, &[1500])), "a numeric name is a name first");
+        let home = |passwd: &str| resolve_in("w", passwd, "").map(|c| c.home);
+        assert_eq!(home("w:x:7:7::relative:/bin/sh\n"), Ok("/".into()), "a home that is not absolute");
+        assert_eq!(home("w:x:7:7\n"), Ok("/".into()), "a line without a home");
+        assert_eq!(home("w:x:7:7:W:/srv/w:/bin/sh\n"), Ok("/srv/w".into()));
     }
 
     #[test]

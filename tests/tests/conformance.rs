@@ -234,6 +234,16 @@ async fn execs_run_as_the_requested_user(isolation: Isolation) {
     // Not root any more: no capability left to read root's files or write the image's.
     let r = c.exec(as_user(&sb, "nobody", "cat /root/.profile 2>/dev/null; touch /etc/x")).await.expect("exec");
     assert_ne!(r.exit_code, 0, "nobody wrote /etc: {}", describe(&r));
+    // HOME: root's for root, else the user's own from the sandbox's /etc/passwd (as Docker
+    // does), unless the env sets one.
+    assert_eq!(h.sh_ok(&sb, "echo $HOME").await, "/root\n");
+    let r = c.exec(as_user(&sb, "nobody", "echo $HOME")).await.expect("exec");
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "/nonexistent\n", "{}", describe(&r));
+    h.sh_ok(&sb, "echo 'app:x:1000:1000::/home/app:/bin/sh' >> /etc/passwd && mkdir -p /home/app && chown 1000:1000 /home/app").await;
+    let r = c.exec(as_user(&sb, "app", "cd && touch own-file && echo $HOME && pwd")).await.expect("exec");
+    assert_eq!((r.exit_code, String::from_utf8_lossy(&r.stdout).as_ref()), (0, "/home/app\n/home/app\n"), "{}", describe(&r));
+    let r = c.exec(ExecRequest { env: [("HOME".to_string(), "/tmp".to_string())].into(), ..as_user(&sb, "app", "echo $HOME") }).await.expect("exec");
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "/tmp\n", "{}", describe(&r));
     // A user the sandbox does not know: the same record on every tier, and nothing ran.
     let r = c.exec(as_user(&sb, "ghost", "touch /tmp/ran")).await.expect("exec");
     assert_eq!((status(&r), r.exit_code), (ExecStatus::SpawnFailed, 126), "{}", describe(&r));

@@ -2,8 +2,10 @@
 //!
 //! Docker's exec API starts this (statically linked, bind-mounted read-only into every container
 //! in `/.sandboxd` (the directory is the mount point, so code inside cannot move it aside), so it needs nothing from the image — not even a shell) as
-//! `sandbox-exec TAG WORKDIR USER ARGV...` with exactly the command's environment (USER empty
-//! for root, else resolved in the container's own /etc/passwd and /etc/group). It stops itself
+//! `sandbox-exec TAG WORKDIR USER HOME ARGV...` with exactly the command's environment (USER
+//! empty for root, else resolved in the container's own /etc/passwd and /etc/group; HOME
+//! `passwd` when the command's `HOME` is the user's home, since runc puts root's `HOME` into the
+//! environment of every exec that has none, else empty). It stops itself
 //! first, so the daemon can find it by TAG (`sandboxd-<exec id>`), move it into the exec's own
 //! cgroup before anything forks, and continue it. Then it takes its own session and becomes the
 //! command through `sandbox_exec::spawn`, like the process tier's init and the microVM's guest
@@ -35,16 +37,19 @@ fn main() {
             unsafe { libc::pause() };
         }
     }
-    if args.len() < 5 {
-        eprintln!("usage: sandbox-exec TAG WORKDIR USER PROGRAM [ARG...] (the container tier's exec helper; sandboxd runs it)");
+    if args.len() < 6 {
+        eprintln!("usage: sandbox-exec TAG WORKDIR USER HOME PROGRAM [ARG...] (the container tier's exec helper; sandboxd runs it)");
         std::process::exit(2);
     }
     // SAFETY: raise stops this single-threaded process until the daemon continues it.
     unsafe { libc::raise(libc::SIGSTOP) };
     // Environment strings come from the daemon's API, which only carries UTF-8.
-    let env: Vec<(String, String)> =
-        std::env::vars_os().map(|(k, v)| (String::from_utf8_lossy(&k.into_vec()).into_owned(), String::from_utf8_lossy(&v.into_vec()).into_owned())).collect();
-    let cmd = match Command::new(&args[4..], &env, &args[2]) {
+    let home_from_passwd = args[4] == "passwd";
+    let env: Vec<(String, String)> = std::env::vars_os()
+        .map(|(k, v)| (String::from_utf8_lossy(&k.into_vec()).into_owned(), String::from_utf8_lossy(&v.into_vec()).into_owned()))
+        .filter(|(k, _)| !(home_from_passwd && k == "HOME"))
+        .collect();
+    let cmd = match Command::new(&args[5..], &env, &args[2]) {
         Ok(cmd) => cmd,
         Err(_) => report(Stage::Setup, Errno::EINVAL),
     };

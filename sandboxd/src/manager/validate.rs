@@ -41,6 +41,11 @@ fn base_env(id: &SandboxId) -> BTreeMap<String, String> {
     ])
 }
 
+/// Whether a user specification names root (`root`, `0`, with any group).
+fn is_root(spec: &str) -> bool {
+    matches!(spec.split(':').next(), Some("root" | "0"))
+}
+
 /// Bytes an environment takes in an exec's argv+env budget (`NAME=value\0` each).
 fn env_bytes<'a>(env: impl IntoIterator<Item = (&'a String, &'a String)>) -> usize {
     env.into_iter().map(|(k, v)| k.len() + v.len() + 2).sum()
@@ -247,8 +252,13 @@ pub(super) fn exec_spec(cfg: &Config, info: &SandboxInfo, req: &ExecRequest, exe
     if max_output > cfg.exec.max_output_bytes_ceiling {
         return Err(Error::invalid("max_output_bytes", format!("{max_output} is above the configured ceiling {}", cfg.exec.max_output_bytes_ceiling)));
     }
-    // The image's env under the sandbox's, under the request's.
+    let user = if req.user.is_empty() { info.user.clone() } else { Some(validate_user("user", req.user.clone())?) };
+    // The image's env under the sandbox's, under the request's. Another user than root gets its
+    // own HOME from the sandbox's /etc/passwd in the runtime, unless one of these sets it.
     let mut env = base_env(&info.id);
+    if user.as_deref().is_some_and(|u| !is_root(u)) {
+        env.remove("HOME");
+    }
     env.extend(info.image_config.env.clone());
     env.extend(info.env.clone());
     env.extend(req.env.clone());
@@ -262,7 +272,6 @@ pub(super) fn exec_spec(cfg: &Config, info: &SandboxInfo, req: &ExecRequest, exe
             format!("argv and env together are {size} bytes; the limit is {} KiB (pass large data on stdin or as a file)", MAX_ARGV_ENV_BYTES >> 10),
         ));
     }
-    let user = if req.user.is_empty() { info.user.clone() } else { Some(validate_user("user", req.user.clone())?) };
     Ok(ExecSpec {
         exec_id,
         user,

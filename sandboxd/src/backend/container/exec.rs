@@ -468,8 +468,11 @@ impl ContainerSandbox {
         let exec_id = spec.exec_id.to_string();
         let phase0 = Instant::now();
         let tag = format!("{TAG_PREFIX}{exec_id}");
-        // USER is a fixed slot ("" for root), so no argv[0] can be mistaken for it.
-        let mut cmd = vec![HELPER_IN_CONTAINER.to_string(), tag.clone(), spec.workdir.clone(), spec.user.clone().unwrap_or_default()];
+        // USER and HOME are fixed slots ("" for root, and for an env that has its HOME), so no
+        // argv[0] can be mistaken for them. The daemon leaves HOME out of a non-root exec's
+        // env for the runtime to take from /etc/passwd; runc would put root's there first.
+        let home = if spec.user.is_some() && !spec.env.iter().any(|(k, _)| k == "HOME") { "passwd" } else { "" };
+        let mut cmd = vec![HELPER_IN_CONTAINER.to_string(), tag.clone(), spec.workdir.clone(), spec.user.clone().unwrap_or_default(), home.to_string()];
         cmd.extend(spec.argv.iter().cloned());
         let env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         let session = spec.input.take();
