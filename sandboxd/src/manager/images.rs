@@ -337,8 +337,7 @@ impl Manager {
         }
     }
 
-    /// `docker save` of `reference` into `dest`, with progress.
-    /// Exports `reference` from Docker into `dest`, counted against the image store's budget
+    /// Exports (`docker save`) `reference` from Docker into `dest`, counted against the image store's budget
     /// once written (the export is bounded by `images.max_archive_bytes` while it runs).
     async fn export(&self, reference: &str, dest: &Path, claim: &mut Claim, report: &Reporter) -> Result<u64, Error> {
         let started = Instant::now();
