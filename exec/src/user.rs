@@ -160,15 +160,21 @@ fn group_lines(text: &str) -> impl Iterator<Item = GroupEntry<'_>> {
 
 /// The file's first [`MAX_FILE_BYTES`], lossily decoded; empty when it cannot be read (an image
 /// without `/etc/group` still runs numeric users) or is not a regular file: the sandbox may have
-/// made it a FIFO or a device, which must not block or flood the runtime that reads it.
+/// made it a FIFO, a device or a link to one, which must not block, flood or be opened by the
+/// runtime that reads it. The name is looked up with `O_PATH` (links followed, as Docker does,
+/// inside the sandbox's own root; nothing is opened), then only a regular file is reopened for
+/// reading ([`crate::sys::reopen_regular_for_reading`]).
 fn read_bounded(path: &Path) -> String {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_bytes()) else { return String::new() };
+    // SAFETY: open with a NUL-terminated path; O_PATH opens nothing but the name.
+    let Ok(fd) = nix::errno::Errno::result(unsafe { libc::open(c_path.as_ptr(), libc::O_PATH | libc::O_CLOEXEC) }) else { return String::new() };
+    // SAFETY: the kernel returned a fresh descriptor that we now own.
+    let path_fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let mut bytes = Vec::new();
-    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path);
-    if let Ok(f) = file {
-        if f.metadata().is_ok_and(|m| m.is_file()) {
-            let _ = f.take(MAX_FILE_BYTES).read_to_end(&mut bytes);
-        }
+    if let Ok((file, _)) = crate::sys::reopen_regular_for_reading(path_fd.as_raw_fd()) {
+        let _ = file.take(MAX_FILE_BYTES).read_to_end(&mut bytes);
     }
     String::from_utf8_lossy(&bytes).into_owned()
 }
@@ -224,5 +230,14 @@ mod tests {
         // A FIFO nobody writes would block a plain read forever.
         assert_eq!(resolve("app", etc.path()), Err(UserError::NoSuchUser("app".into())));
         assert_eq!(resolve("5:docker", etc.path()), Ok(creds(5, 999, &[999])));
+        // A link to a device is never opened (an endless /dev/zero, or one whose open acts);
+        // a link to a regular file is followed, as Docker does.
+        std::fs::remove_file(etc.path().join("passwd")).expect("rm");
+        std::os::unix::fs::symlink("/dev/zero", etc.path().join("passwd")).expect("symlink");
+        assert_eq!(resolve("app", etc.path()), Err(UserError::NoSuchUser("app".into())));
+        std::fs::remove_file(etc.path().join("passwd")).expect("rm");
+        std::fs::write(etc.path().join("real-passwd"), PASSWD).expect("passwd");
+        std::os::unix::fs::symlink("real-passwd", etc.path().join("passwd")).expect("symlink");
+        assert_eq!(resolve("app", etc.path()).map(|c| c.uid), Ok(1000));
     }
 }

@@ -391,3 +391,61 @@ async fn the_container_exec_helper_cannot_be_changed_or_moved_aside_from_inside(
     assert_eq!(String::from_utf8_lossy(&after.stdout), "the real helper\n", "{}", text(&after));
     assert!(std::fs::read(&host_helper).expect("the host's exec helper") == before, "the host's exec helper changed");
 }
+
+/// The sandbox's own /etc/passwd is read by the runtime that starts an exec as a user (PID 1 on
+/// the process tier, the exec helper, the guest agent). Made hostile — a FIFO nobody writes, a
+/// link to an endless device, a link to the kernel log, a huge file — it must neither block nor
+/// flood the runtime: the exec is refused promptly (SPAWN_FAILED, 126) and the next exec runs.
+/// On the container tier /etc/hosts is read-only too (Docker binds it from a host file).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hostile_etc_passwd_neither_blocks_nor_floods_the_runtime() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let as_nobody = |id: &str| agent_client::proto::ExecRequest { user: "nobody".into(), timeout_ms: 20_000, ..exec_request(id, ["id", "-u"]) };
+    for isolation in [Isolation::Process, Isolation::Container, Isolation::Microvm] {
+        let mut id = within(300, client.create(sandbox_request(isolation, "minimal"))).await.expect("CreateSandbox").id;
+        let cases = [
+            ("a FIFO", "mkfifo /tmp/p"),
+            ("a link to /dev/zero", "ln -s /dev/zero /tmp/p"),
+            ("a link to /proc/kmsg", "ln -s /proc/kmsg /tmp/p"),
+            ("a 64 MiB file of one line", "head -c 67108864 /dev/zero | tr '\\0' x > /tmp/p"),
+        ];
+        for (what, make) in cases {
+            // Known and left to Docker: runc reads the container's /etc/passwd itself for every
+            // exec, and one that blocks (a FIFO, /proc/kmsg) holds each `docker exec` (root's
+            // too): the daemon's start deadline answers the exec after 10 s and the sandbox stays
+            // stuck until destroyed. Only the sandbox itself is hurt; the daemon answers.
+            if isolation == Isolation::Container && (what == "a FIFO" || what == "a link to /proc/kmsg") {
+                continue;
+            }
+            let setup =
+                run(&client, &id, &["sh", "-c", &format!("rm -f /tmp/p; {make} && cp /etc/passwd /tmp/passwd.orig && ln -sf /tmp/p /etc/passwd")]).await;
+            assert_eq!(setup.exit_code, 0, "{isolation:?} {what}: setup:\n{}", text(&setup));
+            let started = std::time::Instant::now();
+            let r = within(30, client.exec(as_nobody(&id))).await.expect("Exec");
+            assert_eq!((r.status(), r.exit_code), (ExecStatus::SpawnFailed, 126), "{isolation:?} {what}:\n{}", text(&r));
+            assert!(started.elapsed() < Duration::from_secs(10), "{isolation:?} {what}: took {:?}:\n{}", started.elapsed(), text(&r));
+            eprintln!("{isolation:?} {what}: refused in {:?}: {}", started.elapsed(), r.error);
+            if isolation == Isolation::Container {
+                // runc refuses every exec (root's too) while /etc/passwd is broken: a new sandbox.
+                within(120, client.destroy(&id)).await.expect("DestroySandbox");
+                id = within(300, client.create(sandbox_request(isolation, "minimal"))).await.expect("CreateSandbox").id;
+            } else {
+                let restore = run(&client, &id, &["sh", "-c", "rm -f /etc/passwd && cp /tmp/passwd.orig /etc/passwd"]).await;
+                assert_eq!(restore.exit_code, 0, "{isolation:?} {what}: restore:\n{}", text(&restore));
+            }
+            let r = within(30, client.exec(as_nobody(&id))).await.expect("Exec");
+            assert_eq!((r.exit_code, String::from_utf8_lossy(&r.stdout).as_ref()), (0, "65534\n"), "{isolation:?} after {what}:\n{}", text(&r));
+        }
+        if isolation == Isolation::Container {
+            let r = run(
+                &client,
+                &id,
+                &["sh", "-c", "echo 10.0.0.1 evil >> /etc/hosts || echo refused; mount -o remount,rw,bind /etc/hosts 2>/dev/null || echo remount-refused"],
+            )
+            .await;
+            assert_eq!(String::from_utf8_lossy(&r.stdout), "refused\nremount-refused\n", "{}", text(&r));
+        }
+        within(120, client.destroy(&id)).await.expect("DestroySandbox");
+    }
+}
