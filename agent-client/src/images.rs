@@ -8,7 +8,7 @@
 //! stays at [`crate::transfer::UPLOAD_QUEUE`] chunks whatever the archive's size.
 
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::AsyncRead;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -18,7 +18,7 @@ use crate::proto::{
     BuildImageRequest, ImageArchive, ImageInfo, ImageProgress, ImportImageHeader,
     ImportImageRequest,
 };
-use crate::transfer::{CHUNK_SIZE, UPLOAD_QUEUE};
+use crate::transfer::{read_chunk, UPLOAD_QUEUE};
 use crate::Client;
 
 /// The messages of one upload: a chunk, or the final digest.
@@ -53,48 +53,36 @@ impl UploadMessage for BuildImageRequest {
     }
 }
 
-/// Sends `first`, then `reader`'s bytes in [`CHUNK_SIZE`] chunks, then their SHA-256. A read
+/// Sends `first`, then `reader`'s bytes in [`crate::transfer::CHUNK_SIZE`] chunks, then their SHA-256. A read
 /// error drops `tx` without the digest (the daemon then refuses the upload) and is returned.
 async fn feed<M: UploadMessage, R: AsyncRead + Unpin>(
     first: M,
     reader: Option<R>,
     tx: mpsc::Sender<M>,
-) -> Result<u64> {
+) -> Result<()> {
     if tx.send(first).await.is_err() {
-        return Ok(0);
+        return Ok(());
     }
     let Some(mut reader) = reader else {
-        return Ok(0);
+        return Ok(());
     };
     let mut hasher = Sha256::new();
-    let mut sent = 0u64;
     loop {
-        let mut chunk = Vec::with_capacity(CHUNK_SIZE);
-        (&mut reader)
-            .take(CHUNK_SIZE as u64)
-            .read_to_end(&mut chunk)
-            .await
-            .map_err(|source| Error::Io {
-                what: "cannot read the image upload".to_owned(),
-                source,
-            })?;
+        let chunk = read_chunk(&mut reader).await.map_err(|source| Error::Io {
+            what: "cannot read the image upload".to_owned(),
+            source,
+        })?;
         if chunk.is_empty() {
             break;
         }
         hasher.update(&chunk);
-        sent += chunk.len() as u64;
         if tx.send(M::chunk(chunk)).await.is_err() {
             // The call ended: its answer says why.
-            return Ok(sent);
+            return Ok(());
         }
     }
-    let digest: String = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let _ = tx.send(M::sha256(digest)).await;
-    Ok(sent)
+    let _ = tx.send(M::sha256(format!("{:x}", hasher.finalize()))).await;
+    Ok(())
 }
 
 /// Reads the progress stream to its `done` event, calling `progress` for every event.

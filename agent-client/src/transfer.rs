@@ -30,6 +30,18 @@ use crate::proto::{upload_request, DownloadChunk, UploadHeader, UploadRequest};
 /// Size of the `data` pieces an upload sends.
 pub const CHUNK_SIZE: usize = 1 << 20;
 
+/// The next piece of an upload: a fresh buffer (it moves into the message) that `take` +
+/// `read_to_end` fills to [`CHUNK_SIZE`] unless the reader ends first, so pieces are whole
+/// MiBs; empty at the end.
+pub(crate) async fn read_chunk<R: AsyncRead + Unpin>(reader: &mut R) -> std::io::Result<Vec<u8>> {
+    let mut chunk = Vec::with_capacity(CHUNK_SIZE);
+    reader
+        .take(CHUNK_SIZE as u64)
+        .read_to_end(&mut chunk)
+        .await?;
+    Ok(chunk)
+}
+
 /// Pieces an upload queues ahead of the network: with [`CHUNK_SIZE`], 4 MiB in flight at most.
 pub const UPLOAD_QUEUE: usize = 4;
 
@@ -130,19 +142,12 @@ async fn feed<R: AsyncRead + Unpin>(
     let mut hasher = Sha256::new();
     let mut bytes = 0u64;
     loop {
-        // A fresh buffer per piece: it moves into the message. `take` + `read_to_end` fills it
-        // to CHUNK_SIZE unless the reader ends first, so pieces are whole MiBs.
-        let mut chunk = Vec::with_capacity(CHUNK_SIZE);
-        (&mut reader)
-            .take(CHUNK_SIZE as u64)
-            .read_to_end(&mut chunk)
-            .await
-            .map_err(|source| {
-                FeedError::Local(Error::Io {
-                    what: what.clone(),
-                    source,
-                })
-            })?;
+        let chunk = read_chunk(&mut reader).await.map_err(|source| {
+            FeedError::Local(Error::Io {
+                what: what.clone(),
+                source,
+            })
+        })?;
         if chunk.is_empty() {
             break;
         }

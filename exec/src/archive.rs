@@ -62,7 +62,7 @@ const COPY_BUF: usize = 256 << 10;
 
 /// Permission bits kept from an archive: set-user-ID and set-group-ID never survive extraction
 /// (a setuid binary planted through the daemon would be one more way up), the sticky bit does.
-const MODE_MASK: u32 = 0o1777;
+pub const MODE_MASK: u32 = 0o1777;
 
 /// Why an archive could not be extracted or created. Every variant names the entry (as it is
 /// spelled in the archive, or relative to the source directory) or the path it is about.
@@ -245,9 +245,10 @@ fn with_temp_name(mut make: impl FnMut(&CStr) -> Result<(), Errno>) -> Result<CS
     Err(Errno::EEXIST)
 }
 
-/// Owner, permissions and modification time of an entry, from its header.
+/// Owner, permissions and modification time of an entry, from its header. Shared with the
+/// daemon's image layer applier, which keeps more mode bits (`mode_mask`).
 #[derive(Debug, Clone, Copy)]
-struct Meta {
+pub struct Meta {
     mode: u32,
     uid: u64,
     gid: u64,
@@ -255,8 +256,10 @@ struct Meta {
 }
 
 impl Meta {
-    fn from_header(h: &Header) -> io::Result<Self> {
-        Ok(Self { mode: h.mode()? & MODE_MASK, uid: h.uid()?, gid: h.gid()?, mtime: h.mtime()? })
+    /// The header's mode bits within `mode_mask`; blank owner and time fields (some writers
+    /// leave them empty) read as 0. A malformed mode is an error.
+    pub fn from_header(h: &Header, mode_mask: u32) -> io::Result<Self> {
+        Ok(Self { mode: h.mode()? & mode_mask, uid: h.uid().unwrap_or(0), gid: h.gid().unwrap_or(0), mtime: h.mtime().unwrap_or(0) })
     }
 
     /// Header ids as ids for `chown`; `None` when they do not fit (left as they are then).
@@ -270,7 +273,7 @@ impl Meta {
 
     /// Owner, then mode (a chown clears set-id bits, and the mode must be exactly ours), then
     /// mtime, on an open file or directory.
-    fn apply_fd(&self, fd: RawFd) -> Result<(), Errno> {
+    pub fn apply_fd(&self, fd: RawFd) -> Result<(), Errno> {
         if let Some((uid, gid)) = self.ids() {
             ignore_chown_refusal(nix::unistd::fchown(fd, Some(uid), Some(gid)))?;
         }
@@ -279,7 +282,7 @@ impl Meta {
     }
 
     /// Owner and mtime of the symlink `name` in `dir` (a symlink has no mode of its own).
-    fn apply_link(&self, dir: RawFd, name: &CStr) -> Result<(), Errno> {
+    pub fn apply_link(&self, dir: RawFd, name: &CStr) -> Result<(), Errno> {
         if let Some((uid, gid)) = self.ids() {
             ignore_chown_refusal(nix::unistd::fchownat(Some(dir), name, Some(uid), Some(gid), AtFlags::AT_SYMLINK_NOFOLLOW))?;
         }
@@ -564,7 +567,7 @@ impl Extractor<'_> {
             return Ok(());
         }
         let comps = member_components(name).map_err(|reason| ArchiveError::Unsafe { path: shown.to_string(), reason: reason.to_string() })?;
-        let meta = Meta::from_header(entry.header()).map_err(|source| ArchiveError::Malformed { path: shown.to_string(), source })?;
+        let meta = Meta::from_header(entry.header(), MODE_MASK).map_err(|source| ArchiveError::Malformed { path: shown.to_string(), source })?;
         let unsupported = |kind: &str| Err(ArchiveError::Unsupported { path: shown.to_string(), kind: kind.to_string() });
         match kind {
             // Pre-POSIX archives mark directories with a trailing slash only.

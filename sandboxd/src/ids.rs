@@ -16,10 +16,11 @@ pub struct BadId {
     pub value: String,
 }
 
-fn random_suffix() -> String {
+/// `len` random lowercase letters and digits: ids, and names that must not collide.
+pub fn random_suffix(len: usize) -> String {
     const ALPHABET: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
     let mut rng = rand::thread_rng();
-    (0..12).map(|_| char::from(ALPHABET[rng.gen_range(0..ALPHABET.len())])).collect()
+    (0..len).map(|_| char::from(ALPHABET[rng.gen_range(0..ALPHABET.len())])).collect()
 }
 
 fn well_formed(prefix: &str, s: &str) -> bool {
@@ -39,7 +40,7 @@ macro_rules! typed_id {
         impl $name {
             /// A fresh random id.
             pub fn generate() -> Self {
-                $name(format!("{}{}", $prefix, random_suffix()))
+                $name(format!("{}{}", $prefix, random_suffix(12)))
             }
             /// Validates an id received from a client.
             pub fn parse(s: &str) -> Result<Self, BadId> {

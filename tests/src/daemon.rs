@@ -260,3 +260,20 @@ impl Drop for Daemon {
         }
     }
 }
+
+/// Runs `sbx --socket <daemon> args…` (none of the caller's `SANDBOXD_*` settings) to completion
+/// within `secs` and returns its output; a hang is a failure naming the command.
+pub async fn run_sbx(daemon: &Daemon, args: &[&str], secs: u64) -> std::process::Output {
+    let run = tokio::process::Command::new(sbx_bin().expect("locating sbx"))
+        .arg("--socket")
+        .arg(&daemon.address)
+        .args(args)
+        .env_remove("SANDBOXD_SOCKET")
+        .env_remove("SANDBOXD_TOKEN")
+        .kill_on_drop(true)
+        .output();
+    match tokio::time::timeout(std::time::Duration::from_secs(secs), run).await {
+        Ok(out) => out.expect("running sbx"),
+        Err(_) => panic!("sbx {args:?} did not finish within {secs} s"),
+    }
+}

@@ -6,22 +6,11 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::Output;
 use std::time::Duration;
 
-use sandbox_tests::{sbx_bin, Daemon};
+use sandbox_tests::{run_sbx, sbx_bin, Daemon};
 
-/// Runs `sbx --socket <daemon> args…` to completion (bounded) and returns its output.
+/// Runs `sbx --socket <daemon> args…` within 60 s.
 async fn sbx(daemon: &Daemon, args: &[&str]) -> Output {
-    let run = tokio::process::Command::new(sbx_bin().expect("locating sbx"))
-        .arg("--socket")
-        .arg(&daemon.address)
-        .args(args)
-        .env_remove("SANDBOXD_SOCKET")
-        .env_remove("SANDBOXD_TOKEN")
-        .kill_on_drop(true)
-        .output();
-    match tokio::time::timeout(Duration::from_secs(60), run).await {
-        Ok(out) => out.expect("running sbx"),
-        Err(_) => panic!("sbx {args:?} did not finish within 60 s"),
-    }
+    run_sbx(daemon, args, 60).await
 }
 
 fn show(out: &Output) -> String {

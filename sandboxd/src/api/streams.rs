@@ -13,6 +13,7 @@ use tonic::Status;
 
 use crate::backend::{ByteChunks, Download, SessionInput, TerminalSize, UploadPiece};
 use crate::ids::ExecId;
+use crate::images::hex;
 use crate::manager::Manager;
 
 /// Live input waiting for the backend; a client typing faster than the command reads waits here.
@@ -238,11 +239,6 @@ pub fn archive_chunks(chunks: ByteChunks) -> impl futures::Stream<Item = Result<
     })
 }
 
-/// Lowercase hex.
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,10 +251,5 @@ mod tests {
         assert_eq!(terminal(true, Some(size)).ok().flatten(), Some(TerminalSize { rows: 50, cols: 80 }));
         let err = terminal(true, Some(pb::TerminalSize { rows: 1, cols: 5000 })).err().map(|s| s.message().to_string());
         assert!(err.is_some_and(|m| m.contains("start.size.cols")));
-    }
-
-    #[test]
-    fn hex_is_lowercase() {
-        assert_eq!(hex(&[0, 0xab, 0x10]), "00ab10");
     }
 }

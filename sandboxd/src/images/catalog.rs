@@ -311,12 +311,12 @@ impl Catalog {
 
     /// A fresh staging dir for an import of `name` (not created).
     pub fn staging_path(&self, name: &str) -> PathBuf {
-        self.imported_dir.join(format!(".staging-{name}-{}", random_suffix()))
+        self.imported_dir.join(format!(".staging-{name}-{}", crate::ids::random_suffix(8)))
     }
 
     /// A fresh path for an upload (not created).
     pub fn upload_path(&self) -> PathBuf {
-        self.imported_dir.join(format!(".upload-{}", random_suffix()))
+        self.imported_dir.join(format!(".upload-{}", crate::ids::random_suffix(8)))
     }
 
     /// Puts the finished staging dir in place as the imported image `name`. An imported image
@@ -336,7 +336,7 @@ impl Catalog {
             Ok(_) => {
                 nix::fcntl::renameat2(None, staging, None, &target, nix::fcntl::RenameFlags::RENAME_EXCHANGE)
                     .map_err(|e| ImageError::io(format!("swapping image {name} in place"), e.into()))?;
-                let trash = self.imported_dir.join(format!(".trash-{name}-{}", random_suffix()));
+                let trash = self.imported_dir.join(format!(".trash-{name}-{}", crate::ids::random_suffix(8)));
                 std::fs::rename(staging, &trash).map_err(|e| ImageError::io(format!("moving the old image {name} aside"), e))?;
                 Ok(Some(trash))
             }
@@ -347,7 +347,7 @@ impl Catalog {
     /// and returns where its tree now is, for removal.
     pub fn take_out(&self, name: &str) -> Result<PathBuf, ImageError> {
         let img = self.imported(name).ok_or_else(|| self.not_found(name))?;
-        let trash = self.imported_dir.join(format!(".trash-{name}-{}", random_suffix()));
+        let trash = self.imported_dir.join(format!(".trash-{name}-{}", crate::ids::random_suffix(8)));
         std::fs::rename(&img.dir, &trash).map_err(|e| ImageError::io(format!("taking image {name} out of the catalog"), e))?;
         Ok(trash)
     }
@@ -371,14 +371,6 @@ pub fn remove_any(path: &Path) {
     if let Err(e) = result {
         tracing::warn!(path = %path.display(), error = %e, "removing an image tree");
     }
-}
-
-/// Eight random lowercase characters.
-fn random_suffix() -> String {
-    use rand::Rng;
-    const ALPHABET: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
-    let mut rng = rand::thread_rng();
-    (0..8).map(|_| char::from(ALPHABET[rng.gen_range(0..ALPHABET.len())])).collect()
 }
 
 #[cfg(test)]

@@ -35,12 +35,10 @@ use std::rc::Rc;
 
 use nix::errno::Errno;
 use nix::fcntl::AtFlags;
-use nix::sys::stat::{Mode, UtimensatFlags};
-use nix::sys::time::TimeSpec;
-use nix::unistd::{Gid, Uid};
-use sandbox_exec::archive::{copy_exact, Budget, Metered};
+use nix::sys::stat::Mode;
+use sandbox_exec::archive::{copy_exact, Budget, Meta, Metered};
 use sandbox_exec::sys;
-use tar::{Archive, EntryType, Header};
+use tar::{Archive, EntryType};
 
 /// Most bytes the stream may spend between two entries' data: the header, GNU long names and
 /// PAX records (which the `tar` crate reads into memory), and data of entries that are skipped.
@@ -129,47 +127,6 @@ fn components<'a>(raw: &'a [u8], what: &str) -> Result<Vec<&'a [u8]>, String> {
         }
     }
     Ok(comps)
-}
-
-/// Owner, mode and mtime of an entry.
-#[derive(Debug, Clone, Copy)]
-struct Meta {
-    mode: u32,
-    uid: u64,
-    gid: u64,
-    mtime: u64,
-}
-
-impl Meta {
-    /// Blank owner and time fields (some writers leave them empty) read as 0.
-    fn from_header(h: &Header) -> io::Result<Self> {
-        Ok(Meta { mode: h.mode()? & 0o7777, uid: h.uid().unwrap_or(0), gid: h.gid().unwrap_or(0), mtime: h.mtime().unwrap_or(0) })
-    }
-
-    fn ids(&self) -> Option<(Uid, Gid)> {
-        Some((Uid::from_raw(u32::try_from(self.uid).ok()?), Gid::from_raw(u32::try_from(self.gid).ok()?)))
-    }
-
-    fn mtime(&self) -> TimeSpec {
-        TimeSpec::new(i64::try_from(self.mtime).unwrap_or(i64::MAX), 0)
-    }
-
-    /// Owner, then mode (a chown clears set-id bits), then mtime, on an open file or directory.
-    fn apply_fd(&self, fd: RawFd) -> Result<(), Errno> {
-        if let Some((uid, gid)) = self.ids() {
-            nix::unistd::fchown(fd, Some(uid), Some(gid))?;
-        }
-        nix::sys::stat::fchmod(fd, Mode::from_bits_truncate(self.mode))?;
-        nix::sys::stat::futimens(fd, &TimeSpec::UTIME_OMIT, &self.mtime())
-    }
-
-    /// Owner and mtime of the symlink `name` in `dir`.
-    fn apply_link(&self, dir: RawFd, name: &CStr) -> Result<(), Errno> {
-        if let Some((uid, gid)) = self.ids() {
-            nix::unistd::fchownat(Some(dir), name, Some(uid), Some(gid), AtFlags::AT_SYMLINK_NOFOLLOW)?;
-        }
-        nix::sys::stat::utimensat(Some(dir), name, &TimeSpec::UTIME_OMIT, &self.mtime(), UtimensatFlags::NoFollowSymlink)
-    }
 }
 
 /// A directory whose owner, mode and mtime are set when the layer is done (children change its
@@ -281,7 +238,7 @@ impl Applier<'_> {
                 return if target == b".wh..opq" { self.opaque(dirs, shown) } else { self.whiteout(dirs, target, shown) };
             }
         }
-        let meta = Meta::from_header(entry.header()).map_err(|source| LayerError::Malformed { path: shown.to_string(), source })?;
+        let meta = Meta::from_header(entry.header(), 0o7777).map_err(|source| LayerError::Malformed { path: shown.to_string(), source })?;
         match kind {
             EntryType::Regular | EntryType::Continuous if name.ends_with(b"/") => self.dir(&comps, meta, shown),
             EntryType::Regular | EntryType::Continuous => {
@@ -601,6 +558,7 @@ mod tests {
     use std::fs::File;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     use std::path::Path;
+    use tar::Header;
 
     /// A tar of entries written raw (so hostile names survive: the `tar` crate's `Builder`
     /// refuses `..`).

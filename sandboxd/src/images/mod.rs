@@ -91,21 +91,7 @@ impl ImageError {
     }
 }
 
-/// Bytes as a short human string ("1.5 GiB").
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut unit = 0;
-    while v >= 1024.0 && unit + 1 < UNITS.len() {
-        v /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.1} {}", UNITS[unit])
-    }
-}
+pub use crate::admission::human_bytes as human;
 
 /// Lowercase hex.
 pub fn hex(bytes: &[u8]) -> String {

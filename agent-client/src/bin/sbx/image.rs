@@ -3,7 +3,7 @@
 use std::io::Seek;
 use std::path::Path;
 
-use agent_client::proto::{BuildImageHeader, ImageInfo, ImageProgress, Isolation};
+use agent_client::proto::{BuildImageHeader, ImageInfo, ImageProgress};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 
@@ -30,21 +30,12 @@ pub async fn image(ctx: &Ctx, command: ImageCommand) -> Result<u8> {
 
 /// The tiers that can run an image, lower-case and comma-separated (`-` for none).
 fn tiers(info: &ImageInfo) -> String {
-    let names: Vec<&str> = info
+    let names: Vec<String> = info
         .ready_tiers
         .iter()
-        .map(|t| match Isolation::try_from(*t) {
-            Ok(Isolation::Process) => "process",
-            Ok(Isolation::Container) => "container",
-            Ok(Isolation::Microvm) => "microvm",
-            _ => "?",
-        })
+        .map(|t| output::isolation(*t))
         .collect();
-    if names.is_empty() {
-        "-".to_owned()
-    } else {
-        names.join(",")
-    }
+    output::or_dash(&names.join(","))
 }
 
 /// The first 12 hex digits of a digest.

@@ -100,14 +100,6 @@ pub fn api_error(what: impl std::fmt::Display, e: bollard::errors::Error) -> Bac
     BackendError::Internal(format!("docker: {what}: {e}"))
 }
 
-/// A random lowercase suffix for names that must not collide (replaced containers).
-pub fn random_suffix() -> String {
-    use rand::Rng;
-    const ALPHABET: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
-    let mut rng = rand::thread_rng();
-    (0..8).map(|_| char::from(ALPHABET[rng.gen_range(0..ALPHABET.len())])).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -113,7 +113,7 @@ impl Inner {
         old.mark_lost(&format!("the sandbox was rolled back to {snapshot}"));
         old.kill_everything().await;
         old.remove_exec_cgroups();
-        let replaced = format!("{}-replaced-{}", docker::active_name(sandbox), docker::random_suffix());
+        let replaced = format!("{}-replaced-{}", docker::active_name(sandbox), crate::ids::random_suffix(8));
         if let Err(e) = docker.rename_container(&old.container_id, RenameContainerOptions { name: replaced }).await {
             tracing::warn!(container = %old.container_id, error = %e, "cannot rename the replaced container; removing it now");
             self.remove_container(&old.container_id).await;
