@@ -461,12 +461,11 @@ pub fn compression<R: BufRead>(reader: &mut R, member: &str) -> Result<Compressi
 pub struct Hashing<R> {
     pub inner: R,
     pub hasher: Sha256,
-    pub bytes: u64,
 }
 
 impl<R> Hashing<R> {
     pub fn new(inner: R) -> Self {
-        Hashing { inner, hasher: Sha256::new(), bytes: 0 }
+        Hashing { inner, hasher: Sha256::new() }
     }
 
     /// `sha256:<hex>` of what was read.
@@ -479,7 +478,6 @@ impl<R: Read> Read for Hashing<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         self.hasher.update(&buf[..n]);
-        self.bytes += n as u64;
         Ok(n)
     }
 }

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use bollard::query_parameters::{BuildImageOptions, RemoveImageOptions, TagImageOptions};
+use bollard::query_parameters::{BuildImageOptions, RemoveImageOptions};
 use bollard::Docker;
 use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
@@ -159,13 +159,6 @@ impl Engine {
             let _ = log.send(partial.trim().to_string()).await;
         }
         Ok(())
-    }
-
-    /// Tags `source` as `repo:tag`.
-    pub async fn tag(&self, source: &str, repo: &str, tag: &str) -> Result<(), ImageError> {
-        let docker = self.docker().await?;
-        let options = TagImageOptions { repo: Some(repo.to_string()), tag: Some(tag.to_string()) };
-        docker.tag_image(source, Some(options)).await.map_err(|e| api_error(format!("tagging {source} as {repo}:{tag}"), e))
     }
 
     /// Removes the tag (or image) `reference`; an image nothing else names goes with it.

@@ -113,7 +113,8 @@ pub fn stage(
             return Ok(Prepared::Unchanged { name, digest: archive.digest });
         }
     }
-    let total: u64 = archive.layers.iter().map(|l| l.size).sum();
+    // Sizes from the archive's headers: client data, so added without overflow.
+    let total = archive.layers.iter().fold(0u64, |a, l| a.saturating_add(l.size));
     let go_on = progress(ImageProgress {
         phase: "layers",
         message: format!("{} ({}), {} layers, {}", name, archive.format.name(), archive.layers.len(), human(total)),
@@ -165,7 +166,7 @@ pub fn stage(
                 return Err(ImageError::Archive(format!("layer {} has digest {}, not {want}", l.member, raw.digest())));
             }
         }
-        done += l.size;
+        done = done.saturating_add(l.size);
         if stats.skipped > 0 {
             tracing::info!(image = %name, layer = %l.member, skipped = stats.skipped, "device nodes, FIFOs or other special entries skipped");
         }

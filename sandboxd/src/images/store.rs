@@ -38,8 +38,6 @@ pub struct StoreBudget {
     min_free: u64,
     /// Disk of each imported image, by name.
     committed: Mutex<HashMap<String, u64>>,
-    /// Their sum, read on every write of an upload.
-    committed_total: AtomicU64,
     in_flight: AtomicU64,
 }
 
@@ -54,14 +52,7 @@ impl StoreBudget {
     /// A budget of `max` bytes for the imported images under `dir`, keeping `min_free` bytes of
     /// its filesystem free. Measures the store (blocks: call at start or from `spawn_blocking`).
     pub fn new(dir: &Path, max: u64, min_free: u64) -> Arc<Self> {
-        let budget = Arc::new(StoreBudget {
-            dir: dir.to_path_buf(),
-            max,
-            min_free,
-            committed: Mutex::new(HashMap::new()),
-            committed_total: AtomicU64::new(0),
-            in_flight: AtomicU64::new(0),
-        });
+        let budget = Arc::new(StoreBudget { dir: dir.to_path_buf(), max, min_free, committed: Mutex::new(HashMap::new()), in_flight: AtomicU64::new(0) });
         if let Ok(entries) = std::fs::read_dir(dir) {
             for entry in entries.flatten() {
                 // Dot entries are in flight (uploads, staging) or going (trash), and the catalog
@@ -73,7 +64,7 @@ impl StoreBudget {
                 }
             }
         }
-        tracing::info!(bytes = budget.committed_total.load(Ordering::Relaxed), max, "image store measured");
+        tracing::info!(bytes = budget.committed(), max, "image store measured");
         budget
     }
 
@@ -95,12 +86,16 @@ impl StoreBudget {
             Some(b) => sizes.insert(name.to_string(), b),
             None => sizes.remove(name),
         };
-        self.committed_total.store(sizes.values().fold(0u64, |a, b| a.saturating_add(*b)), Ordering::Relaxed);
+    }
+
+    /// Bytes the imported images hold (a sum over a few entries per upload chunk).
+    fn committed(&self) -> u64 {
+        self.committed.lock().map(|s| s.values().fold(0u64, |a, b| a.saturating_add(*b))).unwrap_or(0)
     }
 
     /// Bytes the store holds and is being written, counted against the budget.
     pub fn used(&self) -> u64 {
-        self.committed_total.load(Ordering::Relaxed).saturating_add(self.in_flight.load(Ordering::Relaxed))
+        self.committed().saturating_add(self.in_flight.load(Ordering::Relaxed))
     }
 
     /// Bytes an import may still write before the store is full.
@@ -123,7 +118,7 @@ impl StoreBudget {
             human(needed),
             human(self.max),
             self.committed.lock().map(|s| s.len()).unwrap_or_default(),
-            human(self.committed_total.load(Ordering::Relaxed)),
+            human(self.committed()),
             human(self.in_flight.load(Ordering::Relaxed)),
         ))
     }
@@ -161,11 +156,6 @@ impl Claim {
             ))),
             _ => Ok(()),
         }
-    }
-
-    /// Bytes claimed so far.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
     }
 
     /// Refuses, before anything is written, `n` more bytes that would not fit (a client that

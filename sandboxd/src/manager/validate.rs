@@ -41,11 +41,6 @@ fn base_env(id: &SandboxId) -> BTreeMap<String, String> {
     ])
 }
 
-/// Whether a user specification names root (`root`, `0`, with any group).
-fn is_root(spec: &str) -> bool {
-    matches!(spec.split(':').next(), Some("root" | "0"))
-}
-
 /// Bytes an environment takes in an exec's argv+env budget (`NAME=value\0` each).
 fn env_bytes<'a>(env: impl IntoIterator<Item = (&'a String, &'a String)>) -> usize {
     env.into_iter().map(|(k, v)| k.len() + v.len() + 2).sum()
@@ -253,10 +248,11 @@ pub(super) fn exec_spec(cfg: &Config, info: &SandboxInfo, req: &ExecRequest, exe
         return Err(Error::invalid("max_output_bytes", format!("{max_output} is above the configured ceiling {}", cfg.exec.max_output_bytes_ceiling)));
     }
     let user = if req.user.is_empty() { info.user.clone() } else { Some(validate_user("user", req.user.clone())?) };
-    // The image's env under the sandbox's, under the request's. Another user than root gets its
-    // own HOME from the sandbox's /etc/passwd in the runtime, unless one of these sets it.
+    // The image's env under the sandbox's, under the request's. An exec with a user gets that
+    // user's HOME from the sandbox's /etc/passwd in the runtime (root's is /root there too),
+    // unless one of these sets it.
     let mut env = base_env(&info.id);
-    if user.as_deref().is_some_and(|u| !is_root(u)) {
+    if user.is_some() {
         env.remove("HOME");
     }
     env.extend(info.image_config.env.clone());

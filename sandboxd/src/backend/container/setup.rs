@@ -180,7 +180,8 @@ impl Inner {
         if !path.is_file() {
             std::fs::create_dir_all(&dir).map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
             // Written aside and renamed, so a container never binds a half-written file.
-            let tmp = dir.join(format!(".{list}.{}", std::process::id()));
+            // A name of its own per write: two creates of the same list may race here.
+            let tmp = dir.join(format!(".{list}.{}", crate::ids::random_suffix(8)));
             std::fs::write(&tmp, format!("{list}\n"))
                 .and_then(|()| std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444)))
                 .and_then(|()| std::fs::rename(&tmp, &path))
