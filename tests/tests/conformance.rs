@@ -232,7 +232,10 @@ async fn execs_run_as_the_requested_user(isolation: Isolation) {
     let r = c.exec(as_user(&sb, "1234:nogroup", ids)).await.expect("exec");
     assert_eq!(String::from_utf8_lossy(&r.stdout), "1234:65534:65534\n", "{}", describe(&r));
     // Not root any more: no capability left to read root's files or write the image's.
-    let r = c.exec(as_user(&sb, "nobody", "cat /root/.profile 2>/dev/null; touch /etc/x")).await.expect("exec");
+    h.sh_ok(&sb, "echo secret > /root/only-root && chmod 600 /root/only-root").await;
+    let r = c.exec(as_user(&sb, "nobody", "cat /root/only-root")).await.expect("exec");
+    assert!(r.exit_code != 0 && r.stdout.is_empty(), "nobody read root's file: {}", describe(&r));
+    let r = c.exec(as_user(&sb, "nobody", "touch /etc/x")).await.expect("exec");
     assert_ne!(r.exit_code, 0, "nobody wrote /etc: {}", describe(&r));
     // HOME: root's for root, else the user's own from the sandbox's /etc/passwd (as Docker
     // does), unless the env sets one.
