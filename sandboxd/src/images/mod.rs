@@ -97,3 +97,11 @@ pub use crate::admission::human_bytes as human;
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn hex_is_lowercase() {
+        assert_eq!(super::hex(&[0, 0xab, 0x10]), "00ab10");
+    }
+}
