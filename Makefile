@@ -62,7 +62,7 @@ test: deps pydeps lint
 	@[ -f $(IMAGES_DIR)/debian/image.json ] && [ -f $(IMAGES_DIR)/debian/vm/vm.json ] || $(MAKE) image-debian
 	@$(MAKE) --no-print-directory vm-images exec-helper
 	$(CARGO) build --workspace --bins
-	SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(CARGO) test --workspace
+	SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(CARGO) test --workspace --no-fail-fast
 
 ## bench: latency and density numbers, with Docker measured in the same run; writes BENCHMARKS.md.
 bench: deps release
@@ -76,6 +76,8 @@ bench: deps release
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/transfer_bench --out BENCHMARKS.md
 	$(CARGO) build --release -p sandbox-tests --bin image_bench
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/image_bench --out BENCHMARKS.md
+	$(CARGO) build --release -p sandbox-tests --bin restart_bench
+	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/restart_bench --out BENCHMARKS.md
 
 clean:
 	$(CARGO) clean

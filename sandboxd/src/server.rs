@@ -26,6 +26,10 @@ use crate::telemetry;
 /// Largest gRPC message either way (WriteFile content, ExecResult with two 16 MiB streams).
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// The health service name that is NOT_SERVING while sandboxes on record are being re-adopted
+/// after a start.
+pub const RECOVERY_SERVICE: &str = "sandboxd.recovery";
+
 /// The gRPC path of WriteFile, the call whose request carries a whole file.
 const WRITE_FILE_PATH: &str = "/sandbox.v1.SandboxService/WriteFile";
 
@@ -62,7 +66,8 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let manager = Manager::new(cfg.clone(), backends, catalog, engine, store, metrics);
     let auth = Arc::new(Auth::new(&cfg.auth));
     let audit = Arc::new(AuditLog::open(&cfg.audit, cfg.state_dir.join("audit.jsonl")).context("opening the audit log")?);
-    // Before serving: re-adopt the sandboxes on record and clean whatever a crash left behind.
+    // Before serving: clean whatever a crash left behind and put the sandboxes on record back in
+    // the table (lists and deletes only); they are started again after the listeners open.
     manager.recover().await.context("recovering state from the previous run")?;
     manager.log_admission();
 
@@ -158,6 +163,19 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         });
     }
 
+    // Re-adoption while serving: a call on a sandbox not yet back brings it back first, any
+    // other call is answered at once. Health's `sandboxd.recovery` is NOT_SERVING until done.
+    let recovery = {
+        let manager = manager.clone();
+        let stop = stop.clone();
+        let health = health_reporter.clone();
+        health.set_service_status(RECOVERY_SERVICE, tonic_health::ServingStatus::NotServing).await;
+        tokio::spawn(async move {
+            manager.readopt_all(stop).await;
+            health.set_service_status(RECOVERY_SERVICE, tonic_health::ServingStatus::Serving).await;
+        })
+    };
+
     let reaper_manager = manager.clone();
     let reaper_stop = stop.clone();
     tokio::spawn(async move {
@@ -179,6 +197,10 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         }
     }
     stop.cancel();
+    // A re-adoption under way finishes (the rest stay on disk for the next start).
+    if tokio::time::timeout(Duration::from_secs(30), recovery).await.is_err() {
+        tracing::warn!("re-adoption still running at shutdown; stopping the tiers under it");
+    }
     // In-flight calls get a moment to finish; sandboxes are then stopped, their files kept.
     let _ = tokio::time::timeout(Duration::from_secs(5), async { while servers.join_next().await.is_some() {} }).await;
     manager.shutdown().await;

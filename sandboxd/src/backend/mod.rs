@@ -244,11 +244,23 @@ pub trait Backend: Send + Sync {
     async fn delete_snapshot(&self, snapshot: &SnapshotId) -> Result<(), BackendError>;
     /// Kills every process and frees every mount, cgroup and directory of the sandbox.
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), BackendError>;
-    /// Called once at start, before any other call, with the sandboxes and snapshots on record for
-    /// this tier. The backend removes what a previous run left behind — the runtime state of every
-    /// sandbox (its processes died with that daemon), writable layers and snapshots not on record —
-    /// and brings each recorded sandbox back up over its preserved filesystem.
-    async fn recover(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)>;
+    /// Called once at start, before any other call and before the daemon listens, with the
+    /// sandboxes and snapshots on record for this tier. The backend removes what a previous run
+    /// left behind — the runtime state of every sandbox (its processes died with that daemon),
+    /// writable layers and snapshots not on record — and starts nothing: it holds up the
+    /// listener, so it only lists and deletes.
+    async fn clean(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]);
+    /// Brings one sandbox handed to [`Backend::clean`] back up over its preserved filesystem.
+    /// Called after `clean`, while the daemon serves: other sandboxes are created, used and
+    /// re-adopted meanwhile (up to [`Backend::readopt_concurrency`] at once).
+    async fn readopt(&self, spec: &SandboxSpec) -> Result<(), BackendError>;
+    /// Called once every [`Backend::readopt`] of the start has returned: what only then can be
+    /// told garbage is collected, warm pools are filled.
+    async fn recovered(&self) {}
+    /// How many re-adoptions the manager runs at once on this tier.
+    fn readopt_concurrency(&self) -> usize {
+        4
+    }
     /// Whether the tier can run the catalog image `image` now (its availability included), and
     /// the reason when it cannot. Cheap: it is asked for every image of every ListImages.
     fn image_ready(&self, _image: &str) -> Result<(), String> {

@@ -180,7 +180,7 @@ impl Manager {
         sink: OutputSink,
         session: Option<(Session, Option<tokio::sync::oneshot::Sender<ExecId>>)>,
     ) -> Result<ExecRecord, Error> {
-        let (sid, entry) = self.entry(tenant, &req.sandbox_id)?;
+        let (sid, entry) = self.ready_entry(tenant, &req.sandbox_id).await?;
         let info = entry.info()?;
         if !info.state.can_exec() {
             return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "exec" });

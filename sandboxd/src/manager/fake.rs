@@ -15,8 +15,13 @@ use crate::model::{CapturedOutput, CreateRequest, ExecOutcome, ExecStatus, FileC
 use crate::store::Store;
 
 /// A PROCESS backend that makes nothing: `sleep <ms>` runs that long (or until cancelled),
-/// `echo <words>` writes the words to stdout, anything else ends at once.
+/// `echo <words>` writes the words to stdout, anything else ends at once. A sandbox whose
+/// workdir is [`STUCK_WORKDIR`] never comes back from its re-adoption; others come back at once,
+/// one at a time.
 struct FakeBackend;
+
+/// The workdir that makes [`FakeBackend`]'s re-adoption hang.
+pub(super) const STUCK_WORKDIR: &str = "/stuck";
 
 #[async_trait::async_trait]
 impl Backend for FakeBackend {
@@ -123,8 +128,15 @@ impl Backend for FakeBackend {
     async fn destroy(&self, _sandbox: &SandboxId) -> Result<(), BackendError> {
         Ok(())
     }
-    async fn recover(&self, sandboxes: &[SandboxSpec], _snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
-        sandboxes.iter().map(|s| (s.id.clone(), Ok(()))).collect()
+    async fn clean(&self, _sandboxes: &[SandboxSpec], _snapshots: &[SnapshotId]) {}
+    async fn readopt(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
+        if spec.workdir == STUCK_WORKDIR {
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+    fn readopt_concurrency(&self) -> usize {
+        1
     }
     async fn shutdown(&self) {}
 }

@@ -13,8 +13,8 @@ use tokio::sync::mpsc;
 impl Manager {
     /// The sandbox `sandbox_id` of `tenant` if it can take file operations now (`op` names the
     /// operation in the IncorrectState error).
-    fn running_entry(&self, tenant: &str, sandbox_id: &str, op: &'static str) -> Result<(SandboxId, Arc<SandboxEntry>, SandboxInfo), Error> {
-        let (sid, entry) = self.entry(tenant, sandbox_id)?;
+    async fn running_entry(&self, tenant: &str, sandbox_id: &str, op: &'static str) -> Result<(SandboxId, Arc<SandboxEntry>, SandboxInfo), Error> {
+        let (sid, entry) = self.ready_entry(tenant, sandbox_id).await?;
         let info = entry.info()?;
         if !info.state.can_exec() {
             return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: op });
@@ -24,40 +24,40 @@ impl Manager {
 
     /// Writes a file inside the sandbox.
     pub async fn write_file(&self, tenant: &str, sandbox_id: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, Error> {
-        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files")?;
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
         validate_mode(mode)?;
         Ok(self.backends.get(info.isolation)?.write_file(&sid, path, content, mode).await?)
     }
 
     /// Reads part of a file inside the sandbox.
     pub async fn read_file(&self, tenant: &str, sandbox_id: &str, path: &str, offset: u64, limit: u64) -> Result<FileChunk, Error> {
-        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files")?;
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files").await?;
         Ok(self.backends.get(info.isolation)?.read_file(&sid, path, offset, limit).await?)
     }
 
     /// Writes a file of any size from `data`, replacing the old one only when `data` ends with
     /// [`UploadPiece::Commit`] (an upload cut short leaves the old file).
     pub async fn upload_file(&self, tenant: &str, sandbox_id: &str, path: &str, mode: u32, data: mpsc::Receiver<UploadPiece>) -> Result<u64, Error> {
-        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files")?;
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
         validate_mode(mode)?;
         Ok(self.backends.get(info.isolation)?.upload_file(&sid, path, mode, data).await?)
     }
 
     /// Opens a file of any size for a streamed download.
     pub async fn download_file(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<Download, Error> {
-        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files")?;
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files").await?;
         Ok(self.backends.get(info.isolation)?.download_file(&sid, path).await?)
     }
 
     /// Extracts a tar stream into the directory `dir` of the sandbox.
     pub async fn upload_archive(&self, tenant: &str, sandbox_id: &str, dir: &str, data: mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, Error> {
-        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files")?;
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
         Ok(self.backends.get(info.isolation)?.upload_archive(&sid, dir, data).await?)
     }
 
     /// A tar stream of a directory (or file) of the sandbox.
     pub async fn download_archive(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<ByteChunks, Error> {
-        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files")?;
+        let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files").await?;
         Ok(self.backends.get(info.isolation)?.download_archive(&sid, path).await?)
     }
 }

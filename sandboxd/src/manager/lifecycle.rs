@@ -203,7 +203,7 @@ impl Manager {
     /// Destroys a sandbox: every process, mount, cgroup and exec record goes (snapshots stay).
     #[tracing::instrument(name = "manager.destroy", skip_all)]
     pub async fn destroy(&self, tenant: &str, id: &str) -> Result<(), Error> {
-        let (sid, entry) = self.entry(tenant, id)?;
+        let (sid, entry) = self.ready_entry(tenant, id).await?;
         let started = std::time::Instant::now();
         let _op = entry.op.lock().await;
         let info = entry.info()?;

@@ -45,11 +45,25 @@ struct SandboxEntry {
     info: Mutex<SandboxInfo>,
     /// Serializes the operations that change the whole sandbox (snapshot, rollback, destroy).
     op: tokio::sync::Mutex<()>,
+    /// A sandbox on record at start that is not back up yet: what its backend needs to bring it
+    /// back. Whoever needs the sandbox first — the start's background re-adoption or a call on
+    /// it — takes the spec and re-adopts it under this lock; everyone else waits for that (see
+    /// [`Manager::adopted`]). `None` for every sandbox created by this daemon.
+    pending: tokio::sync::Mutex<Option<SandboxSpec>>,
 }
 
 impl SandboxEntry {
     fn new(info: SandboxInfo) -> Arc<Self> {
-        Arc::new(SandboxEntry { info: Mutex::new(info), op: tokio::sync::Mutex::new(()) })
+        Self::recorded(info, None)
+    }
+
+    fn recorded(info: SandboxInfo, pending: Option<SandboxSpec>) -> Arc<Self> {
+        Arc::new(SandboxEntry { info: Mutex::new(info), op: tokio::sync::Mutex::new(()), pending: tokio::sync::Mutex::new(pending) })
+    }
+
+    /// Whether the sandbox still waits for its re-adoption (or is being re-adopted now).
+    fn is_pending(&self) -> bool {
+        self.pending.try_lock().map(|p| p.is_some()).unwrap_or(true)
     }
 
     fn info(&self) -> Result<SandboxInfo, Error> {
@@ -144,9 +158,13 @@ impl Manager {
         self.metrics.render(&sandboxes, &tiers)
     }
 
-    /// Brings back what the store remembers: execs that were running are recorded as LOST (their
-    /// processes died with the previous daemon), and every sandbox is re-adopted — filesystem, id,
-    /// limits and labels kept, processes started afresh — or marked FAILED with the reason logged.
+    /// Brings back what the store remembers, in the part that must come before the daemon
+    /// listens: execs that were running are recorded as LOST (their processes died with the
+    /// previous daemon), each tier removes what no record knows, and every sandbox on record is
+    /// in the table again — a running one as pending, to be re-adopted by
+    /// [`Manager::readopt_all`] (or by the first call that needs it), a tier that cannot run any
+    /// more marks its sandboxes FAILED with the reason. Lists and deletes only: no sandbox is
+    /// started here, so the socket opens in about the same time with 10 sandboxes or 5,000.
     pub async fn recover(&self) -> Result<(), Error> {
         let lost = self.store.mark_running_lost("the daemon stopped while the exec ran")?;
         if lost > 0 {
@@ -164,33 +182,99 @@ impl Manager {
         }
         for tier in Isolation::ALL {
             let mine: Vec<SandboxInfo> = records.iter().filter(|r| r.isolation == tier && r.state != SandboxState::Creating).cloned().collect();
-            let results: HashMap<SandboxId, Result<(), String>> = match self.backends.available(tier) {
-                Ok(backend) => {
-                    let specs: Vec<SandboxSpec> = mine.iter().filter(|i| i.state == SandboxState::Running).map(spec_of).collect();
-                    let snaps: Vec<SnapshotId> = snapshots.iter().filter(|s| s.isolation == tier).map(|s| s.snapshot_id.clone()).collect();
-                    backend.recover(&specs, &snaps).await.into_iter().map(|(id, r)| (id, r.map_err(|e| e.to_string()))).collect()
-                }
-                Err(e) => mine.iter().map(|i| (i.id.clone(), Err(e.to_string()))).collect(),
-            };
+            let backend = self.backends.available(tier);
+            let specs: Vec<SandboxSpec> = mine.iter().filter(|i| i.state == SandboxState::Running).map(spec_of).collect();
+            if let Ok(backend) = &backend {
+                let snaps: Vec<SnapshotId> = snapshots.iter().filter(|s| s.isolation == tier).map(|s| s.snapshot_id.clone()).collect();
+                backend.clean(&specs, &snaps).await;
+            }
+            let mut table = self.sandboxes.write().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
             for mut info in mine {
-                match results.get(&info.id) {
-                    Some(Ok(())) => {
-                        tracing::info!(sandbox = %info.id, "sandbox re-adopted");
-                        info.state = SandboxState::Running;
-                    }
-                    Some(Err(reason)) => {
-                        tracing::warn!(sandbox = %info.id, %reason, "sandbox could not be re-adopted; marked FAILED");
+                let pending = match (&backend, info.state) {
+                    (Ok(_), SandboxState::Running) => Some(spec_of(&info)),
+                    (Err(e), SandboxState::Running) => {
+                        tracing::warn!(sandbox = %info.id, reason = %e, "sandbox could not be re-adopted; marked FAILED");
                         info.state = SandboxState::Failed;
-                        info.failure_reason = Some(format!("could not be brought back after a daemon restart: {reason}"));
+                        info.failure_reason = Some(format!("could not be brought back after a daemon restart: {e}"));
+                        self.store.put_sandbox(&info)?;
+                        None
                     }
-                    None => info.state = SandboxState::Failed,
-                }
-                self.store.put_sandbox(&info)?;
-                let id = info.id.clone();
-                self.sandboxes.write().map_err(|_| Error::Internal("sandbox table poisoned".into()))?.insert(id, SandboxEntry::new(info));
+                    _ => None,
+                };
+                table.insert(info.id.clone(), SandboxEntry::recorded(info, pending));
             }
         }
         Ok(())
+    }
+
+    /// Re-adopts every sandbox [`Manager::recover`] left pending, a tier at a time with the
+    /// tier's own concurrency, while the daemon serves; a call on a pending sandbox re-adopts it
+    /// at once instead of waiting its turn. Returns when all are back or FAILED (or `stop` was
+    /// cancelled: the rest then stay pending, and shutdown leaves them as they are on disk).
+    pub async fn readopt_all(self: &Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        use futures::StreamExt;
+        let started = std::time::Instant::now();
+        let pending: Vec<(Isolation, Arc<SandboxEntry>)> = match self.sandboxes.read() {
+            Ok(map) => map.values().filter(|e| e.is_pending()).filter_map(|e| Some((e.read(|i| i.isolation).ok()?, e.clone()))).collect(),
+            Err(_) => Vec::new(),
+        };
+        let total = pending.len();
+        let mut done = 0;
+        if total > 0 {
+            tracing::info!(sandboxes = total, "re-adopting the sandboxes on record while serving");
+        }
+        for tier in Isolation::ALL {
+            let Ok(backend) = self.backends.available(tier) else { continue };
+            let mine: Vec<Arc<SandboxEntry>> = pending.iter().filter(|(t, _)| *t == tier).map(|(_, e)| e.clone()).collect();
+            let mut adoptions = futures::stream::iter(mine.into_iter().map(|entry| {
+                let stop = stop.clone();
+                async move {
+                    if !stop.is_cancelled() {
+                        self.adopted(&entry).await;
+                    }
+                }
+            }))
+            .buffer_unordered(backend.readopt_concurrency().max(1));
+            while adoptions.next().await.is_some() {
+                done += 1;
+                if done % 100 == 0 {
+                    tracing::info!(done, total, "re-adopting sandboxes");
+                }
+            }
+            drop(adoptions);
+            if stop.is_cancelled() {
+                return;
+            }
+            backend.recovered().await;
+        }
+        if total > 0 {
+            tracing::info!(sandboxes = total, elapsed_ms = started.elapsed().as_millis() as u64, "every sandbox on record re-adopted or marked FAILED");
+        }
+    }
+
+    /// Waits until `entry` is no longer pending, re-adopting it here if nobody is yet: the
+    /// sandbox is then running in its backend, or FAILED with the reason.
+    async fn adopted(&self, entry: &SandboxEntry) {
+        let mut pending = entry.pending.lock().await;
+        let Some(spec) = pending.take() else { return };
+        let Ok(isolation) = entry.read(|i| i.isolation) else { return };
+        let result = match self.backends.available(isolation) {
+            Ok(backend) => backend.readopt(&spec).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let updated = entry.update(|info| match &result {
+            Ok(()) => tracing::info!(sandbox = %info.id, "sandbox re-adopted"),
+            Err(reason) => {
+                tracing::warn!(sandbox = %info.id, %reason, "sandbox could not be re-adopted; marked FAILED");
+                info.state = SandboxState::Failed;
+                info.failure_reason = Some(format!("could not be brought back after a daemon restart: {reason}"));
+            }
+        });
+        if let (Err(_), Ok(info)) = (&result, updated) {
+            if let Err(e) = self.store.put_sandbox(&info) {
+                tracing::error!(sandbox = %info.id, error = %e, "cannot record a sandbox that failed its re-adoption");
+            }
+        }
     }
 
     /// Availability of each tier.
@@ -212,11 +296,23 @@ impl Manager {
         Ok((sid, entry))
     }
 
+    /// [`Manager::entry`] for a call that uses the sandbox: one still pending since the start is
+    /// re-adopted first (or waited for), so the call finds it running — or FAILED with the reason.
+    async fn ready_entry(&self, tenant: &str, id: &str) -> Result<(SandboxId, Arc<SandboxEntry>), Error> {
+        let (sid, entry) = self.entry(tenant, id)?;
+        if entry.is_pending() {
+            self.adopted(&entry).await;
+            self.note_failure(&entry);
+        }
+        Ok((sid, entry))
+    }
+
     /// Records a running sandbox whose backend reports it dead (its init or VM is gone) as FAILED
     /// with the reason, so it never shows `running` while nothing in it can run.
     fn note_failure(&self, entry: &SandboxEntry) {
         let Ok((id, isolation, state)) = entry.read(|i| (i.id.clone(), i.isolation, i.state)) else { return };
-        if state != SandboxState::Running {
+        // A sandbox not yet re-adopted is unknown to its backend, not dead.
+        if state != SandboxState::Running || entry.is_pending() {
             return;
         }
         let Some(reason) = self.backends.get(isolation).ok().and_then(|b| b.failure(&id)) else { return };
@@ -271,5 +367,45 @@ impl Manager {
         for backend in self.backends.all() {
             backend.shutdown().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::fake::{fake_manager, STUCK_WORKDIR};
+    use crate::model::{CreateRequest, SandboxState};
+
+    /// After a restart, a call on one sandbox is answered while another one's re-adoption hangs:
+    /// nobody waits for the whole table.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_waits_only_for_its_own_sandbox_after_a_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (stuck, ready) = {
+            let m = fake_manager(dir.path(), 8 << 30, "");
+            let stuck = m.create("t", CreateRequest { workdir: STUCK_WORKDIR.into(), ..Default::default() }).await.expect("create");
+            let ready = m.create("t", CreateRequest::default()).await.expect("create");
+            (stuck.id, ready.id)
+        };
+        // The daemon comes back over the same state.
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        m.recover().await.expect("recover");
+        let pending = |id: &crate::ids::SandboxId| m.entry("t", id.as_str()).expect("entry").1.is_pending();
+        assert!(pending(&stuck) && pending(&ready), "recover starts nothing");
+        assert_eq!(m.get("t", ready.as_str()).expect("get").state, SandboxState::Running, "a pending sandbox is listed as on record");
+        let stop = tokio_util::sync::CancellationToken::new();
+        let background = tokio::spawn({
+            let (m, stop) = (m.clone(), stop.clone());
+            async move { m.readopt_all(stop).await }
+        });
+        // Whichever the background re-adoption took first, `ready` is answered.
+        let (_, entry) = tokio::time::timeout(Duration::from_secs(30), m.ready_entry("t", ready.as_str())).await.expect("not held up").expect("entry");
+        assert!(!entry.is_pending());
+        assert_eq!(entry.info().expect("info").state, SandboxState::Running);
+        assert!(pending(&stuck), "the hanging one is still being re-adopted");
+        assert!(!background.is_finished(), "and the background re-adoption waits for it");
+        stop.cancel();
+        background.abort();
     }
 }

@@ -22,7 +22,7 @@ impl Manager {
     /// Captures the sandbox's filesystem as a new snapshot.
     #[tracing::instrument(name = "manager.snapshot", skip_all)]
     pub async fn snapshot(&self, tenant: &str, sandbox_id: &str, name: &str) -> Result<SnapshotRecord, Error> {
-        let (sid, entry) = self.entry(tenant, sandbox_id)?;
+        let (sid, entry) = self.ready_entry(tenant, sandbox_id).await?;
         validate_snapshot_name(name)?;
         let _op = entry.op.lock().await;
         let info = entry.info()?;
@@ -73,7 +73,7 @@ impl Manager {
     /// processes are gone; id, limits and labels stay.
     #[tracing::instrument(name = "manager.rollback", skip_all)]
     pub async fn rollback(&self, tenant: &str, sandbox_id: &str, snapshot_id: &str) -> Result<SandboxInfo, Error> {
-        let (sid, entry) = self.entry(tenant, sandbox_id)?;
+        let (sid, entry) = self.ready_entry(tenant, sandbox_id).await?;
         let snap = self.snapshot_record(tenant, snapshot_id)?;
         let _op = entry.op.lock().await;
         let info = entry.info()?;

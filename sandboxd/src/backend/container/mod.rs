@@ -146,6 +146,9 @@ pub(crate) struct Inner {
     /// Clean-ups left running after a call returned (removing replaced containers, discarding
     /// standbys), which shutdown waits for so none is cut off half way.
     background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// The containers found at start for the recorded sandboxes (sandbox → container id), each
+    /// taken by its re-adoption (see `recover`).
+    found: Mutex<HashMap<SandboxId, String>>,
 }
 
 /// The container-tier backend.
@@ -207,6 +210,7 @@ impl ContainerBackend {
             cgroup_roots: Mutex::new(HashMap::new()),
             snapshots_dir,
             background: Mutex::new(Vec::new()),
+            found: Mutex::new(HashMap::new()),
         };
         ContainerBackend { inner: Arc::new(inner) }
     }
@@ -414,8 +418,12 @@ impl Backend for ContainerBackend {
         }
     }
 
-    async fn recover(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
-        Inner::recover(&self.inner, sandboxes, snapshots).await
+    async fn clean(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) {
+        self.inner.clean(sandboxes, snapshots).await
+    }
+
+    async fn readopt(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
+        self.inner.readopt(spec).await
     }
 
     async fn shutdown(&self) {

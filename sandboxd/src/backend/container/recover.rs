@@ -19,21 +19,19 @@ use crate::backend::{BackendError, SandboxSpec};
 use crate::ids::{SandboxId, SnapshotId};
 
 impl Inner {
-    /// See the module documentation.
-    pub(super) async fn recover(self: &Arc<Self>, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
-        let docker = match self.docker() {
-            Ok(d) => d.clone(),
-            Err(_) => return sandboxes.iter().map(|s| (s.id.clone(), Err(self.unavailable_error()))).collect(),
-        };
+    /// Lists this daemon's containers, removes those no record wants, and remembers the others
+    /// for [`Inner::readopt`]. See the module documentation.
+    pub(super) async fn clean(self: &Arc<Self>, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) {
+        let Ok(docker) = self.docker().cloned() else { return };
         self.remove_unknown_snapshots(snapshots);
-
         let filters = HashMap::from([("label".to_string(), vec![format!("{LABEL_OWNER}={}", self.owner)])]);
         let options = ListContainersOptions { all: true, filters: Some(filters), ..Default::default() };
         let listed = match docker.list_containers(Some(options)).await {
             Ok(l) => l,
             Err(e) => {
-                let reason = format!("docker: listing containers: {e}");
-                return sandboxes.iter().map(|s| (s.id.clone(), Err(BackendError::Internal(reason.clone())))).collect();
+                // Nothing is removed: a container not found here is re-adopted as "gone".
+                tracing::warn!(error = %e, "docker: listing this daemon's containers at start");
+                return;
             }
         };
         let wanted: HashMap<String, &SandboxSpec> = sandboxes.iter().map(|s| (format!("/{}", docker::active_name(&s.id)), s)).collect();
@@ -53,27 +51,24 @@ impl Inner {
             self.remove_container(id).await;
         });
         futures::future::join_all(removals).await;
+        if let Ok(mut found) = self.found.lock() {
+            *found = adopt;
+        }
+    }
 
-        let adoptions = sandboxes.iter().map(|spec| {
-            let container = adopt.get(&spec.id).cloned();
-            let docker = docker.clone();
-            async move {
-                let result = match container {
-                    None => Err(BackendError::Internal(format!("the container of {} is gone", spec.id))),
-                    Some(container) => {
-                        // Restart: the processes of the previous daemon's time end, the writable
-                        // layer stays. A stopped container simply starts.
-                        let options = RestartContainerOptions { t: Some(0), signal: None };
-                        match docker.restart_container(&container, Some(options)).await {
-                            Ok(()) => self.attach(spec, &container).await.and_then(|sb| self.insert_sandbox(sb)),
-                            Err(e) => Err(api_error(format!("restarting container {container}"), e)),
-                        }
-                    }
-                };
-                (spec.id.clone(), result)
-            }
-        });
-        futures::future::join_all(adoptions).await
+    /// Restarts the container of a recorded sandbox: the processes of the previous daemon's time
+    /// end, the writable layer stays. A stopped container simply starts.
+    pub(super) async fn readopt(self: &Arc<Self>, spec: &SandboxSpec) -> Result<(), BackendError> {
+        let docker = self.docker()?.clone();
+        let container = self.found.lock().ok().and_then(|mut f| f.remove(&spec.id));
+        let Some(container) = container else {
+            return Err(BackendError::Internal(format!("the container of {} is gone", spec.id)));
+        };
+        let options = RestartContainerOptions { t: Some(0), signal: None };
+        match docker.restart_container(&container, Some(options)).await {
+            Ok(()) => self.attach(spec, &container).await.and_then(|sb| self.insert_sandbox(sb)),
+            Err(e) => Err(api_error(format!("restarting container {container}"), e)),
+        }
     }
 
     fn remove_unknown_snapshots(&self, snapshots: &[SnapshotId]) {

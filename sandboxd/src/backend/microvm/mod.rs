@@ -543,9 +543,9 @@ impl Inner {
         Ok(())
     }
 
-    async fn recover(self: &Arc<Self>, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
-        // Whatever ran before died with the previous daemon (see `guard`); make sure, and drop
-        // its cgroups.
+    /// Whatever ran before died with the previous daemon (see `guard`): its cgroups, pool and
+    /// probe VMs and the directories of sandboxes no record knows go.
+    fn clean(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) {
         if let Ok(root) = &self.cgroups {
             for name in root.list_sandboxes() {
                 if let Some(cg) = root.open_sandbox(&name) {
@@ -571,28 +571,16 @@ impl Inner {
                 }
             }
         }
-        let mut results = Vec::new();
-        // Boots are CPU-bound under TCG: a few at a time.
-        let mut boots = futures::stream::iter(sandboxes.iter().cloned().map(|spec| {
-            let inner = self.clone();
-            async move {
-                let r = inner.readopt(&spec).await;
-                (spec.id.clone(), r)
-            }
-        }))
-        .buffer_unordered(self.host_cpus as usize);
-        use futures::StreamExt;
-        while let Some(r) = boots.next().await {
-            results.push(r);
-        }
-        drop(boots);
-        // Bases and snapshot files nothing reaches any more.
+    }
+
+    /// Once every recorded sandbox is back (or failed): bases and snapshot files nothing reaches
+    /// any more go, and the warm pool fills.
+    async fn recovered(self: &Arc<Self>) {
         {
             let _g = self.disk_lock.lock().await;
             disk::collect_garbage(&self.disk_roots(), &[&self.snapshots_dir, &self.bases_dir]);
         }
         pool::refill(self);
-        results
     }
 
     /// Boots a recorded sandbox again over its preserved top disk.
@@ -649,6 +637,14 @@ impl Inner {
             }
         });
         let _ = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(stops)).await;
+        // The daemon's `-vm` cgroup, empty once every QEMU is gone; made again at start.
+        if let Ok(root) = &self.cgroups {
+            match root.cleanup_root() {
+                Ok(true) => {}
+                Ok(false) => tracing::warn!("the microVM tier's cgroup still holds a VM at shutdown; left in place"),
+                Err(e) => tracing::warn!(error = %e, "removing the microVM tier's cgroup"),
+            }
+        }
     }
 }
 
@@ -858,8 +854,21 @@ impl Backend for MicroVmBackend {
         self.inner.destroy(sandbox).await
     }
 
-    async fn recover(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
-        Inner::recover(&self.inner, sandboxes, snapshots).await
+    async fn clean(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) {
+        self.inner.clean(sandboxes, snapshots)
+    }
+
+    async fn readopt(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
+        self.inner.readopt(spec).await
+    }
+
+    async fn recovered(&self) {
+        Inner::recovered(&self.inner).await
+    }
+
+    /// Boots are CPU-bound under TCG: as many at a time as the host has CPUs.
+    fn readopt_concurrency(&self) -> usize {
+        self.inner.host_cpus as usize
     }
 
     async fn shutdown(&self) {

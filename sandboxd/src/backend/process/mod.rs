@@ -604,21 +604,19 @@ impl Backend for ProcessBackend {
         sb.map(|_| ())
     }
 
-    async fn recover(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) -> Vec<(SandboxId, Result<(), BackendError>)> {
+    async fn clean(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) {
         let keep_layers = sandboxes.iter().map(|s| s.id.to_string()).collect();
         self.delete_unknown_subvolumes("sandboxes", &keep_layers);
         let keep_snaps = snapshots.iter().map(|s| s.to_string()).collect();
         self.delete_unknown_subvolumes("snapshots", &keep_snaps);
-        let mut results = Vec::with_capacity(sandboxes.len());
-        for spec in sandboxes {
-            let result = match self.pool() {
-                Ok(pool) if pool.root().join(subvolume_of(&spec.id)).is_dir() => self.start(spec, Layer::Existing).await,
-                Ok(_) => Err(BackendError::Internal(format!("the writable layer of {} is missing", spec.id))),
-                Err(e) => Err(e),
-            };
-            results.push((spec.id.clone(), result));
+    }
+
+    async fn readopt(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
+        match self.pool() {
+            Ok(pool) if pool.root().join(subvolume_of(&spec.id)).is_dir() => self.start(spec, Layer::Existing).await,
+            Ok(_) => Err(BackendError::Internal(format!("the writable layer of {} is missing", spec.id))),
+            Err(e) => Err(e),
         }
-        results
     }
 
     async fn shutdown(&self) {
