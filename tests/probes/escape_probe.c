@@ -16,6 +16,7 @@
 #include <sched.h>
 #include <sys/mount.h>
 #include <sys/ptrace.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -136,6 +137,21 @@ static int do_io_uring(void) {
     return escaped;
 }
 
+/* vsock is not network-namespaced: a socket would reach the host's (and other guests') vsock
+ * services. Only the seccomp filter's EPERM counts as blocked: a host without the vsock module
+ * answers EAFNOSUPPORT on its own, which would prove nothing about the filter. */
+static int do_vsock(void) {
+    int types[] = {SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET};
+    for (unsigned i = 0; i < sizeof types / sizeof types[0]; i++) {
+        errno = 0;
+        int fd = socket(40 /* AF_VSOCK */, types[i], 0);
+        int err = errno;
+        verdict(fd >= 0 || err != EPERM, "socket(AF_VSOCK) not refused by the filter", err);
+        if (fd >= 0) close(fd);
+    }
+    return escaped;
+}
+
 /* Writes `value` to `path`; reports a write that got through (or a file that could be made). */
 static void try_write(const char *path, const char *value) {
     char what[256];
@@ -226,6 +242,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "pid1")) return do_pid1();
     if (!strcmp(argv[1], "fds")) return do_fds();
     if (!strcmp(argv[1], "io_uring")) return do_io_uring();
+    if (!strcmp(argv[1], "vsock")) return do_vsock();
     if (!strcmp(argv[1], "ptrace_child")) return do_ptrace_child();
     if (!strcmp(argv[1], "cgroup")) return do_cgroup();
     fprintf(stderr, "unknown probe %s\n", argv[1]);
