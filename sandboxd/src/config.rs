@@ -496,8 +496,37 @@ impl Config {
             files: file.files,
             images: file.images,
         };
+        let cfg = cfg.absolute()?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Every path from the flags and the file made absolute against the working directory at
+    /// start, so no later reader takes it differently (Docker reads a relative bind-mount source
+    /// as a volume name; a child started in another directory would miss it). A program name
+    /// without a `/` (`qemu-system-x86_64`) stays a name for the PATH lookup.
+    fn absolute(mut self) -> Result<Config, ConfigError> {
+        fn abs(path: &mut PathBuf, key: &str) -> Result<(), ConfigError> {
+            if path.is_relative() {
+                *path = std::path::absolute(&*path).map_err(|e| ConfigError::Invalid(format!("{key} = {}: {e}", path.display())))?;
+            }
+            Ok(())
+        }
+        abs(&mut self.state_dir, "state_dir")?;
+        abs(&mut self.images_dir, "images_dir")?;
+        if let Some(path) = &mut self.audit.path {
+            abs(path, "audit.path")?;
+        }
+        if let Some(tls) = &mut self.tls {
+            abs(&mut tls.cert, "tls.cert")?;
+            abs(&mut tls.key, "tls.key")?;
+        }
+        for (path, key) in [(&mut self.microvm.qemu, "microvm.qemu"), (&mut self.microvm.qemu_img, "microvm.qemu_img")] {
+            if path.components().count() > 1 {
+                abs(path, key)?;
+            }
+        }
+        Ok(self)
     }
 
     fn read_file(path: &Path) -> Result<(FileConfig, String), ConfigError> {
@@ -608,6 +637,21 @@ mod tests {
         let cfg = Config::load(Cli { config: Some(dir.path().join("max.toml")), ..Default::default() }).expect("load");
         assert_eq!(cfg.limits.max.memory_bytes, 1 << 30);
         assert_eq!(cfg.limits.max.max_pids, Limits::CEILINGS.max_pids, "unnamed ceilings stay");
+    }
+
+    #[test]
+    fn relative_paths_from_flags_and_file_are_made_absolute() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("sandboxd.toml");
+        std::fs::write(&path, "images_dir = \"img\"\n[audit]\npath = \"logs/audit.jsonl\"\n[microvm]\nqemu = \"bin/qemu\"\n").expect("write");
+        let cli = Cli { config: Some(path), state_dir: Some("st".into()), ..Default::default() };
+        let cfg = Config::load(cli).expect("load");
+        let cwd = std::env::current_dir().expect("cwd");
+        assert_eq!(cfg.state_dir, cwd.join("st"));
+        assert_eq!(cfg.images_dir, cwd.join("img"));
+        assert_eq!(cfg.audit.path, Some(cwd.join("logs/audit.jsonl")));
+        assert_eq!(cfg.microvm.qemu, cwd.join("bin/qemu"));
+        assert_eq!(cfg.microvm.qemu_img, PathBuf::from("qemu-img"), "a bare program name stays a PATH lookup");
     }
 
     #[test]

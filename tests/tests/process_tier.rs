@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 use agent_client::exec_request;
 use agent_client::proto::{exec_event, ExecRequest, ExecResult, ExecStatus, Isolation, ResourceLimits, SandboxState};
 use sandbox_tests::{
-    assert_exited, assert_hello_file_reads_back, assert_paths_stay_inside, cgroups_of, describe, dirs_named, eventually, mounts_of, mounts_under,
+    assert_exited, assert_hello_file_reads_back, assert_paths_stay_inside, cgroups_of, describe, dirs_named, eventually, find_under, mounts_of, mounts_under,
     process_sandbox, read_stream, rss_bytes, status, tagged_execs_at_once, text, unique, within, Harness, PeakRss, Streamed,
 };
 use tonic::Code;
@@ -716,6 +716,19 @@ async fn graceful_stop_leaves_no_mounts_or_cgroups() {
     assert!(mounts_of(&h.daemon, &ids[0]).is_empty(), "destroy left mounts: {:?}", mounts_of(&h.daemon, &ids[0]));
     assert!(cgroups_of(&ids[0]).is_empty(), "destroy left cgroups: {:?}", cgroups_of(&ids[0]));
 
+    // The daemon's own cgroups, found through a live sandbox's: `sandboxd-<hash>` holds the
+    // process and container tiers' sandboxes, `sandboxd-<hash>-vm` the microVM tier's QEMUs.
+    let daemon_cgroup = cgroups_of(&ids[1])
+        .iter()
+        .flat_map(|p| p.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect::<Vec<_>>())
+        .find(|c| c.starts_with("sandboxd-"))
+        .expect("a sandbox cgroup below the daemon's");
+    let daemon_cgroups = || {
+        let names = [daemon_cgroup.clone(), format!("{daemon_cgroup}-vm")];
+        find_under(Path::new("/sys/fs/cgroup"), |p, ft| ft.is_dir() && p.file_name().is_some_and(|n| names.iter().any(|d| n == d.as_str())))
+    };
+    assert!(!daemon_cgroups().is_empty(), "the daemon's cgroup {daemon_cgroup} not found while it runs");
+
     let state_dir = h.daemon.state_dir();
     let status = h.daemon.stop().expect("stopping sandboxd");
     assert!(status.success(), "sandboxd exited with {status} on SIGTERM; log:\n{}", h.daemon.log());
@@ -723,6 +736,7 @@ async fn graceful_stop_leaves_no_mounts_or_cgroups() {
     for id in &ids {
         assert!(cgroups_of(id).is_empty(), "cgroups of {id} left after stop: {:?}", cgroups_of(id));
     }
+    assert!(daemon_cgroups().is_empty(), "the daemon's cgroups left after stop: {:?}", daemon_cgroups());
     let leftover_runs: Vec<_> = std::fs::read_dir(state_dir.join("run")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
     assert!(leftover_runs.is_empty(), "run dirs left after stop: {leftover_runs:?}");
     let socket = h.daemon.address.trim_start_matches("unix://").to_string();

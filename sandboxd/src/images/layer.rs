@@ -102,6 +102,19 @@ fn sys_err(path: &str, e: Errno) -> LayerError {
     LayerError::Io { path: path.to_string(), source: io::Error::from(e) }
 }
 
+/// An error while copying an entry's content: the archive's side (it ends inside the file, its
+/// compression is corrupt) makes the layer malformed — the client's fault, INVALID_ARGUMENT —
+/// while the host's side (a full disk, an I/O error: an errno) stays an I/O error.
+fn read_or_write_error(path: &str, source: io::Error) -> LayerError {
+    let from_archive =
+        source.raw_os_error().is_none() && matches!(source.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData | io::ErrorKind::InvalidInput);
+    if from_archive {
+        LayerError::Malformed { path: path.to_string(), source }
+    } else {
+        LayerError::Io { path: path.to_string(), source }
+    }
+}
+
 fn unsafe_entry(path: &str, reason: impl Into<String>) -> LayerError {
     LayerError::Unsafe { path: path.to_string(), reason: reason.into() }
 }
@@ -373,7 +386,7 @@ impl Applier<'_> {
         self.clear(pfd, &name, false, shown)?;
         let mut file = sys::create_new_at(pfd, &name).map_err(|e| sys_err(shown, e))?;
         budget.allow(size);
-        copy_exact(data, &mut file, size, &mut self.buf).map_err(|source| LayerError::Io { path: shown.to_string(), source })?;
+        copy_exact(data, &mut file, size, &mut self.buf).map_err(|source| read_or_write_error(shown, source))?;
         for (key, value) in xattrs {
             // Best effort: a filesystem without the namespace keeps the file without it.
             // SAFETY: fsetxattr on our own open file with a NUL-terminated name and a buffer of
@@ -720,6 +733,17 @@ mod tests {
         let mut totals = Totals { bytes: 8, entries: 0 };
         let err = apply_to(&root, &Layer::new().file("c", b"123").bytes(), &mut totals, &limits).expect_err("across layers");
         assert!(matches!(err, LayerError::Limit { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_layer_cut_short_inside_a_file_is_malformed_not_an_io_error() {
+        let (_tmp, root) = rootfs();
+        let whole = Layer::new().file("big", &[7u8; 4096]).bytes();
+        // The header and 1 KiB of the 4 KiB of content: the archive ends inside the file.
+        let cut = &whole[..512 + 1024];
+        let err = apply_to(&root, cut, &mut Totals::default(), &LIMITS).expect_err("truncated");
+        assert!(matches!(err, LayerError::Malformed { .. }), "{err}");
+        assert!(err.to_string().contains("big"), "names the entry: {err}");
     }
 
     #[test]

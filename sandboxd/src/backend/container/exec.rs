@@ -54,6 +54,9 @@ pub use sandbox_exec::capture::SPILL_DIR;
 
 /// How long an exec may take to reach the stopped helper before it counts as failed to start.
 const START_DEADLINE: Duration = Duration::from_secs(10);
+/// How long the output of an exec whose processes are all gone may take to arrive through
+/// Docker's stream (see the drain in `run`).
+const DRAIN_AFTER_EXIT: Duration = Duration::from_secs(10);
 /// How long to wait for the exit after the exec's cgroup was killed.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// Where the helper's directory is mounted (read-only) in every container. A directory, not the
@@ -607,12 +610,21 @@ impl ContainerSandbox {
         let duration = t0.elapsed();
         let exited_ms = phase0.elapsed().as_micros() as u64;
 
-        // Bounded wait for the output: a grandchild left in the background may hold the pipes.
-        let pumped = match tokio::time::timeout(spec.io_drain_timeout, &mut pump_task).await {
-            Ok(r) => r,
-            Err(_) => {
-                stop.cancel();
-                pump_task.await
+        // Bounded wait for the output: a grandchild left in the background may hold the pipes,
+        // and then `io_drain_timeout` is all it gets. With nothing left in the exec's cgroup
+        // nobody holds them: what is still missing is only on its way through Docker (slow
+        // under load), so the stream is waited for until it ends — bounded still. Otherwise a
+        // busy host would cut the helper's failure line and a start failure would read as a
+        // silent exit 127.
+        let drain_started = Instant::now();
+        let pumped = loop {
+            match tokio::time::timeout(spec.io_drain_timeout, &mut pump_task).await {
+                Ok(r) => break r,
+                Err(_) if cgroup.is_empty() && drain_started.elapsed() < DRAIN_AFTER_EXIT => continue,
+                Err(_) => {
+                    stop.cancel();
+                    break pump_task.await;
+                }
             }
         };
         let Pumped { stdout, stderr, marker } = pumped.map_err(|e| BackendError::Internal(format!("output task: {e}")))?;
