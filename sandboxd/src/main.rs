@@ -35,7 +35,8 @@ fn main() -> anyhow::Result<()> {
         Telemetry::start(&cfg.telemetry)?
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let log = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colours only for a person at a terminal: a pipe, a file or journald gets plain text.
+    let log = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let log = match cfg.log_format {
         LogFormat::Json => log.json().boxed(),
         LogFormat::Text => log.boxed(),
@@ -67,7 +68,7 @@ fn log_nofile(cfg: &Config, nofile: Result<sandboxd::admission::NofileLimit, Str
         hard = limit.hard,
         previous_soft = limit.previous_soft,
         exec_budget = budget,
-        "open-file limit raised to the hard limit; descriptors for about exec_budget running execs"
+        "open-file limit raised to the hard limit: descriptors for about {budget} running execs"
     );
     let caps = cfg.policy.exec_caps();
     for (key, cap) in
