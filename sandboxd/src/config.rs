@@ -442,6 +442,11 @@ impl std::fmt::Display for ListenAddr {
     }
 }
 
+/// Where the operator's script-built images are when neither flag nor file says (`make images
+/// IMAGES_DIR=…` builds them there). Not `<state_dir>/images`: that is the store of imported
+/// images, and the two must never be one directory.
+pub const DEFAULT_IMAGES_DIR: &str = "/var/lib/sandboxd/base-images";
+
 /// The effective configuration the daemon runs with.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -480,7 +485,7 @@ impl Config {
         let cfg = Config {
             listen,
             state_dir: cli.state_dir.or(file.state_dir).unwrap_or_else(|| PathBuf::from("/var/lib/sandboxd")),
-            images_dir: cli.images_dir.or(file.images_dir).unwrap_or_else(|| PathBuf::from("/var/lib/sandboxd/images")),
+            images_dir: cli.images_dir.or(file.images_dir).unwrap_or_else(|| PathBuf::from(DEFAULT_IMAGES_DIR)),
             log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
             pool_size_bytes: cli.pool_size_bytes.or(file.pool_size_bytes).unwrap_or(32 << 30),
             limits: file.limits,
@@ -537,6 +542,14 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        // The import store lives in <state_dir>/images: an images_dir there would list every
+        // imported image as script-built (not removable) and every script-built one as imported.
+        if self.images_dir == self.state_dir.join("images") {
+            return Err(ConfigError::Invalid(format!(
+                "images_dir = {} is the store of imported images (<state_dir>/images): put the script-built images elsewhere (default {DEFAULT_IMAGES_DIR})",
+                self.images_dir.display()
+            )));
+        }
         let (d, m) = (&self.limits.default, &self.limits.max);
         let checks: [(&str, u64, u64); 6] = [
             ("cpu_millicores", d.cpu_millicores.into(), m.cpu_millicores.into()),
@@ -652,6 +665,15 @@ mod tests {
         assert_eq!(cfg.audit.path, Some(cwd.join("logs/audit.jsonl")));
         assert_eq!(cfg.microvm.qemu, cwd.join("bin/qemu"));
         assert_eq!(cfg.microvm.qemu_img, PathBuf::from("qemu-img"), "a bare program name stays a PATH lookup");
+    }
+
+    #[test]
+    fn images_dir_may_not_be_the_import_store() {
+        let cli = Cli { state_dir: Some("/srv/sbx".into()), images_dir: Some("/srv/sbx/images".into()), ..Default::default() };
+        let err = Config::load(cli).expect_err("the import store");
+        assert!(err.to_string().contains("store of imported images"), "{err}");
+        let cfg = Config::load(Cli { state_dir: Some("/var/lib/sandboxd".into()), ..Default::default() }).expect("defaults");
+        assert_ne!(cfg.images_dir, cfg.state_dir.join("images"), "the defaults never collide");
     }
 
     #[test]
