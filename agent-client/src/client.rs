@@ -21,8 +21,8 @@ use crate::proto::{
     DownloadRequest, ExecEvent, ExecRequest, ExecResult, ExecSessionStart, GetExecRequest,
     GetSandboxRequest, ListExecsRequest, ListExecsResponse, ListSandboxesRequest,
     ListSnapshotsRequest, ReadFileRequest, ReadFileResponse, RollbackRequest, Sandbox,
-    SignalExecRequest, SnapshotInfo, SnapshotRequest, UploadArchiveResponse, UploadHeader,
-    WriteFileRequest,
+    SetSandboxTtlRequest, SignalExecRequest, SnapshotInfo, SnapshotRequest, UploadArchiveResponse,
+    UploadHeader, WriteFileRequest,
 };
 use crate::session::ExecSession;
 use crate::transfer::{self, FileTransfer};
@@ -131,13 +131,14 @@ impl Client {
     }
 
     /// Connects using the environment: the address in `SANDBOXD_SOCKET` (default
-    /// `unix://./.sandboxd/sandboxd.sock`, resolved against the current directory) and the
+    /// [`crate::default_socket`]: `./.sandboxd/sandboxd.sock` if it exists, else
+    /// `/run/sandboxd/sandboxd.sock`) and the
     /// bearer token in `SANDBOXD_TOKEN`, if set and non-empty.
     pub async fn from_env() -> Result<Self> {
         let addr = std::env::var(crate::SOCKET_ENV)
             .ok()
             .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| crate::DEFAULT_SOCKET.to_owned());
+            .unwrap_or_else(|| crate::default_socket().to_owned());
         let client = Self::connect(&addr).await?;
         match std::env::var(crate::TOKEN_ENV) {
             Ok(token) if !token.is_empty() => client.with_token(&token),
@@ -180,6 +181,19 @@ impl Client {
             sandbox_id: sandbox_id.into(),
         };
         Ok(self.raw().get_sandbox(request).await?.into_inner())
+    }
+
+    /// Gives the sandbox a new lifetime from now: reaped `ttl_seconds` later, never for 0.
+    pub async fn set_ttl(
+        &self,
+        sandbox_id: impl Into<String>,
+        ttl_seconds: u32,
+    ) -> Result<Sandbox> {
+        let request = SetSandboxTtlRequest {
+            sandbox_id: sandbox_id.into(),
+            ttl_seconds,
+        };
+        Ok(self.raw().set_sandbox_ttl(request).await?.into_inner())
     }
 
     /// Lists the sandboxes carrying every label in `label_selector` (all of them if it is empty).

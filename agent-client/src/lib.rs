@@ -52,5 +52,20 @@ pub const SOCKET_ENV: &str = "SANDBOXD_SOCKET";
 /// Environment variable holding an optional bearer token sent with every call.
 pub const TOKEN_ENV: &str = "SANDBOXD_TOKEN";
 
-/// Address used when [`SOCKET_ENV`] is unset: the daemon's socket under the current directory.
+/// The socket `make run` starts the daemon on, under the current directory (a checkout).
 pub const DEFAULT_SOCKET: &str = "unix://./.sandboxd/sandboxd.sock";
+
+/// The socket a bare `sandboxd` (a service, the example config) listens on.
+pub const SYSTEM_SOCKET: &str = "unix:///run/sandboxd/sandboxd.sock";
+
+/// The address used when neither `--socket` nor [`SOCKET_ENV`] says: `make run`'s socket
+/// ([`DEFAULT_SOCKET`]) when there is one under the current directory, else the system
+/// daemon's ([`SYSTEM_SOCKET`]), so `sbx` finds the daemon both in a checkout and on a host
+/// running it as a service.
+pub fn default_socket() -> &'static str {
+    if std::path::Path::new("./.sandboxd/sandboxd.sock").exists() {
+        DEFAULT_SOCKET
+    } else {
+        SYSTEM_SOCKET
+    }
+}

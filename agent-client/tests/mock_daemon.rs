@@ -152,6 +152,14 @@ impl SandboxService for Mock {
         self.seen(&r);
         Ok(Response::new(sandbox(&r.into_inner().sandbox_id)?))
     }
+
+    async fn set_sandbox_ttl(
+        &self,
+        r: Request<SetSandboxTtlRequest>,
+    ) -> Result<Response<Sandbox>, Status> {
+        self.seen(&r);
+        Ok(Response::new(sandbox(&r.into_inner().sandbox_id)?))
+    }
     async fn list_sandboxes(
         &self,
         r: Request<ListSandboxesRequest>,

@@ -57,6 +57,28 @@ async fn sbx_create_ls_rm() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn sbx_ttl_extends_and_clears_a_lifetime() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let out = sbx(&daemon, &["create", "--ttl", "600"]).await;
+    assert!(out.status.success(), "sbx create --ttl: {}", show(&out));
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let expires = |out: &Output| -> serde_json::Value {
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", show(out)));
+        v["expires_at"].clone()
+    };
+    let before = expires(&sbx(&daemon, &["--json", "get", &id]).await);
+    let out = sbx(&daemon, &["--json", "ttl", &id, "3600"]).await;
+    assert!(out.status.success(), "sbx ttl: {}", show(&out));
+    let after = expires(&out);
+    assert!(after.is_string() && after != before, "the lifetime moved: {before} -> {after}");
+    // The reaper going by the new time is the manager's unit test (`a_ttl_is_extended_…`).
+    let out = sbx(&daemon, &["ttl", &id, "0"]).await;
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "-", "sbx ttl 0: {}", show(&out));
+    let out = sbx(&daemon, &["ttl", "sb-nosuchsandbox", "60"]).await;
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("NOT_FOUND"), "{}", show(&out));
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn sbx_exec_passes_output_and_exit_code_through() {
     let daemon = Daemon::start().await.expect("starting sandboxd");
     let id = create(&daemon).await;

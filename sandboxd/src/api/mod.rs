@@ -193,6 +193,14 @@ impl SandboxService for Api {
         self.call("GetSandbox", request, None, |tenant, req| async move { Ok(convert::sandbox(&self.manager.get(&tenant, &req.sandbox_id)?)) }).await
     }
 
+    async fn set_sandbox_ttl(&self, request: Request<pb::SetSandboxTtlRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let audited = sandbox_only(&request.get_ref().sandbox_id);
+        self.call("SetSandboxTtl", request, audited, |tenant, req| async move {
+            Ok(convert::sandbox(&self.manager.set_ttl(&tenant, &req.sandbox_id, req.ttl_seconds)?))
+        })
+        .await
+    }
+
     async fn list_sandboxes(&self, request: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
         self.call("ListSandboxes", request, None, |tenant, req| async move {
             let list = self.manager.list(&tenant, &req.label_selector.into_iter().collect())?;

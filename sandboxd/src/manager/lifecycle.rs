@@ -185,6 +185,21 @@ impl Manager {
         self.entry(tenant, id)?.1.info()
     }
 
+    /// A new lifetime for the sandbox: reaped `ttl_seconds` from now, or never for 0. Recorded,
+    /// so it holds across restarts like the create's TTL.
+    pub fn set_ttl(&self, tenant: &str, id: &str, ttl_seconds: u32) -> Result<SandboxInfo, Error> {
+        let (sid, entry) = self.entry(tenant, id)?;
+        let state = entry.read(|i| i.state)?;
+        if !state.can_destroy() {
+            return Err(Error::IncorrectState { id: sid.to_string(), state, operation: "change its TTL" });
+        }
+        let expires_at = (ttl_seconds > 0).then(|| SystemTime::now() + Duration::from_secs(ttl_seconds.into()));
+        let info = entry.update(|i| i.expires_at = expires_at)?;
+        self.store.put_sandbox(&info)?;
+        tracing::info!(sandbox = %sid, ttl_seconds, "sandbox TTL set");
+        Ok(info)
+    }
+
     /// Sandboxes whose labels include every pair of `selector`.
     pub fn list(&self, tenant: &str, selector: &BTreeMap<String, String>) -> Result<Vec<SandboxInfo>, Error> {
         let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
@@ -290,6 +305,22 @@ mod tests {
         m.create("t", fork.clone()).await.expect("the fork fits the freed room");
         let err = m.create("t", fork).await.expect_err("a second fork does not");
         assert!(err.to_string().contains("8 GiB of 8 GiB"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_ttl_is_extended_cleared_and_kept_in_the_record() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let sb = m.create("t", CreateRequest { ttl_seconds: 1, ..Default::default() }).await.expect("create");
+        let first = sb.expires_at.expect("a TTL");
+        let longer = m.set_ttl("t", sb.id.as_str(), 3600).expect("extend");
+        assert!(longer.expires_at.expect("a TTL") > first + std::time::Duration::from_secs(3000));
+        m.reap_expired().await;
+        assert!(m.get("t", sb.id.as_str()).is_ok(), "an extended sandbox is not reaped at its old time");
+        assert!(m.set_ttl("t", sb.id.as_str(), 0).expect("clear").expires_at.is_none());
+        assert!(m.store.sandboxes().expect("records").iter().any(|r| r.id == sb.id && r.expires_at.is_none()), "recorded");
+        let err = m.set_ttl("other", sb.id.as_str(), 60).expect_err("another tenant's");
+        assert!(matches!(err, Error::SandboxNotFound(_)), "{err}");
     }
 
     #[tokio::test]

@@ -12,7 +12,7 @@ use crate::parse::{parse_cpus, parse_kv, parse_signal, parse_size};
 #[command(name = "sbx", version, propagate_version = true)]
 pub struct Cli {
     /// Daemon address: unix:///path.sock, /path.sock, tcp://host:port or http://host:port
-    /// [default: unix://./.sandboxd/sandboxd.sock]
+    /// [default: ./.sandboxd/sandboxd.sock if it exists (make run), else /run/sandboxd/sandboxd.sock]
     #[arg(long, global = true, help_heading = "Global options", env = agent_client::SOCKET_ENV, value_name = "ADDR")]
     pub socket: Option<String>,
 
@@ -55,6 +55,13 @@ pub enum Command {
     Get {
         /// Sandbox id.
         id: String,
+    },
+    /// Give a sandbox a new lifetime from now (reaped SECS later; 0 = never).
+    Ttl {
+        /// Sandbox id.
+        id: String,
+        /// Seconds from now; 0 removes the TTL.
+        secs: u32,
     },
     /// Destroy sandboxes.
     #[command(visible_alias = "destroy")]

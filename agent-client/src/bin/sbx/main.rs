@@ -38,11 +38,12 @@ impl Ctx {
     /// Connects to the daemon. Commands call this only after checking their own arguments, so a
     /// usage mistake is reported as such even when no daemon is running.
     pub async fn client(&self) -> Result<Client> {
+        let default = agent_client::default_socket();
         let addr = self
             .socket
             .as_deref()
             .filter(|s| !s.is_empty())
-            .unwrap_or(agent_client::DEFAULT_SOCKET);
+            .unwrap_or(default);
         let client = Client::connect(addr).await?;
         match self.token.as_deref().filter(|t| !t.is_empty()) {
             Some(token) => Ok(client.with_token(token)?),
@@ -66,6 +67,7 @@ async fn run(cli: Cli) -> Result<u8> {
         }
         Command::Ls { labels } => sandbox::list(&ctx, labels).await,
         Command::Get { id } => sandbox::get(&ctx, id).await,
+        Command::Ttl { id, secs } => sandbox::set_ttl(&ctx, id, secs).await,
         Command::Rm { ids } => sandbox::remove(&ctx, ids).await,
         Command::Exec(args) => exec::exec(&ctx, args).await,
         Command::Wait { exec_id } => exec::wait(&ctx, exec_id).await,

@@ -91,6 +91,17 @@ pub async fn get(ctx: &Ctx, id: String) -> Result<u8> {
     Ok(0)
 }
 
+/// Sets the sandbox's TTL from now and prints when it now expires (`-` for never).
+pub async fn set_ttl(ctx: &Ctx, id: String, secs: u32) -> Result<u8> {
+    let s = ctx.client().await?.set_ttl(id, secs).await?;
+    if ctx.json {
+        output::json(&json::sandbox(&s))?;
+        return Ok(0);
+    }
+    output::stdout(format!("{}\n", output::time(s.expires_at.as_ref())).as_bytes())?;
+    Ok(0)
+}
+
 /// Destroys every sandbox given, going on past failures; exits 1 if any failed.
 pub async fn remove(ctx: &Ctx, ids: Vec<String>) -> Result<u8> {
     let client = ctx.client().await?;
