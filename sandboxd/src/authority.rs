@@ -13,10 +13,19 @@
 //! plus CONTINUATION), which are HPACK-decoded, get `:authority: localhost` if theirs is not a
 //! valid authority, and are re-encoded as literals that never touch the dynamic table (so the
 //! server's decoder state can never disagree with ours), in frames no larger than the protocol's
-//! minimum maximum (16 KiB). Everything a client sends is bounded: one frame at a time (at most
-//! the protocol's 16 MiB), one header block of at most [`MAX_HEADER_BLOCK`]. A malformed stream
-//! ends that connection with an I/O error; the daemon and other connections are unaffected. TCP
-//! listeners are not wrapped: clients there send a real authority.
+//! minimum maximum (16 KiB).
+//!
+//! This runs before anything knows who the client is, so everything it holds is bounded by what
+//! the server advertised, never by what the client claims: one frame of at most
+//! [`MAX_FRAME_SIZE`] (SETTINGS_MAX_FRAME_SIZE, set on the server to the same value), one header
+//! block of at most [`MAX_HEADER_BLOCK`] encoded bytes, decoded by our own [`decoder::Decoder`]
+//! that stops at [`MAX_HEADER_LIST_BYTES`] decoded bytes (SETTINGS_MAX_HEADER_LIST_SIZE) and keeps
+//! a dynamic table of at most [`HEADER_TABLE_SIZE`] bytes. No byte sequence panics (a seeded fuzz
+//! loop below, `sandboxd/fuzz` for longer runs). A malformed or oversized stream ends that
+//! connection with an I/O error; the daemon and other connections are unaffected. TCP listeners
+//! are not wrapped: clients there send a real authority, and the `h2` crate bounds them itself.
+
+pub mod decoder;
 
 use std::io;
 use std::pin::Pin;
@@ -34,12 +43,24 @@ const FLAG_END_STREAM: u8 = 0x1;
 const FLAG_END_HEADERS: u8 = 0x4;
 const FLAG_PADDED: u8 = 0x8;
 const FLAG_PRIORITY: u8 = 0x20;
-/// Largest frame payload HTTP/2 allows at all (2^24 - 1).
-const MAX_FRAME_PAYLOAD: usize = (1 << 24) - 1;
+/// Largest frame payload a client may send: SETTINGS_MAX_FRAME_SIZE, which the server keeps at
+/// the protocol's initial value (the server is configured with this constant), so a larger frame
+/// is a FRAME_SIZE_ERROR and refused from its 9-byte header, before its payload is buffered.
+pub const MAX_FRAME_SIZE: usize = 16 << 10;
 /// Frames we write carry at most this much (every peer accepts 16 KiB).
 const OUT_FRAME_PAYLOAD: usize = 16 << 10;
-/// Largest header block accumulated across CONTINUATION frames.
-pub const MAX_HEADER_BLOCK: usize = 1 << 20;
+/// Largest decoded header list of one request (name + value + 32 per field, RFC 7540
+/// SETTINGS_MAX_HEADER_LIST_SIZE): gRPC's default metadata bound. The server is configured with
+/// the same value for the connections that do not pass through here.
+pub const MAX_HEADER_LIST_BYTES: usize = 16 << 10;
+/// Largest header block accumulated across CONTINUATION frames, in encoded bytes (each frame
+/// counts its 9-byte header too, so a flood of empty CONTINUATIONs ends as well). Twice the
+/// decoded bound: a block of fields that are each within the bound cannot need more, even
+/// Huffman-coded with long codes.
+pub const MAX_HEADER_BLOCK: usize = 2 * MAX_HEADER_LIST_BYTES;
+/// SETTINGS_HEADER_TABLE_SIZE as the server advertises it (the protocol's initial 4 KiB): the
+/// largest dynamic table a client's size update may ask for.
+pub const HEADER_TABLE_SIZE: usize = 4096;
 /// What replaces an authority the server would refuse.
 const LOCAL_AUTHORITY: &[u8] = b"localhost";
 
@@ -49,6 +70,8 @@ struct PendingBlock {
     end_stream: bool,
     priority: Option<[u8; 5]>,
     block: Vec<u8>,
+    /// The block's bytes plus 9 per frame that carried them.
+    framed: usize,
 }
 
 /// The client-to-server transformation, fed raw bytes, producing the bytes the server reads.
@@ -56,7 +79,7 @@ pub struct Rewriter {
     preface_left: usize,
     input: BytesMut,
     pending: Option<PendingBlock>,
-    decoder: hpack::Decoder<'static>,
+    decoder: decoder::Decoder,
 }
 
 fn protocol_error(what: impl Into<String>) -> io::Error {
@@ -65,7 +88,12 @@ fn protocol_error(what: impl Into<String>) -> io::Error {
 
 impl Default for Rewriter {
     fn default() -> Self {
-        Rewriter { preface_left: PREFACE.len(), input: BytesMut::new(), pending: None, decoder: hpack::Decoder::new() }
+        Rewriter {
+            preface_left: PREFACE.len(),
+            input: BytesMut::new(),
+            pending: None,
+            decoder: decoder::Decoder::new(HEADER_TABLE_SIZE, MAX_HEADER_LIST_BYTES),
+        }
     }
 }
 
@@ -84,8 +112,8 @@ impl Rewriter {
         }
         while self.preface_left == 0 && self.input.len() >= FRAME_HEADER_LEN {
             let len = (usize::from(self.input[0]) << 16) | (usize::from(self.input[1]) << 8) | usize::from(self.input[2]);
-            if len > MAX_FRAME_PAYLOAD {
-                return Err(protocol_error("frame too large"));
+            if len > MAX_FRAME_SIZE {
+                return Err(protocol_error(format!("a frame of {len} bytes, over the {MAX_FRAME_SIZE} the server advertised (SETTINGS_MAX_FRAME_SIZE)")));
             }
             if self.input.len() < FRAME_HEADER_LEN + len {
                 break;
@@ -103,6 +131,11 @@ impl Rewriter {
             }
         }
         Ok(())
+    }
+
+    /// Bytes held between calls: the unfinished frame and the unfinished header block.
+    pub fn buffered(&self) -> usize {
+        self.input.len() + self.pending.as_ref().map_or(0, |p| p.block.len())
     }
 
     fn start_block(&mut self, stream_id: u32, flags: u8, payload: &[u8], out: &mut BytesMut) -> io::Result<()> {
@@ -123,7 +156,7 @@ impl Rewriter {
             None
         };
         let fragment = body.len().checked_sub(pad).map(|n| &body[..n]).ok_or_else(|| protocol_error("padding longer than the frame"))?;
-        self.pending = Some(PendingBlock { stream_id, end_stream: flags & FLAG_END_STREAM != 0, priority, block: Vec::new() });
+        self.pending = Some(PendingBlock { stream_id, end_stream: flags & FLAG_END_STREAM != 0, priority, block: Vec::new(), framed: 0 });
         self.continue_block(stream_id, flags, fragment, out)
     }
 
@@ -132,8 +165,9 @@ impl Rewriter {
         if pending.stream_id != stream_id {
             return Err(protocol_error("CONTINUATION of another stream"));
         }
-        if pending.block.len() + fragment.len() > MAX_HEADER_BLOCK {
-            return Err(protocol_error(format!("header block over {MAX_HEADER_BLOCK} bytes")));
+        pending.framed += FRAME_HEADER_LEN + fragment.len();
+        if pending.framed > MAX_HEADER_BLOCK {
+            return Err(protocol_error(format!("a header block over {MAX_HEADER_BLOCK} bytes")));
         }
         pending.block.extend_from_slice(fragment);
         if flags & FLAG_END_HEADERS != 0 {
@@ -145,16 +179,15 @@ impl Rewriter {
     }
 
     fn finish_block(&mut self, done: PendingBlock, out: &mut BytesMut) -> io::Result<()> {
-        let mut headers = self.decoder.decode(&done.block).map_err(|e| protocol_error(format!("bad HPACK header block: {e:?}")))?;
-        for (name, value) in headers.iter_mut() {
-            if name.as_slice() == b":authority" && http::uri::Authority::try_from(value.as_slice()).is_err() {
-                *value = LOCAL_AUTHORITY.to_vec();
-            }
-        }
+        // Re-encoded as it is decoded: never more than the decoded bound, and no list of fields
+        // is ever built. A block refused halfway leaves nothing behind but the error.
         let mut block = Vec::with_capacity(done.block.len() + 16);
-        for (name, value) in &headers {
-            encode_literal(&mut block, name, value);
-        }
+        self.decoder
+            .decode(&done.block, |field| {
+                let value = if field.name == b":authority" && http::uri::Authority::try_from(field.value).is_err() { LOCAL_AUTHORITY } else { field.value };
+                encode_literal(&mut block, field.name, value, field.never_indexed);
+            })
+            .map_err(|e| protocol_error(format!("HPACK: {e}")))?;
         write_header_frames(out, done.stream_id, done.end_stream, done.priority, &block);
         Ok(())
     }
@@ -176,10 +209,10 @@ fn encode_int(out: &mut Vec<u8>, first: u8, prefix_bits: u32, mut value: usize) 
     out.push(value as u8);
 }
 
-/// A "literal header field without indexing, new name" (RFC 7541 6.2.2), strings raw: the
-/// dynamic table is never touched.
-fn encode_literal(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    out.push(0x00);
+/// A "literal header field without indexing, new name" (RFC 7541 6.2.2), or "never indexed"
+/// (6.2.3) when the client marked it so, strings raw: the dynamic table is never touched.
+fn encode_literal(out: &mut Vec<u8>, name: &[u8], value: &[u8], never_indexed: bool) {
+    out.push(if never_indexed { 0x10 } else { 0x00 });
     for s in [name, value] {
         encode_int(out, 0x00, 7, s.len());
         out.extend_from_slice(s);
@@ -383,19 +416,17 @@ mod tests {
     fn a_large_block_is_split_into_continuations() {
         let big = vec![b'x'; 40 << 10];
         let mut block = Vec::new();
-        encode_literal(&mut block, b":authority", b"tmp%2Fs.sock");
-        encode_literal(&mut block, b"x-big", &big);
-        let mut input = PREFACE.to_vec();
-        input.extend(frame(TYPE_HEADERS, FLAG_END_HEADERS, 1, &block));
+        encode_literal(&mut block, b"x-big", &big, false);
         let mut out = BytesMut::new();
-        Rewriter::default().feed(&input, &mut out).expect("feed");
-        let frames = frames(&out);
+        write_header_frames(&mut out, 1, true, Some([0, 0, 0, 0, 16]), &block);
+        let mut bytes = PREFACE.to_vec();
+        bytes.extend_from_slice(&out);
+        let frames = frames(&bytes);
         assert!(frames.len() >= 3 && frames.iter().all(|f| f.3.len() <= OUT_FRAME_PAYLOAD));
-        assert_eq!(frames.last().map(|f| f.1 & FLAG_END_HEADERS), Some(FLAG_END_HEADERS));
-        let whole: Vec<u8> = frames.iter().flat_map(|f| f.3.clone()).collect();
+        assert_eq!(frames.iter().map(|f| f.1 & FLAG_END_HEADERS).collect::<Vec<_>>(), [vec![0; frames.len() - 1], vec![FLAG_END_HEADERS]].concat());
+        let whole: Vec<u8> = frames.iter().enumerate().flat_map(|(i, f)| f.3[if i == 0 { 5 } else { 0 }..].to_vec()).collect();
         let decoded = hpack::Decoder::new().decode(&whole).expect("decode");
-        assert_eq!(decoded[0], (b":authority".to_vec(), b"localhost".to_vec()));
-        assert_eq!(decoded[1].1.len(), big.len());
+        assert_eq!(decoded[0].1.len(), big.len());
     }
 
     #[test]
@@ -424,5 +455,179 @@ mod tests {
             }
         }
         assert!(result.is_err(), "an endless header block is refused");
+    }
+
+    #[test]
+    fn a_frame_over_the_advertised_size_is_refused_from_its_header() {
+        let mut input = PREFACE.to_vec();
+        // Only the 9-byte header of a 16 MiB DATA frame: refused before any payload arrives.
+        input.extend_from_slice(&[0xff, 0xff, 0xff, 0x0, 0x0, 0, 0, 0, 1]);
+        let err = Rewriter::default().feed(&input, &mut BytesMut::new()).expect_err("refused");
+        assert!(err.to_string().contains("SETTINGS_MAX_FRAME_SIZE"), "{err}");
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(0x0, 0, 1, &vec![0u8; MAX_FRAME_SIZE]));
+        assert!(Rewriter::default().feed(&input, &mut BytesMut::new()).is_ok(), "a frame of exactly the maximum passes");
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(0x0, 0, 1, &vec![0u8; MAX_FRAME_SIZE + 1])[..FRAME_HEADER_LEN].iter());
+        assert!(Rewriter::default().feed(&input, &mut BytesMut::new()).is_err(), "one byte more does not");
+    }
+
+    /// The HPACK bomb of issue 20 as a client sends it: an entry of 4,000 bytes, then one-byte
+    /// references to it. The connection ends; nothing of the block reaches the server.
+    #[test]
+    fn an_hpack_bomb_ends_the_connection_with_nothing_decoded_passed_on() {
+        let mut block = vec![0x40, 0x01, b'x', 0x7f, 0xa1, 0x1e];
+        block.extend(std::iter::repeat_n(b'v', 4000));
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(TYPE_HEADERS, 0, 1, &block));
+        // References in CONTINUATIONs, as many as the block bound lets through.
+        for _ in 0..3 {
+            input.extend(frame(TYPE_CONTINUATION, 0, 1, &[0xbe; 8000]));
+        }
+        input.extend(frame(TYPE_CONTINUATION, FLAG_END_HEADERS, 1, &[0xbe; 100]));
+        let mut out = BytesMut::new();
+        let err = Rewriter::default().feed(&input, &mut out).expect_err("refused");
+        assert!(err.to_string().contains("header list over"), "{err}");
+        assert_eq!(&out[..], PREFACE, "no header frame was written");
+    }
+
+    #[test]
+    fn empty_continuations_count_toward_the_block_bound() {
+        let mut rewriter = Rewriter::default();
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(TYPE_HEADERS, 0, 1, &[0x82]));
+        rewriter.feed(&input, &mut BytesMut::new()).expect("HEADERS");
+        let empty = frame(TYPE_CONTINUATION, 0, 1, &[]);
+        let refused = (0..MAX_HEADER_BLOCK).find(|_| rewriter.feed(&empty, &mut BytesMut::new()).is_err());
+        assert!(refused.is_some_and(|n| n <= MAX_HEADER_BLOCK / FRAME_HEADER_LEN), "{refused:?}");
+    }
+
+    /// The fuzz loop `make test` runs (sandboxd/fuzz runs the same target for as long as asked):
+    /// seeded, so a failure repeats. Frames of every kind, valid blocks from a real encoder
+    /// mutated, random bytes, fed in random pieces. Whatever comes in, nothing panics, what is
+    /// held stays within the bounds, and what the server reads is well-formed: frames within
+    /// the advertised size, header blocks of literals within the header list bound.
+    #[test]
+    fn fuzz_loop_never_panics_and_stays_bounded() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(20);
+        for case in 0..3000 {
+            let input = fuzz_input(&mut rng);
+            let mut rewriter = Rewriter::default();
+            let mut out = BytesMut::new();
+            let mut rest = &input[..];
+            while !rest.is_empty() {
+                let (piece, more) = rest.split_at(rng.gen_range(1..=rest.len().min(20_000)));
+                rest = more;
+                let result = rewriter.feed(piece, &mut out);
+                assert!(rewriter.buffered() <= MAX_FRAME_SIZE + FRAME_HEADER_LEN + piece.len() + MAX_HEADER_BLOCK, "case {case}");
+                assert!(rewriter.decoder.table_size() <= HEADER_TABLE_SIZE, "case {case}");
+                if result.is_err() {
+                    break;
+                }
+            }
+            check_server_side(&out, case);
+        }
+    }
+
+    /// What the server reads after the preface: whole frames within the size it advertised,
+    /// header blocks (literals only) decoding within the header list bound.
+    fn check_server_side(out: &[u8], case: usize) {
+        let Some(mut bytes) = out.strip_prefix(PREFACE) else { return };
+        let mut block = Vec::new();
+        while bytes.len() >= FRAME_HEADER_LEN {
+            let len = (usize::from(bytes[0]) << 16) | (usize::from(bytes[1]) << 8) | usize::from(bytes[2]);
+            assert!(len <= MAX_FRAME_SIZE, "case {case}: a {len}-byte frame reached the server");
+            let Some(payload) = bytes.get(FRAME_HEADER_LEN..FRAME_HEADER_LEN + len) else { break };
+            let (kind, flags) = (bytes[3], bytes[4]);
+            if kind == TYPE_HEADERS || (kind == TYPE_CONTINUATION && !block.is_empty()) {
+                block.extend_from_slice(&payload[if kind == TYPE_HEADERS && flags & FLAG_PRIORITY != 0 { 5 } else { 0 }..]);
+                if flags & FLAG_END_HEADERS != 0 {
+                    let mut server = hpack::Decoder::new();
+                    let fields = server.decode(&block).unwrap_or_else(|e| panic!("case {case}: the server cannot decode {e:?}"));
+                    let size: usize = fields.iter().map(|(n, v)| n.len() + v.len() + 32).sum();
+                    assert!(size <= MAX_HEADER_LIST_BYTES + LOCAL_AUTHORITY.len(), "case {case}: {size}");
+                    block.clear();
+                }
+            }
+            bytes = &bytes[FRAME_HEADER_LEN + len..];
+        }
+    }
+
+    fn fuzz_input(rng: &mut impl rand::Rng) -> Vec<u8> {
+        let mut input = PREFACE.to_vec();
+        if rng.gen_bool(0.05) {
+            input.truncate(rng.gen_range(0..PREFACE.len()));
+            input.extend((0..rng.gen_range(0..64)).map(|_| rng.gen::<u8>()));
+            return input;
+        }
+        let mut encoder = hpack::Encoder::new();
+        for _ in 0..rng.gen_range(1..8) {
+            let stream = rng.gen_range(0..4u32) * 2 + 1;
+            let flags = rng.gen::<u8>() & (FLAG_END_STREAM | FLAG_END_HEADERS | FLAG_PADDED | FLAG_PRIORITY | if rng.gen_bool(0.2) { 0xff } else { 0 });
+            let kind = match rng.gen_range(0..10) {
+                0..=4 => TYPE_HEADERS,
+                5 | 6 => TYPE_CONTINUATION,
+                7 => 0x0,
+                8 => 0x4,
+                _ => rng.gen::<u8>(),
+            };
+            let mut payload = match rng.gen_range(0..4) {
+                0 => (0..rng.gen_range(0..300)).map(|_| rng.gen::<u8>()).collect(),
+                1 => hpack_like(rng),
+                _ => {
+                    let authority: &[u8] = if rng.gen_bool(0.5) { b"tmp%2Fs.sock" } else { b"localhost" };
+                    let mut block = client_block(&mut encoder, authority);
+                    for _ in 0..rng.gen_range(0..3) {
+                        let i = rng.gen_range(0..block.len());
+                        block[i] = rng.gen();
+                    }
+                    if rng.gen_bool(0.1) {
+                        block.truncate(rng.gen_range(0..block.len()));
+                    }
+                    block
+                }
+            };
+            if kind == TYPE_HEADERS && flags & FLAG_PRIORITY != 0 {
+                payload = [&[0, 0, 0, 1, 16][..], &payload].concat();
+            }
+            if kind == TYPE_HEADERS && flags & FLAG_PADDED != 0 {
+                let pad = rng.gen_range(0..8u8);
+                payload.insert(0, pad);
+                payload.extend(std::iter::repeat_n(0, usize::from(pad)));
+            }
+            input.extend(frame(kind, flags, stream, &payload));
+        }
+        if rng.gen_bool(0.1) {
+            input.truncate(rng.gen_range(PREFACE.len()..=input.len()));
+        }
+        input
+    }
+
+    /// Representations chosen to reach the decoder's edges: size updates (some truncated, some
+    /// too large, some late), references to entries that may not exist, long literals, the
+    /// largest entries, Huffman strings of random bits.
+    fn hpack_like(rng: &mut impl rand::Rng) -> Vec<u8> {
+        let mut b = Vec::new();
+        for _ in 0..rng.gen_range(0..40) {
+            match rng.gen_range(0..7) {
+                0 => b.extend_from_slice(&[0x3f, rng.gen(), rng.gen()][..rng.gen_range(1..=3)]),
+                1 => b.push(0x80 | rng.gen_range(0..80u8)),
+                2 => {
+                    b.extend_from_slice(&[0x40, 0x01, b'k', 0x7f, 0xa1, 0x1e]);
+                    b.extend(std::iter::repeat_n(b'v', 4000));
+                }
+                3 => b.extend(std::iter::repeat_n(0xbe, rng.gen_range(1..2000))),
+                4 => {
+                    let n = rng.gen_range(0..60u8);
+                    b.extend_from_slice(&[0x00, 0x80 | n]);
+                    b.extend((0..n).map(|_| rng.gen::<u8>()));
+                    b.extend_from_slice(&[0x01, b'v']);
+                }
+                5 => b.extend_from_slice(&[0x10, 0x7f, 0xff, 0xff, 0xff, 0xff]),
+                _ => b.extend((0..rng.gen_range(0..16)).map(|_| rng.gen::<u8>())),
+            }
+        }
+        b
     }
 }

@@ -148,6 +148,42 @@ impl Default for FilesConfig {
     }
 }
 
+/// The `[connections]` table: what a client may hold, above all before it is authenticated.
+/// A connection past a cap is closed at once, with a log line naming the key.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConnectionsConfig {
+    /// Open connections per UNIX peer uid (root and the daemon's own uid included).
+    pub max_per_uid: usize,
+    /// Open connections on all UNIX listeners together.
+    pub max_unix: usize,
+    /// Open connections per TCP source address.
+    pub max_per_ip: usize,
+    /// Open connections on all TCP listeners together.
+    pub max_tcp: usize,
+    /// A connection on which no request has been authenticated is closed after this long (a
+    /// UNIX peer on the allowed lists, and TCP without tokens, are authenticated from the start).
+    pub preauth_timeout_ms: u64,
+    /// HTTP/2 streams (calls) open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS).
+    pub max_concurrent_streams: u32,
+}
+
+impl Default for ConnectionsConfig {
+    fn default() -> Self {
+        ConnectionsConfig { max_per_uid: 256, max_unix: 1024, max_per_ip: 256, max_tcp: 1024, preauth_timeout_ms: 10_000, max_concurrent_streams: 256 }
+    }
+}
+
+impl ConnectionsConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let caps = [self.max_per_uid, self.max_unix, self.max_per_ip, self.max_tcp, self.max_concurrent_streams as usize];
+        if caps.contains(&0) || self.preauth_timeout_ms < 100 {
+            return Err(ConfigError::Invalid("connections: every max_* must be above 0 and preauth_timeout_ms at least 100".into()));
+        }
+        Ok(())
+    }
+}
+
 /// The `[container]` table: the Docker-based tier.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -187,6 +223,8 @@ pub struct FileConfig {
     pub container: ContainerTierConfig,
     #[serde(default)]
     pub files: FilesConfig,
+    #[serde(default)]
+    pub connections: ConnectionsConfig,
     #[serde(default)]
     pub images: ImagesConfig,
 }
@@ -466,6 +504,7 @@ pub struct Config {
     pub microvm: MicroVmConfig,
     pub container: ContainerTierConfig,
     pub files: FilesConfig,
+    pub connections: ConnectionsConfig,
     pub images: ImagesConfig,
 }
 
@@ -499,6 +538,7 @@ impl Config {
             microvm: MicroVmConfig { pool_size: cli.microvm_pool.unwrap_or(file.microvm.pool_size), ..file.microvm },
             container: file.container,
             files: file.files,
+            connections: file.connections,
             images: file.images,
         };
         let cfg = cfg.absolute()?;
@@ -605,6 +645,7 @@ impl Config {
             return Err(ConfigError::Invalid("no listen address".into()));
         }
         self.telemetry.validate()?;
+        self.connections.validate()?;
         if self.microvm.boot_timeout_ms == 0 || self.microvm.kvm_probe_timeout_ms == 0 {
             return Err(ConfigError::Invalid("microvm.boot_timeout_ms and microvm.kvm_probe_timeout_ms must be > 0".into()));
         }

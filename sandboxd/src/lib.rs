@@ -13,6 +13,7 @@ pub mod audit;
 pub mod authority;
 pub mod backend;
 pub mod config;
+pub mod connections;
 pub mod error;
 pub mod hostfs;
 pub mod ids;

@@ -12,11 +12,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::{Api, Auth};
 use crate::audit::AuditLog;
+use crate::authority;
 use crate::backend::container::{docker_socket_from_env, ContainerBackend, ContainerConfig};
 use crate::backend::microvm::MicroVmBackend;
 use crate::backend::process::{ProcessBackend, ProcessConfig};
 use crate::backend::Backends;
 use crate::config::{Config, ListenAddr};
+use crate::connections::{ConnLimits, Guarded, Peer, PeerKey, Transport, PREAUTH_READ_BYTES};
 use crate::images::{Catalog, Engine};
 use crate::manager::Manager;
 use crate::metrics::{self, Metrics};
@@ -32,6 +34,18 @@ pub const RECOVERY_SERVICE: &str = "sandboxd.recovery";
 
 /// The gRPC path of WriteFile, the call whose request carries a whole file.
 const WRITE_FILE_PATH: &str = "/sandbox.v1.SandboxService/WriteFile";
+/// The paths the gate authenticates (health and reflection stay open, as probes expect).
+const SANDBOX_SERVICE_PREFIX: &str = "/sandbox.v1.SandboxService/";
+/// HTTP/2 flow-control windows (hyper's defaults, set here so the bound is visible): how much of
+/// a call's body, and of all calls on one connection, the daemon accepts before the handler reads.
+const HTTP2_WINDOW_BYTES: u32 = 1 << 20;
+/// Streams a client may open and reset before the server has accepted them (rapid reset,
+/// CVE-2023-44487): h2's default, set explicitly.
+const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+/// Streams the server may reset for a client's protocol errors before it ends the connection.
+const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 256;
+/// An idle connection is pinged this often, and closed if the ping is not answered in time.
+const HTTP2_KEEPALIVE: (Duration, Duration) = (Duration::from_secs(60), Duration::from_secs(20));
 
 /// Runs the daemon until SIGTERM or SIGINT, then shuts down cleanly.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
@@ -100,22 +114,40 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     };
     let mut unix_paths = Vec::new();
     // One bound for all listeners: it is the daemon's memory it protects.
-    let write_limit = WriteFileLimit::new(cfg.files.max_concurrent_writes);
+    let gate = Gate::new(auth.clone(), cfg.files.max_concurrent_writes);
     tracing::info!(
         max_concurrent_writes = cfg.files.max_concurrent_writes,
         max_message_bytes = MAX_MESSAGE_BYTES,
         "WriteFile calls beyond the limit wait before their content is read"
     );
+    // All UNIX listeners share one set of connection caps, all TCP ones another.
+    let (unix_limits, tcp_limits) = (ConnLimits::unix(&cfg.connections), ConnLimits::tcp(&cfg.connections));
+    let preauth = Duration::from_millis(cfg.connections.preauth_timeout_ms);
+    tracing::info!(connections = ?cfg.connections, preauth_read_bytes = PREAUTH_READ_BYTES, "connection caps");
     for addr in &cfg.listen {
         let api = SandboxServiceServer::new(Api::new(manager.clone(), auth.clone(), audit.clone()))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        let mut builder = tonic::transport::Server::builder().trace_fn(rpc_span);
+        // Every HTTP/2 bound set here rather than left to a library's default: they are what an
+        // unauthenticated client can make the daemon hold. The frame and header list sizes are
+        // the ones the UNIX rewriter (`authority`) enforces before the server sees a byte.
+        let mut builder = tonic::transport::Server::builder()
+            .trace_fn(rpc_span)
+            .max_frame_size(authority::MAX_FRAME_SIZE as u32)
+            .http2_max_header_list_size(authority::MAX_HEADER_LIST_BYTES as u32)
+            .max_concurrent_streams(cfg.connections.max_concurrent_streams)
+            .initial_stream_window_size(HTTP2_WINDOW_BYTES)
+            .initial_connection_window_size(HTTP2_WINDOW_BYTES)
+            .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
+            .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
+            .http2_keepalive_interval(Some(HTTP2_KEEPALIVE.0))
+            .http2_keepalive_timeout(Some(HTTP2_KEEPALIVE.1));
         if let (ListenAddr::Tcp(_), Some(tls)) = (addr, &tls) {
             builder = builder.tls_config(tls.clone()).context("configuring TLS")?;
         }
-        let router = builder.layer(write_limit.clone()).add_service(health_service.clone()).add_service(reflection.clone()).add_service(api);
+        let router = builder.layer(gate.clone()).add_service(health_service.clone()).add_service(reflection.clone()).add_service(api);
         let shutdown = stop.clone().cancelled_owned();
+        let name = addr.to_string();
         match addr {
             ListenAddr::Unix(path) => {
                 if let Some(parent) = path.parent() {
@@ -132,9 +164,27 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
                 std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.auth.unix_socket_mode))
                     .with_context(|| format!("chmod {}", path.display()))?;
                 unix_paths.push(path.clone());
-                // Stock gRPC clients name the socket path as :authority; see `authority`.
-                let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(listener), |conn| {
-                    conn.map(crate::authority::FixAuthority::new)
+                let (limits, auth) = (unix_limits.clone(), auth.clone());
+                // Counted per uid, then (stock gRPC clients name the socket path as :authority)
+                // through the rewriter; see `authority`. A peer on the allowed lists is
+                // authenticated by the kernel; any other gets PERMISSION_DENIED for each call and
+                // the pre-authentication bounds until its connection ends.
+                let incoming = tokio_stream::StreamExt::filter_map(tokio_stream::wrappers::UnixListenerStream::new(listener), move |conn| {
+                    let conn = match conn {
+                        Ok(conn) => conn,
+                        Err(e) => return Some(Err(e)),
+                    };
+                    let cred = conn.peer_cred().ok();
+                    match limits.admit(PeerKey::Uid(cred.map(|c| c.uid()))) {
+                        Ok(permit) => {
+                            let trusted = auth.unix_peer_allowed(cred.as_ref());
+                            Some(Ok(authority::FixAuthority::new(Guarded::new(conn, Transport::Unix(cred), trusted, permit, preauth))))
+                        }
+                        Err(why) => {
+                            limits.log_refusal(&name, &why);
+                            None
+                        }
+                    }
                 });
                 servers.spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await });
             }
@@ -143,7 +193,21 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
                     tracing::warn!(%sock, "TCP listener without [auth] tokens: any process that can connect acts as the local tenant");
                 }
                 let listener = tokio::net::TcpListener::bind(sock).await.with_context(|| format!("binding {sock}"))?;
-                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                let (limits, open) = (tcp_limits.clone(), !auth.tokens_required());
+                let incoming = tokio_stream::StreamExt::filter_map(tokio_stream::wrappers::TcpListenerStream::new(listener), move |conn| {
+                    let conn = match conn {
+                        Ok(conn) => conn,
+                        Err(e) => return Some(Err(e)),
+                    };
+                    let addr = conn.peer_addr().ok();
+                    match limits.admit(PeerKey::Ip(addr.map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip()))) {
+                        Ok(permit) => Some(Ok(Guarded::new(conn, Transport::Tcp(addr), open, permit, preauth))),
+                        Err(why) => {
+                            limits.log_refusal(&name, &why);
+                            None
+                        }
+                    }
+                });
                 servers.spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await });
             }
         }
@@ -212,43 +276,50 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Admits at most N WriteFile calls at once; the others wait *before* the service reads their
-/// message, so only the admitted calls' contents are ever in the daemon's memory: each up to
-/// `MAX_MESSAGE_BYTES`, about twice that while it is decoded and then copied for the blocking
-/// write. A waiting call's bytes stay with the client: HTTP/2 flow control stops them at the
-/// stream and connection windows (1 MiB each by default). A count and not a byte budget
-/// because a gRPC message's size is only known once it is read.
+/// What every call passes before its handler: SandboxService calls are authenticated from
+/// their headers alone — the body is not read, no permit is taken, and a refused call is answered
+/// here (UNAUTHENTICATED or PERMISSION_DENIED) — and the connection is marked authenticated (its
+/// pre-authentication bounds lifted, see `connections`). Then at most N WriteFile calls run at
+/// once; the others wait *before* the service reads their message, so only the admitted calls'
+/// contents are ever in the daemon's memory: each up to `MAX_MESSAGE_BYTES`, about twice that
+/// while it is decoded and then copied for the blocking write. A waiting call's bytes stay with
+/// the client: HTTP/2 flow control stops them at the stream and connection windows
+/// ([`HTTP2_WINDOW_BYTES`]). A count and not a byte budget because a gRPC message's size is only
+/// known once it is read.
 #[derive(Clone)]
-struct WriteFileLimit {
-    permits: Arc<tokio::sync::Semaphore>,
+struct Gate {
+    auth: Arc<Auth>,
+    write_permits: Arc<tokio::sync::Semaphore>,
 }
 
-impl WriteFileLimit {
-    fn new(max: usize) -> Self {
-        WriteFileLimit { permits: Arc::new(tokio::sync::Semaphore::new(max)) }
+impl Gate {
+    fn new(auth: Arc<Auth>, max_writes: usize) -> Self {
+        Gate { auth, write_permits: Arc::new(tokio::sync::Semaphore::new(max_writes)) }
     }
 }
 
-impl<S> tower::Layer<S> for WriteFileLimit {
-    type Service = WriteFileLimited<S>;
+impl<S> tower::Layer<S> for Gate {
+    type Service = Gated<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        WriteFileLimited { inner, permits: self.permits.clone() }
+        Gated { inner, gate: self.clone() }
     }
 }
 
-/// The service [`WriteFileLimit`] wraps around the gRPC routes.
+/// The service [`Gate`] wraps around the gRPC routes.
 #[derive(Clone)]
-struct WriteFileLimited<S> {
+struct Gated<S> {
     inner: S,
-    permits: Arc<tokio::sync::Semaphore>,
+    gate: Gate,
 }
 
-impl<S, B> tower::Service<http::Request<B>> for WriteFileLimited<S>
+impl<S, B, R> tower::Service<http::Request<B>> for Gated<S>
 where
-    S: tower::Service<http::Request<B>> + Clone + Send + 'static,
+    S: tower::Service<http::Request<B>, Response = http::Response<R>> + Clone + Send + 'static,
     S::Future: Send + 'static,
+    S::Error: Send + 'static,
     B: Send + 'static,
+    R: Default + Send + 'static,
 {
     type Response = S::Response;
     type Error = S::Error;
@@ -259,13 +330,24 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        if req.uri().path() != WRITE_FILE_PATH {
+        let path = req.uri().path();
+        if !path.starts_with(SANDBOX_SERVICE_PREFIX) {
+            return Box::pin(self.inner.call(req));
+        }
+        if let Err(status) = self.gate.auth.tenant_of_parts(req.extensions(), req.headers()) {
+            // Dropping the request drops its unread body: h2 resets the stream after the answer.
+            return Box::pin(std::future::ready(Ok(status.into_http())));
+        }
+        if let Some(peer) = Peer::of(req.extensions()) {
+            peer.session.authenticate();
+        }
+        if path != WRITE_FILE_PATH {
             return Box::pin(self.inner.call(req));
         }
         // The service poll_ready readied is the one to call later; a clone takes its place.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let permits = self.permits.clone();
+        let permits = self.gate.write_permits.clone();
         Box::pin(async move {
             // The semaphore is never closed, so this waits for a permit and holds it until the
             // response is made (the content is dropped by then).
@@ -319,9 +401,9 @@ mod tests {
     }
 
     impl tower::Service<http::Request<()>> for Counting {
-        type Response = ();
+        type Response = http::Response<String>;
         type Error = std::convert::Infallible;
-        type Future = Pin<Box<dyn Future<Output = Result<(), Self::Error>> + Send>>;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
 
         fn poll_ready(&mut self, _cx: &mut TaskContext<'_>) -> Poll<Result<(), Self::Error>> {
             Poll::Ready(Ok(()))
@@ -337,7 +419,7 @@ mod tests {
                     p.forget();
                 }
                 me.now.fetch_sub(1, SeqCst);
-                Ok(())
+                Ok(http::Response::new("called".into()))
             })
         }
     }
@@ -353,7 +435,7 @@ mod tests {
         use std::sync::atomic::Ordering::SeqCst;
         use tower::{Layer, Service};
         let counting = Counting { now: Arc::default(), peak: Arc::default(), release: Arc::new(tokio::sync::Semaphore::new(0)) };
-        let mut svc = WriteFileLimit::new(2).layer(counting.clone());
+        let mut svc = Gate::new(Arc::new(Auth::new(&Default::default())), 2).layer(counting.clone());
         let mut writes = tokio::task::JoinSet::new();
         for _ in 0..6 {
             writes.spawn(svc.call(request(WRITE_FILE_PATH)));
@@ -370,6 +452,76 @@ mod tests {
         }
         assert!(read.await.expect("task").is_ok());
         assert_eq!(counting.peak.load(SeqCst), 3, "never more than two writes (plus the read) at once");
+    }
+
+    fn counting() -> Counting {
+        Counting { now: Arc::default(), peak: Arc::default(), release: Arc::new(tokio::sync::Semaphore::new(0)) }
+    }
+
+    fn with_token(path: &str, token: &str) -> http::Request<()> {
+        let mut r = request(path);
+        r.headers_mut().insert("authorization", format!("Bearer {token}").parse().expect("header"));
+        r
+    }
+
+    fn grpc_status(r: &http::Response<String>) -> Option<&str> {
+        r.headers().get("grpc-status").and_then(|v| v.to_str().ok())
+    }
+
+    /// Issue 20: four WriteFile calls without a valid token used to hold every permit. Now they
+    /// are answered UNAUTHENTICATED at once, never reach the handler, and a tenant's writes are
+    /// admitted as before.
+    #[tokio::test]
+    async fn unauthenticated_calls_are_answered_before_the_handler_and_take_no_permit() {
+        use crate::config::{AuthConfig, TokenConfig};
+        use std::sync::atomic::Ordering::SeqCst;
+        use tower::{Layer, Service};
+        let auth =
+            Auth::new(&AuthConfig { tokens: vec![TokenConfig { tenant: "a".into(), sha256: crate::api::auth::token_hash("good") }], ..Default::default() });
+        let counting = counting();
+        let mut svc = Gate::new(Arc::new(auth), 1).layer(counting.clone());
+        for r in [request(WRITE_FILE_PATH), with_token(WRITE_FILE_PATH, "bad"), with_token("/sandbox.v1.SandboxService/ListSandboxes", "bad")] {
+            let answer = svc.call(r).await.expect("answered");
+            assert_eq!(grpc_status(&answer), Some("16"), "UNAUTHENTICATED");
+            assert_eq!(answer.body(), "", "the handler never ran");
+        }
+        assert_eq!(counting.peak.load(SeqCst), 0);
+        // The tenant's write gets the one permit while unauthenticated writes keep coming.
+        let write = tokio::spawn(svc.call(with_token(WRITE_FILE_PATH, "good")));
+        for _ in 0..8 {
+            let answer = svc.call(request(WRITE_FILE_PATH)).await.expect("answered");
+            assert_eq!(grpc_status(&answer), Some("16"));
+        }
+        counting.release.add_permits(1);
+        assert_eq!(write.await.expect("task").expect("served").body(), "called");
+        // Health and reflection stay open.
+        counting.release.add_permits(1);
+        assert_eq!(svc.call(request("/grpc.health.v1.Health/Check")).await.expect("served").body(), "called");
+    }
+
+    /// A call that passes authentication lifts its connection's pre-authentication bounds.
+    #[tokio::test]
+    async fn an_authenticated_call_marks_its_connection() {
+        use crate::config::{AuthConfig, TokenConfig};
+        use tower::{Layer, Service};
+        let auth =
+            Auth::new(&AuthConfig { tokens: vec![TokenConfig { tenant: "a".into(), sha256: crate::api::auth::token_hash("good") }], ..Default::default() });
+        let limits = ConnLimits::tcp(&Default::default());
+        let (_client, server) = tokio::io::duplex(64);
+        let permit = limits.admit(PeerKey::Ip(std::net::Ipv4Addr::LOCALHOST.into())).expect("admit");
+        let conn = Guarded::new(server, Transport::Tcp(None), false, permit, Duration::from_secs(60));
+        let peer = tonic::transport::server::Connected::connect_info(&conn);
+        let counting = counting();
+        counting.release.add_permits(2);
+        let mut svc = Gate::new(Arc::new(auth), 1).layer(counting.clone());
+        let mut bad = with_token("/sandbox.v1.SandboxService/ListSandboxes", "bad");
+        bad.extensions_mut().insert(peer.clone());
+        svc.call(bad).await.expect("answered");
+        assert!(!peer.session.is_authenticated());
+        let mut good = with_token("/sandbox.v1.SandboxService/ListSandboxes", "good");
+        good.extensions_mut().insert(peer.clone());
+        assert_eq!(svc.call(good).await.expect("served").body(), "called");
+        assert!(peer.session.is_authenticated());
     }
 
     #[test]

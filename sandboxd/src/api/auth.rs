@@ -1,14 +1,21 @@
 //! Who is calling: UNIX-socket peers by their kernel-verified credentials (SO_PEERCRED), TCP
 //! callers by a bearer token from the config (stored as SHA-256, compared as hashes). The answer
 //! is a tenant name; a tenant only ever sees its own sandboxes, snapshots and execs.
+//!
+//! The check runs twice on every SandboxService call, and costs a lookup or one SHA-256 each
+//! time: in the server's gate layer, before the call's body is read or any admission permit is
+//! taken ([`Auth::tenant_of_parts`]), and in the handler, which needs the tenant. UNIX peers are
+//! also checked once when they connect ([`Auth::unix_peer_allowed`]), so that a connection the
+//! kernel vouches for starts authenticated.
 
 use std::collections::HashMap;
 
 use sha2::{Digest, Sha256};
-use tonic::transport::server::UdsConnectInfo;
+use tokio::net::unix::UCred;
 use tonic::{Request, Status};
 
 use crate::config::AuthConfig;
+use crate::connections::{Peer, Transport};
 
 /// Authenticates requests.
 pub struct Auth {
@@ -42,20 +49,30 @@ impl Auth {
         !self.tokens.is_empty()
     }
 
+    /// Whether a UNIX peer with these credentials may call (root and the daemon's uid always).
+    pub fn unix_peer_allowed(&self, cred: Option<&UCred>) -> bool {
+        cred.is_some_and(|c| self.allowed_uids.contains(&c.uid()) || self.allowed_gids.contains(&c.gid()))
+    }
+
     /// The caller's tenant, or why it may not call.
     pub fn tenant<T>(&self, req: &Request<T>) -> Result<String, Status> {
-        if let Some(info) = req.extensions().get::<UdsConnectInfo>() {
-            let cred = info.peer_cred.ok_or_else(|| Status::unauthenticated("no peer credentials on the UNIX socket"))?;
-            let (uid, gid) = (cred.uid(), cred.gid());
-            if self.allowed_uids.contains(&uid) || self.allowed_gids.contains(&gid) {
+        self.tenant_of_parts(req.extensions(), req.metadata().as_ref())
+    }
+
+    /// [`Auth::tenant`] from a request's parts: what the gate layer has before any body is read.
+    pub fn tenant_of_parts(&self, extensions: &http::Extensions, headers: &http::HeaderMap) -> Result<String, Status> {
+        if let Some(Peer { transport: Transport::Unix(cred), .. }) = Peer::of(extensions) {
+            let cred = cred.as_ref().ok_or_else(|| Status::unauthenticated("no peer credentials on the UNIX socket"))?;
+            if self.unix_peer_allowed(Some(cred)) {
                 return Ok(self.unix_tenant.clone());
             }
+            let (uid, gid) = (cred.uid(), cred.gid());
             return Err(Status::permission_denied(format!("uid {uid} (gid {gid}) is not allowed on this socket (auth.unix_allowed_uids/gids)")));
         }
         if self.tokens.is_empty() {
             return Ok(self.unix_tenant.clone());
         }
-        let header = req.metadata().get("authorization").ok_or_else(|| Status::unauthenticated("missing bearer token (authorization: Bearer …)"))?;
+        let header = headers.get("authorization").ok_or_else(|| Status::unauthenticated("missing bearer token (authorization: Bearer …)"))?;
         let token = header
             .to_str()
             .ok()
