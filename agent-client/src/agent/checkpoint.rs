@@ -105,6 +105,11 @@ pub struct PendingAction {
     /// What the model wrote alongside the call: its reasoning, kept with the step.
     #[serde(default)]
     pub reasoning: String,
+    /// A read-modify-write (str_replace): the SHA-256 of the file as it will be once the write
+    /// lands, on disk before the write is sent, so a retry or a resume can tell whether it
+    /// landed instead of applying it twice.
+    #[serde(default)]
+    pub expect_sha256: Option<String>,
 }
 
 /// What a run was started with; fixed for its lifetime.
@@ -183,8 +188,11 @@ pub struct Checkpoint {
     pub sandbox_id: String,
     /// Snapshot taken after the last completed step that may have changed files.
     pub snapshot_id: Option<String>,
-    /// Snapshot taken before the first step (the diff's base).
-    pub base_snapshot_id: Option<String>,
+    /// Steps that may have changed files since `snapshot_id` was taken (their own snapshot
+    /// failed, or step snapshots are off): a rollback to `snapshot_id` would erase them, so it
+    /// is never done silently.
+    #[serde(default)]
+    pub unsnapshotted_steps: Vec<u64>,
     /// Snapshots the agent took on its own (per-step), oldest first; pruned as it goes.
     pub auto_snapshots: Vec<String>,
     /// No-progress detector state.
@@ -572,7 +580,7 @@ pub(crate) mod tests {
             pending: None,
             sandbox_id: "sb-1".into(),
             snapshot_id: Some("sn-1".into()),
-            base_snapshot_id: None,
+            unsnapshotted_steps: Vec::new(),
             auto_snapshots: vec![],
             detector: DetectorState::default(),
             exec_ids: BTreeMap::new(),

@@ -389,6 +389,7 @@ async fn crashed_run(dir: &std::path::Path, fake: &FakeSandbox) -> Checkpoint {
         attempt: 0,
         verifying: false,
         reasoning: String::new(),
+        expect_sha256: None,
     });
     store.save(&ck).expect("save");
     ck
