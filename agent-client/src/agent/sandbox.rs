@@ -116,8 +116,13 @@ struct FakeState {
     unavailable: Option<(String, u32)>,
     /// A background exec stays RUNNING for this many GetExec calls, then has exited.
     background_polls: u32,
+    /// Snapshots let through before `refuse_snapshots` of them are refused with UNAVAILABLE.
+    snapshots_before_refusal: u32,
     /// Snapshots are refused with UNAVAILABLE this many times.
     refuse_snapshots: u32,
+    /// Snapshots named with this prefix are made, but their reply is lost (UNAVAILABLE) this
+    /// many times.
+    lose_snapshot_replies: Option<(String, u32)>,
 }
 
 /// What the daemon's `[exec]`/`[files]` code reads at most per ReadFile (`backend::files::MAX_READ`).
@@ -190,9 +195,23 @@ impl FakeSandbox {
         self.lock().execs.clone()
     }
 
-    /// Refuses the next `n` Snapshot calls with UNAVAILABLE (a daemon restarting).
-    pub fn refuse_snapshots(&self, n: u32) {
-        self.lock().refuse_snapshots = n;
+    /// Lets `skip` Snapshot calls through, then refuses `n` with UNAVAILABLE (a daemon
+    /// restarting).
+    pub fn refuse_snapshots_after(&self, skip: u32, n: u32) {
+        let mut s = self.lock();
+        s.snapshots_before_refusal = skip;
+        s.refuse_snapshots = n;
+    }
+
+    /// Snapshots whose name starts with `prefix` are made but answered with UNAVAILABLE, `n`
+    /// times: the reply lost after the daemon did the work.
+    pub fn lose_snapshot_replies_named(&self, prefix: &str, n: u32) {
+        self.lock().lose_snapshot_replies = Some((prefix.to_owned(), n));
+    }
+
+    /// Destroys every sandbox (their snapshots stay): a daemon that lost them all.
+    pub fn destroy_all(&self) {
+        self.lock().sandboxes.clear();
     }
 
     /// Drops the recorded output of `exec_id`, as the daemon does past a sandbox's output
@@ -419,7 +438,9 @@ impl SandboxApi for FakeSandbox {
 
     async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotInfo> {
         let mut s = self.lock();
-        if s.refuse_snapshots > 0 {
+        if s.snapshots_before_refusal > 0 {
+            s.snapshots_before_refusal -= 1;
+        } else if s.refuse_snapshots > 0 {
             s.refuse_snapshots -= 1;
             return Err(Error::Status(tonic::Status::unavailable(
                 "daemon restarting",
@@ -439,6 +460,14 @@ impl SandboxApi for FakeSandbox {
             ..Default::default()
         };
         s.snapshots.insert(id, (info.clone(), files));
+        if let Some((prefix, n)) = s.lose_snapshot_replies.as_mut() {
+            if *n > 0 && name.starts_with(prefix.as_str()) {
+                *n -= 1;
+                return Err(Error::Status(tonic::Status::unavailable(
+                    "connection reset",
+                )));
+            }
+        }
         Ok(info)
     }
 
