@@ -1646,7 +1646,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             kind: "function".into(),
             function: super::llm::FunctionCall {
                 name: pending.call_name.clone(),
-                arguments: pending.call_arguments.clone(),
+                arguments: history_arguments(&pending.call_arguments, obs.ok),
             },
         };
         if let Some(exec_id) = &obs.exec_id {
@@ -1954,6 +1954,23 @@ fn is_background(a: &Action) -> bool {
             ..
         }
     )
+}
+
+/// Longest argument text of a failed call kept in the history.
+const FAILED_CALL_ARGUMENT_CHARS: usize = 2_000;
+
+/// A call's arguments as the history keeps them. A failed call changed nothing, and its
+/// arguments (a refused 40 KB pin, a huge edit that did not apply) would otherwise ride along
+/// in every prompt: a valid-JSON prefix is kept instead.
+fn history_arguments(arguments: &str, ok: bool) -> String {
+    if ok || arguments.chars().count() <= FAILED_CALL_ARGUMENT_CHARS {
+        return arguments.to_owned();
+    }
+    json!({
+        "arguments_not_kept": observe::cut_chars(arguments, 200),
+        "chars": arguments.chars().count(),
+    })
+    .to_string()
 }
 
 /// The arguments of an action as the model should have written them.
