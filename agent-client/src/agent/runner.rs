@@ -131,8 +131,6 @@ pub struct RunOptions {
     pub fold_after: usize,
     /// Snapshot after every step that may change files (needed for rollback on resume).
     pub snapshot_steps: bool,
-    /// Write the JSONL trace.
-    pub trace: bool,
     /// How long the run's sandbox is kept once the run has ended (then
     /// [`reap_finished_sandboxes`] removes it); `None` keeps it. On resume, `Some` replaces
     /// the run's own.
@@ -240,7 +238,6 @@ impl RunOptions {
             max_rejected_finishes: 3,
             fold_after: 5,
             snapshot_steps: true,
-            trace: true,
             new_budgets: NewBudgets::default(),
             keep_sandbox: None,
             progress: None,
@@ -687,22 +684,18 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         workdir: String,
         lock: Option<RunLock>,
     ) -> Result<Self, AgentError> {
-        let trace = if opts.trace {
-            let dir = store.run_dir(&ck.run_id);
-            std::fs::create_dir_all(&dir).map_err(|source| CheckpointError::Io {
-                what: "cannot create",
-                path: dir.clone(),
-                source,
-            })?;
-            Trace::open(
-                &dir.join("trace.jsonl"),
-                &ck.trace_id,
-                &ck.run_id,
-                ck.sessions,
-            )?
-        } else {
-            Trace::disabled()
-        };
+        let dir = store.run_dir(&ck.run_id);
+        std::fs::create_dir_all(&dir).map_err(|source| CheckpointError::Io {
+            what: "cannot create",
+            path: dir.clone(),
+            source,
+        })?;
+        let trace = Trace::open(
+            &dir.join("trace.jsonl"),
+            &ck.trace_id,
+            &ck.run_id,
+            ck.sessions,
+        )?;
         let budget = Budget::new(limits_of(&ck.spec), ck.budget.clone());
         let detector = Detector::new(opts.detector, ck.detector.clone());
         Ok(Agent {
