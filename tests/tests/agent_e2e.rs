@@ -780,8 +780,9 @@ enum Cut {
 
 #[derive(Default)]
 struct CutPlan {
-    /// Calls to let through, then what to do to the next one.
-    armed: Option<(u32, Cut)>,
+    /// Bytes that mark the call (in its protobuf body: a path, a name, file content), and
+    /// what to do to it.
+    armed: Option<(Vec<u8>, Cut)>,
     /// After the cut, refuse every connection (a daemon that stays down) until released.
     stay_down: bool,
     down: bool,
@@ -790,16 +791,16 @@ struct CutPlan {
 
 type SharedPlan = std::sync::Arc<std::sync::Mutex<CutPlan>>;
 
-fn arm(plan: &SharedPlan, let_through: u32, cut: Cut, stay_down: bool) {
+fn arm(plan: &SharedPlan, marker: &str, cut: Cut, stay_down: bool) {
     let mut p = plan.lock().unwrap();
-    p.armed = Some((let_through, cut));
+    p.armed = Some((marker.as_bytes().to_vec(), cut));
     p.stay_down = stay_down;
 }
 
 /// A UNIX-socket proxy in front of the daemon that breaks the connection at a chosen gRPC call,
-/// as a daemon crash does at the worst moment. It reads just enough HTTP/2 to count calls: each
-/// HEADERS frame from the client opens one, the daemon's first HEADERS frame on that stream
-/// starts its answer.
+/// as a daemon crash does at the worst moment. It reads just enough HTTP/2 to find the call: the
+/// client's DATA frame whose (protobuf, so plain) bytes contain the marker, and the daemon's
+/// first HEADERS frame on that stream, which starts its answer.
 struct Cutter {
     address: String,
     plan: SharedPlan,
@@ -808,6 +809,7 @@ struct Cutter {
 }
 
 const H2_PREFACE_LEN: usize = 24;
+const H2_DATA: u8 = 0;
 const H2_HEADERS: u8 = 1;
 
 impl Cutter {
@@ -880,19 +882,16 @@ async fn relay(client: tokio::net::UnixStream, daemon: &Path, plan: SharedPlan) 
         dw.write_all(&preface).await?;
         loop {
             let frame = read_frame(&mut cr).await?;
-            if frame[3] == H2_HEADERS {
+            if frame[3] == H2_DATA {
                 let cut = {
                     let mut p = up_plan.lock().unwrap();
-                    match p.armed {
-                        Some((0, cut)) => {
+                    match &p.armed {
+                        Some((marker, cut)) if frame[9..].windows(marker.len()).any(|w| w == marker.as_slice()) => {
+                            let cut = *cut;
                             p.armed = None;
                             Some(cut)
                         }
-                        Some((n, cut)) => {
-                            p.armed = Some((n - 1, cut));
-                            None
-                        }
-                        None => None,
+                        _ => None,
                     }
                 };
                 match cut {
@@ -1024,8 +1023,8 @@ async fn a_str_replace_whose_answer_was_lost_is_not_applied_twice() -> Result<()
     let mut env = Env::new(Script::from_fn(move |t: &Turn| match t.index {
         0 => Reply::bash("printf 'x = 1\\n' > conf.txt"),
         1 => {
-            // ReadFile goes through; the daemon's answer to the WriteFile is lost.
-            arm(&armer, 1, Cut::Answer, false);
+            // The daemon's answer to the WriteFile (the only call carrying the new text) is lost.
+            arm(&armer, "y = 2", Cut::Answer, false);
             Reply::call("str_replace", json!({"path": "conf.txt", "old_str": "x = 1", "new_str": "x = 1\ny = 2"}))
         }
         _ => Reply::finish("added y"),
@@ -1083,8 +1082,8 @@ async fn a_failed_step_snapshot_is_told_and_a_lost_exec_then_erases_no_step() ->
     let mut env = Env::new(Script::from_fn(move |t: &Turn| match t.index {
         0 => Reply::bash("echo one >> /workspace/log"),
         1 => {
-            // The exec goes through; the step snapshot after it never reaches the daemon.
-            arm(&armer, 1, Cut::Request, false);
+            // The step snapshot after it never reaches the daemon.
+            arm(&armer, "agent-nosnap-step-2", Cut::Request, false);
             Reply::bash("echo two >> /workspace/log")
         }
         // The daemon dies while this runs: the append has happened, the exec ends LOST.
@@ -1181,9 +1180,9 @@ async fn a_snapshot_whose_answer_was_lost_is_not_taken_twice_on_resume() -> Resu
     let mut env = Env::new(Script::from_fn(move |t: &Turn| match t.index {
         0 => Reply::bash("echo a > /workspace/f"),
         1 => {
-            // ListSnapshots goes through; the snapshot is made, its answer lost, and the
-            // daemon stays unreachable until the run gives up.
-            arm(&armer, 1, Cut::Answer, true);
+            // The snapshot is made, its answer lost, and the daemon stays unreachable until
+            // the run gives up.
+            arm(&armer, "before-change", Cut::Answer, true);
             Reply::call("snapshot", json!({"name": "before-change"}))
         }
         _ => Reply::finish("snapshotted"),
