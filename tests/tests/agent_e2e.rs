@@ -17,17 +17,26 @@ struct Env {
     daemon: Daemon,
     model: FixtureServer,
     state: tempfile::TempDir,
+    /// Where `sbx` reaches the daemon: its socket, or a [`Cutter`] in front of it.
+    socket: String,
 }
 
 impl Env {
     async fn new(script: Script) -> Result<Env> {
-        Ok(Env { daemon: Daemon::start().await?, model: FixtureServer::start(script).await?, state: tempfile::Builder::new().prefix("sbx-agent-").tempdir()? })
+        Self::with_config(script, "").await
+    }
+
+    /// With the daemon started on this TOML configuration.
+    async fn with_config(script: Script, toml: &str) -> Result<Env> {
+        let daemon = Daemon::start_with_config(toml).await?;
+        let socket = daemon.address.clone();
+        Ok(Env { daemon, model: FixtureServer::start(script).await?, state: tempfile::Builder::new().prefix("sbx-agent-").tempdir()?, socket })
     }
 
     fn command(&self, args: &[&str]) -> Result<tokio::process::Command> {
         let mut cmd = tokio::process::Command::new(sbx_bin()?);
         cmd.args(args)
-            .env("SANDBOXD_SOCKET", &self.daemon.address)
+            .env("SANDBOXD_SOCKET", &self.socket)
             .env("OPENAI_BASE_URL", &self.model.base_url)
             .env("OPENAI_API_KEY", "test-key")
             .env("SBX_AGENT_STATE_DIR", self.state.path())
@@ -157,9 +166,8 @@ async fn kill_9_mid_run_then_resume_lands_the_side_effect_once() -> Result<()> {
     ]))
     .await?;
     let mut child = env.spawn_quiet(&["agent", "run", "--task", "append to the log", "--run-id", "crashy", "--json"])?;
-    env.wait_for_turns(2, Duration::from_secs(30), &mut child).await?;
-    // Inside the 3 s of step 2's command.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Inside the 3 s of step 2's command: its append has landed.
+    wait_for_file(&env, "crashy", "/workspace/log", "once", &mut child).await?;
     let status = kill9(&mut child).await?;
     assert!(!status.success());
 
@@ -207,7 +215,7 @@ async fn resume_after_a_hundred_steps_of_megabyte_outputs() -> Result<()> {
     .await?;
     let mut child = env.spawn_quiet(&["agent", "run", "--task", "print a lot, then log once", "--run-id", "long", "--max-steps", "300", "--json"])?;
     env.wait_for_turns(LONG_STEPS + 1, Duration::from_secs(600), &mut child).await?;
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    wait_for_file(&env, "long", "/workspace/log", "once", &mut child).await?;
     kill9(&mut child).await?;
 
     let started = Instant::now();
@@ -241,8 +249,7 @@ async fn a_daemon_restart_mid_exec_rolls_back_and_runs_the_action_once() -> Resu
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
-    env.wait_for_turns(2, Duration::from_secs(30), &mut child).await?;
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    wait_for_file(&env, "restart", "/workspace/log", "once", &mut child).await?;
     env.daemon.restart().await?;
     let out = child.wait_with_output().await?;
     let (code, r) = report(&out)?;
@@ -413,9 +420,13 @@ async fn a_corrupt_or_foreign_checkpoint_is_a_clear_error() -> Result<()> {
     let out = env.sbx(&["agent", "resume", "bad"]).await?;
     assert!(String::from_utf8_lossy(&out.stderr).contains("length mismatch"));
 
-    // Nothing was started afresh: the sandbox still has only the first step's effect.
-    let sid = r.get("sandbox_id").and_then(Value::as_str).map(str::to_owned);
-    assert!(sid.is_none(), "no sandbox was created for a refused resume");
+    // Nothing was started afresh: the run's one sandbox still has only the first step's effect.
+    let labels = [("agent-run".to_owned(), "bad".to_owned())].into_iter().collect();
+    let sandboxes = env.daemon.client().await?.list(labels).await?;
+    assert_eq!(sandboxes.len(), 1, "no sandbox was created or forked for a refused resume: {sandboxes:#?}");
+    assert_eq!(file(&env, &sandboxes[0].id, "/workspace/x").await?, "a\n");
+    let execs = env.daemon.client().await?.list_execs(&sandboxes[0].id, 0).await?;
+    assert!(!execs.iter().any(|e| e.idempotency_key.starts_with("bad:2:")), "no step ran after the refusals: {execs:#?}");
     Ok(())
 }
 
@@ -571,6 +582,8 @@ async fn summaries_do_not_thrash_in_a_small_window() -> Result<()> {
     // most every other turn (the turns between fold harder without the model).
     let summaries = env.model.summaries();
     assert!(summaries <= 13, "{summaries} summaries in 25 steps");
+    // A loop that never summarizes passes the bound above; this one must.
+    assert!(summaries >= 2, "only {summaries} summaries in 25 steps of a third of the window each");
     let mut turns_since = usize::MAX;
     for req in env.model.requests() {
         if req["tools"].as_array().is_some_and(|t| !t.is_empty()) {
@@ -588,11 +601,13 @@ async fn summaries_do_not_thrash_in_a_small_window() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_llm_outage_and_command_timeouts_are_survived() -> Result<()> {
-    let t0 = Instant::now();
+    // The outage starts at the first request, not at the test's start: setting up the daemon
+    // and the sandbox under load must not eat into it.
+    let t0 = std::sync::OnceLock::new();
     let timeouts = std::sync::atomic::AtomicUsize::new(0);
     let env = Env::new(Script::from_fn(move |t: &Turn| {
         // The endpoint is down for the first 7 s.
-        if t0.elapsed() < Duration::from_secs(7) {
+        if t0.get_or_init(Instant::now).elapsed() < Duration::from_secs(7) {
             return Reply::Status { code: 503, body: "down".into(), retry_after: None };
         }
         // Six commands that hit their own time limit: more than the bash breaker's threshold.
@@ -720,5 +735,476 @@ async fn show_follow_tails_a_running_run_to_its_end() -> Result<()> {
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert!(text.contains("echo b >> /workspace/log"), "{text}");
     assert!(text.lines().last().is_some_and(|l| l.contains("stop")), "{text}");
+    Ok(())
+}
+
+// ---- the loop against the real daemon: defects the fakes hid (issue 22) ---------------------
+
+/// The sandbox of run `run_id`, found by its label.
+async fn sandbox_of(env: &Env, run_id: &str) -> Result<Option<String>> {
+    let labels = [("agent-run".to_owned(), run_id.to_owned())].into_iter().collect();
+    let found = env.daemon.client().await?.list(labels).await?;
+    Ok(found.into_iter().find(|s| s.state == agent_client::proto::SandboxState::Running as i32).map(|s| s.id))
+}
+
+/// Waits (bounded, failing early if `agent` ends) until `path` in run `run_id`'s sandbox
+/// contains `text`: the event a test acts on, instead of a fixed sleep.
+async fn wait_for_file(env: &Env, run_id: &str, path: &str, text: &str, agent: &mut Child) -> Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(sid) = sandbox_of(env, run_id).await? {
+            if let Ok(content) = file(env, &sid, path).await {
+                if content.contains(text) {
+                    return Ok(sid);
+                }
+            }
+        }
+        if let Some(status) = agent.try_wait()? {
+            bail!("the agent ended before {path} contained {text:?}: {status}");
+        }
+        if Instant::now() > deadline {
+            bail!("{path} never contained {text:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What a [`Cutter`] does to the call it is armed for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Cut {
+    /// The call never reaches the daemon: the connection breaks as it is sent.
+    Request,
+    /// The daemon does the call; its answer is lost with the connection.
+    Answer,
+}
+
+#[derive(Default)]
+struct CutPlan {
+    /// Bytes that mark the call (in its protobuf body: a path, a name, file content), and
+    /// what to do to it.
+    armed: Option<(Vec<u8>, Cut)>,
+    /// After the cut, refuse every connection (a daemon that stays down) until released.
+    stay_down: bool,
+    down: bool,
+    fired: u32,
+}
+
+type SharedPlan = std::sync::Arc<std::sync::Mutex<CutPlan>>;
+
+fn arm(plan: &SharedPlan, marker: &str, cut: Cut, stay_down: bool) {
+    let mut p = plan.lock().unwrap();
+    p.armed = Some((marker.as_bytes().to_vec(), cut));
+    p.stay_down = stay_down;
+}
+
+/// A UNIX-socket proxy in front of the daemon that breaks the connection at a chosen gRPC call,
+/// as a daemon crash does at the worst moment. It reads just enough HTTP/2 to find the call: the
+/// client's DATA frame whose (protobuf, so plain) bytes contain the marker, and the daemon's
+/// first HEADERS frame on that stream, which starts its answer.
+struct Cutter {
+    address: String,
+    plan: SharedPlan,
+    _dir: tempfile::TempDir,
+    task: tokio::task::JoinHandle<()>,
+}
+
+const H2_PREFACE_LEN: usize = 24;
+const H2_DATA: u8 = 0;
+const H2_HEADERS: u8 = 1;
+
+impl Cutter {
+    async fn start(daemon_address: &str, plan: SharedPlan) -> Result<Cutter> {
+        let daemon = PathBuf::from(daemon_address.strip_prefix("unix://").context("the test daemon listens on a UNIX socket")?);
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("cutter.sock");
+        let listener = tokio::net::UnixListener::bind(&path)?;
+        let shared = plan.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                if shared.lock().unwrap().down {
+                    continue; // dropped: the daemon is "down"
+                }
+                let (daemon, plan) = (daemon.clone(), shared.clone());
+                tokio::spawn(async move {
+                    let _ = relay(client, &daemon, plan).await;
+                });
+            }
+        });
+        Ok(Cutter { address: format!("unix://{}", path.display()), plan, _dir: dir, task })
+    }
+
+    fn fired(&self) -> u32 {
+        self.plan.lock().unwrap().fired
+    }
+
+    fn release(&self) {
+        self.plan.lock().unwrap().down = false;
+    }
+}
+
+impl Drop for Cutter {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn read_frame(r: &mut (impl tokio::io::AsyncRead + Unpin)) -> std::io::Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut frame = vec![0u8; 9];
+    r.read_exact(&mut frame).await?;
+    let len = u32::from_be_bytes([0, frame[0], frame[1], frame[2]]) as usize;
+    frame.resize(9 + len, 0);
+    r.read_exact(&mut frame[9..]).await?;
+    Ok(frame)
+}
+
+fn stream_of(frame: &[u8]) -> u32 {
+    u32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]) & 0x7fff_ffff
+}
+
+/// Marks the plan fired; returns nothing, the caller then drops the connection.
+fn fire(plan: &SharedPlan) {
+    let mut p = plan.lock().unwrap();
+    p.fired += 1;
+    p.down = p.stay_down;
+}
+
+async fn relay(client: tokio::net::UnixStream, daemon: &Path, plan: SharedPlan) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = tokio::net::UnixStream::connect(daemon).await?;
+    let (mut cr, mut cw) = client.into_split();
+    let (mut dr, mut dw) = upstream.into_split();
+    let victim = std::sync::Arc::new(std::sync::Mutex::new(None::<u32>));
+    let (up_plan, up_victim) = (plan.clone(), victim.clone());
+    let up = async move {
+        let mut preface = [0u8; H2_PREFACE_LEN];
+        cr.read_exact(&mut preface).await?;
+        dw.write_all(&preface).await?;
+        loop {
+            let frame = read_frame(&mut cr).await?;
+            if frame[3] == H2_DATA {
+                let cut = {
+                    let mut p = up_plan.lock().unwrap();
+                    match &p.armed {
+                        Some((marker, cut)) if frame[9..].windows(marker.len()).any(|w| w == marker.as_slice()) => {
+                            let cut = *cut;
+                            p.armed = None;
+                            Some(cut)
+                        }
+                        _ => None,
+                    }
+                };
+                match cut {
+                    Some(Cut::Request) => {
+                        fire(&up_plan);
+                        return Ok(());
+                    }
+                    Some(Cut::Answer) => *up_victim.lock().unwrap() = Some(stream_of(&frame)),
+                    None => {}
+                }
+            }
+            dw.write_all(&frame).await?;
+        }
+    };
+    let down = async move {
+        loop {
+            let frame = read_frame(&mut dr).await?;
+            if frame[3] == H2_HEADERS && *victim.lock().unwrap() == Some(stream_of(&frame)) {
+                fire(&plan);
+                return Ok(());
+            }
+            cw.write_all(&frame).await?;
+        }
+    };
+    // Whichever side ends first ends both: the halves drop and both sockets close.
+    tokio::select! {
+        r = up => r,
+        r = down => r,
+    }
+}
+
+fn new_plan() -> SharedPlan {
+    std::sync::Arc::new(std::sync::Mutex::new(CutPlan::default()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_file_is_an_answer_for_the_model_not_a_lost_sandbox() -> Result<()> {
+    let env = Env::new(Script::sequence(vec![
+        Reply::call("read_file", json!({"path": "missing.txt"})),
+        Reply::call("str_replace", json!({"path": "missing.txt", "old_str": "a", "new_str": "b"})),
+        Reply::call("rollback", json!({"snapshot_id": "sn-doesnotexist"})),
+        Reply::call("write_file", json!({"path": "missing.txt", "content": "now here\n"})),
+        Reply::finish("created it"),
+    ]))
+    .await?;
+    let out = env.agent_run("read missing.txt", "missing", &[]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(r["reason"], "finished");
+    let requests = env.model.requests();
+    let read = last_tool_text(&requests[1]);
+    assert!(read.contains("NOT_FOUND") && read.contains("/workspace/missing.txt"), "{read}");
+    let edit = last_tool_text(&requests[2]);
+    assert!(edit.contains("NOT_FOUND") && edit.contains("use write_file to create it"), "{edit}");
+    let rollback = last_tool_text(&requests[3]);
+    assert!(rollback.contains("NOT_FOUND") && rollback.contains("sn-doesnotexist"), "{rollback}");
+    let sid = r["sandbox_id"].as_str().unwrap_or_default();
+    assert_eq!(file(&env, sid, "/workspace/missing.txt").await?, "now here\n");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_cap_is_told_to_the_model_not_retried_as_an_outage() -> Result<()> {
+    let background = || Reply::call("bash", json!({"command": "sleep 60", "background": true}));
+    let env = Env::with_config(
+        Script::sequence(vec![background(), background(), background(), Reply::finish("two jobs run; the third was refused")]),
+        "[policy]\nmax_background_execs_per_sandbox = 2\n",
+    )
+    .await?;
+    let out = env.agent_run("start three jobs", "capped", &[]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(r["reason"], "finished");
+    let refused = last_tool_text(&env.model.requests()[3]);
+    assert!(refused.contains("RESOURCE_EXHAUSTED") && refused.contains("max_background_execs_per_sandbox"), "{refused}");
+    assert!(refused.contains("not an outage"), "{refused}");
+    let retries = env.trace("capped")?.into_iter().filter(|e| e["event"] == "retry").count();
+    assert_eq!(retries, 0, "a cap is not waited out");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn str_replace_past_the_daemon_read_cap_edits_the_whole_file_or_refuses() -> Result<()> {
+    const BIG: u64 = 9 << 20;
+    let env = Env::new(Script::sequence(vec![
+        Reply::bash(&format!("echo MARK=1 > big.txt && head -c {BIG} /dev/zero | tr '\\0' a >> big.txt && echo END >> big.txt")),
+        Reply::call("str_replace", json!({"path": "big.txt", "old_str": "MARK=1", "new_str": "MARK=22"})),
+        Reply::bash("head -c 41943040 /dev/zero > huge.bin && echo MARK=1 >> huge.bin"),
+        Reply::call("str_replace", json!({"path": "huge.bin", "old_str": "MARK=1", "new_str": "MARK=2"})),
+        Reply::finish("edited"),
+    ]))
+    .await?;
+    let out = env.agent_run("edit big.txt", "bigedit", &[]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    let sid = r["sandbox_id"].as_str().unwrap_or_default();
+    let client = env.daemon.client().await?;
+    let big = client.read_file_all(sid, "/workspace/big.txt").await?;
+    assert_eq!(big.len() as u64, 8 + BIG + 4, "the whole file was written back, one byte longer");
+    assert!(big.starts_with(b"MARK=22\naaa") && big.ends_with(b"aaaEND\n"));
+    let refused = last_tool_text(&env.model.requests()[4]);
+    assert!(refused.contains("str_replace REFUSED") && refused.contains("32 MiB"), "{refused}");
+    let huge = client.read_file(sid, "/workspace/huge.bin", 41943040, 0).await?;
+    assert_eq!(huge.content, b"MARK=1\n", "the refused file is untouched");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn str_replace_keeps_bytes_that_are_not_utf8() -> Result<()> {
+    let env = Env::new(Script::sequence(vec![
+        Reply::bash("printf 'caf\\351 x = 1\\nna\\357ve\\n' > latin1.txt"),
+        Reply::call("str_replace", json!({"path": "latin1.txt", "old_str": "x = 1", "new_str": "x = 2"})),
+        Reply::finish("edited"),
+    ]))
+    .await?;
+    let out = env.agent_run("edit latin1.txt", "latin1", &[]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}");
+    let sid = r["sandbox_id"].as_str().unwrap_or_default();
+    let bytes = env.daemon.client().await?.read_file_all(sid, "/workspace/latin1.txt").await?;
+    assert_eq!(bytes, b"caf\xe9 x = 2\nna\xefve\n");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_str_replace_whose_answer_was_lost_is_not_applied_twice() -> Result<()> {
+    let plan = new_plan();
+    let armer = plan.clone();
+    let mut env = Env::new(Script::from_fn(move |t: &Turn| match t.index {
+        0 => Reply::bash("printf 'x = 1\\n' > conf.txt"),
+        1 => {
+            // The daemon's answer to the WriteFile (the only call carrying the new text) is lost.
+            arm(&armer, "y = 2", Cut::Answer, false);
+            Reply::call("str_replace", json!({"path": "conf.txt", "old_str": "x = 1", "new_str": "x = 1\ny = 2"}))
+        }
+        _ => Reply::finish("added y"),
+    }))
+    .await?;
+    let cutter = Cutter::start(&env.daemon.address, plan).await?;
+    env.socket = cutter.address.clone();
+    let out = env.agent_run("add y", "lostwrite", &[]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(cutter.fired(), 1, "the write's answer was cut");
+    let sid = r["sandbox_id"].as_str().unwrap_or_default();
+    assert_eq!(file(&env, sid, "/workspace/conf.txt").await?, "x = 1\ny = 2\n", "applied once");
+    let told = last_tool_text(&env.model.requests()[2]);
+    assert!(told.contains("not applied again"), "{told}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeout_secs_zero_is_held_to_the_step_timeout() -> Result<()> {
+    let env = Env::new(Script::sequence(vec![Reply::call("bash", json!({"command": "sleep 6; echo late", "timeout_secs": 0})), Reply::finish("done")])).await?;
+    let out = env.agent_run("wait", "zero", &["--step-timeout", "2"]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}");
+    let told = last_tool_text(&env.model.requests()[1]);
+    assert!(told.contains("TIMED OUT") && !told.contains("late"), "{told}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wild_token_count_trips_the_budget_instead_of_wrapping() -> Result<()> {
+    let env = Env::new(Script::from_fn(|t: &Turn| {
+        let reply = Reply::bash(&format!("echo {}", t.index));
+        if t.index == 1 {
+            // An endpoint whose count is garbage: near u64::MAX.
+            reply.with_usage(u64::MAX - 5, 10)
+        } else {
+            reply
+        }
+    }))
+    .await?;
+    let out = env.agent_run("count", "wild", &["--max-tokens", "100000"]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 3, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(r["reason"], "budget_tokens", "{r:#}");
+    assert_eq!(r["steps"], 2);
+    assert!(r["prompt_tokens"].as_u64().unwrap_or(0) >= u64::MAX - 5, "{r:#}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_step_snapshot_is_told_and_a_lost_exec_then_erases_no_step() -> Result<()> {
+    let plan = new_plan();
+    let armer = plan.clone();
+    let mut env = Env::new(Script::from_fn(move |t: &Turn| match t.index {
+        0 => Reply::bash("echo one >> /workspace/log"),
+        1 => {
+            // The step snapshot after it never reaches the daemon.
+            arm(&armer, "agent-nosnap-step-2", Cut::Request, false);
+            Reply::bash("echo two >> /workspace/log")
+        }
+        // The daemon dies while this runs: the append has happened, the exec ends LOST.
+        2 => Reply::bash("echo three >> /workspace/log; sleep 8"),
+        _ => Reply::finish("logged"),
+    }))
+    .await?;
+    let cutter = Cutter::start(&env.daemon.address, plan).await?;
+    env.socket = cutter.address.clone();
+    let mut child =
+        env.command(&["agent", "run", "--task", "log three lines", "--run-id", "nosnap", "--json"])?.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    wait_for_file(&env, "nosnap", "/workspace/log", "three", &mut child).await?;
+    env.daemon.restart().await?;
+    let out = child.wait_with_output().await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(cutter.fired(), 1);
+    let requests = env.model.requests();
+    let warned = last_tool_text(&requests[2]);
+    assert!(warned.contains("WARNING: the snapshot after this step failed"), "{warned}");
+    let lost = last_tool_text(&requests[3]);
+    assert!(lost.contains("NOT run again and nothing was rolled back") && lost.contains("step 2"), "{lost}");
+    let sid = r["sandbox_id"].as_str().unwrap_or_default();
+    assert_eq!(file(&env, sid, "/workspace/log").await?, "one\ntwo\nthree\n", "step 2 kept, step 3 not repeated");
+    assert!(env.trace("nosnap")?.iter().any(|e| e["decision"] == "lost_exec_not_rolled_back"));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recall_of_a_step_whose_output_the_daemon_discarded_says_so() -> Result<()> {
+    let env = Env::with_config(
+        Script::from_fn(|t: &Turn| match t.index {
+            0..=7 => Reply::bash(&format!("seq {} 7 {} | sed 's/$/ {}/'", t.index, 20_000 + t.index, t.index)),
+            8 => Reply::call("recall", json!({"step": 1})),
+            _ => Reply::finish("recalled"),
+        }),
+        "[exec]\nmax_output_storage_bytes_per_sandbox = 65536\n",
+    )
+    .await?;
+    let out = env.agent_run("print and recall", "discard", &["--context-window", "8000", "--max-completion-tokens", "500"]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    // Turns only: the requests between are summaries.
+    let turns: Vec<Value> = env.model.requests().into_iter().filter(|q| q["tools"].as_array().is_some_and(|t| !t.is_empty())).collect();
+    let recalled = last_tool_text(&turns[9]);
+    assert!(recalled.starts_with("step 1 (exec "), "recalled from the daemon: {recalled}");
+    assert!(recalled.contains("output not kept") && !recalled.contains("no output"), "{recalled}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_cannot_start_leaves_no_sandbox_and_no_false_hint() -> Result<()> {
+    let env = Env::new(Script::sequence(vec![Reply::finish("never asked")])).await?;
+    let out = env.command(&["agent", "run", "--task", "t", "--run-id", "tiny", "--context-window", "400"])?.output().await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("resume with"), "{stderr}");
+    assert_eq!(sandbox_of(&env, "tiny").await?, None, "no sandbox was left behind");
+    assert_eq!(env.model.turns(), 0);
+
+    // A run whose sandbox cannot be made is on disk: the hint is true, and a resume makes it.
+    let out = env.command(&["agent", "run", "--task", "t", "--run-id", "noimage", "--image", "no-such-image"])?.output().await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("resume with: sbx agent resume noimage") && stderr.contains("no-such-image"), "{stderr}");
+    assert_eq!(sandbox_of(&env, "noimage").await?, None);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_pin_is_refused_and_every_prompt_fits() -> Result<()> {
+    let limit = 8_000;
+    let env = Env::new(
+        Script::sequence(vec![Reply::call("pin", json!({"key": "notes", "value": "x".repeat(40_000)})), Reply::bash("echo after"), Reply::finish("done")])
+            .with_context_limit(limit),
+    )
+    .await?;
+    let out = env.agent_run("pin a lot", "pins", &["--context-window", "8000", "--max-completion-tokens", "1000"]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    let requests = env.model.requests();
+    assert!(last_tool_text(&requests[1]).contains("pin REFUSED"), "{}", last_tool_text(&requests[1]));
+    for q in &requests {
+        let chars = q["messages"].to_string().len() + q["tools"].to_string().len();
+        assert!(chars / 4 <= limit, "a prompt of {} tokens was sent to an {limit}-token model", chars / 4);
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_whose_answer_was_lost_is_not_taken_twice_on_resume() -> Result<()> {
+    let plan = new_plan();
+    let armer = plan.clone();
+    let mut env = Env::new(Script::from_fn(move |t: &Turn| match t.index {
+        0 => Reply::bash("echo a > /workspace/f"),
+        1 => {
+            // The snapshot is made, its answer lost, and the daemon stays unreachable until
+            // the run gives up.
+            arm(&armer, "before-change", Cut::Answer, true);
+            Reply::call("snapshot", json!({"name": "before-change"}))
+        }
+        _ => Reply::finish("snapshotted"),
+    }))
+    .await?;
+    let cutter = Cutter::start(&env.daemon.address, plan).await?;
+    env.socket = cutter.address.clone();
+    let out = env.agent_run("snapshot", "snapresume", &[]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 1, "{r:#}");
+    assert_eq!(r["reason"], "fatal_error", "{r:#}");
+    assert_eq!(cutter.fired(), 1);
+    cutter.release();
+
+    let out = env.sbx(&["agent", "resume", "snapresume", "--json"]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    let sid = r["sandbox_id"].as_str().unwrap_or_default();
+    let snaps = env.daemon.client().await?.list_snapshots(sid).await?;
+    let taken: Vec<_> = snaps.iter().filter(|s| s.name.starts_with("before-change")).collect();
+    assert_eq!(taken.len(), 1, "one snapshot, found again rather than taken twice: {snaps:#?}");
+    let told = last_tool_text(&env.model.requests()[2]);
+    assert!(told.contains(&taken[0].snapshot_id) && told.contains("found"), "{told}");
     Ok(())
 }

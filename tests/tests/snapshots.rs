@@ -98,26 +98,50 @@ async fn unknown_snapshots_are_not_found() {
 #[tokio::test(flavor = "multi_thread")]
 async fn snapshot_during_heavy_writes_is_consistent() {
     let (_daemon, c, sb) = daemon_with_sandbox(proto::Isolation::Process).await;
-    // Each file is written whole to a temp name and renamed, with a checksum line: a consistent
-    // snapshot shows every visible file complete.
+    // Two invariants a point-in-time snapshot keeps and a copy made file by file while the
+    // writer runs does not: each 64 KiB file is whole with its checksum (written to a temp
+    // name and renamed), and the round counters c0..c49, written in that order every round,
+    // read as a run of i+1 followed by a run of i — never rising, never two rounds apart.
     let writer = "i=0; while true; do i=$((i+1)); head -c 65536 /dev/urandom > /workspace/t; \
                   sum=$(sha256sum /workspace/t | cut -d' ' -f1); echo $sum >> /workspace/t; \
-                  mv /workspace/t /workspace/f$((i % 20)); done";
+                  mv /workspace/t /workspace/f$((i % 20)); \
+                  for n in $(seq 0 49); do echo $i > /workspace/.c; mv /workspace/.c /workspace/c$n; done; done";
     let bg = c.exec(proto::ExecRequest { background: true, ..exec_request(&sb, ["sh", "-c", writer]) }).await.expect("writer");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A round counter of the writer, once it has finished a round (no fixed wait).
+    let round = |c: agent_client::Client, sb: String| async move { sh(&c, &sb, "cat /workspace/c49 2>/dev/null").await.stdout };
+    assert!(
+        eventually(60, || {
+            let (c, sb) = (c.clone(), sb.clone());
+            async move { !round(c, sb).await.is_empty() }
+        })
+        .await,
+        "the writer finished no round"
+    );
     let mut snaps = Vec::new();
     for i in 0..3 {
+        let before = round(c.clone(), sb.clone()).await;
         snaps.push(c.snapshot(&sb, &format!("s{i}")).await.expect("snapshot").snapshot_id);
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The next snapshot only once the writer has moved on.
+        assert!(
+            eventually(60, || {
+                let (c, sb, before) = (c.clone(), sb.clone(), before.clone());
+                async move { round(c, sb).await != before }
+            })
+            .await,
+            "the writer stopped"
+        );
     }
     c.signal_exec(&bg.exec_id, 9).await.expect("stop writer");
     let check = "for f in /workspace/f*; do n=$(wc -c < $f); want=$(tail -c 65 $f | head -c 64); \
                  got=$(head -c 65536 $f | sha256sum | cut -d' ' -f1); \
-                 [ \"$n\" = 65601 ] && [ \"$want\" = \"$got\" ] || { echo TORN $f $n; exit 1; }; done; ls /workspace | wc -l";
+                 [ \"$n\" = 65601 ] && [ \"$want\" = \"$got\" ] || { echo TORN $f $n; exit 1; }; done; \
+                 prev=; for n in $(seq 0 49); do v=$(cat /workspace/c$n); \
+                 if [ -n \"$prev\" ] && { [ $v -gt $prev ] || [ $((prev - v)) -gt 1 ]; }; then echo SKEW c$n $prev $v; exit 1; fi; prev=$v; done; \
+                 ls /workspace | wc -l";
     for snap in snaps {
         let fork = c.create(proto::CreateSandboxRequest { from_snapshot_id: snap, ..Default::default() }).await.expect("fork").id;
         let files: u32 = sh_ok(&c, &fork, check).await.trim().parse().expect("count");
-        assert!(files >= 1, "the writer had written something");
+        assert!(files >= 51, "the writer had written a round: {files} files");
         c.destroy(&fork).await.expect("destroy");
     }
 }

@@ -76,7 +76,7 @@ pub struct BudgetUsed {
 impl BudgetUsed {
     /// Total tokens.
     pub fn tokens(&self) -> u64 {
-        self.prompt_tokens + self.completion_tokens
+        self.prompt_tokens.saturating_add(self.completion_tokens)
     }
 }
 
@@ -108,9 +108,14 @@ impl Budget {
 
     /// Records a model call.
     pub fn record_call(&mut self, prompt_tokens: u64, completion_tokens: u64) {
-        self.used.prompt_tokens += prompt_tokens;
-        self.used.completion_tokens += completion_tokens;
-        self.used.llm_calls += 1;
+        // The counts come from the endpoint: a wrong one must trip the budget, never wrap it
+        // (or panic a debug build).
+        self.used.prompt_tokens = self.used.prompt_tokens.saturating_add(prompt_tokens);
+        self.used.completion_tokens = self
+            .used
+            .completion_tokens
+            .saturating_add(completion_tokens);
+        self.used.llm_calls = self.used.llm_calls.saturating_add(1);
         if let Some((p, c)) = self.limits.price {
             self.used.cost_usd +=
                 (prompt_tokens as f64 * p + completion_tokens as f64 * c) / 1_000_000.0;
@@ -188,7 +193,10 @@ impl Budget {
 
     /// Exec timeout for a step: what the model asked for, capped by the per-step budget.
     pub fn step_timeout(&self, requested_secs: Option<u64>) -> Duration {
+        // 0 is no answer the daemon can take: its `timeout_ms: 0` means "the sandbox's
+        // default", which would let the model escape the step timeout.
         requested_secs
+            .filter(|&s| s > 0)
             .map(Duration::from_secs)
             .unwrap_or(self.limits.step_time)
             .min(self.limits.step_time)

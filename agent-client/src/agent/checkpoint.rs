@@ -105,6 +105,11 @@ pub struct PendingAction {
     /// What the model wrote alongside the call: its reasoning, kept with the step.
     #[serde(default)]
     pub reasoning: String,
+    /// A read-modify-write (str_replace): the SHA-256 of the file as it will be once the write
+    /// lands, on disk before the write is sent, so a retry or a resume can tell whether it
+    /// landed instead of applying it twice.
+    #[serde(default)]
+    pub expect_sha256: Option<String>,
 }
 
 /// What a run was started with; fixed for its lifetime.
@@ -183,8 +188,11 @@ pub struct Checkpoint {
     pub sandbox_id: String,
     /// Snapshot taken after the last completed step that may have changed files.
     pub snapshot_id: Option<String>,
-    /// Snapshot taken before the first step (the diff's base).
-    pub base_snapshot_id: Option<String>,
+    /// Steps that may have changed files since `snapshot_id` was taken (their own snapshot
+    /// failed, or step snapshots are off): a rollback to `snapshot_id` would erase them, so it
+    /// is never done silently.
+    #[serde(default)]
+    pub unsnapshotted_steps: Vec<u64>,
     /// Snapshots the agent took on its own (per-step), oldest first; pruned as it goes.
     pub auto_snapshots: Vec<String>,
     /// No-progress detector state.
@@ -267,12 +275,36 @@ impl FileStore {
 
     /// Writes bytes atomically: temp file, fsync, rename, fsync of the directory.
     pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+        Self::write_atomic_with(path, bytes, |file, bytes| file.write_all(bytes))
+    }
+
+    /// [`FileStore::write_atomic`] with the write of the content done by `write` (a test makes
+    /// it fail half-way). Whatever happens, the old file stays whole until the rename, and a
+    /// failed write leaves no temp file behind.
+    fn write_atomic_with(
+        path: &Path,
+        bytes: &[u8],
+        write: impl FnOnce(&mut File, &[u8]) -> std::io::Result<()>,
+    ) -> Result<(), CheckpointError> {
         let dir = path.parent().unwrap_or(Path::new("."));
-        fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
-            what: "cannot create",
-            path: dir.to_path_buf(),
-            source,
-        })?;
+        if !dir.is_dir() {
+            fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
+                what: "cannot create",
+                path: dir.to_path_buf(),
+                source,
+            })?;
+            // A new run directory is an entry of its parent: without this fsync the first
+            // checkpoint can vanish with it on a power loss.
+            if let Some(parent) = dir.parent() {
+                File::open(parent)
+                    .and_then(|d| d.sync_all())
+                    .map_err(|source| CheckpointError::Io {
+                        what: "cannot fsync directory",
+                        path: parent.to_path_buf(),
+                        source,
+                    })?;
+            }
+        }
         let tmp = dir.join(format!(
             ".{}.tmp-{}",
             path.file_name().and_then(|n| n.to_str()).unwrap_or("ckpt"),
@@ -289,11 +321,18 @@ impl FileStore {
             .truncate(true)
             .open(&tmp)
             .map_err(|e| io("cannot create", e))?;
-        file.write_all(bytes).map_err(|e| io("cannot write", e))?;
-        // Data first, then the name: a rename that reaches the disk before the data would
-        // leave an empty file under the real name after a power loss.
-        file.sync_data().map_err(|e| io("cannot fsync", e))?;
+        let written = write(&mut file, bytes)
+            .map_err(|e| io("cannot write", e))
+            // Data first, then the name: a rename that reaches the disk before the data would
+            // leave an empty file under the real name after a power loss.
+            .and_then(|()| file.sync_data().map_err(|e| io("cannot fsync", e)));
         drop(file);
+        if let Err(e) = written {
+            if let Err(rm) = fs::remove_file(&tmp) {
+                tracing::warn!(path = %tmp.display(), error = %rm, "cannot remove a failed checkpoint write");
+            }
+            return Err(e);
+        }
         fs::rename(&tmp, path).map_err(|source| CheckpointError::Io {
             what: "cannot rename into",
             path: path.to_path_buf(),
@@ -572,7 +611,7 @@ pub(crate) mod tests {
             pending: None,
             sandbox_id: "sb-1".into(),
             snapshot_id: Some("sn-1".into()),
-            base_snapshot_id: None,
+            unsnapshotted_steps: Vec::new(),
             auto_snapshots: vec![],
             detector: DetectorState::default(),
             exec_ids: BTreeMap::new(),
@@ -657,13 +696,40 @@ pub(crate) mod tests {
         let mut next = sample("r");
         next.step = 4;
         store.save(&next).expect("save");
-        let names: Vec<String> = fs::read_dir(store.run_dir("r"))
-            .expect("dir")
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        assert_eq!(names, vec!["checkpoint".to_owned()]);
+        let names = || -> Vec<String> {
+            fs::read_dir(store.run_dir("r"))
+                .expect("dir")
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        };
+        assert_eq!(names(), vec!["checkpoint".to_owned()]);
         assert_eq!(store.load("r").expect("load").step, 4);
+
+        // The disk fills half-way through the next write: the last good checkpoint stays
+        // whole and loadable, and nothing else is left in the run directory.
+        let path = store.run_dir("r").join("checkpoint");
+        let before = fs::read(&path).expect("read");
+        let mut later = sample("r");
+        later.step = 9;
+        let err = FileStore::write_atomic_with(&path, &encode(&later), |file, bytes| {
+            file.write_all(&bytes[..bytes.len() / 2])?;
+            Err(std::io::Error::from_raw_os_error(libc_enospc()))
+        })
+        .expect_err("the write failed");
+        assert!(err.to_string().contains("cannot write"), "{err}");
+        assert_eq!(
+            fs::read(&path).expect("read"),
+            before,
+            "the old checkpoint is untouched"
+        );
+        assert_eq!(store.load("r").expect("load").step, 4);
+        assert_eq!(names(), vec!["checkpoint".to_owned()]);
+    }
+
+    /// ENOSPC ("No space left on device") on Linux.
+    fn libc_enospc() -> i32 {
+        28
     }
 
     #[test]

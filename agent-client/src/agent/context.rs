@@ -309,6 +309,18 @@ impl ContextManager {
         self.state.pinned.insert(key.to_owned(), value.to_owned());
     }
 
+    /// Tokens pinned facts may still take: all of them together get at most an eighth of the
+    /// window, so they can never push the prompt past it (the loop's own notes included).
+    pub fn pin_room(&self) -> usize {
+        let used: usize = self
+            .state
+            .pinned
+            .iter()
+            .map(|(k, v)| self.counter.count(k) + self.counter.count(v))
+            .sum();
+        (self.window() / 8).saturating_sub(used)
+    }
+
     /// Removes a pinned fact.
     pub fn unpin(&mut self, key: &str) {
         self.state.pinned.remove(key);
@@ -436,11 +448,6 @@ impl ContextManager {
     /// re-asks do not pile up in the history.
     pub fn set_reask(&mut self, assistant: Message, error: Message) {
         self.state.reask = Some((assistant, error));
-    }
-
-    /// Drops the re-ask pair.
-    pub fn clear_reask(&mut self) {
-        self.state.reask = None;
     }
 
     /// A step whose full observation is still held (first or working layer, not dropped).

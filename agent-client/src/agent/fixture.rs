@@ -17,7 +17,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use super::llm::{parse_response, ChatRequest, ChatResponse, LlmError, LlmProvider};
+use super::llm::{classify_http, parse_response, ChatRequest, ChatResponse, LlmError, LlmProvider};
 use super::tokens::estimate;
 
 /// What the fixture errors with.
@@ -55,6 +55,15 @@ pub enum Reply {
     Cut(Box<Reply>),
     /// Text written alongside the reply (the model's reasoning next to its tool call).
     Say(String, Box<Reply>),
+    /// The reply with these token counts in its `usage` (an endpoint that miscounts).
+    Usage {
+        /// `usage.prompt_tokens`.
+        prompt: u64,
+        /// `usage.completion_tokens`.
+        completion: u64,
+        /// The reply.
+        reply: Box<Reply>,
+    },
 }
 
 impl Reply {
@@ -84,6 +93,15 @@ impl Reply {
     /// This reply with `text` written alongside it.
     pub fn saying(self, text: &str) -> Self {
         Reply::Say(text.into(), Box::new(self))
+    }
+
+    /// This reply, reporting `prompt` and `completion` tokens used.
+    pub fn with_usage(self, prompt: u64, completion: u64) -> Self {
+        Reply::Usage {
+            prompt,
+            completion,
+            reply: Box::new(self),
+        }
     }
 
     /// A call with the argument text exactly as given.
@@ -233,6 +251,15 @@ fn completion(
             body["choices"][0]["message"]["content"] = json!(text);
             return Ok(body);
         }
+        Reply::Usage {
+            prompt,
+            completion: used,
+            reply,
+        } => {
+            let mut body = completion(reply, request, index)?;
+            body["usage"] = json!({"prompt_tokens": prompt, "completion_tokens": used});
+            return Ok(body);
+        }
     };
     Ok(json!({
         "id": format!("chatcmpl-{index}"),
@@ -311,20 +338,26 @@ impl Drop for FixtureServer {
     }
 }
 
+/// The HTTP 400 a real endpoint answers to a prompt over the script's context limit (4
+/// characters a token), if this one is.
+fn over_limit(script: &Script, request: &Value) -> Option<Value> {
+    let limit = script.context_limit?;
+    let chars = request["messages"].to_string().len() + request["tools"].to_string().len();
+    (chars / 4 > limit).then(|| {
+        json!({"error": {
+            "message": format!("This model's maximum context length is {limit} tokens. However, your messages resulted in {} tokens.", chars / 4),
+            "type": "invalid_request_error",
+            "code": "context_length_exceeded",
+        }})
+    })
+}
+
 async fn handle(State(state): State<ServerState>, Json(request): Json<Value>) -> Response {
     if let Ok(mut log) = state.log.lock() {
         log.push(request.clone());
     }
-    if let Some(limit) = state.script.context_limit {
-        let chars = request["messages"].to_string().len() + request["tools"].to_string().len();
-        if chars / 4 > limit {
-            let body = json!({"error": {
-                "message": format!("This model's maximum context length is {limit} tokens. However, your messages resulted in {} tokens.", chars / 4),
-                "type": "invalid_request_error",
-                "code": "context_length_exceeded",
-            }});
-            return (StatusCode::BAD_REQUEST, Json(body)).into_response();
-        }
+    if let Some(body) = over_limit(&state.script, &request) {
+        return (StatusCode::BAD_REQUEST, Json(body)).into_response();
     }
     let offers_tools = request["tools"].as_array().is_some_and(|t| !t.is_empty());
     if !offers_tools {
@@ -397,6 +430,10 @@ impl LlmProvider for ScriptedLlm {
         if let Ok(mut log) = self.log.lock() {
             log.push(body.clone());
         }
+        // The same refusal, parsed as the HTTP provider parses it.
+        if let Some(refusal) = over_limit(&self.script, &body) {
+            classify_http(400, &refusal.to_string(), None)?;
+        }
         let reply = if request.tools.is_empty() {
             Reply::Text(summarize(&body))
         } else {
@@ -413,17 +450,13 @@ impl LlmProvider for ScriptedLlm {
         }
         match completion(&reply, &body, 0) {
             Ok(v) => parse_response(&v.to_string()),
-            Err((code, text, retry_after)) => Err(match code {
-                401 | 403 => LlmError::Auth {
-                    status: code,
-                    message: text,
-                },
-                429 | 500..=599 => LlmError::Retryable {
-                    message: format!("HTTP {code}: {text}"),
-                    retry_after: retry_after.map(Duration::from_secs),
-                },
-                _ => LlmError::Fatal(format!("HTTP {code}: {text}")),
-            }),
+            // The HTTP provider's own mapping of statuses to errors.
+            Err((code, text, retry_after)) => {
+                match classify_http(code, &text, retry_after.map(Duration::from_secs)) {
+                    Err(e) => Err(e),
+                    Ok(()) => Err(LlmError::Fatal(format!("HTTP {code}: {text}"))),
+                }
+            }
         }
     }
 }

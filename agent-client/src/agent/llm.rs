@@ -45,13 +45,6 @@ pub enum LlmError {
     Fatal(String),
 }
 
-impl LlmError {
-    /// Whether a retry may succeed.
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, LlmError::Retryable { .. })
-    }
-}
-
 /// One chat message, in the wire shape of the Chat Completions API.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Message {
@@ -307,7 +300,7 @@ impl LlmProvider for OpenAiProvider {
             message: format!("reading the answer: {}", error_chain(&e)),
             retry_after: None,
         })?;
-        classify(status, &text, retry_after)?;
+        classify_http(status, &text, retry_after)?;
         parse_response(&text)
     }
 }
@@ -327,7 +320,11 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// Maps an HTTP status to the error class the loop acts on.
-fn classify(status: u16, body: &str, retry_after: Option<Duration>) -> Result<(), LlmError> {
+pub(crate) fn classify_http(
+    status: u16,
+    body: &str,
+    retry_after: Option<Duration>,
+) -> Result<(), LlmError> {
     if (200..300).contains(&status) {
         return Ok(());
     }
@@ -507,19 +504,19 @@ mod tests {
     #[test]
     fn statuses_are_classified() {
         assert!(matches!(
-            classify(429, "{}", None),
+            classify_http(429, "{}", None),
             Err(LlmError::Retryable { .. })
         ));
         assert!(matches!(
-            classify(503, "busy", None),
+            classify_http(503, "busy", None),
             Err(LlmError::Retryable { .. })
         ));
         assert!(matches!(
-            classify(401, r#"{"error":{"message":"bad key"}}"#, None),
+            classify_http(401, r#"{"error":{"message":"bad key"}}"#, None),
             Err(LlmError::Auth { status: 401, ref message }) if message == "bad key"
         ));
         assert!(matches!(
-            classify(
+            classify_http(
                 400,
                 r#"{"error":{"message":"This model's maximum context length is 8192 tokens"}}"#,
                 None
@@ -527,10 +524,10 @@ mod tests {
             Err(LlmError::ContextTooLong(_))
         ));
         assert!(matches!(
-            classify(404, "nope", None),
+            classify_http(404, "nope", None),
             Err(LlmError::Fatal(_))
         ));
-        assert!(classify(200, "", None).is_ok());
+        assert!(classify_http(200, "", None).is_ok());
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! | [`observe`] | observation normalization (head+tail, spill paths, plain statuses) |
 //! | [`context`] | the three context layers, folding, summarization, pinned facts |
 //! | [`tokens`] | token counting (tiktoken where the model family is known) |
+//! | [`classify`] | what a daemon error means to the loop, by gRPC code and call, in one place |
 //! | [`checkpoint`] | crash-safe, checksummed, versioned checkpoints and the run lock |
 //! | [`termination`] | no-progress detection (fingerprints, alternation, progress signals) |
 //! | [`budget`] | budgets per call, per step and per task, with a soft warning |
@@ -23,6 +24,7 @@
 
 pub mod budget;
 pub mod checkpoint;
+pub mod classify;
 pub mod context;
 pub mod fixture;
 pub mod llm;

@@ -209,7 +209,14 @@ pub fn exec(r: &ExecResult, limits: ObserveLimits) -> Observation {
         }
         parts.push(block);
     }
-    if parts.is_empty() {
+    if r.output_discarded {
+        // The record kept its status but the daemon dropped its output (past the sandbox's
+        // output storage): "no output" would be a false statement about the command.
+        parts.push(format!(
+            "[output not kept: the daemon discarded this command's recorded output (it wrote {} bytes to stdout and {} to stderr) to stay within the sandbox's output storage; run the command again to see it]",
+            r.stdout_total_bytes, r.stderr_total_bytes
+        ));
+    } else if parts.is_empty() {
         parts.push(NO_OUTPUT.to_owned());
     }
     Observation {

@@ -20,6 +20,7 @@ use super::checkpoint::{
     Checkpoint, CheckpointError, CheckpointStore, FileStore, Outcome, PendingAction, RunLock,
     RunSpec, Writer,
 };
+use super::classify::{classify, Class, Op, OpError};
 use super::context::{ContextConfig, ContextError, ContextManager};
 use super::llm::{ChatRequest, LlmError, LlmProvider, Message, ToolCall};
 use super::observe::{self, Observation, ObserveLimits};
@@ -130,14 +131,15 @@ pub struct RunOptions {
     pub fold_after: usize,
     /// Snapshot after every step that may change files (needed for rollback on resume).
     pub snapshot_steps: bool,
-    /// Write the JSONL trace.
-    pub trace: bool,
     /// How long the run's sandbox is kept once the run has ended (then
     /// [`reap_finished_sandboxes`] removes it); `None` keeps it. On resume, `Some` replaces
     /// the run's own.
     pub keep_sandbox: Option<Duration>,
     /// Receives a line per step (and per wait for the model endpoint), for a human watching.
     pub progress: Option<ProgressSink>,
+    /// Told once a new run's first checkpoint is on disk (from then on `resume` can continue
+    /// it), before its sandbox is made.
+    pub started: Option<ProgressSink>,
     /// On resume: new task budgets. A run stopped by a budget, the step limit or the
     /// no-progress detector continues with them instead of being reported as it ended.
     pub new_budgets: NewBudgets,
@@ -236,10 +238,10 @@ impl RunOptions {
             max_rejected_finishes: 3,
             fold_after: 5,
             snapshot_steps: true,
-            trace: true,
             new_budgets: NewBudgets::default(),
             keep_sandbox: None,
             progress: None,
+            started: None,
         }
     }
 }
@@ -326,18 +328,6 @@ pub fn new_run_id() -> String {
     )
 }
 
-fn is_unavailable(e: &crate::Error) -> bool {
-    matches!(
-        e.code(),
-        tonic::Code::Unavailable
-            | tonic::Code::ResourceExhausted
-            | tonic::Code::DeadlineExceeded
-            | tonic::Code::Aborted
-            | tonic::Code::Unknown
-            | tonic::Code::Cancelled
-    )
-}
-
 struct RetryPlan {
     attempt: u32,
     delay: Duration,
@@ -417,31 +407,10 @@ pub async fn start<S: SandboxApi + Clone + 'static>(
     if store.exists(&run_id) {
         return Err(AgentError::RunExists(run_id));
     }
-    let isolation = match spec.isolation.as_str() {
-        "process" => Isolation::Process,
-        "container" => Isolation::Container,
-        "microvm" => Isolation::Microvm,
-        _ => Isolation::Unspecified,
-    };
-    let created = sandbox
-        .create(CreateSandboxRequest {
-            isolation: isolation as i32,
-            image: spec.image.clone(),
-            labels: [(RUN_LABEL.to_owned(), run_id.clone())]
-                .into_iter()
-                .collect(),
-            ..Default::default()
-        })
-        .await
-        .map_err(|source| AgentError::Daemon {
-            what: "cannot create the run's sandbox".into(),
-            source,
-        })?;
-    let workdir = if created.workdir.is_empty() {
-        "/workspace".to_owned()
-    } else {
-        created.workdir.clone()
-    };
+    // In this order, so that a failure leaves nothing behind that no one knows of: the prompt
+    // is checked before anything exists; the run is on disk before its sandbox exists (a
+    // resume of a run whose sandbox was never made makes it); a sandbox that cannot be
+    // prepared is destroyed.
     let counter = TokenCounter::for_model(&spec.model);
     let ctx = ContextManager::new(
         context_config(&spec, &opts),
@@ -461,9 +430,9 @@ pub async fn start<S: SandboxApi + Clone + 'static>(
         context: ctx.state().clone(),
         budget: BudgetUsed::default(),
         pending: None,
-        sandbox_id: created.id.clone(),
+        sandbox_id: String::new(),
         snapshot_id: None,
-        base_snapshot_id: None,
+        unsnapshotted_steps: Vec::new(),
         auto_snapshots: Vec::new(),
         detector: Default::default(),
         exec_ids: BTreeMap::new(),
@@ -476,10 +445,25 @@ pub async fn start<S: SandboxApi + Clone + 'static>(
         keep_sandbox_secs: opts.keep_sandbox.map(|d| d.as_secs()),
         sandbox_removed: false,
     };
-    let mut agent = Agent::assemble(sandbox, llm, opts, store, ck, ctx, workdir, Some(lock))?;
-    agent.trace_event("start", json!({"task": spec.task, "model": spec.model, "sandbox_id": created.id, "tokenizer": agent.ctx.counter().name()}));
-    agent.prepare_sandbox().await?;
+    let mut agent = Agent::assemble(
+        sandbox,
+        llm,
+        opts,
+        store,
+        ck,
+        ctx,
+        String::new(),
+        Some(lock),
+    )?;
+    agent.trace_event(
+        "start",
+        json!({"task": spec.task, "model": spec.model, "tokenizer": agent.ctx.counter().name()}),
+    );
     agent.writer.write_now(agent.checkpoint()).await?;
+    if let Some(sink) = &agent.opts.started {
+        agent.progress_to(sink, "started".into());
+    }
+    agent.make_sandbox().await?;
     Ok(agent.run().await)
 }
 
@@ -516,7 +500,9 @@ pub async fn resume<S: SandboxApi + Clone + 'static>(
             reason: "the checkpoint's task is empty or has no step budget".into(),
         });
     }
-    if ck.sandbox_id.is_empty() {
+    // A run whose sandbox was never made (or was destroyed when it could not be prepared)
+    // has taken no step; its resume makes the sandbox. Steps without a sandbox are damage.
+    if ck.sandbox_id.is_empty() && (ck.step > 0 || ck.pending.is_some()) {
         return Err(AgentError::CannotResume {
             run_id: run_id.into(),
             reason: "the checkpoint names no sandbox".into(),
@@ -698,22 +684,18 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         workdir: String,
         lock: Option<RunLock>,
     ) -> Result<Self, AgentError> {
-        let trace = if opts.trace {
-            let dir = store.run_dir(&ck.run_id);
-            std::fs::create_dir_all(&dir).map_err(|source| CheckpointError::Io {
-                what: "cannot create",
-                path: dir.clone(),
-                source,
-            })?;
-            Trace::open(
-                &dir.join("trace.jsonl"),
-                &ck.trace_id,
-                &ck.run_id,
-                ck.sessions,
-            )?
-        } else {
-            Trace::disabled()
-        };
+        let dir = store.run_dir(&ck.run_id);
+        std::fs::create_dir_all(&dir).map_err(|source| CheckpointError::Io {
+            what: "cannot create",
+            path: dir.clone(),
+            source,
+        })?;
+        let trace = Trace::open(
+            &dir.join("trace.jsonl"),
+            &ck.trace_id,
+            &ck.run_id,
+            ck.sessions,
+        )?;
         let budget = Budget::new(limits_of(&ck.spec), ck.budget.clone());
         let detector = Detector::new(opts.detector, ck.detector.clone());
         Ok(Agent {
@@ -763,19 +745,23 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
     /// Tells the human watching, if any.
     fn progress(&self, line: String) {
         if let Some(sink) = &self.opts.progress {
-            (sink.0)(&Progress {
-                run_id: self.ck.run_id.clone(),
-                step: self.ck.step,
-                max_steps: self.ck.spec.max_steps,
-                tokens: self.budget.used.tokens(),
-                max_tokens: self.ck.spec.max_tokens,
-                elapsed_ms: self
-                    .budget
-                    .elapsed(self.session_start.elapsed())
-                    .as_millis() as u64,
-                line,
-            });
+            self.progress_to(sink, line);
         }
+    }
+
+    fn progress_to(&self, sink: &ProgressSink, line: String) {
+        (sink.0)(&Progress {
+            run_id: self.ck.run_id.clone(),
+            step: self.ck.step,
+            max_steps: self.ck.spec.max_steps,
+            tokens: self.budget.used.tokens(),
+            max_tokens: self.ck.spec.max_tokens,
+            elapsed_ms: self
+                .budget
+                .elapsed(self.session_start.elapsed())
+                .as_millis() as u64,
+            line,
+        });
     }
 
     fn trace_event(&mut self, kind: &str, fields: Value) {
@@ -833,7 +819,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         loop {
             match self.sandbox.exec(request.clone()).await {
                 Ok(r) => return Ok(r),
-                Err(e) if is_unavailable(&e) => {
+                Err(e) if classify(Op::Exec, &e) == Class::Transient => {
                     attempt += 1;
                     match self.opts.backoff.delay(attempt, None) {
                         Some(d) => {
@@ -852,9 +838,64 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
     fn sh_request(&self, command: &str, key: String, timeout: Duration) -> ExecRequest {
         ExecRequest {
             idempotency_key: key,
-            timeout_ms: timeout.as_millis() as u64,
+            // Never 0: the daemon reads 0 as "the sandbox's default".
+            timeout_ms: (timeout.as_millis() as u64).max(1),
             ..crate::exec_request(self.ck.sandbox_id.as_str(), [self.shell(), "-c", command])
         }
+    }
+
+    /// Creates the run's sandbox (labelled with the run), records it in the checkpoint and
+    /// prepares it. A sandbox that cannot be prepared or recorded is destroyed again, and the
+    /// checkpoint names none, so a resume starts over here.
+    async fn make_sandbox(&mut self) -> Result<(), AgentError> {
+        let isolation = match self.ck.spec.isolation.as_str() {
+            "process" => Isolation::Process,
+            "container" => Isolation::Container,
+            "microvm" => Isolation::Microvm,
+            _ => Isolation::Unspecified,
+        };
+        let created = self
+            .sandbox
+            .create(CreateSandboxRequest {
+                isolation: isolation as i32,
+                image: self.ck.spec.image.clone(),
+                labels: [(RUN_LABEL.to_owned(), self.ck.run_id.clone())]
+                    .into_iter()
+                    .collect(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|source| AgentError::Daemon {
+                what: "cannot create the run's sandbox".into(),
+                source,
+            })?;
+        self.ck.sandbox_id = created.id.clone();
+        self.workdir = if created.workdir.is_empty() {
+            "/workspace".to_owned()
+        } else {
+            created.workdir
+        };
+        self.trace_event("sandbox", json!({"sandbox_id": created.id}));
+        let prepared = match self.prepare_sandbox().await {
+            Ok(()) => self
+                .writer
+                .write_now(self.checkpoint())
+                .await
+                .map_err(AgentError::from),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = prepared {
+            if let Err(d) = self.sandbox.destroy(&created.id).await {
+                tracing::warn!(sandbox = %created.id, error = %d, "cannot destroy the sandbox of a run that could not start");
+            }
+            self.ck.sandbox_id.clear();
+            self.ck.snapshot_id = None;
+            if let Err(w) = self.writer.write_now(self.checkpoint()).await {
+                tracing::warn!(error = %w, "cannot record that the run has no sandbox");
+            }
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// First session only: find the shell, copy the workspace as the diff base, snapshot.
@@ -883,8 +924,8 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 what: "cannot snapshot the sandbox".into(),
                 source,
             })?;
-        self.ck.base_snapshot_id = Some(snap.snapshot_id.clone());
         self.ck.snapshot_id = Some(snap.snapshot_id);
+        self.ck.unsnapshotted_steps.clear();
         Ok(())
     }
 
@@ -916,21 +957,48 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         self.salvage().await
     }
 
+    /// THINKING: one model turn. Within the budgets, a prompt that fits the window, through
+    /// the endpoint's breaker; then the reply becomes the pending action, or a re-ask.
     async fn think(&mut self) -> Result<(), AgentError> {
+        if let Some((reason, detail)) = self.check_budgets() {
+            return self.halt(reason, detail);
+        }
+        let request = self.build_prompt().await?;
+        let counted = self.ctx.prompt_tokens();
+        if let Some(gated) = self.endpoint_gate() {
+            return gated;
+        }
+        let limit = request.max_tokens.unwrap_or_default();
+        let (response, latency_ms) = match self.call_model(&request, counted).await {
+            Ok(r) => r,
+            Err(e) => return self.model_failed(e).await,
+        };
+        self.record_usage(&response, counted, latency_ms);
+        self.take_reply(response, limit, counted)
+    }
+
+    /// Step 1 of a turn: the task budgets. A stop reason, or nothing (a warning is pinned).
+    fn check_budgets(&mut self) -> Option<(StopReason, String)> {
         match self
             .budget
             .check(self.ck.step, self.session_start.elapsed())
         {
-            Verdict::Stop(reason, detail) => return self.halt(reason, detail),
+            Verdict::Stop(reason, detail) => Some((reason, detail)),
             Verdict::Warn(text) => {
                 self.trace_event(
                     "decision",
                     json!({"decision": "budget_warning", "detail": text}),
                 );
                 self.ctx.pin("budget", &text);
+                None
             }
-            Verdict::Ok => {}
+            Verdict::Ok => None,
         }
+    }
+
+    /// Step 2: the prompt, compacted when due and repaired down to what fits the window with
+    /// room for the answer.
+    async fn build_prompt(&mut self) -> Result<ChatRequest, AgentError> {
         self.ctx.next_turn();
         if self.ctx.needs_compaction() {
             // Hysteresis: the model summarizes at most every other turn; in between, and
@@ -952,59 +1020,81 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             .saturating_sub((limit as usize).min(window / 2))
             .saturating_sub(PROMPT_MARGIN_TOKENS);
         self.fit_context(hard, "over_window");
-        let counted = self.ctx.prompt_tokens();
-        let request = ChatRequest {
+        Ok(ChatRequest {
             messages: self.ctx.render(),
             tools: self.ctx.tools().to_vec(),
             max_tokens: Some(limit),
-        };
+        })
+    }
+
+    /// Step 3: while the endpoint's breaker is open the turn waits out its cooldown (within
+    /// the patience) instead of calling; `Some` is the transition taken instead of the call.
+    /// Closed or half-open, the call goes through (half-open: as the probe).
+    fn endpoint_gate(&mut self) -> Option<Result<(), AgentError>> {
         let now = Instant::now();
-        if let Some(open_for) = self.llm_breaker.open_for(LLM_BREAKER, now) {
-            // The endpoint's breaker is open: wait out its cooldown (within the patience),
-            // then one probe call goes through.
-            let spent = self.llm_outage.map_or(Duration::ZERO, |t| t.elapsed());
-            let left = self
-                .opts
-                .llm_backoff
-                .patience
-                .map_or(Duration::MAX, |p| p.saturating_sub(spent));
-            if left.is_zero() {
-                return self.halt(
-                    StopReason::FatalError,
-                    format!(
-                        "the model endpoint has been failing for {}s ({} attempts)",
-                        spent.as_secs(),
-                        self.llm_attempt
-                    ),
-                );
-            }
-            self.trace_event(
-                "decision",
-                json!({"decision": "llm_breaker_open", "retry_in_ms": open_for.as_millis() as u64}),
-            );
-            self.retry = Some(RetryPlan {
-                attempt: self.llm_attempt,
-                delay: open_for.min(left),
-                then: LoopState::Thinking,
-            });
-            return self.go(LoopState::Retrying, "model endpoint breaker open");
+        let Some(open_for) = self.llm_breaker.open_for(LLM_BREAKER, now) else {
+            let _ = self.llm_breaker.allow(LLM_BREAKER, now);
+            return None;
+        };
+        let spent = self.llm_outage.map_or(Duration::ZERO, |t| t.elapsed());
+        let left = self
+            .opts
+            .llm_backoff
+            .patience
+            .map_or(Duration::MAX, |p| p.saturating_sub(spent));
+        if left.is_zero() {
+            return Some(self.halt(
+                StopReason::FatalError,
+                format!(
+                    "the model endpoint has been failing for {}s ({} attempts)",
+                    spent.as_secs(),
+                    self.llm_attempt
+                ),
+            ));
         }
-        // Closed or half-open: this call goes through (half-open: as the probe).
-        let _ = self.llm_breaker.allow(LLM_BREAKER, now);
+        self.trace_event(
+            "decision",
+            json!({"decision": "llm_breaker_open", "retry_in_ms": open_for.as_millis() as u64}),
+        );
+        self.retry = Some(RetryPlan {
+            attempt: self.llm_attempt,
+            delay: open_for.min(left),
+            then: LoopState::Thinking,
+        });
+        Some(self.go(LoopState::Retrying, "model endpoint breaker open"))
+    }
+
+    /// Step 4: the call, within the rate limit; a success closes the outage.
+    async fn call_model(
+        &mut self,
+        request: &ChatRequest,
+        counted: usize,
+    ) -> Result<(super::llm::ChatResponse, u64), LlmError> {
         self.bucket.take().await;
         let started = Instant::now();
-        let result = self.llm.complete(&request).await;
+        let result = self.llm.complete(request).await;
         let latency = started.elapsed().as_millis() as u64;
-        let response = match result {
-            Ok(r) => r,
+        match &result {
+            Ok(_) => {
+                self.llm_attempt = 0;
+                self.llm_outage = None;
+                self.llm_breaker.record(LLM_BREAKER, true, Instant::now());
+            }
             Err(e) => {
                 self.trace_event("llm_call", json!({"purpose": "step", "counted_prompt_tokens": counted, "latency_ms": latency, "error": e.to_string()}));
-                return self.model_failed(e).await;
             }
-        };
-        self.llm_attempt = 0;
-        self.llm_outage = None;
-        self.llm_breaker.record(LLM_BREAKER, true, Instant::now());
+        }
+        result.map(|r| (r, latency))
+    }
+
+    /// Step 5: tokens counted against the budgets: the endpoint's counts, or ours where it
+    /// gives none.
+    fn record_usage(
+        &mut self,
+        response: &super::llm::ChatResponse,
+        counted: usize,
+        latency_ms: u64,
+    ) {
         let usage = response.usage.unwrap_or_default();
         let completion_counted = self.ctx.counter().count(
             &(response.content.clone()
@@ -1025,7 +1115,9 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             completion_counted as u64
         };
         self.budget.record_call(prompt, completion);
-        self.step_tokens += prompt + completion;
+        self.step_tokens = self
+            .step_tokens
+            .saturating_add(prompt.saturating_add(completion));
         self.trace_event(
             "llm_call",
             json!({
@@ -1033,12 +1125,21 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 "prompt_tokens": prompt,
                 "counted_prompt_tokens": counted,
                 "completion_tokens": completion,
-                "latency_ms": latency,
+                "latency_ms": latency_ms,
                 "finish_reason": response.finish_reason,
                 "tool_calls": response.tool_calls.len(),
             }),
         );
+    }
 
+    /// Step 6: the reply. A cut-off reply or one without a usable call is re-asked; a call is
+    /// parsed (and repaired) into the pending action.
+    fn take_reply(
+        &mut self,
+        response: super::llm::ChatResponse,
+        limit: u32,
+        counted: usize,
+    ) -> Result<(), AgentError> {
         if response.finish_reason == "length" {
             // Whatever the reply holds is a prefix: a repaired half call would run a cut
             // command or write half a file. Never act on it.
@@ -1100,6 +1201,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                     attempt: 0,
                     verifying,
                     reasoning: observe::cut_chars(response.content.trim(), TRACE_REASONING_CHARS),
+                    expect_sha256: None,
                 });
                 if verifying {
                     self.go(LoopState::Verifying, "finish called")
@@ -1329,7 +1431,9 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 let usage = r.usage.unwrap_or_default();
                 self.budget
                     .record_call(usage.prompt_tokens, usage.completion_tokens);
-                self.step_tokens += usage.prompt_tokens + usage.completion_tokens;
+                self.step_tokens = self
+                    .step_tokens
+                    .saturating_add(usage.prompt_tokens.saturating_add(usage.completion_tokens));
                 self.trace_event("llm_call", json!({"purpose": "summary", "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "latency_ms": started.elapsed().as_millis() as u64}));
                 Some(r.content)
             }
@@ -1363,84 +1467,17 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             self.last_obs = Some(Observation::error(format!("NOT RUN: {e}")));
             return self.go(LoopState::Observing, "breaker open");
         }
-        let obs = match self.execute(&pending).await {
-            Ok(obs) => obs,
-            Err(e) if e.code() == tonic::Code::NotFound && e.to_string().contains("sandbox") => {
-                return Err(AgentError::Daemon {
-                    what: format!("sandbox {} is gone", self.ck.sandbox_id),
-                    source: e,
-                });
+        let (obs, tool_ok) = match self.execute(&pending).await {
+            Ok(obs) if obs.lost && pending.attempt < 2 => {
+                return self.exec_lost(&pending, obs).await
             }
-            Err(e) if is_unavailable(&e) => {
-                // The key makes a re-send safe: the daemon runs the command at most once.
-                self.act_attempt += 1;
-                return match self.opts.backoff.delay(self.act_attempt, None) {
-                    Some(delay) => {
-                        self.retry = Some(RetryPlan {
-                            attempt: self.act_attempt,
-                            delay,
-                            then: LoopState::Acting,
-                        });
-                        self.go(LoopState::Retrying, &format!("daemon unavailable: {e}"))
-                    }
-                    None => Err(AgentError::Daemon {
-                        what: format!(
-                            "the daemon is unreachable after {} attempts",
-                            self.act_attempt
-                        ),
-                        source: e,
-                    }),
-                };
-            }
-            Err(e)
-                if matches!(
-                    e.code(),
-                    tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
-                ) =>
-            {
-                return Err(AgentError::Daemon {
-                    what: "the daemon refused the credentials".into(),
-                    source: e,
-                });
-            }
-            Err(e) => {
-                // Not retryable and not fatal: the model should know and adapt.
-                self.breakers.record(tool, false, Instant::now());
-                self.last_obs = Some(Observation::error(format!(
-                    "ERROR from the sandbox daemon: {}",
-                    json!({"code": crate::code_name(e.code()), "message": e.status().map_or_else(|| e.to_string(), |s| s.message().to_owned())})
-                )));
-                return self.go(LoopState::Observing, "tool error");
-            }
+            Ok(obs) => (obs, true),
+            Err(e) => match self.action_failed(&pending, e).await? {
+                Some(answer) => answer,
+                // Retrying.
+                None => return Ok(()),
+            },
         };
-        if obs.lost && pending.attempt < 2 {
-            // The daemon died under the command (it came back: it answered). Same recovery
-            // as a resume: files back to the last step's snapshot, the action again under a
-            // new key, so a half-done effect cannot stack.
-            if let Some(snap) = self.ck.snapshot_id.clone() {
-                self.sandbox
-                    .rollback(&self.ck.sandbox_id, &snap)
-                    .await
-                    .map_err(|source| AgentError::Daemon {
-                        what: format!("cannot roll back to snapshot {snap} after a lost exec"),
-                        source,
-                    })?;
-            }
-            let mut p = pending.clone();
-            p.attempt += 1;
-            p.idempotency_key = idempotency_key(&self.ck.run_id, p.step, p.attempt, "act");
-            self.trace_event("decision", json!({"decision": "rollback_after_lost_exec", "snapshot": self.ck.snapshot_id, "exec_id": obs.exec_id, "new_key": p.idempotency_key}));
-            self.ck.pending = Some(p);
-            self.retry = Some(RetryPlan {
-                attempt: 1,
-                delay: Duration::ZERO,
-                then: LoopState::Acting,
-            });
-            return self.go(
-                LoopState::Retrying,
-                "exec lost: rolled back, running it again",
-            );
-        }
         self.act_attempt = 0;
         let mut obs = obs;
         // One cap for every tool's result, whatever produced it.
@@ -1451,11 +1488,139 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         }
         if tool != "bash" {
             // bash judged its own outcome (a timeout counts against it); others got here
-            // because the daemon answered.
-            self.breakers.record(tool, true, Instant::now());
+            // because the daemon answered — a refusal counts against the tool.
+            self.breakers.record(tool, tool_ok, Instant::now());
         }
         self.last_obs = Some(obs);
         self.go(LoopState::Observing, "action done")
+    }
+
+    /// A daemon error of the pending action, by its class ([`classify`]): `Some` with the
+    /// observation for the model (and whether the tool itself worked), `None` when the loop
+    /// retries, `Err` when the run cannot go on.
+    async fn action_failed(
+        &mut self,
+        pending: &PendingAction,
+        e: OpError,
+    ) -> Result<Option<(Observation, bool)>, AgentError> {
+        let class = match e.class() {
+            // A NOT_FOUND of a call that names a file, exec or snapshot: which one is missing
+            // is asked of the daemon, not read from its words.
+            Class::TargetMissing => match self.sandbox_alive().await {
+                Ok(true) => Class::TargetMissing,
+                Ok(false) => Class::SandboxGone,
+                Err(lookup) if lookup.class() == Class::Transient => Class::Transient,
+                Err(lookup) => {
+                    return Err(AgentError::Daemon {
+                        what: format!("cannot look up sandbox {}", self.ck.sandbox_id),
+                        source: lookup.source,
+                    })
+                }
+            },
+            other => other,
+        };
+        match class {
+            Class::Transient => {
+                // Sending the action again is safe: each tool's `Repeat` is honoured by
+                // `execute` (keys replay an exec, a str_replace checks whether its write
+                // landed, a snapshot is looked up before another is made).
+                self.act_attempt += 1;
+                match self.opts.backoff.delay(self.act_attempt, None) {
+                    Some(delay) => {
+                        self.retry = Some(RetryPlan {
+                            attempt: self.act_attempt,
+                            delay,
+                            then: LoopState::Acting,
+                        });
+                        self.go(LoopState::Retrying, &format!("daemon unavailable: {e}"))?;
+                        Ok(None)
+                    }
+                    None => Err(AgentError::Daemon {
+                        what: format!(
+                            "the daemon is unreachable after {} attempts",
+                            self.act_attempt
+                        ),
+                        source: e.source,
+                    }),
+                }
+            }
+            Class::Credentials => Err(AgentError::Daemon {
+                what: "the daemon refused the credentials".into(),
+                source: e.source,
+            }),
+            Class::SandboxGone => Err(self.sandbox_gone(e)),
+            // The model named something that is not there: the tool works.
+            Class::TargetMissing => Ok(Some((self.refusal(&pending.action, &e), true))),
+            Class::Refused => Ok(Some((self.refusal(&pending.action, &e), false))),
+        }
+    }
+
+    /// An exec that ended LOST: the daemon died under it, and it may have run in part. When the
+    /// last snapshot holds every step before it, the files go back to it and the action runs
+    /// again under a new key, so a half-done effect cannot stack (the same recovery as a
+    /// resume). When it does not (a step snapshot failed since), a rollback would erase those
+    /// steps: nothing is rolled back or re-run, and the model is told.
+    async fn exec_lost(
+        &mut self,
+        pending: &PendingAction,
+        mut obs: Observation,
+    ) -> Result<(), AgentError> {
+        match self.ck.snapshot_id.clone() {
+            Some(snap) if self.ck.unsnapshotted_steps.is_empty() => {
+                self.sandbox
+                    .rollback(&self.ck.sandbox_id, &snap)
+                    .await
+                    .map_err(|source| AgentError::Daemon {
+                        what: format!("cannot roll back to snapshot {snap} after a lost exec"),
+                        source,
+                    })?;
+                let mut p = pending.clone();
+                p.attempt += 1;
+                p.idempotency_key = idempotency_key(&self.ck.run_id, p.step, p.attempt, "act");
+                self.trace_event("decision", json!({"decision": "rollback_after_lost_exec", "snapshot": snap, "exec_id": obs.exec_id, "new_key": p.idempotency_key}));
+                self.ck.pending = Some(p);
+                self.retry = Some(RetryPlan {
+                    attempt: 1,
+                    delay: Duration::ZERO,
+                    then: LoopState::Acting,
+                });
+                self.go(
+                    LoopState::Retrying,
+                    "exec lost: rolled back, running it again",
+                )
+            }
+            snap => {
+                let why = self.no_rollback_reason(snap.as_deref());
+                self.trace_event("decision", json!({"decision": "lost_exec_not_rolled_back", "exec_id": obs.exec_id, "why": why}));
+                obs.text = format!(
+                    "{}\nThe command was interrupted (the daemon restarted under it) and may have run in part. It was NOT run again and nothing was rolled back: {why}. Check the state of the files, then decide.",
+                    obs.text
+                );
+                obs.ok = false;
+                obs.lost = false;
+                self.act_attempt = 0;
+                self.last_obs = Some(obs);
+                self.go(LoopState::Observing, "exec lost; no safe rollback")
+            }
+        }
+    }
+
+    /// Why the sandbox cannot be put back to the state before the pending step.
+    fn no_rollback_reason(&self, snapshot: Option<&str>) -> String {
+        let steps: Vec<String> = self
+            .ck
+            .unsnapshotted_steps
+            .iter()
+            .map(u64::to_string)
+            .collect();
+        match snapshot {
+            Some(snap) => format!(
+                "the last snapshot ({snap}) is from before step{} {}, whose changes a rollback would erase",
+                if steps.len() == 1 { "" } else { "s" },
+                steps.join(", ")
+            ),
+            None => "there is no snapshot to go back to".into(),
+        }
     }
 
     async fn observe_step(&mut self) -> Result<(), AgentError> {
@@ -1474,7 +1639,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             kind: "function".into(),
             function: super::llm::FunctionCall {
                 name: pending.call_name.clone(),
-                arguments: pending.call_arguments.clone(),
+                arguments: history_arguments(&pending.call_arguments, obs.ok),
             },
         };
         if let Some(exec_id) = &obs.exec_id {
@@ -1517,6 +1682,11 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         }
         let verdict = self.detector.judge(print);
         let mut text = obs.text.clone();
+        // Before the step is recorded, so a failed snapshot is in what the model sees of it.
+        if let Some(warning) = self.snapshot_step(&pending.action).await? {
+            text.push_str("\n\n");
+            text.push_str(&warning);
+        }
         if let termination::Verdict::Warning(w) = &verdict {
             self.trace_event(
                 "decision",
@@ -1544,11 +1714,9 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             }
         ));
         if let termination::Verdict::Stuck(stuck) = verdict {
-            self.snapshot_step(&pending.action).await?;
             self.writer.start(self.checkpoint()).await?;
             return self.halt(StopReason::NoProgress, stuck.to_string());
         }
-        self.snapshot_step(&pending.action).await?;
         // Durable before the next action; written while the model thinks.
         self.writer.start(self.checkpoint()).await?;
         self.go(LoopState::Thinking, "observed")
@@ -1602,16 +1770,23 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         probe
     }
 
-    /// Snapshots after a step that may have changed files, so a resume can roll back to it;
-    /// keeps only the last two of these.
-    async fn snapshot_step(&mut self, action: &Action) -> Result<(), AgentError> {
-        if !self.opts.snapshot_steps || !action.may_mutate() {
-            return Ok(());
+    /// Snapshots after a step that may have changed files, so a resume or a lost exec can roll
+    /// back to it; keeps only the last two of these. A snapshot that fails is not hidden: the
+    /// step is remembered as not in any snapshot (so no later rollback silently erases it)
+    /// and the returned warning goes to the model with the step's result.
+    async fn snapshot_step(&mut self, action: &Action) -> Result<Option<String>, AgentError> {
+        if !action.may_mutate() {
+            return Ok(None);
+        }
+        if !self.opts.snapshot_steps {
+            self.ck.unsnapshotted_steps.push(self.ck.step);
+            return Ok(None);
         }
         let name = format!("agent-{}-step-{}", self.ck.run_id, self.ck.step);
         match self.sandbox.snapshot(&self.ck.sandbox_id, &name).await {
             Ok(info) => {
                 self.ck.snapshot_id = Some(info.snapshot_id.clone());
+                self.ck.unsnapshotted_steps.clear();
                 self.ck.auto_snapshots.push(info.snapshot_id);
                 while self.ck.auto_snapshots.len() > 2 {
                     let old = self.ck.auto_snapshots.remove(0);
@@ -1623,20 +1798,21 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                         }
                     });
                 }
-                Ok(())
+                Ok(None)
             }
-            Err(e) if e.code() == tonic::Code::NotFound => Err(AgentError::Daemon {
-                what: format!("sandbox {} is gone", self.ck.sandbox_id),
-                source: e,
-            }),
+            Err(e) if classify(Op::Snapshot, &e) == Class::SandboxGone => {
+                Err(self.sandbox_gone(OpError::new(Op::Snapshot, e)))
+            }
             Err(e) => {
-                // A missing step snapshot only weakens a later resume; the run goes on.
                 tracing::warn!(error = %e, "cannot snapshot after the step");
+                self.ck.unsnapshotted_steps.push(self.ck.step);
                 self.trace_event(
                     "decision",
-                    json!({"decision": "snapshot_failed", "detail": e.to_string()}),
+                    json!({"decision": "snapshot_failed", "detail": e.to_string(), "unsnapshotted_steps": self.ck.unsnapshotted_steps}),
                 );
-                Ok(())
+                Ok(Some(format!(
+                    "WARNING: the snapshot after this step failed ({e}). If a later command is interrupted, the files cannot be put back without losing this step's changes, so that will not be done automatically; snapshot yourself before a risky change."
+                )))
             }
         }
     }
@@ -1664,7 +1840,13 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 .await
             {
                 Ok(r) => r,
-                Err(e) if is_unavailable(&e) || e.code() == tonic::Code::NotFound => {
+                // The daemon or the sandbox cannot run it: not the model's doing.
+                Err(e)
+                    if matches!(
+                        classify(Op::Exec, &e),
+                        Class::Transient | Class::SandboxGone | Class::Credentials
+                    ) =>
+                {
                     return Err(AgentError::Daemon {
                         what: "cannot run the check".into(),
                         source: e,
@@ -1765,6 +1947,23 @@ fn is_background(a: &Action) -> bool {
             ..
         }
     )
+}
+
+/// Longest argument text of a failed call kept in the history.
+const FAILED_CALL_ARGUMENT_CHARS: usize = 2_000;
+
+/// A call's arguments as the history keeps them. A failed call changed nothing, and its
+/// arguments (a refused 40 KB pin, a huge edit that did not apply) would otherwise ride along
+/// in every prompt: a valid-JSON prefix is kept instead.
+fn history_arguments(arguments: &str, ok: bool) -> String {
+    if ok || arguments.chars().count() <= FAILED_CALL_ARGUMENT_CHARS {
+        return arguments.to_owned();
+    }
+    json!({
+        "arguments_not_kept": observe::cut_chars(arguments, 200),
+        "chars": arguments.chars().count(),
+    })
+    .to_string()
 }
 
 /// The arguments of an action as the model should have written them.

@@ -39,6 +39,8 @@ pub trait SandboxApi: Send + Sync {
     async fn write_file(&self, sandbox_id: &str, path: &str, content: Vec<u8>) -> Result<u64>;
     /// Snapshot.
     async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotInfo>;
+    /// ListSnapshots of a sandbox.
+    async fn list_snapshots(&self, sandbox_id: &str) -> Result<Vec<SnapshotInfo>>;
     /// Rollback.
     async fn rollback(&self, sandbox_id: &str, snapshot_id: &str) -> Result<Sandbox>;
     /// DeleteSnapshot.
@@ -79,6 +81,9 @@ impl SandboxApi for Client {
     async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotInfo> {
         Client::snapshot(self, sandbox_id, name).await
     }
+    async fn list_snapshots(&self, sandbox_id: &str) -> Result<Vec<SnapshotInfo>> {
+        Client::list_snapshots(self, sandbox_id).await
+    }
     async fn rollback(&self, sandbox_id: &str, snapshot_id: &str) -> Result<Sandbox> {
         Client::rollback(self, sandbox_id, snapshot_id).await
     }
@@ -100,7 +105,7 @@ pub type FakeHandler = Arc<dyn Fn(&str, &mut FakeFiles) -> (i32, String) + Send 
 struct FakeState {
     sandboxes: HashMap<String, FakeFiles>,
     execs: Vec<ExecResult>,
-    snapshots: HashMap<String, FakeFiles>,
+    snapshots: HashMap<String, (SnapshotInfo, FakeFiles)>,
     next_id: u64,
     /// The next exec with a key is recorded as started but ends LOST (a daemon crash).
     lose_next: bool,
@@ -111,7 +116,19 @@ struct FakeState {
     unavailable: Option<(String, u32)>,
     /// A background exec stays RUNNING for this many GetExec calls, then has exited.
     background_polls: u32,
+    /// Snapshots let through before `refuse_snapshots` of them are refused with UNAVAILABLE.
+    snapshots_before_refusal: u32,
+    /// Snapshots are refused with UNAVAILABLE this many times.
+    refuse_snapshots: u32,
+    /// Snapshots named with this prefix are made, but their reply is lost (UNAVAILABLE) this
+    /// many times.
+    lose_snapshot_replies: Option<(String, u32)>,
 }
+
+/// What the daemon's `[exec]`/`[files]` code reads at most per ReadFile (`backend::files::MAX_READ`).
+pub const FAKE_MAX_READ: u64 = 4 << 20;
+/// `policy.max_background_execs_per_sandbox` of the daemon's default configuration.
+pub const FAKE_MAX_BACKGROUND: usize = 32;
 
 /// Exit code a [`FakeHandler`] returns to make its command end TIMED_OUT.
 pub const FAKE_TIMED_OUT: i32 = -1;
@@ -150,12 +167,13 @@ impl FakeSandbox {
         self.lock().sandboxes.remove(sandbox_id);
     }
 
-    /// Makes the next keyed exec end LOST without running.
+    /// Makes the next keyed exec end LOST; like a daemon dying under it, the command has run
+    /// (its effects are in the files) but its result is lost.
     pub fn lose_next_exec(&self) {
         self.lock().lose_next = true;
     }
 
-    /// Makes the exec with idempotency key `key` end LOST without running.
+    /// Makes the exec with idempotency key `key` end LOST, its effects landed.
     pub fn lose_exec_keyed(&self, key: &str) {
         self.lock().lose_key = Some(key.to_owned());
     }
@@ -177,8 +195,49 @@ impl FakeSandbox {
         self.lock().execs.clone()
     }
 
-    fn not_found(what: &str, id: &str) -> Error {
-        Error::Status(tonic::Status::not_found(format!("{what} {id} not found")))
+    /// Lets `skip` Snapshot calls through, then refuses `n` with UNAVAILABLE (a daemon
+    /// restarting).
+    pub fn refuse_snapshots_after(&self, skip: u32, n: u32) {
+        let mut s = self.lock();
+        s.snapshots_before_refusal = skip;
+        s.refuse_snapshots = n;
+    }
+
+    /// Snapshots whose name starts with `prefix` are made but answered with UNAVAILABLE, `n`
+    /// times: the reply lost after the daemon did the work.
+    pub fn lose_snapshot_replies_named(&self, prefix: &str, n: u32) {
+        self.lock().lose_snapshot_replies = Some((prefix.to_owned(), n));
+    }
+
+    /// Destroys every sandbox (their snapshots stay): a daemon that lost them all.
+    pub fn destroy_all(&self) {
+        self.lock().sandboxes.clear();
+    }
+
+    /// Drops the recorded output of `exec_id`, as the daemon does past a sandbox's output
+    /// storage (`exec.max_output_storage_bytes_per_sandbox`): the record stays, marked.
+    pub fn discard_output(&self, exec_id: &str) {
+        if let Some(r) = self.lock().execs.iter_mut().find(|r| r.exec_id == exec_id) {
+            r.stdout.clear();
+            r.stderr.clear();
+            r.output_discarded = true;
+        }
+    }
+
+    // The daemon's own texts (sandboxd `Error`'s Display), with its codes.
+    fn no_sandbox(id: &str) -> Error {
+        Error::Status(tonic::Status::not_found(format!("sandbox {id} not found")))
+    }
+    fn no_exec(id: &str) -> Error {
+        Error::Status(tonic::Status::not_found(format!("exec {id} not found")))
+    }
+    fn no_snapshot(id: &str) -> Error {
+        Error::Status(tonic::Status::not_found(format!("snapshot {id} not found")))
+    }
+    fn no_file(path: &str) -> Error {
+        Error::Status(tonic::Status::not_found(format!(
+            "no such file in sandbox: {path}"
+        )))
     }
 }
 
@@ -202,8 +261,8 @@ impl SandboxApi for FakeSandbox {
         } else {
             s.snapshots
                 .get(&request.from_snapshot_id)
-                .cloned()
-                .ok_or_else(|| Self::not_found("snapshot", &request.from_snapshot_id))?
+                .map(|(_, files)| files.clone())
+                .ok_or_else(|| Self::no_snapshot(&request.from_snapshot_id))?
         };
         s.sandboxes.insert(id.clone(), files);
         Ok(sandbox(&id))
@@ -213,7 +272,7 @@ impl SandboxApi for FakeSandbox {
         if self.lock().sandboxes.contains_key(sandbox_id) {
             Ok(sandbox(sandbox_id))
         } else {
-            Err(Self::not_found("sandbox", sandbox_id))
+            Err(Self::no_sandbox(sandbox_id))
         }
     }
 
@@ -234,6 +293,24 @@ impl SandboxApi for FakeSandbox {
                 return Ok(r.clone());
             }
         }
+        if !s.sandboxes.contains_key(&request.sandbox_id) {
+            return Err(Self::no_sandbox(&request.sandbox_id));
+        }
+        if request.background {
+            let running = s
+                .execs
+                .iter()
+                .filter(|r| {
+                    r.sandbox_id == request.sandbox_id && r.status == ExecStatus::Running as i32
+                })
+                .count();
+            if running >= FAKE_MAX_BACKGROUND {
+                return Err(Error::Status(tonic::Status::resource_exhausted(format!(
+                    "policy.max_background_execs_per_sandbox ({FAKE_MAX_BACKGROUND}) reached: sandbox {} runs {running} background execs; wait for one to end",
+                    request.sandbox_id
+                ))));
+            }
+        }
         s.next_id += 1;
         let exec_id = format!("ex-fake{}", s.next_id);
         let lose_by_key = s.lose_key.as_deref() == Some(request.idempotency_key.as_str());
@@ -246,7 +323,7 @@ impl SandboxApi for FakeSandbox {
         let files = s
             .sandboxes
             .get_mut(&request.sandbox_id)
-            .ok_or_else(|| Self::not_found("sandbox", &request.sandbox_id))?;
+            .ok_or_else(|| Self::no_sandbox(&request.sandbox_id))?;
         let command = request.argv.last().cloned().unwrap_or_default();
         let mut result = ExecResult {
             exec_id,
@@ -256,6 +333,9 @@ impl SandboxApi for FakeSandbox {
             ..Default::default()
         };
         if lose {
+            // What the daemon reports after dying under an exec: it ran, maybe only in part;
+            // here its effects are all there, the worst case for a re-run.
+            let _ = (self.handler)(&command, files);
             result.status = ExecStatus::Lost as i32;
             result.error = "the daemon restarted while the exec ran".into();
         } else {
@@ -284,7 +364,7 @@ impl SandboxApi for FakeSandbox {
             .execs
             .iter_mut()
             .find(|r| r.exec_id == exec_id)
-            .ok_or_else(|| Self::not_found("exec", exec_id))?;
+            .ok_or_else(|| Self::no_exec(exec_id))?;
         if r.status == ExecStatus::Running as i32 {
             // The countdown of a running background exec lives in its error field.
             let left: u32 = r
@@ -328,16 +408,16 @@ impl SandboxApi for FakeSandbox {
         let files = s
             .sandboxes
             .get(sandbox_id)
-            .ok_or_else(|| Self::not_found("sandbox", sandbox_id))?;
-        let content = files
-            .get(path)
-            .ok_or_else(|| Self::not_found("file", path))?;
-        let start = (offset as usize).min(content.len());
-        let end = if limit == 0 {
-            content.len()
+            .ok_or_else(|| Self::no_sandbox(sandbox_id))?;
+        let content = files.get(path).ok_or_else(|| Self::no_file(path))?;
+        // Like the daemon: at most FAKE_MAX_READ per call, 0 meaning that much.
+        let limit = if limit == 0 {
+            FAKE_MAX_READ
         } else {
-            (start + limit as usize).min(content.len())
+            limit.min(FAKE_MAX_READ)
         };
+        let start = (offset as usize).min(content.len());
+        let end = (start + limit as usize).min(content.len());
         Ok(ReadFileResponse {
             content: content[start..end].to_vec(),
             size: content.len() as u64,
@@ -350,7 +430,7 @@ impl SandboxApi for FakeSandbox {
         let files = s
             .sandboxes
             .get_mut(sandbox_id)
-            .ok_or_else(|| Self::not_found("sandbox", sandbox_id))?;
+            .ok_or_else(|| Self::no_sandbox(sandbox_id))?;
         let n = content.len() as u64;
         files.insert(path.to_owned(), content);
         Ok(n)
@@ -358,20 +438,52 @@ impl SandboxApi for FakeSandbox {
 
     async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotInfo> {
         let mut s = self.lock();
+        if s.snapshots_before_refusal > 0 {
+            s.snapshots_before_refusal -= 1;
+        } else if s.refuse_snapshots > 0 {
+            s.refuse_snapshots -= 1;
+            return Err(Error::Status(tonic::Status::unavailable(
+                "daemon restarting",
+            )));
+        }
         let files = s
             .sandboxes
             .get(sandbox_id)
             .cloned()
-            .ok_or_else(|| Self::not_found("sandbox", sandbox_id))?;
+            .ok_or_else(|| Self::no_sandbox(sandbox_id))?;
         s.next_id += 1;
         let id = format!("sn-fake{}", s.next_id);
-        s.snapshots.insert(id.clone(), files);
-        Ok(SnapshotInfo {
-            snapshot_id: id,
+        let info = SnapshotInfo {
+            snapshot_id: id.clone(),
             sandbox_id: sandbox_id.to_owned(),
             name: name.to_owned(),
             ..Default::default()
-        })
+        };
+        s.snapshots.insert(id, (info.clone(), files));
+        if let Some((prefix, n)) = s.lose_snapshot_replies.as_mut() {
+            if *n > 0 && name.starts_with(prefix.as_str()) {
+                *n -= 1;
+                return Err(Error::Status(tonic::Status::unavailable(
+                    "connection reset",
+                )));
+            }
+        }
+        Ok(info)
+    }
+
+    async fn list_snapshots(&self, sandbox_id: &str) -> Result<Vec<SnapshotInfo>> {
+        let s = self.lock();
+        if !s.sandboxes.contains_key(sandbox_id) {
+            return Err(Self::no_sandbox(sandbox_id));
+        }
+        let mut list: Vec<SnapshotInfo> = s
+            .snapshots
+            .values()
+            .filter(|(info, _)| info.sandbox_id == sandbox_id)
+            .map(|(info, _)| info.clone())
+            .collect();
+        list.sort_by(|a, b| a.snapshot_id.cmp(&b.snapshot_id));
+        Ok(list)
     }
 
     async fn rollback(&self, sandbox_id: &str, snapshot_id: &str) -> Result<Sandbox> {
@@ -379,23 +491,25 @@ impl SandboxApi for FakeSandbox {
         let files = s
             .snapshots
             .get(snapshot_id)
-            .cloned()
-            .ok_or_else(|| Self::not_found("snapshot", snapshot_id))?;
+            .map(|(_, files)| files.clone())
+            .ok_or_else(|| Self::no_snapshot(snapshot_id))?;
         if !s.sandboxes.contains_key(sandbox_id) {
-            return Err(Self::not_found("sandbox", sandbox_id));
+            return Err(Self::no_sandbox(sandbox_id));
         }
         s.sandboxes.insert(sandbox_id.to_owned(), files);
         Ok(sandbox(sandbox_id))
     }
 
     async fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
-        self.lock().snapshots.remove(snapshot_id);
-        Ok(())
+        match self.lock().snapshots.remove(snapshot_id) {
+            Some(_) => Ok(()),
+            None => Err(Self::no_snapshot(snapshot_id)),
+        }
     }
     async fn destroy(&self, sandbox_id: &str) -> Result<()> {
         match self.lock().sandboxes.remove(sandbox_id) {
             Some(_) => Ok(()),
-            None => Err(Self::not_found("sandbox", sandbox_id)),
+            None => Err(Self::no_sandbox(sandbox_id)),
         }
     }
 }

@@ -610,11 +610,31 @@ mod tests {
 
     #[test]
     fn changing_test_counts_are_progress() {
+        // A long test log where only the counts change: near-duplicates by their words, so
+        // only the test-count signal tells progress from a stuck loop.
+        let log = |passed: u64| {
+            let body: String = (0..200)
+                .map(|i| format!("tests/test_mod_{i}.py::test_case_{i} PASSED\n"))
+                .collect();
+            format!(
+                "{body}== {passed} passed, {} failed in 0.2s ==",
+                10 - passed
+            )
+        };
         let mut d = Detector::default();
         for n in 1..=6 {
-            let obs = format!("{} passed, {} failed", n, 10 - n);
-            assert_eq!(step(&mut d, n, "make test", &obs, Some("w")), None);
+            assert_eq!(
+                step(&mut d, n, "make test", &log(n), Some("w")),
+                None,
+                "step {n}"
+            );
         }
+        // The same log with counts that do not move is a stuck loop.
+        let mut d = Detector::default();
+        let verdicts: Vec<_> = (1..=6)
+            .map(|n| step(&mut d, n, "make test", &log(3), Some("w")))
+            .collect();
+        assert!(verdicts.iter().any(Option::is_some), "{verdicts:?}");
         assert_eq!(
             test_counts("== 3 passed, 1 failed in 0.2s =="),
             vec!["3 passed", "1 failed"]

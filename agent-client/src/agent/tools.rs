@@ -17,6 +17,23 @@ use super::llm::ToolSpec;
 /// Default lines returned by `read_file`.
 pub const DEFAULT_READ_LINES: u64 = 200;
 
+/// Whether a tool's call is safe to send again when it is not known whether it happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Repeat {
+    /// Sending it again leaves the same state: reads, whole-file writes, pins, recall, a
+    /// rollback to a named snapshot.
+    Safe,
+    /// Its commands go with an idempotency key; sent again under the same key the daemon runs
+    /// them at most once and answers with the recorded result (bash, the checks of subtask
+    /// and finish).
+    Keyed,
+    /// A read-modify-write: sent again only after checking whether the write landed
+    /// (str_replace, whose new text may contain the old one).
+    CheckFirst,
+    /// Each sending makes something new (a snapshot): looked up first, never re-run blindly.
+    LookUpFirst,
+}
+
 /// A parsed, validated tool call.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "tool", rename_all = "snake_case")]
@@ -112,6 +129,22 @@ impl Action {
             Action::Pin { .. } => "pin",
             Action::Subtask { .. } => "subtask",
             Action::Recall { .. } => "recall",
+        }
+    }
+
+    /// Whether the action may be sent again when it is not known to have happened (its reply
+    /// was lost to a daemon outage, or the agent stopped after sending it). A retry and a
+    /// resume both go by this.
+    pub fn repeat(&self) -> Repeat {
+        match self {
+            Action::Bash { .. } | Action::Finish { .. } | Action::Subtask { .. } => Repeat::Keyed,
+            Action::StrReplace { .. } => Repeat::CheckFirst,
+            Action::Snapshot { .. } => Repeat::LookUpFirst,
+            Action::ReadFile { .. }
+            | Action::WriteFile { .. }
+            | Action::Rollback { .. }
+            | Action::Pin { .. }
+            | Action::Recall { .. } => Repeat::Safe,
         }
     }
 

@@ -58,7 +58,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             }
         };
         let run_dir = self.store.run_dir(&self.ck.run_id);
-        if self.opts.trace && !diff.is_empty() {
+        if !diff.is_empty() {
             if let Err(e) = FileStore::write_atomic(&run_dir.join("final.diff"), diff.as_bytes()) {
                 errors.push(format!("cannot save the diff: {e}"));
             }

@@ -389,6 +389,7 @@ async fn crashed_run(dir: &std::path::Path, fake: &FakeSandbox) -> Checkpoint {
         attempt: 0,
         verifying: false,
         reasoning: String::new(),
+        expect_sha256: None,
     });
     store.save(&ck).expect("save");
     ck
@@ -864,6 +865,11 @@ async fn summaries_have_hysteresis_in_a_small_window() {
         .collect();
     let summaries = kinds.iter().filter(|k| !**k).count();
     assert!(summaries <= 8, "{summaries} summaries in 25 steps");
+    // …and the model does summarize: the bound above holds for a loop that never does.
+    assert!(
+        summaries >= 2,
+        "only {summaries} summaries in 25 steps of a third of the window each"
+    );
     // Between two summaries at least two model turns.
     let mut turns_since = usize::MAX;
     for is_turn in kinds {
@@ -1229,4 +1235,200 @@ async fn a_stated_plan_to_wait_makes_repeated_checks_polls() {
         .expect("run starts");
     assert_eq!(report.reason, StopReason::NoProgress);
     assert_eq!(report.steps, 7, "the waiting threshold, not the plain one");
+}
+
+// ---- against the daemon's own answers (issue 22) --------------------------------------------
+
+#[tokio::test]
+async fn a_prompt_the_endpoint_calls_too_long_shrinks_the_window_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(big_handler());
+    // The run believes in 16k tokens; the endpoint takes 3k (its count, 4 characters a token).
+    let replies: Vec<Reply> = (0..8)
+        .map(|i| Reply::bash(&format!("lines {}", 150 + i)))
+        .chain([Reply::finish("done")])
+        .collect();
+    let model = Arc::new(ScriptedLlm::new(
+        Script::sequence(replies).with_context_limit(3_000),
+        "gpt-4o",
+    ));
+    let report = start(
+        fake.clone(),
+        model.clone(),
+        spec("print"),
+        Some("r1".into()),
+        opts(dir.path()),
+    )
+    .await
+    .expect("run starts");
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let events = crate::agent::trace::read(&dir.path().join("runs/r1/trace.jsonl")).expect("trace");
+    let shrunk = events
+        .iter()
+        .filter(|e| e["decision"] == "window_shrunk")
+        .count();
+    assert!(
+        shrunk >= 1,
+        "the endpoint refused a prompt and the window shrank"
+    );
+    // Once shrunk, no prompt above the endpoint's limit is sent again.
+    let log = requests_of(&model);
+    let last_refused = log
+        .iter()
+        .rposition(|q| (q["messages"].to_string().len() + q["tools"].to_string().len()) / 4 > 3_000)
+        .expect("at least one prompt was refused");
+    assert!(
+        last_refused < log.len() - 1,
+        "the run went on after the refusals"
+    );
+}
+
+#[tokio::test]
+async fn a_lost_exec_after_a_failed_step_snapshot_is_not_rolled_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    fake.lose_exec_keyed("r1:3:act:0");
+    // Step 1's snapshot works; step 2's fails (the daemon restarting); step 3's exec is lost.
+    let replies = vec![
+        Reply::bash("echo one >> log"),
+        Reply::bash("echo two >> log"),
+        Reply::bash("echo three >> log"),
+        Reply::finish("ok"),
+    ];
+    let model = llm(replies);
+    // Base and step 1 snapshots are taken; the one after step 2 is refused.
+    fake.refuse_snapshots_after(2, 1);
+    let report = start(
+        fake.clone(),
+        model.clone(),
+        spec("x"),
+        Some("r1".into()),
+        opts(dir.path()),
+    )
+    .await
+    .expect("run starts");
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    // Step 2 is not erased by a rollback to step 1's snapshot, and step 3 ran once.
+    assert_eq!(log_file(&fake, &report), "one\ntwo\nthree\n");
+    let log = requests_of(&model);
+    let warned = log[2].to_string();
+    assert!(
+        warned.contains("the snapshot after this step failed"),
+        "{warned}"
+    );
+    let lost = log[3].to_string();
+    assert!(
+        lost.contains("NOT run again and nothing was rolled back"),
+        "{lost}"
+    );
+}
+
+#[tokio::test]
+async fn str_replace_reads_past_the_daemon_cap_and_keeps_every_byte() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(Arc::new(
+        |cmd: &str, files: &mut crate::agent::sandbox::FakeFiles| {
+            if cmd == "make" {
+                let mut big = b"MARK=1 caf\xe9\n".to_vec();
+                big.resize(9 << 20, b'a');
+                files.insert("/workspace/big".into(), big);
+            }
+            (0, String::new())
+        },
+    ));
+    let replies = vec![
+        Reply::bash("make"),
+        Reply::call(
+            "str_replace",
+            json!({"path": "big", "old_str": "MARK=1", "new_str": "MARK=2"}),
+        ),
+        Reply::finish("ok"),
+    ];
+    let (report, _) = run(&fake, spec("x"), replies, dir.path()).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let big = fake
+        .file(&report.sandbox_id, "/workspace/big")
+        .unwrap_or_default();
+    assert_eq!(big.len(), 9 << 20, "the whole file, not the first 4 MiB");
+    assert!(big.starts_with(b"MARK=2 caf\xe9\naaa"));
+}
+
+#[tokio::test]
+async fn a_snapshot_whose_reply_was_lost_is_found_not_taken_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    // The model's snapshot is made but its reply is lost once.
+    fake.lose_snapshot_replies_named("mine", 1);
+    let replies = vec![
+        Reply::call("snapshot", json!({"name": "mine"})),
+        Reply::finish("ok"),
+    ];
+    let (report, model) = run(&fake, spec("x"), replies, dir.path()).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let snaps = fake.list_snapshots(&report.sandbox_id).await.expect("list");
+    let mine: Vec<_> = snaps
+        .iter()
+        .filter(|s| s.name.starts_with("mine"))
+        .collect();
+    assert_eq!(mine.len(), 1, "{snaps:?}");
+    let told = requests_of(&model)[1].to_string();
+    assert!(told.contains(&mine[0].snapshot_id), "{told}");
+}
+
+#[tokio::test]
+async fn a_missing_file_and_a_cap_are_answers_a_missing_sandbox_is_fatal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let background = || Reply::call("bash", json!({"command": "sleep 60", "background": true}));
+    let mut replies = vec![Reply::call("read_file", json!({"path": "missing.txt"}))];
+    fake.background_runs_for(1_000);
+    replies.extend((0..crate::agent::sandbox::FAKE_MAX_BACKGROUND + 1).map(|_| background()));
+    replies.push(Reply::finish("ok"));
+    let mut s = spec("x");
+    s.max_steps = 60;
+    let mut o = opts(dir.path());
+    o.detector.repeat = 100;
+    o.detector.repeat_waiting = 100;
+    o.detector.alternations = 100;
+    let model = llm(replies);
+    let report = start(fake.clone(), model.clone(), s, Some("r1".into()), o)
+        .await
+        .expect("run starts");
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let log = requests_of(&model);
+    assert!(log[1]
+        .to_string()
+        .contains("NOT_FOUND: no such file in sandbox: /workspace/missing.txt"));
+    let capped = log[crate::agent::sandbox::FAKE_MAX_BACKGROUND + 2].to_string();
+    assert!(
+        capped.contains("RESOURCE_EXHAUSTED") && capped.contains("not an outage"),
+        "{capped}"
+    );
+
+    // The sandbox itself gone: fatal, whatever the call.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(Arc::new(
+        |_: &str, _: &mut crate::agent::sandbox::FakeFiles| (0, String::new()),
+    ));
+    let gone = fake.clone();
+    let model = Arc::new(ScriptedLlm::new(
+        Script::from_fn(move |t: &crate::agent::fixture::Turn| {
+            if t.index == 1 {
+                gone.destroy_all();
+            }
+            Reply::call("read_file", json!({"path": "a.txt"}))
+        }),
+        "gpt-4o",
+    ));
+    let report = start(
+        fake.clone(),
+        model,
+        spec("x"),
+        Some("r1".into()),
+        opts(dir.path()),
+    )
+    .await
+    .expect("run starts");
+    assert_eq!(report.reason, StopReason::FatalError, "{report:?}");
+    assert!(report.error.unwrap_or_default().contains("is gone"));
 }

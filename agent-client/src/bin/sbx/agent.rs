@@ -189,9 +189,6 @@ async fn run(ctx: &Ctx, args: AgentRunArgs) -> Result<u8> {
         Ok(c) => c,
         Err(e) => return Err(failed(ctx, &run_id, "fatal_error", e)),
     };
-    output::note(&format!(
-        "agent run {run_id} (resume with: sbx agent resume {run_id})"
-    ))?;
     let mut opts = options(
         state_dir(args.state_dir),
         args.fold_after,
@@ -201,6 +198,15 @@ async fn run(ctx: &Ctx, args: AgentRunArgs) -> Result<u8> {
     if opts.keep_sandbox.is_none() {
         opts.keep_sandbox = Some(Duration::from_secs(DEFAULT_KEEP_SANDBOX_SECS));
     }
+    // Said once the run is on disk, so the hint is true whatever fails later.
+    opts.started = Some(agent::ProgressSink(Arc::new(|p: &agent::Progress| {
+        let run_id = &p.run_id;
+        if let Err(e) = output::note(&format!(
+            "agent run {run_id} (resume with: sbx agent resume {run_id})"
+        )) {
+            tracing::debug!(error = %e, "cannot print the resume hint");
+        }
+    })));
     reap(&client, &opts.state_dir).await;
     let result = agent::start(client, llm, spec, Some(run_id.clone()), opts).await;
     finish(ctx, &run_id, result)
