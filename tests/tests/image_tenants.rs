@@ -91,7 +91,7 @@ fn image_archive(dir: &Path, secret: &str) -> PathBuf {
 async fn import(c: &Client, name: &str, archive: &Path) -> Result<proto::ImageInfo, tonic::Status> {
     let file = tokio::fs::File::open(archive).await.unwrap();
     let size = file.metadata().await.unwrap().len();
-    within(300, c.import_image_archive(name, "image.tar", size, file, |_| {})).await.map_err(|e| grpc_status(e))
+    within(300, c.import_image_archive(name, "image.tar", size, file, |_| {})).await.map_err(grpc_status)
 }
 
 /// A build context holding only `Dockerfile`.
@@ -104,7 +104,7 @@ fn context(dockerfile: &str) -> Vec<u8> {
 async fn build(c: &Client, name: &str, dockerfile: &str, log: &mut Vec<String>) -> Result<proto::ImageInfo, tonic::Status> {
     let ctx = context(dockerfile);
     let header = BuildImageHeader { name: name.into(), context_size_bytes: ctx.len() as u64, ..Default::default() };
-    within(600, c.build_image(header, std::io::Cursor::new(ctx), |p| log.push(format!("[{}] {}", p.phase, p.message)))).await.map_err(|e| grpc_status(e))
+    within(600, c.build_image(header, std::io::Cursor::new(ctx), |p| log.push(format!("[{}] {}", p.phase, p.message)))).await.map_err(grpc_status)
 }
 
 /// ImportImage of `archive` as `name` with `shared` set, through the raw API.
