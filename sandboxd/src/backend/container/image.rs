@@ -7,7 +7,8 @@
 //! into Docker's image import (`POST /images/create?fromSrc=-`), which makes a one-layer image.
 //! Rebuilding or re-importing an image rewrites `image.json`, so the tag changes and the next
 //! sandbox gets the new image; sandboxes already running keep the old one. Preparing an image
-//! also tags it `sandboxd/<name>:latest`, which is what `FROM sandboxd/<name>` in a build means.
+//! also tags it `sandboxd/<name>:latest` (for the operator's own use on the host: a build through
+//! the API pins its bases by image ID instead, see `images::build`).
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -111,7 +112,7 @@ impl ImageCache {
     }
 
     /// Tags the Docker image of `name` (`tag`, from [`ImageCache::ensure`]) as
-    /// `sandboxd/<name>:latest`, the image `FROM sandboxd/<name>` means in a build.
+    /// `sandboxd/<name>:latest` (a name Docker can take only; a tenant's key is hashed).
     pub async fn tag_latest(&self, docker: &Docker, name: &str, tag: &str) -> Result<(), BackendError> {
         let Some((repo, _)) = tag.rsplit_once(':') else { return Ok(()) };
         if !valid_repo_component(name) {
