@@ -168,6 +168,7 @@ impl Client {
         let header = ImportImageHeader {
             name: name.into(),
             source: Some(import_image_header::Source::DockerImage(reference.into())),
+            shared: false,
         };
         let first = ImportImageRequest {
             item: Some(import_image_request::Item::Header(header)),
@@ -199,6 +200,7 @@ impl Client {
                 size_bytes: size,
                 file_name: file_name.into(),
             })),
+            shared: false,
         };
         let first = ImportImageRequest {
             item: Some(import_image_request::Item::Header(header)),

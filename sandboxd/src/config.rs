@@ -259,6 +259,28 @@ pub struct ImagesConfig {
     pub min_free_bytes: u64,
     /// Network of the RUN steps of builds.
     pub build_network: BuildNetwork,
+    /// Of `max_concurrent`, the slots one tenant's imports and builds may hold at once (below
+    /// `max_concurrent`, so one tenant's builds never hold every slot another tenant waits for).
+    pub max_concurrent_per_tenant: usize,
+    /// Most bytes of the image store one tenant's images and imports in flight may take.
+    pub max_store_bytes_per_tenant: u64,
+    /// How long a build may run (its RUN steps included) before it is stopped.
+    pub build_timeout_ms: u64,
+    /// Memory (and memory+swap) of each RUN step of a build.
+    pub build_memory_bytes: u64,
+    /// CPU of each RUN step of a build, in thousandths of a CPU.
+    pub build_cpu_millicores: u32,
+    /// Processes of one build's RUN steps together (a cgroup parent's `pids.max`).
+    pub build_max_pids: u32,
+    /// `/dev/shm` of each RUN step of a build.
+    pub build_shm_bytes: u64,
+    /// Local Docker images any tenant may import with `docker:` (exact references as given);
+    /// other `docker:` imports need an image admin.
+    pub docker_import_allowed: Vec<String>,
+    /// Tenants whose callers are image admins: they may import any local Docker image
+    /// (`docker:`) and share an import with every tenant (`ImportImageHeader.shared`). Root
+    /// (and the daemon's own uid) on the UNIX socket always is one.
+    pub admin_tenants: Vec<String>,
 }
 
 impl Default for ImagesConfig {
@@ -267,10 +289,19 @@ impl Default for ImagesConfig {
             max_archive_bytes: 32 << 30,
             max_rootfs_bytes: 32 << 30,
             max_entries: 2_000_000,
-            max_concurrent: 2,
+            max_concurrent: 4,
             max_store_bytes: 64 << 30,
             min_free_bytes: 2 << 30,
             build_network: BuildNetwork::None,
+            max_concurrent_per_tenant: 2,
+            max_store_bytes_per_tenant: 16 << 30,
+            build_timeout_ms: 30 * 60 * 1000,
+            build_memory_bytes: 2 << 30,
+            build_cpu_millicores: 1000,
+            build_max_pids: 1024,
+            build_shm_bytes: 64 << 20,
+            docker_import_allowed: Vec::new(),
+            admin_tenants: Vec::new(),
         }
     }
 }
@@ -658,6 +689,25 @@ impl Config {
             return Err(ConfigError::Invalid(
                 "images: max_concurrent must be 1-64, and max_entries, max_archive_bytes, max_rootfs_bytes and max_store_bytes above 0".into(),
             ));
+        }
+        if i.max_concurrent_per_tenant == 0 || (i.max_concurrent > 1 && i.max_concurrent_per_tenant >= i.max_concurrent) {
+            return Err(ConfigError::Invalid(format!(
+                "images.max_concurrent_per_tenant = {} must be at least 1 and below images.max_concurrent ({}), so one tenant never holds every slot",
+                i.max_concurrent_per_tenant, i.max_concurrent
+            )));
+        }
+        for (key, value, floor) in [
+            ("images.max_store_bytes_per_tenant", i.max_store_bytes_per_tenant, 1),
+            ("images.build_timeout_ms", i.build_timeout_ms, 1000),
+            // Docker refuses a memory limit below 6 MiB.
+            ("images.build_memory_bytes", i.build_memory_bytes, 6 << 20),
+            ("images.build_cpu_millicores", i.build_cpu_millicores.into(), 10),
+            ("images.build_max_pids", i.build_max_pids.into(), 8),
+            ("images.build_shm_bytes", i.build_shm_bytes, 1 << 20),
+        ] {
+            if value < floor {
+                return Err(ConfigError::Invalid(format!("{key} = {value} is below its minimum {floor}")));
+            }
         }
         Ok(())
     }

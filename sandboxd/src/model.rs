@@ -215,6 +215,8 @@ pub struct ImageRecord {
     pub config: ImageConfig,
     /// Imported or built through the API (removable), not one of the operator's scripts.
     pub imported: bool,
+    /// Visible to every tenant: script-built, or an import an image admin shared.
+    pub shared: bool,
     /// The tiers that can run it now.
     pub ready_tiers: Vec<Isolation>,
 }

@@ -93,6 +93,20 @@ impl Drop for DockerCleanup {
     }
 }
 
+/// The catalog key of an image the local tenant (root on the UNIX socket) imported: its name
+/// and the tenant's tag (`sandboxd::images::owner`), which also names its directory.
+fn local_key(name: &str) -> String {
+    let tag: String = Sha256::digest(b"local")[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{name}~{tag}")
+}
+
+/// The Docker repository the container tier gives a catalog key Docker cannot take as it is
+/// (`sandboxd/image-<FNV-1a 64 of the key>`).
+fn docker_repo_of_key(key: &str) -> String {
+    let h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    format!("sandboxd/image-{h:016x}")
+}
+
 /// Docker image tags of repository `repo`.
 fn docker_tags(repo: &str) -> Vec<String> {
     host("docker", &["images", "--format", "{{.Repository}}:{{.Tag}}", repo]).lines().map(str::to_string).collect()
@@ -106,7 +120,7 @@ async fn a_built_image_runs_its_package_on_every_tier_and_is_removed_when_unused
     let daemon = Daemon::start().await.expect("starting sandboxd");
     let c = daemon.client().await.expect("client");
     let name = unique("hello-deb");
-    let _cleanup = DockerCleanup(vec![format!("sandboxd/{name}")]);
+    let _cleanup = DockerCleanup(vec![docker_repo_of_key(&local_key(&name))]);
     let ctx = tempfile::tempdir().expect("tempdir");
     build_deb(ctx.path(), "sbx-hello", "sbx-hello", "hello-from-deb");
     std::fs::write(
@@ -124,9 +138,17 @@ async fn a_built_image_runs_its_package_on_every_tier_and_is_removed_when_unused
     assert!(out.status.success(), "sbx image build: {}", show(&out));
     assert_eq!(text(&out.stdout), format!("{name}\n"));
     let log = text(&out.stderr);
-    for expected in
-        ["Step 1/", ": FROM sandboxd/debian", "Setting up sbx-hello", "[layers]", "[process]", "[container] Docker image", "[microvm] base disk", "[done]"]
-    {
+    for expected in [
+        "Step 1/",
+        "FROM sandboxd/debian: the catalog image debian, as Docker image",
+        ": FROM sha256:",
+        "Setting up sbx-hello",
+        "[layers]",
+        "[process]",
+        "[container] Docker image",
+        "[microvm] base disk",
+        "[done]",
+    ] {
         assert!(log.contains(expected), "the build's stderr lacks {expected:?}: {}", tail(&out.stderr));
     }
     eprintln!(
@@ -174,12 +196,14 @@ async fn a_built_image_runs_its_package_on_every_tier_and_is_removed_when_unused
     let out = sbx(&daemon, &["image", "rm", &name], 120).await;
     assert!(out.status.success(), "sbx image rm: {}", show(&out));
     assert!(listed(&c, &name).await.is_none());
-    assert!(!daemon.state_dir().join("images").join(&name).exists(), "its files are gone");
-    assert!(docker_tags(&format!("sandboxd/{name}")).is_empty(), "its Docker image is gone: {:?}", docker_tags(&format!("sandboxd/{name}")));
+    let key = local_key(&name);
+    assert!(daemon.state_dir().join("images").read_dir().expect("store").next().is_none(), "its files are gone");
+    let repo = docker_repo_of_key(&key);
+    assert!(docker_tags(&repo).is_empty(), "its Docker image is gone: {:?}", docker_tags(&repo));
     let bases: Vec<_> = std::fs::read_dir(daemon.state_dir().join("microvm/bases"))
         .expect("bases")
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&format!("{name}-")))
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&format!("{key}-")))
         .collect();
     assert!(bases.is_empty(), "its microVM base disk is gone: {bases:?}");
     let err = c.create(sandbox_request(Isolation::Process, &name)).await.expect_err("removed");
@@ -196,7 +220,7 @@ async fn a_docker_save_archive_and_a_docker_image_import_and_run() {
     let c = daemon.client().await.expect("client");
     let tag = format!("{}:v1", unique("sbx-test-saved"));
     let repo = tag.split(':').next().unwrap().to_string();
-    let _cleanup = DockerCleanup(vec![repo.clone(), format!("sandboxd/{repo}"), format!("sandboxd/{repo}-d")]);
+    let _cleanup = DockerCleanup(vec![repo.clone(), docker_repo_of_key(&local_key(&repo)), docker_repo_of_key(&local_key(&format!("{repo}-d")))]);
     let dir = tempfile::tempdir().expect("tempdir");
     // A Docker image of the minimal rootfs with a config of its own.
     let rootfs_tar = dir.path().join("rootfs.tar");
@@ -235,7 +259,7 @@ async fn a_docker_save_archive_and_a_docker_image_import_and_run() {
     assert!(tiers(&info).contains(&Isolation::Process) && tiers(&info).contains(&Isolation::Container), "{info:?}");
     // The imported rootfs lies on the sealed state dir, mounted noexec; the process tier's
     // overlay over it still runs its programs (the exec check is the overlay mount's).
-    let store = daemon.state_dir().join("images").join(&name).join("rootfs");
+    let store = daemon.state_dir().join("images").join(local_key(&name)).join("rootfs");
     let flags = nix::sys::statvfs::statvfs(&store).expect("statvfs").flags();
     assert!(flags.contains(nix::sys::statvfs::FsFlags::ST_NOEXEC) && flags.contains(nix::sys::statvfs::FsFlags::ST_NOSUID), "{flags:?}");
     for tier in [Isolation::Process, Isolation::Container] {
@@ -391,6 +415,7 @@ async fn hostile_archives_are_refused_and_nothing_lands_outside() {
         item: Some(proto::import_image_request::Item::Header(proto::ImportImageHeader {
             name: "cut".into(),
             source: Some(proto::import_image_header::Source::Archive(proto::ImageArchive { size_bytes: 3, file_name: "cut.tar".into() })),
+            shared: false,
         })),
     };
     let chunk = proto::ImportImageRequest { item: Some(proto::import_image_request::Item::Chunk(b"abc".to_vec())) };

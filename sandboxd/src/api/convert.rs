@@ -85,7 +85,8 @@ pub fn sandbox(i: &SandboxInfo) -> pb::Sandbox {
     pb::Sandbox {
         id: i.id.to_string(),
         isolation: isolation_to_proto(i.isolation) as i32,
-        image: i.image.clone(),
+        // The catalog key a sandbox records carries its owner's tag; users see the name.
+        image: crate::images::display_name(&i.image).to_string(),
         state: state_to_proto(i.state) as i32,
         limits: Some(pb::ResourceLimits {
             cpu_millicores: i.limits.cpu_millicores,
@@ -209,6 +210,7 @@ pub fn image(r: &ImageRecord) -> pb::ImageInfo {
         entrypoint: r.config.entrypoint.clone(),
         cmd: r.config.cmd.clone(),
         imported: r.imported,
+        shared: r.shared,
     }
 }
 

@@ -16,6 +16,7 @@ use super::streams::{feed_upload, FeedError, UploadMessage};
 use super::{convert, record_audit, Audited, FIRST_MESSAGE_DEADLINE};
 use crate::audit::AuditLog;
 use crate::backend::UploadPiece;
+use crate::images::Viewer;
 use crate::manager::{BuildRequest, ImageEvents, ImportRequest, ImportSource, Manager};
 
 /// The progress stream of an import or build.
@@ -39,13 +40,15 @@ pub fn import_request(header: pb::ImportImageHeader) -> Result<(ImportRequest, O
     use pb::import_image_header::Source;
     match header.source {
         Some(Source::DockerImage(reference)) => {
-            let detail = format!("name={} docker={}", header.name, reference.chars().take(200).collect::<String>());
-            Ok((ImportRequest { name: header.name, source: ImportSource::Docker(reference) }, None, detail))
+            let detail = format!("name={} docker={} shared={}", header.name, reference.chars().take(200).collect::<String>(), header.shared);
+            Ok((ImportRequest { name: header.name, source: ImportSource::Docker(reference), shared: header.shared }, None, detail))
         }
         Some(Source::Archive(a)) => {
             let (tx, rx) = mpsc::channel(PIECES);
-            let detail = format!("name={} archive={} bytes={}", header.name, a.file_name.chars().take(200).collect::<String>(), a.size_bytes);
-            Ok((ImportRequest { name: header.name, source: ImportSource::Archive { file_name: a.file_name, size: a.size_bytes, data: rx } }, Some(tx), detail))
+            let detail =
+                format!("name={} archive={} bytes={} shared={}", header.name, a.file_name.chars().take(200).collect::<String>(), a.size_bytes, header.shared);
+            let source = ImportSource::Archive { file_name: a.file_name, size: a.size_bytes, data: rx };
+            Ok((ImportRequest { name: header.name, source, shared: header.shared }, Some(tx), detail))
         }
         None => Err(Status::invalid_argument("invalid header.source: docker_image or archive")),
     }
@@ -139,13 +142,22 @@ pub fn refused(end: &CallEnd, status: &Status) {
 }
 
 /// Starts the manager's import of `req`.
-pub fn start_import(manager: &Arc<Manager>, tenant: &str, req: ImportRequest) -> Result<ImageEvents, Status> {
-    manager.import_image(tenant, req).map_err(Status::from)
+pub fn start_import(manager: &Arc<Manager>, viewer: &Viewer, req: ImportRequest) -> Result<ImageEvents, Status> {
+    manager.import_image(viewer, req).map_err(Status::from)
 }
 
 /// Starts the manager's build of `req`.
-pub fn start_build(manager: &Arc<Manager>, tenant: &str, req: BuildRequest) -> Result<ImageEvents, Status> {
-    manager.build_image(tenant, req).map_err(Status::from)
+pub fn start_build(manager: &Arc<Manager>, viewer: &Viewer, req: BuildRequest) -> Result<ImageEvents, Status> {
+    manager.build_image(viewer, req).map_err(Status::from)
+}
+
+/// Whether the caller is root (or the daemon's own uid) on the UNIX socket, by its
+/// kernel-verified credentials: always an image admin, like the operator at the console.
+pub fn root_peer<T>(req: &tonic::Request<T>) -> bool {
+    req.extensions()
+        .get::<tonic::transport::server::UdsConnectInfo>()
+        .and_then(|info| info.peer_cred)
+        .is_some_and(|cred| cred.uid() == 0 || cred.uid() == nix::unistd::geteuid().as_raw())
 }
 
 #[cfg(test)]
@@ -154,11 +166,11 @@ mod tests {
 
     #[test]
     fn headers_become_requests() {
-        let h = pb::ImportImageHeader { name: "x".into(), source: Some(pb::import_image_header::Source::DockerImage("debian:12".into())) };
+        let h = pb::ImportImageHeader { name: "x".into(), source: Some(pb::import_image_header::Source::DockerImage("debian:12".into())), shared: false };
         let (req, feed, detail) = import_request(h).expect("docker");
         assert!(feed.is_none() && matches!(req.source, ImportSource::Docker(ref r) if r == "debian:12"));
         assert!(detail.contains("docker=debian:12"), "{detail}");
-        let h = pb::ImportImageHeader { name: String::new(), source: None };
+        let h = pb::ImportImageHeader { name: String::new(), source: None, shared: false };
         assert_eq!(import_request(h).err().map(|s| s.code()), Some(tonic::Code::InvalidArgument));
     }
 }

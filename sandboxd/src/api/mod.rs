@@ -392,20 +392,27 @@ impl SandboxService for Api {
         .await
     }
     async fn list_images(&self, request: Request<pb::ListImagesRequest>) -> Result<Response<pb::ListImagesResponse>, Status> {
-        self.call("ListImages", request, None, |_tenant, _req| async move {
-            Ok(pb::ListImagesResponse { images: self.manager.list_images()?.iter().map(convert::image).collect() })
+        let root = images::root_peer(&request);
+        self.call("ListImages", request, None, |tenant, _req| async move {
+            let viewer = self.manager.image_viewer(&tenant, root);
+            Ok(pb::ListImagesResponse { images: self.manager.list_images(&viewer)?.iter().map(convert::image).collect() })
         })
         .await
     }
 
     async fn get_image(&self, request: Request<pb::GetImageRequest>) -> Result<Response<pb::ImageInfo>, Status> {
-        self.call("GetImage", request, None, |_tenant, req| async move { Ok(convert::image(&self.manager.get_image(&req.name)?)) }).await
+        let root = images::root_peer(&request);
+        self.call("GetImage", request, None, |tenant, req| async move {
+            Ok(convert::image(&self.manager.get_image(&self.manager.image_viewer(&tenant, root), &req.name)?))
+        })
+        .await
     }
 
     async fn remove_image(&self, request: Request<pb::RemoveImageRequest>) -> Result<Response<pb::RemoveImageResponse>, Status> {
         let audited = Some(Audited { detail: format!("image={}", request.get_ref().name.chars().take(80).collect::<String>()), ..Default::default() });
+        let root = images::root_peer(&request);
         self.call("RemoveImage", request, audited, |tenant, req| async move {
-            Ok(pb::RemoveImageResponse { freed_bytes: self.manager.remove_image(&tenant, &req.name).await? })
+            Ok(pb::RemoveImageResponse { freed_bytes: self.manager.remove_image(&self.manager.image_viewer(&tenant, root), &req.name).await? })
         })
         .await
     }
@@ -416,6 +423,7 @@ impl SandboxService for Api {
         use pb::import_image_request::Item;
         let started = Instant::now();
         let tenant = self.auth.tenant(&request)?;
+        let viewer = self.manager.image_viewer(&tenant, images::root_peer(&request));
         let mut stream = request.into_inner();
         let first = images::first_message(&mut stream, "ImportImage").await?;
         let Some(Item::Header(header)) = first.item else {
@@ -429,7 +437,7 @@ impl SandboxService for Api {
             audited: Audited { detail, ..Default::default() },
             started,
         };
-        let events = match images::start_import(&self.manager, &tenant, req) {
+        let events = match images::start_import(&self.manager, &viewer, req) {
             Ok(events) => events,
             Err(status) => {
                 images::refused(&end, &status);
@@ -446,6 +454,7 @@ impl SandboxService for Api {
         use pb::build_image_request::Item;
         let started = Instant::now();
         let tenant = self.auth.tenant(&request)?;
+        let viewer = self.manager.image_viewer(&tenant, images::root_peer(&request));
         let mut stream = request.into_inner();
         let first = images::first_message(&mut stream, "BuildImage").await?;
         let Some(Item::Header(header)) = first.item else {
@@ -459,7 +468,7 @@ impl SandboxService for Api {
             audited: Audited { detail, ..Default::default() },
             started,
         };
-        let events = match images::start_build(&self.manager, &tenant, req) {
+        let events = match images::start_build(&self.manager, &viewer, req) {
             Ok(events) => events,
             Err(status) => {
                 images::refused(&end, &status);

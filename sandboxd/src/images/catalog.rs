@@ -10,11 +10,12 @@
 //! ```
 //!
 //! A name is one directory name (1-64 of `[A-Za-z0-9._-]`, not starting with `.`), checked
-//! before any path is made from it. A directory is an image once its `image.json` exists (it is
+//! before any path is made from it; an imported image's directory is its key (`owner`):
+//! `<name>~<tenant tag>` for a tenant's, `<name>` for a shared one. A directory is an image once its `image.json` exists (it is
 //! written last) next to a `rootfs/`. When both halves have a name, the script-built image wins
 //! (the operator's word), and the daemon warns at start.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::SystemTime;
@@ -22,6 +23,7 @@ use std::time::SystemTime;
 use sha2::{Digest, Sha256};
 
 use super::meta::{ImageJson, VmJson};
+use super::owner::{self, Viewer};
 use super::{hex, ImageError};
 use crate::hostfs;
 use crate::model::{ImageConfig, ImageRecord};
@@ -46,6 +48,7 @@ pub enum Origin {
 /// An image found in the catalog.
 #[derive(Debug, Clone)]
 pub struct ImageDir {
+    /// Its key (see `owner`): the name, with the owner's tag for a tenant's image.
     pub name: String,
     pub origin: Origin,
     /// `<base>/<name>`.
@@ -144,25 +147,61 @@ impl Catalog {
         }
     }
 
-    /// The image `name` in one half of the catalog, if it is complete.
-    fn lookup(&self, origin: Origin, name: &str) -> Option<ImageDir> {
-        if !is_valid_name(name) {
+    /// The image stored under `key` in one half of the catalog, if it is complete.
+    fn lookup(&self, origin: Origin, key: &str) -> Option<ImageDir> {
+        let valid = match origin {
+            Origin::Script => is_valid_name(key),
+            Origin::Imported => owner::is_valid_key(key),
+        };
+        if !valid {
             return None;
         }
-        let dir = self.base(origin).join(name);
+        let dir = self.base(origin).join(key);
         // image.json is written last: without it the image is unfinished.
         let meta = std::fs::read(dir.join("image.json")).ok()?;
-        dir.join("rootfs").is_dir().then(|| ImageDir { name: name.to_string(), origin, dir, meta })
+        dir.join("rootfs").is_dir().then(|| ImageDir { name: key.to_string(), origin, dir, meta })
     }
 
-    /// The image `name`, or NOT_FOUND listing the names there are.
-    pub fn resolve(&self, name: &str) -> Result<ImageDir, ImageError> {
-        self.lookup(Origin::Script, name).or_else(|| self.lookup(Origin::Imported, name)).ok_or_else(|| self.not_found(name))
+    /// The image stored under `key` (what sandboxes, snapshots and the tiers record), whoever
+    /// owns it: the caller checked the key's owner when it chose it. NOT_FOUND lists only the
+    /// images every tenant sees.
+    pub fn resolve(&self, key: &str) -> Result<ImageDir, ImageError> {
+        let script = if owner::split_key(key).1.is_none() { self.lookup(Origin::Script, key) } else { None };
+        script.or_else(|| self.lookup(Origin::Imported, key)).ok_or_else(|| {
+            let shared = self.candidates().into_iter().filter(|(_, img)| img.origin == Origin::Script || img.json().shared);
+            ImageError::NotFound { image: owner::display_name(key).chars().take(80).collect(), available: names_of(shared) }
+        })
     }
 
-    /// The imported image `name`, if there is one (shadowed or not).
-    pub fn imported(&self, name: &str) -> Option<ImageDir> {
-        self.lookup(Origin::Imported, name)
+    /// The image `name` as `viewer` sees it: its own image of that name, else a script-built
+    /// one, else a shared (or, for the UNIX tenant, a legacy) import. Another tenant's image is
+    /// NOT_FOUND exactly like a name nobody has.
+    pub fn find(&self, viewer: &Viewer, name: &str) -> Result<ImageDir, ImageError> {
+        let found = if is_valid_name(name) {
+            self.lookup(Origin::Imported, &viewer.key(name))
+                .or_else(|| self.lookup(Origin::Script, name))
+                .or_else(|| self.lookup(Origin::Imported, name).filter(|img| self.can_see(viewer, img)))
+        } else {
+            None
+        };
+        found.ok_or_else(|| self.not_found_for(viewer, name))
+    }
+
+    /// Whether `viewer` may see `img` at all.
+    pub fn can_see(&self, viewer: &Viewer, img: &ImageDir) -> bool {
+        match (img.origin, owner::split_key(&img.name).1) {
+            (Origin::Script, _) => true,
+            (Origin::Imported, Some(tag)) => tag == viewer.tag(),
+            (Origin::Imported, None) => {
+                let json = img.json();
+                viewer.owns(&json.owner, json.shared)
+            }
+        }
+    }
+
+    /// The imported image stored under `key`, if there is one (shadowed or not).
+    pub fn imported(&self, key: &str) -> Option<ImageDir> {
+        self.lookup(Origin::Imported, key)
     }
 
     /// Whether a script-built image has this name.
@@ -170,38 +209,53 @@ impl Catalog {
         self.lookup(Origin::Script, name).is_some()
     }
 
-    /// The NOT_FOUND of `name`: the name (cut, it comes from a client) and the names there are.
-    pub fn not_found(&self, name: &str) -> ImageError {
-        ImageError::NotFound { image: name.chars().take(80).collect(), available: self.names() }
+    /// The NOT_FOUND of `name` for `viewer`: the name (cut, it comes from a client) and the
+    /// names `viewer` can use.
+    pub fn not_found_for(&self, viewer: &Viewer, name: &str) -> ImageError {
+        ImageError::NotFound {
+            image: name.chars().take(80).collect(),
+            available: self.visible(viewer).iter().map(|i| owner::display_name(&i.name).to_string()).collect(),
+        }
     }
 
     fn names_in(&self, base: &Path) -> Vec<String> {
         let Ok(entries) = std::fs::read_dir(base) else { return Vec::new() };
-        entries.flatten().filter_map(|e| e.file_name().to_str().map(str::to_string)).filter(|n| is_valid_name(n)).collect()
+        entries.flatten().filter_map(|e| e.file_name().to_str().map(str::to_string)).filter(|n| owner::is_valid_key(n)).collect()
     }
 
-    /// Every complete image's name, sorted.
-    pub fn names(&self) -> Vec<String> {
-        let mut names = BTreeSet::new();
-        for origin in [Origin::Script, Origin::Imported] {
-            for name in self.names_in(self.base(origin)) {
-                if self.lookup(origin, &name).is_some() {
-                    names.insert(name);
-                }
-            }
+    /// Every complete image `viewer` sees, one per name (its own before a script-built one
+    /// before a shared import), sorted by name.
+    pub fn visible(&self, viewer: &Viewer) -> Vec<ImageDir> {
+        let mine = self.candidates().into_iter().filter(|(_, img)| self.can_see(viewer, img));
+        first_per_name(mine).into_values().collect()
+    }
+
+    /// Every complete image with its rank when names meet: a tenant's own (0), script-built
+    /// (1), shared or legacy import (2).
+    fn candidates(&self) -> Vec<(u8, ImageDir)> {
+        let mut out: Vec<(u8, ImageDir)> = Vec::new();
+        for key in self.names_in(&self.images_dir) {
+            out.extend(self.lookup(Origin::Script, &key).map(|i| (1, i)));
         }
-        names.into_iter().collect()
+        for key in self.names_in(&self.imported_dir) {
+            let rank = if owner::split_key(&key).1.is_some() { 0 } else { 2 };
+            out.extend(self.lookup(Origin::Imported, &key).map(|i| (rank, i)));
+        }
+        out
     }
 
-    /// What a user reads about the image (its `ready_tiers` are the manager's to fill in).
-    pub fn record(&self, name: &str) -> Result<ImageRecord, ImageError> {
-        let img = self.resolve(name)?;
+    /// What a user reads about the image stored under `key` (its `ready_tiers` are the
+    /// manager's to fill in).
+    pub fn record(&self, key: &str) -> Result<ImageRecord, ImageError> {
+        let img = self.resolve(key)?;
+        let name = owner::display_name(&img.name).to_string();
         let json = img.json();
         let created_at =
             json.created_at().or_else(|| std::fs::metadata(img.dir.join("image.json")).and_then(|m| m.modified()).ok()).unwrap_or(SystemTime::UNIX_EPOCH);
         Ok(match img.origin {
             Origin::Imported => ImageRecord {
-                name: img.name.clone(),
+                name,
+                shared: json.shared,
                 digest: json.digest.clone(),
                 size_bytes: json.size_bytes,
                 created_at,
@@ -213,7 +267,8 @@ impl Catalog {
             Origin::Script => {
                 let sum: [u8; 32] = Sha256::digest(&img.meta).into();
                 ImageRecord {
-                    name: img.name.clone(),
+                    name,
+                    shared: true,
                     digest: format!("sha256:{}", hex(&sum)),
                     size_bytes: self.script_size(&img, sum),
                     created_at,
@@ -323,7 +378,7 @@ impl Catalog {
     /// of that name already there is swapped out atomically (`RENAME_EXCHANGE`), so the name
     /// always means a complete image, and its old tree is returned for removal.
     pub fn commit(&self, staging: &Path, name: &str) -> Result<Option<PathBuf>, ImageError> {
-        if !is_valid_name(name) {
+        if !owner::is_valid_key(name) {
             return Err(ImageError::Invalid { field: "name", message: format!("{name:?} is not an image name") });
         }
         let target = self.imported_dir.join(name);
@@ -346,11 +401,27 @@ impl Catalog {
     /// Takes the imported image `name` out of the catalog (one rename, so it is gone at once)
     /// and returns where its tree now is, for removal.
     pub fn take_out(&self, name: &str) -> Result<PathBuf, ImageError> {
-        let img = self.imported(name).ok_or_else(|| self.not_found(name))?;
+        let img = self.imported(name).ok_or_else(|| ImageError::NotFound { image: owner::display_name(name).to_string(), available: Vec::new() })?;
         let trash = self.imported_dir.join(format!(".trash-{name}-{}", crate::ids::random_suffix(8)));
         std::fs::rename(&img.dir, &trash).map_err(|e| ImageError::io(format!("taking image {name} out of the catalog"), e))?;
         Ok(trash)
     }
+}
+
+/// The best-ranked image of each name.
+fn first_per_name(candidates: impl Iterator<Item = (u8, ImageDir)>) -> BTreeMap<String, ImageDir> {
+    let mut all: Vec<(u8, ImageDir)> = candidates.collect();
+    all.sort_by_key(|(rank, _)| *rank);
+    let mut by_name = BTreeMap::new();
+    for (_, img) in all {
+        by_name.entry(owner::display_name(&img.name).to_string()).or_insert(img);
+    }
+    by_name
+}
+
+/// The names of `candidates`, sorted, once each.
+fn names_of(candidates: impl Iterator<Item = (u8, ImageDir)>) -> Vec<String> {
+    first_per_name(candidates).into_keys().collect()
 }
 
 /// `vm/vm.json`, when it is there and parses.
@@ -402,14 +473,20 @@ mod tests {
         // Unfinished (no image.json), hidden, and a name no API call could make.
         std::fs::create_dir_all(c.images_dir().join("half/rootfs")).expect("mkdir");
         std::fs::create_dir_all(c.images_dir().join(".tools")).expect("mkdir");
+        // From before owners were recorded: the UNIX socket tenant's.
         image(c.imported_dir(), "py", r#"{"name":"py","digest":"sha256:00","size_bytes":7}"#);
-        assert_eq!(c.names(), ["debian", "minimal", "py"]);
+        let local = Viewer { tenant: "local".into(), owns_legacy: true, admin: true };
+        let names = |v: &Viewer| c.visible(v).iter().map(|i| owner::display_name(&i.name).to_string()).collect::<Vec<_>>();
+        assert_eq!(names(&local), ["debian", "minimal", "py"]);
         for bad in ["nope", "../minimal", "half", ".tools", ""] {
-            let err = c.resolve(bad).expect_err(bad).to_string();
+            let err = c.find(&local, bad).expect_err(bad).to_string();
             assert!(err.contains("available: debian, minimal, py"), "{err}");
             assert!(!err.contains(&tmp.path().display().to_string()) && !err.contains('/') || bad.contains('/'), "{err}");
         }
-        assert_eq!(c.resolve("py").expect("imported").origin, Origin::Imported);
+        assert_eq!(c.find(&local, "py").expect("imported").origin, Origin::Imported);
+        let other = Viewer { tenant: "b".into(), owns_legacy: false, admin: false };
+        assert_eq!(names(&other), ["debian", "minimal"]);
+        assert!(c.find(&other, "py").is_err());
         let r = c.record("minimal").expect("record");
         assert!(r.digest.starts_with("sha256:") && r.digest.len() == 71, "{}", r.digest);
         assert_eq!((r.size_bytes, r.imported), (5, false));
@@ -426,6 +503,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(c.vm_files("nope"), Err(ImageError::NotFound { .. })));
+        assert!(matches!(c.vm_files("nope~0123"), Err(ImageError::NotFound { .. })));
         assert!(matches!(c.vm_files("../bare"), Err(ImageError::NotFound { .. })));
         std::fs::create_dir_all(bare.join("vm")).expect("mkdir");
         std::fs::write(bare.join("vm/vm.json"), r#"{"kernel":"vmlinuz","initramfs":"initramfs.img","disk":"rootfs.qcow2"}"#).expect("write");
@@ -468,5 +546,34 @@ mod tests {
         std::fs::create_dir_all(c.imported_dir().join(".staging-x-1/rootfs")).expect("mkdir");
         c.prepare().expect("prepare");
         assert!(!c.imported_dir().join(".staging-x-1").exists());
+    }
+
+    #[test]
+    fn tenants_see_their_own_images_and_shared_ones_under_their_names() {
+        let (_tmp, c) = setup();
+        image(c.images_dir(), "minimal", "{}");
+        let v = |t: &str| Viewer { tenant: t.into(), owns_legacy: false, admin: false };
+        let (a, b) = (v("a"), v("b"));
+        image(c.imported_dir(), &a.key("app"), r#"{"name":"app","owner":"a","digest":"sha256:aa"}"#);
+        image(c.imported_dir(), &b.key("app"), r#"{"name":"app","owner":"b","digest":"sha256:bb"}"#);
+        image(c.imported_dir(), "tools", r#"{"name":"tools","owner":"admin","shared":true,"digest":"sha256:cc"}"#);
+        image(c.imported_dir(), "secret", r#"{"name":"secret","owner":"admin","digest":"sha256:dd"}"#);
+        // A tenant's own image shadows a shared one of the same name, for it alone.
+        image(c.imported_dir(), &b.key("tools"), r#"{"name":"tools","owner":"b","digest":"sha256:ee"}"#);
+        for (viewer, app, tools) in [(&a, "sha256:aa", "sha256:cc"), (&b, "sha256:bb", "sha256:ee")] {
+            let seen: Vec<(String, String)> =
+                c.visible(viewer).iter().map(|i| (owner::display_name(&i.name).to_string(), c.record(&i.name).expect("record").digest)).collect();
+            assert_eq!(seen.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["app", "minimal", "tools"], "{viewer:?}");
+            assert_eq!(c.record(&c.find(viewer, "app").expect("own").name).expect("record").digest, app);
+            assert_eq!(c.record(&c.find(viewer, "tools").expect("tools").name).expect("record").digest, tools);
+            let err = c.find(viewer, "secret").expect_err("another tenant's").to_string();
+            assert!(err.contains("available: app, minimal, tools"), "{err}");
+        }
+        let r = c.record(&a.key("app")).expect("record");
+        assert_eq!((r.name.as_str(), r.shared, r.imported), ("app", false, true));
+        assert!(c.record("tools").expect("record").shared && c.record("minimal").expect("record").shared);
+        // The tiers resolve keys; their NOT_FOUND names only what everyone sees.
+        let err = c.resolve(&a.key("gone")).expect_err("gone").to_string();
+        assert!(err.contains("\"gone\"") && err.contains("available: minimal, tools") && !err.contains('~'), "{err}");
     }
 }

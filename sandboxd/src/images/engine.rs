@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use bollard::query_parameters::{BuildImageOptions, RemoveImageOptions};
+use bollard::query_parameters::RemoveImageOptions;
 use bollard::Docker;
 use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
@@ -37,6 +37,113 @@ pub struct BuildSpec {
     pub tag: String,
     pub build_args: HashMap<String, String>,
     pub network: BuildNetwork,
+    /// What each RUN step may use.
+    pub limits: BuildLimits,
+    /// The cgroup the RUN steps' containers are made under (bounding their processes all
+    /// together), when Docker's cgroup driver allows one.
+    pub cgroup_parent: Option<String>,
+}
+
+/// What each RUN step of a build may use (Docker's build API applies them to the container
+/// of every step).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BuildLimits {
+    /// Memory, and memory plus swap (the same: no escape by swapping).
+    pub memory_bytes: u64,
+    pub cpu_millicores: u32,
+    pub shm_bytes: u64,
+}
+
+/// One JSON message of Docker's build output.
+#[derive(Debug, Default, serde::Deserialize)]
+struct BuildMessage {
+    stream: Option<String>,
+    error: Option<String>,
+    message: Option<String>,
+    #[serde(rename = "errorDetail")]
+    error_detail: Option<ErrorDetail>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+struct ErrorDetail {
+    message: Option<String>,
+}
+
+/// CFS period of a build's RUN steps; the quota is the share of it `cpu_millicores` allow.
+const CPU_PERIOD_US: u64 = 100_000;
+
+/// The query of `POST /build` for `spec`.
+fn build_query(spec: &BuildSpec) -> String {
+    let l = &spec.limits;
+    let json = |m: &HashMap<String, String>| serde_json::to_string(m).unwrap_or_else(|_| "{}".into());
+    let mut q: Vec<(&str, String)> = vec![
+        ("dockerfile", spec.dockerfile.clone()),
+        ("t", spec.tag.clone()),
+        ("rm", "1".into()),
+        ("forcerm", "1".into()),
+        // The classic builder: BuildKit would need a session, and ignores these limits.
+        ("version", "1".into()),
+        ("buildargs", json(&spec.build_args)),
+        ("labels", json(&HashMap::from([("sandboxd.build".to_string(), "1".to_string())]))),
+        (
+            "networkmode",
+            match spec.network {
+                BuildNetwork::None => "none".into(),
+                BuildNetwork::Default => "default".into(),
+            },
+        ),
+        ("memory", l.memory_bytes.to_string()),
+        ("memswap", l.memory_bytes.to_string()),
+        ("cpuperiod", CPU_PERIOD_US.to_string()),
+        ("cpuquota", (u64::from(l.cpu_millicores) * CPU_PERIOD_US / 1000).max(1000).to_string()),
+        ("shmsize", l.shm_bytes.to_string()),
+    ];
+    if let Some(parent) = &spec.cgroup_parent {
+        q.push(("cgroupparent", parent.clone()));
+    }
+    q.iter().map(|(k, v)| format!("{k}={}", percent_encode(v))).collect::<Vec<_>>().join("&")
+}
+
+/// `s` with every byte but the unreserved ones (RFC 3986) percent-encoded.
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// FNV-1a 64: a hash that stays the same across builds and hosts (names of Docker images).
+pub fn stable_hash(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Whether `s` can be a path component of a Docker repository name (lowercase alphanumerics
+/// separated by single `.`, `_` or `-`).
+pub fn valid_repo_component(s: &str) -> bool {
+    let bytes = s.as_bytes();
+    !bytes.is_empty()
+        && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(b))
+        && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
+        && bytes.last().is_some_and(u8::is_ascii_alphanumeric)
+        && !bytes.windows(2).any(|w| b"._-".contains(&w[0]) && b"._-".contains(&w[1]))
+}
+
+/// The Docker reference the container tier gives catalog image `key` whose `image.json`
+/// hashes to `hash`: `sandboxd/<key>:<hash>`, the key hashed when Docker could not take it
+/// (upper case, a tenant's `~`).
+pub fn docker_reference(key: &str, hash: u64) -> String {
+    let repo = if valid_repo_component(key) { key.to_string() } else { format!("image-{:016x}", stable_hash(key.as_bytes())) };
+    format!("sandboxd/{repo}:{hash:016x}")
 }
 
 fn api_error(what: impl std::fmt::Display, e: bollard::errors::Error) -> ImageError {
@@ -110,55 +217,86 @@ impl Engine {
         Ok(written)
     }
 
-    /// Builds the context tar at `context` as `spec.tag`, with the classic builder (no
-    /// BuildKit session needed, no pull), sending each line of its log to `log` (a reader that
-    /// went away stops the build). A failing step is [`ImageError::BuildFailed`] with Docker's
-    /// message.
+    /// Builds the context tar at `context` as `spec.tag` with the classic builder (no
+    /// BuildKit session, nothing pulled: every FROM was pinned to a local image ID before),
+    /// its RUN steps boxed by `spec.limits`, sending each line of its log to `log` (a reader
+    /// that went away stops the build). A failing step is [`ImageError::BuildFailed`] with
+    /// Docker's message.
+    ///
+    /// The request is made here, on a connection of its own, rather than through `bollard`:
+    /// its build options have no `cgroupparent` (the only way to bound the processes of a
+    /// build's RUN steps) and carry memory as a 32-bit number. Dropping the future closes the
+    /// connection, which cancels the build in Docker.
     pub async fn build(&self, context: &Path, spec: &BuildSpec, log: &tokio::sync::mpsc::Sender<String>) -> Result<(), ImageError> {
-        let docker = self.docker().await?;
+        use http_body_util::BodyExt;
+        // Settles that Docker is there, with the same error as every other call.
+        self.docker().await?;
+        let stream = tokio::net::UnixStream::connect(&self.socket)
+            .await
+            .map_err(|e| ImageError::DockerUnavailable(format!("cannot reach Docker at {}: {e}", self.socket.display())))?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| ImageError::Internal(format!("docker: connecting for a build: {e}")))?;
+        let connection = tokio::spawn(conn);
         let file = tokio::fs::File::open(context).await.map_err(|e| ImageError::io("opening the build context", e))?;
-        let body = bollard::body_try_stream(tokio_util::io::ReaderStream::new(file));
-        let options = BuildImageOptions {
-            dockerfile: spec.dockerfile.clone(),
-            t: Some(spec.tag.clone()),
-            rm: true,
-            forcerm: true,
-            // Nothing is pulled: FROM names a local image (a catalog image is tagged there first).
-            pull: None,
-            buildargs: Some(spec.build_args.clone()),
-            networkmode: Some(match spec.network {
-                BuildNetwork::None => "none".to_string(),
-                BuildNetwork::Default => "default".to_string(),
-            }),
-            labels: Some(HashMap::from([("sandboxd.build".to_string(), "1".to_string())])),
-            ..Default::default()
-        };
-        let mut stream = docker.build_image(options, None, Some(body));
-        let mut partial = String::new();
-        while let Some(item) = stream.next().await {
-            let info = match item {
-                Ok(info) => info,
-                Err(bollard::errors::Error::DockerStreamError { error }) => return Err(ImageError::BuildFailed(error)),
-                Err(e) => return Err(api_error("building", e)),
-            };
-            if let Some(detail) = info.error_detail.and_then(|d| d.message) {
-                return Err(ImageError::BuildFailed(detail.trim().to_string()));
-            }
-            if let Some(text) = info.stream {
-                partial.push_str(&text);
-                while let Some(i) = partial.find('\n') {
-                    let line: String = partial.drain(..=i).collect();
-                    let line = line.trim_end();
-                    if !line.is_empty() && log.send(line.to_string()).await.is_err() {
-                        return Err(ImageError::Aborted("the client went away during the build".into()));
+        let body = http_body_util::StreamBody::new(tokio_util::io::ReaderStream::new(file).map(|chunk| chunk.map(hyper::body::Frame::data)));
+        let request = http::Request::post(format!("/build?{}", build_query(spec)))
+            .header(http::header::HOST, "docker")
+            .header(http::header::CONTENT_TYPE, "application/x-tar")
+            .body(body)
+            .map_err(|e| ImageError::Internal(format!("docker: build request: {e}")))?;
+        let result = async {
+            let response = sender.send_request(request).await.map_err(|e| ImageError::Internal(format!("docker: building: {e}")))?;
+            let status = response.status();
+            let mut body = response.into_body();
+            let mut partial = Vec::new();
+            let mut log_text = String::new();
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| ImageError::Internal(format!("docker: reading the build's output: {e}")))?;
+                let Ok(data) = frame.into_data() else { continue };
+                partial.extend_from_slice(&data);
+                while let Some(i) = partial.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = partial.drain(..=i).collect();
+                    if !status.is_success() {
+                        log_text.push_str(&String::from_utf8_lossy(&line));
+                        continue;
+                    }
+                    let Ok(msg) = serde_json::from_slice::<BuildMessage>(&line) else { continue };
+                    if let Some(m) = msg.error_detail.and_then(|d| d.message).or(msg.error) {
+                        return Err(ImageError::BuildFailed(m.trim().to_string()));
+                    }
+                    if let Some(text) = msg.stream {
+                        log_text.push_str(&text);
+                        while let Some(i) = log_text.find('\n') {
+                            let line: String = log_text.drain(..=i).collect();
+                            let line = line.trim_end();
+                            if !line.is_empty() && log.send(line.to_string()).await.is_err() {
+                                return Err(ImageError::Aborted("the client went away during the build".into()));
+                            }
+                        }
                     }
                 }
             }
+            if !status.is_success() {
+                log_text.push_str(&String::from_utf8_lossy(&partial));
+                let message = serde_json::from_str::<BuildMessage>(log_text.trim()).ok().and_then(|m| m.message).unwrap_or(log_text);
+                return Err(ImageError::BuildFailed(format!("Docker answered {status}: {}", message.trim())));
+            }
+            if !log_text.trim().is_empty() {
+                let _ = log.send(log_text.trim().to_string()).await;
+            }
+            Ok(())
         }
-        if !partial.trim().is_empty() {
-            let _ = log.send(partial.trim().to_string()).await;
-        }
-        Ok(())
+        .await;
+        connection.abort();
+        result
+    }
+
+    /// Docker's cgroup driver (`cgroupfs` or `systemd`), which decides what a cgroup parent is.
+    pub async fn cgroup_driver(&self) -> Result<String, ImageError> {
+        let docker = self.docker().await?;
+        let info = docker.info().await.map_err(|e| api_error("info", e))?;
+        Ok(info.cgroup_driver.map(|d| d.to_string()).unwrap_or_default())
     }
 
     /// Removes the tag (or image) `reference`; an image nothing else names goes with it.

@@ -14,7 +14,7 @@ use super::archive::{self, Compression, Hashing, ImageArchive};
 use super::catalog::remove_any;
 use super::layer::{self, LayerError, Limits, Totals};
 use super::meta::{rfc3339, ImageJson};
-use super::{human, is_valid_name, Catalog, ImageError};
+use super::{human, is_valid_name, Catalog, ImageError, Viewer};
 use crate::config::ImagesConfig;
 use crate::model::ImageProgress;
 
@@ -30,12 +30,28 @@ pub struct ImportSpec {
     pub name_hint: String,
     /// Where it came from, for `image.json` and ImageInfo.
     pub source: String,
+    /// Who imports it: the image is its tenant's, stored under its key (see `owner`) ...
+    pub viewer: Viewer,
+    /// ... unless shared with every tenant (an image admin's choice, checked by the caller).
+    pub shared: bool,
+}
+
+impl ImportSpec {
+    /// The catalog key the image `name` of this import is stored under.
+    pub fn key(&self, name: &str) -> String {
+        if self.shared {
+            name.to_string()
+        } else {
+            self.viewer.key(name)
+        }
+    }
 }
 
 /// An image assembled in a staging dir, not yet in the catalog. Dropping it removes the
 /// staging dir unless it was committed (renamed away).
 #[derive(Debug)]
 pub struct Staged {
+    /// The catalog key (see `owner`).
     pub name: String,
     pub dir: PathBuf,
     pub json: ImageJson,
@@ -54,6 +70,7 @@ impl Drop for Staged {
 pub enum Prepared {
     /// An imported image of that name has that digest already: nothing was done.
     Unchanged {
+        /// The catalog key.
         name: String,
         digest: String,
     },
@@ -105,6 +122,8 @@ pub fn stage(
     if catalog.is_script_built(&name) {
         return Err(ImageError::Refused(format!("image {name:?} is a script-built image of the operator's images dir; import under another name")));
     }
+    let display = name;
+    let name = spec.key(&display);
     if archive.images > 1 {
         progress(ImageProgress::say("metadata", format!("the archive holds {} images; importing the first", archive.images)));
     }
@@ -117,7 +136,7 @@ pub fn stage(
     let total = archive.layers.iter().fold(0u64, |a, l| a.saturating_add(l.size));
     let go_on = progress(ImageProgress {
         phase: "layers",
-        message: format!("{} ({}), {} layers, {}", name, archive.format.name(), archive.layers.len(), human(total)),
+        message: format!("{} ({}), {} layers, {}", display, archive.format.name(), archive.layers.len(), human(total)),
         total_bytes: total,
         total_count: archive.layers.len() as u64,
         ..Default::default()
@@ -136,7 +155,7 @@ pub fn stage(
     let store_full = |e: ImageError| {
         match e {
         ImageError::Limit { key: "max_rootfs_bytes", .. } if room < cfg.max_rootfs_bytes => ImageError::StoreFull(format!(
-            "the image store is full: the layers of {name} hold more than the {} left of images.max_store_bytes; remove images (sbx image rm) or raise the limit",
+            "the image store is full: the layers of {display} hold more than the {} left of images.max_store_bytes (or of your images.max_store_bytes_per_tenant); remove images (sbx image rm) or raise the limit",
             human(room)
         )),
         e => e,
@@ -196,7 +215,9 @@ pub fn stage(
     }
     let now = SystemTime::now();
     let json = ImageJson {
-        name: name.clone(),
+        name: display.clone(),
+        owner: spec.viewer.tenant.clone(),
+        shared: spec.shared,
         source: spec.source.clone(),
         digest: archive.digest.clone(),
         size_bytes: totals.bytes,
@@ -315,7 +336,12 @@ mod tests {
     }
 
     fn spec(name: &str) -> ImportSpec {
-        ImportSpec { name: name.into(), name_hint: "file".into(), source: "archive:test.tar".into() }
+        // Shared, so the keys are the names.
+        ImportSpec { name: name.into(), name_hint: "file".into(), source: "archive:test.tar".into(), viewer: viewer(), shared: true }
+    }
+
+    fn viewer() -> Viewer {
+        Viewer { tenant: "t".into(), owns_legacy: false, admin: true }
     }
 
     #[test]
@@ -455,7 +481,7 @@ mod tests {
         b.finish().expect("finish");
         drop(b);
         // No usable reference in the archive ("latest" is a tag): the file's stem names it.
-        let spec = ImportSpec { name: String::new(), name_hint: "oci-tool".into(), source: "archive:oci-tool.tar".into() };
+        let spec = ImportSpec { name: String::new(), name_hint: "oci-tool".into(), source: "archive:oci-tool.tar".into(), viewer: viewer(), shared: true };
         let Prepared::Staged(staged) = stage(&c, &ImagesConfig::default(), u64::MAX, &path, &spec, &mut |_| true, &|| false).expect("stage") else {
             panic!("not staged")
         };

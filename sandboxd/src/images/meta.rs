@@ -41,6 +41,13 @@ pub struct ImageJson {
     #[serde(skip_serializing_if = "is_zero")]
     pub entries: u64,
     pub config: ImageConfig,
+    /// Imported images: the tenant that imported or built it (empty: imported before owners
+    /// were recorded, see `owner::Viewer::owns`).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub owner: String,
+    /// Imported images: shared by an image admin with every tenant.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub shared: bool,
 }
 
 fn is_zero(v: &u64) -> bool {

@@ -25,16 +25,19 @@
 
 pub mod archive;
 pub mod build;
+pub mod buildbox;
 pub mod catalog;
 pub mod engine;
 pub mod import;
 pub mod layer;
 pub mod meta;
+pub mod owner;
 pub mod store;
 
 pub use catalog::{is_valid_name, Catalog, ImageDir, Origin, VmFiles, MAX_NAME_BYTES};
 pub use engine::Engine;
 pub use meta::ImageJson;
+pub use owner::{display_name, Viewer};
 
 /// What can go wrong with an image, with enough context to tell the user what and where. Host
 /// paths of the image store are never part of a message a client reads.

@@ -9,11 +9,18 @@
 //! the container tier imports it into Docker, the microVM tier builds its base disk. A tier that
 //! cannot does not fail the import; the image is listed with the tiers that are ready.
 //!
-//! Images are the daemon's, not a tenant's: every caller sees the whole catalog and may import,
-//! build or remove (the audit log says who did). A removal refusal names the caller's own
-//! sandboxes and snapshots and only counts other tenants'.
+//! Images are their tenant's (see `images::owner`): an import or build belongs to the caller's
+//! tenant, under a name of its own; script-built images and those an image admin shares are
+//! everyone's. Another tenant's image is NOT_FOUND on every call, exactly like a name nobody
+//! has, and a refusal names only the caller's own sandboxes and snapshots. Each tenant has its
+//! own slots for imports and builds and its own share of the store.
+//!
+//! A build runs boxed: its Dockerfile is checked and its bases pinned before Docker sees it
+//! (`images::build`), its RUN steps get memory, CPU, `/dev/shm` and (through a cgroup parent,
+//! `images::buildbox`) pids bounds and no network unless the operator allows one, and it stops
+//! at `images.build_timeout_ms`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,10 +33,11 @@ use super::validate::validate_image;
 use super::Manager;
 use crate::backend::UploadPiece;
 use crate::error::Error;
-use crate::images::engine::BuildSpec;
+use crate::images::buildbox::BuildCgroup;
+use crate::images::engine::{self, BuildLimits, BuildSpec};
 use crate::images::import::{self, ImportSpec, Prepared};
 use crate::images::store::Claim;
-use crate::images::{build, catalog, human, ImageError};
+use crate::images::{build, catalog, display_name, human, owner, ImageError, Viewer};
 use crate::model::{ImageProgress, ImageRecord, Isolation};
 
 /// Progress events waiting for a slow client.
@@ -55,6 +63,14 @@ pub struct ImportRequest {
     /// Empty: from the archive's references or its source.
     pub name: String,
     pub source: ImportSource,
+    /// Shared with every tenant (image admins only).
+    pub shared: bool,
+}
+
+/// An import's or build's slots: one of its tenant's, one of the daemon's.
+struct Slot {
+    _own: tokio::sync::OwnedSemaphorePermit,
+    _shared: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// A BuildImage call: the context arrives as pieces of a tar.
@@ -92,12 +108,22 @@ impl Drop for TempFile {
 }
 
 impl Manager {
-    /// Every image of the catalog, sorted by name, with the tiers that can run it now.
-    pub fn list_images(&self) -> Result<Vec<ImageRecord>, Error> {
+    /// Who `tenant` is to the image catalog; `root_peer` is a UNIX-socket caller running as
+    /// root (or as the daemon's own uid), always an image admin.
+    pub fn image_viewer(&self, tenant: &str, root_peer: bool) -> Viewer {
+        Viewer {
+            tenant: tenant.to_string(),
+            owns_legacy: tenant == self.cfg.auth.unix_tenant,
+            admin: root_peer || self.cfg.images.admin_tenants.iter().any(|t| t == tenant),
+        }
+    }
+
+    /// The images `viewer` can use, sorted by name, with the tiers that can run each now.
+    pub fn list_images(&self, viewer: &Viewer) -> Result<Vec<ImageRecord>, Error> {
         let mut out = Vec::new();
-        for name in self.catalog.names() {
-            match self.catalog.record(&name) {
-                Ok(r) => out.push(self.with_ready_tiers(r)),
+        for img in self.catalog.visible(viewer) {
+            match self.catalog.record(&img.name) {
+                Ok(r) => out.push(self.with_ready_tiers(&img.name, r)),
                 // Removed between the listing and the read.
                 Err(ImageError::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),
@@ -106,116 +132,141 @@ impl Manager {
         Ok(out)
     }
 
-    /// One image, or NOT_FOUND listing the names there are.
-    pub fn get_image(&self, name: &str) -> Result<ImageRecord, Error> {
-        if !crate::images::is_valid_name(name) {
-            return Err(self.catalog.not_found(name).into());
-        }
-        Ok(self.with_ready_tiers(self.catalog.record(name)?))
+    /// One image `viewer` can use, or NOT_FOUND listing the names it can.
+    pub fn get_image(&self, viewer: &Viewer, name: &str) -> Result<ImageRecord, Error> {
+        let img = self.catalog.find(viewer, name)?;
+        Ok(self.with_ready_tiers(&img.name, self.catalog.record(&img.name)?))
     }
 
-    fn with_ready_tiers(&self, mut record: ImageRecord) -> ImageRecord {
-        record.ready_tiers = Isolation::ALL.into_iter().filter(|t| self.backends.get(*t).is_ok_and(|b| b.image_ready(&record.name).is_ok())).collect();
+    /// The catalog key of the image `name` as `tenant` sees it, for a create: what the sandbox
+    /// records and its tier resolves. Another tenant's image is NOT_FOUND.
+    pub(super) fn image_key(&self, tenant: &str, name: &str) -> Result<String, Error> {
+        Ok(self.catalog.find(&self.image_viewer(tenant, false), name)?.name)
+    }
+
+    fn with_ready_tiers(&self, key: &str, mut record: ImageRecord) -> ImageRecord {
+        record.ready_tiers = Isolation::ALL.into_iter().filter(|t| self.backends.get(*t).is_ok_and(|b| b.image_ready(key).is_ok())).collect();
         record
     }
 
-    /// The lock that serializes imports, builds and removals of one image name.
-    fn image_lock(&self, name: &str) -> Result<Arc<tokio::sync::Mutex<()>>, Error> {
+    /// The lock that serializes imports, builds and removals of one catalog key.
+    fn image_lock(&self, key: &str) -> Result<Arc<tokio::sync::Mutex<()>>, Error> {
         let mut locks = self.image_locks.lock().map_err(|_| Error::Internal("image lock table poisoned".into()))?;
         locks.retain(|_, l| Arc::strong_count(l) > 1);
-        Ok(locks.entry(name.to_string()).or_default().clone())
+        Ok(locks.entry(key.to_string()).or_default().clone())
     }
 
-    /// FAILED_PRECONDITION naming what uses image `name` (the caller's sandboxes and snapshots by
-    /// id, other tenants' counted), if anything does. Called under the image gate's write lock.
-    fn refuse_if_used(&self, tenant: &str, name: &str, doing: &str) -> Result<(), Error> {
+    /// FAILED_PRECONDITION naming what of `tenant`'s uses the image stored under `key` (its
+    /// sandboxes and snapshots by id), if anything does. Other tenants' are neither named nor
+    /// counted: only a shared image can have any, and the admin removing it learns only that
+    /// there are some. Called under the image gate's write lock.
+    fn refuse_if_used(&self, tenant: &str, key: &str, doing: &str) -> Result<(), Error> {
         let mut mine = Vec::new();
-        let mut others = 0usize;
+        let mut others = false;
         {
             let map = self.sandboxes.read().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
-            for info in map.values().filter_map(|e| e.info().ok()).filter(|i| i.image == name) {
+            for info in map.values().filter_map(|e| e.info().ok()).filter(|i| i.image == key) {
                 if info.tenant == tenant {
                     mine.push(format!("sandbox {}", info.id));
                 } else {
-                    others += 1;
+                    others = true;
                 }
             }
         }
-        for snap in self.store.snapshots(None)?.into_iter().filter(|s| s.image == name) {
+        for snap in self.store.snapshots(None)?.into_iter().filter(|s| s.image == key) {
             if snap.tenant == tenant {
                 mine.push(format!("snapshot {}", snap.snapshot_id));
             } else {
-                others += 1;
+                others = true;
             }
         }
-        if mine.is_empty() && others == 0 {
+        if mine.is_empty() && !others {
             return Ok(());
         }
         mine.sort();
         let mut users = mine.join(", ");
-        if others > 0 {
+        if others {
             if !users.is_empty() {
                 users.push_str(" and ");
             }
-            users.push_str(&format!("{others} sandbox(es) or snapshot(s) of other tenants"));
+            users.push_str("sandboxes or snapshots of other tenants");
         }
+        let name = display_name(key);
         Err(Error::FailedPrecondition(format!(
             "cannot {doing} image {name:?}: it is in use by {users}; destroy those sandboxes and delete those snapshots first"
         )))
     }
 
-    /// Removes an imported image: refused while any sandbox or snapshot uses it, and for the
-    /// operator's script-built images. Returns the bytes of image files freed.
+    /// Removes an image of `viewer`'s (or, for an image admin, a shared import): refused while
+    /// any sandbox or snapshot uses it, and for the operator's script-built images. Another
+    /// tenant's image is NOT_FOUND. Returns the bytes of image files freed.
     #[tracing::instrument(name = "manager.remove_image", skip_all)]
-    pub async fn remove_image(&self, tenant: &str, name: &str) -> Result<u64, Error> {
-        if !crate::images::is_valid_name(name) {
-            return Err(self.catalog.not_found(name).into());
-        }
-        let lock = self.image_lock(name)?;
+    pub async fn remove_image(&self, viewer: &Viewer, name: &str) -> Result<u64, Error> {
+        let key = self.catalog.find(viewer, name)?.name;
+        let lock = self.image_lock(&key)?;
         let _named = lock.lock().await;
         let (trash, freed) = {
             // No create starts from the image while its tiers' copies and then its files go.
             let _gate = self.image_gate.write().await;
-            if self.catalog.is_script_built(name) {
-                return Err(Error::FailedPrecondition(format!(
-                    "image {name:?} is built by the operator's image scripts into the images dir; the daemon never removes those (delete its directory there instead)"
+            let Some(img) = self.catalog.imported(&key) else {
+                if self.catalog.is_script_built(&key) {
+                    return Err(Error::FailedPrecondition(format!(
+                        "image {name:?} is built by the operator's image scripts into the images dir; the daemon never removes those (delete its directory there instead)"
+                    )));
+                }
+                return Err(self.catalog.not_found_for(viewer, name).into());
+            };
+            let json = img.json();
+            if owner::split_key(&key).1.is_none() && json.shared && !viewer.admin {
+                return Err(Error::PermissionDenied(format!(
+                    "image {name:?} is shared with every tenant; only an image admin removes it (images.admin_tenants)"
                 )));
             }
-            let Some(img) = self.catalog.imported(name) else { return Err(self.catalog.not_found(name).into()) };
-            self.refuse_if_used(tenant, name, "remove")?;
-            self.remove_tier_copies(name).await;
-            (self.catalog.take_out(name)?, img.json().size_bytes)
+            self.refuse_if_used(&viewer.tenant, &key, "remove")?;
+            self.remove_tier_copies(&key).await;
+            (self.catalog.take_out(&key)?, json.size_bytes)
         };
-        self.image_store.forget(name);
+        self.image_store.forget(&key);
         let removed = tokio::task::spawn_blocking(move || catalog::remove_any(&trash)).await;
         if let Err(e) = removed {
             tracing::warn!(image = name, error = %e, "removing an image's files");
         }
-        tracing::info!(image = name, freed_bytes = freed, "image removed");
+        tracing::info!(tenant = %viewer.tenant, image = name, freed_bytes = freed, "image removed");
         Ok(freed)
     }
 
     /// Imports an image (see the module documentation); the events end with `done` or an error.
-    pub fn import_image(self: &Arc<Self>, tenant: &str, req: ImportRequest) -> Result<ImageEvents, Error> {
+    /// A `docker:` import needs an image admin unless the operator lists the reference
+    /// (`images.docker_import_allowed`): the host's Docker holds the operator's images too.
+    pub fn import_image(self: &Arc<Self>, viewer: &Viewer, req: ImportRequest) -> Result<ImageEvents, Error> {
         check_name(&req.name)?;
+        if req.shared && !viewer.admin {
+            return Err(Error::PermissionDenied("only an image admin shares an image with every tenant (images.admin_tenants)".into()));
+        }
         if let ImportSource::Docker(reference) = &req.source {
             if reference.is_empty() || reference.len() > 512 || reference.chars().any(|c| c.is_whitespace() || c.is_control()) {
                 return Err(Error::invalid("docker_image", "a Docker image reference: 1-512 characters, no spaces"));
             }
+            if !viewer.admin && !self.cfg.images.docker_import_allowed.iter().any(|r| r == reference) {
+                return Err(Error::PermissionDenied(format!(
+                    "importing {:?} from the host's Docker needs an image admin; the operator lists the images anyone may import in images.docker_import_allowed",
+                    reference.chars().take(200).collect::<String>()
+                )));
+            }
         }
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         let manager = self.clone();
-        let tenant = tenant.to_string();
+        let viewer = viewer.clone();
         tokio::spawn(async move {
             let report = Reporter(tx.clone());
-            let result = manager.run_import(&tenant, req, &report).await;
+            let result = manager.run_import(&viewer, req, &report).await;
             finish(&tx, result).await;
         });
         Ok(ReceiverStream::new(rx))
     }
 
-    /// Builds an image with the local Docker Engine and imports the result.
-    pub fn build_image(self: &Arc<Self>, tenant: &str, req: BuildRequest) -> Result<ImageEvents, Error> {
+    /// Builds an image with the local Docker Engine and imports the result as `viewer`'s.
+    pub fn build_image(self: &Arc<Self>, viewer: &Viewer, req: BuildRequest) -> Result<ImageEvents, Error> {
         if req.name.is_empty() {
             return Err(Error::invalid("name", "a build needs the name of its image"));
         }
@@ -228,44 +279,79 @@ impl Manager {
         }
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         let manager = self.clone();
-        let tenant = tenant.to_string();
+        let viewer = viewer.clone();
         tokio::spawn(async move {
             let report = Reporter(tx.clone());
-            let result = manager.run_build(&tenant, req, &report).await;
+            let result = manager.run_build(&viewer, req, &report).await;
             finish(&tx, result).await;
         });
         Ok(ReceiverStream::new(rx))
     }
 
-    /// One of `images.max_concurrent` slots for an import or build, saying so while it waits.
-    async fn image_slot(&self, report: &Reporter) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
-        if let Ok(permit) = self.image_jobs.clone().try_acquire_owned() {
-            return Ok(permit);
-        }
-        report.say("receive", format!("waiting: {} imports or builds are running (images.max_concurrent)", self.cfg.images.max_concurrent)).await;
-        self.image_jobs.clone().acquire_owned().await.map_err(|_| Error::Internal("image job slots closed".into()))
+    /// A slot for an import or build of `tenant`: one of its own
+    /// `images.max_concurrent_per_tenant`, then one of the daemon's `images.max_concurrent`,
+    /// saying so while it waits. A tenant waits for its own slots before it takes a shared
+    /// one, and can never hold all of those, so its builds never block another tenant.
+    async fn image_slot(&self, tenant: &str, report: &Reporter) -> Result<Slot, Error> {
+        let closed = |_| Error::Internal("image job slots closed".into());
+        let own = {
+            let mut map = self.tenant_image_jobs.lock().map_err(|_| Error::Internal("image slot table poisoned".into()))?;
+            map.retain(|_, s| Arc::strong_count(s) > 1 || s.available_permits() < self.cfg.images.max_concurrent_per_tenant);
+            map.entry(tenant.to_string()).or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.cfg.images.max_concurrent_per_tenant))).clone()
+        };
+        let own = match own.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                report
+                    .say(
+                        "receive",
+                        format!(
+                            "waiting: {} of your imports or builds are running (images.max_concurrent_per_tenant)",
+                            self.cfg.images.max_concurrent_per_tenant
+                        ),
+                    )
+                    .await;
+                own.acquire_owned().await.map_err(closed)?
+            }
+        };
+        let shared = match self.image_jobs.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                report.say("receive", format!("waiting: {} imports or builds are running (images.max_concurrent)", self.cfg.images.max_concurrent)).await;
+                self.image_jobs.clone().acquire_owned().await.map_err(closed)?
+            }
+        };
+        Ok(Slot { _own: own, _shared: shared })
     }
 
-    async fn run_import(&self, tenant: &str, req: ImportRequest, report: &Reporter) -> Result<ImageRecord, Error> {
+    async fn run_import(&self, viewer: &Viewer, req: ImportRequest, report: &Reporter) -> Result<ImageRecord, Error> {
         let started = Instant::now();
+        let tenant = viewer.tenant.as_str();
         // Declared first, dropped last: the claim covers the upload file until it is gone.
-        let mut claim = self.image_store.claim()?;
+        let mut claim = self.image_store.claim(tenant)?;
         let upload = TempFile(self.catalog.upload_path());
         let (spec, permit) = match req.source {
             ImportSource::Docker(reference) => {
-                let permit = self.image_slot(report).await?;
+                let permit = self.image_slot(tenant, report).await?;
                 let id = self.engine.image_id(&reference).await?;
                 report.say("export", format!("exporting {reference} ({}) from the local Docker Engine", short(&id))).await;
                 self.export(&id, &upload.0, &mut claim, report).await?;
-                let spec = ImportSpec { name: req.name, name_hint: reference.clone(), source: format!("docker:{reference}") };
+                let spec = ImportSpec {
+                    name: req.name,
+                    name_hint: reference.clone(),
+                    source: format!("docker:{reference}"),
+                    viewer: viewer.clone(),
+                    shared: req.shared,
+                };
                 (spec, permit)
             }
             ImportSource::Archive { file_name, size, data } => {
                 // The bytes are received before a slot is taken: a slow client holds no slot.
                 receive(data, &upload.0, size, self.cfg.images.max_archive_bytes, &mut claim, report).await?;
-                let permit = self.image_slot(report).await?;
+                let permit = self.image_slot(tenant, report).await?;
                 let stem = Path::new(&file_name).file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_string();
-                let spec = ImportSpec { name: req.name, name_hint: stem, source: format!("archive:{}", file_name.chars().take(200).collect::<String>()) };
+                let source = format!("archive:{}", file_name.chars().take(200).collect::<String>());
+                let spec = ImportSpec { name: req.name, name_hint: stem, source, viewer: viewer.clone(), shared: req.shared };
                 (spec, permit)
             }
         };
@@ -275,11 +361,33 @@ impl Manager {
         record
     }
 
-    async fn run_build(&self, tenant: &str, req: BuildRequest, report: &Reporter) -> Result<ImageRecord, Error> {
-        let mut claim = self.image_store.claim()?;
+    /// The Docker image ID of each catalog image the checked Dockerfile names, as `viewer`
+    /// sees it, made to exist in Docker first (NOT_FOUND for an image `viewer` cannot use).
+    async fn pin_bases(
+        &self,
+        viewer: &Viewer,
+        checked: &build::Checked,
+        container: &Arc<dyn crate::backend::Backend>,
+        report: &Reporter,
+    ) -> Result<HashMap<String, String>, Error> {
+        let mut pinned = HashMap::new();
+        for name in checked.catalog_names() {
+            let img = self.catalog.find(viewer, &name)?;
+            container.prepare_image(&img.name).await?;
+            let reference = engine::docker_reference(&img.name, engine::stable_hash(&img.meta));
+            let id = self.engine.image_id(&reference).await?;
+            report.say("build", format!("FROM sandboxd/{name}: the catalog image {name}, as Docker image {}", short(&id))).await;
+            pinned.insert(name, id);
+        }
+        Ok(pinned)
+    }
+
+    async fn run_build(&self, viewer: &Viewer, req: BuildRequest, report: &Reporter) -> Result<ImageRecord, Error> {
+        let tenant = viewer.tenant.as_str();
+        let mut claim = self.image_store.claim(tenant)?;
         let context = TempFile(self.catalog.upload_path());
         receive(req.data, &context.0, req.size, self.cfg.images.max_archive_bytes, &mut claim, report).await?;
-        let permit = self.image_slot(report).await?;
+        let permit = self.image_slot(tenant, report).await?;
         let dockerfile = if req.dockerfile.is_empty() { "Dockerfile".to_string() } else { req.dockerfile };
         let text = {
             let (path, file) = (context.0.clone(), dockerfile.clone());
@@ -287,18 +395,52 @@ impl Manager {
                 .await
                 .map_err(|e| Error::Internal(format!("reading the Dockerfile: {e}")))??
         };
+        // Everything a build could reach beyond its context is refused before Docker sees it.
+        let checked = build::check(&text)?;
         let container = self.backends.available(Isolation::Container).map_err(|e| Error::FailedPrecondition(format!("BuildImage needs Docker: {e}")))?.clone();
-        // `FROM sandboxd/<name>` means the catalog's image: in Docker, and tagged `:latest`.
-        for from in build::from_images(&text) {
-            let Some(base) = build::catalog_name(&from) else { continue };
-            self.catalog.resolve(base)?;
-            report.say("build", format!("FROM {from}: the catalog image {base}, prepared in Docker")).await;
-            container.prepare_image(base).await?;
+        let pinned = self.pin_bases(viewer, &checked, &container, report).await?;
+        let id = crate::ids::SandboxId::generate().as_str().trim_start_matches("sb-").to_ascii_lowercase();
+        // Docker reads the checked Dockerfile with every base pinned, appended to the context
+        // under a name of its own; the client's stays as it was.
+        let pinned_name = format!(".sandboxd-dockerfile-{id}");
+        {
+            let (path, name, text) = (context.0.clone(), pinned_name.clone(), checked.pinned(&pinned));
+            tokio::task::spawn_blocking(move || build::append_to_context(&path, &name, &text))
+                .await
+                .map_err(|e| Error::Internal(format!("writing the Dockerfile: {e}")))??;
         }
-        let tag = format!("sandboxd-build:{}", crate::ids::SandboxId::generate().as_str().trim_start_matches("sb-").to_ascii_lowercase());
-        let spec = BuildSpec { dockerfile, tag: tag.clone(), build_args: req.build_args.into_iter().collect(), network: self.cfg.images.build_network };
+        let i = &self.cfg.images;
+        let cgroup = match self.engine.cgroup_driver().await?.as_str() {
+            "cgroupfs" => Some(BuildCgroup::create(&id, i.build_max_pids, i.build_memory_bytes)?),
+            driver => {
+                tracing::warn!(driver, "Docker's cgroup driver is not cgroupfs: a build's RUN steps run without the images.build_max_pids bound");
+                report.say("build", format!("note: Docker's cgroup driver {driver:?} takes no cgroup parent here; RUN steps have no pids bound")).await;
+                None
+            }
+        };
+        let tag = format!("sandboxd-build:{id}");
+        let spec = BuildSpec {
+            dockerfile: pinned_name,
+            tag: tag.clone(),
+            build_args: req.build_args.into_iter().collect(),
+            network: i.build_network,
+            limits: BuildLimits { memory_bytes: i.build_memory_bytes, cpu_millicores: i.build_cpu_millicores, shm_bytes: i.build_shm_bytes },
+            cgroup_parent: cgroup.as_ref().map(BuildCgroup::parent),
+        };
         let started = Instant::now();
-        report.say("build", format!("building with the local Docker Engine (network {:?})", spec.network).to_lowercase()).await;
+        report
+            .say(
+                "build",
+                format!(
+                    "building with the local Docker Engine: network {}, {} memory, {} CPU, {} processes per RUN step, at most {}",
+                    format!("{:?}", spec.network).to_lowercase(),
+                    human(i.build_memory_bytes),
+                    f64::from(i.build_cpu_millicores) / 1000.0,
+                    i.build_max_pids,
+                    humantime::format_duration(Duration::from_millis(i.build_timeout_ms))
+                ),
+            )
+            .await;
         let (log_tx, mut log_rx) = mpsc::channel::<String>(64);
         let forward = {
             let report = report.clone();
@@ -310,7 +452,23 @@ impl Manager {
                 }
             })
         };
-        let built = self.engine.build(&context.0, &spec, &log_tx).await;
+        // A client that goes away stops the build even while a step prints nothing.
+        let building = async {
+            tokio::select! {
+                r = self.engine.build(&context.0, &spec, &log_tx) => r,
+                () = report.0.closed() => Err(ImageError::Aborted("the client went away during the build".into())),
+            }
+        };
+        let built = match tokio::time::timeout(Duration::from_millis(i.build_timeout_ms), building).await {
+            Ok(r) => r,
+            Err(_) => Err(ImageError::Limit {
+                what: "the build".into(),
+                limit: humantime::format_duration(Duration::from_millis(i.build_timeout_ms)).to_string(),
+                key: "build_timeout_ms",
+            }),
+        };
+        // Whatever a stopped build left running goes with its cgroup.
+        drop(cgroup);
         drop(log_tx);
         let _ = forward.await;
         drop(context);
@@ -322,7 +480,13 @@ impl Manager {
             self.export(&tag, &export.0, &mut claim, report).await?;
             // The intermediate tag goes before the (long) import: Docker keeps nothing of ours.
             self.remove_build_tag(&tag).await;
-            let spec = ImportSpec { name: req.name.clone(), name_hint: req.name.clone(), source: format!("build:{}", req.name) };
+            let spec = ImportSpec {
+                name: req.name.clone(),
+                name_hint: req.name.clone(),
+                source: format!("build:{}", req.name),
+                viewer: viewer.clone(),
+                shared: false,
+            };
             self.finish_import(tenant, spec, &export.0, &mut claim, report).await
         }
         .await;
@@ -374,7 +538,7 @@ impl Manager {
         let started = Instant::now();
         let prepared = {
             let (catalog, cfg, path) = (self.catalog.clone(), self.cfg.images.clone(), path.to_path_buf());
-            let room = self.image_store.room();
+            let room = self.image_store.room(tenant);
             let tx = report.0.clone();
             let closed = tx.clone();
             tokio::task::spawn_blocking(move || {
@@ -400,7 +564,7 @@ impl Manager {
         let _named = lock.lock().await;
         match prepared {
             Prepared::Unchanged { name, digest } => {
-                report.say("metadata", format!("image {name} is already imported with digest {digest}: nothing to do")).await;
+                report.say("metadata", format!("image {} is already imported with digest {digest}: nothing to do", display_name(&name))).await;
             }
             Prepared::Staged(staged) => {
                 let replaced = {
@@ -419,7 +583,14 @@ impl Manager {
                 report
                     .say(
                         "metadata",
-                        format!("image {name} {}: {} in {} entries, {} layers ({layers_ms} ms)", short(&j.digest), human(j.size_bytes), j.entries, j.layers),
+                        format!(
+                            "image {} {}: {} in {} entries, {} layers ({layers_ms} ms)",
+                            display_name(&name),
+                            short(&j.digest),
+                            human(j.size_bytes),
+                            j.entries,
+                            j.layers
+                        ),
                     )
                     .await;
             }
@@ -430,7 +601,7 @@ impl Manager {
             tracing::warn!(image = %name, error = %e, "measuring the image store");
         }
         tracing::info!(tenant, image = %name, ms = started.elapsed().as_millis() as u64, "image imported");
-        self.get_image(&name)
+        Ok(self.with_ready_tiers(&name, self.catalog.record(&name)?))
     }
 
     /// Frees what every tier made of the image (failures are logged: the image goes anyway,
@@ -574,10 +745,19 @@ mod tests {
         let m = fake_manager(dir.path(), 8 << 30, "");
         let py = dir.path().join("images/py");
         std::fs::create_dir_all(py.join("rootfs")).expect("mkdir");
-        let json =
-            r#"{"name":"py","digest":"sha256:00","size_bytes":9,"config":{"env":{"LANG":"en_US.UTF-8","A":"1","B":"image"},"workdir":"/app","user":"app"}}"#;
+        let json = r#"{"name":"py","owner":"t","digest":"sha256:00","size_bytes":9,"config":{"env":{"LANG":"en_US.UTF-8","A":"1","B":"image"},"workdir":"/app","user":"app"}}"#;
         std::fs::write(py.join("image.json"), json).expect("write");
-        assert_eq!(m.list_images().expect("list").iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["minimal", "py"]);
+        let (t, other) = (m.image_viewer("t", false), m.image_viewer("other", false));
+        assert_eq!(m.list_images(&t).expect("list").iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["minimal", "py"]);
+        // Another tenant's image: not listed, NOT_FOUND to get, create from or remove.
+        assert_eq!(m.list_images(&other).expect("list").iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["minimal"]);
+        for err in [
+            m.get_image(&other, "py").expect_err("another tenant's"),
+            m.create("other", CreateRequest { image: "py".into(), ..Default::default() }).await.expect_err("another tenant's"),
+            m.remove_image(&other, "py").await.expect_err("another tenant's"),
+        ] {
+            assert!(matches!(&err, Error::ImageNotFound { available, .. } if available == &["minimal".to_string()]), "{err}");
+        }
 
         let env = std::collections::BTreeMap::from([("B".to_string(), "sandbox".to_string())]);
         let sb = m.create("t", CreateRequest { image: "py".into(), env, ..Default::default() }).await.expect("create");
@@ -596,17 +776,15 @@ mod tests {
         let out = String::from_utf8(m.exec("t", run(plain.id.to_string())).await.expect("exec").outcome.stdout.bytes).expect("utf8");
         assert!(out.lines().any(|l| l == "LANG=C.UTF-8"), "{out}");
 
-        let err = m.remove_image("t", "py").await.expect_err("in use");
+        let err = m.remove_image(&t, "py").await.expect_err("in use");
         assert!(matches!(&err, Error::FailedPrecondition(m) if m.contains(sb.id.as_str())), "{err}");
-        let err = m.remove_image("other", "py").await.expect_err("in use by another tenant's sandbox");
-        assert!(matches!(&err, Error::FailedPrecondition(m) if !m.contains(sb.id.as_str()) && m.contains("other tenants")), "{err}");
-        let err = m.remove_image("t", "minimal").await.expect_err("script-built");
+        let err = m.remove_image(&t, "minimal").await.expect_err("script-built");
         assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
         m.destroy("t", sb.id.as_str()).await.expect("destroy");
-        assert_eq!(m.remove_image("t", "py").await.expect("remove"), 9);
+        assert_eq!(m.remove_image(&t, "py").await.expect("remove"), 9);
         assert!(!py.exists());
         for err in [
-            m.remove_image("t", "py").await.expect_err("gone"),
+            m.remove_image(&t, "py").await.expect_err("gone"),
             m.create("t", CreateRequest { image: "py".into(), ..Default::default() }).await.expect_err("gone"),
         ] {
             assert!(matches!(&err, Error::ImageNotFound { available, .. } if available == &["minimal".to_string()]), "{err}");

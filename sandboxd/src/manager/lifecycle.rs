@@ -8,6 +8,7 @@ use super::validate::{resolve_limits, validate_image, validate_labels, validate_
 use super::{spec_of, Manager, SandboxEntry};
 use crate::error::Error;
 use crate::ids::SandboxId;
+use crate::images::display_name;
 use crate::metrics::Op;
 use crate::model::{CreateRequest, Isolation, SandboxInfo, SandboxState};
 
@@ -60,8 +61,8 @@ impl Manager {
             if req.isolation.is_some_and(|i| i != snap.isolation) {
                 return Err(Error::invalid("isolation", format!("snapshot {} belongs to the {} tier", snap.snapshot_id, snap.isolation.name())));
             }
-            if !req.image.is_empty() && req.image != snap.image {
-                return Err(Error::invalid("image", format!("snapshot {} is of image {:?}", snap.snapshot_id, snap.image)));
+            if !req.image.is_empty() && req.image != display_name(&snap.image) {
+                return Err(Error::invalid("image", format!("snapshot {} is of image {:?}", snap.snapshot_id, display_name(&snap.image))));
             }
             (Some(snap.isolation), snap.image, Some((snap.snapshot_id, snap.origin)))
         };
@@ -70,6 +71,9 @@ impl Manager {
         // From the catalog check until the sandbox is in the table, the image cannot be removed
         // (a removal checks the table under the write side of this lock).
         let image_held = self.image_gate.read().await;
+        // A name means the image the caller sees under it (its own, else a shared one), stored
+        // under a key; another tenant's is NOT_FOUND. A fork keeps its snapshot's key.
+        let image = if origin.is_none() { self.image_key(tenant, &image)? } else { image };
         let image_config = self.catalog.config(&image)?;
         // The workdir: the request's, the parent's, the image's WorkingDir (one the sandbox
         // could not use, under /proc say, is ignored: an image's say-so is no request), or

@@ -102,6 +102,8 @@ pub struct Manager {
     engine: Arc<Engine>,
     /// Imports and builds at once (`images.max_concurrent`).
     image_jobs: Arc<tokio::sync::Semaphore>,
+    /// Of those, one tenant's at once (`images.max_concurrent_per_tenant`), by tenant.
+    tenant_image_jobs: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
     /// The host disk the image store may take (`images.max_store_bytes`, `min_free_bytes`).
     image_store: Arc<StoreBudget>,
     /// Creates hold it (read) from their image check until the sandbox is in the table; image
@@ -129,11 +131,13 @@ impl Manager {
     pub fn new(cfg: Arc<Config>, backends: Backends, catalog: Arc<Catalog>, engine: Arc<Engine>, store: Store, metrics: Arc<Metrics>) -> Arc<Self> {
         let disk_pools = DiskPools::from_config(&cfg);
         let image_jobs = Arc::new(tokio::sync::Semaphore::new(cfg.images.max_concurrent));
-        let image_store = StoreBudget::new(catalog.imported_dir(), cfg.images.max_store_bytes, cfg.images.min_free_bytes);
+        let i = &cfg.images;
+        let image_store = StoreBudget::new(catalog.imported_dir(), i.max_store_bytes, i.min_free_bytes, i.max_store_bytes_per_tenant, &cfg.auth.unix_tenant);
         Arc::new(Manager {
             catalog,
             engine,
             image_jobs,
+            tenant_image_jobs: Mutex::new(HashMap::new()),
             image_store,
             image_gate: tokio::sync::RwLock::new(()),
             image_locks: Mutex::new(HashMap::new()),

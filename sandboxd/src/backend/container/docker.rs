@@ -63,14 +63,7 @@ pub async fn connect(socket: &Path) -> Result<(Docker, DockerHost), String> {
 
 /// FNV-1a, 64 bits: a hash that never changes between builds (std's `DefaultHasher` may), for
 /// values that outlive the daemon such as Docker labels and image tags.
-pub fn stable_hash(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
+pub use crate::images::engine::stable_hash;
 
 /// The owner label value of a daemon with this state dir.
 pub fn owner_of(state_dir: &Path) -> String {

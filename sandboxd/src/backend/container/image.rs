@@ -7,7 +7,8 @@
 //! into Docker's image import (`POST /images/create?fromSrc=-`), which makes a one-layer image.
 //! Rebuilding or re-importing an image rewrites `image.json`, so the tag changes and the next
 //! sandbox gets the new image; sandboxes already running keep the old one. Preparing an image
-//! also tags it `sandboxd/<name>:latest`, which is what `FROM sandboxd/<name>` in a build means.
+//! also tags it `sandboxd/<name>:latest` (for the operator's own use on the host: a build through
+//! the API pins its bases by image ID instead, see `images::build`).
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -23,6 +24,7 @@ use tokio::sync::mpsc;
 
 use super::docker::{api_error, is_not_found, stable_hash};
 use crate::backend::{BackendError, Isolation};
+use crate::images::engine::{docker_reference, valid_repo_component};
 use crate::images::Catalog;
 
 /// Chunk size of the tar stream sent to Docker.
@@ -36,21 +38,10 @@ pub struct ImageCache {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
-/// Whether `s` can be a path component of a Docker repository name (lowercase alphanumerics
-/// separated by single `.`, `_` or `-`).
-fn valid_repo_component(s: &str) -> bool {
-    let bytes = s.as_bytes();
-    !bytes.is_empty()
-        && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(b))
-        && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
-        && bytes.last().is_some_and(u8::is_ascii_alphanumeric)
-        && !bytes.windows(2).any(|w| b"._-".contains(&w[0]) && b"._-".contains(&w[1]))
-}
-
-/// The Docker reference of image `name` whose `image.json` hashes to `hash`.
+/// The Docker reference of image `name` whose `image.json` hashes to `hash` (named in
+/// `images::engine`, whose builds pin a `FROM` to it).
 fn reference(name: &str, hash: u64) -> String {
-    let repo = if valid_repo_component(name) { name.to_string() } else { format!("image-{:016x}", stable_hash(name.as_bytes())) };
-    format!("sandboxd/{repo}:{hash:016x}")
+    docker_reference(name, hash)
 }
 
 /// A `Write` that hands the tar stream to the async side in chunks.
@@ -121,7 +112,7 @@ impl ImageCache {
     }
 
     /// Tags the Docker image of `name` (`tag`, from [`ImageCache::ensure`]) as
-    /// `sandboxd/<name>:latest`, the image `FROM sandboxd/<name>` means in a build.
+    /// `sandboxd/<name>:latest` (a name Docker can take only; a tenant's key is hashed).
     pub async fn tag_latest(&self, docker: &Docker, name: &str, tag: &str) -> Result<(), BackendError> {
         let Some((repo, _)) = tag.rsplit_once(':') else { return Ok(()) };
         if !valid_repo_component(name) {
