@@ -14,8 +14,9 @@
 //!   request, stays within (host memory − `admission.daemon_memory_reserve_bytes`) ×
 //!   `admission.memory_overcommit`, and within `admission.max_memory_bytes_per_tenant` per
 //!   tenant. Creates are refused while the host's available memory is below the reserve. The
-//!   daemon's `oom_score_adj` (`admission.oom_score_adj`, -900) makes the kernel kill a
-//!   sandbox's processes (reset to 0 in every child) before the daemon.
+//!   daemon's `oom_score_adj` (`admission.oom_score_adj`, -900, when the host grants
+//!   CAP_SYS_RESOURCE) and its sandboxes' (`admission.sandbox_oom_score_adj`, 500, set in every
+//!   process started for one) make the kernel kill a sandbox's processes before the daemon.
 //! * **Pids.** The sum of `max_pids` stays within (`kernel.pid_max` − `admission.pids_reserve`)
 //!   × `admission.pids_overcommit` (per tenant: `admission.max_pids_per_tenant`); creates are
 //!   refused while fewer than `pids_reserve` pids are free.
@@ -26,7 +27,9 @@
 //!   hard per sandbox (a btrfs qgroup on the process tier). Real use of the pool — layers and
 //!   snapshots alike — is measured at each create: from `admission.disk_warn` (80%) the daemon
 //!   warns in its log and `/metrics`, from `admission.disk_high_water` (90%) creates on the pool
-//!   are refused. A write refused because the pool (not the sandbox's quota) is full says so.
+//!   are refused (a pool that is a filesystem of its own, the process tier's; a shared host
+//!   filesystem only warns). A write refused because the pool (not the sandbox's quota) is full
+//!   says so.
 //! * **Snapshots.** Count and bytes (`size_bytes`) per sandbox and per tenant
 //!   (`admission.max_snapshots_per_*`, `admission.max_snapshot_bytes_per_*`); snapshots live in
 //!   the pool, so they count in its real use too.
@@ -299,9 +302,12 @@ impl DiskPools {
 
     /// Whether the real use of `tier`'s pool (`usage`, measured now) leaves room for a create;
     /// else the sentence to refuse with.
+    /// Only a pool that is a filesystem of its own (the process tier's) refuses: on a shared
+    /// filesystem (MICROVM, CONTAINER) the used share counts whatever else the host keeps there
+    /// (and blocks reserved for root), so it only warns.
     pub fn admit_use(&self, tier: Isolation, usage: Option<PoolUse>) -> Result<(), String> {
         let (Some(pool), Some(usage)) = (self.pool_of(tier), usage) else { return Ok(()) };
-        if self.pressure(usage) < Pressure::Over {
+        if !pool.own_mount || self.pressure(usage) < Pressure::Over {
             return Ok(());
         }
         Err(format!(
@@ -574,28 +580,65 @@ impl PressureLog {
 }
 
 /// Sets the daemon's own `oom_score_adj`, so that under memory pressure the kernel kills a
-/// sandbox's processes before the daemon that serves every tenant.
+/// sandbox's processes before the daemon that serves every tenant. Lowering it needs
+/// CAP_SYS_RESOURCE (which some hosts withhold even from root): then the sandboxes' higher
+/// value (below) is what keeps the daemon last.
 pub fn set_oom_score_adj(value: i32) -> Result<(), String> {
     std::fs::write("/proc/self/oom_score_adj", value.to_string()).map_err(|e| format!("writing /proc/self/oom_score_adj: {e}"))
 }
 
-/// Resets `oom_score_adj` to 0 in a child between fork and exec: the value is inherited, and a
-/// sandbox's init, QEMU or anything else spawned for a sandbox must not share the daemon's
-/// protection. Raising the value needs no privilege.
+/// The `oom_score_adj` every process started for a sandbox gets (`admission.sandbox_oom_score_adj`).
+static SANDBOX_OOM_SCORE_ADJ: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(500);
+
+/// Sets the value [`set_sandbox_oom_score_adj_in_child`] writes (at start, from the config).
+pub fn set_sandbox_oom_score_adj(value: i32) {
+    SANDBOX_OOM_SCORE_ADJ.store(value, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// `value` in decimal into `buf`, without allocating (for use after fork); the digits' length.
+fn decimal(value: i32, buf: &mut [u8; 12]) -> usize {
+    let mut n = value.unsigned_abs();
+    let mut digits = [0u8; 12];
+    let mut len = 0;
+    loop {
+        digits[len] = b'0' + (n % 10) as u8;
+        len += 1;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let mut out = 0;
+    if value < 0 {
+        buf[0] = b'-';
+        out = 1;
+    }
+    for d in digits[..len].iter().rev() {
+        buf[out] = *d;
+        out += 1;
+    }
+    out
+}
+
+/// Sets `oom_score_adj` to `admission.sandbox_oom_score_adj` in a child between fork and exec:
+/// the daemon's value is inherited, and a sandbox's init, QEMU or anything else spawned for a
+/// sandbox must never share its protection. Raising the value needs no privilege.
 ///
-/// Only async-signal-safe calls (open, write, close) on a static path.
-pub fn reset_oom_score_adj_in_child() -> std::io::Result<()> {
+/// Only async-signal-safe calls (an atomic load, open, write, close) and no allocation.
+pub fn set_sandbox_oom_score_adj_in_child() -> std::io::Result<()> {
     const PATH: &std::ffi::CStr = c"/proc/self/oom_score_adj";
-    // SAFETY: PATH is a C string; open/write/close are async-signal-safe and touch only
-    // this descriptor.
+    let mut buf = [0u8; 12];
+    let len = decimal(SANDBOX_OOM_SCORE_ADJ.load(std::sync::atomic::Ordering::Relaxed), &mut buf);
+    // SAFETY: PATH is a C string and buf holds len initialised bytes; open/write/close are
+    // async-signal-safe and touch only this descriptor.
     unsafe {
         let fd = libc::open(PATH.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
-        let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+        let written = libc::write(fd, buf.as_ptr().cast(), len);
         libc::close(fd);
-        if written != 1 {
+        if written != len as isize {
             return Err(std::io::Error::last_os_error());
         }
     }
@@ -799,7 +842,9 @@ mod tests {
 
     #[test]
     fn real_use_warns_then_refuses_naming_the_key() {
-        let p = pools();
+        let own = DiskPool { own_mount: true, ..pool("pool_size_bytes", 100 * GIB) };
+        let shared = pool("microvm.disk_pool_bytes", 100 * GIB);
+        let p = DiskPools::new(vec![own, shared], HashMap::from([(Isolation::Process, 0), (Isolation::MicroVm, 1)]));
         let at = |used: u64| Some(PoolUse { used, size: 100 * GIB });
         assert!(p.admit_use(Isolation::Process, at(79 * GIB)).is_ok());
         assert_eq!(p.pressure(PoolUse { used: 80 * GIB, size: 100 * GIB }), Pressure::Near, "warned from disk_warn");
@@ -807,6 +852,7 @@ mod tests {
         let err = p.admit_use(Isolation::Process, at(90 * GIB)).expect_err("at the high-water mark");
         assert!(err.contains("admission.disk_high_water (90%)") && err.contains("90 GiB of 100 GiB") && err.contains("pool_size_bytes"), "{err}");
         assert!(p.admit_use(Isolation::Process, None).is_ok(), "unmeasurable: promises alone");
+        assert!(p.admit_use(Isolation::MicroVm, at(95 * GIB)).is_ok(), "a shared host filesystem only warns");
     }
 
     #[test]
@@ -943,25 +989,26 @@ mod tests {
     }
 
     #[test]
-    fn the_oom_score_adj_is_reset_in_a_child() {
+    fn decimals_are_written_without_allocating() {
+        for v in [0, 7, 500, -900, -1000, 1000, i32::MIN, i32::MAX] {
+            let mut buf = [0u8; 12];
+            let n = decimal(v, &mut buf);
+            assert_eq!(std::str::from_utf8(&buf[..n]).ok(), Some(v.to_string().as_str()));
+        }
+    }
+
+    #[test]
+    fn a_child_gets_the_sandbox_oom_score_adj() {
         use std::os::unix::process::CommandExt;
         let mut cmd = std::process::Command::new("cat");
         cmd.arg("/proc/self/oom_score_adj");
         // SAFETY: the hook only makes async-signal-safe calls (open, write, close) on static
         // data.
         unsafe {
-            cmd.pre_exec(|| {
-                // Raised first, so the reset is what shows.
-                let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY);
-                if fd < 0 || libc::write(fd, b"500".as_ptr().cast(), 3) != 3 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                libc::close(fd);
-                reset_oom_score_adj_in_child()
-            });
+            cmd.pre_exec(set_sandbox_oom_score_adj_in_child);
         }
         let out = cmd.output().expect("cat");
-        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "500", "the built-in default");
     }
 
     #[test]

@@ -207,8 +207,12 @@ pub struct AdmissionConfig {
     /// Bytes the snapshots of one tenant may hold.
     pub max_snapshot_bytes_per_tenant: u64,
     /// The daemon's own `oom_score_adj` (-1000..=1000): the kernel kills a sandbox's processes
-    /// (which start at 0) long before the daemon.
+    /// long before the daemon. Lowering it needs CAP_SYS_RESOURCE; without it a warning is
+    /// logged and `sandbox_oom_score_adj` alone keeps the daemon last.
     pub oom_score_adj: i32,
+    /// The `oom_score_adj` of every process started for a sandbox (0..=1000: raising needs no
+    /// privilege): under memory pressure the kernel's first choice.
+    pub sandbox_oom_score_adj: i32,
 }
 
 impl Default for AdmissionConfig {
@@ -229,6 +233,7 @@ impl Default for AdmissionConfig {
             max_snapshot_bytes_per_sandbox: 16 << 30,
             max_snapshot_bytes_per_tenant: 64 << 30,
             oom_score_adj: -900,
+            sandbox_oom_score_adj: 500,
         }
     }
 }
@@ -258,6 +263,12 @@ impl AdmissionConfig {
         }
         if !(-1000..=1000).contains(&self.oom_score_adj) {
             return Err(ConfigError::Invalid(format!("admission.oom_score_adj = {} must be between -1000 and 1000", self.oom_score_adj)));
+        }
+        if !(0..=1000).contains(&self.sandbox_oom_score_adj) || self.sandbox_oom_score_adj <= self.oom_score_adj {
+            return Err(ConfigError::Invalid(format!(
+                "admission.sandbox_oom_score_adj = {} must be between 0 and 1000 and above admission.oom_score_adj = {}",
+                self.sandbox_oom_score_adj, self.oom_score_adj
+            )));
         }
         for (key, v) in [
             ("max_memory_bytes_per_tenant", self.max_memory_bytes_per_tenant),

@@ -156,7 +156,7 @@ impl Vm {
                     return Err(std::io::Error::last_os_error());
                 }
                 // QEMU holds the guest's memory: under pressure it goes before the daemon.
-                crate::admission::reset_oom_score_adj_in_child()
+                crate::admission::set_sandbox_oom_score_adj_in_child()
             });
         }
         let mut child = cmd.spawn().map_err(|e| BackendError::io(format!("starting {} under the VM guard", spec.qemu.display()), e))?;

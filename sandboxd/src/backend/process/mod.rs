@@ -326,7 +326,7 @@ impl ProcessBackend {
             .stderr(std::process::Stdio::from(log_w));
         let child_fd = theirs.as_raw_fd();
         // SAFETY: dup2, open, write and close are async-signal-safe; the closure only places the
-        // control socket on fd 3 (clearing CLOEXEC) and resets oom_score_adj in the child
+        // control socket on fd 3 (clearing CLOEXEC) and sets the sandbox oom_score_adj in the child
         // between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
@@ -334,8 +334,8 @@ impl ProcessBackend {
                     return Err(std::io::Error::last_os_error());
                 }
                 // The daemon's low oom_score_adj is inherited: the sandbox's processes must be
-                // the kernel's first choice under memory pressure, never the daemon.
-                crate::admission::reset_oom_score_adj_in_child()
+                // the kernel's choice under memory pressure before the daemon.
+                crate::admission::set_sandbox_oom_score_adj_in_child()
             });
         }
         let shim = tokio::process::Command::from(cmd).spawn().map_err(|e| BackendError::io("starting sandbox init", e))?;
