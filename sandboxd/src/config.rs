@@ -222,7 +222,7 @@ impl Default for AdmissionConfig {
             daemon_memory_reserve_bytes: 1 << 30,
             pids_overcommit: 16.0,
             pids_reserve: 2048,
-            disk_overcommit: 32.0,
+            disk_overcommit: 100.0,
             disk_high_water: 0.90,
             disk_warn: 0.80,
             max_memory_bytes_per_tenant: None,
