@@ -46,7 +46,8 @@ pub struct Cli {
     /// Log format: text or json.
     #[arg(long)]
     pub log_format: Option<LogFormat>,
-    /// Size of the sparse btrfs pool file holding the sandboxes' writable layers.
+    /// Size of the sparse btrfs pool file holding the sandboxes' writable layers (default: half
+    /// of the free space of the state dir's filesystem when the pool is made).
     #[arg(long)]
     pub pool_size_bytes: Option<u64>,
     /// Serve Prometheus metrics over HTTP on this address (e.g. 127.0.0.1:9477).
@@ -118,6 +119,9 @@ pub struct ExecConfig {
     /// (their metadata stays, marked `output_discarded`). 0 keeps no output once an exec has
     /// returned it.
     pub max_output_storage_bytes_per_sandbox: u64,
+    /// Bytes of argv an exec record keeps (ListExecs/GetExec): past it the stored argv is cut
+    /// and the record says `argv_truncated`. The exec itself always runs with its whole argv.
+    pub max_record_argv_bytes: usize,
 }
 
 impl Default for ExecConfig {
@@ -128,6 +132,7 @@ impl Default for ExecConfig {
             io_drain_timeout_ms: 300,
             max_records_per_sandbox: 1000,
             max_output_storage_bytes_per_sandbox: 64 << 20,
+            max_record_argv_bytes: 16 << 10,
         }
     }
 }
@@ -194,6 +199,144 @@ pub struct ContainerTierConfig {
     pub disk_pool_bytes: Option<u64>,
 }
 
+/// The `[admission]` table: what the host may promise to sandboxes, what it keeps for itself,
+/// and the per-tenant quotas (see `admission` for how each is counted). Every key has a default
+/// that lets 1,000 sandboxes of the default size run on a 2-core, 24 GiB host with 80 GB free.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionConfig {
+    /// The sum of the sandboxes' `memory_bytes` may reach this many times the host's memory
+    /// (less `daemon_memory_reserve_bytes`). A limit is a ceiling, not an allocation (an idle
+    /// process sandbox uses ~2 MiB): real use is guarded by `daemon_memory_reserve_bytes`.
+    /// 1.0 promises no more than the host has.
+    pub memory_overcommit: f64,
+    /// Memory kept for the daemon and the host: not promised, and creates are refused while
+    /// the host's available memory is below it.
+    pub daemon_memory_reserve_bytes: u64,
+    /// The sum of the sandboxes' `max_pids` may reach this many times `pid_max` less
+    /// `pids_reserve`.
+    pub pids_overcommit: f64,
+    /// Pids kept for the host: not promised, and creates are refused while fewer than this
+    /// are free under `kernel.pid_max`.
+    pub pids_reserve: u64,
+    /// The sum of the sandboxes' `disk_bytes` may reach this many times a storage pool's size.
+    /// Quotas stay hard per sandbox; real use is guarded by `disk_high_water`. 1.0 is strict:
+    /// every promised byte exists.
+    pub disk_overcommit: f64,
+    /// Share of a storage pool in real use (sandboxes' layers and snapshots) from which creates
+    /// on it are refused.
+    pub disk_high_water: f64,
+    /// Share of a storage pool in real use from which the daemon warns (log and /metrics).
+    pub disk_warn: f64,
+    /// Sum of `memory_bytes` one tenant's sandboxes may be promised. Unset: no tenant quota.
+    pub max_memory_bytes_per_tenant: Option<u64>,
+    /// Sum of `max_pids` one tenant's sandboxes may be promised. Unset: no tenant quota.
+    pub max_pids_per_tenant: Option<u64>,
+    /// Sum of `disk_bytes` one tenant's sandboxes may be promised. Unset: no tenant quota.
+    pub max_disk_bytes_per_tenant: Option<u64>,
+    /// Snapshots kept of one sandbox (they outlive it until deleted).
+    pub max_snapshots_per_sandbox: usize,
+    /// Snapshots kept by one tenant.
+    pub max_snapshots_per_tenant: usize,
+    /// Bytes the snapshots of one sandbox may hold (their `size_bytes`).
+    pub max_snapshot_bytes_per_sandbox: u64,
+    /// Bytes the snapshots of one tenant may hold.
+    pub max_snapshot_bytes_per_tenant: u64,
+    /// The daemon's own `oom_score_adj` (-1000..=1000): the kernel kills a sandbox's processes
+    /// long before the daemon. Lowering it needs CAP_SYS_RESOURCE; without it a warning is
+    /// logged and `sandbox_oom_score_adj` alone keeps the daemon last.
+    pub oom_score_adj: i32,
+    /// The `oom_score_adj` of every process started for a sandbox (0..=1000: raising needs no
+    /// privilege): under memory pressure the kernel's first choice.
+    pub sandbox_oom_score_adj: i32,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            memory_overcommit: 32.0,
+            daemon_memory_reserve_bytes: 1 << 30,
+            pids_overcommit: 16.0,
+            pids_reserve: 2048,
+            disk_overcommit: 100.0,
+            disk_high_water: 0.90,
+            disk_warn: 0.80,
+            max_memory_bytes_per_tenant: None,
+            max_pids_per_tenant: None,
+            max_disk_bytes_per_tenant: None,
+            max_snapshots_per_sandbox: 64,
+            max_snapshots_per_tenant: 1024,
+            max_snapshot_bytes_per_sandbox: 16 << 30,
+            max_snapshot_bytes_per_tenant: 64 << 30,
+            oom_score_adj: -900,
+            sandbox_oom_score_adj: 500,
+        }
+    }
+}
+
+impl AdmissionConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (key, ratio) in
+            [("memory_overcommit", self.memory_overcommit), ("pids_overcommit", self.pids_overcommit), ("disk_overcommit", self.disk_overcommit)]
+        {
+            if !(1.0..=1000.0).contains(&ratio) {
+                return Err(ConfigError::Invalid(format!("admission.{key} = {ratio} must be between 1.0 (strict) and 1000")));
+            }
+        }
+        for (key, share) in [("disk_high_water", self.disk_high_water), ("disk_warn", self.disk_warn)] {
+            if !(share > 0.0 && share <= 1.0) {
+                return Err(ConfigError::Invalid(format!("admission.{key} = {share} must be a share of the pool, above 0 and at most 1")));
+            }
+        }
+        if self.disk_warn > self.disk_high_water {
+            return Err(ConfigError::Invalid(format!(
+                "admission.disk_warn = {} must not be above admission.disk_high_water = {}: the warning comes first",
+                self.disk_warn, self.disk_high_water
+            )));
+        }
+        if self.max_snapshots_per_sandbox == 0 || self.max_snapshots_per_tenant == 0 {
+            return Err(ConfigError::Invalid("admission.max_snapshots_per_sandbox and admission.max_snapshots_per_tenant must be > 0".into()));
+        }
+        if !(-1000..=1000).contains(&self.oom_score_adj) {
+            return Err(ConfigError::Invalid(format!("admission.oom_score_adj = {} must be between -1000 and 1000", self.oom_score_adj)));
+        }
+        if !(0..=1000).contains(&self.sandbox_oom_score_adj) || self.sandbox_oom_score_adj <= self.oom_score_adj {
+            return Err(ConfigError::Invalid(format!(
+                "admission.sandbox_oom_score_adj = {} must be between 0 and 1000 and above admission.oom_score_adj = {}",
+                self.sandbox_oom_score_adj, self.oom_score_adj
+            )));
+        }
+        for (key, v) in [
+            ("max_memory_bytes_per_tenant", self.max_memory_bytes_per_tenant),
+            ("max_pids_per_tenant", self.max_pids_per_tenant),
+            ("max_disk_bytes_per_tenant", self.max_disk_bytes_per_tenant),
+        ] {
+            if v == Some(0) {
+                return Err(ConfigError::Invalid(format!("admission.{key} must be > 0 (leave it out for no tenant quota)")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The pool file's size when neither the flag nor the file sets it: half of the space free on
+/// the filesystem that will hold it (the nearest existing ancestor of the state dir), at least
+/// the 256 MiB mkfs.btrfs needs. The file is sparse and the pool overcommits, so a fraction of
+/// the free space serves many sandboxes; the other half stays for images, records and the host.
+pub fn default_pool_size(state_dir: &Path) -> u64 {
+    const FLOOR: u64 = 256 << 20;
+    let existing = state_dir.ancestors().find(|p| p.exists()).unwrap_or(Path::new("/"));
+    match nix::sys::statvfs::statvfs(existing) {
+        // Both fields are u64 or u32 depending on the libc.
+        #[allow(clippy::useless_conversion)]
+        Ok(st) => (u64::from(st.blocks_available()).saturating_mul(u64::from(st.fragment_size())) / 2).max(FLOOR),
+        Err(e) => {
+            tracing::warn!(dir = %existing.display(), error = %e, "cannot measure the free space for the pool file; using 32 GiB (set pool_size_bytes)");
+            32 << 30
+        }
+    }
+}
+
 /// The TOML file, as written by users.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -227,6 +370,8 @@ pub struct FileConfig {
     pub connections: ConnectionsConfig,
     #[serde(default)]
     pub images: ImagesConfig,
+    #[serde(default)]
+    pub admission: AdmissionConfig,
 }
 
 /// Where the RUN steps of a `BuildImage` may connect to.
@@ -537,6 +682,7 @@ pub struct Config {
     pub files: FilesConfig,
     pub connections: ConnectionsConfig,
     pub images: ImagesConfig,
+    pub admission: AdmissionConfig,
 }
 
 impl Config {
@@ -552,12 +698,14 @@ impl Config {
         let listen_raw =
             if !cli.listen.is_empty() { cli.listen } else { file.listen.unwrap_or_else(|| vec!["unix:///run/sandboxd/sandboxd.sock".to_string()]) };
         let listen = listen_raw.iter().map(|a| ListenAddr::parse(a)).collect::<Result<Vec<_>, _>>()?;
+        let state_dir = cli.state_dir.or(file.state_dir).unwrap_or_else(|| PathBuf::from("/var/lib/sandboxd"));
+        let pool_size_bytes = cli.pool_size_bytes.or(file.pool_size_bytes).unwrap_or_else(|| default_pool_size(&state_dir));
         let cfg = Config {
             listen,
-            state_dir: cli.state_dir.or(file.state_dir).unwrap_or_else(|| PathBuf::from("/var/lib/sandboxd")),
+            state_dir,
             images_dir: cli.images_dir.or(file.images_dir).unwrap_or_else(|| PathBuf::from(DEFAULT_IMAGES_DIR)),
             log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
-            pool_size_bytes: cli.pool_size_bytes.or(file.pool_size_bytes).unwrap_or(32 << 30),
+            pool_size_bytes,
             limits: file.limits,
             exec: file.exec,
             metrics: cli.metrics.or(file.metrics),
@@ -571,6 +719,7 @@ impl Config {
             files: file.files,
             connections: file.connections,
             images: file.images,
+            admission: file.admission,
         };
         let cfg = cfg.absolute()?;
         cfg.validate()?;
@@ -677,6 +826,7 @@ impl Config {
         }
         self.telemetry.validate()?;
         self.connections.validate()?;
+        self.admission.validate()?;
         if self.microvm.boot_timeout_ms == 0 || self.microvm.kvm_probe_timeout_ms == 0 {
             return Err(ConfigError::Invalid("microvm.boot_timeout_ms and microvm.kvm_probe_timeout_ms must be > 0".into()));
         }

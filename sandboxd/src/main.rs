@@ -27,6 +27,10 @@ fn main() -> anyhow::Result<()> {
     // Every running exec holds descriptors; the usual soft limit of 1024 would let a few hundred
     // of them starve every other call. Logged below, once logging is up.
     let nofile = sandboxd::admission::raise_nofile_limit();
+    // The daemon serves every tenant: under memory pressure the kernel must kill a sandbox's
+    // processes (reset to 0 in each child it starts) before it.
+    let oom = sandboxd::admission::set_oom_score_adj(cfg.admission.oom_score_adj);
+    sandboxd::admission::set_sandbox_oom_score_adj(cfg.admission.sandbox_oom_score_adj);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     // The OTLP exporter's gRPC channel is a task on the runtime, so it is built inside it, and
     // the runtime lives until the exporter has flushed (below).
@@ -44,6 +48,18 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::registry().with(filter).with(log).with(telemetry.as_ref().map(Telemetry::layer)).init();
     tracing::info!(state_dir = %cfg.state_dir.display(), images_dir = %cfg.images_dir.display(), "sandboxd starting");
     log_nofile(&cfg, nofile);
+    match oom {
+        Ok(()) => tracing::info!(
+            oom_score_adj = cfg.admission.oom_score_adj,
+            sandbox_oom_score_adj = cfg.admission.sandbox_oom_score_adj,
+            "the kernel's OOM killer takes sandboxes before the daemon"
+        ),
+        Err(e) => tracing::warn!(
+            error = %e,
+            sandbox_oom_score_adj = cfg.admission.sandbox_oom_score_adj,
+            "cannot lower the daemon's oom_score_adj (no CAP_SYS_RESOURCE?): only the sandboxes' higher oom_score_adj keeps the daemon from being the OOM killer's first choice"
+        ),
+    }
     if let Some(endpoint) = &cfg.telemetry.otlp_endpoint {
         tracing::info!(%endpoint, service_name = %cfg.telemetry.service_name, "exporting traces over OTLP/gRPC");
     }

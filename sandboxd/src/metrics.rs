@@ -23,6 +23,39 @@ pub struct Metrics {
     latency: HistogramVec,
     sandboxes: GaugeVec,
     tier_available: GaugeVec,
+    pool_bytes: GaugeVec,
+    host: GaugeVec,
+    pressure: GaugeVec,
+}
+
+/// One storage pool as admission sees it, for the gauges.
+#[derive(Debug, Clone)]
+pub struct PoolGauge {
+    /// The config key sizing it (the `pool` label).
+    pub key: String,
+    pub capacity: u64,
+    /// capacity × `admission.disk_overcommit`.
+    pub promisable: u64,
+    pub promised: u64,
+    /// Real use (layers and snapshots), when measurable.
+    pub used: Option<u64>,
+    /// 0 ok, 1 past `admission.disk_warn`, 2 past `admission.disk_high_water` (creates refused).
+    pub pressure: u8,
+}
+
+/// What admission counts now, for the gauges.
+#[derive(Debug, Clone, Default)]
+pub struct AdmissionGauges {
+    pub pools: Vec<PoolGauge>,
+    pub memory_promised: u64,
+    pub memory_promisable: u64,
+    pub memory_available: Option<u64>,
+    pub pids_promised: u64,
+    pub pids_promisable: u64,
+    pub tasks: Option<u64>,
+    /// 0 ok, 1 near, 2 at the limit (creates refused).
+    pub memory_pressure: u8,
+    pub pids_pressure: u8,
 }
 
 fn state_label(s: SandboxState) -> &'static str {
@@ -73,7 +106,22 @@ impl Metrics {
         registry.register(Box::new(latency.clone()))?;
         registry.register(Box::new(sandboxes.clone()))?;
         registry.register(Box::new(tier_available.clone()))?;
-        Ok(Arc::new(Metrics { registry, execs, oom_kills, timeouts, latency, sandboxes, tier_available }))
+        let pool_bytes = GaugeVec::new(
+            Opts::new(
+                "pool_bytes",
+                "Storage pools: capacity, promisable (capacity × admission.disk_overcommit), promised (sum of disk_bytes), used (real, snapshots included)",
+            ),
+            &["pool", "kind"],
+        )?;
+        let host = GaugeVec::new(
+            Opts::new("host_admission", "Memory (bytes) and pids: promised to sandboxes, promisable, and free on the host now (memory_available, tasks)"),
+            &["resource", "kind"],
+        )?;
+        let pressure = GaugeVec::new(Opts::new("admission_pressure", "0 ok, 1 nearing the limit (warned), 2 at the limit (creates refused)"), &["resource"])?;
+        registry.register(Box::new(pool_bytes.clone()))?;
+        registry.register(Box::new(host.clone()))?;
+        registry.register(Box::new(pressure.clone()))?;
+        Ok(Arc::new(Metrics { registry, execs, oom_kills, timeouts, latency, sandboxes, tier_available, pool_bytes, host, pressure }))
     }
 
     /// An exec ended.
@@ -90,6 +138,35 @@ impl Metrics {
     /// An operation took `d`.
     pub fn observe(&self, op: Op, tier: Isolation, d: Duration) {
         self.latency.with_label_values(&[op.label(), &tier.name().to_lowercase()]).observe(d.as_secs_f64());
+    }
+
+    /// Sets the admission gauges (before [`Metrics::render`]).
+    pub fn set_admission(&self, a: &AdmissionGauges) {
+        self.pool_bytes.reset();
+        self.pressure.reset();
+        for p in &a.pools {
+            let key = p.key.as_str();
+            for (kind, v) in [("capacity", Some(p.capacity)), ("promisable", Some(p.promisable)), ("promised", Some(p.promised)), ("used", p.used)] {
+                if let Some(v) = v {
+                    self.pool_bytes.with_label_values(&[key, kind]).set(v as f64);
+                }
+            }
+            self.pressure.with_label_values(&[&format!("pool:{key}")]).set(p.pressure.into());
+        }
+        for (resource, kind, v) in [
+            ("memory", "promised", Some(a.memory_promised)),
+            ("memory", "promisable", Some(a.memory_promisable)),
+            ("memory", "available", a.memory_available),
+            ("pids", "promised", Some(a.pids_promised)),
+            ("pids", "promisable", Some(a.pids_promisable)),
+            ("pids", "tasks", a.tasks),
+        ] {
+            if let Some(v) = v {
+                self.host.with_label_values(&[resource, kind]).set(v as f64);
+            }
+        }
+        self.pressure.with_label_values(&["memory"]).set(a.memory_pressure.into());
+        self.pressure.with_label_values(&["pids"]).set(a.pids_pressure.into());
     }
 
     /// The text exposition, with the state gauges set from `sandboxes` and `tiers` first.
@@ -159,5 +236,19 @@ mod tests {
         assert!(text.contains("sandboxd_sandboxes{state=\"running\",tier=\"process\"} 1"));
         assert!(text.contains("sandboxd_tier_available{tier=\"microvm\"} 0"));
         assert!(text.contains("sandboxd_operation_duration_seconds_bucket{op=\"create\""));
+    }
+
+    #[test]
+    fn admission_gauges_show_pools_and_pressure() {
+        let m = Metrics::new().expect("metrics");
+        let pool = PoolGauge { key: "pool_size_bytes".into(), capacity: 100, promisable: 3200, promised: 1000, used: Some(85), pressure: 1 };
+        m.set_admission(&AdmissionGauges { pools: vec![pool], memory_promised: 7, memory_available: Some(9), memory_pressure: 2, ..Default::default() });
+        let text = m.render(&[], &[]);
+        assert!(text.contains("sandboxd_pool_bytes{kind=\"used\",pool=\"pool_size_bytes\"} 85"), "{text}");
+        assert!(text.contains("sandboxd_pool_bytes{kind=\"promisable\",pool=\"pool_size_bytes\"} 3200"), "{text}");
+        assert!(text.contains("sandboxd_admission_pressure{resource=\"pool:pool_size_bytes\"} 1"), "{text}");
+        assert!(text.contains("sandboxd_admission_pressure{resource=\"memory\"} 2"), "{text}");
+        assert!(text.contains("sandboxd_host_admission{kind=\"available\",resource=\"memory\"} 9"), "{text}");
+        assert!(!text.contains("kind=\"tasks\""), "an unmeasured value is left out, not 0: {text}");
     }
 }

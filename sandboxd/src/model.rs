@@ -375,6 +375,9 @@ pub struct ExecRecord {
     pub exec_id: ExecId,
     pub sandbox_id: SandboxId,
     pub argv: Vec<String>,
+    /// The stored argv was cut to `exec.max_record_argv_bytes` (the exec ran with all of it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub argv_truncated: bool,
     pub idempotency_key: String,
     #[serde(flatten)]
     pub outcome: ExecOutcome,
@@ -389,7 +392,7 @@ impl ExecRecord {
     /// The record of an exec that is starting now.
     pub fn running(exec_id: ExecId, sandbox_id: SandboxId, argv: Vec<String>, idempotency_key: String) -> Self {
         let outcome = ExecOutcome::failed(ExecStatus::Running, 0, String::new(), SystemTime::now());
-        ExecRecord { exec_id, sandbox_id, argv, idempotency_key, outcome, output_discarded: false }
+        ExecRecord { exec_id, sandbox_id, argv, argv_truncated: false, idempotency_key, outcome, output_discarded: false }
     }
 }
 

@@ -5,8 +5,8 @@
 //! [policy]
 //! default_isolation = "process"
 //! allowed = ["process", "container", "microvm"]
-//! max_sandboxes = 500
-//! max_sandboxes_per_tenant = 50
+//! max_sandboxes = 500                    # default 4096
+//! max_sandboxes_per_tenant = 50           # default 2048
 //! max_concurrent_execs = 256
 //! max_running_execs_per_sandbox = 64      # these four have defaults (below); 0 is refused
 //! max_background_execs_per_sandbox = 32
@@ -141,6 +141,20 @@ impl ExecCaps {
     pub const DEFAULTS: ExecCaps = ExecCaps { running_per_sandbox: 64, background_per_sandbox: 32, running_per_tenant: 1024, background_per_tenant: 256 };
 }
 
+/// Built-in cap on live sandboxes: each holds a few daemon descriptors (control socket, log
+/// pipe, cgroup files) and a task, so "no limit" would end at the open-file limit instead, with
+/// a worse error. 1,000 default sandboxes are a tested load.
+pub const DEFAULT_MAX_SANDBOXES: usize = 4096;
+/// Built-in per-tenant cap: half of the host's, so one tenant never takes every slot.
+pub const DEFAULT_MAX_SANDBOXES_PER_TENANT: usize = 2048;
+
+fn default_max_sandboxes() -> Option<usize> {
+    Some(DEFAULT_MAX_SANDBOXES)
+}
+fn default_max_sandboxes_per_tenant() -> Option<usize> {
+    Some(DEFAULT_MAX_SANDBOXES_PER_TENANT)
+}
+
 fn default_running_per_sandbox() -> usize {
     ExecCaps::DEFAULTS.running_per_sandbox
 }
@@ -162,7 +176,11 @@ pub struct PolicyConfig {
     pub default_isolation: Isolation,
     #[serde(default = "all_tiers")]
     pub allowed: Vec<Isolation>,
+    /// Sandboxes alive at once (creating, running or failed), all tenants together.
+    #[serde(default = "default_max_sandboxes")]
     pub max_sandboxes: Option<usize>,
+    /// Sandboxes alive at once per tenant.
+    #[serde(default = "default_max_sandboxes_per_tenant")]
     pub max_sandboxes_per_tenant: Option<usize>,
     pub max_concurrent_execs: Option<usize>,
     /// Execs running at once in one sandbox (see [`ExecCaps`]).
@@ -186,8 +204,8 @@ impl Default for PolicyConfig {
         PolicyConfig {
             default_isolation: default_isolation(),
             allowed: all_tiers(),
-            max_sandboxes: None,
-            max_sandboxes_per_tenant: None,
+            max_sandboxes: default_max_sandboxes(),
+            max_sandboxes_per_tenant: default_max_sandboxes_per_tenant(),
             max_concurrent_execs: None,
             max_running_execs_per_sandbox: default_running_per_sandbox(),
             max_background_execs_per_sandbox: default_background_per_sandbox(),
@@ -265,7 +283,7 @@ impl Policy {
             [("max_sandboxes", c.max_sandboxes), ("max_sandboxes_per_tenant", c.max_sandboxes_per_tenant), ("max_concurrent_execs", c.max_concurrent_execs)]
         {
             if v == Some(0) {
-                return Err(format!("policy.{name} must be > 0 (leave it out for no limit)"));
+                return Err(format!("policy.{name} must be > 0"));
             }
         }
         for (name, v) in [

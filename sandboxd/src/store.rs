@@ -128,6 +128,8 @@ pub struct Store {
     conn: Mutex<Connection>,
     /// `<state_dir>/outputs`: one directory per sandbox with recorded output.
     outputs: PathBuf,
+    /// Bytes of argv a stored exec record keeps (`exec.max_record_argv_bytes`).
+    max_record_argv: std::sync::atomic::AtomicUsize,
 }
 
 fn encode<T: serde::Serialize>(id: &str, value: &T) -> Result<String, StoreError> {
@@ -138,14 +140,41 @@ fn decode<T: serde::de::DeserializeOwned>(id: &str, text: &str) -> Result<T, Sto
     serde_json::from_str(text).map_err(|e| StoreError::Corrupt { id: id.to_string(), message: e.to_string() })
 }
 
-/// A record's metadata: everything but the output bodies (which are not cloned).
-fn without_bodies(rec: &ExecRecord) -> ExecRecord {
+/// `argv` cut so its strings hold at most `max` bytes: whole arguments while they fit, then
+/// the start of the first that does not (at a character boundary); whether anything was cut.
+/// One exec may carry up to ~256 KiB of argv, which every stored record would otherwise keep.
+pub fn cap_argv(argv: &[String], max: usize) -> (Vec<String>, bool) {
+    let mut out = Vec::new();
+    let mut left = max;
+    for arg in argv {
+        if arg.len() <= left {
+            left -= arg.len();
+            out.push(arg.clone());
+            continue;
+        }
+        let mut cut = left;
+        while !arg.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        if cut > 0 {
+            out.push(arg[..cut].to_string());
+        }
+        return (out, true);
+    }
+    (out, false)
+}
+
+/// A record's metadata: everything but the output bodies (which are not cloned), with its argv
+/// within `max_argv` bytes.
+fn without_bodies(rec: &ExecRecord, max_argv: usize) -> ExecRecord {
+    let (argv, cut) = cap_argv(&rec.argv, max_argv);
     let meta = |c: &CapturedOutput| CapturedOutput { bytes: Vec::new(), truncated: c.truncated, total_bytes: c.total_bytes, spill_path: c.spill_path.clone() };
     let o = &rec.outcome;
     ExecRecord {
         exec_id: rec.exec_id.clone(),
         sandbox_id: rec.sandbox_id.clone(),
-        argv: rec.argv.clone(),
+        argv,
+        argv_truncated: rec.argv_truncated || cut,
         idempotency_key: rec.idempotency_key.clone(),
         outcome: ExecOutcome {
             status: o.status,
@@ -251,7 +280,8 @@ impl Store {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&outputs).map_err(output_err(&outputs))?;
         // The mode above applies only when the directory is created.
         std::fs::set_permissions(&outputs, std::fs::Permissions::from_mode(0o700)).map_err(output_err(&outputs))?;
-        let store = Store { conn: Mutex::new(conn), outputs };
+        let max_record_argv = std::sync::atomic::AtomicUsize::new(crate::config::ExecConfig::default().max_record_argv_bytes);
+        let store = Store { conn: Mutex::new(conn), outputs, max_record_argv };
         if found == 1 {
             store.migrate_from_v1(path)?;
         }
@@ -442,6 +472,12 @@ impl Store {
         Ok(out)
     }
 
+    /// Sets how many bytes of argv each exec record stored from now on keeps (the rest is cut
+    /// and the record marked `argv_truncated`).
+    pub fn set_max_record_argv_bytes(&self, max: usize) {
+        self.max_record_argv.store(max, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Inserts or updates an exec record, bodies included: they replace the record's output
     /// files (its position in ListExecs is fixed by the first insert).
     ///
@@ -451,7 +487,7 @@ impl Store {
     pub fn put_exec(&self, rec: &ExecRecord) -> Result<(), StoreError> {
         let id = rec.exec_id.to_string();
         let sandbox_id = rec.sandbox_id.to_string();
-        let data = encode(&id, &without_bodies(rec))?;
+        let data = encode(&id, &without_bodies(rec, self.max_record_argv.load(std::sync::atomic::Ordering::Relaxed)))?;
         let (out, err) = self.body_paths(&sandbox_id, &id)?;
         let bodies = [(&out, &rec.outcome.stdout.bytes), (&err, &rec.outcome.stderr.bytes)];
         if bodies.iter().any(|(_, b)| !b.is_empty()) {
@@ -749,6 +785,7 @@ mod tests {
             exec_id: ExecId::generate(),
             sandbox_id: sandbox.clone(),
             argv: vec!["echo".into(), "hi".into()],
+            argv_truncated: false,
             idempotency_key: key.into(),
             outcome,
             output_discarded: false,
@@ -998,7 +1035,7 @@ mod tests {
                  PRAGMA user_version = 1;",
             )
             .expect("v1 schema");
-            let data = encode("x", &without_bodies(&r)).expect("encode");
+            let data = encode("x", &without_bodies(&r, usize::MAX)).expect("encode");
             conn.execute(
                 "INSERT INTO execs (exec_id, sandbox_id, idem_key, status, data, stdout, stderr) VALUES (?1, ?2, '', 'exited', ?3, ?4, ?5)",
                 params![r.exec_id.as_str(), sb.as_str(), data, r.outcome.stdout.bytes, r.outcome.stderr.bytes],
@@ -1027,5 +1064,41 @@ mod tests {
         let path = dir.path().join("state.db");
         Connection::open(&path).expect("open").pragma_update(None, "user_version", 99).expect("set");
         assert!(matches!(Store::open(&path), Err(StoreError::TooNew { found: 99, .. })));
+    }
+
+    #[test]
+    fn argv_is_capped_whole_arguments_first_at_a_char_boundary() {
+        let argv = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(cap_argv(&argv(&["echo", "hi"]), 6), (argv(&["echo", "hi"]), false), "exactly the cap is kept whole");
+        assert_eq!(cap_argv(&argv(&["echo", "hello"]), 6), (argv(&["echo", "he"]), true));
+        assert_eq!(cap_argv(&argv(&["echo", "x", "y"]), 4), (argv(&["echo"]), true), "no empty argument is kept");
+        assert_eq!(cap_argv(&argv(&["é"]), 1), (Vec::<String>::new(), true), "never half a character");
+        assert_eq!(cap_argv(&argv(&["aé"]), 2), (argv(&["a"]), true));
+    }
+
+    #[test]
+    fn stored_records_keep_argv_within_the_cap_and_say_so() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&dir.path().join("state.db")).expect("open");
+        store.set_max_record_argv_bytes(1024);
+        let sb = SandboxId::generate();
+        let mut big = record(&sb, "", ExecStatus::Exited);
+        big.argv = vec!["echo".into(), "x".repeat(200 << 10)];
+        store.put_exec(&big).expect("put");
+        let back = store.exec(big.exec_id.as_str()).expect("query").expect("found");
+        assert!(back.argv_truncated, "the record says its argv was cut");
+        assert_eq!(back.argv.iter().map(String::len).sum::<usize>(), 1024);
+        assert_eq!(back.argv[0], "echo");
+        let small = record(&sb, "", ExecStatus::Exited);
+        store.put_exec(&small).expect("put");
+        let back = store.exec(small.exec_id.as_str()).expect("query").expect("found");
+        assert_eq!((back.argv, back.argv_truncated), (small.argv, false));
+        // 200 records of 200 KiB of argv grow the database by a few hundred KiB, not 40 MiB.
+        for _ in 0..200 {
+            store.put_exec(&ExecRecord { exec_id: ExecId::generate(), ..big.clone() }).expect("put");
+        }
+        let conn = store.conn().expect("conn");
+        let stored: i64 = conn.query_row("SELECT SUM(LENGTH(data)) FROM execs", [], |r| r.get(0)).expect("sum");
+        assert!(stored < 201 * 2048, "{stored} bytes of records");
     }
 }

@@ -70,6 +70,8 @@ pub struct Daemon {
     extra_args: Vec<String>,
     /// A host file the daemon inherits open (read-write) as fd 9, as if started with `9<>file`.
     inherited: Option<PathBuf>,
+    /// Leave the pool file at the daemon's default size (no `--pool-size-bytes`).
+    default_pool: bool,
     /// `unix:///…/sandboxd.sock`
     pub address: String,
 }
@@ -99,7 +101,25 @@ impl Daemon {
         };
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
         let extra_args = extra_args.iter().map(|a| a.to_string()).collect();
-        let mut daemon = Daemon { child: None, dir, config, extra_args, inherited: None, address };
+        let mut daemon = Daemon { child: None, dir, config, extra_args, inherited: None, default_pool: false, address };
+        daemon.spawn().await?;
+        Ok(daemon)
+    }
+
+    /// Starts a daemon exactly as configured by `toml` (empty: every built-in default, the pool
+    /// file's size included), for the tests of what the defaults allow.
+    pub async fn start_with_defaults(toml: &str) -> Result<Daemon> {
+        require_environment()?;
+        let dir = tempfile::Builder::new().prefix("sandboxd-test-").tempdir().context("creating temp dir")?;
+        let config = if toml.is_empty() {
+            None
+        } else {
+            let path = dir.path().join("sandboxd.toml");
+            std::fs::write(&path, toml).context("writing config")?;
+            Some(path)
+        };
+        let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
+        let mut daemon = Daemon { child: None, dir, config, extra_args: Vec::new(), inherited: None, default_pool: true, address };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -110,7 +130,8 @@ impl Daemon {
         require_environment()?;
         let dir = tempfile::Builder::new().prefix("sandboxd-test-").tempdir().context("creating temp dir")?;
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
-        let mut daemon = Daemon { child: None, dir, config: None, extra_args: Vec::new(), inherited: Some(host_file.to_path_buf()), address };
+        let mut daemon =
+            Daemon { child: None, dir, config: None, extra_args: Vec::new(), inherited: Some(host_file.to_path_buf()), default_pool: false, address };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -153,7 +174,7 @@ impl Daemon {
         // Sparse: only what sandboxes write is ever allocated. Large, because the daemon admits
         // no more sandboxes than the pool holds at their disk_bytes (1 GiB by default) and load
         // tests keep a hundred alive; a test about the pool passes its own size.
-        if !self.extra_args.iter().any(|a| a.starts_with("--pool-size-bytes")) {
+        if !self.default_pool && !self.extra_args.iter().any(|a| a.starts_with("--pool-size-bytes")) {
             cmd.arg("--pool-size-bytes").arg(TEST_POOL_BYTES.to_string());
         }
         cmd.args(&self.extra_args);

@@ -6,11 +6,10 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use agent_client::exec_request;
 use agent_client::proto::{CreateSandboxRequest, ExecRequest, ExecStatus, ResourceLimits};
-use sandbox_tests::{proc_status_bytes, process_sandbox, within, Harness};
+use sandbox_tests::{eventually, proc_status_bytes, process_sandbox, within, Harness};
 use tonic::Code;
 
 const GIB: u64 = 1 << 30;
@@ -52,7 +51,8 @@ fn daemon_status_bytes(pid: u32, field: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_storage_pool_is_never_promised_twice() {
-    let mut h = Harness::start_with("", &["--pool-size-bytes", &(8 * GIB).to_string()]).await;
+    // Strict promises (an operator's choice; the default overcommits): every promised byte exists.
+    let mut h = Harness::start_with("[admission]\ndisk_overcommit = 1.0\n", &["--pool-size-bytes", &(8 * GIB).to_string()]).await;
     let big = h.create_disk(6 * GIB).await.expect("6 GiB of an empty 8 GiB pool");
     assert_refused(h.create_disk(3 * GIB).await, Code::ResourceExhausted, &["storage pool full", "6 GiB of 8 GiB", "disk_bytes 3 GiB", "pool_size_bytes"]);
     assert_refused(h.create_disk(64 * GIB).await, Code::ResourceExhausted, &["pool_size_bytes"]);
@@ -157,16 +157,24 @@ async fn running_execs_are_capped_per_sandbox() {
     for _ in 0..3 {
         let client = h.client.clone();
         let a = a.clone();
-        slow.push(tokio::spawn(async move { client.exec(exec_request(&a, ["sleep", "3"])).await }));
+        slow.push(tokio::spawn(async move { client.exec(exec_request(&a, ["sleep", "600"])).await }));
     }
-    // Wait until the three run (a background exec would count too; these are foreground).
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Wait until the three run: each is recorded RUNNING once it holds its slot.
+    let running = || async {
+        let execs = h.client.list_execs(&a, 0).await.expect("list execs");
+        execs.into_iter().filter(|e| e.status == ExecStatus::Running as i32).map(|e| e.exec_id).collect::<Vec<_>>()
+    };
+    assert!(eventually(60, || async { running().await.len() == 3 }).await, "the three execs never all ran");
     assert_refused(within(60, h.client.exec(exec_request(&a, ["true"]))).await, Code::ResourceExhausted, &["policy.max_running_execs_per_sandbox", "(3)"]);
     let r = within(60, h.client.exec(exec_request(&b, ["true"]))).await.expect("another sandbox");
     assert_eq!(r.status, ExecStatus::Exited as i32);
+    // End them (no waiting for a clock): each frees its slot once it has ended.
+    for id in running().await {
+        h.client.signal_exec(&id, 9).await.expect("kill");
+    }
     for t in slow {
-        let r = t.await.expect("task").expect("slow exec");
-        assert_eq!(r.status, ExecStatus::Exited as i32, "{r:?}");
+        let r = within(60, t).await.expect("task").expect("slow exec");
+        assert_eq!(r.status, ExecStatus::Signaled as i32, "{r:?}");
     }
     let r = within(60, h.client.exec(exec_request(&a, ["true"]))).await.expect("the slots are free once they ended");
     assert_eq!(r.status, ExecStatus::Exited as i32);

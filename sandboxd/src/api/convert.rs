@@ -149,6 +149,7 @@ pub fn exec_result(record: &ExecRecord, with_output: bool) -> pb::ExecResult {
         stdout_spill_path: r.stdout.spill_path.clone().unwrap_or_default(),
         stderr_spill_path: r.stderr.spill_path.clone().unwrap_or_default(),
         output_discarded: record.output_discarded,
+        argv_truncated: record.argv_truncated,
     }
 }
 

@@ -14,6 +14,9 @@ use crate::metrics::Metrics;
 use crate::model::{CapturedOutput, CreateRequest, ExecOutcome, ExecStatus, FileChunk, Isolation, OutputChunk, RequestedLimits};
 use crate::store::Store;
 
+/// What every snapshot of the fake backend holds.
+pub(super) const FAKE_SNAPSHOT_BYTES: u64 = 64 << 20;
+
 /// A PROCESS backend that makes nothing: `sleep <ms>` runs that long (or until cancelled),
 /// `echo <words>` writes the words to stdout, anything else ends at once. A sandbox whose
 /// workdir is [`STUCK_WORKDIR`] never comes back from its re-adoption; others come back at once,
@@ -117,7 +120,7 @@ impl Backend for FakeBackend {
         Ok(crate::backend::Download { size: 0, chunks })
     }
     async fn snapshot(&self, _sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<u64, BackendError> {
-        Ok(0)
+        Ok(FAKE_SNAPSHOT_BYTES)
     }
     async fn rollback(&self, _sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<(), BackendError> {
         Ok(())
@@ -143,6 +146,11 @@ impl Backend for FakeBackend {
 
 /// A manager over [`FakeBackend`] with a `pool_size_bytes` pool and `toml` as its config.
 pub(super) fn fake_manager(dir: &std::path::Path, pool_size_bytes: u64, toml: &str) -> Arc<Manager> {
+    fake_manager_on(dir, pool_size_bytes, toml, crate::admission::Host::measure())
+}
+
+/// [`fake_manager`] admitting memory and pids against `host`.
+pub(super) fn fake_manager_on(dir: &std::path::Path, pool_size_bytes: u64, toml: &str, host: crate::admission::Host) -> Arc<Manager> {
     let path = dir.join("sandboxd.toml");
     std::fs::write(&path, toml).expect("write config");
     let cli = crate::config::Cli { state_dir: Some(dir.to_path_buf()), pool_size_bytes: Some(pool_size_bytes), config: Some(path), ..Default::default() };
@@ -158,7 +166,7 @@ pub(super) fn fake_manager(dir: &std::path::Path, pool_size_bytes: u64, toml: &s
     let catalog = Arc::new(crate::images::Catalog::new(&images, dir, "minimal"));
     catalog.prepare().expect("catalog");
     let engine = Arc::new(crate::images::Engine::new(std::path::Path::new("/nonexistent/docker.sock")));
-    Manager::new(cfg, backends, catalog, engine, store, Metrics::new().expect("metrics"))
+    Manager::new_on_host(cfg, backends, catalog, engine, store, Metrics::new().expect("metrics"), host)
 }
 
 /// A create on the PROCESS tier asking for `disk_bytes`.

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::validate::validate_mode;
 use super::{Manager, SandboxEntry};
-use crate::backend::{ArchiveStats, ByteChunks, Download, UploadPiece};
+use crate::backend::{ArchiveStats, BackendError, ByteChunks, Download, UploadPiece};
 use crate::error::Error;
 use crate::ids::SandboxId;
 use crate::model::{FileChunk, SandboxInfo};
@@ -22,11 +22,29 @@ impl Manager {
         Ok((sid, entry, info))
     }
 
+    /// A write's error, with a full disk said to be the pool's when the pool is what is full
+    /// (the backend sees ENOSPC or EDQUOT alike from inside the sandbox).
+    fn write_error(&self, info: &SandboxInfo, e: BackendError) -> Error {
+        let full_at = match &e {
+            BackendError::DiskFull { path } => Some(path.clone()),
+            BackendError::Archive(sandbox_exec::archive::ArchiveError::Io { path, source })
+                if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) =>
+            {
+                Some(path.clone())
+            }
+            _ => None,
+        };
+        match full_at {
+            Some(path) => Error::ResourceExhausted(self.disk_pools.explain_full(info.isolation, &path, info.limits.disk_bytes)),
+            None => e.into(),
+        }
+    }
+
     /// Writes a file inside the sandbox.
     pub async fn write_file(&self, tenant: &str, sandbox_id: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
         validate_mode(mode)?;
-        Ok(self.backends.get(info.isolation)?.write_file(&sid, path, content, mode).await?)
+        self.backends.get(info.isolation)?.write_file(&sid, path, content, mode).await.map_err(|e| self.write_error(&info, e))
     }
 
     /// Reads part of a file inside the sandbox.
@@ -40,7 +58,7 @@ impl Manager {
     pub async fn upload_file(&self, tenant: &str, sandbox_id: &str, path: &str, mode: u32, data: mpsc::Receiver<UploadPiece>) -> Result<u64, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
         validate_mode(mode)?;
-        Ok(self.backends.get(info.isolation)?.upload_file(&sid, path, mode, data).await?)
+        self.backends.get(info.isolation)?.upload_file(&sid, path, mode, data).await.map_err(|e| self.write_error(&info, e))
     }
 
     /// Opens a file of any size for a streamed download.
@@ -52,7 +70,7 @@ impl Manager {
     /// Extracts a tar stream into the directory `dir` of the sandbox.
     pub async fn upload_archive(&self, tenant: &str, sandbox_id: &str, dir: &str, data: mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
-        Ok(self.backends.get(info.isolation)?.upload_archive(&sid, dir, data).await?)
+        self.backends.get(info.isolation)?.upload_archive(&sid, dir, data).await.map_err(|e| self.write_error(&info, e))
     }
 
     /// A tar stream of a directory (or file) of the sandbox.

@@ -6,40 +6,49 @@ use std::time::{Duration, SystemTime};
 
 use super::validate::{resolve_limits, validate_image, validate_labels, validate_minimums, validate_sandbox_env, validate_user, validate_workdir};
 use super::{spec_of, Manager, SandboxEntry};
+use crate::admission::{HostNow, Promised};
 use crate::error::Error;
 use crate::ids::SandboxId;
 use crate::images::display_name;
 use crate::metrics::Op;
-use crate::model::{CreateRequest, Isolation, SandboxInfo, SandboxState};
+use crate::model::{CreateRequest, Isolation, Limits, SandboxInfo, SandboxState};
 
 /// The image of a create request that names none.
 pub const DEFAULT_IMAGE: &str = "minimal";
 
 impl Manager {
-    /// Refuses a create past the configured capacity or the disk pool of `tier`, naming the
-    /// limit. Called with the table's write lock held by the create that then inserts itself, so
-    /// two concurrent creates never both take the last room.
-    fn check_capacity(&self, map: &HashMap<SandboxId, Arc<SandboxEntry>>, tenant: &str, tier: Isolation, disk_bytes: u64) -> Result<(), Error> {
+    /// Refuses a create past the configured capacity, the host's memory and pids, the tenant's
+    /// quotas or the disk pool of `tier` (promised and really used), naming the limit. Called
+    /// with the table's write lock held by the create that then inserts itself, so two
+    /// concurrent creates never both take the last room.
+    fn check_capacity(&self, map: &HashMap<SandboxId, Arc<SandboxEntry>>, tenant: &str, tier: Isolation, limits: &Limits) -> Result<(), Error> {
         if let Some(max) = self.cfg.policy.max_sandboxes() {
             if map.len() >= max {
                 return Err(Error::ResourceExhausted(format!("policy.max_sandboxes ({max}) reached")));
             }
         }
+        // Every sandbox in the table holds its promises until destroyed (FAILED ones too: their
+        // layer stays), and a fork or a rolled-back sandbox as much as one made from an image.
+        let (mut all, mut mine, mut pool_promised, mut count) = (Promised::default(), Promised::default(), 0u64, 0usize);
+        for (owner, isolation, l) in map.values().filter_map(|e| e.read(|i| (i.tenant == tenant, i.isolation, i.limits)).ok()) {
+            all.add(&l);
+            if owner {
+                mine.add(&l);
+                count += 1;
+            }
+            if self.disk_pools.same_pool(isolation, tier) {
+                pool_promised = pool_promised.saturating_add(l.disk_bytes);
+            }
+        }
         if let Some(max) = self.cfg.policy.max_sandboxes_per_tenant() {
-            let mine = map.values().filter(|e| e.read(|i| i.tenant == tenant).unwrap_or(false)).count();
-            if mine >= max {
+            if count >= max {
                 return Err(Error::ResourceExhausted(format!("policy.max_sandboxes_per_tenant ({max}) reached for tenant {tenant:?}")));
             }
         }
-        // Every sandbox in the table holds its layer until destroyed (FAILED ones too), and a
-        // fork or a rolled-back sandbox as much as one made from an image.
-        let promised: u64 = map
-            .values()
-            .filter_map(|e| e.read(|i| (i.isolation, i.limits.disk_bytes)).ok())
-            .filter(|(isolation, _)| self.disk_pools.same_pool(*isolation, tier))
-            .map(|(_, disk_bytes)| disk_bytes)
-            .fold(0, u64::saturating_add);
-        self.disk_pools.admit(tier, promised, disk_bytes).map_err(Error::ResourceExhausted)
+        let now = HostNow::measure();
+        self.budgets.admit(&all, tenant, &mine, limits, &now).map_err(Error::ResourceExhausted)?;
+        self.disk_pools.admit(tier, pool_promised, limits.disk_bytes).map_err(Error::ResourceExhausted)?;
+        self.disk_pools.admit_use(tier, self.disk_pools.usage(tier)).map_err(Error::ResourceExhausted)
     }
 
     /// Creates a sandbox (from an image, or from a snapshot: a fork) and returns when it is ready.
@@ -143,8 +152,8 @@ impl Manager {
             // Admission and the claim in one critical section: once in the table, this
             // sandbox's disk_bytes count against its pool for every later create.
             let mut map = self.sandboxes.write().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
-            if let Err(e) = self.check_capacity(&map, tenant, isolation, limits.disk_bytes) {
-                tracing::info!(tenant, tier = isolation.name(), disk_bytes = limits.disk_bytes, reason = %e, "create refused");
+            if let Err(e) = self.check_capacity(&map, tenant, isolation, &limits) {
+                tracing::info!(tenant, tier = isolation.name(), memory_bytes = limits.memory_bytes, max_pids = limits.max_pids, disk_bytes = limits.disk_bytes, reason = %e, "create refused");
                 return Err(e);
             }
             map.insert(id.clone(), entry.clone());
@@ -251,8 +260,10 @@ impl Manager {
         }
     }
 
-    /// Destroys sandboxes whose TTL has passed. Called periodically.
+    /// Destroys sandboxes whose TTL has passed, and logs when a host resource nears or reaches
+    /// its limit (see [`Manager::watch_pressure`]). Called periodically.
     pub async fn reap_expired(&self) {
+        self.watch_pressure();
         let now = SystemTime::now();
         let expired: Vec<(SandboxId, String)> = match self.sandboxes.read() {
             Ok(map) => map
@@ -281,14 +292,16 @@ fn merged(base: &BTreeMap<String, String>, over: BTreeMap<String, String>) -> BT
 mod tests {
     use std::collections::BTreeMap;
 
-    use super::super::fake::{fake_manager, with_disk};
+    use super::super::fake::{fake_manager, fake_manager_on, with_disk};
+    use crate::admission::Host;
     use crate::error::Error;
     use crate::model::{CreateRequest, ExecRequest, ExecStatus, RequestedLimits};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_creates_never_overcommit_the_pool_and_forks_count() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let m = fake_manager(dir.path(), 8 << 30, "");
+        // Strict promises: an operator's choice, and the case where the last room is contended.
+        let m = fake_manager(dir.path(), 8 << 30, "[admission]\ndisk_overcommit = 1.0\n");
         let creates = (0..12).map(|_| {
             let m = m.clone();
             tokio::spawn(async move { m.create("t", with_disk(1 << 30)).await })
@@ -382,5 +395,58 @@ mod tests {
         assert_eq!(fork.env, map(&[("A", "1"), ("B", "3")]));
         assert_eq!(fork.labels, map(&[("team", "x"), ("run", "8")]));
         assert_eq!(fork.workdir, "/other");
+    }
+
+    fn limits(memory_bytes: u64, max_pids: u32) -> CreateRequest {
+        CreateRequest { limits: RequestedLimits { memory_bytes, max_pids, disk_bytes: 16 << 20, ..Default::default() }, ..Default::default() }
+    }
+
+    #[tokio::test]
+    async fn memory_and_pids_are_admitted_host_wide_and_per_tenant_naming_the_key() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = Host { memory_bytes: 24 << 30, pid_max: 32_768 };
+        let toml = "[admission]\nmemory_overcommit = 1.5\npids_overcommit = 1.0\nmax_memory_bytes_per_tenant = 12884901888\n";
+        let m = fake_manager_on(dir.path(), 64 << 30, toml, host);
+        // 20 sandboxes of 8 GiB on a 24 GiB host: (24 − 1) × 1.5 = 34.5 GiB promisable, so 4.
+        let mut admitted = 0;
+        for tenant in ["a", "b", "c", "d", "e"] {
+            for _ in 0..4 {
+                match m.create(tenant, limits(8 << 30, 64)).await {
+                    Ok(_) => admitted += 1,
+                    Err(Error::ResourceExhausted(msg)) => {
+                        assert!(msg.contains("admission.memory_overcommit 1.5") || msg.contains("admission.max_memory_bytes_per_tenant (12 GiB)"), "{msg}");
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        assert_eq!(admitted, 4, "one 8 GiB sandbox per tenant (12 GiB tenant quota) until the host's 34.5 GiB are promised");
+        // Pids: 4,096 each, within 32,768 − 2,048.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager_on(dir.path(), 64 << 30, "[admission]\npids_overcommit = 1.0\n", host);
+        for _ in 0..7 {
+            m.create("t", limits(64 << 20, 4096)).await.expect("within pid_max");
+        }
+        match m.create("t", limits(64 << 20, 4096)).await {
+            Err(Error::ResourceExhausted(msg)) => assert!(msg.contains("admission.pids_reserve 2048") && msg.contains("28672 promised"), "{msg}"),
+            other => panic!("expected the pids refusal: {other:?}"),
+        }
+        m.create("t", limits(64 << 20, 2048)).await.expect("what is left still fits");
+    }
+
+    #[tokio::test]
+    async fn the_defaults_admit_a_thousand_default_sandboxes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = Host { memory_bytes: 24 << 30, pid_max: 32_768 };
+        // The pool file's default: half of 80 GB free.
+        let m = fake_manager_on(dir.path(), 40_000_000_000, "", host);
+        let creates = (0..1000).map(|_| {
+            let m = m.clone();
+            tokio::spawn(async move { m.create("t", CreateRequest::default()).await })
+        });
+        for (i, r) in futures::future::join_all(creates).await.into_iter().enumerate() {
+            r.expect("task").unwrap_or_else(|e| panic!("sandbox {i}: {e}"));
+        }
+        assert!(m.render_metrics().contains("sandboxd_host_admission{kind=\"promised\",resource=\"memory\"} 536870912000"), "1,000 × 512 MiB promised");
     }
 }

@@ -22,14 +22,14 @@ mod fake;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
-use crate::admission::{human_bytes, DiskPools, ExecSlots};
+use crate::admission::{human_bytes, Budgets, DiskPools, ExecSlots, Host, HostNow, Pressure, PressureLog, Promised};
 use crate::backend::{Backends, SandboxSpec};
 use crate::config::Config;
 use crate::error::Error;
 use crate::ids::{SandboxId, SnapshotId};
 use crate::images::store::StoreBudget;
 use crate::images::{Catalog, Engine};
-use crate::metrics::Metrics;
+use crate::metrics::{AdmissionGauges, Metrics, PoolGauge};
 use crate::model::{Isolation, SandboxInfo, SandboxState};
 use crate::store::Store;
 
@@ -94,6 +94,10 @@ pub struct Manager {
     running: Mutex<Running>,
     /// The storage pools `disk_bytes` are promised from (see `admission`).
     disk_pools: DiskPools,
+    /// Memory, pids and per-tenant admission (see `admission`).
+    budgets: Budgets,
+    /// Which host resources were last seen near or at their limit, so each change is logged once.
+    pressure: PressureLog,
     /// Execs running now per sandbox and tenant, against the policy's exec caps.
     exec_slots: Arc<Mutex<ExecSlots>>,
     /// The images sandboxes start from (see `images`).
@@ -112,6 +116,8 @@ pub struct Manager {
     image_gate: tokio::sync::RwLock<()>,
     /// One import, build or removal of an image name at a time.
     image_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// One snapshot admission per tenant at a time (see `snapshots`).
+    snapshot_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// What the backend needs to (re)build a sandbox.
@@ -129,7 +135,22 @@ impl Manager {
     /// A manager over the given backends, image catalog and store. Call [`Manager::recover`]
     /// before serving.
     pub fn new(cfg: Arc<Config>, backends: Backends, catalog: Arc<Catalog>, engine: Arc<Engine>, store: Store, metrics: Arc<Metrics>) -> Arc<Self> {
+        Self::new_on_host(cfg, backends, catalog, engine, store, metrics, Host::measure())
+    }
+
+    /// [`Manager::new`] admitting memory and pids against `host` instead of this machine's.
+    pub fn new_on_host(
+        cfg: Arc<Config>,
+        backends: Backends,
+        catalog: Arc<Catalog>,
+        engine: Arc<Engine>,
+        store: Store,
+        metrics: Arc<Metrics>,
+        host: Host,
+    ) -> Arc<Self> {
         let disk_pools = DiskPools::from_config(&cfg);
+        let budgets = Budgets::new(host, cfg.admission.clone());
+        store.set_max_record_argv_bytes(cfg.exec.max_record_argv_bytes);
         let image_jobs = Arc::new(tokio::sync::Semaphore::new(cfg.images.max_concurrent));
         let i = &cfg.images;
         let image_store = StoreBudget::new(catalog.imported_dir(), i.max_store_bytes, i.min_free_bytes, i.max_store_bytes_per_tenant, &cfg.auth.unix_tenant);
@@ -141,6 +162,7 @@ impl Manager {
             image_store,
             image_gate: tokio::sync::RwLock::new(()),
             image_locks: Mutex::new(HashMap::new()),
+            snapshot_locks: Mutex::new(HashMap::new()),
             cfg,
             backends,
             store,
@@ -148,8 +170,92 @@ impl Manager {
             sandboxes: RwLock::new(HashMap::new()),
             running: Mutex::new(Running::default()),
             disk_pools,
+            budgets,
+            pressure: PressureLog::default(),
             exec_slots: Arc::new(Mutex::new(ExecSlots::default())),
         })
+    }
+
+    /// What every sandbox on record is promised (host-wide), and per pool of disk.
+    fn promised(&self) -> (Promised, Vec<(usize, u64)>) {
+        let mut all = Promised::default();
+        let pools = self.disk_pools.pools();
+        let mut per_pool: Vec<(usize, u64)> = (0..pools.len()).map(|i| (i, 0)).collect();
+        if let Ok(map) = self.sandboxes.read() {
+            for (isolation, limits) in map.values().filter_map(|e| e.read(|i| (i.isolation, i.limits)).ok()) {
+                all.add(&limits);
+                if let Some(i) = pools.iter().position(|(_, tiers)| tiers.first().is_some_and(|t| self.disk_pools.same_pool(*t, isolation))) {
+                    per_pool[i].1 = per_pool[i].1.saturating_add(limits.disk_bytes);
+                }
+            }
+        }
+        (all, per_pool)
+    }
+
+    /// What admission counts now: promises, real use and pressure of every resource.
+    fn admission_gauges(&self) -> AdmissionGauges {
+        let (all, per_pool) = self.promised();
+        let now = HostNow::measure();
+        let (memory, pids) = self.budgets.pressure(&now);
+        let level = |p: Pressure| p as u8;
+        let pools = self
+            .disk_pools
+            .pools()
+            .into_iter()
+            .zip(per_pool)
+            .map(|((pool, tiers), (_, promised))| {
+                let usage = tiers.first().and_then(|t| self.disk_pools.usage(*t));
+                PoolGauge {
+                    key: pool.key.clone(),
+                    capacity: pool.capacity,
+                    promisable: self.disk_pools.promisable(pool),
+                    promised,
+                    used: usage.map(|u| u.used),
+                    pressure: usage.map(|u| level(self.disk_pools.pressure(u))).unwrap_or(0),
+                }
+            })
+            .collect();
+        AdmissionGauges {
+            pools,
+            memory_promised: all.memory_bytes,
+            memory_promisable: self.budgets.memory_capacity(),
+            memory_available: now.memory_available,
+            pids_promised: all.max_pids,
+            pids_promisable: self.budgets.pids_capacity(),
+            tasks: now.tasks,
+            memory_pressure: level(memory),
+            pids_pressure: level(pids),
+        }
+    }
+
+    /// Logs once, clearly, when the host's memory, pids or a storage pool nears its limit (a
+    /// warning) or reaches it (an error: creates are refused), and when it is back.
+    pub fn watch_pressure(&self) {
+        let g = self.admission_gauges();
+        let levels = [Pressure::Ok, Pressure::Near, Pressure::Over];
+        let at = |l: u8| levels.get(usize::from(l)).copied().unwrap_or(Pressure::Ok);
+        let reserve = human_bytes(self.cfg.admission.daemon_memory_reserve_bytes);
+        let avail = g.memory_available.map(human_bytes).unwrap_or_else(|| "?".into());
+        self.pressure.note("memory", at(g.memory_pressure), &format!("{avail} available; admission.daemon_memory_reserve_bytes {reserve}"));
+        let tasks = g.tasks.map(|t| t.to_string()).unwrap_or_else(|| "?".into());
+        self.pressure.note(
+            "pids",
+            at(g.pids_pressure),
+            &format!("{tasks} tasks of kernel.pid_max {}; admission.pids_reserve {}", self.budgets.host().pid_max, self.cfg.admission.pids_reserve),
+        );
+        for p in &g.pools {
+            let used = p.used.map(human_bytes).unwrap_or_else(|| "?".into());
+            self.pressure.note(
+                &format!("disk pool ({})", p.key),
+                at(p.pressure),
+                &format!(
+                    "{used} of {} used; admission.disk_warn {:.0}%, admission.disk_high_water {:.0}%",
+                    human_bytes(p.capacity),
+                    self.cfg.admission.disk_warn * 100.0,
+                    self.cfg.admission.disk_high_water * 100.0
+                ),
+            );
+        }
     }
 
     /// The metrics text, with the state gauges filled in.
@@ -159,6 +265,7 @@ impl Manager {
             Err(_) => Vec::new(),
         };
         let tiers: Vec<(Isolation, bool)> = self.backends.availability().into_iter().map(|(t, r)| (t, r.is_ok())).collect();
+        self.metrics.set_admission(&self.admission_gauges());
         self.metrics.render(&sandboxes, &tiers)
     }
 
@@ -346,13 +453,34 @@ impl Manager {
             let mine: Vec<&SandboxInfo> = infos.iter().filter(|i| self.disk_pools.same_pool(i.isolation, first)).collect();
             let promised = mine.iter().map(|i| i.limits.disk_bytes).fold(0, u64::saturating_add);
             let names: Vec<&str> = tiers.iter().map(|t| t.name()).collect();
-            let (capacity, promised_h) = (human_bytes(pool.capacity), human_bytes(promised));
-            if promised > pool.capacity {
-                tracing::warn!(tiers = ?names, key = %pool.key, capacity = %capacity, promised = %promised_h, sandboxes = mine.len(), "storage pool overcommitted by the sandboxes on record: creates on it are refused until enough are destroyed");
+            let promisable = self.disk_pools.promisable(pool);
+            let (capacity, promisable_h, promised_h) = (human_bytes(pool.capacity), human_bytes(promisable), human_bytes(promised));
+            let overcommit = self.cfg.admission.disk_overcommit;
+            if promised > promisable {
+                tracing::warn!(tiers = ?names, key = %pool.key, capacity = %capacity, overcommit, promisable = %promisable_h, promised = %promised_h, sandboxes = mine.len(), "storage pool overcommitted by the sandboxes on record: creates on it are refused until enough are destroyed");
             } else {
-                tracing::info!(tiers = ?names, key = %pool.key, capacity = %capacity, origin = %pool.origin, promised = %promised_h, sandboxes = mine.len(), "storage pool admission");
+                tracing::info!(tiers = ?names, key = %pool.key, capacity = %capacity, overcommit, promisable = %promisable_h, origin = %pool.origin, promised = %promised_h, sandboxes = mine.len(), "storage pool admission");
             }
         }
+        let (all, _) = self.promised();
+        let (host, a) = (self.budgets.host(), &self.cfg.admission);
+        tracing::info!(
+            host_memory = %human_bytes(host.memory_bytes),
+            reserve = %human_bytes(a.daemon_memory_reserve_bytes),
+            overcommit = a.memory_overcommit,
+            promisable = %human_bytes(self.budgets.memory_capacity()),
+            promised = %human_bytes(all.memory_bytes),
+            "memory admission"
+        );
+        tracing::info!(
+            pid_max = host.pid_max,
+            reserve = a.pids_reserve,
+            overcommit = a.pids_overcommit,
+            promisable = self.budgets.pids_capacity(),
+            promised = all.max_pids,
+            "pids admission"
+        );
+        self.watch_pressure();
         let caps = self.cfg.policy.exec_caps();
         tracing::info!(
             running_per_sandbox = caps.running_per_sandbox,

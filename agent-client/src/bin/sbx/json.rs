@@ -74,6 +74,7 @@ pub fn exec_result(r: &ExecResult) -> Value {
         "stdout_spill_path": r.stdout_spill_path,
         "stderr_spill_path": r.stderr_spill_path,
         "output_discarded": r.output_discarded,
+        "argv_truncated": r.argv_truncated,
     })
 }
 

@@ -143,7 +143,7 @@ impl Vm {
         };
         let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
-        // calls (write, prctl) on values prepared before the fork. The guard keeps the death
+        // calls (write, prctl, open, close) on values prepared before the fork. The guard keeps the death
         // signal across its exec (it is not set-id) and never changes its uid.
         unsafe {
             cmd.pre_exec(move || {
@@ -155,7 +155,8 @@ impl Vm {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                Ok(())
+                // QEMU holds the guest's memory: under pressure it goes before the daemon.
+                crate::admission::set_sandbox_oom_score_adj_in_child()
             });
         }
         let mut child = cmd.spawn().map_err(|e| BackendError::io(format!("starting {} under the VM guard", spec.qemu.display()), e))?;

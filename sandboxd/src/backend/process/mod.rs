@@ -325,14 +325,17 @@ impl ProcessBackend {
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::from(log_w));
         let child_fd = theirs.as_raw_fd();
-        // SAFETY: dup2 is async-signal-safe; it only places the control socket on fd 3 (clearing
-        // CLOEXEC) in the child between fork and exec.
+        // SAFETY: dup2, open, write and close are async-signal-safe; the closure only places the
+        // control socket on fd 3 (clearing CLOEXEC) and sets the sandbox oom_score_adj in the child
+        // between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
                 if libc::dup2(child_fd, init::CONTROL_FD) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                Ok(())
+                // The daemon's low oom_score_adj is inherited: the sandbox's processes must be
+                // the kernel's choice under memory pressure before the daemon.
+                crate::admission::set_sandbox_oom_score_adj_in_child()
             });
         }
         let shim = tokio::process::Command::from(cmd).spawn().map_err(|e| BackendError::io("starting sandbox init", e))?;
