@@ -14,6 +14,7 @@ mod files;
 mod images;
 mod lifecycle;
 mod snapshots;
+mod streams;
 mod validate;
 
 #[cfg(test)]
@@ -36,8 +37,10 @@ use crate::store::Store;
 use execs::Running;
 
 pub use execs::{ExecEvents, Session};
+pub use files::Held;
 pub use images::{BuildRequest, ImageEvents, ImportRequest, ImportSource};
 pub use lifecycle::DEFAULT_IMAGE;
+pub use streams::{StreamKind, StreamSlot};
 
 /// A sandbox in the table: its record, read and updated under a short lock, and the lock that
 /// whole-sandbox operations hold across their awaits.
@@ -96,6 +99,8 @@ pub struct Manager {
     image_gate: tokio::sync::RwLock<()>,
     /// One import, build or removal of an image name at a time.
     image_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Uploads, downloads, sessions and archive walks open now, against `[streams]`.
+    stream_slots: Arc<streams::StreamSlots>,
 }
 
 /// What the backend needs to (re)build a sandbox.
@@ -116,6 +121,7 @@ impl Manager {
         let disk_pools = DiskPools::from_config(&cfg);
         let image_jobs = Arc::new(tokio::sync::Semaphore::new(cfg.images.max_concurrent));
         let image_store = StoreBudget::new(catalog.imported_dir(), cfg.images.max_store_bytes, cfg.images.min_free_bytes);
+        let stream_slots = streams::StreamSlots::new(cfg.streams.clone());
         Arc::new(Manager {
             catalog,
             engine,
@@ -131,6 +137,7 @@ impl Manager {
             running: Mutex::new(Running::default()),
             disk_pools,
             exec_slots: Arc::new(Mutex::new(ExecSlots::default())),
+            stream_slots,
         })
     }
 
