@@ -217,7 +217,7 @@ async fn downloads_nobody_reads_keep_the_daemon_small() {
     let peak = peak.stop().await;
     let grown = peak.saturating_sub(before);
     eprintln!("{n} unread downloads: daemon RSS {} MiB -> peak {} MiB (+{} KiB each)", before >> 20, peak >> 20, (grown / n) >> 10);
-    assert!(grown < n * (4 << 20), "{n} unread downloads grew the daemon by {} MiB", grown >> 20);
+    assert!(grown < n * (5 << 20), "{n} unread downloads grew the daemon by {} MiB", grown >> 20);
     drop(open);
 }
 

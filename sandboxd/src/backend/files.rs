@@ -351,6 +351,11 @@ impl ChunkSender {
         }
     }
 
+    /// Resolves once the receiver is gone.
+    pub(crate) async fn closed(&self) {
+        self.tx.closed().await
+    }
+
     /// [`ChunkSender::room`] from a thread outside the runtime (an archive walk).
     fn blocking_room(&mut self, runtime: &tokio::runtime::Handle) -> Option<mpsc::OwnedPermit<Chunk>> {
         runtime.block_on(self.room())

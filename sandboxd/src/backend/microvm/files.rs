@@ -501,7 +501,12 @@ async fn forward_download<G: ArchiveGuest>(
                 None => break None,
             }
         }
-        let frame = match tokio::time::timeout(ARCHIVE_PATIENCE, replies.recv()).await {
+        let next = tokio::select! {
+            next = tokio::time::timeout(ARCHIVE_PATIENCE, replies.recv()) => next,
+            // Nobody reads any more: no use waiting for the guest's next frame.
+            () = out.closed() => break None,
+        };
+        let frame = match next {
             Ok(Some(reply)) => download_frame(reply, api_path),
             Ok(None) => {
                 let lost = guest.call_failed(AgentError::Closed(format!("the connection closed during the archive download of {api_path}")));
