@@ -574,6 +574,63 @@ mod tests {
         tempfile::tempdir().expect("tempdir")
     }
 
+    #[tokio::test]
+    async fn a_download_nobody_reads_is_not_read_ahead_and_ends_idle() {
+        let r = root();
+        let path = r.path().join("big");
+        std::fs::write(&path, vec![5u8; 3 * DOWNLOAD_CHUNK + 10]).expect("write");
+        let file = File::open(&path).expect("open");
+        let Download { size, mut chunks } = stream_download(file, 3 * DOWNLOAD_CHUNK as u64 + 10, "/big", Duration::from_millis(300));
+        assert_eq!(size, 3 * DOWNLOAD_CHUNK as u64 + 10);
+        // Nobody reads: one chunk is made, then nothing more until the idle end is said.
+        let first = chunks.recv().await.expect("a chunk").expect("data");
+        assert_eq!(first.len(), DOWNLOAD_CHUNK);
+        // Waits for the event, not a time: the second chunk and the idle end are both queued.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while chunks.len() < 2 {
+            assert!(std::time::Instant::now() < deadline, "the idle end never came");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let second = chunks.recv().await.expect("the chunk made before the idle end").expect("data");
+        assert_eq!(second.len(), DOWNLOAD_CHUNK);
+        match chunks.recv().await {
+            Some(Err(BackendError::Idle { path, .. })) => assert_eq!(path, "/big"),
+            other => panic!("expected the idle end, got {other:?}"),
+        }
+        assert!(chunks.recv().await.is_none(), "nothing after the idle end");
+        // A reader that keeps up gets the whole file and a clean end.
+        let file = File::open(&path).expect("open");
+        let Download { mut chunks, .. } = stream_download(file, 0, "/big", Duration::from_secs(30));
+        let mut total = 0;
+        while let Some(chunk) = chunks.recv().await {
+            total += chunk.expect("data").len();
+        }
+        assert_eq!(total, 3 * DOWNLOAD_CHUNK + 10);
+    }
+
+    #[tokio::test]
+    async fn an_upload_cut_short_removes_its_temporary_file() {
+        let r = root();
+        std::fs::write(r.path().join("f"), b"old").expect("write");
+        let (tx, rx) = mpsc::channel(4);
+        let upload = tokio::spawn(upload_file_in(open_root(r.path()).expect("root"), "/".into(), "/f".into(), 0, rx));
+        tx.send(UploadPiece::Data(Bytes::from_static(b"new content"))).await.expect("send");
+        drop(tx);
+        let err = upload.await.expect("join").expect_err("no commit");
+        assert!(matches!(err, BackendError::UploadIncomplete { .. }), "{err:?}");
+        let names: Vec<String> = std::fs::read_dir(r.path()).expect("ls").flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, ["f"], "only the old file");
+        assert_eq!(std::fs::read(r.path().join("f")).expect("read"), b"old");
+        let (tx, rx) = mpsc::channel(4);
+        let upload = tokio::spawn(upload_file_in(open_root(r.path()).expect("root"), "/".into(), "/f".into(), 0o600, rx));
+        for piece in [&b"new "[..], b"content"] {
+            tx.send(UploadPiece::Data(Bytes::copy_from_slice(piece))).await.expect("send");
+        }
+        tx.send(UploadPiece::Commit).await.expect("commit");
+        assert_eq!(upload.await.expect("join").expect("uploaded"), 11);
+        assert_eq!(std::fs::read(r.path().join("f")).expect("read"), b"new content");
+    }
+
     #[test]
     fn mount_points_become_real_directories() {
         let root = tempfile::tempdir().expect("tempdir");
