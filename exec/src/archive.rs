@@ -130,7 +130,8 @@ pub struct CreateLimits {
     pub max_entries: u64,
     /// Total bytes of regular-file data archived.
     pub max_total_bytes: u64,
-    /// Directory depth below the source. The walk holds one descriptor per level.
+    /// Directory depth below the source. The walk keeps at most [`MAX_OPEN_DIRS`] directories
+    /// open whatever the depth; this bounds the work of reopening them and the names held.
     pub max_depth: usize,
 }
 
@@ -384,6 +385,8 @@ impl WalkError {
 struct Tree {
     dest: OwnedFd,
     cached: Option<(Vec<u8>, Rc<OwnedFd>)>,
+    /// What the extraction changed so far, oldest first.
+    undo: Vec<Undo>,
 }
 
 impl Tree {
@@ -418,7 +421,7 @@ impl Tree {
     }
 
     /// One component at a time, creating what is missing.
-    fn walk(&self, dirs: &[&[u8]], create: bool) -> Result<OwnedFd, WalkError> {
+    fn walk(&mut self, dirs: &[&[u8]], create: bool) -> Result<OwnedFd, WalkError> {
         let mut cur: Option<OwnedFd> = None;
         for (i, comp) in dirs.iter().enumerate() {
             let at = cur.as_ref().map_or(self.dest.as_raw_fd(), |fd| fd.as_raw_fd());
@@ -431,7 +434,11 @@ impl Tree {
                     Err(Errno::ENOENT) if create && !made => {
                         made = true;
                         match nix::sys::stat::mkdirat(Some(at), name.as_c_str(), Mode::from_bits_truncate(0o755)) {
-                            Ok(()) | Err(Errno::EEXIST) => {}
+                            Ok(()) => {
+                                let parents = dirs[..i].iter().map(|d| d.to_vec()).collect();
+                                self.undo.push(Undo::Created { dirs: parents, name: name.clone(), dir: true });
+                            }
+                            Err(Errno::EEXIST) => {}
                             Err(e) => return Err(WalkError::Sys(e)),
                         }
                     }
@@ -456,6 +463,15 @@ struct PendingDir {
     shown: String,
 }
 
+/// What an extraction changed, undone in reverse order if it does not complete.
+enum Undo {
+    /// A name that was free: removed again (a directory only once it is empty).
+    Created { dirs: Vec<Vec<u8>>, name: CString, dir: bool },
+    /// A name whose old entry was given a second, hidden name (`backup`) before it was
+    /// replaced: renamed back over it.
+    Replaced { dirs: Vec<Vec<u8>>, name: CString, backup: CString },
+}
+
 /// The state of one [`extract`].
 struct Extractor<'l> {
     tree: Tree,
@@ -476,8 +492,8 @@ struct Extractor<'l> {
 /// entries are placed without following any symlink: an entry whose path crosses one (planted by
 /// the sandbox or by an earlier entry) is refused, as are absolute names, `..` components, hard
 /// links to anything but a file extracted earlier from this archive, devices, FIFOs and sparse
-/// files. The first refusal stops the extraction; what was written before it stays (with its
-/// directories' modes and mtimes applied).
+/// files. The first refusal stops the extraction and undoes it (see [`Staged`]): what it created
+/// is removed and what it replaced is put back.
 ///
 /// Regular files, symlinks and hard links replace whatever non-directory has their name (a
 /// directory in the way is an error); a directory entry merges with an existing directory and
@@ -487,12 +503,20 @@ struct Extractor<'l> {
 ///
 /// Reading stops at the end-of-archive marker; anything after it is left unread in `input`.
 pub fn extract<R: Read>(root: BorrowedFd<'_>, dest: &str, input: R, limits: &ExtractLimits) -> Result<ExtractStats, ArchiveError> {
+    extract_staged(root, dest, input, limits)?.commit()
+}
+
+/// [`extract`] without its last step: the entries are in place, and the returned [`Staged`]
+/// either keeps them ([`Staged::commit`]) or, dropped, takes them out again — for a caller
+/// that learns only after the archive's end whether the transfer as a whole completed. On an
+/// error the extraction is undone before this returns.
+pub fn extract_staged<R: Read>(root: BorrowedFd<'_>, dest: &str, input: R, limits: &ExtractLimits) -> Result<Staged, ArchiveError> {
     let dest_fd = open_dest(root, dest)?;
     let budget = Budget::default();
     budget.allow(MAX_HEADER_BYTES);
     let mut archive = Archive::new(Metered::new(BufReader::with_capacity(COPY_BUF, input), &budget));
     let mut x = Extractor {
-        tree: Tree { dest: dest_fd, cached: None },
+        tree: Tree { dest: dest_fd, cached: None, undo: Vec::new() },
         files: HashMap::new(),
         dirs: Vec::new(),
         stats: ExtractStats::default(),
@@ -500,12 +524,75 @@ pub fn extract<R: Read>(root: BorrowedFd<'_>, dest: &str, input: R, limits: &Ext
         buf: vec![0; COPY_BUF],
     };
     let walked = x.entries(&mut archive, &budget);
-    // Directories get their modes and mtimes even when an entry failed, so what was extracted
-    // before it is usable (and not left at 0700).
-    let finished = x.finish_dirs();
+    let staged = Staged { tree: x.tree, dirs: x.dirs, stats: x.stats, done: false };
+    // Dropping `staged` undoes what the entries before the failing one did.
     walked?;
-    finished?;
-    Ok(x.stats)
+    Ok(staged)
+}
+
+/// An extraction in place but not yet final: committing applies the directories' modes and
+/// mtimes and drops the hidden names that kept the replaced entries; dropping it instead
+/// removes every name the extraction created (directories once empty) and puts every replaced
+/// entry back under its name. Either way only names below the destination are touched, each by
+/// an `*at` call in a directory opened without following links.
+pub struct Staged {
+    tree: Tree,
+    dirs: Vec<PendingDir>,
+    stats: ExtractStats,
+    done: bool,
+}
+
+impl Staged {
+    /// What the extraction wrote.
+    pub fn stats(&self) -> &ExtractStats {
+        &self.stats
+    }
+
+    /// Keeps the extraction. A directory that cannot take its mode (the sandbox swapped it for
+    /// a link meanwhile) is an error, and the extraction is undone.
+    pub fn commit(mut self) -> Result<ExtractStats, ArchiveError> {
+        finish_dirs(&self.tree, &mut self.dirs)?;
+        self.done = true;
+        for undo in std::mem::take(&mut self.tree.undo) {
+            if let Undo::Replaced { dirs, backup, .. } = undo {
+                let comps: Vec<&[u8]> = dirs.iter().map(Vec::as_slice).collect();
+                if let Ok(parent) = self.tree.dir(&comps, false) {
+                    let _ = sys::unlink_at(parent.as_raw_fd(), &backup);
+                }
+            }
+        }
+        Ok(std::mem::take(&mut self.stats))
+    }
+
+    /// Undoes the extraction, newest change first. Best effort: a name the sandbox changed
+    /// meanwhile, or a directory it put something into, stays.
+    fn rollback(&mut self) {
+        use nix::unistd::UnlinkatFlags;
+        while let Some(undo) = self.tree.undo.pop() {
+            let (dirs, name) = match &undo {
+                Undo::Created { dirs, name, .. } | Undo::Replaced { dirs, name, .. } => (dirs, name),
+            };
+            let comps: Vec<&[u8]> = dirs.iter().map(Vec::as_slice).collect();
+            let Ok(parent) = self.tree.dir(&comps, false) else { continue };
+            let pfd = parent.as_raw_fd();
+            let _ = match &undo {
+                Undo::Created { dir: true, .. } => nix::unistd::unlinkat(Some(pfd), name.as_c_str(), UnlinkatFlags::RemoveDir),
+                Undo::Created { dir: false, .. } => nix::unistd::unlinkat(Some(pfd), name.as_c_str(), UnlinkatFlags::NoRemoveDir),
+                Undo::Replaced { backup, .. } => nix::fcntl::renameat(Some(pfd), backup.as_c_str(), Some(pfd), name.as_c_str()),
+            };
+            // A directory removed here may be the one the cache holds.
+            drop(parent);
+            self.tree.cached = None;
+        }
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.done {
+            self.rollback();
+        }
+    }
 }
 
 /// Opens (creating it and its parents if needed) the destination directory, resolved inside
@@ -527,6 +614,16 @@ fn open_dest(root: BorrowedFd<'_>, dest: &str) -> Result<OwnedFd, ArchiveError> 
 }
 
 impl Extractor<'_> {
+    /// Records a name placed in `dirs`: created where there was none, or over an old entry
+    /// kept under `backup`.
+    fn placed(&mut self, dirs: &[&[u8]], name: CString, backup: Option<CString>) {
+        let dirs = dirs.iter().map(|d| d.to_vec()).collect();
+        self.tree.undo.push(match backup {
+            Some(backup) => Undo::Replaced { dirs, name, backup },
+            None => Undo::Created { dirs, name, dir: false },
+        });
+    }
+
     /// Every entry of the archive, in order, until the end-of-archive marker or the first error.
     fn entries<R: Read>(&mut self, archive: &mut Archive<R>, budget: &Budget) -> Result<(), ArchiveError> {
         let mut entries = archive.entries().map_err(|source| ArchiveError::Malformed { path: "the first entry".into(), source })?;
@@ -617,12 +714,14 @@ impl Extractor<'_> {
             }
             Err(e) => return Err(sys_err(shown, e)),
         };
+        let mut backup = None;
         budget.allow(size);
         let written = copy_exact(data, &mut file, size, &mut self.buf).map_err(io_err(shown)).and_then(|()| {
             let fd = file.as_raw_fd();
             meta.apply_fd(fd).map_err(|e| sys_err(shown, e))?;
             let st = sys::fstat_fd(fd).map_err(|e| sys_err(shown, e))?;
             if let Some(temp) = &temp {
+                backup = keep_aside(pfd, &name).map_err(|e| sys_err(shown, e))?;
                 nix::fcntl::renameat(Some(pfd), temp.as_c_str(), Some(pfd), name.as_c_str()).map_err(|e| sys_err(shown, e))?;
             }
             Ok(st)
@@ -631,11 +730,16 @@ impl Extractor<'_> {
             Ok(st) => st,
             Err(e) => {
                 // The file we made (never anything else: if the sandbox renamed it meanwhile,
-                // this removes only a name in its own tree).
+                // this removes only a name in its own tree), and the second name we gave the
+                // old one.
                 let _ = sys::unlink_at(pfd, temp.as_ref().unwrap_or(&name));
+                if let Some(backup) = &backup {
+                    let _ = sys::unlink_at(pfd, backup);
+                }
                 return Err(e);
             }
         };
+        self.placed(dirs, name, backup);
         self.files.insert(comps.join(&b'/'), (st.st_dev, st.st_ino));
         self.stats.files += 1;
         self.stats.bytes += size;
@@ -650,7 +754,16 @@ impl Extractor<'_> {
         if let Some((last, dirs)) = comps.split_last() {
             let name = c_name(last, shown)?;
             let parent = self.tree.dir(dirs, true).map_err(|e| e.for_entry(shown))?;
-            make_dir_at(parent.as_raw_fd(), &name).map_err(|e| sys_err(shown, e))?;
+            match make_dir_at(parent.as_raw_fd(), &name).map_err(|e| sys_err(shown, e))? {
+                MadeDir::Existing => {}
+                MadeDir::Created { replaced } => {
+                    let dirs: Vec<Vec<u8>> = dirs.iter().map(|d| d.to_vec()).collect();
+                    if let Some(backup) = replaced {
+                        self.tree.undo.push(Undo::Replaced { dirs: dirs.clone(), name: name.clone(), backup });
+                    }
+                    self.tree.undo.push(Undo::Created { dirs, name, dir: true });
+                }
+            }
         }
         self.files.remove(&path);
         self.dirs.push(PendingDir { path, depth: comps.len(), meta, shown: shown.to_string() });
@@ -673,11 +786,20 @@ impl Extractor<'_> {
         let parent = self.tree.dir(dirs, true).map_err(|e| e.for_entry(shown))?;
         let pfd = parent.as_raw_fd();
         let temp = with_temp_name(|tmp| nix::unistd::symlinkat(target.as_c_str(), Some(pfd), tmp)).map_err(|e| sys_err(shown, e))?;
-        let placed = meta.apply_link(pfd, &temp).and_then(|()| nix::fcntl::renameat(Some(pfd), temp.as_c_str(), Some(pfd), name.as_c_str()));
+        let mut backup = None;
+        let placed = meta.apply_link(pfd, &temp).and_then(|()| {
+            refuse_directory_at(pfd, &name, shown).map_err(|_| Errno::EISDIR)?;
+            backup = keep_aside(pfd, &name)?;
+            nix::fcntl::renameat(Some(pfd), temp.as_c_str(), Some(pfd), name.as_c_str())
+        });
         if let Err(e) = placed {
             let _ = sys::unlink_at(pfd, &temp);
+            if let Some(backup) = &backup {
+                let _ = sys::unlink_at(pfd, backup);
+            }
             return Err(sys_err(shown, e));
         }
+        self.placed(dirs, name, backup);
         self.files.remove(&comps.join(&b'/'));
         self.stats.symlinks += 1;
         Ok(())
@@ -707,40 +829,53 @@ impl Extractor<'_> {
         let pfd = parent.as_raw_fd();
         let temp = with_temp_name(|tmp| nix::unistd::linkat(Some(tparent.as_raw_fd()), tname.as_c_str(), Some(pfd), tmp, AtFlags::empty()))
             .map_err(|e| sys_err(shown, e))?;
+        let backup = match refuse_directory_at(pfd, &name, shown).and_then(|()| keep_aside(pfd, &name).map_err(|e| sys_err(shown, e))) {
+            Ok(backup) => backup,
+            Err(e) => {
+                let _ = sys::unlink_at(pfd, &temp);
+                return Err(e);
+            }
+        };
         let renamed = nix::fcntl::renameat(Some(pfd), temp.as_c_str(), Some(pfd), name.as_c_str());
         // Renaming one name of an inode over another name of the same inode succeeds and does
         // nothing, leaving the temporary name: remove it whatever happened.
-        match sys::unlink_at(pfd, &temp) {
-            Ok(()) | Err(Errno::ENOENT) => {}
-            Err(e) => return Err(sys_err(shown, e)),
+        let removed = sys::unlink_at(pfd, &temp);
+        if let Err(e) = renamed.and(match removed {
+            Ok(()) | Err(Errno::ENOENT) => Ok(()),
+            Err(e) => Err(e),
+        }) {
+            if let Some(backup) = &backup {
+                let _ = sys::unlink_at(pfd, backup);
+            }
+            return Err(sys_err(shown, e));
         }
-        renamed.map_err(|e| sys_err(shown, e))?;
+        self.placed(dirs, name, backup);
         self.files.insert(comps.join(&b'/'), (dev, ino));
         self.stats.hardlinks += 1;
         Ok(())
     }
+}
 
-    /// Owner, mode and mtime of every directory entry, deepest first (a stable sort keeps
-    /// archive order among equals, so a directory listed twice ends with its last header).
-    fn finish_dirs(&mut self) -> Result<(), ArchiveError> {
-        self.dirs.sort_by_key(|d| std::cmp::Reverse(d.depth));
-        for d in &self.dirs {
-            let opened;
-            let fd = if d.path.is_empty() {
-                self.tree.dest.as_raw_fd()
-            } else {
-                let rel = c_name(&d.path, &d.shown)?;
-                opened = sys::open_beneath_no_symlinks(self.tree.dest.as_raw_fd(), &rel, libc::O_RDONLY | libc::O_DIRECTORY).map_err(|e| match e {
-                    // The sandbox swapped it for a link while we worked.
-                    Errno::ELOOP => ArchiveError::Unsafe { path: d.shown.clone(), reason: "became a symbolic link during extraction".into() },
-                    e => sys_err(&d.shown, e),
-                })?;
-                opened.as_raw_fd()
-            };
-            d.meta.apply_fd(fd).map_err(|e| sys_err(&d.shown, e))?;
-        }
-        Ok(())
+/// Owner, mode and mtime of every directory entry, deepest first (a stable sort keeps
+/// archive order among equals, so a directory listed twice ends with its last header).
+fn finish_dirs(tree: &Tree, dirs: &mut [PendingDir]) -> Result<(), ArchiveError> {
+    dirs.sort_by_key(|d| std::cmp::Reverse(d.depth));
+    for d in dirs.iter() {
+        let opened;
+        let fd = if d.path.is_empty() {
+            tree.dest.as_raw_fd()
+        } else {
+            let rel = c_name(&d.path, &d.shown)?;
+            opened = sys::open_beneath_no_symlinks(tree.dest.as_raw_fd(), &rel, libc::O_RDONLY | libc::O_DIRECTORY).map_err(|e| match e {
+                // The sandbox swapped it for a link while we worked.
+                Errno::ELOOP => ArchiveError::Unsafe { path: d.shown.clone(), reason: "became a symbolic link during extraction".into() },
+                e => sys_err(&d.shown, e),
+            })?;
+            opened.as_raw_fd()
+        };
+        d.meta.apply_fd(fd).map_err(|e| sys_err(&d.shown, e))?;
     }
+    Ok(())
 }
 
 /// Refuses an entry whose name is taken by a directory (checked before writing data; the final
@@ -752,17 +887,35 @@ fn refuse_directory_at(dir: RawFd, name: &CStr, shown: &str) -> Result<(), Archi
     }
 }
 
-/// `mkdirat(name, 0700)`, keeping an existing directory and replacing anything else. A few
-/// rounds, in case the sandbox keeps putting a link back.
-fn make_dir_at(dir: RawFd, name: &CStr) -> Result<(), Errno> {
+/// What [`make_dir_at`] found.
+enum MadeDir {
+    Existing,
+    /// Made; `replaced` is the hidden name the non-directory that was there now has.
+    Created {
+        replaced: Option<CString>,
+    },
+}
+
+/// `mkdirat(name, 0700)`, keeping an existing directory and replacing anything else (kept
+/// under a hidden second name, so a failed extraction can put it back). A few rounds, in case
+/// the sandbox keeps putting a link back.
+fn make_dir_at(dir: RawFd, name: &CStr) -> Result<MadeDir, Errno> {
+    let mut replaced = None;
     for _ in 0..4 {
         match nix::sys::stat::mkdirat(Some(dir), name, Mode::from_bits_truncate(0o700)) {
-            Ok(()) => return Ok(()),
+            Ok(()) => return Ok(MadeDir::Created { replaced }),
             Err(Errno::EEXIST) => {}
             Err(e) => return Err(e),
         }
         match sys::stat_at(dir, name)? {
-            Some(st) if sys::file_type(&st) == libc::S_IFDIR => return Ok(()),
+            Some(st) if sys::file_type(&st) == libc::S_IFDIR => return Ok(MadeDir::Existing),
+            Some(_) if replaced.is_none() => {
+                replaced = keep_aside(dir, name)?;
+                match sys::unlink_at(dir, name) {
+                    Ok(()) | Err(Errno::ENOENT) => {}
+                    Err(e) => return Err(e),
+                }
+            }
             Some(_) => match sys::unlink_at(dir, name) {
                 Ok(()) | Err(Errno::ENOENT) => {}
                 Err(e) => return Err(e),
@@ -770,7 +923,26 @@ fn make_dir_at(dir: RawFd, name: &CStr) -> Result<(), Errno> {
             None => {}
         }
     }
+    if let Some(backup) = &replaced {
+        let _ = sys::unlink_at(dir, backup);
+    }
     Err(Errno::EEXIST)
+}
+
+/// Gives the non-directory `name` in `dir` a second, hidden name (a hard link to it, never
+/// following a symlink), so it can be put back if the extraction fails; `None` when nothing
+/// has that name.
+fn keep_aside(dir: RawFd, name: &CStr) -> Result<Option<CString>, Errno> {
+    match sys::stat_at(dir, name)? {
+        None => return Ok(None),
+        Some(st) if sys::file_type(&st) == libc::S_IFDIR => return Err(Errno::EISDIR),
+        Some(_) => {}
+    }
+    match with_temp_name(|tmp| nix::unistd::linkat(Some(dir), name, Some(dir), tmp, AtFlags::empty())) {
+        Ok(backup) => Ok(Some(backup)),
+        Err(Errno::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Copies exactly `size` bytes of a tar entry through `buf`; a stream that ends sooner is an
@@ -840,14 +1012,23 @@ impl Read for ExactReader {
     }
 }
 
-/// One directory being archived: its descriptor (every name in it is opened relative to it),
-/// its sorted names not yet visited, and its path in the archive.
+/// Directory descriptors one [`create`] keeps open, whatever the depth of the tree: the source
+/// and the deepest levels of the walk. A level further up is closed and opened again by name
+/// when the walk comes back to it (see [`Writer::reopen`]).
+pub const MAX_OPEN_DIRS: usize = 16;
+
+/// One directory being archived: its descriptor while open (every name in it is opened
+/// relative to it), its sorted names not yet visited, and its path in the archive.
 struct Level {
-    dir: nix::dir::Dir,
+    dir: Option<OwnedFd>,
+    /// Its name in the level above (empty for the source).
+    name: CString,
+    /// Which directory it is, so one reopened by name is known to be the one that was listed.
+    dev: u64,
+    ino: u64,
     names: std::vec::IntoIter<CString>,
     /// `""` for the source, else `a/b/`.
     prefix: Vec<u8>,
-    dev: u64,
 }
 
 /// The state of one [`create`].
@@ -923,6 +1104,47 @@ pub fn create<W: Write>(root: BorrowedFd<'_>, src: &str, output: W, limits: &Cre
     Ok(w.stats)
 }
 
+/// Closes the descriptors of the shallowest open levels (never the source's) until at most
+/// [`MAX_OPEN_DIRS`] are open: the walk needs the deepest ones next.
+fn close_shallow(stack: &mut [Level]) {
+    let mut open = stack.iter().filter(|l| l.dir.is_some()).count();
+    for level in stack.iter_mut().skip(1) {
+        if open <= MAX_OPEN_DIRS {
+            break;
+        }
+        if level.dir.take().is_some() {
+            open -= 1;
+        }
+    }
+}
+
+/// Opens the deepest level of `stack` again, and the closed ones on the way to it, one name at
+/// a time from the nearest open level above, each with `O_DIRECTORY | O_NOFOLLOW` (nothing is
+/// followed, nothing leaves the tree) and checked to be the directory that was listed. `false`
+/// when one was removed, renamed or replaced meanwhile (the sandbox may change its tree while
+/// we walk it); an error for anything else, with the path it concerns.
+fn reopen(stack: &mut [Level]) -> Result<bool, (String, Errno)> {
+    let Some(from) = stack.iter().rposition(|l| l.dir.is_some()) else {
+        return Ok(false);
+    };
+    for k in from + 1..stack.len() {
+        let Some(at) = stack[k - 1].dir.as_ref().map(AsRawFd::as_raw_fd) else { return Ok(false) };
+        let shown = show(&stack[k].prefix);
+        let fd = match sys::open_at(at, &stack[k].name, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT | Errno::ENOTDIR | Errno::ELOOP) => return Ok(false),
+            Err(e) => return Err((shown, e)),
+        };
+        let st = sys::fstat_fd(fd.as_raw_fd()).map_err(|e| (shown, e))?;
+        if (st.st_dev, st.st_ino) != (stack[k].dev, stack[k].ino) {
+            return Ok(false);
+        }
+        stack[k].dir = Some(fd);
+    }
+    close_shallow(stack);
+    Ok(true)
+}
+
 /// An archive name as the `tar` crate takes it.
 fn tar_path(bytes: &[u8]) -> &Path {
     Path::new(OsStr::from_bytes(bytes))
@@ -951,9 +1173,11 @@ impl<W: Write> Writer<'_, W> {
     }
 
     /// Reads and sorts the names of a directory (sorted so the same tree gives the same archive).
-    fn level(&mut self, fd: OwnedFd, prefix: Vec<u8>, dev: u64) -> Result<Level, ArchiveError> {
+    /// The listing reads through a second descriptor of it, closed before this returns.
+    fn level(&mut self, fd: OwnedFd, name: CString, prefix: Vec<u8>, st: &libc::stat) -> Result<Level, ArchiveError> {
         let shown = if prefix.is_empty() { "./".to_string() } else { show(&prefix) };
-        let mut dir = nix::dir::Dir::from(fd).map_err(|e| sys_err(&shown, e))?;
+        let listing = fd.try_clone().map_err(|e| sys_err(&shown, Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))))?;
+        let mut dir = nix::dir::Dir::from(listing).map_err(|e| sys_err(&shown, e))?;
         let mut names = Vec::new();
         for entry in dir.iter() {
             let entry = entry.map_err(|e| sys_err(&shown, e))?;
@@ -967,20 +1191,29 @@ impl<W: Write> Writer<'_, W> {
             names.push(name.to_owned());
         }
         names.sort_unstable();
-        Ok(Level { dir, names: names.into_iter(), prefix, dev })
+        Ok(Level { dir: Some(fd), name, dev: st.st_dev, ino: st.st_ino, names: names.into_iter(), prefix })
     }
 
-    /// The source directory and everything below it, depth first, one open directory per level.
+    /// The source directory and everything below it, depth first, with at most
+    /// [`MAX_OPEN_DIRS`] directories open however deep the tree goes.
     fn tree(&mut self, top: OwnedFd, st: &libc::stat) -> Result<(), ArchiveError> {
         self.count(1, b"./")?;
         self.dir_entry(b"./", st)?;
-        let mut stack = vec![self.level(top, Vec::new(), st.st_dev)?];
+        let mut stack = vec![self.level(top, CString::default(), Vec::new(), st)?];
         while let Some(level) = stack.last_mut() {
             let Some(name) = level.names.next() else {
                 stack.pop();
                 continue;
             };
-            let dfd = level.dir.as_raw_fd();
+            if level.dir.is_none() && !reopen(&mut stack).map_err(|(path, e)| sys_err(&path, e))? {
+                // Gone or replaced since it was listed: what is left of it is not archived.
+                if let Some(gone) = stack.pop() {
+                    self.stats.skipped += 1 + gone.names.len() as u64;
+                }
+                continue;
+            }
+            let Some(level) = stack.last() else { break };
+            let Some(dfd) = level.dir.as_ref().map(AsRawFd::as_raw_fd) else { break };
             let parent_dev = level.dev;
             let mut rel = level.prefix.clone();
             rel.extend_from_slice(name.to_bytes());
@@ -1014,8 +1247,9 @@ impl<W: Write> Writer<'_, W> {
                     if stack.len() > self.limits.max_depth {
                         return Err(ArchiveError::Limit { path: shown, what: "directory levels", limit: self.limits.max_depth as u64 });
                     }
-                    let level = self.level(fd, rel, st.st_dev)?;
+                    let level = self.level(fd, name, rel, &st)?;
                     stack.push(level);
+                    close_shallow(&mut stack);
                 }
                 libc::S_IFREG => {
                     let found = match sys::open_at(dfd, &name, libc::O_PATH | libc::O_NOFOLLOW) {
@@ -1390,9 +1624,8 @@ mod tests {
             let tar = RawTar::default().file("fine", b"ok").file(name, b"evil").end();
             let (path, reason) = f.untouched_outside(|| unsafe_path(f.extract("/dest", &tar)));
             assert_eq!(path, name, "the error names the entry ({reason})");
-            assert_eq!(fs::read(f.root.join("dest/fine")).expect("read"), b"ok", "entries before the bad one stay");
             assert_eq!(names(&f.root), BTreeSet::from(["dest".to_string()]), "nothing written beside dest for {name}");
-            assert_eq!(names(&f.root.join("dest")), BTreeSet::from(["fine".to_string()]), "nothing else written for {name}");
+            assert_eq!(names(&f.root.join("dest")), BTreeSet::new(), "the entries before the bad one were taken out again for {name}");
         }
     }
 
@@ -1458,7 +1691,7 @@ mod tests {
             let (path, reason) = f.untouched_outside(|| unsafe_path(f.extract("/dest", &tar)));
             assert_eq!(path, through);
             assert!(reason.contains("`link` is a symbolic link"), "{reason}");
-            assert_eq!(fs::read_link(f.root.join("dest/link")).expect("readlink"), Path::new(&target), "the link itself is stored as given");
+            assert!(fs::symlink_metadata(f.root.join("dest/link")).is_err(), "the failed extraction took its link out again");
         }
     }
 
@@ -1529,9 +1762,7 @@ mod tests {
             Err(ArchiveError::Limit { path, what: "bytes of file data", limit: 1000 }) => assert_eq!(path, "big"),
             other => panic!("{other:?}"),
         }
-        assert_eq!(names(&f.root.join("bytes")), BTreeSet::from(["d".to_string()]), "no partial or temporary file");
-        let d = fs::metadata(f.root.join("bytes/d")).expect("stat");
-        assert_eq!((d.mode() & 0o7777, d.mtime()), (0o644, 1_600_000_000), "directories before the failure got their header's mode and mtime");
+        assert_eq!(names(&f.root.join("bytes")), BTreeSet::new(), "no partial or temporary file, and what came before is gone");
 
         // A GNU long name and a PAX record of 2 MiB each: refused after 1 MiB, not buffered whole.
         for kind in [EntryType::GNULongName, EntryType::XHeader] {
@@ -1548,6 +1779,85 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_extraction_puts_back_what_it_replaced_and_removes_what_it_made() {
+        let f = fixture();
+        let dest = f.root.join("dest");
+        fs::create_dir_all(dest.join("keep")).expect("mkdir");
+        fs::set_permissions(dest.join("keep"), fs::Permissions::from_mode(0o751)).expect("chmod");
+        fs::write(dest.join("file"), b"old file").expect("write");
+        symlink("old-target", dest.join("link")).expect("symlink");
+        fs::write(dest.join("was-file"), b"becomes a dir").expect("write");
+        let before = describe(&dest);
+        let mut tar = RawTar::default();
+        tar.file("file", b"new file")
+            .entry(b"link", EntryType::Regular, b"", b"a file over a link")
+            .entry(b"was-file/", EntryType::Directory, b"", b"")
+            .file("was-file/inner", b"x")
+            .file("new/deep/er/file", b"made with its parents")
+            .file("keep/added", b"y")
+            .entry(b"keep/", EntryType::Directory, b"", b"")
+            .entry(b"hl", EntryType::Link, b"file", b"")
+            .file("file", b"replaced twice");
+        tar.entry(b"dev", EntryType::Char, b"", b"");
+        let tar = tar.end();
+        assert!(matches!(f.extract("/dest", &tar), Err(ArchiveError::Unsupported { .. })));
+        assert_eq!(describe(&dest), before, "the tree is as it was");
+        assert_eq!(fs::metadata(dest.join("keep")).expect("stat").mode() & 0o7777, 0o751, "a merged directory keeps its mode");
+        assert_eq!(fs::read_link(dest.join("link")).expect("readlink"), Path::new("old-target"));
+        // A staged extraction that is dropped (the transfer broke off after the archive's end)
+        // is undone too; a committed one stays.
+        let ok = RawTar::default().file("file", b"new").file("n/x", b"x").end();
+        drop(extract_staged(f.root_file.as_fd(), "/dest", &ok[..], &ExtractLimits::default()).expect("staged"));
+        assert_eq!(describe(&dest), before, "dropped: undone");
+        let staged = extract_staged(f.root_file.as_fd(), "/dest", &ok[..], &ExtractLimits::default()).expect("staged");
+        assert_eq!(staged.stats().files, 2);
+        staged.commit().expect("commit");
+        assert_eq!(fs::read(dest.join("file")).expect("read"), b"new");
+        assert!(names(&dest).iter().all(|n| !n.starts_with(".sbx")), "no hidden second names left: {:?}", names(&dest));
+    }
+
+    #[test]
+    fn a_deep_tree_is_archived_with_a_bounded_number_of_descriptors() {
+        let f = fixture();
+        let top = f.root.join("deep");
+        let mut dir = top.clone();
+        for i in 0..200 {
+            dir.push(format!("d{}", i % 7));
+        }
+        fs::create_dir_all(&dir).expect("mkdir");
+        fs::write(dir.join("bottom"), vec![9u8; 3 << 20]).expect("write");
+        fs::write(top.join("d0/top"), b"t").expect("write");
+        /// Counts, at every write, the descriptors of this process open on the tree.
+        struct Probe {
+            tree: PathBuf,
+            max: usize,
+            bytes: u64,
+        }
+        impl Write for Probe {
+            fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+                let open = fs::read_dir("/proc/self/fd")?.flatten().filter(|e| fs::read_link(e.path()).is_ok_and(|t| t.starts_with(&self.tree))).count();
+                self.max = self.max.max(open);
+                self.bytes += buf.len() as u64;
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut probe = Probe { tree: top.clone(), max: 0, bytes: 0 };
+        let stats = create(f.root_file.as_fd(), "/deep", &mut probe, &CreateLimits::default()).expect("create");
+        assert_eq!((stats.dirs, stats.files), (201, 2));
+        assert!(probe.max <= MAX_OPEN_DIRS + 3, "{} descriptors open on the tree at once", probe.max);
+        // What came back is the whole tree, the names after the deep part included.
+        let mut out = Vec::new();
+        create(f.root_file.as_fd(), "/deep", &mut out, &CreateLimits::default()).expect("create");
+        let dest = f.root.join("copy");
+        fs::create_dir(&dest).expect("mkdir");
+        f.extract("/copy", &out).expect("extract");
+        assert_same_tree(&top, &dest);
+    }
+
+    #[test]
     fn a_cut_archive_leaves_no_partial_file() {
         let f = fixture();
         let mut tar = RawTar::default().file("whole", b"ok").end();
@@ -1558,8 +1868,9 @@ mod tests {
             Err(ArchiveError::Io { path, source }) => assert_eq!((path.as_str(), source.kind()), ("cut", io::ErrorKind::UnexpectedEof)),
             other => panic!("{other:?}"),
         }
-        assert_eq!(names(&f.root.join("dest")), BTreeSet::from(["whole".to_string()]));
+        assert_eq!(names(&f.root.join("dest")), BTreeSet::new(), "the whole file before the cut was taken out again");
         // Cut inside a file that replaces an existing one: the old one stays as it was.
+        fs::write(f.root.join("dest/whole"), b"ok").expect("write");
         let mut cut = RawTar::default();
         cut.entry_sized(b"whole", EntryType::Regular, b"", &[7; 100], 10_000);
         assert!(matches!(f.extract("/dest", &cut.0), Err(ArchiveError::Io { path, .. }) if path == "whole"));

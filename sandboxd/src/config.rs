@@ -189,6 +189,75 @@ impl ConnectionsConfig {
     }
 }
 
+/// The `[streams]` table: bounds on the streaming calls (uploads, downloads, exec sessions,
+/// archive walks), so no client can hold the daemon's threads, memory or descriptors.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StreamsConfig {
+    /// An upload with no message from the client, or a download the client does not read, for
+    /// this long is ended with DEADLINE_EXCEEDED (its partial file removed, its descriptors closed).
+    pub idle_timeout_ms: u64,
+    /// UploadFile and UploadArchive calls at once, on the whole daemon and per tenant.
+    pub max_uploads: usize,
+    pub max_uploads_per_tenant: usize,
+    /// DownloadFile and DownloadArchive calls at once.
+    pub max_downloads: usize,
+    pub max_downloads_per_tenant: usize,
+    /// ExecSession calls at once.
+    pub max_sessions: usize,
+    pub max_sessions_per_tenant: usize,
+    /// UploadArchive and DownloadArchive calls at once (each walks a tree on a thread of its own).
+    pub max_archive_walks: usize,
+    pub max_archive_walks_per_tenant: usize,
+    /// Bytes of a session's stdin the daemon holds once the message carrying them is read.
+    pub session_input_buffer_bytes: usize,
+}
+
+impl Default for StreamsConfig {
+    fn default() -> Self {
+        StreamsConfig {
+            idle_timeout_ms: 60_000,
+            max_uploads: 256,
+            max_uploads_per_tenant: 32,
+            max_downloads: 256,
+            max_downloads_per_tenant: 32,
+            max_sessions: 512,
+            max_sessions_per_tenant: 64,
+            max_archive_walks: 32,
+            max_archive_walks_per_tenant: 8,
+            session_input_buffer_bytes: 1 << 20,
+        }
+    }
+}
+
+impl StreamsConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !(100..=3_600_000).contains(&self.idle_timeout_ms) {
+            return Err(ConfigError::Invalid(format!("streams.idle_timeout_ms = {} must be between 100 and 3600000", self.idle_timeout_ms)));
+        }
+        let caps = [
+            ("max_uploads", self.max_uploads, self.max_uploads_per_tenant),
+            ("max_downloads", self.max_downloads, self.max_downloads_per_tenant),
+            ("max_sessions", self.max_sessions, self.max_sessions_per_tenant),
+            ("max_archive_walks", self.max_archive_walks, self.max_archive_walks_per_tenant),
+        ];
+        for (key, global, per_tenant) in caps {
+            if !(1..=65_536).contains(&global) || !(1..=global).contains(&per_tenant) {
+                return Err(ConfigError::Invalid(format!(
+                    "streams.{key} = {global} and streams.{key}_per_tenant = {per_tenant}: each must be at least 1, the global one at most 65536 and not below the per-tenant one"
+                )));
+            }
+        }
+        if !(4096..=(64 << 20)).contains(&self.session_input_buffer_bytes) {
+            return Err(ConfigError::Invalid(format!(
+                "streams.session_input_buffer_bytes = {} must be between 4096 and 67108864",
+                self.session_input_buffer_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The `[container]` table: the Docker-based tier.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -368,6 +437,7 @@ pub struct FileConfig {
     pub files: FilesConfig,
     #[serde(default)]
     pub connections: ConnectionsConfig,
+    pub streams: StreamsConfig,
     #[serde(default)]
     pub images: ImagesConfig,
     #[serde(default)]
@@ -681,6 +751,7 @@ pub struct Config {
     pub container: ContainerTierConfig,
     pub files: FilesConfig,
     pub connections: ConnectionsConfig,
+    pub streams: StreamsConfig,
     pub images: ImagesConfig,
     pub admission: AdmissionConfig,
 }
@@ -718,6 +789,7 @@ impl Config {
             container: file.container,
             files: file.files,
             connections: file.connections,
+            streams: file.streams,
             images: file.images,
             admission: file.admission,
         };
@@ -807,6 +879,7 @@ impl Config {
                 return Err(ConfigError::Invalid(format!("{key} must be at least {} (the smallest disk_bytes a sandbox may have)", floors[3])));
             }
         }
+        self.streams.validate()?;
         if !(1..=4096).contains(&self.files.max_concurrent_writes) {
             return Err(ConfigError::Invalid(format!("files.max_concurrent_writes = {} must be between 1 and 4096", self.files.max_concurrent_writes)));
         }

@@ -39,6 +39,9 @@ pub enum Error {
     /// What arrived is not what the client sent (a checksum did not match).
     #[error("{0}")]
     DataLoss(String),
+    /// A stream the client left idle past `streams.idle_timeout_ms`.
+    #[error("{0}")]
+    DeadlineExceeded(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -62,6 +65,7 @@ impl From<BackendError> for Error {
             BackendError::FileNotFound { path } => Error::FileNotFound(path),
             e @ BackendError::DiskFull { .. } => Error::ResourceExhausted(e.to_string()),
             e @ BackendError::UploadIncomplete { .. } => Error::Aborted(e.to_string()),
+            e @ BackendError::Idle { .. } => Error::DeadlineExceeded(e.to_string()),
             BackendError::Archive(e) => archive_error(e),
             e @ (BackendError::Io { .. } | BackendError::Internal(_)) => Error::Internal(e.to_string()),
         }

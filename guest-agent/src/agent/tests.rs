@@ -885,7 +885,7 @@ fn a_hostile_archive_is_refused_naming_the_entry_and_nothing_lands_outside() {
     let Response::Error { kind, message } = answer else { panic!("{answer:?}") };
     assert_eq!(kind, ErrorKind::InvalidPath, "{message}");
     assert!(message.starts_with("../x: refused"), "names the entry: {message}");
-    assert_eq!(std::fs::read(host.root.path().join("dst/fine")).expect("read"), b"ok", "what came before stays");
+    assert!(!host.root.path().join("dst/fine").exists(), "what came before is taken out again (all or nothing)");
     assert!(!host.root.path().join("x").exists());
     // Refused before the last piece: the next piece hears it.
     let tar = raw_tar(&[("link", b'2', b"/"), ("link/etc-owned", b'0', b"evil")]);

@@ -99,7 +99,8 @@ impl Api {
 
     /// [`Api::call`] for a client-streaming call whose first message says what it is about (an
     /// upload's header, a session's command): that message is read first (within
-    /// [`FIRST_MESSAGE_DEADLINE`]; a stream without one is INVALID_ARGUMENT), the audit line is
+    /// [`FIRST_MESSAGE_DEADLINE`] or `streams.idle_timeout_ms`, whichever is shorter: past it
+    /// DEADLINE_EXCEEDED; a stream that ends without one is INVALID_ARGUMENT), the audit line is
     /// made from it, and `f` gets it with the rest of the stream.
     async fn call_streaming<M, R, F, Fut>(
         &self,
@@ -115,11 +116,15 @@ impl Api {
         let started = Instant::now();
         let tenant = self.auth.tenant(&request)?;
         let mut stream = request.into_inner();
-        let first = match tokio::time::timeout(FIRST_MESSAGE_DEADLINE, stream.message()).await {
+        // The first message is waited for like any other of a stream: `streams.idle_timeout_ms`.
+        let deadline = FIRST_MESSAGE_DEADLINE.min(self.manager.stream_idle_timeout());
+        let first = match tokio::time::timeout(deadline, stream.message()).await {
             Ok(Ok(Some(m))) => m,
             Ok(Ok(None)) => return Err(Status::invalid_argument(format!("{rpc}: the stream ended before its first message"))),
             Ok(Err(status)) => return Err(status),
-            Err(_) => return Err(Status::invalid_argument(format!("{rpc}: no first message within {} s", FIRST_MESSAGE_DEADLINE.as_secs()))),
+            Err(_) => {
+                return Err(Status::deadline_exceeded(format!("{rpc}: no first message within {:.1} s (streams.idle_timeout_ms)", deadline.as_secs_f64())))
+            }
         };
         let audited = audit_of(&first);
         let result = f(tenant.clone(), first, stream).await;
@@ -335,7 +340,7 @@ impl SandboxService for Api {
             let exec = start.exec.ok_or_else(|| Status::invalid_argument("invalid start.exec: missing"))?;
             let tty = streams::terminal(start.tty, start.size)?;
             let (started_tx, started_rx) = tokio::sync::watch::channel(None);
-            let input = streams::session_input(self.manager.clone(), tenant.clone(), stream, started_rx);
+            let input = streams::session_input(self.manager.clone(), tenant.clone(), stream, started_rx, self.manager.session_input_buffer());
             let events = self.manager.exec_session(&tenant, exec_request(exec), crate::manager::Session { input, tty })?;
             let events = events.map(move |event| {
                 if let Ok(crate::model::ExecEvent::Started(id)) = &event {
@@ -353,7 +358,8 @@ impl SandboxService for Api {
             let header = upload_header(first)?;
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             let upload = self.manager.upload_file(&tenant, &header.sandbox_id, &header.path, header.mode, rx);
-            let (fed, written) = tokio::join!(streams::feed_upload(stream, tx), upload);
+            let idle = Some(self.manager.stream_idle_timeout());
+            let (fed, written) = streams::run_upload(streams::feed_upload_within(stream, tx, idle), upload).await;
             let (sha256, bytes_written) = streams::upload_result(fed, written)?;
             Ok(pb::UploadFileResponse { bytes_written, sha256 })
         })
@@ -375,7 +381,8 @@ impl SandboxService for Api {
             let header = upload_header(first)?;
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             let upload = self.manager.upload_archive(&tenant, &header.sandbox_id, &header.path, rx);
-            let (fed, stats) = tokio::join!(streams::feed_upload(stream, tx), upload);
+            let idle = Some(self.manager.stream_idle_timeout());
+            let (fed, stats) = streams::run_upload(streams::feed_upload_within(stream, tx, idle), upload).await;
             let (_, s) = streams::upload_result(fed, stats)?;
             Ok(pb::UploadArchiveResponse { files: s.files + s.hardlinks, directories: s.dirs, symlinks: s.symlinks, bytes: s.bytes })
         })

@@ -19,6 +19,7 @@ impl From<Error> for Status {
             Error::PermissionDenied(_) => Code::PermissionDenied,
             Error::Aborted(_) => Code::Aborted,
             Error::DataLoss(_) => Code::DataLoss,
+            Error::DeadlineExceeded(_) => Code::DeadlineExceeded,
             Error::Internal(_) => {
                 tracing::error!(error = %e, "internal error");
                 Code::Internal

@@ -3,6 +3,7 @@
 //! manager's and the backends'; here messages only become core values and back.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use sandbox_proto::v1 as pb;
@@ -14,12 +15,12 @@ use tonic::Status;
 use crate::backend::{ByteChunks, Download, SessionInput, TerminalSize, UploadPiece};
 use crate::ids::ExecId;
 use crate::images::hex;
-use crate::manager::Manager;
+use crate::manager::{Held, Manager};
 
-/// Live input waiting for the backend; a client typing faster than the command reads waits here.
-const INPUT_BUFFER: usize = 16;
-/// Download chunks waiting for a slow client.
-const CHUNK_BUFFER: usize = 4;
+/// A session's stdin is handed to the backend in copies of at most this many bytes, so what
+/// waits for the command is counted in bytes (`streams.session_input_buffer_bytes`), not in
+/// messages of up to 64 MiB each.
+const INPUT_PIECE: usize = 64 << 10;
 
 /// A session's terminal: `tty` with `size` (0 = 24 × 80), or none.
 pub fn terminal(tty: bool, size: Option<pb::TerminalSize>) -> Result<Option<TerminalSize>, Status> {
@@ -44,14 +45,20 @@ fn terminal_size(size: pb::TerminalSize, field: &str) -> Result<TerminalSize, St
 /// ends with the client's stream. Signals go to the exec once it has an id (`started`), through
 /// the manager like SignalExec. A malformed message ends the input (as a close of stdin) and is
 /// logged; the command's own fate is decided by its stdin and the client's presence.
+///
+/// The next message is read only once the one before is handed on, and at most about
+/// `buffer_bytes` of stdin wait for the command (in [`INPUT_PIECE`] copies): a client that
+/// types faster than the command reads is held back by HTTP/2 flow control, and the daemon
+/// holds the message being handed on plus that buffer, whatever the client sends.
 pub fn session_input(
     manager: Arc<Manager>,
     tenant: String,
     mut stream: tonic::Streaming<pb::ExecSessionRequest>,
     started: watch::Receiver<Option<ExecId>>,
+    buffer_bytes: usize,
 ) -> mpsc::Receiver<SessionInput> {
     use pb::exec_session_request::Item;
-    let (tx, rx) = mpsc::channel(INPUT_BUFFER);
+    let (tx, rx) = mpsc::channel((buffer_bytes / INPUT_PIECE).max(1));
     tokio::spawn(async move {
         loop {
             let item = match stream.message().await {
@@ -65,7 +72,14 @@ pub fn session_input(
                 }
             };
             let input = match item {
-                Item::Stdin(bytes) => SessionInput::Stdin(Bytes::from(bytes)),
+                Item::Stdin(bytes) => {
+                    for piece in bytes.chunks(INPUT_PIECE) {
+                        if tx.send(SessionInput::Stdin(Bytes::copy_from_slice(piece))).await.is_err() {
+                            return;
+                        }
+                    }
+                    continue;
+                }
                 Item::CloseStdin(_) => SessionInput::CloseStdin,
                 Item::Resize(size) => match terminal_size(size, "resize") {
                     Ok(size) => SessionInput::Resize(size),
@@ -143,11 +157,34 @@ upload_message! {
 /// only once the client half-closed the stream and its `sha256` (required) matched. Returns the
 /// hex digest of the content; an error (the client broke off, a second header, a bad checksum)
 /// drops `tx` without a commit, so the backend abandons the upload.
-pub async fn feed_upload<M: UploadMessage>(mut stream: tonic::Streaming<M>, tx: mpsc::Sender<UploadPiece>) -> Result<String, FeedError> {
+pub async fn feed_upload<M: UploadMessage>(stream: tonic::Streaming<M>, tx: mpsc::Sender<UploadPiece>) -> Result<String, FeedError> {
+    feed_upload_within(stream, tx, None).await
+}
+
+/// [`feed_upload`] with an idle deadline: a client that sends nothing for `idle` ends the
+/// upload with DEADLINE_EXCEEDED (and `tx` dropped without a commit, the backend removes what
+/// it wrote).
+pub async fn feed_upload_within<M: UploadMessage>(
+    mut stream: tonic::Streaming<M>,
+    tx: mpsc::Sender<UploadPiece>,
+    idle: Option<Duration>,
+) -> Result<String, FeedError> {
     let mut hasher = Sha256::new();
     let mut expected: Option<String> = None;
     loop {
-        match stream.message().await.map_err(FeedError::Client)?.map(UploadMessage::piece) {
+        let next = match idle {
+            Some(idle) => match tokio::time::timeout(idle, stream.message()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    return Err(FeedError::Client(Status::deadline_exceeded(format!(
+                        "upload: no message from the client for {:.1} s (streams.idle_timeout_ms); nothing was kept",
+                        idle.as_secs_f64()
+                    ))))
+                }
+            },
+            None => stream.message().await,
+        };
+        match next.map_err(FeedError::Client)?.map(UploadMessage::piece) {
             Some(Piece::Data(data)) => {
                 if expected.is_some() {
                     return Err(FeedError::Client(Status::invalid_argument("upload: data after the sha256 message")));
@@ -183,6 +220,23 @@ pub async fn feed_upload<M: UploadMessage>(mut stream: tonic::Streaming<M>, tx: 
     Ok(digest)
 }
 
+/// Runs an upload's feeding and its backend side together. A backend side that fails first (a
+/// cap reached, a bad path) is the answer at once: the client's stream is dropped rather than
+/// read on, so a refused upload does not wait for a client that sends nothing more.
+pub async fn run_upload<T>(
+    feed: impl std::future::Future<Output = Result<String, FeedError>>,
+    upload: impl std::future::Future<Output = Result<T, crate::error::Error>>,
+) -> (Result<String, FeedError>, Result<T, crate::error::Error>) {
+    tokio::pin!(feed, upload);
+    tokio::select! {
+        done = &mut upload => match done {
+            Err(e) => (Err(FeedError::BackendStopped), Err(e)),
+            Ok(v) => (feed.await, Ok(v)),
+        },
+        fed = &mut feed => (fed, upload.await),
+    }
+}
+
 /// Why [`feed_upload`] stopped early.
 pub enum FeedError {
     /// The client's stream broke off or was wrong: its status is the answer.
@@ -203,39 +257,44 @@ pub fn upload_result<T>(fed: Result<String, FeedError>, done: Result<T, crate::e
     }
 }
 
-/// A download as messages: `size` first, the data, then the `sha256` of what was sent.
-pub fn download_chunks(download: Download) -> ReceiverStream<Result<pb::DownloadChunk, Status>> {
-    let (tx, rx) = mpsc::channel(CHUNK_BUFFER);
-    let Download { size, mut chunks } = download;
-    tokio::spawn(async move {
-        if tx.send(Ok(pb::DownloadChunk { size, ..Default::default() })).await.is_err() {
-            return;
-        }
-        let mut hasher = Sha256::new();
-        while let Some(chunk) = chunks.recv().await {
-            let msg = match chunk {
-                Ok(bytes) => {
+/// A download as messages: `size` first, the data, then the `sha256` of what was sent. Each
+/// message is made when the transport asks for it (nothing is queued here), and the download's
+/// slots are held until the stream is dropped.
+pub fn download_chunks(download: Held<Download>) -> impl futures::Stream<Item = Result<pb::DownloadChunk, Status>> {
+    enum Next {
+        Size(u64),
+        Data,
+        Done,
+    }
+    let Held { value: Download { size, chunks }, slots } = download;
+    futures::stream::unfold((Next::Size(size), chunks, Sha256::new(), slots), |(next, mut chunks, mut hasher, slots)| async move {
+        let (msg, then) = match next {
+            Next::Size(size) => (Ok(pb::DownloadChunk { size, ..Default::default() }), Next::Data),
+            Next::Data => match chunks.recv().await {
+                Some(Ok(bytes)) => {
                     hasher.update(&bytes);
-                    Ok(pb::DownloadChunk { data: Vec::from(bytes), ..Default::default() })
+                    (Ok(pb::DownloadChunk { data: Vec::from(bytes), ..Default::default() }), Next::Data)
                 }
-                Err(e) => Err(Status::from(crate::error::Error::from(e))),
-            };
-            let failed = msg.is_err();
-            if tx.send(msg).await.is_err() || failed {
-                return;
-            }
-        }
-        let _ = tx.send(Ok(pb::DownloadChunk { sha256: hex(&hasher.finalize()), ..Default::default() })).await;
-    });
-    ReceiverStream::new(rx)
+                Some(Err(e)) => (Err(Status::from(crate::error::Error::from(e))), Next::Done),
+                None => (Ok(pb::DownloadChunk { sha256: hex(&hasher.clone().finalize()), ..Default::default() }), Next::Done),
+            },
+            Next::Done => return None,
+        };
+        Some((msg, (then, chunks, hasher, slots)))
+    })
 }
 
-/// An archive download as messages: `data` only.
-pub fn archive_chunks(chunks: ByteChunks) -> impl futures::Stream<Item = Result<pb::DownloadChunk, Status>> {
+/// An archive download as messages: `data` only, made when the transport asks; the slots are
+/// held until the stream is dropped.
+pub fn archive_chunks(chunks: Held<ByteChunks>) -> impl futures::Stream<Item = Result<pb::DownloadChunk, Status>> {
     use futures::StreamExt;
-    ReceiverStream::new(chunks).map(|chunk| match chunk {
-        Ok(bytes) => Ok(pb::DownloadChunk { data: Vec::from(bytes), ..Default::default() }),
-        Err(e) => Err(Status::from(crate::error::Error::from(e))),
+    let Held { value, slots } = chunks;
+    ReceiverStream::new(value).map(move |chunk| {
+        let _held = &slots;
+        match chunk {
+            Ok(bytes) => Ok(pb::DownloadChunk { data: Vec::from(bytes), ..Default::default() }),
+            Err(e) => Err(Status::from(crate::error::Error::from(e))),
+        }
     })
 }
 

@@ -21,6 +21,9 @@ use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
@@ -217,33 +220,83 @@ pub(crate) fn read_file_at(root: &File, workdir: &str, path: &str, offset: u64, 
     Ok(FileChunk { content, size, eof })
 }
 
-/// Writes a file of any size from `data` (see [`UploadPiece`]) below an open root directory:
-/// parents are created, the bytes go to a hidden temporary file beside the target, and only a
-/// `Commit` renames it over the old file. Blocking (run it on a blocking thread).
-pub(crate) fn upload_file_at(root: &File, workdir: &str, path: &str, mode: u32, data: &mut mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
-    use std::io::Write;
-    let comps = file_components(path, workdir)?;
-    mkdir_all(root, &comps[..comps.len() - 1], path)?;
-    let slot = writable_slot(root, &comps, path)?;
+/// Most bytes of an upload written to the file in one step on a blocking thread: pieces that
+/// arrive together are written together, so tiny messages do not cost a thread hop each.
+const UPLOAD_WRITE: usize = 1 << 20;
+
+/// Writes a file of any size from `data` (see [`UploadPiece`]) below the root directory
+/// `root`: parents are created, the bytes go to a hidden temporary file beside the target, and
+/// only a `Commit` renames it over the old file; anything else removes the temporary file.
+///
+/// The waiting for the client is async: a blocking thread is held only while a piece is
+/// written (at most [`UPLOAD_WRITE`] bytes), never while the client is silent.
+pub(crate) async fn upload_file_in(root: File, workdir: String, path: String, mode: u32, mut data: mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
+    let p = path.clone();
+    let target = blocking(move || -> Result<_, BackendError> {
+        let comps = file_components(&p, &workdir)?;
+        mkdir_all(&root, &comps[..comps.len() - 1], &p)?;
+        let slot = writable_slot(&root, &comps, &p)?;
+        let temp = sandbox_exec::sys::create_temp_in(slot.dir.as_raw_fd()).map_err(|e| map_errno(&p, e))?;
+        Ok(Arc::new((slot, temp)))
+    })
+    .await?;
     let mode = if mode == 0 { 0o644 } else { mode & 0o7777 };
-    let mut temp = sandbox_exec::sys::create_temp_in(slot.dir.as_raw_fd()).map_err(|e| map_errno(path, e))?;
     let mut written = 0u64;
     let result = loop {
-        match data.blocking_recv() {
-            Some(UploadPiece::Data(bytes)) => {
-                if let Err(e) = temp.file.write_all(&bytes) {
-                    break Err(map_errno(path, Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))));
-                }
-                written += bytes.len() as u64;
+        let first = match data.recv().await {
+            Some(UploadPiece::Data(bytes)) => bytes,
+            Some(UploadPiece::Commit) => {
+                let (t, p) = (target.clone(), path.clone());
+                break blocking(move || sandbox_exec::sys::commit_temp(&t.0, &t.1, mode).map_err(|e| map_errno(&p, e))).await.map(|()| written);
             }
-            Some(UploadPiece::Commit) => break sandbox_exec::sys::commit_temp(&slot, &temp, mode).map(|()| written).map_err(|e| map_errno(path, e)),
-            None => break Err(BackendError::UploadIncomplete { path: path.to_string() }),
+            None => break Err(BackendError::UploadIncomplete { path: path.clone() }),
+        };
+        // What else has arrived already goes in the same write.
+        let mut pieces = vec![first];
+        let mut commit = false;
+        let mut size = pieces[0].len();
+        while size < UPLOAD_WRITE {
+            match data.try_recv() {
+                Ok(UploadPiece::Data(bytes)) => {
+                    size += bytes.len();
+                    pieces.push(bytes);
+                }
+                Ok(UploadPiece::Commit) => {
+                    commit = true;
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        let (t, p) = (target.clone(), path.clone());
+        let wrote = blocking(move || -> Result<(), BackendError> {
+            use std::io::Write;
+            let mut file = &t.1.file;
+            for piece in &pieces {
+                file.write_all(piece).map_err(|e| map_errno(&p, Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))))?;
+            }
+            Ok(())
+        })
+        .await;
+        if let Err(e) = wrote {
+            break Err(e);
+        }
+        written += size as u64;
+        if commit {
+            let (t, p) = (target.clone(), path.clone());
+            break blocking(move || sandbox_exec::sys::commit_temp(&t.0, &t.1, mode).map_err(|e| map_errno(&p, e))).await.map(|()| written);
         }
     };
     if result.is_err() {
-        let _ = sandbox_exec::sys::unlink_at(slot.dir.as_raw_fd(), &temp.name);
+        let t = target.clone();
+        let _ = blocking(move || Ok(sandbox_exec::sys::unlink_at(t.0.dir.as_raw_fd(), &t.1.name))).await;
     }
     result
+}
+
+/// Runs a bounded piece of file work on a blocking thread.
+async fn blocking<T: Send + 'static>(op: impl FnOnce() -> Result<T, BackendError> + Send + 'static) -> Result<T, BackendError> {
+    tokio::task::spawn_blocking(op).await.map_err(|e| BackendError::Internal(format!("file task: {e}")))?
 }
 
 /// Opens a regular file below an open root directory for a download (checked like
@@ -263,26 +316,103 @@ pub(crate) fn open_for_download_at(root: &File, workdir: &str, path: &str) -> Re
     Ok((file, size))
 }
 
-/// Streams an opened file into a [`Download`]: a blocking thread reads [`DOWNLOAD_CHUNK`]
-/// pieces while the receiver keeps up (a slow client slows the reading, memory stays bounded
-/// by the channel). A read error ends the stream with that error.
-pub(crate) fn stream_download(mut file: File, size: u64, path: &str) -> Download {
-    let (tx, chunks) = mpsc::channel(4);
-    let path = path.to_string();
-    tokio::task::spawn_blocking(move || loop {
-        let mut buf = vec![0u8; DOWNLOAD_CHUNK];
-        match file.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => {
-                buf.truncate(n);
-                if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
-                    break;
-                }
+type Chunk = Result<Bytes, BackendError>;
+
+/// The producing side of a download's chunks ([`chunk_channel`]). Two bounds hold whatever the
+/// client does: a chunk is made only once the one before was taken (nothing is read ahead of
+/// the client), and a client that takes nothing for `idle` ends the download with
+/// [`BackendError::Idle`], sent through a slot kept free for that last word from the start, so
+/// it is said even to a client that stopped reading.
+pub(crate) struct ChunkSender {
+    tx: mpsc::Sender<Chunk>,
+    last: Option<mpsc::OwnedPermit<Chunk>>,
+    idle: Duration,
+    path: String,
+}
+
+/// A download channel: one chunk in flight, plus the slot for its last word.
+pub(crate) fn chunk_channel(idle: Duration, path: &str) -> (ChunkSender, ByteChunks) {
+    let (tx, rx) = mpsc::channel(2);
+    let last = tx.clone().try_reserve_owned().ok();
+    (ChunkSender { tx, last, idle, path: path.to_string() }, rx)
+}
+
+impl ChunkSender {
+    /// Room for the next chunk, once the client took the one before; `None` when the client is
+    /// gone or stayed idle (then it has been told).
+    pub(crate) async fn room(&mut self) -> Option<mpsc::OwnedPermit<Chunk>> {
+        match tokio::time::timeout(self.idle, self.tx.clone().reserve_owned()).await {
+            Ok(Ok(permit)) => Some(permit),
+            Ok(Err(_)) => None,
+            Err(_) => {
+                self.idle_out();
+                None
             }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                let _ = tx.blocking_send(Err(BackendError::io(format!("reading {path}"), e)));
-                break;
+        }
+    }
+
+    /// Resolves once the receiver is gone.
+    pub(crate) async fn closed(&self) {
+        self.tx.closed().await
+    }
+
+    /// [`ChunkSender::room`] from a thread outside the runtime (an archive walk).
+    fn blocking_room(&mut self, runtime: &tokio::runtime::Handle) -> Option<mpsc::OwnedPermit<Chunk>> {
+        runtime.block_on(self.room())
+    }
+
+    fn idle_out(&mut self) {
+        tracing::info!(path = %self.path, secs = self.idle.as_secs_f64(), "a download the client stopped reading was ended");
+        self.fail(BackendError::Idle { path: self.path.clone(), secs: self.idle.as_secs_f64() });
+    }
+
+    /// Ends the download with `e` (the last word; the client sees it after what it has not read).
+    pub(crate) fn fail(&mut self, e: BackendError) {
+        if let Some(last) = self.last.take() {
+            last.send(Err(e));
+        }
+    }
+}
+
+/// Streams an opened file into a [`Download`] in [`DOWNLOAD_CHUNK`] pieces, each read on a
+/// blocking thread only once the client took the one before (see [`ChunkSender`]): a slow
+/// client slows the reading, an idle one ends it, and the file is closed either way. Call it
+/// on the runtime.
+pub(crate) fn stream_download(file: File, size: u64, path: &str, idle: Duration) -> Download {
+    let (mut out, chunks) = chunk_channel(idle, path);
+    let file = Arc::new(file);
+    let path = path.to_string();
+    tokio::spawn(async move {
+        let mut offset = 0u64;
+        loop {
+            let Some(room) = out.room().await else { return };
+            let (f, p) = (file.clone(), path.clone());
+            let read = blocking(move || {
+                use std::os::unix::fs::FileExt;
+                let mut buf = vec![0u8; DOWNLOAD_CHUNK];
+                loop {
+                    match f.read_at(&mut buf, offset) {
+                        Ok(n) => {
+                            buf.truncate(n);
+                            return Ok(buf);
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(e) => return Err(BackendError::io(format!("reading {p}"), e)),
+                    }
+                }
+            })
+            .await;
+            match read {
+                Ok(buf) if buf.is_empty() => return,
+                Ok(buf) => {
+                    offset += buf.len() as u64;
+                    room.send(Ok(Bytes::from(buf)));
+                }
+                Err(e) => {
+                    drop(room);
+                    out.fail(e);
+                    return;
+                }
             }
         }
     });
@@ -290,7 +420,8 @@ pub(crate) fn stream_download(mut file: File, size: u64, path: &str) -> Download
 }
 
 /// Reads an upload's pieces as one byte stream: its end is the `Commit`; the channel closing
-/// before it is an error ([`std::io::ErrorKind::ConnectionAborted`]).
+/// before it is an error ([`std::io::ErrorKind::ConnectionAborted`]). Used on a thread of its
+/// own (see [`upload_archive_in`]).
 struct PieceReader<'a> {
     rx: &'a mut mpsc::Receiver<UploadPiece>,
     buf: Bytes,
@@ -315,24 +446,47 @@ impl Read for PieceReader<'_> {
     }
 }
 
-/// Extracts an uploaded tar stream into `dir` below an open root directory (see
-/// `sandbox_exec::archive::extract`). Blocking. What follows the archive's end (tar's zero
-/// padding) is read and dropped; a stream cut before its `Commit` is an error even if the
-/// archive itself was complete.
-pub(crate) fn upload_archive_at(root: &File, workdir: &str, dir: &str, data: &mut mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
-    use std::os::fd::AsFd;
-    let comps = components(dir, workdir)?;
-    let dest = format!("/{}", comps.join("/"));
-    let mut reader = PieceReader { rx: data, buf: Bytes::new(), committed: false };
-    let stats = sandbox_exec::archive::extract(root.as_fd(), &dest, &mut reader, &Default::default())?;
-    std::io::copy(&mut reader, &mut std::io::sink()).map_err(|_| BackendError::UploadIncomplete { path: dir.to_string() })?;
-    Ok(stats)
+/// Runs `op` on a thread of its own and waits for it without holding a runtime thread. The
+/// `tar` parser and writer are synchronous, so an archive transfer needs a thread for its
+/// whole life; it gets its own rather than one of the blocking pool, which the file calls of
+/// every tenant share (the `[streams] max_archive_walks` caps how many run).
+async fn on_own_thread<T: Send + 'static>(name: &str, op: impl FnOnce() -> Result<T, BackendError> + Send + 'static) -> Result<T, BackendError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(move || {
+            let _ = tx.send(op());
+        })
+        .map_err(|e| BackendError::io("starting an archive thread", e))?;
+    rx.await.map_err(|_| BackendError::Internal("the archive thread ended without an answer".into()))?
 }
 
-/// Writes into a [`ByteChunks`] channel in [`DOWNLOAD_CHUNK`] pieces; a receiver that went away
-/// is a broken pipe, which stops the writer.
+/// Extracts an uploaded tar stream into `dir` below the root directory `root` (see
+/// `sandbox_exec::archive::extract_staged`), on a thread of its own. What follows the
+/// archive's end (tar's zero padding) is read and dropped; only a stream that reached its
+/// `Commit` keeps what was extracted: an archive refused part way, or a stream cut before its
+/// `Commit` (the client went away, was idle past `streams.idle_timeout_ms`, or sent a wrong
+/// checksum) takes out everything it extracted and puts back what it replaced.
+pub(crate) async fn upload_archive_in(root: File, workdir: String, dir: String, mut data: mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
+    on_own_thread("sbx-untar", move || {
+        use std::os::fd::AsFd;
+        let comps = components(&dir, &workdir)?;
+        let dest = format!("/{}", comps.join("/"));
+        let mut reader = PieceReader { rx: &mut data, buf: Bytes::new(), committed: false };
+        let staged = sandbox_exec::archive::extract_staged(root.as_fd(), &dest, &mut reader, &Default::default())?;
+        // Dropping `staged` on this error undoes the extraction.
+        std::io::copy(&mut reader, &mut std::io::sink()).map_err(|_| BackendError::UploadIncomplete { path: dir.clone() })?;
+        Ok(staged.commit()?)
+    })
+    .await
+}
+
+/// Writes into a download's [`ChunkSender`] in [`DOWNLOAD_CHUNK`] pieces, each once the client
+/// took the one before; a client that went away or stayed idle is a broken pipe, which stops
+/// the writer.
 struct ChunkWriter {
-    tx: mpsc::Sender<Result<Bytes, BackendError>>,
+    out: ChunkSender,
+    runtime: tokio::runtime::Handle,
     buf: Vec<u8>,
 }
 
@@ -341,8 +495,11 @@ impl ChunkWriter {
         if self.buf.is_empty() {
             return Ok(());
         }
-        let chunk = std::mem::replace(&mut self.buf, Vec::with_capacity(DOWNLOAD_CHUNK));
-        self.tx.blocking_send(Ok(Bytes::from(chunk))).map_err(|_| std::io::Error::from(std::io::ErrorKind::BrokenPipe))
+        let Some(room) = self.out.blocking_room(&self.runtime) else {
+            return Err(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        };
+        room.send(Ok(Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(DOWNLOAD_CHUNK)))));
+        Ok(())
     }
 }
 
@@ -360,26 +517,32 @@ impl std::io::Write for ChunkWriter {
     }
 }
 
-/// A tar stream of `path` below the root `root` (owned: the stream outlives the call), made
-/// on a blocking thread while the receiver keeps up. A missing path is an error here, before
-/// any byte; a failure later ends the stream with it.
-pub(crate) fn stream_archive(root: File, workdir: &str, path: &str) -> Result<ByteChunks, BackendError> {
+/// A tar stream of `path` below the root `root` (owned: the stream outlives the call), made on
+/// a thread of its own while the client keeps up (see [`ChunkSender`]; the walk holds at most
+/// `sandbox_exec::archive::MAX_OPEN_DIRS` directories open). A missing path is an error here,
+/// before any byte; a failure later ends the stream with it. Call it on the runtime.
+pub(crate) fn stream_archive(root: File, workdir: &str, path: &str, idle: Duration) -> Result<ByteChunks, BackendError> {
     use std::io::Write;
     use std::os::fd::AsFd;
     let comps = components(path, workdir)?;
     let src = format!("/{}", comps.join("/"));
     let rel = if comps.is_empty() { ".".to_string() } else { comps.join("/") };
     open_in_root(root.as_raw_fd(), &rel, libc::O_PATH, 0).map_err(|e| map_errno(path, e))?;
-    let (tx, rx) = mpsc::channel(4);
-    tokio::task::spawn_blocking(move || {
-        let mut out = ChunkWriter { tx: tx.clone(), buf: Vec::with_capacity(DOWNLOAD_CHUNK) };
-        let result = sandbox_exec::archive::create(root.as_fd(), &src, &mut out, &Default::default())
-            .map_err(BackendError::from)
-            .and_then(|_| out.flush().map_err(|e| BackendError::io("sending the archive", e)));
-        if let Err(e) = result {
-            let _ = tx.blocking_send(Err(e));
-        }
-    });
+    let runtime = tokio::runtime::Handle::try_current().map_err(|e| BackendError::Internal(format!("archive download outside the runtime: {e}")))?;
+    let (out, rx) = chunk_channel(idle, path);
+    let mut out = ChunkWriter { out, runtime, buf: Vec::with_capacity(DOWNLOAD_CHUNK) };
+    std::thread::Builder::new()
+        .name("sbx-tar".into())
+        .spawn(move || {
+            let result = sandbox_exec::archive::create(root.as_fd(), &src, &mut out, &Default::default())
+                .map_err(BackendError::from)
+                .and_then(|_| out.flush().map_err(|e| BackendError::io("sending the archive", e)));
+            if let Err(e) = result {
+                // After an idle end the last word was said already; this is then a no-op.
+                out.out.fail(e);
+            }
+        })
+        .map_err(|e| BackendError::io("starting an archive thread", e))?;
     Ok(rx)
 }
 
@@ -409,6 +572,63 @@ mod tests {
 
     fn root() -> tempfile::TempDir {
         tempfile::tempdir().expect("tempdir")
+    }
+
+    #[tokio::test]
+    async fn a_download_nobody_reads_is_not_read_ahead_and_ends_idle() {
+        let r = root();
+        let path = r.path().join("big");
+        std::fs::write(&path, vec![5u8; 3 * DOWNLOAD_CHUNK + 10]).expect("write");
+        let file = File::open(&path).expect("open");
+        let Download { size, mut chunks } = stream_download(file, 3 * DOWNLOAD_CHUNK as u64 + 10, "/big", Duration::from_millis(300));
+        assert_eq!(size, 3 * DOWNLOAD_CHUNK as u64 + 10);
+        // Nobody reads: one chunk is made, then nothing more until the idle end is said.
+        let first = chunks.recv().await.expect("a chunk").expect("data");
+        assert_eq!(first.len(), DOWNLOAD_CHUNK);
+        // Waits for the event, not a time: the second chunk and the idle end are both queued.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while chunks.len() < 2 {
+            assert!(std::time::Instant::now() < deadline, "the idle end never came");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let second = chunks.recv().await.expect("the chunk made before the idle end").expect("data");
+        assert_eq!(second.len(), DOWNLOAD_CHUNK);
+        match chunks.recv().await {
+            Some(Err(BackendError::Idle { path, .. })) => assert_eq!(path, "/big"),
+            other => panic!("expected the idle end, got {other:?}"),
+        }
+        assert!(chunks.recv().await.is_none(), "nothing after the idle end");
+        // A reader that keeps up gets the whole file and a clean end.
+        let file = File::open(&path).expect("open");
+        let Download { mut chunks, .. } = stream_download(file, 0, "/big", Duration::from_secs(30));
+        let mut total = 0;
+        while let Some(chunk) = chunks.recv().await {
+            total += chunk.expect("data").len();
+        }
+        assert_eq!(total, 3 * DOWNLOAD_CHUNK + 10);
+    }
+
+    #[tokio::test]
+    async fn an_upload_cut_short_removes_its_temporary_file() {
+        let r = root();
+        std::fs::write(r.path().join("f"), b"old").expect("write");
+        let (tx, rx) = mpsc::channel(4);
+        let upload = tokio::spawn(upload_file_in(open_root(r.path()).expect("root"), "/".into(), "/f".into(), 0, rx));
+        tx.send(UploadPiece::Data(Bytes::from_static(b"new content"))).await.expect("send");
+        drop(tx);
+        let err = upload.await.expect("join").expect_err("no commit");
+        assert!(matches!(err, BackendError::UploadIncomplete { .. }), "{err:?}");
+        let names: Vec<String> = std::fs::read_dir(r.path()).expect("ls").flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, ["f"], "only the old file");
+        assert_eq!(std::fs::read(r.path().join("f")).expect("read"), b"old");
+        let (tx, rx) = mpsc::channel(4);
+        let upload = tokio::spawn(upload_file_in(open_root(r.path()).expect("root"), "/".into(), "/f".into(), 0o600, rx));
+        for piece in [&b"new "[..], b"content"] {
+            tx.send(UploadPiece::Data(Bytes::copy_from_slice(piece))).await.expect("send");
+        }
+        tx.send(UploadPiece::Commit).await.expect("commit");
+        assert_eq!(upload.await.expect("join").expect("uploaded"), 11);
+        assert_eq!(std::fs::read(r.path().join("f")).expect("read"), b"new content");
     }
 
     #[test]

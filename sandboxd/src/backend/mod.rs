@@ -67,7 +67,9 @@ pub struct ExecSpec {
     /// The complete environment of the process.
     pub env: Vec<(String, String)>,
     pub workdir: String,
-    pub stdin: Vec<u8>,
+    /// What the command reads first on its stdin; the backend takes it once and drops it as
+    /// soon as it is written, so an exec does not keep its input for its whole life.
+    pub stdin: Stdin,
     pub timeout: Duration,
     /// Per-stream cap on captured output.
     pub max_output_bytes: u64,
@@ -113,6 +115,28 @@ impl SessionInputs {
     /// The receiver, once; `None` for a plain exec (or when already taken).
     pub fn take(&self) -> Option<mpsc::Receiver<SessionInput>> {
         self.0.lock().ok().and_then(|mut rx| rx.take())
+    }
+}
+
+/// An exec's initial stdin, taken once by the backend that writes it (clones of the spec share
+/// it, so no copy outlives the writing).
+#[derive(Debug, Clone, Default)]
+pub struct Stdin(Arc<std::sync::Mutex<Option<Vec<u8>>>>);
+
+impl Stdin {
+    /// `bytes` for the command's stdin.
+    pub fn new(bytes: Vec<u8>) -> Self {
+        Stdin(Arc::new(std::sync::Mutex::new(Some(bytes))))
+    }
+
+    /// The bytes, once (empty afterwards).
+    pub fn take(&self) -> Vec<u8> {
+        self.0.lock().ok().and_then(|mut b| b.take()).unwrap_or_default()
+    }
+
+    /// Whether there is nothing (left) to write.
+    pub fn is_empty(&self) -> bool {
+        self.0.lock().map(|b| b.as_ref().is_none_or(Vec::is_empty)).unwrap_or(true)
     }
 }
 
@@ -170,6 +194,9 @@ pub enum BackendError {
     DiskFull { path: String },
     #[error("the upload of {path} did not complete; the old file is unchanged")]
     UploadIncomplete { path: String },
+    /// The client did not read a download for `secs` seconds (`streams.idle_timeout_ms`).
+    #[error("the client read nothing of {path} for {secs:.1} s (streams.idle_timeout_ms); the download was ended")]
+    Idle { path: String, secs: f64 },
     #[error("archive: {0}")]
     Archive(#[from] sandbox_exec::archive::ArchiveError),
     #[error("{context}: {source}")]
@@ -224,14 +251,18 @@ pub trait Backend: Send + Sync {
     /// Writes a file of any size as its pieces arrive (creating parents), aside, and renames it
     /// into place on [`UploadPiece::Commit`]; returns the bytes written.
     async fn upload_file(&self, sandbox: &SandboxId, path: &str, mode: u32, data: mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError>;
-    /// Opens a regular file for reading from its start, in [`DOWNLOAD_CHUNK`] pieces.
-    async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError>;
+    /// Opens a regular file for reading from its start, in [`DOWNLOAD_CHUNK`] pieces, each made
+    /// once the receiver took the one before; a receiver that takes nothing for `idle` ends the
+    /// download with [`BackendError::Idle`] (and the file is closed).
+    async fn download_file(&self, sandbox: &SandboxId, path: &str, idle: Duration) -> Result<Download, BackendError>;
     /// Extracts a tar stream into the directory `dir` (created if missing) as its pieces arrive,
-    /// every entry confined below it (see `sandbox_exec::archive`). Not atomic: entries
-    /// extracted before a failure stay.
+    /// every entry confined below it (see `sandbox_exec::archive`). All or nothing: a failure,
+    /// or the channel closing before [`UploadPiece::Commit`], removes what was extracted and
+    /// puts back what it replaced.
     async fn upload_archive(&self, sandbox: &SandboxId, dir: &str, data: mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError>;
-    /// A tar stream of the directory (or file) `path`, produced while the receiver keeps up.
-    async fn download_archive(&self, sandbox: &SandboxId, path: &str) -> Result<ByteChunks, BackendError>;
+    /// A tar stream of the directory (or file) `path`, produced while the receiver keeps up and
+    /// ended like [`Backend::download_file`] when it stays idle.
+    async fn download_archive(&self, sandbox: &SandboxId, path: &str, idle: Duration) -> Result<ByteChunks, BackendError>;
     /// Removes a regular file or a symlink (the link itself, never its target) inside the
     /// sandbox, confined like the other file operations. A path that does not exist is `Ok`; a
     /// directory or special file is `InvalidPath`. Not an API call: the daemon's own clean-up.

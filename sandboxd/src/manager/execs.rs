@@ -83,21 +83,24 @@ impl Manager {
     /// produces no output of its own: the recorded output is sent before the record instead, so
     /// a retried stream reads the same as the first.
     pub fn exec_stream(self: &Arc<Self>, tenant: &str, req: ExecRequest) -> Result<ExecEvents, Error> {
-        self.stream_exec(tenant, req, None)
+        self.stream_exec(tenant, req, None, None)
     }
 
     /// An interactive exec: like [`Manager::exec_stream`], and besides its stdin stays open for
     /// `session.input` (live stdin, its end, terminal sizes) and it may run on a terminal. The
     /// first event is [`ExecEvent::Started`] with the exec's id (for signals). A session is
     /// never a background exec; a client that goes away ends it unless it has an idempotency key.
+    /// It holds a session slot of `tenant` (`[streams] max_sessions`) until its stream ends.
     pub fn exec_session(self: &Arc<Self>, tenant: &str, req: ExecRequest, session: Session) -> Result<ExecEvents, Error> {
         if req.background {
             return Err(Error::invalid("exec.background", "a session streams its exec; start a background exec with Exec"));
         }
-        self.stream_exec(tenant, req, Some(session))
+        self.get(tenant, &req.sandbox_id)?;
+        let slot = self.stream_slots.take(super::StreamKind::Session, tenant)?;
+        self.stream_exec(tenant, req, Some(session), Some(slot))
     }
 
-    fn stream_exec(self: &Arc<Self>, tenant: &str, req: ExecRequest, session: Option<Session>) -> Result<ExecEvents, Error> {
+    fn stream_exec(self: &Arc<Self>, tenant: &str, req: ExecRequest, session: Option<Session>, slot: Option<super::StreamSlot>) -> Result<ExecEvents, Error> {
         self.get(tenant, &req.sandbox_id)?;
         let (chunk_tx, mut chunk_rx) = mpsc::channel::<OutputChunk>(STREAM_BUFFER);
         let (event_tx, event_rx) = mpsc::channel::<Result<ExecEvent, Error>>(STREAM_BUFFER);
@@ -111,6 +114,8 @@ impl Manager {
             false => (None, None),
         };
         tokio::spawn(async move {
+            // Held until the stream's task ends, however it ends.
+            let _slot = slot;
             let exec = manager.run_exec_with(&tenant, req, Some(chunk_tx), session.map(|s| (s, started_tx)));
             tokio::pin!(exec);
             let mut streamed = false;
@@ -176,7 +181,7 @@ impl Manager {
     async fn run_exec_with(
         self: &Arc<Self>,
         tenant: &str,
-        req: ExecRequest,
+        mut req: ExecRequest,
         sink: OutputSink,
         session: Option<(Session, Option<tokio::sync::oneshot::Sender<ExecId>>)>,
     ) -> Result<ExecRecord, Error> {
@@ -187,6 +192,9 @@ impl Manager {
         }
         let exec_id = ExecId::generate();
         let mut spec = exec_spec(&self.cfg, &info, &req, exec_id.clone())?;
+        // Moved, not copied: the request lives as long as a foreground exec, and its stdin (up
+        // to the 64 MiB message limit) must go once it is written.
+        spec.stdin = crate::backend::Stdin::new(std::mem::take(&mut req.stdin));
         let mut notify_started = None;
         if let Some((session, started)) = session {
             spec.input = SessionInputs::new(session.input);

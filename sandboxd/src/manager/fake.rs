@@ -111,11 +111,11 @@ impl Backend for FakeBackend {
     ) -> Result<crate::backend::ArchiveStats, BackendError> {
         Ok(crate::backend::ArchiveStats::default())
     }
-    async fn download_archive(&self, _sandbox: &SandboxId, _path: &str) -> Result<crate::backend::ByteChunks, BackendError> {
+    async fn download_archive(&self, _sandbox: &SandboxId, _path: &str, _idle: std::time::Duration) -> Result<crate::backend::ByteChunks, BackendError> {
         let (_tx, rx) = tokio::sync::mpsc::channel(1);
         Ok(rx)
     }
-    async fn download_file(&self, _sandbox: &SandboxId, _path: &str) -> Result<crate::backend::Download, BackendError> {
+    async fn download_file(&self, _sandbox: &SandboxId, _path: &str, _idle: std::time::Duration) -> Result<crate::backend::Download, BackendError> {
         let (_tx, chunks) = tokio::sync::mpsc::channel(1);
         Ok(crate::backend::Download { size: 0, chunks })
     }

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use super::streams::{StreamKind, StreamSlot};
 use super::validate::validate_mode;
 use super::{Manager, SandboxEntry};
 use crate::backend::{ArchiveStats, BackendError, ByteChunks, Download, UploadPiece};
@@ -54,28 +55,55 @@ impl Manager {
     }
 
     /// Writes a file of any size from `data`, replacing the old one only when `data` ends with
-    /// [`UploadPiece::Commit`] (an upload cut short leaves the old file).
+    /// [`UploadPiece::Commit`] (an upload cut short leaves the old file). Holds an upload slot
+    /// of `tenant` (`[streams] max_uploads`) until it ends.
     pub async fn upload_file(&self, tenant: &str, sandbox_id: &str, path: &str, mode: u32, data: mpsc::Receiver<UploadPiece>) -> Result<u64, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
         validate_mode(mode)?;
+        let _slot = self.stream_slots.take(StreamKind::Upload, tenant)?;
         self.backends.get(info.isolation)?.upload_file(&sid, path, mode, data).await.map_err(|e| self.write_error(&info, e))
     }
 
-    /// Opens a file of any size for a streamed download.
-    pub async fn download_file(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<Download, Error> {
+    /// Opens a file of any size for a streamed download; the download holds its slots
+    /// (`[streams] max_downloads`) until it is dropped.
+    pub async fn download_file(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<Held<Download>, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files").await?;
-        Ok(self.backends.get(info.isolation)?.download_file(&sid, path).await?)
+        let slots = vec![self.stream_slots.take(StreamKind::Download, tenant)?];
+        let value = self.backends.get(info.isolation)?.download_file(&sid, path, self.stream_slots.idle_timeout()).await?;
+        Ok(Held { value, slots })
     }
 
-    /// Extracts a tar stream into the directory `dir` of the sandbox.
+    /// Extracts a tar stream into the directory `dir` of the sandbox: all of it once `data`
+    /// ends with [`UploadPiece::Commit`], none of it otherwise. Holds an upload and an archive
+    /// walk slot until it ends.
     pub async fn upload_archive(&self, tenant: &str, sandbox_id: &str, dir: &str, data: mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
+        let _slots = (self.stream_slots.take(StreamKind::Upload, tenant)?, self.stream_slots.take(StreamKind::ArchiveWalk, tenant)?);
         self.backends.get(info.isolation)?.upload_archive(&sid, dir, data).await.map_err(|e| self.write_error(&info, e))
     }
 
-    /// A tar stream of a directory (or file) of the sandbox.
-    pub async fn download_archive(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<ByteChunks, Error> {
+    /// A tar stream of a directory (or file) of the sandbox, holding a download and an archive
+    /// walk slot until it is dropped.
+    pub async fn download_archive(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<Held<ByteChunks>, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files").await?;
-        Ok(self.backends.get(info.isolation)?.download_archive(&sid, path).await?)
+        let slots = vec![self.stream_slots.take(StreamKind::Download, tenant)?, self.stream_slots.take(StreamKind::ArchiveWalk, tenant)?];
+        let value = self.backends.get(info.isolation)?.download_archive(&sid, path, self.stream_slots.idle_timeout()).await?;
+        Ok(Held { value, slots })
     }
+
+    /// How long a stream may stay idle (`streams.idle_timeout_ms`).
+    pub fn stream_idle_timeout(&self) -> std::time::Duration {
+        self.stream_slots.idle_timeout()
+    }
+
+    /// Bytes of a session's input held once read (`streams.session_input_buffer_bytes`).
+    pub fn session_input_buffer(&self) -> usize {
+        self.stream_slots.session_input_buffer()
+    }
+}
+
+/// A stream with the slots it holds: dropping it frees them.
+pub struct Held<T> {
+    pub value: T,
+    pub slots: Vec<StreamSlot>,
 }

@@ -14,6 +14,7 @@ mod files;
 mod images;
 mod lifecycle;
 mod snapshots;
+mod streams;
 mod validate;
 
 #[cfg(test)]
@@ -36,8 +37,10 @@ use crate::store::Store;
 use execs::Running;
 
 pub use execs::{ExecEvents, Session};
+pub use files::Held;
 pub use images::{BuildRequest, ImageEvents, ImportRequest, ImportSource};
 pub use lifecycle::DEFAULT_IMAGE;
+pub use streams::{StreamKind, StreamSlot};
 
 /// A sandbox in the table: its record, read and updated under a short lock, and the lock that
 /// whole-sandbox operations hold across their awaits.
@@ -118,6 +121,8 @@ pub struct Manager {
     image_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// One snapshot admission per tenant at a time (see `snapshots`).
     snapshot_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Uploads, downloads, sessions and archive walks open now, against `[streams]`.
+    stream_slots: Arc<streams::StreamSlots>,
 }
 
 /// What the backend needs to (re)build a sandbox.
@@ -154,6 +159,7 @@ impl Manager {
         let image_jobs = Arc::new(tokio::sync::Semaphore::new(cfg.images.max_concurrent));
         let i = &cfg.images;
         let image_store = StoreBudget::new(catalog.imported_dir(), i.max_store_bytes, i.min_free_bytes, i.max_store_bytes_per_tenant, &cfg.auth.unix_tenant);
+        let stream_slots = streams::StreamSlots::new(cfg.streams.clone());
         Arc::new(Manager {
             catalog,
             engine,
@@ -173,6 +179,7 @@ impl Manager {
             budgets,
             pressure: PressureLog::default(),
             exec_slots: Arc::new(Mutex::new(ExecSlots::default())),
+            stream_slots,
         })
     }
 

@@ -274,7 +274,8 @@ pub(super) fn exec_spec(cfg: &Config, info: &SandboxInfo, req: &ExecRequest, exe
         argv: req.argv.clone(),
         env: env.into_iter().collect(),
         workdir,
-        stdin: req.stdin.clone(),
+        // Set by the caller, which moves it out of the request (see `Manager::run_exec_with`).
+        stdin: crate::backend::Stdin::default(),
         timeout: Duration::from_millis(timeout_ms),
         max_output_bytes: max_output,
         io_drain_timeout: Duration::from_millis(cfg.exec.io_drain_timeout_ms),

@@ -382,6 +382,8 @@ async fn feed_stdin(
     if input.write_all(&first).await.is_err() {
         return;
     }
+    // Written: not held while the session goes on.
+    drop(first);
     if let Some(mut session) = session {
         while let Some(item) = session.recv().await {
             match item {
@@ -562,7 +564,7 @@ impl ContainerSandbox {
             let _ = tx.send(());
         }
         if with_stdin {
-            tokio::spawn(feed_stdin(input, spec.stdin.clone(), session, tty.then(|| (docker.clone(), docker_exec.clone()))));
+            tokio::spawn(feed_stdin(input, spec.stdin.take(), session, tty.then(|| (docker.clone(), docker_exec.clone()))));
         } else {
             drop(input);
         }

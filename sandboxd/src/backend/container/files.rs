@@ -19,6 +19,7 @@ use std::ffi::CString;
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::Duration;
 
 use super::ContainerSandbox;
 use crate::backend::files as root_files;
@@ -61,34 +62,37 @@ pub async fn write_file(sb: &ContainerSandbox, path: &str, content: &[u8], mode:
     with_root(sb, move |root| root_files::write_file_at(root, &workdir, &path, &content, mode)).await
 }
 
-/// Writes a file of any size as its pieces arrive; see [`root_files::upload_file_at`].
-pub async fn upload_file(sb: &ContainerSandbox, path: &str, mode: u32, mut data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
-    let (workdir, path) = (sb.spec.workdir.clone(), path.to_string());
-    with_root(sb, move |root| root_files::upload_file_at(root, &workdir, &path, mode, &mut data)).await
+/// The container's root, held for a transfer that outlives this call.
+async fn held_root(sb: &ContainerSandbox) -> Result<File, BackendError> {
+    with_root(sb, |root| root.try_clone().map_err(|e| BackendError::io("holding the container's root", e))).await
+}
+
+/// Writes a file of any size as its pieces arrive; see [`root_files::upload_file_in`].
+pub async fn upload_file(sb: &ContainerSandbox, path: &str, mode: u32, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
+    root_files::upload_file_in(held_root(sb).await?, sb.spec.workdir.clone(), path.to_string(), mode, data).await
 }
 
 /// Opens a regular file for a streamed download, read straight from the container's root.
-pub async fn download_file(sb: &ContainerSandbox, path: &str) -> Result<Download, BackendError> {
+pub async fn download_file(sb: &ContainerSandbox, path: &str, idle: Duration) -> Result<Download, BackendError> {
     let (workdir, path) = (sb.spec.workdir.clone(), path.to_string());
     with_root(sb, move |root| {
         let (file, size) = root_files::open_for_download_at(root, &workdir, &path)?;
-        Ok(root_files::stream_download(file, size, &path))
+        Ok(root_files::stream_download(file, size, &path, idle))
     })
     .await
 }
 
-/// Extracts a tar stream into `dir`; see [`root_files::upload_archive_at`].
-pub async fn upload_archive(sb: &ContainerSandbox, dir: &str, mut data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
-    let (workdir, dir) = (sb.spec.workdir.clone(), dir.to_string());
-    with_root(sb, move |root| root_files::upload_archive_at(root, &workdir, &dir, &mut data)).await
+/// Extracts a tar stream into `dir`; see [`root_files::upload_archive_in`].
+pub async fn upload_archive(sb: &ContainerSandbox, dir: &str, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
+    root_files::upload_archive_in(held_root(sb).await?, sb.spec.workdir.clone(), dir.to_string(), data).await
 }
 
 /// A tar stream of `path`, read straight from the container's root.
-pub async fn download_archive(sb: &ContainerSandbox, path: &str) -> Result<ByteChunks, BackendError> {
+pub async fn download_archive(sb: &ContainerSandbox, path: &str, idle: Duration) -> Result<ByteChunks, BackendError> {
     let (workdir, path) = (sb.spec.workdir.clone(), path.to_string());
     with_root(sb, move |root| {
         let root = root.try_clone().map_err(|e| BackendError::io("holding the container's root", e))?;
-        root_files::stream_archive(root, &workdir, &path)
+        root_files::stream_archive(root, &workdir, &path, idle)
     })
     .await
 }

@@ -370,9 +370,9 @@ impl Backend for ContainerBackend {
         files::upload_file(&sb, path, mode, data).await
     }
 
-    async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError> {
+    async fn download_file(&self, sandbox: &SandboxId, path: &str, idle: std::time::Duration) -> Result<Download, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
-        files::download_file(&sb, path).await
+        files::download_file(&sb, path, idle).await
     }
 
     async fn upload_archive(&self, sandbox: &SandboxId, dir: &str, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
@@ -380,9 +380,9 @@ impl Backend for ContainerBackend {
         files::upload_archive(&sb, dir, data).await
     }
 
-    async fn download_archive(&self, sandbox: &SandboxId, path: &str) -> Result<ByteChunks, BackendError> {
+    async fn download_archive(&self, sandbox: &SandboxId, path: &str, idle: std::time::Duration) -> Result<ByteChunks, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
-        files::download_archive(&sb, path).await
+        files::download_archive(&sb, path, idle).await
     }
 
     async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {

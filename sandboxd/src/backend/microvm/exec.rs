@@ -61,7 +61,12 @@ pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal
     } else {
         Request::Exec(exec)
     };
-    let (id, mut rx) = match tokio::time::timeout(REPORT_GRACE, vm.agent.start(&req, &spec.stdin)).await {
+    // The stdin goes with the start request and is dropped once written, not kept for the
+    // exec's life.
+    let stdin = spec.stdin.take();
+    let started_req = tokio::time::timeout(REPORT_GRACE, vm.agent.start(&req, &stdin)).await;
+    drop(stdin);
+    let (id, mut rx) = match started_req {
         Ok(r) => r.map_err(|e| vm.agent_error(e))?,
         Err(_) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the guest agent stopped reading requests".into(), started_at)),
     };

@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use super::agent::{AgentConn, AgentError, Reply};
 use super::exec::agent_failure;
 use super::vm::Vm;
+use crate::backend::files::{chunk_channel, ChunkSender};
 use crate::backend::{ArchiveStats, BackendError, ByteChunks, Download, FileChunk, UploadPiece};
 
 /// Deadline of one file request.
@@ -38,8 +39,6 @@ const ARCHIVES: u32 = 4;
 /// for the next frame of a download: other transfers' slow readers share the port and may hold
 /// it up for a while, so only a guest that is stuck for good runs into this.
 const ARCHIVE_PATIENCE: Duration = Duration::from_secs(600);
-/// Pieces of a download buffered between the guest's frames and the caller.
-const ARCHIVE_CHUNKS: usize = 4;
 
 /// The absolute guest path of an API path that names a file (not the root, not ending in `..`).
 fn guest_file_path(api_path: &str, workdir: &str) -> Result<String, BackendError> {
@@ -220,32 +219,38 @@ pub async fn upload_file(vm: &Vm, workdir: &str, api_path: &str, mode: u32, mut 
     result
 }
 
-/// Reads a file for a streamed download, [`protocol::FILE_CHUNK`] per request, while the
-/// receiver keeps up.
-pub async fn download_file(vm: std::sync::Arc<Vm>, workdir: &str, api_path: &str) -> Result<Download, BackendError> {
+/// Reads a file for a streamed download, [`protocol::FILE_CHUNK`] per request, each once the
+/// receiver took the one before; a receiver idle for `idle` ends it (see
+/// [`crate::backend::files::ChunkSender`]).
+pub async fn download_file(vm: std::sync::Arc<Vm>, workdir: &str, api_path: &str, idle: Duration) -> Result<Download, BackendError> {
     let first = read_file(&vm, workdir, api_path, 0, protocol::FILE_CHUNK).await?;
     let size = first.size;
-    let (tx, chunks) = mpsc::channel(4);
+    let (mut out, chunks) = chunk_channel(idle, api_path);
     let (workdir, api_path) = (workdir.to_string(), api_path.to_string());
     tokio::spawn(async move {
         let mut pos = first.content.len() as u64;
         let mut eof = first.eof || first.content.is_empty();
-        if tx.send(Ok(Bytes::from(first.content))).await.is_err() {
-            return;
-        }
-        while !eof {
-            match read_file(&vm, &workdir, &api_path, pos, protocol::FILE_CHUNK).await {
-                Ok(chunk) => {
-                    pos += chunk.content.len() as u64;
-                    eof = chunk.eof || chunk.content.is_empty();
-                    if tx.send(Ok(Bytes::from(chunk.content))).await.is_err() {
+        let mut next = Some(first.content);
+        loop {
+            let Some(room) = out.room().await else { return };
+            let content = match next.take() {
+                Some(content) => content,
+                None => match read_file(&vm, &workdir, &api_path, pos, protocol::FILE_CHUNK).await {
+                    Ok(chunk) => {
+                        pos += chunk.content.len() as u64;
+                        eof = chunk.eof || chunk.content.is_empty();
+                        chunk.content
+                    }
+                    Err(e) => {
+                        drop(room);
+                        out.fail(e);
                         return;
                     }
-                }
-                Err(e) => {
-                    let _ = tx.send(Err(e)).await;
-                    return;
-                }
+                },
+            };
+            room.send(Ok(Bytes::from(content)));
+            if eof {
+                return;
             }
         }
     });
@@ -395,8 +400,8 @@ async fn abort_transfer(agent: &AgentConn, transfer: &str) {
 /// A tar stream of the directory (or file) `path` in the VM, forwarded as the guest makes it
 /// while the receiver keeps up. A path the guest cannot archive at all (a missing one) is an
 /// error here, before any byte; a failure later ends the stream with it.
-pub async fn download_archive(vm: std::sync::Arc<Vm>, workdir: &str, path: &str) -> Result<ByteChunks, BackendError> {
-    download_archive_from(vm, workdir, path).await
+pub async fn download_archive(vm: std::sync::Arc<Vm>, workdir: &str, path: &str, idle: Duration) -> Result<ByteChunks, BackendError> {
+    download_archive_from(vm, workdir, path, idle).await
 }
 
 /// Most bytes a download may stream: the guest's own bounds on what it archives (file data and
@@ -431,7 +436,7 @@ fn download_frame(reply: Reply, api_path: &str) -> Result<Frame, BackendError> {
     }
 }
 
-async fn download_archive_from<G: ArchiveGuest>(guest: std::sync::Arc<G>, workdir: &str, api_path: &str) -> Result<ByteChunks, BackendError> {
+async fn download_archive_from<G: ArchiveGuest>(guest: std::sync::Arc<G>, workdir: &str, api_path: &str, idle: Duration) -> Result<ByteChunks, BackendError> {
     let src = guest_path(api_path, workdir)?;
     need_archives(guest.version())?;
     let transfer = next_transfer();
@@ -457,9 +462,9 @@ async fn download_archive_from<G: ArchiveGuest>(guest: std::sync::Arc<G>, workdi
             return Err(e);
         }
     };
-    let (tx, chunks) = mpsc::channel(ARCHIVE_CHUNKS);
+    let (out, chunks) = chunk_channel(idle, api_path);
     let api_path = api_path.to_string();
-    tokio::spawn(async move { forward_download(&*guest, id, &transfer, &api_path, first, replies, tx).await });
+    tokio::spawn(async move { forward_download(&*guest, id, &transfer, &api_path, first, replies, out).await });
     Ok(chunks)
 }
 
@@ -482,37 +487,40 @@ async fn forward_download<G: ArchiveGuest>(
     api_path: &str,
     first: Bytes,
     mut replies: mpsc::Receiver<Reply>,
-    tx: mpsc::Sender<Result<Bytes, BackendError>>,
+    mut out: ChunkSender,
 ) {
     let limit = max_archive_stream();
     let mut sent = first.len() as u64;
-    if !first.is_empty() && tx.send(Ok(first)).await.is_err() {
-        stop_download(guest.agent(), id, transfer, replies).await;
-        return;
-    }
-    // Why the guest is stopped, for the caller (`None`: the caller went away).
+    let mut pending = (!first.is_empty()).then_some(first);
+    // Why the guest is stopped, for the caller (`None`: the caller went away or stayed idle,
+    // and was told).
     let failed = loop {
+        if let Some(bytes) = pending.take() {
+            match out.room().await {
+                Some(room) => drop(room.send(Ok(bytes))),
+                None => break None,
+            }
+        }
         let next = tokio::select! {
-            next = tokio::time::timeout(ARCHIVE_PATIENCE, replies.recv()) => Some(next),
+            next = tokio::time::timeout(ARCHIVE_PATIENCE, replies.recv()) => next,
             // Nobody reads any more: no use waiting for the guest's next frame.
-            () = tx.closed() => None,
+            () = out.closed() => break None,
         };
         let frame = match next {
-            None => break None,
-            Some(Ok(Some(reply))) => download_frame(reply, api_path),
-            Some(Ok(None)) => {
+            Ok(Some(reply)) => download_frame(reply, api_path),
+            Ok(None) => {
                 let lost = guest.call_failed(AgentError::Closed(format!("the connection closed during the archive download of {api_path}")));
-                let _ = tx.send(Err(lost)).await;
+                out.fail(lost);
                 return;
             }
-            Some(Err(_)) => Err(BackendError::Internal(format!("the guest agent sent nothing of the archive of {api_path} for {ARCHIVE_PATIENCE:?}"))),
+            Err(_) => Err(BackendError::Internal(format!("the guest agent sent nothing of the archive of {api_path} for {ARCHIVE_PATIENCE:?}"))),
         };
         let bytes = match frame {
             Ok(Frame::Data(bytes)) => bytes,
             Ok(Frame::End) => return,
             // The guest's final answer: it has stopped already.
             Ok(Frame::Failed(e)) => {
-                let _ = tx.send(Err(e)).await;
+                out.fail(e);
                 return;
             }
             Err(e) => break Some(e),
@@ -521,14 +529,12 @@ async fn forward_download<G: ArchiveGuest>(
         if sent > limit {
             break Some(BackendError::Internal(format!("guest agent sent more than {limit} bytes of archive for {api_path}")));
         }
-        if !bytes.is_empty() && tx.send(Ok(bytes)).await.is_err() {
-            break None;
-        }
+        pending = (!bytes.is_empty()).then_some(bytes);
     };
     stop_download(guest.agent(), id, transfer, replies).await;
     // Never a stream that just stops short: the caller would take it for a whole archive.
     if let Some(e) = failed {
-        let _ = tx.send(Err(e)).await;
+        out.fail(e);
     }
 }
 
@@ -693,7 +699,7 @@ mod tests {
         let (_tx, rx) = mpsc::channel(1);
         let err = upload_archive_to(&*vm, "/", "/dst", rx).await.expect_err("too old");
         assert!(err.to_string().contains("make vm-images"), "{err}");
-        let err = download_archive_from(vm, "/", "/src").await.expect_err("too old");
+        let err = download_archive_from(vm, "/", "/src", Duration::from_secs(60)).await.expect_err("too old");
         assert!(err.to_string().contains("make vm-images"), "{err}");
     }
 
@@ -701,7 +707,7 @@ mod tests {
     async fn download_with(vm: &Arc<FakeVm>, guest: &mut Guest, frames: Vec<(Response, Vec<u8>)>) -> (Result<ByteChunks, BackendError>, String) {
         let host = {
             let vm = vm.clone();
-            tokio::spawn(async move { download_archive_from(vm, "/work", "src").await })
+            tokio::spawn(async move { download_archive_from(vm, "/work", "src", Duration::from_secs(60)).await })
         };
         let (id, req, _) = guest.request().await;
         let Request::DownloadArchive { transfer, path } = req else { panic!("{req:?}") };
@@ -754,7 +760,7 @@ mod tests {
         // is told to stop.
         let host = {
             let vm = vm.clone();
-            tokio::spawn(async move { download_archive_from(vm, "/", "/src").await })
+            tokio::spawn(async move { download_archive_from(vm, "/", "/src", Duration::from_secs(60)).await })
         };
         let (id, req, _) = guest.request().await;
         let Request::DownloadArchive { transfer, .. } = req else { panic!("{req:?}") };

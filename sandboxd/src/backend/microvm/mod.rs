@@ -813,9 +813,9 @@ impl Backend for MicroVmBackend {
         files::upload_file(&*sb.vm()?, &sb.spec.workdir, path, mode, data).await
     }
 
-    async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError> {
+    async fn download_file(&self, sandbox: &SandboxId, path: &str, idle: std::time::Duration) -> Result<Download, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
-        files::download_file(sb.vm()?, &sb.spec.workdir, path).await
+        files::download_file(sb.vm()?, &sb.spec.workdir, path, idle).await
     }
 
     async fn upload_archive(&self, sandbox: &SandboxId, dir: &str, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
@@ -823,9 +823,9 @@ impl Backend for MicroVmBackend {
         files::upload_archive(&*sb.vm()?, &sb.spec.workdir, dir, data).await
     }
 
-    async fn download_archive(&self, sandbox: &SandboxId, path: &str) -> Result<ByteChunks, BackendError> {
+    async fn download_archive(&self, sandbox: &SandboxId, path: &str, idle: std::time::Duration) -> Result<ByteChunks, BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
-        files::download_archive(sb.vm()?, &sb.spec.workdir, path).await
+        files::download_archive(sb.vm()?, &sb.spec.workdir, path, idle).await
     }
 
     async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {

@@ -101,6 +101,8 @@ async fn feed_pipe(mut w: tokio::net::unix::pipe::Sender, first: Vec<u8>, input:
     if w.write_all(&first).await.is_err() {
         return;
     }
+    // Written: not held while the session goes on.
+    drop(first);
     let Some(mut input) = input else { return };
     while let Some(item) = input.recv().await {
         match item {
@@ -120,6 +122,7 @@ async fn feed_terminal(mut w: pty::PtyMaster, control: pty::PtyMaster, first: Ve
     if w.write_all(&first).await.is_err() {
         return;
     }
+    drop(first);
     let Some(mut input) = input else {
         let _ = w.write_all(&[pty::VEOF]).await;
         return;
@@ -365,7 +368,7 @@ impl ProcessSandbox {
             }
         };
         if let Some(tx) = stdin_tx {
-            tokio::spawn(feed_stdin(tx, spec.stdin.clone(), spec.input.take()));
+            tokio::spawn(feed_stdin(tx, spec.stdin.take(), spec.input.take()));
         }
         let cap = usize::try_from(spec.max_output_bytes).unwrap_or(usize::MAX);
         let spill = |stream: &str| -> Option<Box<dyn SpillTarget>> {

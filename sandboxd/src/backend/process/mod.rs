@@ -242,6 +242,12 @@ impl ProcessBackend {
         map.get(id).cloned().ok_or_else(|| BackendError::NoSuchSandbox(id.clone()))
     }
 
+    /// The sandbox's root directory, opened on a blocking thread (the open waits for the disk).
+    async fn root_of(&self, sb: &ProcessSandbox) -> Result<std::fs::File, BackendError> {
+        let rootfs = sb.rootfs.clone();
+        tokio::task::spawn_blocking(move || files::open_root(&rootfs)).await.map_err(|e| BackendError::Internal(format!("file task: {e}")))?
+    }
+
     /// The image's rootfs, the overlay's lower layer. An imported image's lies on the sealed
     /// (`noexec`) state dir: that is no obstacle, the exec check is the overlay mount's own.
     fn image_rootfs(&self, image: &str) -> Result<PathBuf, BackendError> {
@@ -517,37 +523,33 @@ impl Backend for ProcessBackend {
             .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
     }
 
-    async fn upload_file(&self, sandbox: &SandboxId, path: &str, mode: u32, mut data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
+    async fn upload_file(&self, sandbox: &SandboxId, path: &str, mode: u32, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
         let sb = self.sandbox(sandbox)?;
-        let path = path.to_string();
-        tokio::task::spawn_blocking(move || files::upload_file_at(&files::open_root(&sb.rootfs)?, &sb.workdir, &path, mode, &mut data))
-            .await
-            .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
+        let root = self.root_of(&sb).await?;
+        files::upload_file_in(root, sb.workdir.clone(), path.to_string(), mode, data).await
     }
 
-    async fn download_file(&self, sandbox: &SandboxId, path: &str) -> Result<Download, BackendError> {
+    async fn download_file(&self, sandbox: &SandboxId, path: &str, idle: Duration) -> Result<Download, BackendError> {
         let sb = self.sandbox(sandbox)?;
         let path = path.to_string();
         tokio::task::spawn_blocking(move || {
             let (file, size) = files::open_for_download_at(&files::open_root(&sb.rootfs)?, &sb.workdir, &path)?;
-            Ok(files::stream_download(file, size, &path))
+            Ok(files::stream_download(file, size, &path, idle))
         })
         .await
         .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
     }
 
-    async fn upload_archive(&self, sandbox: &SandboxId, dir: &str, mut data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
+    async fn upload_archive(&self, sandbox: &SandboxId, dir: &str, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
         let sb = self.sandbox(sandbox)?;
-        let dir = dir.to_string();
-        tokio::task::spawn_blocking(move || files::upload_archive_at(&files::open_root(&sb.rootfs)?, &sb.workdir, &dir, &mut data))
-            .await
-            .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
+        let root = self.root_of(&sb).await?;
+        files::upload_archive_in(root, sb.workdir.clone(), dir.to_string(), data).await
     }
 
-    async fn download_archive(&self, sandbox: &SandboxId, path: &str) -> Result<ByteChunks, BackendError> {
+    async fn download_archive(&self, sandbox: &SandboxId, path: &str, idle: Duration) -> Result<ByteChunks, BackendError> {
         let sb = self.sandbox(sandbox)?;
         let path = path.to_string();
-        tokio::task::spawn_blocking(move || files::stream_archive(files::open_root(&sb.rootfs)?, &sb.workdir, &path))
+        tokio::task::spawn_blocking(move || files::stream_archive(files::open_root(&sb.rootfs)?, &sb.workdir, &path, idle))
             .await
             .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
     }
