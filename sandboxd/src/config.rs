@@ -437,6 +437,7 @@ pub struct FileConfig {
     pub files: FilesConfig,
     #[serde(default)]
     pub connections: ConnectionsConfig,
+    #[serde(default)]
     pub streams: StreamsConfig,
     #[serde(default)]
     pub images: ImagesConfig,

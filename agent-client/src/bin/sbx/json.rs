@@ -190,7 +190,7 @@ mod tests {
         assert_eq!(v["error"], "");
         assert_eq!(
             v.as_object().map(Map::len),
-            Some(24),
+            Some(25),
             "one key per ExecResult field, plus the two output encodings"
         );
     }
