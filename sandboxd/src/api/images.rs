@@ -154,10 +154,12 @@ pub fn start_build(manager: &Arc<Manager>, viewer: &Viewer, req: BuildRequest) -
 /// Whether the caller is root (or the daemon's own uid) on the UNIX socket, by its
 /// kernel-verified credentials: always an image admin, like the operator at the console.
 pub fn root_peer<T>(req: &tonic::Request<T>) -> bool {
-    req.extensions()
-        .get::<tonic::transport::server::UdsConnectInfo>()
-        .and_then(|info| info.peer_cred)
-        .is_some_and(|cred| cred.uid() == 0 || cred.uid() == nix::unistd::geteuid().as_raw())
+    match crate::connections::Peer::of(req.extensions()) {
+        Some(crate::connections::Peer { transport: crate::connections::Transport::Unix(Some(cred)), .. }) => {
+            cred.uid() == 0 || cred.uid() == nix::unistd::geteuid().as_raw()
+        }
+        _ => false,
+    }
 }
 
 #[cfg(test)]

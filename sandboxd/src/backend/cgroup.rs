@@ -1467,7 +1467,10 @@ mod tests {
         sb.kill_all().expect("kill_all against a fork bomb");
         eprintln!("sandbox kill_all of a fork bomb took {:?}", t.elapsed());
         assert!(sb.pids().is_empty());
-        assert_eq!(child.wait().expect("wait").signal(), Some(libc::SIGKILL));
+        // The bomb's first shell is killed — or, on a loaded host, it already died of a fork the
+        // pids limit refused (dash exits on a failed fork): either way it did not outlive kill_all.
+        let status = child.wait().expect("wait");
+        assert!(status.signal() == Some(libc::SIGKILL) || status.code().is_some_and(|c| c != 0), "the bomb's shell ended with {status:?}");
     }
 
     #[test]
