@@ -100,11 +100,44 @@ pub struct ExtractLimits {
     pub max_entries: u64,
     /// Total bytes of regular-file data written.
     pub max_total_bytes: u64,
+    /// How the header's owners become ids on disk (a user namespace's range; see [`IdShift`]).
+    pub ids: IdShift,
 }
 
 impl Default for ExtractLimits {
     fn default() -> Self {
-        Self { max_entries: 1_000_000, max_total_bytes: 16 << 30 }
+        Self { max_entries: 1_000_000, max_total_bytes: 16 << 30, ids: IdShift::default() }
+    }
+}
+
+/// The ids of a tree as seen from inside a user namespace whose id 0 is `base` outside, over
+/// `len` ids: an archive holds the inside ids (what `ls -n` shows in the sandbox), the files on
+/// disk are chowned to the outside ones. The default is the identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdShift {
+    pub base: u32,
+    pub len: u32,
+}
+
+impl Default for IdShift {
+    fn default() -> Self {
+        Self { base: 0, len: u32::MAX }
+    }
+}
+
+/// What the kernel shows for an id with no mapping in a user namespace.
+pub const OVERFLOW_ID: u32 = 65534;
+
+impl IdShift {
+    /// The outside id of inside id `id`, if the range maps it.
+    pub fn outside(&self, id: u64) -> Option<u32> {
+        let id = u32::try_from(id).ok().filter(|&i| i < self.len)?;
+        self.base.checked_add(id)
+    }
+
+    /// The inside id of outside id `id`; [`OVERFLOW_ID`] when the range does not map it.
+    pub fn inside(&self, id: u32) -> u32 {
+        id.checked_sub(self.base).filter(|&i| i < self.len).unwrap_or(OVERFLOW_ID)
     }
 }
 
@@ -133,11 +166,13 @@ pub struct CreateLimits {
     /// Directory depth below the source. The walk keeps at most [`MAX_OPEN_DIRS`] directories
     /// open whatever the depth; this bounds the work of reopening them and the names held.
     pub max_depth: usize,
+    /// How owners on disk become the archive's (inside) owners; see [`IdShift`].
+    pub ids: IdShift,
 }
 
 impl Default for CreateLimits {
     fn default() -> Self {
-        Self { max_entries: 1_000_000, max_total_bytes: 16 << 30, max_depth: 256 }
+        Self { max_entries: 1_000_000, max_total_bytes: 16 << 30, max_depth: 256, ids: IdShift::default() }
     }
 }
 
@@ -261,6 +296,18 @@ impl Meta {
     /// leave them empty) read as 0. A malformed mode is an error.
     pub fn from_header(h: &Header, mode_mask: u32) -> io::Result<Self> {
         Ok(Self { mode: h.mode()? & mode_mask, uid: h.uid().unwrap_or(0), gid: h.gid().unwrap_or(0), mtime: h.mtime().unwrap_or(0) })
+    }
+
+    /// The owners moved to the outside ids of `ids`; an owner the range does not map is left
+    /// as the extractor's own (not set at all).
+    pub fn shifted(self, ids: IdShift) -> Self {
+        if ids == IdShift::default() {
+            return self;
+        }
+        match (ids.outside(self.uid), ids.outside(self.gid)) {
+            (Some(uid), Some(gid)) => Self { uid: u64::from(uid), gid: u64::from(gid), ..self },
+            _ => Self { uid: u64::MAX, gid: u64::MAX, ..self },
+        }
     }
 
     /// Header ids as ids for `chown`; `None` when they do not fit (left as they are then).
@@ -664,7 +711,9 @@ impl Extractor<'_> {
             return Ok(());
         }
         let comps = member_components(name).map_err(|reason| ArchiveError::Unsafe { path: shown.to_string(), reason: reason.to_string() })?;
-        let meta = Meta::from_header(entry.header(), MODE_MASK).map_err(|source| ArchiveError::Malformed { path: shown.to_string(), source })?;
+        let meta = Meta::from_header(entry.header(), MODE_MASK)
+            .map_err(|source| ArchiveError::Malformed { path: shown.to_string(), source })?
+            .shifted(self.limits.ids);
         let unsupported = |kind: &str| Err(ArchiveError::Unsupported { path: shown.to_string(), kind: kind.to_string() });
         match kind {
             // Pre-POSIX archives mark directories with a trailing slash only.
@@ -1151,12 +1200,12 @@ fn tar_path(bytes: &[u8]) -> &Path {
 }
 
 /// A GNU header for an entry of `kind` with the metadata of `st`.
-fn header_for(kind: EntryType, st: &libc::stat, size: u64) -> Header {
+fn header_for(kind: EntryType, st: &libc::stat, size: u64, ids: IdShift) -> Header {
     let mut h = Header::new_gnu();
     h.set_entry_type(kind);
     h.set_mode(st.st_mode & 0o7777);
-    h.set_uid(u64::from(st.st_uid));
-    h.set_gid(u64::from(st.st_gid));
+    h.set_uid(u64::from(ids.inside(st.st_uid)));
+    h.set_gid(u64::from(ids.inside(st.st_gid)));
     h.set_mtime(u64::try_from(st.st_mtime).unwrap_or(0));
     h.set_size(size);
     h
@@ -1285,14 +1334,14 @@ impl<W: Write> Writer<'_, W> {
     }
 
     fn dir_entry(&mut self, rel: &[u8], st: &libc::stat) -> Result<(), ArchiveError> {
-        let mut h = header_for(EntryType::Directory, st, 0);
+        let mut h = header_for(EntryType::Directory, st, 0, self.limits.ids);
         self.builder.append_data(&mut h, tar_path(rel), io::empty()).map_err(io_err(&show(rel)))?;
         self.stats.dirs += 1;
         Ok(())
     }
 
     fn symlink(&mut self, rel: &[u8], target: &[u8], st: &libc::stat) -> Result<(), ArchiveError> {
-        let mut h = header_for(EntryType::Symlink, st, 0);
+        let mut h = header_for(EntryType::Symlink, st, 0, self.limits.ids);
         self.builder.append_link(&mut h, tar_path(rel), tar_path(target)).map_err(io_err(&show(rel)))?;
         self.stats.symlinks += 1;
         Ok(())
@@ -1304,7 +1353,7 @@ impl<W: Write> Writer<'_, W> {
         let shown = show(rel);
         if st.st_nlink > 1 {
             if let Some(first) = self.links.get(&(st.st_dev, st.st_ino)) {
-                let mut h = header_for(EntryType::Link, st, 0);
+                let mut h = header_for(EntryType::Link, st, 0, self.limits.ids);
                 self.builder.append_link(&mut h, tar_path(rel), tar_path(first)).map_err(io_err(&shown))?;
                 self.stats.hardlinks += 1;
                 return Ok(());
@@ -1315,7 +1364,7 @@ impl<W: Write> Writer<'_, W> {
         if size > self.limits.max_total_bytes.saturating_sub(self.stats.bytes) {
             return Err(ArchiveError::Limit { path: shown, what: "bytes of file data", limit: self.limits.max_total_bytes });
         }
-        let mut h = header_for(EntryType::Regular, st, size);
+        let mut h = header_for(EntryType::Regular, st, size, self.limits.ids);
         let mut data = ExactReader { file, left: size, shrunk: false };
         self.builder.append_data(&mut h, tar_path(rel), &mut data).map_err(io_err(&shown))?;
         if data.shrunk {
@@ -1335,6 +1384,27 @@ mod tests {
     use std::fs;
     use std::os::fd::AsFd;
     use std::os::unix::fs::{symlink, MetadataExt, PermissionsExt};
+
+    #[test]
+    fn id_shift_maps_a_range_and_nothing_outside_it() {
+        let ids = IdShift { base: 1 << 30, len: 65536 };
+        assert_eq!(ids.outside(0), Some(1 << 30));
+        assert_eq!(ids.outside(1000), Some((1 << 30) + 1000));
+        assert_eq!(ids.outside(65536), None);
+        assert_eq!(ids.outside(u64::MAX), None);
+        assert_eq!(ids.inside((1 << 30) + 1000), 1000);
+        // The host's root and anything past the range show as the overflow id, as the kernel does.
+        assert_eq!(ids.inside(0), OVERFLOW_ID);
+        assert_eq!(ids.inside((1 << 30) + 65536), OVERFLOW_ID);
+        let meta = Meta { mode: 0o644, uid: 1000, gid: 1000, mtime: 0 };
+        let moved = meta.shifted(ids);
+        assert_eq!((moved.uid, moved.gid), ((1 << 30) + 1000, (1 << 30) + 1000));
+        // An owner the range cannot hold is not set at all (the extractor's own ids stay).
+        assert_eq!(Meta { uid: 70000, ..meta }.shifted(ids).ids(), None);
+        // The default is the identity.
+        assert_eq!(meta.shifted(IdShift::default()).uid, 1000);
+        assert_eq!(IdShift::default().inside(1000), 1000);
+    }
     use std::path::PathBuf;
     use std::time::Instant;
 

@@ -258,6 +258,27 @@ impl StreamsConfig {
     }
 }
 
+/// The `[process]` table: the namespace tier.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProcessTierConfig {
+    /// `auto` (default): each sandbox gets a user namespace over a host id range of its own
+    /// where the kernel and filesystems allow idmapped mounts, else a warning at start; `required`:
+    /// the tier refuses to serve without; `off`: sandbox uids are host uids.
+    pub user_namespaces: crate::backend::process::idmap::UsernsMode,
+    /// First host uid/gid handed to sandboxes; a multiple of 65,536 that no host user or other
+    /// container engine uses (the default is in the range systemd leaves to containers).
+    pub userns_first_id: u32,
+    /// Ranges of 65,536 ids from there: at most this many process sandboxes live at once.
+    pub userns_ranges: u32,
+}
+
+impl Default for ProcessTierConfig {
+    fn default() -> Self {
+        Self { user_namespaces: Default::default(), userns_first_id: 1 << 30, userns_ranges: 8192 }
+    }
+}
+
 /// The `[container]` table: the Docker-based tier.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -266,6 +287,9 @@ pub struct ContainerTierConfig {
     /// `disk_bytes`). Unset: the size of the filesystem holding Docker's data root
     /// (`/var/lib/docker`, else the state dir), measured at start — see `admission`.
     pub disk_pool_bytes: Option<u64>,
+    /// Refuse container sandboxes unless Docker runs with `userns-remap` (so root in a
+    /// container is not the host's root, nor uid 1000 the host's uid 1000).
+    pub require_userns_remap: bool,
 }
 
 /// The `[admission]` table: what the host may promise to sandboxes, what it keeps for itself,
@@ -433,6 +457,8 @@ pub struct FileConfig {
     pub microvm: MicroVmConfig,
     #[serde(default)]
     pub container: ContainerTierConfig,
+    #[serde(default)]
+    pub process: ProcessTierConfig,
     #[serde(default)]
     pub files: FilesConfig,
     #[serde(default)]
@@ -750,6 +776,7 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     pub microvm: MicroVmConfig,
     pub container: ContainerTierConfig,
+    pub process: ProcessTierConfig,
     pub files: FilesConfig,
     pub connections: ConnectionsConfig,
     pub streams: StreamsConfig,
@@ -788,6 +815,7 @@ impl Config {
             telemetry: TelemetryConfig { otlp_endpoint: cli.otlp_endpoint.or(file.telemetry.otlp_endpoint), ..file.telemetry },
             microvm: MicroVmConfig { pool_size: cli.microvm_pool.unwrap_or(file.microvm.pool_size), ..file.microvm },
             container: file.container,
+            process: file.process,
             files: file.files,
             connections: file.connections,
             streams: file.streams,

@@ -60,7 +60,14 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let docker_socket = docker_socket_from_env();
 
     let mut backends = Backends::default();
-    let process = ProcessBackend::new(ProcessConfig { state_dir: cfg.state_dir.clone(), catalog: catalog.clone(), pool_size_bytes: cfg.pool_size_bytes });
+    let process = ProcessBackend::new(ProcessConfig {
+        state_dir: cfg.state_dir.clone(),
+        catalog: catalog.clone(),
+        pool_size_bytes: cfg.pool_size_bytes,
+        userns: cfg.process.user_namespaces,
+        userns_first_id: cfg.process.userns_first_id,
+        userns_ranges: cfg.process.userns_ranges,
+    });
     backends.insert(Arc::new(process));
     // Never fails: without Docker the tier reports itself unavailable, with the reason.
     let container = ContainerBackend::new(ContainerConfig {
@@ -68,6 +75,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         images_dir: cfg.images_dir.clone(),
         catalog: catalog.clone(),
         docker_socket: docker_socket.clone(),
+        require_userns_remap: cfg.container.require_userns_remap,
     })
     .await;
     backends.insert(Arc::new(container));

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use sandbox_exec::archive::IdShift;
 use tokio::sync::mpsc;
 
 use crate::backend::{ArchiveStats, BackendError, ByteChunks, Download, FileChunk, UploadPiece, DOWNLOAD_CHUNK};
@@ -230,14 +231,25 @@ const UPLOAD_WRITE: usize = 1 << 20;
 ///
 /// The waiting for the client is async: a blocking thread is held only while a piece is
 /// written (at most [`UPLOAD_WRITE`] bytes), never while the client is silent.
-pub(crate) async fn upload_file_in(root: File, workdir: String, path: String, mode: u32, mut data: mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
+///
+/// With `ids` (a process sandbox's user namespace range) what is created belongs to root inside.
+pub(crate) async fn upload_file_in(
+    root: File,
+    workdir: String,
+    path: String,
+    mode: u32,
+    ids: Option<IdShift>,
+    mut data: mpsc::Receiver<UploadPiece>,
+) -> Result<u64, BackendError> {
     let p = path.clone();
     let target = blocking(move || -> Result<_, BackendError> {
-        let comps = file_components(&p, &workdir)?;
-        mkdir_all(&root, &comps[..comps.len() - 1], &p)?;
-        let slot = writable_slot(&root, &comps, &p)?;
-        let temp = sandbox_exec::sys::create_temp_in(slot.dir.as_raw_fd()).map_err(|e| map_errno(&p, e))?;
-        Ok(Arc::new((slot, temp)))
+        acting_as(ids, || {
+            let comps = file_components(&p, &workdir)?;
+            mkdir_all(&root, &comps[..comps.len() - 1], &p)?;
+            let slot = writable_slot(&root, &comps, &p)?;
+            let temp = sandbox_exec::sys::create_temp_in(slot.dir.as_raw_fd()).map_err(|e| map_errno(&p, e))?;
+            Ok(Arc::new((slot, temp)))
+        })
     })
     .await?;
     let mode = if mode == 0 { 0o644 } else { mode & 0o7777 };
@@ -292,6 +304,12 @@ pub(crate) async fn upload_file_in(root: File, workdir: String, path: String, mo
         let _ = blocking(move || Ok(sandbox_exec::sys::unlink_at(t.0.dir.as_raw_fd(), &t.1.name))).await;
     }
     result
+}
+
+/// Runs `op` acting as root inside the user namespace of `ids` (see
+/// `process::idmap::ActingAs`), or as the daemon without. Synchronous code only.
+pub(crate) fn acting_as<T>(ids: Option<IdShift>, op: impl FnOnce() -> Result<T, BackendError>) -> Result<T, BackendError> {
+    super::process::idmap::as_root_of(ids.map(|i| i.base), op).map_err(|e| BackendError::io("acting as the sandbox's root", e))?
 }
 
 /// Runs a bounded piece of file work on a blocking thread.
@@ -467,16 +485,28 @@ async fn on_own_thread<T: Send + 'static>(name: &str, op: impl FnOnce() -> Resul
 /// `Commit` keeps what was extracted: an archive refused part way, or a stream cut before its
 /// `Commit` (the client went away, was idle past `streams.idle_timeout_ms`, or sent a wrong
 /// checksum) takes out everything it extracted and puts back what it replaced.
-pub(crate) async fn upload_archive_in(root: File, workdir: String, dir: String, mut data: mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
+///
+/// With `ids` the archive's owners are ids inside that range, and what is created without an
+/// owner belongs to root inside.
+pub(crate) async fn upload_archive_in(
+    root: File,
+    workdir: String,
+    dir: String,
+    ids: Option<IdShift>,
+    mut data: mpsc::Receiver<UploadPiece>,
+) -> Result<ArchiveStats, BackendError> {
     on_own_thread("sbx-untar", move || {
-        use std::os::fd::AsFd;
-        let comps = components(&dir, &workdir)?;
-        let dest = format!("/{}", comps.join("/"));
-        let mut reader = PieceReader { rx: &mut data, buf: Bytes::new(), committed: false };
-        let staged = sandbox_exec::archive::extract_staged(root.as_fd(), &dest, &mut reader, &Default::default())?;
-        // Dropping `staged` on this error undoes the extraction.
-        std::io::copy(&mut reader, &mut std::io::sink()).map_err(|_| BackendError::UploadIncomplete { path: dir.clone() })?;
-        Ok(staged.commit()?)
+        acting_as(ids, || {
+            use std::os::fd::AsFd;
+            let comps = components(&dir, &workdir)?;
+            let dest = format!("/{}", comps.join("/"));
+            let mut reader = PieceReader { rx: &mut data, buf: Bytes::new(), committed: false };
+            let limits = sandbox_exec::archive::ExtractLimits { ids: ids.unwrap_or_default(), ..Default::default() };
+            let staged = sandbox_exec::archive::extract_staged(root.as_fd(), &dest, &mut reader, &limits)?;
+            // Dropping `staged` on this error undoes the extraction.
+            std::io::copy(&mut reader, &mut std::io::sink()).map_err(|_| BackendError::UploadIncomplete { path: dir.clone() })?;
+            Ok(staged.commit()?)
+        })
     })
     .await
 }
@@ -521,7 +551,9 @@ impl std::io::Write for ChunkWriter {
 /// a thread of its own while the client keeps up (see [`ChunkSender`]; the walk holds at most
 /// `sandbox_exec::archive::MAX_OPEN_DIRS` directories open). A missing path is an error here,
 /// before any byte; a failure later ends the stream with it. Call it on the runtime.
-pub(crate) fn stream_archive(root: File, workdir: &str, path: &str, idle: Duration) -> Result<ByteChunks, BackendError> {
+///
+/// With `ids` the archive shows the owners as ids inside that range.
+pub(crate) fn stream_archive(root: File, workdir: &str, path: &str, ids: Option<IdShift>, idle: Duration) -> Result<ByteChunks, BackendError> {
     use std::io::Write;
     use std::os::fd::AsFd;
     let comps = components(path, workdir)?;
@@ -534,7 +566,8 @@ pub(crate) fn stream_archive(root: File, workdir: &str, path: &str, idle: Durati
     std::thread::Builder::new()
         .name("sbx-tar".into())
         .spawn(move || {
-            let result = sandbox_exec::archive::create(root.as_fd(), &src, &mut out, &Default::default())
+            let limits = sandbox_exec::archive::CreateLimits { ids: ids.unwrap_or_default(), ..Default::default() };
+            let result = sandbox_exec::archive::create(root.as_fd(), &src, &mut out, &limits)
                 .map_err(BackendError::from)
                 .and_then(|_| out.flush().map_err(|e| BackendError::io("sending the archive", e)));
             if let Err(e) = result {
@@ -613,7 +646,7 @@ mod tests {
         let r = root();
         std::fs::write(r.path().join("f"), b"old").expect("write");
         let (tx, rx) = mpsc::channel(4);
-        let upload = tokio::spawn(upload_file_in(open_root(r.path()).expect("root"), "/".into(), "/f".into(), 0, rx));
+        let upload = tokio::spawn(upload_file_in(open_root(r.path()).expect("root"), "/".into(), "/f".into(), 0, None, rx));
         tx.send(UploadPiece::Data(Bytes::from_static(b"new content"))).await.expect("send");
         drop(tx);
         let err = upload.await.expect("join").expect_err("no commit");
@@ -622,7 +655,7 @@ mod tests {
         assert_eq!(names, ["f"], "only the old file");
         assert_eq!(std::fs::read(r.path().join("f")).expect("read"), b"old");
         let (tx, rx) = mpsc::channel(4);
-        let upload = tokio::spawn(upload_file_in(open_root(r.path()).expect("root"), "/".into(), "/f".into(), 0o600, rx));
+        let upload = tokio::spawn(upload_file_in(open_root(r.path()).expect("root"), "/".into(), "/f".into(), 0o600, None, rx));
         for piece in [&b"new "[..], b"content"] {
             tx.send(UploadPiece::Data(Bytes::copy_from_slice(piece))).await.expect("send");
         }

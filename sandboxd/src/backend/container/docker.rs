@@ -31,6 +31,9 @@ pub struct DockerHost {
     pub api_version: String,
     pub storage_driver: String,
     pub cgroup_driver: String,
+    /// Whether the engine runs containers in a user namespace (`dockerd --userns-remap`): then
+    /// root in a container is an unprivileged host uid, as on the process tier.
+    pub userns_remap: bool,
 }
 
 /// Connects to the Docker Engine on `socket`, settles the API version with it (Docker 20.10
@@ -57,8 +60,15 @@ pub async fn connect(socket: &Path) -> Result<(Docker, DockerHost), String> {
         api_version: docker.client_version().to_string(),
         storage_driver: info.driver.unwrap_or_default(),
         cgroup_driver: info.cgroup_driver.map(|d| d.to_string()).unwrap_or_default(),
+        userns_remap: userns_remapped(&info.security_options.unwrap_or_default()),
     };
     Ok((docker, host))
+}
+
+/// Whether `docker info`'s security options (`["name=seccomp,profile=builtin", "name=userns"]`)
+/// say the engine remaps user namespaces.
+fn userns_remapped(options: &[String]) -> bool {
+    options.iter().any(|o| o.split(',').any(|kv| kv.trim() == "name=userns"))
 }
 
 /// FNV-1a, 64 bits: a hash that never changes between builds (std's `DefaultHasher` may), for
@@ -96,6 +106,14 @@ pub fn api_error(what: impl std::fmt::Display, e: bollard::errors::Error) -> Bac
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn userns_remap_is_read_from_the_security_options() {
+        let opts = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(!userns_remapped(&opts(&["name=apparmor", "name=seccomp,profile=builtin", "name=cgroupns"])));
+        assert!(userns_remapped(&opts(&["name=seccomp,profile=builtin", "name=userns"])));
+        assert!(!userns_remapped(&opts(&["name=usernsx"])));
+    }
 
     #[test]
     fn stable_hash_is_fnv1a() {

@@ -69,7 +69,7 @@ async fn held_root(sb: &ContainerSandbox) -> Result<File, BackendError> {
 
 /// Writes a file of any size as its pieces arrive; see [`root_files::upload_file_in`].
 pub async fn upload_file(sb: &ContainerSandbox, path: &str, mode: u32, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
-    root_files::upload_file_in(held_root(sb).await?, sb.spec.workdir.clone(), path.to_string(), mode, data).await
+    root_files::upload_file_in(held_root(sb).await?, sb.spec.workdir.clone(), path.to_string(), mode, None, data).await
 }
 
 /// Opens a regular file for a streamed download, read straight from the container's root.
@@ -84,7 +84,7 @@ pub async fn download_file(sb: &ContainerSandbox, path: &str, idle: Duration) ->
 
 /// Extracts a tar stream into `dir`; see [`root_files::upload_archive_in`].
 pub async fn upload_archive(sb: &ContainerSandbox, dir: &str, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
-    root_files::upload_archive_in(held_root(sb).await?, sb.spec.workdir.clone(), dir.to_string(), data).await
+    root_files::upload_archive_in(held_root(sb).await?, sb.spec.workdir.clone(), dir.to_string(), None, data).await
 }
 
 /// A tar stream of `path`, read straight from the container's root.
@@ -92,7 +92,7 @@ pub async fn download_archive(sb: &ContainerSandbox, path: &str, idle: Duration)
     let (workdir, path) = (sb.spec.workdir.clone(), path.to_string());
     with_root(sb, move |root| {
         let root = root.try_clone().map_err(|e| BackendError::io("holding the container's root", e))?;
-        root_files::stream_archive(root, &workdir, &path, idle)
+        root_files::stream_archive(root, &workdir, &path, None, idle)
     })
     .await
 }

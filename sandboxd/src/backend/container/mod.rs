@@ -60,6 +60,8 @@ pub struct ContainerConfig {
     pub catalog: Arc<Catalog>,
     /// The Docker Engine's UNIX socket.
     pub docker_socket: PathBuf,
+    /// Refuse the tier unless Docker remaps container uids (`dockerd --userns-remap`).
+    pub require_userns_remap: bool,
 }
 
 /// The Docker socket to use: `DOCKER_HOST` when it names a UNIX socket (as the docker CLI
@@ -167,7 +169,14 @@ impl ContainerBackend {
         let (mut docker, mut host) = (None, None);
         match docker::connect(&cfg.docker_socket).await {
             Ok((d, h)) => {
-                tracing::info!(version = %h.server_version, api = %h.api_version, storage_driver = %h.storage_driver, cgroup_driver = %h.cgroup_driver, "Docker reachable");
+                tracing::info!(version = %h.server_version, api = %h.api_version, storage_driver = %h.storage_driver, cgroup_driver = %h.cgroup_driver, userns_remap = h.userns_remap, "Docker reachable");
+                if !h.userns_remap {
+                    if cfg.require_userns_remap {
+                        unavailable = Some("[container] require_userns_remap is set but Docker does not remap user namespaces: start dockerd with --userns-remap=default (see the README)".to_string());
+                    } else {
+                        tracing::warn!("Docker runs without --userns-remap: uids in a container sandbox are host uids (root inside is the host's root, confined only by Docker's capabilities and seccomp); see the README's \"User namespaces\" section");
+                    }
+                }
                 docker = Some(d);
                 host = Some(h);
             }

@@ -33,11 +33,13 @@ pub use sandbox_exec::capture::SPILL_DIR;
 struct SandboxSpill {
     rootfs: PathBuf,
     path: String,
+    /// The sandbox's user namespace range: the file belongs to root inside.
+    ids: Option<sandbox_exec::archive::IdShift>,
 }
 
 impl SpillTarget for SandboxSpill {
     fn open(&mut self) -> std::io::Result<Box<dyn std::io::Write + Send>> {
-        let file = files::create_for_write(&self.rootfs, &self.path).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let file = files::acting_as(self.ids, || files::create_for_write(&self.rootfs, &self.path)).map_err(|e| std::io::Error::other(e.to_string()))?;
         Ok(Box::new(std::io::BufWriter::with_capacity(64 << 10, file)))
     }
     fn path(&self) -> String {
@@ -372,7 +374,7 @@ impl ProcessSandbox {
         }
         let cap = usize::try_from(spec.max_output_bytes).unwrap_or(usize::MAX);
         let spill = |stream: &str| -> Option<Box<dyn SpillTarget>> {
-            Some(Box::new(SandboxSpill { rootfs: self.rootfs.clone(), path: format!("{SPILL_DIR}/{exec_id}.{stream}") }))
+            Some(Box::new(SandboxSpill { rootfs: self.rootfs.clone(), path: format!("{SPILL_DIR}/{exec_id}.{stream}"), ids: self.ids() }))
         };
         let stop = CancellationToken::new();
         let out_task = tokio::spawn(pump(stdout_rx, OutputCapture::new(cap, spill("stdout")), sink.clone(), true, stop.clone()));

@@ -105,18 +105,16 @@ fn shim(ctrl: OwnedFd) -> i32 {
     };
     drop(buf);
     // A new pid namespace applies to children only: the fork below makes its PID 1.
-    if let Err(e) = unshare(CloneFlags::CLONE_NEWPID) {
-        return setup_failed(&ctrl, "unshare pid namespace", e);
-    }
-    // SAFETY: this process is single-threaded (a fresh exec of sandboxd that started no runtime),
-    // so the child may allocate and do anything after fork.
-    match unsafe { fork() } {
-        Err(e) => setup_failed(&ctrl, "fork init", e),
-        Ok(ForkResult::Child) => {
+    let forked = match fork_init(cfg.id_base) {
+        Ok(f) => f,
+        Err((stage, e)) => return setup_failed(&ctrl, stage, e),
+    };
+    match forked {
+        ForkResult::Child => {
             let code = init(ctrl, cfg, cgroup_fds);
             std::process::exit(code)
         }
-        Ok(ForkResult::Parent { child }) => {
+        ForkResult::Parent { child } => {
             // Only the init keeps the control socket, so the daemon sees EOF exactly when it dies.
             drop(ctrl);
             drop(cgroup_fds);
@@ -130,6 +128,72 @@ fn shim(ctrl: OwnedFd) -> i32 {
             }
         }
     }
+}
+
+/// Forks the init into a new pid namespace, and with `id_base` a new user namespace too,
+/// created together so the pid namespace is the user namespace's (root inside may then mount
+/// its /proc). The child returns only once its uid and gid maps are written.
+fn fork_init(id_base: Option<u32>) -> Result<ForkResult, (&'static str, Errno)> {
+    let Some(base) = id_base else {
+        unshare(CloneFlags::CLONE_NEWPID).map_err(|e| ("unshare pid namespace", e))?;
+        // SAFETY: this process is single-threaded (a fresh exec of sandboxd that started no
+        // runtime), so the child may allocate and do anything after fork.
+        return unsafe { fork() }.map_err(|e| ("fork init", e));
+    };
+    let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ("pipe", e))?;
+    // A user namespace belongs to the effective uid that creates it, and what the kernel counts
+    // per user for it (inotify instances and watches, user namespaces, message queues) is
+    // charged to that uid: the range's root, not the host's. The file system uid stays 0 so the
+    // init still reaches the rootfs and the CPU list below the daemon's 0700 state dir (as their
+    // owner) until it becomes root inside (`become_root_inside`).
+    // SAFETY: setresuid / setfsuid with integer arguments; the real and saved uids stay 0, so
+    // the effective uid (and the capabilities) come back below.
+    Errno::result(unsafe { libc::setresuid(u32::MAX, base, u32::MAX) }).map_err(|e| ("take the range's uid", e))?;
+    // SAFETY: as above.
+    unsafe { libc::setfsuid(0) };
+    // SAFETY: a raw clone behaves like fork here (no new stack, SIGCHLD); this process is
+    // single-threaded, so the child may do anything after it.
+    let pid = unsafe { libc::syscall(libc::SYS_clone, libc::CLONE_NEWUSER | libc::CLONE_NEWPID | libc::SIGCHLD, 0usize, 0usize, 0usize, 0usize) };
+    let clone_errno = Errno::last();
+    if pid == 0 {
+        drop(ready_w);
+        let mut byte = [0u8; 1];
+        return match nix::unistd::read(ready_r.as_raw_fd(), &mut byte) {
+            Ok(1) => Ok(ForkResult::Child),
+            // The shim could not write the maps (and said so): nothing to do here.
+            _ => std::process::exit(1),
+        };
+    }
+    // SAFETY: back to root: the real uid is 0, so this is always allowed.
+    Errno::result(unsafe { libc::setresuid(u32::MAX, 0, u32::MAX) }).map_err(|e| ("give back the range's uid", e))?;
+    if pid < 0 {
+        return Err(("clone the init into user and pid namespaces", clone_errno));
+    }
+    let child = Pid::from_raw(pid as libc::pid_t);
+    let map = super::idmap::process_idmap(base);
+    let written = std::fs::write(format!("/proc/{pid}/uid_map"), &map).and_then(|()| std::fs::write(format!("/proc/{pid}/gid_map"), &map));
+    if let Err(e) = written {
+        let _ = nix::sys::signal::kill(child, Signal::SIGKILL);
+        return Err(("write the user namespace's id maps", Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))));
+    }
+    nix::unistd::write(&ready_w, b"1").map_err(|e| ("start the init", e))?;
+    Ok(ForkResult::Parent { child })
+}
+
+/// In a user namespace, becomes root inside (the range's first id outside) with no
+/// supplementary groups. From here the file system ids are the range's: files the init creates
+/// belong to root inside, and paths only the host's root may reach are out of reach.
+fn become_root_inside() -> StageResult {
+    // SAFETY: setgroups with an empty list (a null pointer is fine for 0 entries).
+    stage("setgroups", Errno::result(unsafe { libc::setgroups(0, std::ptr::null()) }))?;
+    // SAFETY: setresgid / setresuid with integer arguments; 0 is mapped in our namespace.
+    stage("setresgid", Errno::result(unsafe { libc::setresgid(0, 0, 0) }))?;
+    // SAFETY: as above.
+    stage("setresuid", Errno::result(unsafe { libc::setresuid(0, 0, 0) }))?;
+    // A credential change clears the parent-death signal: set it again.
+    // SAFETY: prctl with integer arguments only.
+    stage("pdeathsig", Errno::result(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) }))?;
+    Ok(())
 }
 
 /// A child that ended: its exit code, or the signal that killed it.
@@ -211,18 +275,28 @@ fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
     // A new network namespace has only `lo`, and it is down.
     stage("bring up lo", loopback_up())?;
 
-    let root = Path::new(&cfg.rootfs);
-    // /dev first: masking /proc files binds /dev/null over them.
-    mount_dev(root, cfg.shm_bytes)?;
-    mount_proc(root)?;
+    // From here on the rootfs is the working directory and everything below it is named
+    // relative to it: with a user namespace, the host path (below the daemon's 0700 state dir)
+    // is reachable only until the init becomes root inside.
+    // The rootfs bound onto itself first: a mount made in this namespace, which pivot_root
+    // takes (the copy of the daemon's overlay mount is locked in a user namespace).
+    let rootfs = Path::new(&cfg.rootfs);
+    stage("bind the rootfs onto itself", mount(Some(rootfs), rootfs, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>))?;
+    stage("chdir rootfs", nix::unistd::chdir(rootfs))?;
+    let root = Path::new(".");
     // /sys after the network namespace (sysfs shows its devices) and the cgroup namespace (the
-    // cgroup mounts show its root); before pivot_root, while the daemon's CPU list file is
-    // still reachable by its host path.
+    // cgroup mounts show its root); the CPU list file is bound by its host path.
     mount_sys(root, cfg)?;
+    if cfg.id_base.is_some() {
+        become_root_inside()?;
+    }
+    // /dev before /proc: masking /proc files binds /dev/null over them.
+    mount_dev(root, cfg.shm_bytes, cfg.id_base.is_some())?;
+    mount_proc(root)?;
+    mount_cgroup(root, cfg)?;
 
     // pivot_root, not chroot: afterwards the old root is unmounted and unreachable, even for a
     // process that keeps a directory fd or has CAP_SYS_CHROOT.
-    stage("chdir rootfs", nix::unistd::chdir(root))?;
     // SAFETY: pivot_root with two valid C strings; "." "." stacks the old root under the new one.
     stage("pivot_root", Errno::result(unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) }))?;
     stage("unmount old root", umount2(".", MntFlags::MNT_DETACH))?;
@@ -297,12 +371,19 @@ fn mount_proc(root: &Path) -> StageResult {
 }
 
 /// A minimal /dev on its own tmpfs: the usual character devices, a private devpts and a
-/// `/dev/shm` of `shm_bytes`.
-fn mount_dev(root: &Path, shm_bytes: u64) -> StageResult {
+/// `/dev/shm` of `shm_bytes`. In a user namespace no device node can be made (mknod needs the
+/// host's CAP_MKNOD): the host's own nodes are bound instead, which root inside can open but
+/// not change (they belong to an id its namespace does not map).
+fn mount_dev(root: &Path, shm_bytes: u64, in_userns: bool) -> StageResult {
     let dev = root.join("dev");
     stage("mount /dev", mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME, Some("mode=755,size=1m")))?;
     for (name, major, minor) in [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)] {
         let path = dev.join(name);
+        if in_userns {
+            stage("create a device's mount point", std::fs::File::create(&path))?;
+            stage("bind a host device", mount(Some(&Path::new("/dev").join(name)), &path, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+            continue;
+        }
         stage("mknod", mknod(&path, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(major, minor)))?;
         stage("chmod device", nix::sys::stat::fchmodat(None, &path, Mode::from_bits_truncate(0o666), nix::sys::stat::FchmodatFlags::FollowSymlink))?;
     }
@@ -346,7 +427,17 @@ fn mount_sys(root: &Path, cfg: &InitConfig) -> StageResult {
             stage("mask /sys dir", mount(Some("tmpfs"), &target, Some("tmpfs"), ro, None::<&str>))?;
         }
     }
-    let cgroup = sys.join("fs/cgroup");
+    let online = sys.join("devices/system/cpu/online");
+    stage("bind the CPU list", mount(Some(Path::new(&cfg.cpu_online_file)), &online, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    stage("remount the CPU list read-only", mount(None::<&str>, &online, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | ro, None::<&str>))?;
+    Ok(())
+}
+
+/// The sandbox's own cgroup, read-only at /sys/fs/cgroup (after `mount_sys`; with a user
+/// namespace, once the init is root inside: the v1 layout is made in a tmpfs of its own).
+fn mount_cgroup(root: &Path, cfg: &InitConfig) -> StageResult {
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    let cgroup = root.join("sys/fs/cgroup");
     match &cfg.cgroup_view {
         CgroupView::V2 => stage("mount /sys/fs/cgroup", mount(Some("cgroup2"), &cgroup, Some("cgroup2"), ro, None::<&str>))?,
         CgroupView::V1 { hierarchies } => {
@@ -365,9 +456,6 @@ fn mount_sys(root: &Path, cfg: &InitConfig) -> StageResult {
             stage("remount /sys/fs/cgroup read-only", mount(None::<&str>, &cgroup, None::<&str>, MsFlags::MS_REMOUNT | ro, None::<&str>))?;
         }
     }
-    let online = sys.join("devices/system/cpu/online");
-    stage("bind the CPU list", mount(Some(Path::new(&cfg.cpu_online_file)), &online, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
-    stage("remount the CPU list read-only", mount(None::<&str>, &online, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | ro, None::<&str>))?;
     Ok(())
 }
 

@@ -16,6 +16,7 @@
 
 mod channel;
 mod exec;
+pub mod idmap;
 pub mod init;
 mod pty;
 pub mod storage;
@@ -66,6 +67,10 @@ pub struct ProcessConfig {
     /// Where images are found (their rootfs is the overlay's lower layer).
     pub catalog: Arc<Catalog>,
     pub pool_size_bytes: u64,
+    /// User namespaces for the sandboxes, and the host ids they are given (see [`idmap`]).
+    pub userns: idmap::UsernsMode,
+    pub userns_first_id: u32,
+    pub userns_ranges: u32,
 }
 
 /// Where a sandbox's writable layer comes from at setup.
@@ -103,6 +108,16 @@ pub(crate) struct ProcessSandbox {
     arming: std::sync::atomic::AtomicBool,
     /// The host CPUs its processes run on; given back when the runtime goes.
     cpus: super::cpus::CpuLease,
+    /// Its user namespace's host id range (none without user namespaces); given back when the
+    /// runtime goes.
+    ids: Option<idmap::IdLease>,
+}
+
+impl ProcessSandbox {
+    /// The id shift of its user namespace, if it has one.
+    fn ids(&self) -> Option<sandbox_exec::archive::IdShift> {
+        self.ids.as_ref().map(idmap::IdLease::shift)
+    }
 }
 
 /// The process-tier backend.
@@ -112,8 +127,14 @@ pub struct ProcessBackend {
     unavailable: Option<String>,
     pool: Option<Pool>,
     cgroups: Option<CgroupRoot>,
+    /// The host id ranges of user namespaces, when sandboxes get them.
+    ids: Option<Arc<idmap::IdRanges>>,
     sandboxes: RwLock<HashMap<SandboxId, Arc<ProcessSandbox>>>,
 }
+
+/// The file in a writable layer (beside `upper/` and `work/`) that records the host id range
+/// the sandbox had, so a restart can give it the same one.
+const IDS_FILE: &str = "idrange";
 
 fn subvolume_of(id: &SandboxId) -> String {
     format!("sandboxes/{id}")
@@ -127,7 +148,7 @@ impl ProcessBackend {
     /// Prepares the tier: the cgroup root and the storage pool. A host that cannot provide them
     /// gets a backend that reports why on every create (the daemon still serves other tiers).
     pub fn new(cfg: ProcessConfig) -> Self {
-        let mut backend = ProcessBackend { cfg, unavailable: None, pool: None, cgroups: None, sandboxes: RwLock::new(HashMap::new()) };
+        let mut backend = ProcessBackend { cfg, unavailable: None, pool: None, cgroups: None, ids: None, sandboxes: RwLock::new(HashMap::new()) };
         if let Err(reason) = backend.prepare() {
             tracing::error!(%reason, "process tier unavailable");
             backend.unavailable = Some(reason);
@@ -143,10 +164,51 @@ impl ProcessBackend {
         tracing::info!(version = ?cgroups.version(), "cgroup hierarchy detected");
         let pool = Pool::open_or_create(&self.cfg.state_dir.join("pool"), self.cfg.pool_size_bytes).map_err(|e| format!("storage pool: {e}"))?;
         std::fs::create_dir_all(self.cfg.state_dir.join("run")).map_err(|e| format!("creating run dir: {e}"))?;
+        self.ids = self.prepare_userns(&pool)?;
         self.cgroups = Some(cgroups);
         self.pool = Some(pool);
         self.clean_stale_runtime();
         Ok(())
+    }
+
+    /// The id ranges, once an idmapped mount of the pool and of each image directory was made:
+    /// `auto` logs why not and goes on without user namespaces, `required` fails the tier.
+    fn prepare_userns(&self, pool: &Pool) -> Result<Option<Arc<idmap::IdRanges>>, String> {
+        if self.cfg.userns == idmap::UsernsMode::Off {
+            tracing::warn!(
+                "user namespaces are off ([process] user_namespaces = \"off\"): root in a process sandbox is the host's root, uid 1000 the host's uid 1000"
+            );
+            return Ok(None);
+        }
+        let probe = || -> Result<Arc<idmap::IdRanges>, String> {
+            let ranges = idmap::IdRanges::new(self.cfg.userns_first_id, self.cfg.userns_ranges)?;
+            let lease = ranges.lease(None)?;
+            let ns = lease.mount_userns().map_err(|e| format!("creating a user namespace: {e}"))?;
+            let scratch = self.cfg.state_dir.join("run");
+            std::fs::create_dir_all(&scratch).map_err(|e| format!("creating {}: {e}", scratch.display()))?;
+            idmap::probe(pool.root(), &scratch, &ns)?;
+            for dir in [self.cfg.catalog.images_dir().to_path_buf(), self.cfg.catalog.imported_dir().to_path_buf()] {
+                if dir.is_dir() {
+                    idmap::probe(&dir, &scratch, &ns)?;
+                }
+            }
+            Ok(ranges.clone())
+        };
+        match probe() {
+            Ok(ranges) => {
+                tracing::info!(
+                    first_id = self.cfg.userns_first_id,
+                    ranges = self.cfg.userns_ranges,
+                    "process sandboxes get a user namespace each: root inside is an unprivileged host uid of its own range"
+                );
+                Ok(Some(ranges))
+            }
+            Err(reason) if self.cfg.userns == idmap::UsernsMode::Required => Err(format!("user namespaces are required but unusable here: {reason}")),
+            Err(reason) => {
+                tracing::warn!(%reason, "user namespaces unusable here: process sandboxes run without one (sandbox uids are host uids); set [process] user_namespaces = \"off\" to say so, or \"required\" to refuse");
+                Ok(None)
+            }
+        }
     }
 
     /// Removes the runtime state a previous daemon on this state dir left behind: its sandboxes'
@@ -282,21 +344,54 @@ impl ProcessBackend {
 
         // 2. The root filesystem: overlay of the read-only image under the writable layer,
         //    mounted nosuid,nodev on the host so the daemon's file API can never open a device
-        //    node the sandbox planted.
+        //    node the sandbox planted. With user namespaces both layers are idmapped mounts of
+        //    this sandbox's id range (see `idmap`); the range is kept in the layer, so a
+        //    restart gives the sandbox the same one when it is free.
         let run_dir = self.cfg.state_dir.join("run").join(id.as_str());
         let rootfs = run_dir.join("rootfs");
         std::fs::create_dir_all(&rootfs).map_err(|e| BackendError::io("creating rootfs mount point", e))?;
-        let opts = format!("lowerdir={},upperdir={},workdir={}", lower.display(), layer.join("upper").display(), layer.join("work").display());
-        mount(Some("overlay"), &rootfs, Some("overlay"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(opts.as_str()))
-            .map_err(|e| BackendError::io("mounting overlay root filesystem", e.into()))?;
+        let ids = match &self.ids {
+            Some(ranges) => {
+                let recorded = std::fs::read_to_string(layer.join(IDS_FILE)).ok().and_then(|t| t.trim().parse().ok());
+                let lease = ranges.lease(recorded).map_err(|reason| BackendError::Unavailable { isolation: Isolation::Process, reason })?;
+                std::fs::write(layer.join(IDS_FILE), format!("{}\n", lease.base())).map_err(|e| BackendError::io("recording the id range", e))?;
+                Some(lease)
+            }
+            None => None,
+        };
+        let (lower, upper_dir) = match &ids {
+            Some(lease) => {
+                let ns = lease.mount_userns().map_err(|e| BackendError::io("creating the mount idmap", e))?;
+                let (lower_mnt, layer_mnt) = (run_dir.join("lower"), run_dir.join("layer"));
+                for (src, dst) in [(&lower, &lower_mnt), (&layer, &layer_mnt)] {
+                    std::fs::create_dir_all(dst).map_err(|e| BackendError::io("creating an idmapped mount point", e))?;
+                    idmap::idmapped_bind(src, dst, &ns).map_err(|e| BackendError::io(format!("idmapped mount of {}", src.display()), e))?;
+                }
+                (lower_mnt, layer_mnt)
+            }
+            None => (lower.clone(), layer.clone()),
+        };
+        let opts = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper_dir.join("upper").display(), upper_dir.join("work").display());
+        let mounted = mount(Some("overlay"), &rootfs, Some("overlay"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(opts.as_str()));
+        if ids.is_some() {
+            // The overlay holds private clones of its layers: the idmapped mounts can go.
+            for dir in [&lower, &upper_dir] {
+                let _ = umount2(dir, MntFlags::MNT_DETACH);
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+        mounted.map_err(|e| BackendError::io("mounting overlay root filesystem", e.into()))?;
         // The init mounts /proc, /dev and /sys there, by host path, before pivot_root: real
-        // directories, whatever a snapshot this starts from holds.
-        for dir in ["proc", "dev", "sys"] {
-            files::ensure_mount_point(&rootfs, dir)?;
-        }
-        for dir in ["tmp", &spec.workdir] {
-            files::create_dir_all(&rootfs, dir)?;
-        }
+        // directories, whatever a snapshot this starts from holds. Made as root inside.
+        files::acting_as(ids.as_ref().map(idmap::IdLease::shift), || {
+            for dir in ["proc", "dev", "sys"] {
+                files::ensure_mount_point(&rootfs, dir)?;
+            }
+            for dir in ["tmp", &spec.workdir] {
+                files::create_dir_all(&rootfs, dir)?;
+            }
+            Ok(())
+        })?;
         let tmp = rootfs.join("tmp");
         let _ = std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o1777));
 
@@ -363,6 +458,7 @@ impl ProcessBackend {
             spare: Mutex::new(None),
             arming: std::sync::atomic::AtomicBool::new(false),
             cpus,
+            ids,
         });
         let (join_first, join_then) = sandbox.cgroup.init_join_files()?;
         let config = wire::encode(&wire::InitConfig {
@@ -373,6 +469,7 @@ impl ProcessBackend {
             cpus: sandbox.cpus.cpus().to_vec(),
             cpu_online_file: cpu_online_file.display().to_string(),
             cgroup_view: self.cgroups()?.sandbox_view(),
+            id_base: sandbox.ids.as_ref().map(idmap::IdLease::base),
         })
         .map_err(|e| BackendError::Internal(e.to_string()))?;
         let fds: Vec<i32> = join_first.iter().chain(&join_then).map(|f| f.as_raw_fd()).collect();
@@ -510,7 +607,7 @@ impl Backend for ProcessBackend {
     async fn write_file(&self, sandbox: &SandboxId, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
         let sb = self.sandbox(sandbox)?;
         let (path, content) = (path.to_string(), content.to_vec());
-        tokio::task::spawn_blocking(move || files::write_file(&sb.rootfs, &sb.workdir, &path, &content, mode))
+        tokio::task::spawn_blocking(move || files::acting_as(sb.ids(), || files::write_file(&sb.rootfs, &sb.workdir, &path, &content, mode)))
             .await
             .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
     }
@@ -526,7 +623,7 @@ impl Backend for ProcessBackend {
     async fn upload_file(&self, sandbox: &SandboxId, path: &str, mode: u32, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
         let sb = self.sandbox(sandbox)?;
         let root = self.root_of(&sb).await?;
-        files::upload_file_in(root, sb.workdir.clone(), path.to_string(), mode, data).await
+        files::upload_file_in(root, sb.workdir.clone(), path.to_string(), mode, sb.ids(), data).await
     }
 
     async fn download_file(&self, sandbox: &SandboxId, path: &str, idle: Duration) -> Result<Download, BackendError> {
@@ -543,13 +640,13 @@ impl Backend for ProcessBackend {
     async fn upload_archive(&self, sandbox: &SandboxId, dir: &str, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
         let sb = self.sandbox(sandbox)?;
         let root = self.root_of(&sb).await?;
-        files::upload_archive_in(root, sb.workdir.clone(), dir.to_string(), data).await
+        files::upload_archive_in(root, sb.workdir.clone(), dir.to_string(), sb.ids(), data).await
     }
 
     async fn download_archive(&self, sandbox: &SandboxId, path: &str, idle: Duration) -> Result<ByteChunks, BackendError> {
         let sb = self.sandbox(sandbox)?;
         let path = path.to_string();
-        tokio::task::spawn_blocking(move || files::stream_archive(files::open_root(&sb.rootfs)?, &sb.workdir, &path, idle))
+        tokio::task::spawn_blocking(move || files::stream_archive(files::open_root(&sb.rootfs)?, &sb.workdir, &path, sb.ids(), idle))
             .await
             .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
     }

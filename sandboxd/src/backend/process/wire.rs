@@ -38,6 +38,9 @@ pub struct InitConfig {
     pub cpu_online_file: String,
     /// How the sandbox's cgroup is mounted at `/sys/fs/cgroup`.
     pub cgroup_view: CgroupView,
+    /// The host uid and gid of root inside: the sandbox gets a user namespace mapping
+    /// `super::idmap::RANGE` ids from here (see `init::shim`). None: no user namespace.
+    pub id_base: Option<u32>,
 }
 
 /// Daemon → init.

@@ -1,0 +1,188 @@
+//! User namespaces on the process tier (issue #21): root inside a sandbox is an unprivileged host
+//! uid of the sandbox's own range, so the host's own users cannot read, open or trace what a
+//! sandbox runs, and what the kernel counts per user is not shared with the host's.
+//!
+//! Each attack is made the way a host user would make it: a forked child of this (root) test
+//! drops to uid and gid 1000 with no supplementary groups and no capabilities, then tries. The
+//! same attacks against a daemon with `user_namespaces = "off"` must get through, so the checks
+//! are known to be able to fail.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
+
+use std::ffi::CString;
+use std::os::unix::fs::MetadataExt;
+
+use agent_client::exec_request;
+use agent_client::proto::ExecRequest;
+use sandbox_tests::{eventually, Harness};
+
+/// What a host process running as uid 1000 could do to process `pid`.
+#[derive(Debug, PartialEq, Eq)]
+struct HostUserReach {
+    environ: bool,
+    root_files: bool,
+    ptrace: bool,
+}
+
+/// Forks a child that becomes uid/gid 1000 (no groups; a uid change from root drops every
+/// capability) and tries to read `/proc/<pid>/environ`, open `/proc/<pid>/root/etc/passwd` and
+/// `PTRACE_ATTACH` to `pid`; its exit code carries one bit per attack that worked.
+fn host_user_reach(pid: i32) -> HostUserReach {
+    let environ = CString::new(format!("/proc/{pid}/environ")).unwrap();
+    let root_file = CString::new(format!("/proc/{pid}/root/etc/passwd")).unwrap();
+    // SAFETY: the child runs only async-signal-safe system calls on memory prepared before the
+    // fork, then _exits; the parent waits for it.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork: {}", std::io::Error::last_os_error());
+    if child == 0 {
+        // SAFETY: as above.
+        unsafe {
+            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setresgid(1000, 1000, 1000) != 0 || libc::setresuid(1000, 1000, 1000) != 0 {
+                libc::_exit(100);
+            }
+            let mut bits = 0;
+            let mut byte = 0u8;
+            let fd = libc::open(environ.as_ptr(), libc::O_RDONLY);
+            if fd >= 0 && libc::read(fd, (&mut byte as *mut u8).cast(), 1) >= 0 {
+                bits |= 1;
+            }
+            if libc::open(root_file.as_ptr(), libc::O_RDONLY) >= 0 {
+                bits |= 2;
+            }
+            if libc::ptrace(libc::PTRACE_ATTACH, pid, 0, 0) == 0 {
+                bits |= 4;
+                libc::ptrace(libc::PTRACE_DETACH, pid, 0, 0);
+            }
+            libc::_exit(bits)
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waitpid of our own child with a pointer to a local.
+    let waited = unsafe { libc::waitpid(child, &mut status, 0) };
+    assert_eq!(waited, child, "waitpid: {}", std::io::Error::last_os_error());
+    assert!(libc::WIFEXITED(status), "the probe child died: status {status:#x}");
+    let bits = libc::WEXITSTATUS(status);
+    assert_ne!(bits, 100, "the probe child could not become uid 1000");
+    HostUserReach { environ: bits & 1 != 0, root_files: bits & 2 != 0, ptrace: bits & 4 != 0 }
+}
+
+/// The host pid of the one process whose command line is exactly `argv`.
+fn host_pid_of(argv: &[&str]) -> Option<i32> {
+    let want: Vec<u8> = argv.iter().flat_map(|a| a.bytes().chain([0])).collect();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        (std::fs::read(e.path().join("cmdline")).ok()? == want).then_some(pid)
+    })
+}
+
+/// The `Uid:` line of `/proc/<pid>/status`: real, effective, saved, fs.
+fn host_uids(pid: i32) -> Vec<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let line = status.lines().find(|l| l.starts_with("Uid:")).expect("Uid line");
+    line.split_whitespace().skip(1).map(|v| v.parse().expect("uid")).collect()
+}
+
+/// Starts `sleep <marker>` in the background of sandbox `id` as 1000:1000 with a secret in its
+/// environment; returns its host pid once it runs.
+async fn sleeper_as_1000(h: &Harness, id: &str, marker: &str) -> i32 {
+    let mut request: ExecRequest = exec_request(id, ["sleep", marker]);
+    request.user = "1000:1000".into();
+    request.background = true;
+    request.env.insert("API_KEY".into(), "sk-tenant-secret".into());
+    h.exec(request).await;
+    let mut pid = None;
+    assert!(
+        eventually(60, || {
+            pid = host_pid_of(&["sleep", marker]);
+            std::future::ready(pid.is_some())
+        })
+        .await,
+        "the background sleep never started"
+    );
+    pid.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_uid_1000_cannot_read_open_or_trace_a_sandbox_uid_1000() {
+    let h = Harness::start().await;
+    let id = h.sandbox().await;
+    let pid = sleeper_as_1000(&h, &id, "987001").await;
+
+    let uids = host_uids(pid);
+    let base = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).expect("uid_map");
+    let base: u32 = base.split_whitespace().nth(1).expect("a mapping").parse().expect("base");
+    assert!(base >= 1 << 30, "the sandbox's root is host uid {base}, not one of the range above 2^30");
+    assert_eq!(uids, vec![base + 1000; 4], "uid 1000 inside is host uid base+1000");
+    assert_eq!(host_user_reach(pid), HostUserReach { environ: false, root_files: false, ptrace: false });
+
+    // A file root made inside belongs to the range's root on the host, and to root inside.
+    h.sh_ok(&id, "echo x > /workspace/made-by-root").await;
+    let meta = std::fs::metadata(format!("/proc/{pid}/root/workspace/made-by-root")).expect("stat through /proc/<pid>/root");
+    assert_eq!((meta.uid(), meta.gid()), (base, base));
+    // ... and so does one the daemon wrote for a client.
+    h.client.write_file(&id, "/workspace/written", b"y".to_vec(), 0o644).await.expect("WriteFile");
+    let meta = std::fs::metadata(format!("/proc/{pid}/root/workspace/written")).expect("stat");
+    assert_eq!((meta.uid(), meta.gid()), (base, base));
+    assert_eq!(h.sh_ok(&id, "stat -c '%u:%g' /workspace/written /workspace/made-by-root").await, "0:0\n0:0\n");
+    // Root inside cannot become a host id outside its range: a nobody-owned file stays foreign.
+    assert_eq!(h.sh_ok(&id, "cat /proc/self/uid_map").await.split_whitespace().collect::<Vec<_>>(), vec!["0", &base.to_string(), "65536"]);
+
+    // A second sandbox gets a range of its own.
+    let other = h.sandbox().await;
+    let other_pid = sleeper_as_1000(&h, &other, "987002").await;
+    assert_ne!(host_uids(other_pid)[0], base + 1000, "two sandboxes share a host uid");
+}
+
+/// The control: without user namespaces the same attacks work (what issue #21 found), so the
+/// test above can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_user_namespaces_the_same_attacks_get_through() {
+    let h = Harness::start_with_config("[process]\nuser_namespaces = \"off\"\n").await;
+    assert!(h.daemon.log().contains("user namespaces are off"), "the daemon did not say user namespaces are off");
+    let id = h.sandbox().await;
+    let pid = sleeper_as_1000(&h, &id, "987003").await;
+    assert_eq!(host_uids(pid), vec![1000; 4]);
+    let reach = host_user_reach(pid);
+    assert!(reach.environ && reach.root_files, "uid 1000 on the host should reach a host-uid-1000 sandbox process: {reach:?}");
+}
+
+/// 128 inotify instances held by root in a sandbox (the default per-user limit) leave the host's
+/// root able to make its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_holding_inotify_instances_does_not_use_up_the_hosts() {
+    let h = Harness::start().await;
+    let id = h.sandbox_with("debian", Default::default()).await;
+    let script = "import ctypes,os,time\n\
+                  libc=ctypes.CDLL(None)\n\
+                  fds=[libc.inotify_init() for _ in range(128)]\n\
+                  open('/tmp/held.new','w').write(str(sum(f>=0 for f in fds)))\n\
+                  os.rename('/tmp/held.new','/tmp/held')\n\
+                  time.sleep(3600)\n";
+    let mut hold = exec_request(&id, ["python3", "-c", script]);
+    hold.background = true;
+    h.exec(hold).await;
+    let held = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    assert!(
+        eventually(120, || {
+            let (client, id, held) = (h.client.clone(), id.clone(), held.clone());
+            async move {
+                match client.read_file_all(&id, "/tmp/held").await {
+                    Ok(bytes) => {
+                        *held.lock().unwrap() = String::from_utf8_lossy(&bytes).to_string();
+                        true
+                    }
+                    Err(_) => false,
+                }
+            }
+        })
+        .await,
+        "the sandbox never reported its inotify instances"
+    );
+    let held = held.lock().unwrap().clone();
+    assert_eq!(held, "128", "the sandbox could not make 128 inotify instances");
+    // SAFETY: inotify_init1 returns a new descriptor or -1.
+    let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC) };
+    let err = std::io::Error::last_os_error();
+    assert!(fd >= 0, "the host's root cannot make an inotify instance while a sandbox holds 128: {err}");
+    // SAFETY: closing the descriptor just made.
+    unsafe { libc::close(fd) };
+}
