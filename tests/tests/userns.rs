@@ -126,6 +126,13 @@ async fn host_uid_1000_cannot_read_open_or_trace_a_sandbox_uid_1000() {
     // Root inside cannot become a host id outside its range: a nobody-owned file stays foreign.
     assert_eq!(h.sh_ok(&id, "cat /proc/self/uid_map").await.split_whitespace().collect::<Vec<_>>(), vec!["0", &base.to_string(), "65536"]);
 
+    // Its mountinfo names no host path of the daemon's (state dir, images).
+    let mountinfo = h.sh_ok(&id, "cat /proc/self/mountinfo").await;
+    for host_path in [h.daemon.state_dir(), sandbox_tests::images_dir()] {
+        let host_path = host_path.display().to_string();
+        assert!(!mountinfo.contains(&host_path), "the sandbox's mountinfo shows {host_path}:\n{mountinfo}");
+    }
+
     // A second sandbox gets a range of its own.
     let other = h.sandbox().await;
     let other_pid = sleeper_as_1000(&h, &other, "987002").await;
@@ -185,4 +192,100 @@ async fn a_sandbox_holding_inotify_instances_does_not_use_up_the_hosts() {
     assert!(fd >= 0, "the host's root cannot make an inotify instance while a sandbox holds 128: {err}");
     // SAFETY: closing the descriptor just made.
     unsafe { libc::close(fd) };
+}
+
+/// Whether a uevent socket in a sandbox receives a uevent the host triggers: the sandbox binds
+/// one and says so, the host binds its own, triggers `change` on /dev/null's device and waits
+/// until its own socket has the event (netlink broadcasts to every socket at send time), then
+/// the sandbox polls its socket without blocking.
+async fn sandbox_sees_host_uevents(h: &Harness, id: &str) -> bool {
+    let script = "import os,socket,time\n\
+                  s=socket.socket(socket.AF_NETLINK,socket.SOCK_DGRAM,15)\n\
+                  s.bind((0,1))\n\
+                  open('/tmp/bound','w').close()\n\
+                  while not os.path.exists('/tmp/go'): time.sleep(0.01)\n\
+                  s.setblocking(False)\n\
+                  try: got=s.recv(65536)\n\
+                  except BlockingIOError: got=b''\n\
+                  open('/tmp/seen.new','wb').write(got)\n\
+                  os.rename('/tmp/seen.new','/tmp/seen')\n";
+    let mut listen = exec_request(id, ["python3", "-c", script]);
+    listen.background = true;
+    h.exec(listen).await;
+    let client = h.client.clone();
+    assert!(
+        eventually(120, || {
+            let (client, id) = (client.clone(), id.to_string());
+            async move { client.read_file_all(&id, "/tmp/bound").await.is_ok() }
+        })
+        .await,
+        "the sandbox never bound its uevent socket"
+    );
+    // The host's own listener, then the event.
+    // SAFETY: socket/bind/setsockopt/recv on a descriptor owned here, with pointers to locals.
+    unsafe {
+        let fd = libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, libc::NETLINK_KOBJECT_UEVENT);
+        assert!(fd >= 0, "host uevent socket: {}", std::io::Error::last_os_error());
+        let mut addr: libc::sockaddr_nl = std::mem::zeroed();
+        addr.nl_family = libc::AF_NETLINK as u16;
+        addr.nl_groups = 1;
+        let bound = libc::bind(fd, (&addr as *const libc::sockaddr_nl).cast(), std::mem::size_of::<libc::sockaddr_nl>() as u32);
+        assert_eq!(bound, 0, "host uevent bind: {}", std::io::Error::last_os_error());
+        let timeout = libc::timeval { tv_sec: 2, tv_usec: 0 };
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&timeout as *const libc::timeval).cast(), std::mem::size_of::<libc::timeval>() as u32);
+        let mut seen = false;
+        for _ in 0..30 {
+            std::fs::write("/sys/devices/virtual/mem/null/uevent", "change").expect("triggering a uevent on the host");
+            let mut buf = [0u8; 8192];
+            loop {
+                let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
+                if n <= 0 {
+                    break;
+                }
+                if String::from_utf8_lossy(&buf[..n as usize]).starts_with("change@/devices/virtual/mem/null") {
+                    seen = true;
+                    break;
+                }
+            }
+            if seen {
+                break;
+            }
+        }
+        libc::close(fd);
+        assert!(seen, "the host never saw its own uevent");
+    }
+    h.client.write_file(id, "/tmp/go", Vec::new(), 0o644).await.expect("WriteFile");
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    assert!(
+        eventually(60, || {
+            let (client, id, seen) = (client.clone(), id.to_string(), seen.clone());
+            async move {
+                match client.read_file_all(&id, "/tmp/seen").await {
+                    Ok(bytes) => {
+                        *seen.lock().unwrap() = bytes;
+                        true
+                    }
+                    Err(_) => false,
+                }
+            }
+        })
+        .await,
+        "the sandbox never reported"
+    );
+    let seen = seen.lock().unwrap().clone();
+    !seen.is_empty()
+}
+
+/// Host uevents (a device added, changed) reach a network namespace only when it belongs to the
+/// host's user namespace: a sandbox's own user namespace keeps them out. The control without
+/// user namespaces shows the leak the test guards against.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_uevents_do_not_reach_a_sandbox() {
+    let h = Harness::start().await;
+    let id = h.sandbox_with("debian", Default::default()).await;
+    assert!(!sandbox_sees_host_uevents(&h, &id).await, "a host uevent reached the sandbox");
+    drop(h);
+    let h = Harness::start_with_config("[process]\nuser_namespaces = \"off\"\n").await;
+    let id = h.sandbox_with("debian", Default::default()).await;
+    assert!(sandbox_sees_host_uevents(&h, &id).await, "without a user namespace the host's uevent should have reached the sandbox (the control)");
 }

@@ -285,13 +285,14 @@ fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
     stage("chdir rootfs", nix::unistd::chdir(rootfs))?;
     let root = Path::new(".");
     // /sys after the network namespace (sysfs shows its devices) and the cgroup namespace (the
-    // cgroup mounts show its root); the CPU list file is bound by its host path.
-    mount_sys(root, cfg)?;
+    // cgroup mounts show its root).
+    mount_sys(root)?;
     if cfg.id_base.is_some() {
         become_root_inside()?;
     }
     // /dev before /proc: masking /proc files binds /dev/null over them.
     mount_dev(root, cfg.shm_bytes, cfg.id_base.is_some())?;
+    bind_cpu_list(root, cfg)?;
     mount_proc(root)?;
     mount_cgroup(root, cfg)?;
 
@@ -417,7 +418,7 @@ fn mount_dev(root: &Path, shm_bytes: u64, in_userns: bool) -> StageResult {
 ///
 /// Read-only holds: nothing inside has CAP_SYS_ADMIN and seccomp denies mount and the new mount
 /// API, so no process can remount any of it writable or mount cgroupfs again (release_agent).
-fn mount_sys(root: &Path, cfg: &InitConfig) -> StageResult {
+fn mount_sys(root: &Path) -> StageResult {
     let sys = root.join("sys");
     let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     stage("mount /sys", mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>))?;
@@ -427,9 +428,20 @@ fn mount_sys(root: &Path, cfg: &InitConfig) -> StageResult {
             stage("mask /sys dir", mount(Some("tmpfs"), &target, Some("tmpfs"), ro, None::<&str>))?;
         }
     }
-    let online = sys.join("devices/system/cpu/online");
-    stage("bind the CPU list", mount(Some(Path::new(&cfg.cpu_online_file)), &online, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    Ok(())
+}
+
+/// The sandbox's CPU list at /sys/devices/system/cpu/online, read-only (after `mount_dev`): a
+/// file written on the sandbox's own /dev tmpfs, bound, then unlinked, so no host path shows in
+/// its mountinfo.
+fn bind_cpu_list(root: &Path, cfg: &InitConfig) -> StageResult {
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    let file = root.join("dev/.cpus-online");
+    stage("write the CPU list", std::fs::write(&file, format!("{}\n", crate::backend::cpus::format_list(&cfg.cpus))))?;
+    let online = root.join("sys/devices/system/cpu/online");
+    stage("bind the CPU list", mount(Some(&file), &online, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
     stage("remount the CPU list read-only", mount(None::<&str>, &online, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | ro, None::<&str>))?;
+    stage("unlink the CPU list's source", std::fs::remove_file(&file))?;
     Ok(())
 }
 

@@ -24,6 +24,7 @@ mod wire;
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
@@ -371,8 +372,20 @@ impl ProcessBackend {
             }
             None => (lower.clone(), layer.clone()),
         };
-        let opts = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper_dir.join("upper").display(), upper_dir.join("work").display());
+        // The layers are named by descriptor: the options are what the sandbox reads in its
+        // /proc/self/mountinfo, and host paths (the state and image dirs) have no business there.
+        let open_dir = |p: PathBuf| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+                .open(&p)
+                .map_err(|e| BackendError::io(format!("opening {}", p.display()), e))
+        };
+        let layer_dirs = [open_dir(lower.clone())?, open_dir(upper_dir.join("upper"))?, open_dir(upper_dir.join("work"))?];
+        let [lower_fd, upper_fd, work_fd] = layer_dirs.each_ref().map(|f| f.as_raw_fd());
+        let opts = format!("lowerdir=/proc/self/fd/{lower_fd},upperdir=/proc/self/fd/{upper_fd},workdir=/proc/self/fd/{work_fd}");
         let mounted = mount(Some("overlay"), &rootfs, Some("overlay"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(opts.as_str()));
+        drop(layer_dirs);
         if ids.is_some() {
             // The overlay holds private clones of its layers: the idmapped mounts can go.
             for dir in [&lower, &upper_dir] {
@@ -399,11 +412,9 @@ impl ProcessBackend {
         let limits = CgroupLimits { memory_bytes: spec.limits.memory_bytes, max_pids: spec.limits.max_pids, cpu_millicores: spec.limits.cpu_millicores };
         let cgroup = self.cgroups()?.create_namespaced_sandbox(id.as_str(), &limits)?;
 
-        // The CPUs the sandbox runs on (its limit rounded up, spread over the host), and the CPU
-        // list its /sys shows: a file of the run dir, bound read-only inside.
+        // The CPUs the sandbox runs on (its limit rounded up, spread over the host); its /sys
+        // shows them as the CPU list (the init writes it).
         let cpus = super::cpus::place(spec.limits.cpu_millicores);
-        let cpu_online_file = run_dir.join("cpus-online");
-        std::fs::write(&cpu_online_file, format!("{}\n", cpus.list())).map_err(|e| BackendError::io("writing the sandbox's CPU list", e))?;
 
         // 4. The shim + init, from this same binary (see init.rs for the in-sandbox recipe).
         let (ours, theirs) = nix::sys::socket::socketpair(
@@ -467,7 +478,6 @@ impl ProcessBackend {
             join_before_unshare: join_first.len(),
             shm_bytes: spec.limits.shm_size(),
             cpus: sandbox.cpus.cpus().to_vec(),
-            cpu_online_file: cpu_online_file.display().to_string(),
             cgroup_view: self.cgroups()?.sandbox_view(),
             id_base: sandbox.ids.as_ref().map(idmap::IdLease::base),
         })

@@ -31,11 +31,10 @@ pub struct InitConfig {
     pub join_before_unshare: usize,
     /// Size of the `/dev/shm` tmpfs.
     pub shm_bytes: u64,
-    /// The CPUs the init (and so every exec) runs on.
+    /// The CPUs the init (and so every exec) runs on; also listed, as the kernel does (`0-1`),
+    /// in a read-only `/sys/devices/system/cpu/online`, which glibc reads for
+    /// `sysconf(_SC_NPROCESSORS_ONLN)`.
     pub cpus: Vec<usize>,
-    /// Host path of a read-only file listing `cpus` as the kernel does (`0-1`), bound over
-    /// `/sys/devices/system/cpu/online`, which glibc reads for `sysconf(_SC_NPROCESSORS_ONLN)`.
-    pub cpu_online_file: String,
     /// How the sandbox's cgroup is mounted at `/sys/fs/cgroup`.
     pub cgroup_view: CgroupView,
     /// The host uid and gid of root inside: the sandbox gets a user namespace mapping
