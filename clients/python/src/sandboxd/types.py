@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import re
+import shlex
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Mapping, Optional, Union
@@ -224,7 +225,7 @@ class ExecResult:
             return self
         why = self.error or self.stderr_text[-500:].strip()
         raise CommandFailed(
-            f"{' '.join(self.argv)!s}: {self.status.name} (exit code {self.exit_code})"
+            f"{shlex.join(self.argv)}: {self.status.name} (exit code {self.exit_code})"
             + (f": {why}" if why else ""),
             self,
         )
