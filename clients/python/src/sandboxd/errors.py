@@ -138,6 +138,13 @@ class CommandFailed(SandboxdError):
         return self.message
 
 
+__all__ = [
+    "Aborted", "AlreadyExists", "ArchiveRefused", "Cancelled", "CommandFailed", "DataLoss", "DeadlineExceeded",
+    "FailedPrecondition", "IntegrityError", "Internal", "InvalidArgument", "NotFound", "OutOfRange",
+    "PermissionDenied", "ProtocolError", "ResourceExhausted", "SandboxdError", "SessionClosed", "Unauthenticated",
+    "Unavailable", "Unimplemented", "Unknown", "error_for", "from_rpc_error",
+]
+
 _BY_CODE: dict[grpc.StatusCode, type[SandboxdError]] = {
     cls.code: cls
     for cls in (
