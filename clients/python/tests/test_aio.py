@@ -60,6 +60,10 @@ async def test_exec_stream_background_and_records(asb: Sandbox) -> None:
     assert (await job.poll()).running
     killed = await job.kill()
     assert killed.status == ExecStatus.SIGNALED and killed.signal == signal.SIGKILL
+    slow = await asb.exec_background(["sleep", "1000"])
+    with pytest.raises(sandboxd.aio.DeadlineExceeded):
+        await slow.wait(timeout=0.5)
+    await slow.kill()
     quick = await asb.exec_background(["echo", "bg"])
     assert (await quick.wait(timeout=60)).stdout == b"bg\n"
 

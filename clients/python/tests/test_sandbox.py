@@ -204,3 +204,25 @@ def test_snapshot_rollback_and_fork(sb: Sandbox, client: sandboxd.Client) -> Non
     assert sb.snapshots() == []
     with pytest.raises(sandboxd.NotFound):
         sb.rollback(snap)
+
+
+def test_deadlines_and_capacity_errors() -> None:
+    from conftest import Daemon
+
+    daemon = Daemon("[policy]\nmax_sandboxes = 1\n[admission]\nmax_snapshots_per_sandbox = 1\n")
+    try:
+        with sandboxd.Client(daemon.address, timeout=30) as c:
+            with Sandbox.create(isolation="process", image="minimal", client=c) as sb:
+                with pytest.raises(sandboxd.ResourceExhausted) as full:
+                    Sandbox.create(isolation="process", image="minimal", client=c)
+                assert "policy.max_sandboxes (1)" in full.value.message
+                sb.snapshot("one")
+                with pytest.raises(sandboxd.ResourceExhausted) as snaps:
+                    sb.snapshot("two")
+                assert "max_snapshots_per_sandbox" in snaps.value.message
+                job = sb.exec_background(["sleep", "1000"])
+                with pytest.raises(sandboxd.DeadlineExceeded):
+                    job.wait(timeout=0.5)
+                assert job.kill().status == ExecStatus.SIGNALED
+    finally:
+        daemon.cleanup()

@@ -12,7 +12,7 @@ import grpc
 from . import _conn
 from ._conn import Pathish, Settings
 from ._rpc import METHODS
-from .errors import SandboxdError, Unavailable, from_rpc_error
+from .errors import Cancelled, DeadlineExceeded, SandboxdError, Unavailable, from_rpc_error
 
 log = logging.getLogger("sandboxd")
 
@@ -135,7 +135,11 @@ class Client:
         fn = self._callable(name)
         safe = name in _conn.IDEMPOTENT if retry is None else retry
         deadline = self._deadline(timeout)
-        return self._retrying(name, safe, lambda: fn(request, timeout=deadline, metadata=self._metadata))
+        started = time.monotonic()
+        try:
+            return self._retrying(name, safe, lambda: fn(request, timeout=deadline, metadata=self._metadata))
+        except Cancelled as e:
+            raise _deadline_error(e, deadline, time.monotonic() - started) from None
 
     def server_stream(self, name: str, request: Any, *, retry: bool = False) -> Iterator[Any]:
         """Calls a server-streaming method, yielding its messages. With `retry`, UNAVAILABLE is
@@ -170,6 +174,14 @@ class Client:
     def bidi(self, name: str, requests: Iterator[Any]) -> Any:
         """Opens a bidirectional stream; returns the call (an iterator of responses)."""
         return self._callable(name)(requests, metadata=self._metadata)
+
+
+def _deadline_error(err: SandboxdError, deadline: Optional[float], elapsed: float) -> SandboxdError:
+    """The daemon (tonic) answers a call whose deadline passed on its side with CANCELLED
+    ("Timeout expired"); this client never cancels a unary call, so that is the deadline."""
+    if deadline is not None and elapsed >= deadline * 0.95:
+        return DeadlineExceeded(f"deadline of {deadline} s exceeded: {err.message}")
+    return err
 
 
 _default: Optional[Client] = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -497,7 +498,7 @@ class ExecStream:
         for chunk in self:
             (out if chunk.stream == "stdout" else err).extend(chunk.data)
         assert self.result is not None
-        return ExecResult.from_proto(_with_output(self.result), bytes(out), bytes(err))
+        return dataclasses.replace(self.result, stdout=bytes(out), stderr=bytes(err))
 
     def close(self) -> None:
         """Stops reading: the call is cancelled (ending the command unless it has a key)."""
@@ -510,23 +511,6 @@ class ExecStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _with_output(result: ExecResult) -> pb.ExecResult:
-    """Back to a message, so `from_proto` can fill stdout/stderr in."""
-    m = pb.ExecResult(
-        exec_id=result.exec_id, sandbox_id=result.sandbox_id, argv=result.argv, status=int(result.status),  # type: ignore[arg-type]
-        exit_code=result.exit_code, signal=result.signal, stdout_truncated=result.stdout_truncated,
-        stderr_truncated=result.stderr_truncated, stdout_total_bytes=result.stdout_total_bytes,
-        stderr_total_bytes=result.stderr_total_bytes, duration_ms=result.duration_ms,
-        cpu_user_ms=result.cpu_user_ms, cpu_system_ms=result.cpu_system_ms,
-        peak_memory_bytes=result.peak_memory_bytes, error=result.error, idempotency_key=result.idempotency_key,
-        stdout_spill_path=result.stdout_spill_path, stderr_spill_path=result.stderr_spill_path,
-        output_discarded=result.output_discarded, argv_truncated=result.argv_truncated,
-    )
-    if result.started_at is not None:
-        m.started_at.FromDatetime(result.started_at)
-    return m
 
 
 _END = object()
@@ -679,7 +663,7 @@ class Session:
                 break
             (out if chunk.stream == "stdout" else err).extend(chunk.data)
         assert self.result is not None
-        return ExecResult.from_proto(_with_output(self.result), bytes(out), bytes(err))
+        return dataclasses.replace(self.result, stdout=bytes(out), stderr=bytes(err))
 
     def close(self) -> None:
         """Ends the session; a command still running is ended (unless it has a key)."""

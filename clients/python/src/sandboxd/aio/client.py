@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from typing import Any, AsyncIterator, Optional, Union
 
@@ -13,6 +14,7 @@ import grpc.aio
 from .. import _conn
 from .._conn import Pathish, Settings
 from .._rpc import METHODS
+from ..client import _deadline_error
 from ..errors import Unavailable, from_rpc_error
 
 log = logging.getLogger("sandboxd")
@@ -117,10 +119,13 @@ class Client:
         safe = name in _conn.IDEMPOTENT if retry is None else retry
         deadline = self.settings.timeout if timeout is _UNSET else timeout
         tries = 0
+        started = time.monotonic()
         while True:
             try:
                 return await fn(request, timeout=deadline, metadata=self._metadata)
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.CANCELLED:
+                    raise _deadline_error(from_rpc_error(e, name), deadline, time.monotonic() - started) from None
                 if safe and e.code() == grpc.StatusCode.UNAVAILABLE and tries < self.settings.retries:
                     tries += 1
                     delay = _conn.backoff(tries)

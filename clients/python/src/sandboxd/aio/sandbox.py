@@ -7,6 +7,7 @@ directly with `async with`; `sb.exec_stream(...)` is iterated with `async for`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
@@ -29,7 +30,7 @@ from .._conn import CHUNK_SIZE, QUEUE_CHUNKS, Pathish
 from .._proto.sandbox.v1 import sandbox_pb2 as pb
 from .._requests import DownloadCheck, IsolationArg, Size, check_upload, create_request, exec_request, rpc_deadline
 from ..errors import ProtocolError, SandboxdError, SessionClosed, from_rpc_error
-from ..sandbox import SnapshotArg, _snapshot_id, _with_output
+from ..sandbox import SnapshotArg, _snapshot_id
 from ..types import DirTransfer, ExecResult, FileTransfer, OutputChunk, SandboxInfo, SnapshotInfo
 from .client import Client, resolve
 
@@ -511,7 +512,7 @@ class ExecStream:
         async for chunk in self:
             (out if chunk.stream == "stdout" else err).extend(chunk.data)
         assert self.result is not None
-        return ExecResult.from_proto(_with_output(self.result), bytes(out), bytes(err))
+        return dataclasses.replace(self.result, stdout=bytes(out), stderr=bytes(err))
 
     async def aclose(self) -> None:
         close = getattr(self._messages, "aclose", None)
@@ -646,7 +647,7 @@ class Session(_AsyncClosable):
                 break
             (out if chunk.stream == "stdout" else err).extend(chunk.data)
         assert self.result is not None
-        return ExecResult.from_proto(_with_output(self.result), bytes(out), bytes(err))
+        return dataclasses.replace(self.result, stdout=bytes(out), stderr=bytes(err))
 
     async def close(self) -> None:
         self._closed = True
