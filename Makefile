@@ -53,12 +53,13 @@ pydeps:
 
 ## pytest-sdk: the Python SDK (clients/python) in a virtualenv of its own ($(PYENV_SDK)): installs
 ## the package as a user would (its messages generated from proto/ by the build), mypy --strict
-## on it, then its pytest suite against the real daemon (target/debug/sandboxd).
+## on it and its tests, then its pytest suite against the real daemon (target/debug/sandboxd).
 PYENV_SDK ?= $(CURDIR)/target/pyenv-sdk
 pytest-sdk:
 	@[ -x $(PYENV_SDK)/bin/python ] || python3 -m venv $(PYENV_SDK)
 	$(PYENV_SDK)/bin/pip install --quiet --disable-pip-version-check ./clients/python'[test]'
 	cd $(PYENV_SDK) && bin/mypy --config-file $(CURDIR)/clients/python/pyproject.toml -p sandboxd
+	cd clients/python/tests && $(PYENV_SDK)/bin/mypy --config-file ../pyproject.toml .
 	$(CARGO) build -p sandboxd
 	cd clients/python && SANDBOXD_BIN=$(CURDIR)/target/debug/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(PYENV_SDK)/bin/python -m pytest -p no:cacheprovider tests
 

@@ -124,6 +124,7 @@ def test_unavailable_is_retried_only_where_safe() -> None:
     handler = _RetryLog()
     logger = logging.getLogger("sandboxd")
     logger.addHandler(handler)
+    level = logger.level
     logger.setLevel(logging.INFO)
     try:
         with sandboxd.Client(daemon.address, retries=60) as c:
@@ -149,4 +150,5 @@ def test_unavailable_is_retried_only_where_safe() -> None:
             assert handler.count == before, "retries=0 never retries"
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
         daemon.cleanup()

@@ -173,7 +173,7 @@ def test_errors_carry_the_daemons_message(client: sandboxd.Client, sb: Sandbox) 
     with pytest.raises(sandboxd.InvalidArgument, match="argv"):
         sb.exec([])
     with pytest.raises(sandboxd.InvalidArgument, match="no shell is implied"):
-        sb.exec("echo hi")  # type: ignore[arg-type]
+        sb.exec("echo hi")
     with pytest.raises(sandboxd.NotFound) as missing:
         sb.read_file("/no/such/file")
     assert "/no/such/file" in missing.value.message
@@ -226,3 +226,20 @@ def test_deadlines_and_capacity_errors() -> None:
                 assert job.kill().status == ExecStatus.SIGNALED
     finally:
         daemon.cleanup()
+
+
+@pytest.mark.parametrize("tier", ["container", "microvm"])
+def test_every_tier_through_the_same_calls(client: sandboxd.Client, tier: str) -> None:
+    with Sandbox.create(isolation=tier, image="minimal", memory="256M", client=client) as sb:
+        assert sb.info.isolation == Isolation[tier.upper()]
+        assert sb.exec(["sh", "-c", "echo $((2+3))"]).check().stdout == b"5\n"
+        sb.write_file("/workspace/f", "data")
+        snap = sb.snapshot()
+        sb.write_file("/workspace/f", "changed")
+        sb.rollback(snap)
+        assert sb.read_file("/workspace/f") == b"data"
+        with sb.session(["sh"], tty=True) as s:
+            s.write("echo tier-$((1+1))\n")
+            s.expect("tier-2")
+            s.write("exit\n")
+            assert s.wait(timeout=120).ok

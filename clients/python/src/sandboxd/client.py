@@ -201,4 +201,4 @@ def resolve(client: Optional[Client]) -> Client:
     return client if client is not None else default_client()
 
 
-__all__ = ["Client", "SandboxdError", "default_client"]
+__all__ = ["Client", "default_client"]

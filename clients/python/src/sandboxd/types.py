@@ -35,7 +35,10 @@ class Isolation(enum.IntEnum):
                 raise InvalidArgument(
                     f"isolation {value!r}: expected process, container or microvm"
                 ) from None
-        return cls(value)
+        try:
+            return cls(value)
+        except ValueError:
+            raise InvalidArgument(f"isolation {value!r}: expected process, container or microvm") from None
 
 
 class SandboxState(enum.IntEnum):
