@@ -183,3 +183,28 @@ async def test_connect_and_default_client(daemon: Daemon, tmp_path: Path, monkey
         assert (await sb.exec(["echo", "env"])).stdout == b"env\n"
         assert sb.client.address == daemon.address
     await sb.client.close()
+
+
+async def test_a_cut_upload_replaces_nothing(asb: Sandbox) -> None:
+    import io
+
+    class Broken(io.RawIOBase):
+        def __init__(self) -> None:
+            self.sent = 0
+
+        def readable(self) -> bool:
+            return True
+
+        def read(self, n: int = -1) -> bytes:
+            if self.sent >= 2 << 20:
+                raise OSError("disk on fire")
+            self.sent += n
+            return b"y" * n
+
+    await asb.write_file("/workspace/keep.txt", "old")
+    with pytest.raises(OSError, match="disk on fire"):
+        await asb.upload(Broken(), "/workspace/keep.txt")  # type: ignore[arg-type]
+    assert await asb.read_file("/workspace/keep.txt") == b"old"
+    # The connection is still good for the next call.
+    assert (await asb.upload(io.BytesIO(b"new"), "/workspace/keep.txt")).bytes == 3
+    assert await asb.read_file("/workspace/keep.txt") == b"new"

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import weakref
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import grpc
 import grpc.aio
@@ -156,12 +156,21 @@ class Client:
             finally:
                 call.cancel()
 
-    async def client_stream(self, name: str, requests: AsyncIterator[Any]) -> Any:
-        """Calls a client-streaming method with `requests`."""
+    async def client_stream(
+        self, name: str, requests: AsyncIterator[Any], local_error: Callable[[], Optional[BaseException]]
+    ) -> Any:
+        """Calls a client-streaming method with `requests`. When they fail, grpc.aio cancels
+        the call and raises CancelledError: `local_error()` then says why (else the
+        cancellation is the caller's own and goes on)."""
         try:
             return await self._callable(name)(requests, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, f"{name} at {self.address}") from None
+        except asyncio.CancelledError:
+            err = local_error()
+            if err is not None:
+                raise err from None
+            raise
 
     def bidi(self, name: str, requests: Optional[AsyncIterator[Any]] = None) -> Any:
         """Opens a bidirectional stream: with `requests`, fed from them; without, driven with

@@ -51,6 +51,13 @@ async def _run(
         if err is not None:
             raise err from None
         raise from_rpc_error(e, method) from None
+    except asyncio.CancelledError:
+        # grpc.aio cancels the call when the requests fail: say why, unless the cancellation
+        # is the caller's own.
+        err = local_error()
+        if err is not None:
+            raise err from None
+        raise
     finally:
         call.cancel()
     err = local_error()

@@ -325,7 +325,9 @@ class Sandbox(_AsyncClosable):
             yield pb.UploadRequest(sha256=hasher.hexdigest())
 
         try:
-            reply: pb.UploadFileResponse = await self.client.client_stream("UploadFile", requests())
+            reply: pb.UploadFileResponse = await self.client.client_stream(
+                "UploadFile", requests(), lambda: local_error[0] if local_error else None
+            )
         except SandboxdError:
             if local_error:
                 raise local_error[0] from None
@@ -379,7 +381,7 @@ class Sandbox(_AsyncClosable):
             yield pb.UploadRequest(sha256=hasher.hexdigest())
 
         try:
-            reply: pb.UploadArchiveResponse = await self.client.client_stream("UploadArchive", requests())
+            reply: pb.UploadArchiveResponse = await self.client.client_stream("UploadArchive", requests(), lambda: feed.error)
         except SandboxdError:
             if feed.error is not None:
                 raise feed.error from None
