@@ -4,7 +4,7 @@ IMAGES_DIR ?= $(CURDIR)/images/build
 RUN_DIR    ?= $(CURDIR)/.sandboxd
 SOCKET     ?= $(RUN_DIR)/sandboxd.sock
 
-.PHONY: all deps pydeps images image-debian vm-images exec-helper build release run lint test bench clean
+.PHONY: all deps pydeps pytest-sdk images image-debian vm-images exec-helper build release run lint test bench clean
 
 all: build
 
@@ -51,6 +51,18 @@ run: deps release
 pydeps:
 	@python3 -c 'import grpc, grpc_tools' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check grpcio grpcio-tools
 
+## pytest-sdk: the Python SDK (clients/python) in a virtualenv of its own ($(PYENV_SDK)): installs
+## the package as a user would (its messages generated from proto/ by the build), mypy --strict
+## on it and its tests, then its pytest suite against the real daemon (target/debug/sandboxd).
+PYENV_SDK ?= $(CURDIR)/target/pyenv-sdk
+pytest-sdk:
+	@[ -x $(PYENV_SDK)/bin/python ] || python3 -m venv $(PYENV_SDK)
+	$(PYENV_SDK)/bin/pip install --quiet --disable-pip-version-check ./clients/python'[test]'
+	cd $(PYENV_SDK) && bin/mypy --config-file $(CURDIR)/clients/python/pyproject.toml -p sandboxd
+	cd clients/python/tests && $(PYENV_SDK)/bin/mypy --config-file ../pyproject.toml .
+	$(CARGO) build -p sandboxd
+	cd clients/python && SANDBOXD_BIN=$(CURDIR)/target/debug/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(PYENV_SDK)/bin/python -m pytest -p no:cacheprovider tests
+
 ## lint: clippy with warnings as errors and rustfmt's check, on the whole workspace.
 lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
@@ -63,6 +75,7 @@ test: deps pydeps lint
 	@$(MAKE) --no-print-directory vm-images exec-helper
 	$(CARGO) build --workspace --bins
 	SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(CARGO) test --workspace --no-fail-fast
+	@$(MAKE) --no-print-directory pytest-sdk
 
 ## bench: latency and density numbers, with Docker measured in the same run; writes BENCHMARKS.md.
 bench: deps release

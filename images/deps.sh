@@ -17,6 +17,8 @@
 #   file, xz-utils  checking and unpacking the kernel
 # and for the escape suite (tests/probes: small static programs the tests build):
 #   gcc, libc6-dev  gcc -static
+# and for the Python SDK's tests (make pytest-sdk):
+#   python3-venv    the virtualenv they run in
 #
 # Each package is checked with `dpkg -s` first, so on a machine that already
 # has everything this prints one line and changes nothing; `apt-get update`
@@ -29,7 +31,7 @@ set -euo pipefail
 
 PACKAGES=(busybox-static btrfs-progs debootstrap iproute2 util-linux
     qemu-system-x86 qemu-utils linux-image-amd64 e2fsprogs cpio binutils file xz-utils
-    gcc libc6-dev)
+    gcc libc6-dev python3-venv)
 # How long to wait for another apt/dpkg run to release its locks.
 LOCK_WAIT_SECONDS=${LOCK_WAIT_SECONDS:-600}
 

@@ -1,0 +1,32 @@
+"""The README's examples, run as a newcomer would paste them, against the test daemon."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import Daemon
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def examples() -> list[str]:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    # The connection snippet names a host of its own: only the runnable examples.
+    return [b for b in blocks if "sandbox-host" not in b]
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_readme_example_runs(daemon: Daemon, index: int, tmp_path: Path) -> None:
+    code = examples()[index]
+    env = {"SANDBOXD_SOCKET": daemon.address, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    if index == 0:
+        assert out.stdout.startswith("EXITED 0 hello from Linux\n[stdout] 1\n") and out.stdout.endswith("3\n"), out.stdout
+    else:
+        assert "['0', '1', '2']" in out.stdout and "[stderr] err\n" in out.stdout, out.stdout
