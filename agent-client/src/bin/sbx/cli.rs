@@ -175,6 +175,16 @@ pub enum Command {
     /// Images: `sbx image ls`, `rm NAME`, `get NAME`, `import SRC`, `build -t NAME DIR`.
     #[command(subcommand)]
     Image(ImageCommand),
+    /// Serve the Model Context Protocol on stdin/stdout (or, with --http, on a loopback port),
+    /// so an agent such as Claude Code, Codex CLI or Goose can use sandboxes as tools.
+    ///
+    /// Tools: create_sandbox, run_command, read_file, write_file, list_dir, snapshot, rollback,
+    /// fork, list_execs, list_sandboxes, destroy_sandbox; upload and download only with
+    /// --allow-host-dir. A default sandbox (shaped by the options below) is created on the
+    /// first call that needs one. Every sandbox the session created is destroyed when the
+    /// session ends (stdin closed, SIGTERM or SIGINT), except those created with keep=true.
+    /// Logs go to stderr (SBX_LOG, default: warn).
+    Mcp(McpArgs),
     /// Send a signal to an exec's process tree.
     Kill {
         /// Exec id.
@@ -379,6 +389,30 @@ pub struct LoopTuning {
     /// [default for a new run: 86400].
     #[arg(long, value_name = "SECS")]
     pub keep_sandbox: Option<u64>,
+}
+
+/// `sbx mcp`.
+#[derive(Debug, Args)]
+pub struct McpArgs {
+    /// Let the model copy files between this host directory and its sandboxes (the upload and
+    /// download tools). Paths resolve inside it; `..` and symlinks never lead out. Without it
+    /// the model has no access to host files.
+    #[arg(long, value_name = "DIR")]
+    pub allow_host_dir: Option<PathBuf>,
+    /// Serve streamable HTTP on this loopback address (e.g. 127.0.0.1:8765, path /mcp) instead
+    /// of stdio. All clients share one session, which ends when sbx stops.
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<std::net::SocketAddr>,
+    /// Output of run_command shown to the model per stream; the rest is kept in a file inside
+    /// the sandbox whose path the result names.
+    #[arg(long, default_value = "16K", value_name = "SIZE", value_parser = parse_size)]
+    pub output_limit: u64,
+    /// The default sandbox, created on first use.
+    #[command(
+        flatten,
+        next_help_heading = "The default sandbox (created on first use)"
+    )]
+    pub spec: SandboxSpec,
 }
 
 /// `sbx create`.

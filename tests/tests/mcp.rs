@@ -1,0 +1,67 @@
+//! `sbx mcp` driven by the official MCP Python client (`mcp` from PyPI) over stdio, against the
+//! real daemon: every tool a model uses (tests/python/mcp_client.py checks each answer), then,
+//! from here, that the session's sandboxes are gone once the client has disconnected, and the
+//! one created with `keep` is not.
+//!
+//! The client runs in the virtualenv `make mcpdeps` creates (`.venv` at the workspace root, or
+//! `$SANDBOXD_TEST_PYTHON`); without it the test fails, naming the make target.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use agent_client::proto::SandboxState;
+use sandbox_tests::{sbx_bin, workspace_root, Daemon};
+
+/// The Python that has the `mcp` package.
+fn python() -> PathBuf {
+    let path = std::env::var_os("SANDBOXD_TEST_PYTHON").map(PathBuf::from).unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
+    assert!(path.is_file(), "{} not found: run `make mcpdeps` (a virtualenv with the `mcp` package from PyPI) or set SANDBOXD_TEST_PYTHON", path.display());
+    path
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_tools_work_with_the_official_python_client_and_the_session_cleans_up() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let python = python();
+    let host = tempfile::tempdir().expect("temp dir");
+    let script = workspace_root().join("tests/python/mcp_client.py");
+    let sbx = sbx_bin().expect("locating sbx");
+    let address = daemon.address.clone();
+    let host_dir = host.path().to_owned();
+    let run = tokio::task::spawn_blocking(move || Command::new(python).arg(script).arg(sbx).arg(address).arg(host_dir).output());
+    // Generous: a loaded CI machine; the script's own calls time out at 120 s each.
+    let out = tokio::time::timeout(Duration::from_secs(600), run)
+        .await
+        .expect("the MCP client script did not finish within 600 s")
+        .expect("join")
+        .expect("running python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "MCP client failed ({}):\n{stdout}\n{stderr}\ndaemon log:\n{}", out.status, daemon.log());
+
+    let summary: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap_or_else(|e| panic!("last line is not the JSON summary ({e}):\n{stdout}"));
+    let created = summary["created"].as_object().expect("created map");
+    assert!(created.len() >= 3, "default, created and forked sandboxes expected: {summary}");
+    let client = daemon.client().await.expect("client");
+    // The script returns once the client has closed stdin and seen the server exit, so the
+    // clean-up has happened already; nothing to wait for.
+    for (id, keep) in created {
+        let got = client.get(id.as_str()).await;
+        if keep.as_bool() == Some(true) {
+            let sandbox = got.unwrap_or_else(|e| panic!("sandbox {id} created with keep is gone after the session: {e}"));
+            assert_eq!(sandbox.state, SandboxState::Running as i32, "kept sandbox {id} should still run");
+            assert_eq!(sandbox.labels.get("created-by").map(String::as_str), Some("sbx-mcp"), "{sandbox:?}");
+            client.destroy(id.as_str()).await.expect("destroying the kept sandbox");
+        } else {
+            match got {
+                Err(e) => assert_eq!(e.code(), tonic::Code::NotFound, "sandbox {id}: {e}"),
+                Ok(s) => assert_eq!(s.state, SandboxState::Destroyed as i32, "sandbox {id} of the ended session still exists: {s:?}\nsbx stderr:\n{stderr}"),
+            }
+        }
+    }
+    let left = client.list(Default::default()).await.expect("list");
+    assert!(left.iter().all(|s| s.state == SandboxState::Destroyed as i32), "sandboxes left after the session: {left:?}");
+}
