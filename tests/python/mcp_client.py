@@ -64,8 +64,12 @@ async def main():
         created[default_id] = False
 
         # A malformed call is a tool error naming the problem, and the next call works.
-        _, text = await call(client, "read_file", {"offset": "not a number"}, error=True)
-        check("path" in text or "offset" in text, f"the error should name the bad argument: {text!r}")
+        _, text = await call(client, "read_file", {"offset": 0}, error=True)
+        check("missing field `path`" in text, f"the error should name the missing argument: {text!r}")
+        _, text = await call(client, "read_file", {"path": "x", "offset": "not a number"}, error=True)
+        check("invalid type" in text, f"the error should say what is wrong: {text!r}")
+        _, text = await call(client, "run_command", {"command": "true", "bogus": 1}, error=True)
+        check("unknown field `bogus`" in text, f"an unknown argument is named: {text!r}")
         _, text = await call(client, "run_command", {}, error=True)
         check("command" in text, f"a call without a command says so: {text!r}")
         _, text = await call(client, "run_command", {"argv": ["true"]})

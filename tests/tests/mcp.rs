@@ -65,3 +65,63 @@ async fn mcp_tools_work_with_the_official_python_client_and_the_session_cleans_u
     let left = client.list(Default::default()).await.expect("list");
     assert!(left.iter().all(|s| s.state == SandboxState::Destroyed as i32), "sandboxes left after the session: {left:?}");
 }
+
+/// Over streamable HTTP (a loopback port) the session is the server's life: a SIGTERM ends it,
+/// and the sandbox it created is destroyed before `sbx` exits.
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_over_http_serves_the_python_client_and_cleans_up_on_sigterm() {
+    use tokio::io::AsyncBufReadExt;
+
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let python = python();
+    let mut server = tokio::process::Command::new(sbx_bin().expect("locating sbx"))
+        .args(["--socket", &daemon.address, "mcp", "--http", "127.0.0.1:0"])
+        .env("SBX_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("starting sbx mcp --http");
+    let mut lines = tokio::io::BufReader::new(server.stderr.take().expect("stderr")).lines();
+    // The server says its address once it listens: wait for that line, not for a time.
+    let url = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(line) = lines.next_line().await.expect("reading sbx's stderr") {
+            if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
+                return url.to_owned();
+            }
+        }
+        panic!("sbx mcp --http ended without saying where it listens");
+    })
+    .await
+    .expect("sbx mcp --http did not start listening within 60 s");
+    let log = tokio::spawn(async move {
+        let mut all = String::new();
+        while let Ok(Some(line)) = lines.next_line().await {
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+
+    let script = workspace_root().join("tests/python/mcp_http_client.py");
+    let out = tokio::task::spawn_blocking(move || Command::new(python).arg(script).arg(url).output());
+    let out =
+        tokio::time::timeout(Duration::from_secs(300), out).await.expect("the HTTP client did not finish within 300 s").expect("join").expect("running python");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "MCP HTTP client failed ({}):\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    let id = stdout.lines().last().unwrap_or("").trim().to_owned();
+    let client = daemon.client().await.expect("client");
+    let sandbox = client.get(id.as_str()).await.expect("the session's sandbox exists while the server runs");
+    assert_eq!(sandbox.state, SandboxState::Running as i32);
+
+    let pid = nix::unistd::Pid::from_raw(server.id().expect("pid") as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+    let status = tokio::time::timeout(Duration::from_secs(120), server.wait()).await.expect("sbx mcp did not exit within 120 s of SIGTERM").expect("wait");
+    let log = log.await.unwrap_or_default();
+    assert!(status.success(), "sbx mcp exited with {status} after SIGTERM:\n{log}");
+    match client.get(id.as_str()).await {
+        Err(e) => assert_eq!(e.code(), tonic::Code::NotFound, "{e}"),
+        Ok(s) => assert_eq!(s.state, SandboxState::Destroyed as i32, "the session's sandbox survived SIGTERM: {s:?}\n{log}"),
+    }
+}

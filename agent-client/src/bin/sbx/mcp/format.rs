@@ -82,7 +82,7 @@ pub fn exec_result(r: &ExecResult, limit: usize) -> String {
 
 /// A sandbox in one line.
 pub fn sandbox_line(s: &Sandbox) -> String {
-    let limits = s.limits.clone().unwrap_or_default();
+    let limits = s.limits.unwrap_or_default();
     format!(
         "{} ({}, image {}, {}, workdir {}, memory {}, cpu {}m)",
         s.id,
