@@ -476,7 +476,7 @@ pub async fn resume<S: SandboxApi + Clone + 'static>(
     opts: RunOptions,
 ) -> Result<RunReport, AgentError> {
     let store = FileStore::new(&opts.state_dir);
-    let lock = RunLock::acquire(&store, run_id)?;
+    let lock = RunLock::acquire_existing(&store, run_id)?;
     let mut ck = store.load(run_id)?;
     let mut extended = Vec::new();
     if let Some(outcome) = ck.outcome.clone() {
@@ -591,7 +591,7 @@ pub async fn reap_finished_sandboxes<S: SandboxApi>(
             continue;
         }
         // Not while a resume holds the run; reload under the lock.
-        let Ok(_lock) = RunLock::acquire(&store, &run_id) else {
+        let Ok(_lock) = RunLock::acquire_existing(&store, &run_id) else {
             continue;
         };
         let Ok(mut ck) = store.load(&run_id) else {

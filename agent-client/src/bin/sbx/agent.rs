@@ -320,13 +320,16 @@ fn failed(ctx: &Ctx, run_id: &str, reason: &str, e: anyhow::Error) -> anyhow::Er
     e
 }
 
-/// One row of `sbx agent ls`.
-fn run_row(store: &FileStore, run_id: &str) -> Value {
+/// One row of `sbx agent ls`; None for a directory that holds neither a checkpoint nor a
+/// trace (not a run: what an older `sbx agent resume` of a mistyped id left behind).
+fn run_row(store: &FileStore, run_id: &str) -> Option<Value> {
     let running = matches!(
-        RunLock::acquire(store, run_id),
+        RunLock::acquire_existing(store, run_id),
         Err(CheckpointError::Locked(_))
     );
-    match store.load(run_id) {
+    let trace_path = store.run_dir(run_id).join("trace.jsonl");
+    Some(match store.load(run_id) {
+        Err(CheckpointError::NotFound { .. }) if !running && !trace_path.exists() => return None,
         Ok(ck) => {
             let (status, reason) = match &ck.outcome {
                 Some(o) if !running => (o.reason.status().as_str(), Some(o.reason.as_str())),
@@ -348,7 +351,7 @@ fn run_row(store: &FileStore, run_id: &str) -> Value {
         }
         Err(e) => {
             // The trace still says what happened.
-            let d = trace::read(&store.run_dir(run_id).join("trace.jsonl"))
+            let d = trace::read(&trace_path)
                 .map(|events| trace::digest(&events))
                 .unwrap_or_default();
             json!({
@@ -363,7 +366,7 @@ fn run_row(store: &FileStore, run_id: &str) -> Value {
                 "error": e.to_string(),
             })
         }
-    }
+    })
 }
 
 fn ls(ctx: &Ctx, dir: Option<PathBuf>) -> Result<u8> {
@@ -387,34 +390,43 @@ fn ls(ctx: &Ctx, dir: Option<PathBuf>) -> Result<u8> {
         }
     };
     ids.sort();
-    let rows: Vec<Value> = ids.iter().map(|id| run_row(&store, id)).collect();
+    let rows: Vec<Value> = ids.iter().filter_map(|id| run_row(&store, id)).collect();
     if ctx.json {
         output::json(&Value::Array(rows))?;
         return Ok(0);
     }
-    let mut text = format!(
-        "{:<28}  {:<20}  {:>9}  {:>10}  {:<14}  {}\n",
-        "RUN", "STATUS", "STEPS", "TOKENS", "SANDBOX", "TASK"
-    );
-    for r in &rows {
-        let status = match r["reason"].as_str() {
-            Some(reason) => format!("{} ({reason})", r["status"].as_str().unwrap_or("-")),
-            None => r["status"].as_str().unwrap_or("-").to_owned(),
-        };
-        text.push_str(&format!(
-            "{:<28}  {:<20}  {:>9}  {:>10}  {:<14}  {}\n",
-            r["run_id"].as_str().unwrap_or("-"),
-            status,
-            r["steps"],
-            r["tokens"],
-            if r["sandbox_removed"] == true {
-                "(removed)"
+    // Columns as wide as their widest cell: statuses with reasons and generated run ids vary.
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            let status = r["status"].as_str().unwrap_or("-");
+            let status = match r["reason"].as_str() {
+                Some(reason) if reason != status => format!("{status} ({reason})"),
+                _ => status.to_owned(),
+            };
+            let sandbox = if r["sandbox_removed"] == true {
+                "(removed)".to_owned()
             } else {
-                r["sandbox_id"].as_str().unwrap_or("-")
-            },
-            output::ellipsize(&r["task"].as_str().unwrap_or("").replace('\n', " "), 60),
-        ));
-    }
+                r["sandbox_id"].as_str().unwrap_or("-").to_owned()
+            };
+            vec![
+                r["run_id"].as_str().unwrap_or("-").to_owned(),
+                status,
+                r["steps"]
+                    .as_u64()
+                    .map_or_else(|| "-".into(), |n| n.to_string()),
+                r["tokens"]
+                    .as_u64()
+                    .map_or_else(|| "-".into(), |n| n.to_string()),
+                sandbox,
+                output::ellipsize(&r["task"].as_str().unwrap_or("").replace('\n', " "), 60),
+            ]
+        })
+        .collect();
+    let text = output::table(
+        &["RUN", "STATUS", "STEPS", "TOKENS", "SANDBOX", "TASK"],
+        &cells,
+    );
     output::stdout(text.as_bytes())?;
     Ok(0)
 }
@@ -472,7 +484,7 @@ async fn follow(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
             }
         }
         let running = matches!(
-            RunLock::acquire(&store, &run_id),
+            RunLock::acquire_existing(&store, &run_id),
             Err(CheckpointError::Locked(_))
         );
         if !running && (stopped || chunk.is_empty()) {
