@@ -253,10 +253,23 @@ pub enum ImageCommand {
 pub enum AgentCommand {
     /// Run the agent on a task in a new sandbox until it is done, stopped or fails.
     ///
-    /// The model endpoint is OPENAI_BASE_URL (e.g. http://127.0.0.1:8000/v1) with the key in
-    /// OPENAI_API_KEY. Exit code 0 only when the run is done; 3 when a budget, the step limit
-    /// or no progress stopped it; 1 when it failed.
+    /// The model endpoint is OPENAI_BASE_URL, any OpenAI-compatible server (llama.cpp's
+    /// llama-server: http://127.0.0.1:8080/v1, Ollama: http://127.0.0.1:11434/v1, `sbx agent
+    /// demo-model`: http://127.0.0.1:8089/v1), with the key in OPENAI_API_KEY if it needs one;
+    /// OpenAI's API when only OPENAI_API_KEY is set. With neither, or when nothing answers at
+    /// the endpoint, sbx stops at once, before making a sandbox. Exit code 0 only when the run
+    /// is done; 3 when a budget, the step limit or no progress stopped it; 1 when it failed.
     Run(Box<AgentRunArgs>),
+    /// Serve a scripted stand-in for a model on an OpenAI-compatible endpoint, to see the loop
+    /// work without one: it looks around the sandbox, writes a file, checks it and finishes.
+    ///
+    /// Runs until interrupted; in another terminal:
+    /// `OPENAI_BASE_URL=http://127.0.0.1:8089/v1 sbx agent run --task "try the demo"`.
+    DemoModel {
+        /// Address to listen on (port 0: any free port, printed).
+        #[arg(long, default_value = "127.0.0.1:8089", value_name = "ADDR")]
+        listen: std::net::SocketAddr,
+    },
     /// Continue an interrupted run from its checkpoint, without repeating side effects.
     Resume {
         /// The run id.
