@@ -19,12 +19,20 @@ use tokio::io::AsyncBufReadExt;
 async fn sbx_agent(daemon: &Daemon, state: &Path, model_env: &[(&str, &str)], args: &[&str]) -> Output {
     let mut cmd = tokio::process::Command::new(sbx_bin().expect("locating sbx"));
     cmd.arg("--socket").arg(&daemon.address).arg("agent").args(args);
-    cmd.env("SBX_AGENT_STATE_DIR", state).env_remove("OPENAI_BASE_URL").env_remove("OPENAI_API_KEY").env_remove("OPENAI_MODEL").env_remove("SANDBOXD_SOCKET").kill_on_drop(true);
+    cmd.env("SBX_AGENT_STATE_DIR", state)
+        .env_remove("OPENAI_BASE_URL")
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("OPENAI_MODEL")
+        .env_remove("SANDBOXD_SOCKET")
+        .kill_on_drop(true);
     for (k, v) in model_env {
         cmd.env(k, v);
     }
     // Bounded so a return of the silent 600 s retry is a failure, not a hang.
-    tokio::time::timeout(Duration::from_secs(300), cmd.output()).await.unwrap_or_else(|_| panic!("sbx agent {args:?} did not finish within 300 s")).expect("running sbx")
+    tokio::time::timeout(Duration::from_secs(300), cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("sbx agent {args:?} did not finish within 300 s"))
+        .expect("running sbx")
 }
 
 fn show(out: &Output) -> String {
@@ -87,7 +95,26 @@ async fn the_demo_model_drives_a_run_to_done_and_ls_lines_up() {
     assert_eq!(String::from_utf8_lossy(&file), "written by the sbx demo model\n");
 
     // A second run with a long id and a priced, stopped status: columns still line up.
-    let out = sbx_agent(&daemon, state.path(), &env, &["run", "--task", "again", "--run-id", "a-much-longer-run-id-than-the-first-one", "--max-steps", "1", "--price", "1,2", "--json", "--keep-sandbox", "0"]).await;
+    let out = sbx_agent(
+        &daemon,
+        state.path(),
+        &env,
+        &[
+            "run",
+            "--task",
+            "again",
+            "--run-id",
+            "a-much-longer-run-id-than-the-first-one",
+            "--max-steps",
+            "1",
+            "--price",
+            "1,2",
+            "--json",
+            "--keep-sandbox",
+            "0",
+        ],
+    )
+    .await;
     assert_eq!(out.status.code(), Some(3), "one step is not enough: stopped: {}", show(&out));
     let report = json_of(&out);
     assert!(report["cost_usd"].as_f64().is_some_and(|c| c > 0.0), "with --price the cost is reported: {report}");
@@ -136,7 +163,13 @@ async fn a_run_refused_at_its_first_model_call_keeps_no_sandbox() {
     let daemon = Daemon::start().await.expect("starting sandboxd");
     let state = tempfile::tempdir().expect("temp dir");
     let model = FixtureServer::start(Script::sequence(vec![Reply::Status { code: 401, body: "bad key".into(), retry_after: None }])).await.expect("fixture");
-    let out = sbx_agent(&daemon, state.path(), &[("OPENAI_BASE_URL", &model.base_url), ("OPENAI_API_KEY", "wrong")], &["run", "--task", "x", "--run-id", "refused", "--json"]).await;
+    let out = sbx_agent(
+        &daemon,
+        state.path(),
+        &[("OPENAI_BASE_URL", &model.base_url), ("OPENAI_API_KEY", "wrong")],
+        &["run", "--task", "x", "--run-id", "refused", "--json"],
+    )
+    .await;
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     let report = json_of(&out);
     assert_eq!(report["steps"], 0, "{report}");

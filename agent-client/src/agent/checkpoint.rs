@@ -772,6 +772,24 @@ pub(crate) mod tests {
         assert!(RunLock::acquire(&store, "r").is_ok());
     }
 
+    #[test]
+    fn locking_an_unknown_run_creates_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = FileStore::new(dir.path());
+        assert!(matches!(
+            RunLock::acquire_existing(&store, "nope"),
+            Err(CheckpointError::NotFound { .. })
+        ));
+        assert!(!store.run_dir("nope").exists());
+        let held = RunLock::acquire(&store, "r").expect("new run");
+        assert!(matches!(
+            RunLock::acquire_existing(&store, "r"),
+            Err(CheckpointError::Locked(_))
+        ));
+        drop(held);
+        assert!(RunLock::acquire_existing(&store, "r").is_ok());
+    }
+
     #[tokio::test]
     async fn background_writes_land_in_order() {
         let dir = tempfile::tempdir().expect("tempdir");

@@ -637,6 +637,39 @@ mod tests {
     }
 
     #[test]
+    fn fork_help_documents_the_user_flag() {
+        let mut cmd = Cli::command();
+        let fork = cmd.find_subcommand_mut("fork").expect("fork");
+        let help = fork.render_long_help().to_string();
+        assert!(help.contains("-u, --user <USER>"), "{help}");
+        assert!(help.contains("the parent's"), "{help}");
+        assert!(parse(&["fork", "snap-1", "-u", "1000:1000"]).is_ok());
+    }
+
+    #[test]
+    fn mcp_takes_the_host_dir_and_the_default_sandbox() {
+        let cli = parse(&[
+            "mcp",
+            "--allow-host-dir",
+            "/tmp",
+            "--image",
+            "debian",
+            "--memory",
+            "1G",
+        ])
+        .expect("valid");
+        let Command::Mcp(args) = cli.command else {
+            panic!("not mcp")
+        };
+        assert_eq!(args.allow_host_dir, Some(PathBuf::from("/tmp")));
+        let req = args.spec.to_request(None);
+        assert_eq!(req.image, "debian");
+        assert_eq!(req.limits.unwrap_or_default().memory_bytes, 1 << 30);
+        assert_eq!(args.output_limit, 16 << 10);
+        assert!(parse(&["mcp", "--http", "not-an-address"]).is_err());
+    }
+
+    #[test]
     fn create_flags_fill_the_request() {
         let cli = parse(&[
             "create",
