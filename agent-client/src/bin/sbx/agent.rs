@@ -349,9 +349,18 @@ async fn resume(
 ) -> Result<u8> {
     let mut opts = options(state_dir(dir), None, None, tuning);
     opts.new_budgets = budgets;
-    // A run that will call its model checks the endpoint first; an unknown or ended run is
-    // answered by the resume itself, endpoint or not.
-    if let Ok(ck) = FileStore::new(&opts.state_dir).load(&run_id) {
+    // An unknown run is said at once, daemon or not, and nothing is created for it.
+    let store = FileStore::new(&opts.state_dir);
+    if agent::checkpoint::validate_run_id(&run_id).is_ok() && !store.run_dir(&run_id).is_dir() {
+        let unknown = CheckpointError::NotFound {
+            run_id: run_id.clone(),
+            dir: opts.state_dir.clone(),
+        };
+        return finish(ctx, &run_id, Err(AgentError::Checkpoint(unknown)));
+    }
+    // A run that will call its model checks the endpoint first; an ended run is answered by
+    // the resume itself, endpoint or not.
+    if let Ok(ck) = store.load(&run_id) {
         if ck.outcome.as_ref().is_none_or(|o| o.reason.resumable()) {
             let checked = match Endpoint::from_env() {
                 Ok(endpoint) => endpoint.check(&ck.spec.model).await,
