@@ -66,8 +66,9 @@ async fn mcp_tools_work_with_the_official_python_client_and_the_session_cleans_u
     assert!(left.iter().all(|s| s.state == SandboxState::Destroyed as i32), "sandboxes left after the session: {left:?}");
 }
 
-/// Over streamable HTTP (a loopback port) the session is the server's life: a SIGTERM ends it,
-/// and the sandbox it created is destroyed before `sbx` exits.
+/// Over streamable HTTP (a loopback port) every request needs the bearer token sbx printed, and
+/// the session is the server's life: a SIGTERM ends it, and the sandbox it created is destroyed
+/// before `sbx` exits.
 #[tokio::test(flavor = "multi_thread")]
 async fn mcp_over_http_serves_the_python_client_and_cleans_up_on_sigterm() {
     use tokio::io::AsyncBufReadExt;
@@ -85,10 +86,11 @@ async fn mcp_over_http_serves_the_python_client_and_cleans_up_on_sigterm() {
         .expect("starting sbx mcp --http");
     let mut lines = tokio::io::BufReader::new(server.stderr.take().expect("stderr")).lines();
     // The server says its address once it listens: wait for that line, not for a time.
-    let url = tokio::time::timeout(Duration::from_secs(60), async {
+    let (url, token) = tokio::time::timeout(Duration::from_secs(60), async {
         while let Some(line) = lines.next_line().await.expect("reading sbx's stderr") {
             if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
-                return url.to_owned();
+                let token = line.rsplit("Bearer ").next().expect("the token is printed").trim().to_owned();
+                return (url.to_owned(), token);
             }
         }
         panic!("sbx mcp --http ended without saying where it listens");
@@ -105,7 +107,7 @@ async fn mcp_over_http_serves_the_python_client_and_cleans_up_on_sigterm() {
     });
 
     let script = workspace_root().join("tests/python/mcp_http_client.py");
-    let out = tokio::task::spawn_blocking(move || Command::new(python).arg(script).arg(url).output());
+    let out = tokio::task::spawn_blocking(move || Command::new(python).arg(script).arg(url).arg(token).output());
     let out =
         tokio::time::timeout(Duration::from_secs(300), out).await.expect("the HTTP client did not finish within 300 s").expect("join").expect("running python");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();

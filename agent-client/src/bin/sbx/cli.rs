@@ -413,7 +413,9 @@ pub struct McpArgs {
     #[arg(long, value_name = "DIR")]
     pub allow_host_dir: Option<PathBuf>,
     /// Serve streamable HTTP on this loopback address (e.g. 127.0.0.1:8765, path /mcp) instead
-    /// of stdio. All clients share one session, which ends when sbx stops.
+    /// of stdio. Every request must carry `Authorization: Bearer TOKEN`: SBX_MCP_TOKEN, or a
+    /// token sbx generates and prints on stderr. All clients share one session, which ends
+    /// when sbx stops.
     #[arg(long, value_name = "ADDR")]
     pub http: Option<std::net::SocketAddr>,
     /// Output of run_command shown to the model per stream; the rest is kept in a file inside

@@ -203,7 +203,7 @@ pub async fn serve(ctx: &Ctx, args: McpArgs) -> Result<u8> {
         .transpose()?;
     if let Some(addr) = args.http {
         if !addr.ip().is_loopback() {
-            anyhow::bail!("--http {addr}: only a loopback address is served (the MCP endpoint has no authentication of its own)");
+            anyhow::bail!("--http {addr}: only a loopback address is served (the endpoint's only guard is a bearer token, sent in clear text)");
         }
     }
     // Connecting first makes a wrong socket a clear start-up failure the MCP host shows,
@@ -261,6 +261,14 @@ async fn serve_stdio(
     Ok(by_signal)
 }
 
+/// The bearer token `sbx mcp --http` requires; generated (and printed) when unset.
+pub const TOKEN_ENV: &str = "SBX_MCP_TOKEN";
+
+/// Equal bytes, compared in a time that does not depend on where they differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// Serves streamable HTTP at `addr` (path `/mcp`) until a signal; true (always a signal).
 async fn serve_http(
     session: Arc<Session>,
@@ -278,12 +286,44 @@ async fn serve_http(
             Default::default(),
             StreamableHttpServerConfig::default().with_cancellation_token(stop.child_token()),
         );
-    let router = axum::Router::new().nest_service("/mcp", service);
+    // Loopback is not private: any local user could reach the port, and through it the
+    // operator's daemon access and allowed host directory. Every request needs the token.
+    let token = match std::env::var(TOKEN_ENV) {
+        Ok(t) if !t.trim().is_empty() => t.trim().to_owned(),
+        _ => format!("{:032x}", rand::random::<u128>()),
+    };
+    let expected = Arc::new(format!("Bearer {token}"));
+    let router = axum::Router::new()
+        .nest_service("/mcp", service)
+        .layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let expected = expected.clone();
+                async move {
+                    let given = req
+                        .headers()
+                        .get(axum::http::header::AUTHORIZATION)
+                        .map(|v| v.as_bytes())
+                        .unwrap_or_default();
+                    if same(given, expected.as_bytes()) {
+                        next.run(req).await
+                    } else {
+                        use axum::response::IntoResponse;
+                        (
+                            axum::http::StatusCode::UNAUTHORIZED,
+                            format!("sbx mcp: send Authorization: Bearer <token> (the token sbx printed, or {TOKEN_ENV})\n"),
+                        )
+                            .into_response()
+                    }
+                }
+            },
+        ));
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
     let bound = listener.local_addr().unwrap_or(addr);
-    crate::output::note(&format!("sbx mcp: streamable HTTP on http://{bound}/mcp"))?;
+    crate::output::note(&format!(
+        "sbx mcp: streamable HTTP on http://{bound}/mcp with header: Authorization: Bearer {token}"
+    ))?;
     let shutdown = stop.clone();
     let server = axum::serve(listener, router)
         .with_graceful_shutdown(async move { shutdown.cancelled_owned().await });
