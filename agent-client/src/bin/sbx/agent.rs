@@ -26,15 +26,22 @@ const LLM_TIMEOUT: Duration = Duration::from_secs(300);
 const DEFAULT_KEEP_SANDBOX_SECS: u64 = 86_400;
 
 /// Live progress on stderr when it is a terminal (SBX_PROGRESS=1 forces it, 0 turns it off).
+/// Elsewhere (a pipe, a log file) only the waits are printed: an outage being waited out
+/// must not look like a hang.
 fn progress_sink() -> Option<ProgressSink> {
     use std::io::IsTerminal;
-    let on = match std::env::var("SBX_PROGRESS").ok().as_deref() {
-        Some("1") => true,
-        Some("0") => false,
-        _ => std::io::stderr().is_terminal(),
+    let (on, waits_only) = match std::env::var("SBX_PROGRESS").ok().as_deref() {
+        Some("1") => (true, false),
+        Some("0") => (false, false),
+        _ if std::io::stderr().is_terminal() => (true, false),
+        _ => (true, true),
     };
     on.then(|| {
-        ProgressSink(Arc::new(|p: &Progress| {
+        ProgressSink(Arc::new(move |p: &Progress| {
+            // The runner's retry lines: "waiting 4s before retry 2 (model endpoint)".
+            if waits_only && !p.line.starts_with("waiting ") {
+                return;
+            }
             let tokens = match p.max_tokens {
                 Some(max) => format!("{}/{max} tok", p.tokens),
                 None => format!("{} tok", p.tokens),
