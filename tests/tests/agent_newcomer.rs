@@ -189,3 +189,19 @@ async fn resume_of_an_unknown_run_creates_nothing() {
     assert!(out.status.success(), "{}", show(&out));
     assert_eq!(json_of(&out), serde_json::json!([]), "ls lists nothing");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn waits_for_the_endpoint_are_printed_without_a_terminal() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let state = tempfile::tempdir().expect("temp dir");
+    let model = FixtureServer::start(Script::sequence(vec![Reply::Status { code: 503, body: "busy".into(), retry_after: Some(1) }, Reply::finish("ok")]))
+        .await
+        .expect("fixture");
+    let out =
+        sbx_agent(&daemon, state.path(), &[("OPENAI_BASE_URL", &model.base_url)], &["run", "--task", "x", "--run-id", "busy", "--json", "--keep-sandbox", "0"])
+            .await;
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("waiting") && stderr.contains("(model endpoint)"), "the wait is said on a non-terminal stderr: {}", show(&out));
+    assert!(!stderr.contains("-> ok"), "per-step lines stay off without a terminal: {}", show(&out));
+}
