@@ -3,8 +3,9 @@ CARGO      ?= cargo
 IMAGES_DIR ?= $(CURDIR)/images/build
 RUN_DIR    ?= $(CURDIR)/.sandboxd
 SOCKET     ?= $(RUN_DIR)/sandboxd.sock
+VENV       ?= $(CURDIR)/.venv
 
-.PHONY: all deps pydeps pytest-sdk images image-debian vm-images exec-helper build release run lint test bench clean
+.PHONY: all deps pydeps mcpdeps pytest-sdk images image-debian vm-images exec-helper build release run lint test bench clean
 
 all: build
 
@@ -63,13 +64,19 @@ pytest-sdk:
 	$(CARGO) build -p sandboxd
 	cd clients/python && SANDBOXD_BIN=$(CURDIR)/target/debug/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(PYENV_SDK)/bin/python -m pytest -p no:cacheprovider tests
 
+## mcpdeps: a virtualenv ($(VENV)) with the official MCP Python client (`mcp` from PyPI), for the
+## `sbx mcp` test (tests/tests/mcp.rs runs tests/python/mcp_client.py with it).
+mcpdeps:
+	@[ -x $(VENV)/bin/pip ] || python3 -m venv --clear $(VENV) || { echo "mcpdeps: python3 -m venv failed (on Debian: apt-get install python3-venv)" >&2; exit 1; }
+	@$(VENV)/bin/python -c 'import mcp' 2>/dev/null || $(VENV)/bin/python -m pip install --quiet --disable-pip-version-check mcp
+
 ## lint: clippy with warnings as errors and rustfmt's check, on the whole workspace.
 lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) fmt --all --check
 
 ## test: lint, unit tests and end-to-end tests against the real daemon (needs root; builds both images).
-test: deps pydeps lint
+test: deps pydeps mcpdeps lint
 	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) images
 	@[ -f $(IMAGES_DIR)/debian/image.json ] && [ -f $(IMAGES_DIR)/debian/vm/vm.json ] || $(MAKE) image-debian
 	@$(MAKE) --no-print-directory vm-images exec-helper

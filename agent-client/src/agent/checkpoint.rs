@@ -549,7 +549,8 @@ pub struct RunLock {
 }
 
 impl RunLock {
-    /// Locks run `run_id` in `store`, failing at once if another process holds it.
+    /// Locks run `run_id` in `store`, failing at once if another process holds it. Creates the
+    /// run's directory: for a new run.
     pub fn acquire(store: &FileStore, run_id: &str) -> Result<Self, CheckpointError> {
         validate_run_id(run_id)?;
         let dir = store.run_dir(run_id);
@@ -558,6 +559,24 @@ impl RunLock {
             path: dir.clone(),
             source,
         })?;
+        Self::lock(&dir, run_id)
+    }
+
+    /// Locks a run that exists: an unknown run is `NotFound`, and nothing is created for it (a
+    /// directory made for a mistyped id would be listed as a damaged run afterwards).
+    pub fn acquire_existing(store: &FileStore, run_id: &str) -> Result<Self, CheckpointError> {
+        validate_run_id(run_id)?;
+        let dir = store.run_dir(run_id);
+        if !dir.is_dir() {
+            return Err(CheckpointError::NotFound {
+                run_id: run_id.to_owned(),
+                dir: store.root.clone(),
+            });
+        }
+        Self::lock(&dir, run_id)
+    }
+
+    fn lock(dir: &Path, run_id: &str) -> Result<Self, CheckpointError> {
         let path = dir.join("lock");
         let file = OpenOptions::new()
             .create(true)
@@ -751,6 +770,24 @@ pub(crate) mod tests {
         ));
         drop(lock);
         assert!(RunLock::acquire(&store, "r").is_ok());
+    }
+
+    #[test]
+    fn locking_an_unknown_run_creates_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = FileStore::new(dir.path());
+        assert!(matches!(
+            RunLock::acquire_existing(&store, "nope"),
+            Err(CheckpointError::NotFound { .. })
+        ));
+        assert!(!store.run_dir("nope").exists());
+        let held = RunLock::acquire(&store, "r").expect("new run");
+        assert!(matches!(
+            RunLock::acquire_existing(&store, "r"),
+            Err(CheckpointError::Locked(_))
+        ));
+        drop(held);
+        assert!(RunLock::acquire_existing(&store, "r").is_ok());
     }
 
     #[tokio::test]

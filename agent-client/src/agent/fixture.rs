@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
@@ -292,7 +292,19 @@ pub struct FixtureServer {
 impl FixtureServer {
     /// Starts serving `script` on `127.0.0.1` on a free port.
     pub async fn start(script: Script) -> Result<Self, FixtureError> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_on(
+            "127.0.0.1:0".parse().map_err(std::io::Error::other)?,
+            script,
+        )
+        .await
+    }
+
+    /// Starts serving `script` on `addr` (port 0: any free one; see [`FixtureServer::base_url`]).
+    pub async fn start_on(
+        addr: std::net::SocketAddr,
+        script: Script,
+    ) -> Result<Self, FixtureError> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let state = ServerState {
             script,
@@ -303,6 +315,8 @@ impl FixtureServer {
         let app = Router::new()
             .route("/v1/chat/completions", post(handle))
             .route("/chat/completions", post(handle))
+            .route("/v1/models", get(models))
+            .route("/models", get(models))
             .with_state(state.clone());
         let task = tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
@@ -349,6 +363,39 @@ fn over_limit(script: &Script, request: &Value) -> Option<Value> {
             "type": "invalid_request_error",
             "code": "context_length_exceeded",
         }})
+    })
+}
+
+/// `GET /v1/models`, as OpenAI-compatible servers answer it (what `sbx agent` probes first).
+async fn models() -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{ "id": DEMO_MODEL, "object": "model", "owned_by": "sandboxd-fixture" }]
+    }))
+}
+
+/// The model name the demo answers to (any name is accepted).
+pub const DEMO_MODEL: &str = "sbx-demo";
+
+/// The script of `sbx agent demo-model`: a few real steps in the sandbox (look around, write a
+/// file, check it), then `finish`. The step is read from the request (the number of tool
+/// results the model has seen), so every run against one server plays the whole script.
+pub fn demo() -> Script {
+    Script::from_fn(|turn: &Turn| {
+        let seen = turn.request["messages"]
+            .as_array()
+            .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
+        match seen {
+            0 => Reply::bash("uname -sr; id; pwd; ls -la")
+                .saying("The demo model looks around the sandbox first."),
+            1 => Reply::bash("printf 'written by the sbx demo model\\n' > demo.txt && cat demo.txt")
+                .saying("Now it writes a file."),
+            2 => Reply::bash("wc -c demo.txt && ls -la demo.txt")
+                .saying("And checks the file is there."),
+            _ => Reply::finish(
+                "demo finished: looked around, wrote /workspace/demo.txt and checked it (a scripted model, not an AI)",
+            ),
+        }
     })
 }
 

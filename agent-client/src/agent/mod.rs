@@ -42,8 +42,8 @@ pub mod verify;
 pub use checkpoint::{Checkpoint, CheckpointError, CheckpointStore, FileStore, RunSpec};
 pub use llm::{LlmProvider, OpenAiProvider};
 pub use runner::{
-    reap_finished_sandboxes, resume, start, AgentError, NewBudgets, Progress, ProgressSink,
-    RunOptions, RunReport,
+    reap_finished_sandboxes, remove_unused_sandbox, resume, start, AgentError, NewBudgets,
+    Progress, ProgressSink, RunOptions, RunReport,
 };
 pub use state::{LoopState, RunStatus, StopReason};
 

@@ -267,8 +267,9 @@ pub struct RunReport {
     pub final_snapshot_id: Option<String>,
     /// The answer given to `finish`.
     pub answer: Option<String>,
-    /// Cost, USD (0 when the price is unknown).
-    pub cost_usd: f64,
+    /// Cost, USD; `None` (not reported) when the run has no price: neither `--price` nor a
+    /// model whose price is known on its endpoint.
+    pub cost_usd: Option<f64>,
     /// Wall time over all sessions, ms.
     pub elapsed_ms: u64,
     /// What was done, in a few lines.
@@ -476,7 +477,7 @@ pub async fn resume<S: SandboxApi + Clone + 'static>(
     opts: RunOptions,
 ) -> Result<RunReport, AgentError> {
     let store = FileStore::new(&opts.state_dir);
-    let lock = RunLock::acquire(&store, run_id)?;
+    let lock = RunLock::acquire_existing(&store, run_id)?;
     let mut ck = store.load(run_id)?;
     let mut extended = Vec::new();
     if let Some(outcome) = ck.outcome.clone() {
@@ -591,7 +592,7 @@ pub async fn reap_finished_sandboxes<S: SandboxApi>(
             continue;
         }
         // Not while a resume holds the run; reload under the lock.
-        let Ok(_lock) = RunLock::acquire(&store, &run_id) else {
+        let Ok(_lock) = RunLock::acquire_existing(&store, &run_id) else {
             continue;
         };
         let Ok(mut ck) = store.load(&run_id) else {
@@ -616,6 +617,41 @@ pub async fn reap_finished_sandboxes<S: SandboxApi>(
         removed.push((run_id, ck.sandbox_id.clone()));
     }
     removed
+}
+
+/// Removes at once the sandbox of an ended run that took no step (it failed before its first
+/// action, e.g. the model endpoint refused it): nothing in it is worth a day's keep, and a
+/// resume makes a new one. The checkpoint is left naming no sandbox, as for a run that never
+/// had one. Returns the sandbox removed, if any.
+pub async fn remove_unused_sandbox<S: SandboxApi>(
+    sandbox: &S,
+    state_dir: &std::path::Path,
+    run_id: &str,
+) -> Result<Option<String>, AgentError> {
+    let store = FileStore::new(state_dir);
+    let _lock = RunLock::acquire_existing(&store, run_id)?;
+    let mut ck = store.load(run_id)?;
+    if ck.outcome.is_none()
+        || ck.step > 0
+        || ck.pending.is_some()
+        || ck.sandbox_id.is_empty()
+        || ck.sandbox_removed
+    {
+        return Ok(None);
+    }
+    match sandbox.destroy(&ck.sandbox_id).await {
+        Ok(()) => {}
+        Err(e) if e.code() == tonic::Code::NotFound => {}
+        Err(source) => {
+            return Err(AgentError::Daemon {
+                what: format!("cannot remove sandbox {}", ck.sandbox_id),
+                source,
+            })
+        }
+    }
+    let removed = std::mem::take(&mut ck.sandbox_id);
+    store.save(&ck)?;
+    Ok(Some(removed))
 }
 
 fn percentile(sorted_ms: &[f64], p: f64) -> f64 {
@@ -655,7 +691,7 @@ fn report_of(
         sandbox_id: ck.sandbox_id.clone(),
         final_snapshot_id: outcome.final_snapshot_id.clone(),
         answer: outcome.answer.clone(),
-        cost_usd: ck.budget.cost_usd,
+        cost_usd: ck.spec.price.map(|_| ck.budget.cost_usd),
         elapsed_ms: ck.budget.elapsed_ms_before,
         summary: outcome.summary.clone(),
         diff: observe::cut_chars(&outcome.diff, REPORT_DIFF_CHARS),

@@ -26,15 +26,22 @@ const LLM_TIMEOUT: Duration = Duration::from_secs(300);
 const DEFAULT_KEEP_SANDBOX_SECS: u64 = 86_400;
 
 /// Live progress on stderr when it is a terminal (SBX_PROGRESS=1 forces it, 0 turns it off).
+/// Elsewhere (a pipe, a log file) only the waits are printed: an outage being waited out
+/// must not look like a hang.
 fn progress_sink() -> Option<ProgressSink> {
     use std::io::IsTerminal;
-    let on = match std::env::var("SBX_PROGRESS").ok().as_deref() {
-        Some("1") => true,
-        Some("0") => false,
-        _ => std::io::stderr().is_terminal(),
+    let (on, waits_only) = match std::env::var("SBX_PROGRESS").ok().as_deref() {
+        Some("1") => (true, false),
+        Some("0") => (false, false),
+        _ if std::io::stderr().is_terminal() => (true, false),
+        _ => (true, true),
     };
     on.then(|| {
-        ProgressSink(Arc::new(|p: &Progress| {
+        ProgressSink(Arc::new(move |p: &Progress| {
+            // The runner's retry lines: "waiting 4s before retry 2 (model endpoint)".
+            if waits_only && !p.line.starts_with("waiting ") {
+                return;
+            }
             let tokens = match p.max_tokens {
                 Some(max) => format!("{}/{max} tok", p.tokens),
                 None => format!("{} tok", p.tokens),
@@ -93,6 +100,113 @@ pub async fn agent(ctx: &Ctx, command: AgentCommand) -> Result<u8> {
             follow: true,
         } => follow(ctx, run_id, state_dir).await,
         AgentCommand::Ls { state_dir } => ls(ctx, state_dir),
+        AgentCommand::DemoModel { listen } => demo_model(listen).await,
+    }
+}
+
+/// `sbx agent demo-model`: the scripted model, until SIGINT or SIGTERM.
+async fn demo_model(listen: std::net::SocketAddr) -> Result<u8> {
+    use agent::fixture::{demo, FixtureServer};
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let server = FixtureServer::start_on(listen, demo())
+        .await
+        .with_context(|| format!("cannot serve the demo model on {listen}"))?;
+    output::note(&format!(
+        "demo model (scripted, not an AI) on {url}\nin another terminal: OPENAI_BASE_URL={url} sbx agent run --task \"try the demo\"",
+        url = server.base_url
+    ))?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("cannot wait for Ctrl-C")?,
+        _ = term.recv() => {}
+    }
+    output::note(&format!(
+        "demo model: served {} model calls",
+        server.turns() + server.summaries()
+    ))?;
+    Ok(0)
+}
+
+/// Message when no model endpoint is configured at all.
+const NO_ENDPOINT: &str = "no model endpoint: OPENAI_BASE_URL and OPENAI_API_KEY are both unset, \
+so sbx agent would call OpenAI's API (https://api.openai.com/v1) without a key. Set \
+OPENAI_BASE_URL to an OpenAI-compatible server: `sbx agent demo-model` (a scripted demo, \
+http://127.0.0.1:8089/v1), llama.cpp's llama-server (http://127.0.0.1:8080/v1) or Ollama \
+(http://127.0.0.1:11434/v1); for OpenAI, set OPENAI_API_KEY";
+
+/// The model endpoint `sbx agent` calls, as OPENAI_BASE_URL and OPENAI_API_KEY say.
+struct Endpoint {
+    base: String,
+    /// The base came from OPENAI_BASE_URL, not the default.
+    from_env: bool,
+    key: Option<String>,
+}
+
+impl Endpoint {
+    /// The configured endpoint; an error when neither variable is set (calling OpenAI
+    /// without a key can only fail, after minutes of retries).
+    fn from_env() -> Result<Self> {
+        let var = |name| {
+            std::env::var(name)
+                .ok()
+                .filter(|v: &String| !v.trim().is_empty())
+        };
+        let base = var(agent::llm::BASE_URL_ENV);
+        let key = var(agent::llm::API_KEY_ENV);
+        if base.is_none() && key.is_none() {
+            anyhow::bail!(NO_ENDPOINT);
+        }
+        Ok(Self {
+            from_env: base.is_some(),
+            base: base.unwrap_or_else(|| agent::llm::DEFAULT_BASE_URL.to_owned()),
+            key,
+        })
+    }
+
+    /// Whether this is OpenAI's API, whose model prices sbx knows.
+    fn is_openai(&self) -> bool {
+        self.base
+            .split("://")
+            .nth(1)
+            .and_then(|rest| rest.split(['/', ':']).next())
+            == Some("api.openai.com")
+    }
+
+    /// Says which endpoint the run uses and fails at once when nothing answers there: a
+    /// wrong URL is a mistake to report now, not an outage to wait out for ten minutes. Any
+    /// HTTP answer (a 404 included) means a server is there.
+    async fn check(&self, model: &str) -> Result<()> {
+        let how = if self.from_env {
+            "OPENAI_BASE_URL"
+        } else {
+            "OPENAI_BASE_URL is unset: OpenAI's API"
+        };
+        output::note(&format!(
+            "model endpoint: {} ({how}), model {model}",
+            self.base
+        ))?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .timeout(Duration::from_secs(20))
+            .build()
+            .context("cannot build an HTTP client")?;
+        let mut probe = http.get(format!("{}/models", self.base.trim_end_matches('/')));
+        if let Some(key) = &self.key {
+            probe = probe.bearer_auth(key);
+        }
+        if let Err(e) = probe.send().await {
+            let mut chain = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                chain.push_str(&format!(": {s}"));
+                source = s.source();
+            }
+            anyhow::bail!(
+                "the model endpoint {} does not answer ({chain}); start the model server or set OPENAI_BASE_URL to one that runs (`sbx agent demo-model` serves a scripted demo at http://127.0.0.1:8089/v1)",
+                self.base
+            );
+        }
+        Ok(())
     }
 }
 
@@ -156,12 +270,22 @@ async fn run(ctx: &Ctx, args: AgentRunArgs) -> Result<u8> {
     let window = args
         .context_window
         .unwrap_or_else(|| agent::tokens::default_window(&model));
+    let endpoint = match Endpoint::from_env() {
+        Ok(e) => e,
+        Err(e) => {
+            let run_id = args.run_id.as_deref().unwrap_or("-");
+            return Err(failed(ctx, run_id, "no_model_endpoint", e));
+        }
+    };
+    // A known price is OpenAI's: a local server that calls its model "gpt-4o-mini" costs nothing
+    // of the kind, so elsewhere only --price counts.
     let price = match args.price.as_deref() {
         Some(p) => Some(parse_price(p)?),
-        None => agent::budget::known_price(&model),
+        None if endpoint.is_openai() => agent::budget::known_price(&model),
+        None => None,
     };
     if args.max_cost.is_some() && price.is_none() {
-        anyhow::bail!("--max-cost needs a price: model {model:?} has no known price, give --price IN,OUT (USD per million tokens)");
+        anyhow::bail!("--max-cost needs a price: model {model:?} has no known price at {}, give --price IN,OUT (USD per million tokens)", endpoint.base);
     }
     let spec = RunSpec {
         task: args.task,
@@ -184,6 +308,10 @@ async fn run(ctx: &Ctx, args: AgentRunArgs) -> Result<u8> {
         max_completion_tokens: args.max_completion_tokens,
     };
     let run_id = args.run_id.unwrap_or_else(agent::runner::new_run_id);
+    // Before anything is made: no sandbox, no run directory for a run that cannot start.
+    if let Err(e) = endpoint.check(&model).await {
+        return Err(failed(ctx, &run_id, "model_unreachable", e));
+    }
     let llm = provider(&model)?;
     let client = match ctx.client().await {
         Ok(c) => c,
@@ -208,7 +336,14 @@ async fn run(ctx: &Ctx, args: AgentRunArgs) -> Result<u8> {
         }
     })));
     reap(&client, &opts.state_dir).await;
-    let result = agent::start(client, llm, spec, Some(run_id.clone()), opts).await;
+    let state_dir = opts.state_dir.clone();
+    let result = agent::start(client.clone(), llm, spec, Some(run_id.clone()), opts).await;
+    let result = match result {
+        Ok(report) if report.steps == 0 && report.status == RunStatus::Failed => {
+            Ok(drop_unused_sandbox(&client, &state_dir, report).await)
+        }
+        other => other,
+    };
     finish(ctx, &run_id, result)
 }
 
@@ -221,6 +356,28 @@ async fn resume(
 ) -> Result<u8> {
     let mut opts = options(state_dir(dir), None, None, tuning);
     opts.new_budgets = budgets;
+    // An unknown run is said at once, daemon or not, and nothing is created for it.
+    let store = FileStore::new(&opts.state_dir);
+    if agent::checkpoint::validate_run_id(&run_id).is_ok() && !store.run_dir(&run_id).is_dir() {
+        let unknown = CheckpointError::NotFound {
+            run_id: run_id.clone(),
+            dir: opts.state_dir.clone(),
+        };
+        return finish(ctx, &run_id, Err(AgentError::Checkpoint(unknown)));
+    }
+    // A run that will call its model checks the endpoint first; an ended run is answered by
+    // the resume itself, endpoint or not.
+    if let Ok(ck) = store.load(&run_id) {
+        if ck.outcome.as_ref().is_none_or(|o| o.reason.resumable()) {
+            let checked = match Endpoint::from_env() {
+                Ok(endpoint) => endpoint.check(&ck.spec.model).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = checked {
+                return Err(failed(ctx, &run_id, "model_unreachable", e));
+            }
+        }
+    }
     let client = match ctx.client().await {
         Ok(c) => c,
         Err(e) => return Err(failed(ctx, &run_id, "fatal_error", e)),
@@ -228,6 +385,25 @@ async fn resume(
     reap(&client, &opts.state_dir).await;
     let result = agent::resume(client, |spec| provider(&spec.model), &run_id, opts).await;
     finish(ctx, &run_id, result)
+}
+
+/// A run that failed before its first step does not keep its (empty) sandbox for a day.
+async fn drop_unused_sandbox(
+    client: &agent_client::Client,
+    state_dir: &std::path::Path,
+    mut report: RunReport,
+) -> RunReport {
+    match agent::remove_unused_sandbox(client, state_dir, &report.run_id).await {
+        Ok(Some(sandbox)) => {
+            tracing::info!(run = %report.run_id, %sandbox, "removed the sandbox of a run that took no step");
+            report.sandbox_id = String::new();
+        }
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(run = %report.run_id, error = %e, "cannot remove the sandbox of a run that took no step")
+        }
+    }
+    report
 }
 
 /// Prints the report (or the reason there is none) and picks the exit code.
@@ -263,18 +439,21 @@ fn finish(ctx: &Ctx, run_id: &str, result: Result<RunReport, AgentError>) -> Res
                 "tokens: {} prompt + {} completion{}; {:.1}s",
                 report.prompt_tokens,
                 report.completion_tokens,
-                if report.cost_usd > 0.0 {
-                    format!("; ${:.4}", report.cost_usd)
-                } else {
-                    String::new()
+                match report.cost_usd {
+                    Some(cost) => format!("; ${cost:.4}"),
+                    None => String::new(),
                 },
                 report.elapsed_ms as f64 / 1000.0
             ),
-            format!(
-                "sandbox {}, final snapshot {}",
-                report.sandbox_id,
-                report.final_snapshot_id.as_deref().unwrap_or("-")
-            ),
+            if report.sandbox_id.is_empty() {
+                "sandbox: none kept (the run took no step)".to_owned()
+            } else {
+                format!(
+                    "sandbox {}, final snapshot {}",
+                    report.sandbox_id,
+                    report.final_snapshot_id.as_deref().unwrap_or("-")
+                )
+            },
         ];
         if let Some(answer) = &report.answer {
             lines.push(format!("answer: {answer}"));
@@ -320,13 +499,16 @@ fn failed(ctx: &Ctx, run_id: &str, reason: &str, e: anyhow::Error) -> anyhow::Er
     e
 }
 
-/// One row of `sbx agent ls`.
-fn run_row(store: &FileStore, run_id: &str) -> Value {
+/// One row of `sbx agent ls`; None for a directory that holds neither a checkpoint nor a
+/// trace (not a run: what an older `sbx agent resume` of a mistyped id left behind).
+fn run_row(store: &FileStore, run_id: &str) -> Option<Value> {
     let running = matches!(
-        RunLock::acquire(store, run_id),
+        RunLock::acquire_existing(store, run_id),
         Err(CheckpointError::Locked(_))
     );
-    match store.load(run_id) {
+    let trace_path = store.run_dir(run_id).join("trace.jsonl");
+    Some(match store.load(run_id) {
+        Err(CheckpointError::NotFound { .. }) if !running && !trace_path.exists() => return None,
         Ok(ck) => {
             let (status, reason) = match &ck.outcome {
                 Some(o) if !running => (o.reason.status().as_str(), Some(o.reason.as_str())),
@@ -348,7 +530,7 @@ fn run_row(store: &FileStore, run_id: &str) -> Value {
         }
         Err(e) => {
             // The trace still says what happened.
-            let d = trace::read(&store.run_dir(run_id).join("trace.jsonl"))
+            let d = trace::read(&trace_path)
                 .map(|events| trace::digest(&events))
                 .unwrap_or_default();
             json!({
@@ -363,7 +545,7 @@ fn run_row(store: &FileStore, run_id: &str) -> Value {
                 "error": e.to_string(),
             })
         }
-    }
+    })
 }
 
 fn ls(ctx: &Ctx, dir: Option<PathBuf>) -> Result<u8> {
@@ -387,34 +569,43 @@ fn ls(ctx: &Ctx, dir: Option<PathBuf>) -> Result<u8> {
         }
     };
     ids.sort();
-    let rows: Vec<Value> = ids.iter().map(|id| run_row(&store, id)).collect();
+    let rows: Vec<Value> = ids.iter().filter_map(|id| run_row(&store, id)).collect();
     if ctx.json {
         output::json(&Value::Array(rows))?;
         return Ok(0);
     }
-    let mut text = format!(
-        "{:<28}  {:<20}  {:>9}  {:>10}  {:<14}  {}\n",
-        "RUN", "STATUS", "STEPS", "TOKENS", "SANDBOX", "TASK"
-    );
-    for r in &rows {
-        let status = match r["reason"].as_str() {
-            Some(reason) => format!("{} ({reason})", r["status"].as_str().unwrap_or("-")),
-            None => r["status"].as_str().unwrap_or("-").to_owned(),
-        };
-        text.push_str(&format!(
-            "{:<28}  {:<20}  {:>9}  {:>10}  {:<14}  {}\n",
-            r["run_id"].as_str().unwrap_or("-"),
-            status,
-            r["steps"],
-            r["tokens"],
-            if r["sandbox_removed"] == true {
-                "(removed)"
+    // Columns as wide as their widest cell: statuses with reasons and generated run ids vary.
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            let status = r["status"].as_str().unwrap_or("-");
+            let status = match r["reason"].as_str() {
+                Some(reason) if reason != status => format!("{status} ({reason})"),
+                _ => status.to_owned(),
+            };
+            let sandbox = if r["sandbox_removed"] == true {
+                "(removed)".to_owned()
             } else {
-                r["sandbox_id"].as_str().unwrap_or("-")
-            },
-            output::ellipsize(&r["task"].as_str().unwrap_or("").replace('\n', " "), 60),
-        ));
-    }
+                r["sandbox_id"].as_str().unwrap_or("-").to_owned()
+            };
+            vec![
+                r["run_id"].as_str().unwrap_or("-").to_owned(),
+                status,
+                r["steps"]
+                    .as_u64()
+                    .map_or_else(|| "-".into(), |n| n.to_string()),
+                r["tokens"]
+                    .as_u64()
+                    .map_or_else(|| "-".into(), |n| n.to_string()),
+                sandbox,
+                output::ellipsize(&r["task"].as_str().unwrap_or("").replace('\n', " "), 60),
+            ]
+        })
+        .collect();
+    let text = output::table(
+        &["RUN", "STATUS", "STEPS", "TOKENS", "SANDBOX", "TASK"],
+        &cells,
+    );
     output::stdout(text.as_bytes())?;
     Ok(0)
 }
@@ -472,7 +663,7 @@ async fn follow(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
             }
         }
         let running = matches!(
-            RunLock::acquire(&store, &run_id),
+            RunLock::acquire_existing(&store, &run_id),
             Err(CheckpointError::Locked(_))
         );
         if !running && (stopped || chunk.is_empty()) {
@@ -581,7 +772,7 @@ fn show(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
             "prompt_tokens": ck.budget.prompt_tokens,
             "completion_tokens": ck.budget.completion_tokens,
             "max_tokens": ck.spec.max_tokens,
-            "cost_usd": ck.budget.cost_usd,
+            "cost_usd": ck.spec.price.map(|_| ck.budget.cost_usd),
             "max_cost": ck.spec.max_cost,
             "elapsed_ms": ck.budget.elapsed_ms_before,
             "max_time_secs": ck.spec.max_time_secs,
@@ -632,10 +823,13 @@ fn show(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
         ),
         (
             "COST",
-            budget(
-                format!("${:.4}", ck.budget.cost_usd),
-                ck.spec.max_cost.map(|c| format!("${c:.4}")),
-            ),
+            match ck.spec.price {
+                Some(_) => budget(
+                    format!("${:.4}", ck.budget.cost_usd),
+                    ck.spec.max_cost.map(|c| format!("${c:.4}")),
+                ),
+                None => "- (no price: sbx agent run --price IN,OUT)".to_owned(),
+            },
         ),
         (
             "TIME",

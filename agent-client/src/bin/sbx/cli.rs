@@ -175,6 +175,16 @@ pub enum Command {
     /// Images: `sbx image ls`, `rm NAME`, `get NAME`, `import SRC`, `build -t NAME DIR`.
     #[command(subcommand)]
     Image(ImageCommand),
+    /// Serve the Model Context Protocol on stdin/stdout (or, with --http, on a loopback port),
+    /// so an agent such as Claude Code, Codex CLI or Goose can use sandboxes as tools.
+    ///
+    /// Tools: create_sandbox, run_command, read_file, write_file, list_dir, snapshot, rollback,
+    /// fork, list_execs, list_sandboxes, destroy_sandbox; upload and download only with
+    /// --allow-host-dir. A default sandbox (shaped by the options below) is created on the
+    /// first call that needs one. Every sandbox the session created is destroyed when the
+    /// session ends (stdin closed, SIGTERM or SIGINT), except those created with keep=true.
+    /// Logs go to stderr (SBX_LOG, default: warn).
+    Mcp(McpArgs),
     /// Send a signal to an exec's process tree.
     Kill {
         /// Exec id.
@@ -243,10 +253,23 @@ pub enum ImageCommand {
 pub enum AgentCommand {
     /// Run the agent on a task in a new sandbox until it is done, stopped or fails.
     ///
-    /// The model endpoint is OPENAI_BASE_URL (e.g. http://127.0.0.1:8000/v1) with the key in
-    /// OPENAI_API_KEY. Exit code 0 only when the run is done; 3 when a budget, the step limit
-    /// or no progress stopped it; 1 when it failed.
+    /// The model endpoint is OPENAI_BASE_URL, any OpenAI-compatible server (llama.cpp's
+    /// llama-server: http://127.0.0.1:8080/v1, Ollama: http://127.0.0.1:11434/v1, `sbx agent
+    /// demo-model`: http://127.0.0.1:8089/v1), with the key in OPENAI_API_KEY if it needs one;
+    /// OpenAI's API when only OPENAI_API_KEY is set. With neither, or when nothing answers at
+    /// the endpoint, sbx stops at once, before making a sandbox. Exit code 0 only when the run
+    /// is done; 3 when a budget, the step limit or no progress stopped it; 1 when it failed.
     Run(Box<AgentRunArgs>),
+    /// Serve a scripted stand-in for a model on an OpenAI-compatible endpoint, to see the loop
+    /// work without one: it looks around the sandbox, writes a file, checks it and finishes.
+    ///
+    /// Runs until interrupted; in another terminal:
+    /// `OPENAI_BASE_URL=http://127.0.0.1:8089/v1 sbx agent run --task "try the demo"`.
+    DemoModel {
+        /// Address to listen on (port 0: any free port, printed).
+        #[arg(long, default_value = "127.0.0.1:8089", value_name = "ADDR")]
+        listen: std::net::SocketAddr,
+    },
     /// Continue an interrupted run from its checkpoint, without repeating side effects.
     Resume {
         /// The run id.
@@ -379,6 +402,32 @@ pub struct LoopTuning {
     /// [default for a new run: 86400].
     #[arg(long, value_name = "SECS")]
     pub keep_sandbox: Option<u64>,
+}
+
+/// `sbx mcp`.
+#[derive(Debug, Args)]
+pub struct McpArgs {
+    /// Let the model copy files between this host directory and its sandboxes (the upload and
+    /// download tools). Paths resolve inside it; `..` and symlinks never lead out. Without it
+    /// the model has no access to host files.
+    #[arg(long, value_name = "DIR")]
+    pub allow_host_dir: Option<PathBuf>,
+    /// Serve streamable HTTP on this loopback address (e.g. 127.0.0.1:8765, path /mcp) instead
+    /// of stdio. Every request must carry `Authorization: Bearer TOKEN`: SBX_MCP_TOKEN, or a
+    /// token sbx generates and prints on stderr. All clients share one session, which ends
+    /// when sbx stops.
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<std::net::SocketAddr>,
+    /// Output of run_command shown to the model per stream; the rest is kept in a file inside
+    /// the sandbox whose path the result names.
+    #[arg(long, default_value = "16K", value_name = "SIZE", value_parser = parse_size)]
+    pub output_limit: u64,
+    /// The default sandbox, created on first use.
+    #[command(
+        flatten,
+        next_help_heading = "The default sandbox (created on first use)"
+    )]
+    pub spec: SandboxSpec,
 }
 
 /// `sbx create`.
@@ -587,6 +636,39 @@ mod tests {
     #[test]
     fn definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn fork_help_documents_the_user_flag() {
+        let mut cmd = Cli::command();
+        let fork = cmd.find_subcommand_mut("fork").expect("fork");
+        let help = fork.render_long_help().to_string();
+        assert!(help.contains("-u, --user <USER>"), "{help}");
+        assert!(help.contains("the parent's"), "{help}");
+        assert!(parse(&["fork", "snap-1", "-u", "1000:1000"]).is_ok());
+    }
+
+    #[test]
+    fn mcp_takes_the_host_dir_and_the_default_sandbox() {
+        let cli = parse(&[
+            "mcp",
+            "--allow-host-dir",
+            "/tmp",
+            "--image",
+            "debian",
+            "--memory",
+            "1G",
+        ])
+        .expect("valid");
+        let Command::Mcp(args) = cli.command else {
+            panic!("not mcp")
+        };
+        assert_eq!(args.allow_host_dir, Some(PathBuf::from("/tmp")));
+        let req = args.spec.to_request(None);
+        assert_eq!(req.image, "debian");
+        assert_eq!(req.limits.unwrap_or_default().memory_bytes, 1 << 30);
+        assert_eq!(args.output_limit, 16 << 10);
+        assert!(parse(&["mcp", "--http", "not-an-address"]).is_err());
     }
 
     #[test]

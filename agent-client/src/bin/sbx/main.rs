@@ -10,6 +10,7 @@ mod exec;
 mod files;
 mod image;
 mod json;
+mod mcp;
 mod output;
 mod parse;
 mod sandbox;
@@ -85,6 +86,7 @@ async fn run(cli: Cli) -> Result<u8> {
         Command::Rmsnap { snapshot } => snapshot::delete(&ctx, snapshot).await,
         Command::Agent(command) => agent::agent(&ctx, command).await,
         Command::Image(command) => image::image(&ctx, command).await,
+        Command::Mcp(args) => mcp::serve(&ctx, args).await,
     }
 }
 
