@@ -258,6 +258,18 @@ impl StreamsConfig {
     }
 }
 
+/// Whether process sandboxes get a user namespace: `auto` uses one where the kernel and the
+/// filesystems allow it (and logs why not otherwise), `required` refuses to serve the tier
+/// without, `off` keeps sandbox uids host uids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum UsernsMode {
+    #[default]
+    Auto,
+    Required,
+    Off,
+}
+
 /// The `[process]` table: the namespace tier.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -265,7 +277,7 @@ pub struct ProcessTierConfig {
     /// `auto` (default): each sandbox gets a user namespace over a host id range of its own
     /// where the kernel and filesystems allow idmapped mounts, else a warning at start; `required`:
     /// the tier refuses to serve without; `off`: sandbox uids are host uids.
-    pub user_namespaces: crate::backend::process::idmap::UsernsMode,
+    pub user_namespaces: UsernsMode,
     /// First host uid/gid handed to sandboxes; a multiple of 65,536 that no host user or other
     /// container engine uses (the default is in the range systemd leaves to containers).
     pub userns_first_id: u32,

@@ -337,6 +337,19 @@ pub struct ExecUsage {
     pub peak_memory_bytes: u64,
 }
 
+/// What a whole sandbox uses now (see `SandboxUsage` in the proto for each field).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxUsage {
+    pub cpu_user_ms: u64,
+    pub cpu_system_ms: u64,
+    pub memory_bytes: u64,
+    pub peak_memory_bytes: u64,
+    /// None where the daemon cannot count them (a microVM's guest).
+    pub pids: Option<u32>,
+    /// None where the tier cannot measure its writable layer.
+    pub disk_bytes: Option<u64>,
+}
+
 /// How an exec ended, as the backend saw it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExecOutcome {

@@ -113,6 +113,7 @@ macro_rules! conformance {
                 hostname_resolves_and_matches_etc_hostname,
                 own_cgroup_is_visible_read_only,
                 df_shows_what_the_tier_can,
+                get_sandbox_reports_what_it_uses,
             );
         }
     };
@@ -595,6 +596,38 @@ async fn snapshot_rollback_and_forks(isolation: Isolation) {
     assert_eq!(c.rollback(&sb, &snap.snapshot_id).await.expect_err("deleted").code(), Code::NotFound);
     // The sandbox is fine afterwards.
     assert_eq!(h.sh_ok(&sb, "echo ok").await, "ok\n");
+}
+
+/// GetSandbox's usage: CPU and memory on every tier, the process count where the host can see
+/// the processes (not inside a microVM's guest), and the writable layer's bytes where the tier
+/// measures them; ListSandboxes leaves it out.
+async fn get_sandbox_reports_what_it_uses(isolation: Isolation) {
+    let h = Harness::start(isolation).await;
+    let id = h.sandbox().await;
+    let before = h.client.get(&id).await.expect("GetSandbox").usage.expect("a running sandbox reports its usage");
+    // Some CPU, two sleepers, and 8 MiB written (then synced: the process tier reads its layer's
+    // size as of the last commit).
+    h.sh_ok(
+        &id,
+        "i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done; (sleep 600 &) ; (sleep 601 &); dd if=/dev/zero of=/tmp/eight bs=1M count=8 2>/dev/null; sync",
+    )
+    .await;
+    let after = h.client.get(&id).await.expect("GetSandbox").usage.expect("usage");
+    assert!(after.cpu_user_ms + after.cpu_system_ms > before.cpu_user_ms + before.cpu_system_ms, "no CPU time counted: {before:?} → {after:?}");
+    assert!(after.memory_bytes > 0 && after.peak_memory_bytes > 0, "no memory counted: {after:?}");
+    match isolation {
+        Isolation::Microvm => {
+            assert_eq!(after.pids, None, "a microVM's guest processes are not the host's to count");
+            assert!(after.disk_bytes.is_some(), "{after:?}");
+        }
+        Isolation::Process => {
+            assert!(after.pids.expect("pids") >= 2, "the two sleepers: {after:?}");
+            assert!(after.disk_bytes.expect("disk") >= 8 * MIB, "the 8 MiB written: {after:?}");
+        }
+        _ => assert!(after.pids.expect("pids") >= 2, "the two sleepers: {after:?}"),
+    }
+    let listed = h.client.list(Default::default()).await.expect("ListSandboxes");
+    assert!(listed.iter().all(|s| s.usage.is_none()), "ListSandboxes carries usage");
 }
 
 async fn concurrent_execs_keep_their_output(isolation: Isolation) {

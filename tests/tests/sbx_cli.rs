@@ -272,3 +272,37 @@ async fn sbx_exec_it_runs_python_interactively() {
     let status = status.unwrap_or_else(|| panic!("sbx exec -it did not end; the terminal showed {seen:?}"));
     assert_eq!(status.code(), Some(5), "python's exit code is sbx's; the terminal showed {seen:?}");
 }
+
+/// A user the sandbox lacks fails the create (naming `user`, leaving no sandbox), and a known
+/// one is accepted; the file API refuses the sandbox's own mounts (/dev/shm, /proc) by name
+/// instead of writing where nothing inside would see it.
+#[tokio::test(flavor = "multi_thread")]
+async fn create_checks_its_user_and_cp_refuses_the_sandboxs_own_mounts() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let out = sbx(&daemon, &["create", "-u", "nosuchuser"]).await;
+    assert!(!out.status.success(), "create -u nosuchuser succeeded: {}", show(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("INVALID_ARGUMENT") && stderr.contains("nosuchuser"), "{}", show(&out));
+    let out = sbx(&daemon, &["--json", "ls"]).await;
+    assert_eq!(serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("JSON"), serde_json::json!([]), "the refused create left a sandbox");
+    let out = sbx(&daemon, &["create", "-u", "nobody"]).await;
+    assert!(out.status.success(), "create -u nobody: {}", show(&out));
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let out = sbx(&daemon, &["exec", &id, "--", "id", "-u"]).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "65534", "{}", show(&out));
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let local = dir.path().join("f");
+    std::fs::write(&local, b"x").expect("local file");
+    let local = local.display().to_string();
+    for target in ["/dev/shm/f", "/proc/f"] {
+        let out = sbx(&daemon, &["cp", &local, &format!("{id}:{target}")]).await;
+        assert!(!out.status.success(), "sbx cp into {target} succeeded: {}", show(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("INVALID_ARGUMENT") && stderr.contains("use an exec"), "{}", show(&out));
+    }
+    let out = sbx(&daemon, &["exec", &id, "--", "sh", "-c", "echo y > /dev/shm/g"]).await;
+    assert!(out.status.success(), "{}", show(&out));
+    let out = sbx(&daemon, &["cp", &format!("{id}:/dev/shm/g"), &dir.path().join("g").display().to_string()]).await;
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("INVALID_ARGUMENT"), "{}", show(&out));
+}

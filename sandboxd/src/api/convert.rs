@@ -104,6 +104,19 @@ pub fn sandbox(i: &SandboxInfo) -> pb::Sandbox {
         isolation_reason: i.isolation_reason.clone().unwrap_or_default(),
         failure_reason: i.failure_reason.clone().unwrap_or_default(),
         user: i.user.clone().unwrap_or_default(),
+        usage: None,
+    }
+}
+
+/// A sandbox's usage → proto.
+pub fn sandbox_usage(u: &crate::model::SandboxUsage) -> pb::SandboxUsage {
+    pb::SandboxUsage {
+        cpu_user_ms: u.cpu_user_ms,
+        cpu_system_ms: u.cpu_system_ms,
+        memory_bytes: u.memory_bytes,
+        peak_memory_bytes: u.peak_memory_bytes,
+        pids: u.pids,
+        disk_bytes: u.disk_bytes,
     }
 }
 

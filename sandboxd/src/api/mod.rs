@@ -195,7 +195,12 @@ impl SandboxService for Api {
     }
 
     async fn get_sandbox(&self, request: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
-        self.call("GetSandbox", request, None, |tenant, req| async move { Ok(convert::sandbox(&self.manager.get(&tenant, &req.sandbox_id)?)) }).await
+        self.call("GetSandbox", request, None, |tenant, req| async move {
+            let mut sandbox = convert::sandbox(&self.manager.get(&tenant, &req.sandbox_id)?);
+            sandbox.usage = self.manager.usage(&tenant, &req.sandbox_id).await?.as_ref().map(convert::sandbox_usage);
+            Ok(sandbox)
+        })
+        .await
     }
 
     async fn set_sandbox_ttl(&self, request: Request<pb::SetSandboxTtlRequest>) -> Result<Response<pb::Sandbox>, Status> {

@@ -33,7 +33,7 @@ use crate::model::Limits;
 
 // The types that cross the trait live in `model`, shared with the manager, the store and the
 // API; re-exported here so the tiers keep naming them `super::…` / `crate::backend::…`.
-pub use crate::model::{CapturedOutput, ExecOutcome, ExecStatus, ExecUsage, FileChunk, Isolation, OutputChunk};
+pub use crate::model::{CapturedOutput, ExecOutcome, ExecStatus, ExecUsage, FileChunk, Isolation, OutputChunk, SandboxUsage};
 
 /// Longest image name.
 pub const MAX_IMAGE_NAME_BYTES: usize = crate::images::MAX_NAME_BYTES;
@@ -285,6 +285,9 @@ pub trait Backend: Send + Sync {
     /// Called after `clean`, while the daemon serves: other sandboxes are created, used and
     /// re-adopted meanwhile (up to [`Backend::readopt_concurrency`] at once).
     async fn readopt(&self, spec: &SandboxSpec) -> Result<(), BackendError>;
+    /// What the sandbox uses now (CPU, memory, processes, disk), read from its cgroup and its
+    /// writable layer.
+    async fn usage(&self, sandbox: &SandboxId) -> Result<SandboxUsage, BackendError>;
     /// Called once every [`Backend::readopt`] of the start has returned: what only then can be
     /// told garbage is collected, warm pools are filled.
     async fn recovered(&self) {}

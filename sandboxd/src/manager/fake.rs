@@ -119,6 +119,10 @@ impl Backend for FakeBackend {
         let (_tx, chunks) = tokio::sync::mpsc::channel(1);
         Ok(crate::backend::Download { size: 0, chunks })
     }
+    async fn usage(&self, _sandbox: &SandboxId) -> Result<crate::model::SandboxUsage, BackendError> {
+        Ok(crate::model::SandboxUsage::default())
+    }
+
     async fn snapshot(&self, _sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<u64, BackendError> {
         Ok(FAKE_SNAPSHOT_BYTES)
     }

@@ -103,6 +103,7 @@ impl Manager {
         validate_labels(&labels)?;
         // Who execs run as: the request's user, the parent's, the image's USER, or root. An
         // image's USER that is no valid user spec is ignored like its workdir.
+        let asked_user = !req.user.is_empty();
         let user = match (req.user.is_empty(), inherited) {
             (false, _) => Some(validate_user("user", req.user)?),
             (true, Some(parent)) => parent.user.clone(),
@@ -167,7 +168,18 @@ impl Manager {
         }
 
         let started = std::time::Instant::now();
-        match backend.create(&spec_of(&info)).await {
+        let mut created = backend.create(&spec_of(&info)).await.map_err(Error::from);
+        // A user the request names must exist in the sandbox (as an exec checks it): found
+        // now, the create fails naming it, rather than every exec failing later with 126.
+        if let (Ok(()), true, Some(spec)) = (&created, asked_user, info.user.as_deref()) {
+            if let Err(e) = user_exists(backend.as_ref(), &id, spec).await {
+                if let Err(destroyed) = backend.destroy(&id).await {
+                    tracing::warn!(sandbox = %id, error = %destroyed, "destroying a sandbox created for an unknown user");
+                }
+                created = Err(e);
+            }
+        }
+        match created {
             Ok(()) => {
                 let info = entry.update(|i| i.state = SandboxState::Running)?;
                 self.store.put_sandbox(&info)?;
@@ -185,7 +197,7 @@ impl Manager {
                 tracing::warn!(sandbox = %id, error = %e, "sandbox create failed");
                 // The only path a create hands its backend is the workdir (e.g. one under a file
                 // of the image): name the request field.
-                Err(match Error::from(e) {
+                Err(match e {
                     Error::InvalidArgument { field, message } if field == "path" => Error::invalid("workdir", message),
                     e => e,
                 })
@@ -196,6 +208,23 @@ impl Manager {
     /// The sandbox's current description.
     pub fn get(&self, tenant: &str, id: &str) -> Result<SandboxInfo, Error> {
         self.entry(tenant, id)?.1.info()
+    }
+
+    /// What the sandbox uses now; None while it is not running (creating, failed, being
+    /// re-adopted) or when its tier cannot tell.
+    pub async fn usage(&self, tenant: &str, id: &str) -> Result<Option<crate::model::SandboxUsage>, Error> {
+        let (sid, entry) = self.entry(tenant, id)?;
+        let info = entry.info()?;
+        if entry.is_pending() || !info.state.can_exec() {
+            return Ok(None);
+        }
+        match self.backends.get(info.isolation)?.usage(&sid).await {
+            Ok(usage) => Ok(Some(usage)),
+            Err(e) => {
+                tracing::debug!(sandbox = %sid, error = %e, "no usage for a sandbox");
+                Ok(None)
+            }
+        }
     }
 
     /// A new lifetime for the sandbox: reaped `ttl_seconds` from now, or never for 0. Recorded,
@@ -286,6 +315,26 @@ fn merged(base: &BTreeMap<String, String>, over: BTreeMap<String, String>) -> BT
     let mut map = base.clone();
     map.extend(over);
     map
+}
+
+/// Whether `spec` names a user (and group) of the sandbox's /etc/passwd and /etc/group, read as
+/// an exec would read them; `InvalidArgument` on the field `user` when it does not.
+async fn user_exists(backend: &dyn crate::backend::Backend, id: &SandboxId, spec: &str) -> Result<(), Error> {
+    // The same bound the exec side reads them with.
+    const MAX_DB_BYTES: u64 = 4 << 20;
+    let read = |path: &'static str| async move {
+        match backend.read_file(id, path, 0, MAX_DB_BYTES).await {
+            Ok(chunk) => Ok(String::from_utf8_lossy(&chunk.content).into_owned()),
+            Err(crate::backend::BackendError::FileNotFound { .. }) => Ok(String::new()),
+            Err(e) => Err(Error::from(e)),
+        }
+    };
+    let passwd = read("/etc/passwd").await?;
+    let group = read("/etc/group").await?;
+    match sandbox_exec::user::resolve_in(spec, &passwd, &group) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(Error::invalid("user", e.to_string())),
+    }
 }
 
 #[cfg(test)]

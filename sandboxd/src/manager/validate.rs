@@ -300,6 +300,33 @@ pub(super) fn validate_mode(mode: u32) -> Result<(), Error> {
     Ok(())
 }
 
+/// The kernel's and the sandbox's own mounts (`/proc`, `/sys`, `/dev` with its `/dev/shm` and
+/// `/dev/pts`): the file API works on a sandbox's root filesystem, where these are empty
+/// directories, so a file written there would never be seen inside. Refused, naming the way
+/// that reaches them. `path` is taken lexically, relative to `workdir` when relative.
+pub(super) fn refuse_kernel_mounts(workdir: &str, path: &str) -> Result<(), Error> {
+    let mut parts: Vec<&str> = Vec::new();
+    let joined = if path.starts_with('/') { path.to_string() } else { format!("{workdir}/{path}") };
+    for part in joined.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    match parts.first() {
+        Some(&top) if ["proc", "sys", "dev"].contains(&top) => Err(Error::invalid(
+            "path",
+            format!(
+                "{path:?} is under /{top}, a mount of the sandbox's own that the file API does not reach (it reads and writes the sandbox's root filesystem): use an exec, e.g. `cat` or `cp`, for files there"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// A snapshot's name, stored with its record.
 pub(super) fn validate_snapshot_name(name: &str) -> Result<(), Error> {
     if name.len() > 256 {
@@ -311,6 +338,18 @@ pub(super) fn validate_snapshot_name(name: &str) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_mounts_are_refused_however_named() {
+        for path in ["/dev/shm/x", "/proc/1/environ", "/sys", "/workspace/../dev/shm", "shm/x"] {
+            let workdir = if path == "shm/x" { "/dev" } else { "/workspace" };
+            let err = refuse_kernel_mounts(workdir, path).expect_err(path);
+            assert!(err.to_string().contains("use an exec"), "{err}");
+        }
+        for path in ["/workspace/dev/shm", "/devices", "/tmp/x", "dev/x", "/"] {
+            assert!(refuse_kernel_mounts("/workspace", path).is_ok(), "{path}");
+        }
+    }
 
     #[test]
     fn limits_default_and_ceiling() {

@@ -30,6 +30,14 @@ pub fn sandbox(s: &Sandbox) -> Value {
         "parent_snapshot_id": s.parent_snapshot_id,
         "isolation_reason": s.isolation_reason,
         "failure_reason": s.failure_reason,
+        "usage": s.usage.as_ref().map(|u| json!({
+            "cpu_user_ms": u.cpu_user_ms,
+            "cpu_system_ms": u.cpu_system_ms,
+            "memory_bytes": u.memory_bytes,
+            "peak_memory_bytes": u.peak_memory_bytes,
+            "pids": u.pids,
+            "disk_bytes": u.disk_bytes,
+        })),
     })
 }
 

@@ -87,6 +87,32 @@ pub async fn get(ctx: &Ctx, id: String) -> Result<u8> {
         ("EXEC_TIMEOUT", format!("{}ms", limits.exec_timeout_ms)),
         ("LABELS", output::labels(&s.labels)),
     ];
+    let mut rows = rows.to_vec();
+    if let Some(u) = &s.usage {
+        let unknown = || "-".to_string();
+        rows.extend([
+            (
+                "CPU_USED",
+                format!("{}ms user, {}ms system", u.cpu_user_ms, u.cpu_system_ms),
+            ),
+            (
+                "MEMORY_USED",
+                format!(
+                    "{} (peak {})",
+                    output::size(u.memory_bytes),
+                    output::size(u.peak_memory_bytes)
+                ),
+            ),
+            (
+                "PIDS_USED",
+                u.pids.map(|p| p.to_string()).unwrap_or_else(unknown),
+            ),
+            (
+                "DISK_USED",
+                u.disk_bytes.map(output::size).unwrap_or_else(unknown),
+            ),
+        ]);
+    }
     output::stdout(output::fields(&rows).as_bytes())?;
     Ok(0)
 }

@@ -399,6 +399,12 @@ impl Backend for ContainerBackend {
         files::remove_file(&sb, path).await
     }
 
+    async fn usage(&self, sandbox: &SandboxId) -> Result<super::SandboxUsage, BackendError> {
+        // The container's own cgroup, read directly: Docker's stats API takes a sample interval.
+        // Its writable layer is not measured (Docker does it only by walking every file).
+        Ok(self.inner.sandbox(sandbox)?.cgroup.usage())
+    }
+
     async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {
         Inner::snapshot(&self.inner, sandbox, snapshot).await
     }

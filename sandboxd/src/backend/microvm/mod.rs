@@ -705,6 +705,14 @@ fn write_probe_cache(key: &str, accel: Accel) {
     }
 }
 
+/// Bytes the disk files (`*.qcow2`) of a VM's directory take on the host (allocated, not
+/// apparent: qcow2 files are sparse).
+fn disk_files_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let entries = std::fs::read_dir(dir).ok()?;
+    Some(entries.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "qcow2")).filter_map(|e| e.metadata().ok()).map(|m| m.blocks() * 512).sum())
+}
+
 #[async_trait]
 impl Backend for MicroVmBackend {
     fn isolation(&self) -> Isolation {
@@ -831,6 +839,17 @@ impl Backend for MicroVmBackend {
     async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError> {
         let sb = self.inner.sandbox(sandbox)?;
         files::remove_file(&*sb.vm()?, &sb.spec.workdir, path).await
+    }
+
+    async fn usage(&self, sandbox: &SandboxId) -> Result<super::SandboxUsage, BackendError> {
+        let vm = self.inner.sandbox(sandbox)?.vm()?;
+        // QEMU's cgroup: the guest's CPU and the RAM it touched, as the host pays for them. The
+        // guest's own processes are not the host's to count.
+        let mut usage = vm.cgroup.lock().ok().and_then(|c| c.as_ref().map(|c| c.usage())).unwrap_or_default();
+        usage.pids = None;
+        let dir = vm.dir.lock().map(|d| d.clone()).map_err(|_| BackendError::Internal("VM dir poisoned".into()))?;
+        usage.disk_bytes = tokio::task::spawn_blocking(move || disk_files_bytes(&dir)).await.ok().flatten();
+        Ok(usage)
     }
 
     async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {

@@ -31,17 +31,8 @@ pub const RANGE: u32 = 65_536;
 /// never a sandbox's (inside, it shows as the overflow id, `nobody`).
 pub const DAEMON_DISK_ID: u32 = RANGE;
 
-/// Whether process sandboxes get a user namespace: `auto` uses one where the kernel and the
-/// filesystems allow it (and logs why not otherwise), `required` refuses to serve the tier
-/// without, `off` keeps sandbox uids host uids.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum UsernsMode {
-    #[default]
-    Auto,
-    Required,
-    Off,
-}
+/// Whether process sandboxes get a user namespace (the `[process] user_namespaces` key).
+pub use crate::config::UsernsMode;
 
 /// The host ids handed out to sandboxes, `count` ranges of [`RANGE`] from `first`.
 pub struct IdRanges {

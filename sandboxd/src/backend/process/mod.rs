@@ -40,7 +40,8 @@ use super::cgroup::{self, CgroupLimits, CgroupRoot, ExecCgroup, ExecCgroups, San
 use super::files;
 use super::mountinfo;
 use super::{
-    ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal, UploadPiece,
+    ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, SandboxUsage, StartSignal,
+    UploadPiece,
 };
 use crate::hostfs;
 use crate::ids::{ExecId, SandboxId, SnapshotId};
@@ -667,6 +668,15 @@ impl Backend for ProcessBackend {
         tokio::task::spawn_blocking(move || files::remove_file(&sb.rootfs, &sb.workdir, &path))
             .await
             .map_err(|e| BackendError::Internal(format!("file task: {e}")))?
+    }
+
+    async fn usage(&self, sandbox: &SandboxId) -> Result<SandboxUsage, BackendError> {
+        let sb = self.sandbox(sandbox)?;
+        let mut usage = sb.cgroup.usage();
+        // As of the pool's last commit (btrfs commits at least every 30 s): committing here
+        // would make every GetSandbox wait for the disk.
+        usage.disk_bytes = self.pool()?.referenced_bytes(&subvolume_of(sandbox)).ok();
+        Ok(usage)
     }
 
     async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {

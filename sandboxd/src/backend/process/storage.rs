@@ -354,6 +354,11 @@ fn find_search_item(buf: &[u8], nr_items: u32, typ: u32, offset: u64) -> Option<
     None
 }
 
+/// `rfer` of a `btrfs_qgroup_info_item` (generation, rfer, rfer_cmpr, excl, excl_cmpr).
+fn qgroup_info_rfer(item: &[u8]) -> Option<u64> {
+    le_u64(item, 8)
+}
+
 /// `excl` of a `btrfs_qgroup_info_item` (generation, rfer, rfer_cmpr, excl, excl_cmpr).
 fn qgroup_info_excl(item: &[u8]) -> Option<u64> {
     le_u64(item, 24)
@@ -684,6 +689,15 @@ impl Pool {
         commit(&fd, &path)?;
         // A level-0 qgroup id is just the subvolume id.
         quota_tree_item(&fd, &path, BTRFS_QGROUP_INFO_KEY, id)?.as_deref().and_then(qgroup_info_excl).ok_or(StorageError::NoQgroup { subvol_id: id, path })
+    }
+
+    /// Bytes subvolume `rel` references (what its limit counts), as of the last commit: no
+    /// commit is forced, so this is cheap and may trail recent writes by a commit interval.
+    pub fn referenced_bytes(&self, rel: &str) -> Result<u64, StorageError> {
+        let path = self.abs(rel);
+        let fd = self.open_subvolume(rel)?;
+        let id = subvol_id(&fd, &path)?;
+        quota_tree_item(&fd, &path, BTRFS_QGROUP_INFO_KEY, id)?.as_deref().and_then(qgroup_info_rfer).ok_or(StorageError::NoQgroup { subvol_id: id, path })
     }
 
     /// The referenced-bytes limit of subvolume `rel`, None if unlimited. Commits the

@@ -79,6 +79,7 @@ async fn run(args: Args) -> Result<bool> {
     latency::sandboxd_latency(&plan, &mut report).await;
     density::sandboxd_density(&plan, &mut report).await;
     snapshots::sandboxd_snapshots(&plan, &mut report).await;
+    snapshots::sandboxd_without_userns(&plan, &mut report).await;
     if args.no_docker {
         let why = "left out with --no-docker";
         report.docker_unavailable = Some(why.into());

@@ -143,7 +143,13 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
     let _ = writeln!(w, "\n## Latency\n");
     let _ = writeln!(w, "Milliseconds of wall time per API call, as the client sees it.\n");
     let _ = writeln!(w, "| measurement | n | p50 ms | p99 ms | mean ms | max ms |\n|---|---:|---:|---:|---:|---:|");
-    let all_rows = Key::SANDBOXD.iter().chain(Key::SNAPSHOTS.iter()).chain(Key::FORKS.iter()).chain(Key::CONTAINER.iter()).chain(Key::DOCKER.iter());
+    let all_rows = Key::SANDBOXD
+        .iter()
+        .chain(Key::SNAPSHOTS.iter())
+        .chain(Key::NO_USERNS.iter())
+        .chain(Key::FORKS.iter())
+        .chain(Key::CONTAINER.iter())
+        .chain(Key::DOCKER.iter());
     for key in all_rows {
         table_row(w, report, *key, plan);
     }

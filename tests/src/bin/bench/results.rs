@@ -80,6 +80,11 @@ pub(crate) enum Key {
     Snapshot(Image, u32),
     /// `Rollback` to such a snapshot.
     Rollback(Image, u32),
+    /// `CreateSandbox` and a 1 MiB `Snapshot` on a daemon with `[process] user_namespaces =
+    /// "off"`: the cost of a user namespace per sandbox, next to [`Key::Create`] and
+    /// [`Key::Snapshot`].
+    CreateNoUserns,
+    SnapshotNoUserns,
     Fork,
     ForkDestroy,
     /// [`FORK_BATCH`] forks of one snapshot, one after another: one sample is the whole batch.
@@ -125,6 +130,7 @@ impl Key {
         Key::Snapshot(Image::Debian, CHANGED_LARGE_MIB),
         Key::Rollback(Image::Debian, CHANGED_LARGE_MIB),
     ];
+    pub(crate) const NO_USERNS: [Key; 2] = [Key::CreateNoUserns, Key::SnapshotNoUserns];
     pub(crate) const FORKS: [Key; 3] = [Key::Fork, Key::ForkDestroy, Key::ForkBatch];
     pub(crate) const CONTAINER: [Key; 5] = [Key::ContainerCreate, Key::ContainerDestroy, Key::ContainerExec, Key::ContainerSnapshot, Key::ContainerRollback];
     pub(crate) const DOCKER: [Key; 5] = [Key::DockerRun, Key::DockerCreateStart, Key::DockerCreateStartBridge, Key::DockerRemove, Key::DockerExec];
@@ -161,6 +167,8 @@ impl Key {
             Key::Rollback(image, mib) => {
                 format!("sandboxd `Rollback`, {mib} MiB changed (image {})", image.name())
             }
+            Key::CreateNoUserns => "sandboxd `CreateSandbox` (process tier, image minimal) without user namespaces".into(),
+            Key::SnapshotNoUserns => format!("sandboxd `Snapshot`, {CHANGED_SMALL_MIB} MiB changed (image minimal) without user namespaces"),
             Key::Fork => "sandboxd fork: `CreateSandbox{from_snapshot_id}` (image minimal, 1 MiB changed)".into(),
             Key::ForkDestroy => "sandboxd `DestroySandbox` of a fork".into(),
             Key::ForkBatch => {

@@ -163,3 +163,47 @@ pub(crate) async fn sandboxd_snapshots(plan: &Plan, report: &mut Report) {
     drop(daemon);
     report.section_times.push(("sandboxd snapshots, forks, throughput".into(), started.elapsed()));
 }
+
+/// Create and a 1 MiB snapshot on a daemon without user namespaces, for the rows that show what
+/// a user namespace per sandbox costs (the other rows have them, the default).
+pub(crate) async fn sandboxd_without_userns(plan: &Plan, report: &mut Report) {
+    let started = Instant::now();
+    let keys = Key::NO_USERNS;
+    let daemon = match Daemon::start_with_config("[process]\nuser_namespaces = \"off\"\n").await.context("starting sandboxd without user namespaces") {
+        Ok(d) => d,
+        Err(e) => return report.failed(&keys, &e),
+    };
+    let client = match daemon.client().await {
+        Ok(c) => c,
+        Err(e) => return report.failed(&keys, &e),
+    };
+    let mut sb = Sandboxes::new(client);
+    eprintln!("bench: sandboxd create × {} without user namespaces", plan.create);
+    let creates = async {
+        for i in 0..plan.warmup {
+            let (id, _) = sb.create(&format!("warm-up {i} without user namespaces")).await?;
+            sb.destroy(&id).await?;
+        }
+        let mut creates = Vec::with_capacity(plan.create);
+        for i in 0..plan.create {
+            let (id, took) = sb.create(&format!("sample {i} without user namespaces")).await?;
+            creates.push(took);
+            sb.destroy(&id).await?;
+        }
+        anyhow::Ok(creates)
+    }
+    .await;
+    match creates {
+        Ok(c) => report.measured(Key::CreateNoUserns, &c),
+        Err(e) => report.failed(&[Key::CreateNoUserns], &e),
+    }
+    sb.cleanup().await;
+    eprintln!("bench: sandboxd snapshot, {CHANGED_SMALL_MIB} MiB changed × {} without user namespaces", plan.snap_small);
+    match snapshot_rollback(&mut sb, process_sandbox(Image::Minimal.name()), CHANGED_SMALL_MIB, plan.snap_small).await {
+        Ok((snaps, _, _)) => report.measured(Key::SnapshotNoUserns, &snaps),
+        Err(e) => report.failed(&[Key::SnapshotNoUserns], &e),
+    }
+    sb.cleanup().await;
+    drop(daemon);
+    report.section_times.push(("sandboxd without user namespaces".into(), started.elapsed()));
+}
