@@ -44,7 +44,7 @@ impl Manager {
     /// Writes a file inside the sandbox.
     pub async fn write_file(&self, tenant: &str, sandbox_id: &str, path: &str, content: &[u8], mode: u32) -> Result<u64, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
-        refuse_kernel_mounts(&info.workdir, path)?;
+        refuse_kernel_mounts(info.isolation, &info.workdir, path)?;
         validate_mode(mode)?;
         self.backends.get(info.isolation)?.write_file(&sid, path, content, mode).await.map_err(|e| self.write_error(&info, e))
     }
@@ -52,7 +52,7 @@ impl Manager {
     /// Reads part of a file inside the sandbox.
     pub async fn read_file(&self, tenant: &str, sandbox_id: &str, path: &str, offset: u64, limit: u64) -> Result<FileChunk, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files").await?;
-        refuse_kernel_mounts(&info.workdir, path)?;
+        refuse_kernel_mounts(info.isolation, &info.workdir, path)?;
         Ok(self.backends.get(info.isolation)?.read_file(&sid, path, offset, limit).await?)
     }
 
@@ -61,7 +61,7 @@ impl Manager {
     /// of `tenant` (`[streams] max_uploads`) until it ends.
     pub async fn upload_file(&self, tenant: &str, sandbox_id: &str, path: &str, mode: u32, data: mpsc::Receiver<UploadPiece>) -> Result<u64, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
-        refuse_kernel_mounts(&info.workdir, path)?;
+        refuse_kernel_mounts(info.isolation, &info.workdir, path)?;
         validate_mode(mode)?;
         let _slot = self.stream_slots.take(StreamKind::Upload, tenant)?;
         self.backends.get(info.isolation)?.upload_file(&sid, path, mode, data).await.map_err(|e| self.write_error(&info, e))
@@ -71,7 +71,7 @@ impl Manager {
     /// (`[streams] max_downloads`) until it is dropped.
     pub async fn download_file(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<Held<Download>, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files").await?;
-        refuse_kernel_mounts(&info.workdir, path)?;
+        refuse_kernel_mounts(info.isolation, &info.workdir, path)?;
         let slots = vec![self.stream_slots.take(StreamKind::Download, tenant)?];
         let value = self.backends.get(info.isolation)?.download_file(&sid, path, self.stream_slots.idle_timeout()).await?;
         Ok(Held { value, slots })
@@ -82,7 +82,7 @@ impl Manager {
     /// walk slot until it ends.
     pub async fn upload_archive(&self, tenant: &str, sandbox_id: &str, dir: &str, data: mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
-        refuse_kernel_mounts(&info.workdir, dir)?;
+        refuse_kernel_mounts(info.isolation, &info.workdir, dir)?;
         let _slots = (self.stream_slots.take(StreamKind::Upload, tenant)?, self.stream_slots.take(StreamKind::ArchiveWalk, tenant)?);
         self.backends.get(info.isolation)?.upload_archive(&sid, dir, data).await.map_err(|e| self.write_error(&info, e))
     }
@@ -91,7 +91,7 @@ impl Manager {
     /// walk slot until it is dropped.
     pub async fn download_archive(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<Held<ByteChunks>, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files").await?;
-        refuse_kernel_mounts(&info.workdir, path)?;
+        refuse_kernel_mounts(info.isolation, &info.workdir, path)?;
         let slots = vec![self.stream_slots.take(StreamKind::Download, tenant)?, self.stream_slots.take(StreamKind::ArchiveWalk, tenant)?];
         let value = self.backends.get(info.isolation)?.download_archive(&sid, path, self.stream_slots.idle_timeout()).await?;
         Ok(Held { value, slots })

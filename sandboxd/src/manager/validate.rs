@@ -9,7 +9,7 @@ use crate::backend::ExecSpec;
 use crate::config::Config;
 use crate::error::Error;
 use crate::ids::{ExecId, SandboxId};
-use crate::model::{ExecRequest, Limits, RequestedLimits, SandboxInfo};
+use crate::model::{ExecRequest, Isolation, Limits, RequestedLimits, SandboxInfo};
 
 /// What argv and env of one exec may take together (the kernel allows more, but this keeps a
 /// request's command line a command line: large data goes on stdin or in a file).
@@ -300,11 +300,13 @@ pub(super) fn validate_mode(mode: u32) -> Result<(), Error> {
     Ok(())
 }
 
-/// The kernel's and the sandbox's own mounts (`/proc`, `/sys`, `/dev` with its `/dev/shm` and
-/// `/dev/pts`): the file API works on a sandbox's root filesystem, where these are empty
-/// directories, so a file written there would never be seen inside. Refused, naming the way
-/// that reaches them. `path` is taken lexically, relative to `workdir` when relative.
-pub(super) fn refuse_kernel_mounts(workdir: &str, path: &str) -> Result<(), Error> {
+/// Paths the file API refuses: the kernel's interfaces (`/proc`, `/sys`), which the daemon, as
+/// the host's root, must never write through a sandbox's view, and on the process tier `/dev`
+/// (its `/dev/shm` and `/dev/pts` are mounts of the sandbox's own, while that tier's file API
+/// works on the root filesystem, where `/dev` is an empty directory: a file written there would
+/// never be seen inside). The container and microVM tiers reach the sandbox's own `/dev/shm`.
+/// `path` is taken lexically, relative to `workdir` when relative.
+pub(super) fn refuse_kernel_mounts(isolation: Isolation, workdir: &str, path: &str) -> Result<(), Error> {
     let mut parts: Vec<&str> = Vec::new();
     let joined = if path.starts_with('/') { path.to_string() } else { format!("{workdir}/{path}") };
     for part in joined.split('/') {
@@ -316,12 +318,11 @@ pub(super) fn refuse_kernel_mounts(workdir: &str, path: &str) -> Result<(), Erro
             p => parts.push(p),
         }
     }
+    let refused = |top: &str| top == "proc" || top == "sys" || (top == "dev" && isolation == Isolation::Process);
     match parts.first() {
-        Some(&top) if ["proc", "sys", "dev"].contains(&top) => Err(Error::invalid(
+        Some(&top) if refused(top) => Err(Error::invalid(
             "path",
-            format!(
-                "{path:?} is under /{top}, a mount of the sandbox's own that the file API does not reach (it reads and writes the sandbox's root filesystem): use an exec, e.g. `cat` or `cp`, for files there"
-            ),
+            format!("{path:?} is under /{top}, which the file API does not reach on this tier (it reads and writes the sandbox's files, not the kernel's or its own mounts there): use an exec, e.g. `cat` or `cp`"),
         )),
         _ => Ok(()),
     }
@@ -343,11 +344,17 @@ mod tests {
     fn kernel_mounts_are_refused_however_named() {
         for path in ["/dev/shm/x", "/proc/1/environ", "/sys", "/workspace/../dev/shm", "shm/x"] {
             let workdir = if path == "shm/x" { "/dev" } else { "/workspace" };
-            let err = refuse_kernel_mounts(workdir, path).expect_err(path);
+            let err = refuse_kernel_mounts(Isolation::Process, workdir, path).expect_err(path);
             assert!(err.to_string().contains("use an exec"), "{err}");
         }
         for path in ["/workspace/dev/shm", "/devices", "/tmp/x", "dev/x", "/"] {
-            assert!(refuse_kernel_mounts("/workspace", path).is_ok(), "{path}");
+            assert!(refuse_kernel_mounts(Isolation::Process, "/workspace", path).is_ok(), "{path}");
+        }
+        // The other tiers reach their own /dev/shm, never the kernel's interfaces.
+        for isolation in [Isolation::Container, Isolation::MicroVm] {
+            assert!(refuse_kernel_mounts(isolation, "/workspace", "/dev/shm/x").is_ok());
+            assert!(refuse_kernel_mounts(isolation, "/workspace", "/proc/sysrq-trigger").is_err());
+            assert!(refuse_kernel_mounts(isolation, "/", "sys/kernel").is_err());
         }
     }
 
