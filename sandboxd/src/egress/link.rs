@@ -2,16 +2,41 @@
 //! sends every TCP connection and DNS query from a sandbox to the daemon, and drops everything
 //! else (no forwarding at all: the daemon's proxy is the only way out). Done with `ip` and `nft`
 //! from Debian's iproute2 and nftables: the kernel's own tools, maintained, and what an operator
-//! reads back with `nft list table inet sandboxd_egress`.
+//! reads back with `nft list table inet sandboxd_sbxe`.
 
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 
-/// The daemon's nftables table.
-pub const TABLE: &str = "sandboxd_egress";
-/// Host-side interface names: this prefix and the slot number (at most 15 bytes).
-pub const IF_PREFIX: &str = "sbxe";
+/// The daemon's host-side names: its nftables table and its interfaces' prefix. One daemon per
+/// prefix: another daemon with the same one would replace the table.
+#[derive(Debug, Clone)]
+pub struct Names {
+    /// `inet` table: `sandboxd_<prefix>`.
+    pub table: String,
+    /// Host-side interfaces are this and the slot number.
+    pub prefix: String,
+}
+
+impl Names {
+    /// Names for `prefix`: 1-8 of `[a-z0-9]`, so that the interface names (prefix and a slot
+    /// number) fit in 15 bytes.
+    pub fn new(prefix: &str) -> Result<Names, String> {
+        if prefix.is_empty()
+            || prefix.len() > 8
+            || !prefix.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+            || prefix.starts_with(|c: char| c.is_ascii_digit())
+        {
+            return Err(format!("network.interface_prefix {prefix:?}: 1-8 of a-z and 0-9, starting with a letter"));
+        }
+        Ok(Names { table: format!("sandboxd_{prefix}"), prefix: prefix.to_string() })
+    }
+
+    /// The host-side interface of slot `slot`.
+    pub fn ifname(&self, slot: u32) -> String {
+        format!("{}{slot}", self.prefix)
+    }
+}
 
 fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<(), String> {
     let mut cmd = Command::new(program);
@@ -39,11 +64,11 @@ pub fn tools_present() -> Result<(), String> {
 /// (Re)creates the table: TCP from sandbox interfaces redirected to `proxy_port`, UDP/53 to
 /// `dns_port`, sources checked against the set of (interface, address) pairs so no sandbox
 /// speaks with another's address, IPv6 dropped, nothing forwarded, nothing else delivered.
-pub fn install_table(proxy_port: u16, dns_port: u16) -> Result<(), String> {
-    let p = IF_PREFIX;
+pub fn install_table(names: &Names, proxy_port: u16, dns_port: u16) -> Result<(), String> {
+    let (p, table) = (&names.prefix, &names.table);
     let rules = format!(
-        "table inet {TABLE}\ndelete table inet {TABLE}\n\
-table inet {TABLE} {{
+        "table inet {table}\ndelete table inet {table}\n\
+table inet {table} {{
   set sources {{ type ifname . ipv4_addr; }}
   chain prerouting_raw {{ type filter hook prerouting priority raw; policy accept;
     iifname \"{p}*\" meta nfproto != ipv4 drop
@@ -72,15 +97,10 @@ table inet {TABLE} {{
 // turns that on) would route a sandbox's packets anywhere. The next start replaces it in one
 // transaction, with an empty set of sources.
 
-/// The host-side interface of slot `slot`.
-pub fn ifname(slot: u32) -> String {
-    format!("{IF_PREFIX}{slot}")
-}
-
 /// Gives the network namespace of process `pid` an `eth0` at `addr`/30 with a default route via
 /// `gw`, the host end of a veth pair at `gw`/30.
-pub fn attach(slot: u32, pid: i32, gw: Ipv4Addr, addr: Ipv4Addr) -> Result<(), String> {
-    let ifname = ifname(slot);
+pub fn attach(names: &Names, slot: u32, pid: i32, gw: Ipv4Addr, addr: Ipv4Addr) -> Result<(), String> {
+    let ifname = names.ifname(slot);
     // A leftover of a sandbox whose init died without a detach (a daemon crash).
     let _ = run("ip", &["link", "del", &ifname], None);
     let pid_s = pid.to_string();
@@ -92,18 +112,18 @@ pub fn attach(slot: u32, pid: i32, gw: Ipv4Addr, addr: Ipv4Addr) -> Result<(), S
         run("ip", &["link", "set", &ifname, "up"], None)?;
         let inside = format!("addr add {addr}/30 dev eth0\nlink set eth0 up\nroute add default via {gw}\n");
         run("nsenter", &[&format!("--net=/proc/{pid}/ns/net"), "ip", "-batch", "-"], Some(&inside))?;
-        run("nft", &["add", "element", "inet", TABLE, "sources", &format!("{{ \"{ifname}\" . {addr} }}")], None)
+        run("nft", &["add", "element", "inet", &names.table, "sources", &format!("{{ \"{ifname}\" . {addr} }}")], None)
     })();
     if done.is_err() {
-        detach(slot, addr);
+        detach(names, slot, addr);
     }
     done
 }
 
 /// Takes a slot's link away (the veth goes with the namespace too; this is for the set and
 /// for a namespace that outlives its sandbox). Idempotent.
-pub fn detach(slot: u32, addr: Ipv4Addr) {
-    let ifname = ifname(slot);
-    let _ = run("nft", &["delete", "element", "inet", TABLE, "sources", &format!("{{ \"{ifname}\" . {addr} }}")], None);
+pub fn detach(names: &Names, slot: u32, addr: Ipv4Addr) {
+    let ifname = names.ifname(slot);
+    let _ = run("nft", &["delete", "element", "inet", &names.table, "sources", &format!("{{ \"{ifname}\" . {addr} }}")], None);
     let _ = run("ip", &["link", "del", &ifname], None);
 }

@@ -38,6 +38,9 @@ pub struct NetworkConfig {
     /// Addresses for the sandboxes' links: a /30 each (the host end, the sandbox's end).
     /// Never reachable from a sandbox.
     pub subnet: String,
+    /// Host-side interfaces are named this and a slot number; the nftables table is
+    /// `sandboxd_<prefix>`. One daemon per prefix.
+    pub interface_prefix: String,
     /// Where the daemon's DNS asks (host:port). Unset: the first `nameserver` of the host's
     /// /etc/resolv.conf, port 53.
     pub upstream_dns: Option<SocketAddr>,
@@ -54,6 +57,7 @@ impl Default for NetworkConfig {
     fn default() -> Self {
         NetworkConfig {
             subnet: "100.96.0.0/16".into(),
+            interface_prefix: "sbxe".into(),
             upstream_dns: None,
             deny: ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10"].map(String::from).to_vec(),
             max_connections: 64,
@@ -119,6 +123,11 @@ struct Counters {
 /// The daemon's egress filter: DNS server, proxy, and the table of sandbox links.
 pub struct Egress {
     subnet: Cidr,
+    names: link::Names,
+    /// The listeners' ports, for the table (installed at the first attach: a daemon whose
+    /// sandboxes have no network changes nothing on the host).
+    ports: Mutex<Option<(u16, u16)>>,
+    table_installed: tokio::sync::Mutex<bool>,
     deny: Vec<Cidr>,
     upstream: SocketAddr,
     max_connections: u32,
@@ -186,6 +195,7 @@ impl Egress {
         if subnet.prefix > 29 {
             return Err(format!("network.subnet {subnet}: too small (at least a /29)"));
         }
+        let names = link::Names::new(&cfg.interface_prefix)?;
         let deny = cfg.deny.iter().map(|d| d.parse::<Cidr>().map_err(|e| format!("network.deny: {e}"))).collect::<Result<Vec<_>, _>>()?;
         let upstream = cfg.upstream_dns.or_else(first_nameserver).unwrap_or(SocketAddr::from(([127, 0, 0, 1], 53)));
         let counters = Counters {
@@ -200,6 +210,9 @@ impl Egress {
         }
         let egress = Arc::new(Egress {
             subnet,
+            names,
+            ports: Mutex::new(None),
+            table_installed: tokio::sync::Mutex::new(false),
             deny,
             upstream,
             max_connections: cfg.max_connections.max(1),
@@ -226,8 +239,10 @@ impl Egress {
         let tcp = tokio::net::TcpListener::bind("0.0.0.0:0").await.map_err(|e| format!("binding the proxy: {e}"))?;
         let dns_port = udp.local_addr().map_err(|e| e.to_string())?.port();
         let proxy_port = tcp.local_addr().map_err(|e| e.to_string())?.port();
-        tokio::task::spawn_blocking(move || link::install_table(proxy_port, dns_port)).await.map_err(|e| e.to_string())??;
-        tracing::info!(dns_port, proxy_port, table = link::TABLE, "egress listeners");
+        if let Ok(mut p) = self.ports.lock() {
+            *p = Some((proxy_port, dns_port));
+        }
+        tracing::info!(dns_port, proxy_port, table = %self.names.table, "egress listeners");
         tokio::spawn(proxy::serve_dns(self.clone(), Arc::new(udp)));
         tokio::spawn(proxy::serve_proxy(self, tcp));
         Ok(())
@@ -244,6 +259,7 @@ impl Egress {
         if let Some(reason) = self.unavailable() {
             return Err(format!("network mode {} unavailable: {reason}", policy.mode.name()));
         }
+        self.install_table().await?;
         let slots = (self.subnet.size() / 4) as u32;
         let net = {
             let mut t = self.table.lock().map_err(|_| "egress table poisoned".to_string())?;
@@ -266,14 +282,28 @@ impl Egress {
             net
         };
         let gw = self.subnet.nth(net.slot * 4 + 1);
-        let (slot, addr) = (net.slot, net.addr);
-        let linked = tokio::task::spawn_blocking(move || link::attach(slot, pid, gw, addr)).await.map_err(|e| e.to_string()).and_then(|r| r);
+        let (slot, addr, names) = (net.slot, net.addr, self.names.clone());
+        let linked = tokio::task::spawn_blocking(move || link::attach(&names, slot, pid, gw, addr)).await.map_err(|e| e.to_string()).and_then(|r| r);
         if let Err(e) = linked {
             self.forget(id);
             return Err(format!("giving sandbox {id} its network: {e}"));
         }
-        tracing::info!(sandbox = id, mode = policy.mode.name(), addr = %addr, interface = %link::ifname(slot), "sandbox network attached");
+        tracing::info!(sandbox = id, mode = policy.mode.name(), addr = %addr, interface = %self.names.ifname(slot), "sandbox network attached");
         Ok(gw)
+    }
+
+    /// Installs the nftables table once (replacing one a previous run left).
+    async fn install_table(&self) -> Result<(), String> {
+        let mut installed = self.table_installed.lock().await;
+        if *installed {
+            return Ok(());
+        }
+        let (proxy_port, dns_port) = self.ports.lock().ok().and_then(|p| *p).ok_or("the egress listeners are not running")?;
+        let names = self.names.clone();
+        tokio::task::spawn_blocking(move || link::install_table(&names, proxy_port, dns_port)).await.map_err(|e| e.to_string())??;
+        tracing::info!(table = %self.names.table, proxy_port, dns_port, "egress nftables table installed");
+        *installed = true;
+        Ok(())
     }
 
     fn forget(&self, id: &str) -> Option<Arc<SandboxNet>> {
@@ -287,8 +317,8 @@ impl Egress {
     /// Takes sandbox `id`'s link away; nothing if it has none.
     pub async fn detach(&self, id: &str) {
         if let Some(net) = self.forget(id) {
-            let (slot, addr) = (net.slot, net.addr);
-            let _ = tokio::task::spawn_blocking(move || link::detach(slot, addr)).await;
+            let (slot, addr, names) = (net.slot, net.addr, self.names.clone());
+            let _ = tokio::task::spawn_blocking(move || link::detach(&names, slot, addr)).await;
         }
     }
 

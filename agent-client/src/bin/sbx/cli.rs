@@ -1,6 +1,8 @@
 //! The command line, as clap derive types.
 
-use agent_client::proto::{CreateSandboxRequest, Isolation, ResourceLimits};
+use agent_client::proto::{
+    CreateSandboxRequest, Isolation, NetworkMode, NetworkPolicy, ResourceLimits,
+};
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -436,6 +438,39 @@ pub struct SandboxSpec {
     /// Who every exec runs as: name, uid, name:group or uid:gid [default: the image's USER, else root].
     #[arg(long, short = 'u', value_name = "USER")]
     pub user: Option<String>,
+    /// Network mode [default: none (loopback only); a fork: its parent's; with --allow: allowlist].
+    #[arg(long, value_enum)]
+    pub network: Option<NetworkArg>,
+    /// What an allowlist network may reach (repeatable): NAME:PORT, '*.SUFFIX:PORT', A.B.C.D:PORT, A.B.C.D/NN:PORT.
+    #[arg(long = "allow", value_name = "DEST:PORT")]
+    pub allow: Vec<String>,
+}
+
+/// `--network` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum NetworkArg {
+    /// Loopback only.
+    None,
+    /// Only the --allow destinations, through the daemon's DNS and proxy.
+    Allowlist,
+    /// Everything but the host, metadata addresses, other sandboxes and denied ranges.
+    Open,
+}
+
+impl SandboxSpec {
+    /// The network part of the request: unset when neither --network nor --allow is given.
+    fn network(&self) -> Option<NetworkPolicy> {
+        let mode = match (self.network, self.allow.is_empty()) {
+            (None, true) => return None,
+            (None, false) | (Some(NetworkArg::Allowlist), _) => NetworkMode::Allowlist,
+            (Some(NetworkArg::None), _) => NetworkMode::None,
+            (Some(NetworkArg::Open), _) => NetworkMode::Open,
+        };
+        Some(NetworkPolicy {
+            mode: mode as i32,
+            allow: self.allow.clone(),
+        })
+    }
 }
 
 impl SandboxSpec {
@@ -461,6 +496,7 @@ impl SandboxSpec {
             ttl_seconds: self.ttl.unwrap_or(0),
             from_snapshot_id: from_snapshot_id.unwrap_or_default(),
             user: self.user.clone().unwrap_or_default(),
+            network: self.network(),
         }
     }
 }

@@ -30,7 +30,22 @@ pub fn sandbox(s: &Sandbox) -> Value {
         "parent_snapshot_id": s.parent_snapshot_id,
         "isolation_reason": s.isolation_reason,
         "failure_reason": s.failure_reason,
+        "network": s.network.as_ref().map(|n| json!({
+            "mode": network_mode_name(n.mode),
+            "allow": n.allow,
+        })),
     })
+}
+
+/// `NETWORK_MODE_ALLOWLIST` → "ALLOWLIST".
+pub fn network_mode_name(mode: i32) -> &'static str {
+    use agent_client::proto::NetworkMode;
+    match NetworkMode::try_from(mode) {
+        Ok(NetworkMode::None) | Ok(NetworkMode::Unspecified) => "NONE",
+        Ok(NetworkMode::Allowlist) => "ALLOWLIST",
+        Ok(NetworkMode::Open) => "OPEN",
+        Err(_) => "UNKNOWN",
+    }
 }
 
 /// Resource limits.

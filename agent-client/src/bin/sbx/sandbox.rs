@@ -86,6 +86,16 @@ pub async fn get(ctx: &Ctx, id: String) -> Result<u8> {
         ("DISK", output::size(limits.disk_bytes)),
         ("EXEC_TIMEOUT", format!("{}ms", limits.exec_timeout_ms)),
         ("LABELS", output::labels(&s.labels)),
+        (
+            "NETWORK",
+            match &s.network {
+                Some(n) if !n.allow.is_empty() => {
+                    format!("{} {}", json::network_mode_name(n.mode), n.allow.join(" "))
+                }
+                Some(n) => json::network_mode_name(n.mode).to_string(),
+                None => "NONE".to_string(),
+            },
+        ),
     ];
     output::stdout(output::fields(&rows).as_bytes())?;
     Ok(0)
