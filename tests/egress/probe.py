@@ -6,6 +6,9 @@ attempt: "OK <detail>" or "FAIL <why>". Standard library only (the `debian` imag
   echo HOST PORT          send "ping", expect it back
   tls HOST PORT SNI       send a real ClientHello for SNI, expect it echoed back whole
   dns TYPE NAME           a raw query of TYPE (number) for NAME to the resolv.conf nameserver
+  connect HOST PORT       connect and send nothing: OK if the connection is still open 2 s
+                          later. For addresses outside the test's namespaces (the metadata
+                          address), so that even a broken filter never sends them a request.
 """
 import socket
 import ssl
@@ -68,6 +71,15 @@ def attempt(kind, args):
         if data != hello:
             raise RuntimeError(f"{len(data)} of {len(hello)} bytes echoed")
         return f"echoed {len(hello)} bytes"
+    if kind == "connect":
+        with socket.create_connection((args[0], int(args[1])), timeout=TIMEOUT) as s:
+            # The daemon's proxy closes a refused connection at once; an open one stays open.
+            s.settimeout(2)
+            try:
+                data = s.recv(1)
+            except socket.timeout:
+                return "open"
+        raise RuntimeError(f"closed ({data!r})")
     if kind == "dns":
         qtype, name = int(args[0]), args[1]
         q = struct.pack("!HHHHHH", 0x4242, 0x0100, 1, 0, 0, 0)
@@ -85,7 +97,7 @@ def attempt(kind, args):
     raise RuntimeError(f"unknown attempt {kind}")
 
 
-ARITY = {"resolve": 1, "http": 2, "echo": 2, "tls": 3, "dns": 2}
+ARITY = {"resolve": 1, "http": 2, "echo": 2, "tls": 3, "dns": 2, "connect": 2}
 argv = sys.argv[1:]
 while argv:
     kind, args = argv[0], argv[1:1 + ARITY.get(argv[0], 0)]

@@ -242,10 +242,10 @@ async fn allowlist_reaches_exactly_the_listed_names_and_ports() {
             "http",
             &host_addr,
             &port, // 11
-            "http",
+            "connect",
             "meta.test",
             "80", // 12: listed, resolves to the metadata address
-            "http",
+            "connect",
             "169.254.169.254",
             "80", // 13: listed as a CIDR, still the metadata address
         ],
@@ -298,7 +298,7 @@ async fn none_reaches_nothing_and_open_reaches_the_internet_but_not_the_host_met
     let none = sandbox(&h, None).await;
     let info = h.client.get(&none).await.expect("GetSandbox");
     assert_eq!(info.network.expect("Sandbox.network").mode, NetworkMode::None as i32);
-    let lines = probe(&h, &none, &["resolve", "pypi.test", "http", &addr, "8080", "echo", &addr, "7000", "http", "169.254.169.254", "80"]).await;
+    let lines = probe(&h, &none, &["resolve", "pypi.test", "http", &addr, "8080", "echo", &addr, "7000", "connect", "169.254.169.254", "80"]).await;
     for l in &lines {
         assert_fail(l);
     }
@@ -343,27 +343,30 @@ async fn none_reaches_nothing_and_open_reaches_the_internet_but_not_the_host_met
             "echo",
             &addr,
             "7000", // 3
-            "http",
+            "connect",
+            &addr,
+            "7000", // 4: the `connect` probe sees an open connection as open
+            "connect",
             "169.254.169.254",
-            "80", // 4
-            "http",
-            "meta.test",
             "80", // 5
+            "connect",
+            "meta.test",
+            "80", // 6
             "http",
             &neighbour_addr,
-            "8000", // 6
+            "8000", // 7: the neighbour sandbox
             "http",
             &gw,
-            &port, // 7
+            &port, // 8: a host service at the gateway
             "http",
             &inet.host_addr(),
-            &port, // 8
+            &port, // 9: the same at the host end of the internet link
             "http",
             &gw,
-            &metrics_port, // 9: the daemon's own metrics listener
+            &metrics_port, // 10: the daemon's own metrics listener
             "dns",
             "16",
-            "pypi.test", // 10: TXT is refused in every mode
+            "pypi.test", // 11: TXT is refused in every mode
         ],
     )
     .await;
@@ -371,9 +374,11 @@ async fn none_reaches_nothing_and_open_reaches_the_internet_but_not_the_host_met
     assert_ok(&lines[1], "hello from the test internet");
     assert_ok(&lines[2], "hello from the test internet");
     assert_ok(&lines[3], "ping");
-    for l in &lines[4..] {
+    assert_ok(&lines[4], "open");
+    for l in &lines[5..] {
         assert_fail(l);
     }
+    assert_eq!(lines.len(), 12, "{lines:#?}");
     assert!(!host.was_reached(), "a sandbox reached a host service");
     let denied: Vec<_> = audit_lines(&h, &open).into_iter().filter(|l| l["verdict"] == "denied").collect();
     assert!(denied.iter().any(|l| l["addr"] == neighbour_addr.as_str() && l["detail"] == "the sandboxes' network"), "{denied:#?}");
