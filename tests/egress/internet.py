@@ -3,16 +3,21 @@
 Serves, on every address of the namespace:
   * DNS on UDP 53: A records from NAME=ADDR arguments, a TXT record for any name; every query
     it receives is logged ("query NAME TYPE") so a test can tell what reached it;
-  * HTTP on 8080: "hello from the test internet" for any GET;
+  * HTTP on 8080: a package index (PEP 503 `/simple/`) holding one pure-Python wheel,
+    `egresshello` 1.0, built here at start; "hello from the test internet" for any other GET;
   * a raw TCP echo server on 7000.
 Prints "ready" once all three listen. Standard library only.
 """
+import base64
+import hashlib
 import http.server
+import io
 import socket
 import socketserver
 import struct
 import sys
 import threading
+import zipfile
 
 RECORDS = {}
 for arg in sys.argv[1:]:
@@ -59,10 +64,45 @@ def dns_server():
         sock.sendto(header + question + answers, peer)
 
 
+def build_wheel():
+    """egresshello-1.0-py3-none-any.whl, with a RECORD pip can check."""
+    files = {
+        "egresshello/__init__.py": b"GREETING = 'installed from the test index'\n",
+        "egresshello-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: egresshello\nVersion: 1.0\n",
+        "egresshello-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: internet.py\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = ""
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record += f"{name},sha256={digest},{len(data)}\n"
+    record += "egresshello-1.0.dist-info/RECORD,,\n"
+    files["egresshello-1.0.dist-info/RECORD"] = record.encode()
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return out.getvalue()
+
+
+WHEEL_NAME = "egresshello-1.0-py3-none-any.whl"
+WHEEL = build_wheel()
+PAGES = {
+    "/simple/": b'<html><body><a href="/simple/egresshello/">egresshello</a></body></html>\n',
+    "/simple/egresshello/": (
+        f'<html><body><a href="/packages/{WHEEL_NAME}#sha256={hashlib.sha256(WHEEL).hexdigest()}">'
+        f"{WHEEL_NAME}</a></body></html>\n"
+    ).encode(),
+    f"/packages/{WHEEL_NAME}": WHEEL,
+}
+
+
 class Hello(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 - the stdlib's name
-        body = b"hello from the test internet\n"
+        path = self.path.split("?")[0]
+        body = PAGES.get(path, b"hello from the test internet\n")
         self.send_response(200)
+        if path.startswith("/simple/"):
+            self.send_header("Content-Type", "text/html")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

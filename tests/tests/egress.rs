@@ -457,3 +457,27 @@ async fn forks_inherit_the_network_and_other_tiers_refuse_one() {
     assert_eq!(v["network"]["mode"], "ALLOWLIST", "{v}");
     assert_eq!(v["network"]["allow"], serde_json::json!(["pypi.test:8080", "*.pypi.test:443"]), "{v}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pip_installs_from_an_allowed_index_and_not_without_a_network() {
+    require_debian();
+    let inet = Internet::start(3).await;
+    let h = inet.daemon(&[]).await;
+    // pip as a user runs it, with the index by name; --target keeps Debian's system site alone.
+    let pip = "python3 -m pip install --no-cache-dir --disable-pip-version-check --retries 0 --timeout 20 \
+               --break-system-packages --index-url http://pypi.test:8080/simple/ --trusted-host pypi.test --target /workspace/site egresshello \
+               && PYTHONPATH=/workspace/site python3 -c 'import egresshello; print(egresshello.GREETING)'";
+    let allowed = sandbox(&h, network(NetworkMode::Allowlist, &["pypi.test:8080".to_string()])).await;
+    let out = sandbox_tests::sh_ok(&h.client, &allowed, pip).await;
+    assert!(out.contains("installed from the test index"), "{out}");
+    let audit = audit_lines(&h, &allowed);
+    assert!(audit.iter().any(|l| l["rpc"] == "egress.connect" && l["verdict"] == "allowed" && l["bytes_in"].as_u64().unwrap_or(0) > 500), "{audit:#?}");
+
+    let none = sandbox(&h, None).await;
+    let r = sandbox_tests::sh(&h.client, &none, pip).await;
+    assert_ne!(r.exit_code, 0, "pip installed without a network: {}", sandbox_tests::describe(&r));
+    // The same index under an allow list without its port is no better.
+    let wrong_port = sandbox(&h, network(NetworkMode::Allowlist, &["pypi.test:443".to_string()])).await;
+    let r = sandbox_tests::sh(&h.client, &wrong_port, pip).await;
+    assert_ne!(r.exit_code, 0, "pip installed through an unlisted port: {}", sandbox_tests::describe(&r));
+}
