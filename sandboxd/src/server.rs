@@ -139,7 +139,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let preauth = Duration::from_millis(cfg.connections.preauth_timeout_ms);
     tracing::info!(connections = ?cfg.connections, preauth_read_bytes = PREAUTH_READ_BYTES, "connection caps");
     for addr in &cfg.listen {
-        let api = SandboxServiceServer::new(Api::new(manager.clone(), auth.clone(), audit.clone()))
+        let api = SandboxServiceServer::new(Api::new(manager.clone(), auth.clone(), audit.clone()).with_egress(egress.clone()))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         // Every HTTP/2 bound set here rather than left to a library's default: they are what an

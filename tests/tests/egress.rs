@@ -447,6 +447,22 @@ async fn forks_inherit_the_network_and_other_tiers_refuse_one() {
     assert_eq!(closed.network.expect("network").mode, NetworkMode::None as i32);
     assert_fail(&probe(&h, &closed.id, &["http", "pypi.test", "8080"]).await[0]);
 
+    // GetNetworkLog / `sbx net log`: the fork's own attempts, allowed and denied, oldest first.
+    let events = within(30, h.client.network_log(&fork.id, 0)).await.expect("GetNetworkLog");
+    let connects: Vec<_> = events.iter().filter(|e| e.kind == "connect").collect();
+    assert_eq!(connects.iter().map(|e| (e.port, e.allowed)).collect::<Vec<_>>(), [(8080, true), (7000, false)], "{events:#?}");
+    assert_eq!(connects[0].rule, "pypi.test:8080");
+    assert!(connects[0].bytes_in > 0, "{:?}", connects[0]);
+    assert!(events.iter().any(|e| e.kind == "dns" && e.name == "pypi.test" && e.allowed), "{events:#?}");
+    assert!(within(30, h.client.network_log(&closed.id, 0)).await.expect("GetNetworkLog").is_empty());
+    let out = run_sbx(&h.daemon, &["net", "log", &fork.id], 30).await;
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(table.lines().any(|l| l.contains("connect") && l.contains("allowed") && l.contains("pypi.test:8080")), "{table}");
+    assert!(table.lines().any(|l| l.contains("connect") && l.contains("denied") && l.contains("7000")), "{table}");
+    let other = h.client.network_log("sb-nosuchsandbox", 0).await.expect_err("an unknown sandbox");
+    assert_eq!(other.code(), tonic::Code::NotFound, "{other}");
+
     // The command line: --allow implies ALLOWLIST, and `sbx get --json` reports it.
     let out =
         run_sbx(&h.daemon, &["create", "--isolation", "process", "--image", "debian", "--allow", "pypi.test:8080", "--allow", "*.pypi.test:443"], 60).await;

@@ -254,3 +254,20 @@ pub fn image_progress(p: &ImageProgress) -> pb::ImageProgress {
         done: p.done.as_deref().map(image),
     }
 }
+
+/// An egress event → proto.
+pub fn network_event(e: &crate::egress::NetEvent) -> pb::NetworkEvent {
+    pb::NetworkEvent {
+        time: Some(timestamp(e.time)),
+        kind: e.kind.to_string(),
+        name: e.name.clone(),
+        addr: e.addr.clone(),
+        port: e.port.into(),
+        allowed: e.allowed,
+        rule: e.rule.clone(),
+        detail: e.detail.clone(),
+        bytes_out: e.bytes_out,
+        bytes_in: e.bytes_in,
+        duration_ms: e.duration_ms,
+    }
+}

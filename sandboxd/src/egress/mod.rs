@@ -76,6 +76,28 @@ struct SandboxNet {
     /// Addresses handed out by the daemon's DNS, and the names they were for, until when.
     resolved: Mutex<HashMap<Ipv4Addr, Vec<(String, Instant)>>>,
     active: AtomicU32,
+    /// The last [`LOG_EVENTS`] queries and connections, for `GetNetworkLog`.
+    log: Mutex<std::collections::VecDeque<NetEvent>>,
+}
+
+/// Events kept per sandbox for `GetNetworkLog` (the audit log keeps them all).
+pub const LOG_EVENTS: usize = 256;
+
+/// One DNS query or connection attempt, as `GetNetworkLog` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetEvent {
+    pub time: std::time::SystemTime,
+    /// "dns" or "connect".
+    pub kind: &'static str,
+    pub name: String,
+    pub addr: String,
+    pub port: u16,
+    pub allowed: bool,
+    pub rule: String,
+    pub detail: String,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    pub duration_ms: u64,
 }
 
 impl SandboxNet {
@@ -275,6 +297,7 @@ impl Egress {
                 addr: self.subnet.nth(slot * 4 + 2),
                 resolved: Mutex::new(HashMap::new()),
                 active: AtomicU32::new(0),
+                log: Mutex::new(std::collections::VecDeque::new()),
             });
             t.slots.insert(slot);
             t.by_addr.insert(net.addr, net.clone());
@@ -322,6 +345,15 @@ impl Egress {
         }
     }
 
+    /// Sandbox `id`'s most recent `limit` events (0: all kept), oldest first; none without a
+    /// network.
+    pub fn recent(&self, id: &str, limit: usize) -> Vec<NetEvent> {
+        let Some(net) = self.table.lock().ok().and_then(|t| t.by_id.get(id).cloned()) else { return Vec::new() };
+        let Ok(log) = net.log.lock() else { return Vec::new() };
+        let skip = if limit == 0 { 0 } else { log.len().saturating_sub(limit) };
+        log.iter().skip(skip).cloned().collect()
+    }
+
     fn sandbox_at(&self, addr: Ipv4Addr) -> Option<Arc<SandboxNet>> {
         self.table.lock().ok()?.by_addr.get(&addr).cloned()
     }
@@ -343,6 +375,24 @@ impl Egress {
             duration_ms: crate::audit::millis(o.duration),
             status: if o.allowed { "OK" } else { "PERMISSION_DENIED" },
         });
+        if let Ok(mut log) = net.log.lock() {
+            if log.len() >= LOG_EVENTS {
+                log.pop_front();
+            }
+            log.push_back(NetEvent {
+                time: std::time::SystemTime::now(),
+                kind: if rpc == "egress.dns" { "dns" } else { "connect" },
+                name: o.name.to_string(),
+                addr: o.addr.clone(),
+                port: o.port,
+                allowed: o.allowed,
+                rule: o.rule.to_string(),
+                detail: o.detail.to_string(),
+                bytes_out: o.bytes.0,
+                bytes_in: o.bytes.1,
+                duration_ms: crate::audit::millis(o.duration),
+            });
+        }
         if rpc == "egress.dns" {
             self.counters.queries.with_label_values(&[verdict]).inc();
         } else {

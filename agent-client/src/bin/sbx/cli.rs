@@ -58,6 +58,11 @@ pub enum Command {
         /// Sandbox id.
         id: String,
     },
+    /// A sandbox's network: `sbx net log ID` shows its recent DNS queries and connections.
+    Net {
+        #[command(subcommand)]
+        command: NetCommand,
+    },
     /// Give a sandbox a new lifetime from now (reaped SECS later; 0 = never).
     Ttl {
         /// Sandbox id.
@@ -444,6 +449,20 @@ pub struct SandboxSpec {
     /// What an allowlist network may reach (repeatable): NAME:PORT, '*.SUFFIX:PORT', A.B.C.D:PORT, A.B.C.D/NN:PORT.
     #[arg(long = "allow", value_name = "DEST:PORT")]
     pub allow: Vec<String>,
+}
+
+/// `sbx net …`.
+#[derive(Debug, Subcommand)]
+pub enum NetCommand {
+    /// Recent DNS queries and connection attempts, oldest first, allowed or not (the daemon keeps
+    /// the last 256 per sandbox; the audit log has them all).
+    Log {
+        /// Sandbox id.
+        id: String,
+        /// Show at most the last this many (0 = all kept).
+        #[arg(long, default_value_t = 0)]
+        limit: u32,
+    },
 }
 
 /// `--network` values.

@@ -48,6 +48,23 @@ pub fn network_mode_name(mode: i32) -> &'static str {
     }
 }
 
+/// A network event.
+pub fn network_event(e: &agent_client::proto::NetworkEvent) -> Value {
+    json!({
+        "time": timestamp(e.time.as_ref()),
+        "kind": e.kind,
+        "name": e.name,
+        "addr": e.addr,
+        "port": e.port,
+        "allowed": e.allowed,
+        "rule": e.rule,
+        "detail": e.detail,
+        "bytes_out": e.bytes_out,
+        "bytes_in": e.bytes_in,
+        "duration_ms": e.duration_ms,
+    })
+}
+
 /// Resource limits.
 pub fn limits(l: &ResourceLimits) -> Value {
     json!({

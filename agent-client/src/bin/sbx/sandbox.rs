@@ -101,6 +101,49 @@ pub async fn get(ctx: &Ctx, id: String) -> Result<u8> {
     Ok(0)
 }
 
+/// Prints the sandbox's recent network events.
+pub async fn network_log(ctx: &Ctx, id: String, limit: u32) -> Result<u8> {
+    let events = ctx.client().await?.network_log(id, limit).await?;
+    if ctx.json {
+        output::json(&events.iter().map(json::network_event).collect())?;
+        return Ok(0);
+    }
+    let rows: Vec<Vec<String>> = events
+        .iter()
+        .map(|e| {
+            vec![
+                output::time(e.time.as_ref()),
+                e.kind.clone(),
+                if e.allowed { "allowed" } else { "denied" }.to_string(),
+                output::or_dash(&e.name),
+                output::or_dash(&e.addr),
+                if e.port == 0 {
+                    "-".to_string()
+                } else {
+                    e.port.to_string()
+                },
+                if e.allowed {
+                    output::or_dash(&e.rule)
+                } else {
+                    output::ellipsize(&e.detail, 60)
+                },
+                format!("{}/{}", e.bytes_out, e.bytes_in),
+                format!("{}ms", e.duration_ms),
+            ]
+        })
+        .collect();
+    output::stdout(
+        output::table(
+            &[
+                "TIME", "KIND", "VERDICT", "NAME", "ADDR", "PORT", "RULE/WHY", "OUT/IN", "DURATION",
+            ],
+            &rows,
+        )
+        .as_bytes(),
+    )?;
+    Ok(0)
+}
+
 /// Sets the sandbox's TTL from now and prints when it now expires (`-` for never).
 pub async fn set_ttl(ctx: &Ctx, id: String, secs: u32) -> Result<u8> {
     let s = ctx.client().await?.set_ttl(id, secs).await?;
