@@ -410,7 +410,7 @@ async fn http_get(addr: &str) -> String {
 async fn forks_inherit_the_network_and_other_tiers_refuse_one() {
     require_debian();
     let inet = Internet::start(2).await;
-    let h = inet.daemon(&[]).await;
+    let mut h = inet.daemon(&[]).await;
     let allow = vec!["pypi.test:8080".to_string()];
 
     // Other tiers: refused with the tier named, never created without the filter.
@@ -462,6 +462,16 @@ async fn forks_inherit_the_network_and_other_tiers_refuse_one() {
     assert!(table.lines().any(|l| l.contains("connect") && l.contains("denied") && l.contains("7000")), "{table}");
     let other = h.client.network_log("sb-nosuchsandbox", 0).await.expect_err("an unknown sandbox");
     assert_eq!(other.code(), tonic::Code::NotFound, "{other}");
+
+    // A daemon restart re-adopts the sandbox with the same network, enforced again.
+    h.daemon.restart().await.expect("restarting sandboxd");
+    h.client = h.daemon.client().await.expect("reconnecting");
+    let running = eventually(120, || async { h.client.get(&fork.id).await.is_ok_and(|s| s.state == agent_client::proto::SandboxState::Running as i32) }).await;
+    assert!(running, "the fork was not re-adopted: {:?}", h.client.get(&fork.id).await);
+    assert_eq!(h.client.get(&fork.id).await.expect("get").network.expect("network").allow, allow);
+    let lines = probe(&h, &fork.id, &["http", "pypi.test", "8080", "http", "pypi.test", "7000"]).await;
+    assert_ok(&lines[0], "hello from the test internet");
+    assert_fail(&lines[1]);
 
     // The command line: --allow implies ALLOWLIST, and `sbx get --json` reports it.
     let out =
