@@ -83,18 +83,21 @@ impl Internet {
         format!("198.18.{}.2", self.net)
     }
 
+    /// The interface prefix of this test's daemon (its nftables table is `sandboxd_<prefix>`).
+    fn prefix(&self) -> String {
+        format!("e{:04}{}x", std::process::id() % 10_000, self.net % 4)
+    }
+
     fn host_addr(&self) -> String {
         format!("198.18.{}.1", self.net)
     }
 
     /// A daemon whose upstream resolver is this internet's, with sandbox links of its own.
     async fn daemon(&self, extra: &[&str]) -> Harness {
-        let pid = std::process::id();
         let config = format!(
-            "[network]\nsubnet = \"100.98.{net}.0/24\"\ninterface_prefix = \"e{p:04}{n}x\"\nupstream_dns = \"{addr}:53\"\n",
+            "[network]\nsubnet = \"100.98.{net}.0/24\"\ninterface_prefix = \"{prefix}\"\nupstream_dns = \"{addr}:53\"\n",
             net = self.net,
-            p = pid % 10_000,
-            n = self.net % 4,
+            prefix = self.prefix(),
             addr = self.addr(),
         );
         Harness::start_with(&config, extra).await
@@ -107,6 +110,8 @@ impl Drop for Internet {
         let _ = self.server.wait();
         let _ = Command::new("ip").args(["link", "del", &self.host_if]).output();
         let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
+        // The daemon (dropped before this) leaves its table on purpose; the test removes it.
+        let _ = Command::new("nft").args(["delete", "table", "inet", &format!("sandboxd_{}", self.prefix())]).output();
     }
 }
 
