@@ -5,7 +5,8 @@
 #   busybox-static  static /bin/busybox for the "minimal" image
 #   btrfs-progs     btrfs subvolumes/snapshots for sandbox storage
 #   debootstrap     builds the "debian" image
-#   iproute2        ip(8), sandbox network setup
+#   iproute2        ip(8), sandbox network setup (the egress filter's veth pairs)
+#   nftables        nft(8): the egress filter's redirect/drop table
 #   util-linux      mount, unshare, nsenter, flock, ...
 # and for the microVM tier (build-vm.sh, and QEMU itself):
 #   qemu-system-x86 qemu-system-x86_64, the VMM of the microVM tier
@@ -29,7 +30,7 @@
 # will replace if it is installed.
 set -euo pipefail
 
-PACKAGES=(busybox-static btrfs-progs debootstrap iproute2 util-linux
+PACKAGES=(busybox-static btrfs-progs debootstrap iproute2 nftables util-linux
     qemu-system-x86 qemu-utils linux-image-amd64 e2fsprogs cpio binutils file xz-utils
     gcc libc6-dev python3-venv)
 # How long to wait for another apt/dpkg run to release its locks.

@@ -183,6 +183,25 @@ impl Client {
         Ok(self.raw().get_sandbox(request).await?.into_inner())
     }
 
+    /// The sandbox's most recent `limit` network events (0: all the daemon keeps), oldest
+    /// first; empty for a sandbox without a network.
+    pub async fn network_log(
+        &self,
+        sandbox_id: impl Into<String>,
+        limit: u32,
+    ) -> Result<Vec<crate::proto::NetworkEvent>> {
+        let request = crate::proto::GetNetworkLogRequest {
+            sandbox_id: sandbox_id.into(),
+            limit,
+        };
+        Ok(self
+            .raw()
+            .get_network_log(request)
+            .await?
+            .into_inner()
+            .events)
+    }
+
     /// Gives the sandbox a new lifetime from now: reaped `ttl_seconds` later, never for 0.
     pub async fn set_ttl(
         &self,

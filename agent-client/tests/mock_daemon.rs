@@ -153,6 +153,14 @@ impl SandboxService for Mock {
         Ok(Response::new(sandbox(&r.into_inner().sandbox_id)?))
     }
 
+    async fn get_network_log(
+        &self,
+        r: Request<agent_client::proto::GetNetworkLogRequest>,
+    ) -> Result<Response<agent_client::proto::GetNetworkLogResponse>, Status> {
+        self.seen(&r);
+        Ok(Response::new(Default::default()))
+    }
+
     async fn set_sandbox_ttl(
         &self,
         r: Request<SetSandboxTtlRequest>,

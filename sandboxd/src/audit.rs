@@ -65,11 +65,17 @@ impl AuditLog {
 
     /// Appends one entry (errors are logged, never returned: auditing must not fail a call).
     pub fn record(&self, entry: &AuditEntry<'_>) {
+        self.record_value(entry)
+    }
+
+    /// Appends one line of any shape (the egress filter's connection lines), stamped like
+    /// [`AuditLog::record`]'s.
+    pub fn record_value<T: Serialize>(&self, entry: &T) {
         #[derive(Serialize)]
-        struct Line<'a> {
+        struct Line<'a, T: Serialize> {
             ts: String,
             #[serde(flatten)]
-            entry: &'a AuditEntry<'a>,
+            entry: &'a T,
         }
         let ts = humantime::format_rfc3339_millis(SystemTime::now()).to_string();
         let mut line = match serde_json::to_vec(&Line { ts, entry }) {

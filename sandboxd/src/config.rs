@@ -472,6 +472,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub process: ProcessTierConfig,
     #[serde(default)]
+    pub network: crate::egress::NetworkConfig,
+    #[serde(default)]
     pub files: FilesConfig,
     #[serde(default)]
     pub connections: ConnectionsConfig,
@@ -789,6 +791,8 @@ pub struct Config {
     pub microvm: MicroVmConfig,
     pub container: ContainerTierConfig,
     pub process: ProcessTierConfig,
+    /// `[network]`: sandbox egress (see `egress`).
+    pub network: crate::egress::NetworkConfig,
     pub files: FilesConfig,
     pub connections: ConnectionsConfig,
     pub streams: StreamsConfig,
@@ -828,6 +832,7 @@ impl Config {
             microvm: MicroVmConfig { pool_size: cli.microvm_pool.unwrap_or(file.microvm.pool_size), ..file.microvm },
             container: file.container,
             process: file.process,
+            network: file.network,
             files: file.files,
             connections: file.connections,
             streams: file.streams,

@@ -125,6 +125,11 @@ impl Metrics {
     }
 
     /// An exec ended.
+    /// The registry `/metrics` renders, for subsystems with counters of their own (egress).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
     pub fn exec_ended(&self, tier: Isolation, status: ExecStatus, duration: Duration) {
         self.execs.with_label_values(&[status.name()]).inc();
         match status {

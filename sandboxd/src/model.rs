@@ -151,6 +151,8 @@ pub struct CreateRequest {
     pub from_snapshot_id: String,
     /// Empty = the image's, else root.
     pub user: String,
+    /// None = the parent's (a fork), else NONE.
+    pub network: Option<crate::egress::NetworkPolicy>,
 }
 
 /// What a sandbox is, as users read it back.
@@ -185,6 +187,9 @@ pub struct SandboxInfo {
     /// exec's (its `user` became the sandbox's `user` unless the request named one).
     #[serde(default)]
     pub image_config: ImageConfig,
+    /// Its network mode and allow list (a record from before networks: NONE).
+    #[serde(default)]
+    pub network: crate::egress::NetworkPolicy,
 }
 
 /// How an image says it wants to be run (from an OCI/Docker image config; empty for a
@@ -271,6 +276,9 @@ pub struct SandboxOrigin {
     pub workdir: String,
     #[serde(default)]
     pub user: Option<String>,
+    /// Its network policy; a fork that names none gets this one.
+    #[serde(default)]
+    pub network: crate::egress::NetworkPolicy,
 }
 
 /// An Exec call.

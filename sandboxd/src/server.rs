@@ -59,6 +59,13 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     catalog.prepare().context("preparing the image store")?;
     let docker_socket = docker_socket_from_env();
 
+    // The audit log and metrics first: the egress filter writes to both.
+    let metrics = Metrics::new().context("registering metrics")?;
+    let audit = Arc::new(AuditLog::open(&cfg.audit, cfg.state_dir.join("audit.jsonl")).context("opening the audit log")?);
+    let egress = crate::egress::Egress::start(&cfg.network, audit.clone(), metrics.registry())
+        .await
+        .map_err(anyhow::Error::msg)
+        .context("starting the egress filter")?;
     let mut backends = Backends::default();
     let process = ProcessBackend::new(ProcessConfig {
         state_dir: cfg.state_dir.clone(),
@@ -67,6 +74,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         userns: cfg.process.user_namespaces,
         userns_first_id: cfg.process.userns_first_id,
         userns_ranges: cfg.process.userns_ranges,
+        egress: Some(egress.clone()),
     });
     backends.insert(Arc::new(process));
     // Never fails: without Docker the tier reports itself unavailable, with the reason.
@@ -84,10 +92,8 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     backends.insert(Arc::new(microvm));
     let engine = Arc::new(Engine::new(&docker_socket));
     let store = Store::open(&cfg.state_dir.join("state.db")).context("opening the state database")?;
-    let metrics = Metrics::new().context("registering metrics")?;
     let manager = Manager::new(cfg.clone(), backends, catalog, engine, store, metrics);
     let auth = Arc::new(Auth::new(&cfg.auth));
-    let audit = Arc::new(AuditLog::open(&cfg.audit, cfg.state_dir.join("audit.jsonl")).context("opening the audit log")?);
     // Before serving: clean whatever a crash left behind and put the sandboxes on record back in
     // the table (lists and deletes only); they are started again after the listeners open.
     manager.recover().await.context("recovering state from the previous run")?;
@@ -133,7 +139,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let preauth = Duration::from_millis(cfg.connections.preauth_timeout_ms);
     tracing::info!(connections = ?cfg.connections, preauth_read_bytes = PREAUTH_READ_BYTES, "connection caps");
     for addr in &cfg.listen {
-        let api = SandboxServiceServer::new(Api::new(manager.clone(), auth.clone(), audit.clone()))
+        let api = SandboxServiceServer::new(Api::new(manager.clone(), auth.clone(), audit.clone()).with_egress(egress.clone()))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         // Every HTTP/2 bound set here rather than left to a library's default: they are what an

@@ -1,6 +1,7 @@
 //! Protobuf messages ↔ core types. Validation of ids and values happens in the core; here only
 //! what the wire format itself can get wrong (an unknown enum number) is refused.
 
+use crate::egress::{NetworkMode, NetworkPolicy};
 use std::time::SystemTime;
 
 use sandbox_proto::v1 as pb;
@@ -77,7 +78,32 @@ pub fn create_request(r: pb::CreateSandboxRequest) -> Result<CreateRequest, Stat
         ttl_seconds: r.ttl_seconds,
         from_snapshot_id: r.from_snapshot_id,
         user: r.user,
+        network: network_from_proto(r.network)?,
     })
+}
+
+/// The request's network: None when it names no mode (the default, or a fork's parent's).
+fn network_from_proto(n: Option<pb::NetworkPolicy>) -> Result<Option<NetworkPolicy>, Status> {
+    let Some(n) = n else { return Ok(None) };
+    let mode = match pb::NetworkMode::try_from(n.mode) {
+        Ok(pb::NetworkMode::Unspecified) if n.allow.is_empty() => return Ok(None),
+        Ok(pb::NetworkMode::Unspecified) => return Err(Status::invalid_argument("invalid network.mode: allow entries need mode NETWORK_MODE_ALLOWLIST")),
+        Ok(pb::NetworkMode::None) => NetworkMode::None,
+        Ok(pb::NetworkMode::Allowlist) => NetworkMode::Allowlist,
+        Ok(pb::NetworkMode::Open) => NetworkMode::Open,
+        Err(_) => return Err(Status::invalid_argument(format!("invalid network.mode: unknown value {}", n.mode))),
+    };
+    NetworkPolicy::new(mode, &n.allow).map(Some).map_err(|e| Status::invalid_argument(format!("invalid network.allow: {e}")))
+}
+
+/// A sandbox's network → proto.
+fn network_to_proto(n: &NetworkPolicy) -> pb::NetworkPolicy {
+    let mode = match n.mode {
+        NetworkMode::None => pb::NetworkMode::None,
+        NetworkMode::Allowlist => pb::NetworkMode::Allowlist,
+        NetworkMode::Open => pb::NetworkMode::Open,
+    };
+    pb::NetworkPolicy { mode: mode as i32, allow: n.allow.iter().map(|a| a.to_string()).collect() }
 }
 
 /// Core sandbox → proto.
@@ -104,6 +130,7 @@ pub fn sandbox(i: &SandboxInfo) -> pb::Sandbox {
         isolation_reason: i.isolation_reason.clone().unwrap_or_default(),
         failure_reason: i.failure_reason.clone().unwrap_or_default(),
         user: i.user.clone().unwrap_or_default(),
+        network: Some(network_to_proto(&i.network)),
         usage: None,
     }
 }
@@ -238,5 +265,22 @@ pub fn image_progress(p: &ImageProgress) -> pb::ImageProgress {
         count: p.count,
         total_count: p.total_count,
         done: p.done.as_deref().map(image),
+    }
+}
+
+/// An egress event → proto.
+pub fn network_event(e: &crate::egress::NetEvent) -> pb::NetworkEvent {
+    pb::NetworkEvent {
+        time: Some(timestamp(e.time)),
+        kind: e.kind.to_string(),
+        name: e.name.clone(),
+        addr: e.addr.clone(),
+        port: e.port.into(),
+        allowed: e.allowed,
+        rule: e.rule.clone(),
+        detail: e.detail.clone(),
+        bytes_out: e.bytes_out,
+        bytes_in: e.bytes_in,
+        duration_ms: e.duration_ms,
     }
 }

@@ -29,12 +29,20 @@ pub struct Api {
     manager: Arc<Manager>,
     auth: Arc<Auth>,
     audit: Arc<AuditLog>,
+    /// The egress filter, whose per-sandbox events `GetNetworkLog` reads.
+    egress: Option<Arc<crate::egress::Egress>>,
 }
 
 impl Api {
     /// Serves `manager` to callers `auth` admits, auditing into `audit`.
     pub fn new(manager: Arc<Manager>, auth: Arc<Auth>, audit: Arc<AuditLog>) -> Self {
-        Api { manager, auth, audit }
+        Api { manager, auth, audit, egress: None }
+    }
+
+    /// Also answers `GetNetworkLog` from `egress`.
+    pub fn with_egress(mut self, egress: Arc<crate::egress::Egress>) -> Self {
+        self.egress = Some(egress);
+        self
     }
 }
 
@@ -199,6 +207,16 @@ impl SandboxService for Api {
             let mut sandbox = convert::sandbox(&self.manager.get(&tenant, &req.sandbox_id)?);
             sandbox.usage = self.manager.usage(&tenant, &req.sandbox_id).await?.as_ref().map(convert::sandbox_usage);
             Ok(sandbox)
+        })
+        .await
+    }
+
+    async fn get_network_log(&self, request: Request<pb::GetNetworkLogRequest>) -> Result<Response<pb::GetNetworkLogResponse>, Status> {
+        self.call("GetNetworkLog", request, None, |tenant, req| async move {
+            // The caller's own sandbox, else NOT_FOUND like every other call.
+            self.manager.get(&tenant, &req.sandbox_id)?;
+            let events = self.egress.as_ref().map(|e| e.recent(&req.sandbox_id, req.limit as usize)).unwrap_or_default();
+            Ok(pb::GetNetworkLogResponse { events: events.iter().map(convert::network_event).collect() })
         })
         .await
     }

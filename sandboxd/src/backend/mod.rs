@@ -54,6 +54,10 @@ pub struct SandboxSpec {
     pub workdir: String,
     /// Start from this snapshot's filesystem instead of the image.
     pub from_snapshot: Option<SnapshotId>,
+    /// Who owns it (named in the egress audit lines).
+    pub tenant: String,
+    /// What its network may reach; a tier that cannot enforce it refuses the create.
+    pub network: crate::egress::NetworkPolicy,
 }
 
 /// One command to run, fully resolved (env merged, defaults applied).

@@ -117,6 +117,20 @@ impl Manager {
             )));
         }
         let isolation = decision.isolation;
+        // The network: the request's, else the parent's, else NONE. Only the process tier
+        // enforces a network today; elsewhere anything but NONE is refused, never ignored.
+        let network = match (req.network, inherited) {
+            (Some(n), _) => n,
+            (None, Some(parent)) => parent.network.clone(),
+            (None, None) => Default::default(),
+        };
+        if network.mode != crate::egress::NetworkMode::None && isolation != crate::model::Isolation::Process {
+            return Err(Error::FailedPrecondition(format!(
+                "network mode {} is not available on isolation {}: only PROCESS sandboxes have a filtered network yet",
+                network.mode.name(),
+                isolation.name()
+            )));
+        }
         // The parent's limits stand in for the defaults, kept under today's ceilings (the
         // policy may have tightened since the snapshot).
         let defaults = match inherited {
@@ -147,6 +161,7 @@ impl Manager {
             failure_reason: None,
             user,
             image_config,
+            network,
         };
         let entry = SandboxEntry::new(info.clone());
         {

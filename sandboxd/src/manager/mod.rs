@@ -133,6 +133,8 @@ fn spec_of(info: &SandboxInfo) -> SandboxSpec {
         limits: info.limits,
         workdir: info.workdir.clone(),
         from_snapshot: info.parent_snapshot_id.clone(),
+        tenant: info.tenant.clone(),
+        network: info.network.clone(),
     }
 }
 

@@ -73,6 +73,7 @@ impl Manager {
                 labels: info.labels.clone(),
                 workdir: info.workdir.clone(),
                 user: info.user.clone(),
+                network: info.network.clone(),
             }),
         };
         self.store.put_snapshot(&record)?;

@@ -1,6 +1,8 @@
 //! The command line, as clap derive types.
 
-use agent_client::proto::{CreateSandboxRequest, Isolation, ResourceLimits};
+use agent_client::proto::{
+    CreateSandboxRequest, Isolation, NetworkMode, NetworkPolicy, ResourceLimits,
+};
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -55,6 +57,11 @@ pub enum Command {
     Get {
         /// Sandbox id.
         id: String,
+    },
+    /// A sandbox's network: `sbx net log ID` shows its recent DNS queries and connections.
+    Net {
+        #[command(subcommand)]
+        command: NetCommand,
     },
     /// Give a sandbox a new lifetime from now (reaped SECS later; 0 = never).
     Ttl {
@@ -485,6 +492,53 @@ pub struct SandboxSpec {
     /// Who every exec runs as: name, uid, name:group or uid:gid [default: the image's USER, else root].
     #[arg(long, short = 'u', value_name = "USER")]
     pub user: Option<String>,
+    /// Network mode [default: none (loopback only); a fork: its parent's; with --allow: allowlist].
+    #[arg(long, value_enum)]
+    pub network: Option<NetworkArg>,
+    /// What an allowlist network may reach (repeatable): NAME:PORT, '*.SUFFIX:PORT', A.B.C.D:PORT, A.B.C.D/NN:PORT.
+    #[arg(long = "allow", value_name = "DEST:PORT")]
+    pub allow: Vec<String>,
+}
+
+/// `sbx net …`.
+#[derive(Debug, Subcommand)]
+pub enum NetCommand {
+    /// Recent DNS queries and connection attempts, oldest first, allowed or not (the daemon keeps
+    /// the last 256 per sandbox; the audit log has them all).
+    Log {
+        /// Sandbox id.
+        id: String,
+        /// Show at most the last this many (0 = all kept).
+        #[arg(long, default_value_t = 0)]
+        limit: u32,
+    },
+}
+
+/// `--network` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum NetworkArg {
+    /// Loopback only.
+    None,
+    /// Only the --allow destinations, through the daemon's DNS and proxy.
+    Allowlist,
+    /// Everything but the host, metadata addresses, other sandboxes and denied ranges.
+    Open,
+}
+
+impl SandboxSpec {
+    /// The network part of the request: unset when neither --network nor --allow is given.
+    fn network(&self) -> Option<NetworkPolicy> {
+        let mode = match (self.network, self.allow.is_empty()) {
+            (None, true) => return None,
+            (None, false) | (Some(NetworkArg::Allowlist), _) => NetworkMode::Allowlist,
+            (Some(NetworkArg::None), _) => NetworkMode::None,
+            (Some(NetworkArg::Open), _) => NetworkMode::Open,
+        };
+        Some(NetworkPolicy {
+            mode: mode as i32,
+            allow: self.allow.clone(),
+        })
+    }
 }
 
 impl SandboxSpec {
@@ -510,6 +564,7 @@ impl SandboxSpec {
             ttl_seconds: self.ttl.unwrap_or(0),
             from_snapshot_id: from_snapshot_id.unwrap_or_default(),
             user: self.user.clone().unwrap_or_default(),
+            network: self.network(),
         }
     }
 }

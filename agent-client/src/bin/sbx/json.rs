@@ -38,6 +38,38 @@ pub fn sandbox(s: &Sandbox) -> Value {
             "pids": u.pids,
             "disk_bytes": u.disk_bytes,
         })),
+        "network": s.network.as_ref().map(|n| json!({
+            "mode": network_mode_name(n.mode),
+            "allow": n.allow,
+        })),
+    })
+}
+
+/// `NETWORK_MODE_ALLOWLIST` → "ALLOWLIST".
+pub fn network_mode_name(mode: i32) -> &'static str {
+    use agent_client::proto::NetworkMode;
+    match NetworkMode::try_from(mode) {
+        Ok(NetworkMode::None) | Ok(NetworkMode::Unspecified) => "NONE",
+        Ok(NetworkMode::Allowlist) => "ALLOWLIST",
+        Ok(NetworkMode::Open) => "OPEN",
+        Err(_) => "UNKNOWN",
+    }
+}
+
+/// A network event.
+pub fn network_event(e: &agent_client::proto::NetworkEvent) -> Value {
+    json!({
+        "time": timestamp(e.time.as_ref()),
+        "kind": e.kind,
+        "name": e.name,
+        "addr": e.addr,
+        "port": e.port,
+        "allowed": e.allowed,
+        "rule": e.rule,
+        "detail": e.detail,
+        "bytes_out": e.bytes_out,
+        "bytes_in": e.bytes_in,
+        "duration_ms": e.duration_ms,
     })
 }
 

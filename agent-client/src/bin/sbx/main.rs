@@ -69,6 +69,9 @@ async fn run(cli: Cli) -> Result<u8> {
         Command::Ls { labels } => sandbox::list(&ctx, labels).await,
         Command::Get { id } => sandbox::get(&ctx, id).await,
         Command::Ttl { id, secs } => sandbox::set_ttl(&ctx, id, secs).await,
+        Command::Net {
+            command: cli::NetCommand::Log { id, limit },
+        } => sandbox::network_log(&ctx, id, limit).await,
         Command::Rm { ids } => sandbox::remove(&ctx, ids).await,
         Command::Exec(args) => exec::exec(&ctx, args).await,
         Command::Wait { exec_id } => exec::wait(&ctx, exec_id).await,

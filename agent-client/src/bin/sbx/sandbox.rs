@@ -86,6 +86,16 @@ pub async fn get(ctx: &Ctx, id: String) -> Result<u8> {
         ("DISK", output::size(limits.disk_bytes)),
         ("EXEC_TIMEOUT", format!("{}ms", limits.exec_timeout_ms)),
         ("LABELS", output::labels(&s.labels)),
+        (
+            "NETWORK",
+            match &s.network {
+                Some(n) if !n.allow.is_empty() => {
+                    format!("{} {}", json::network_mode_name(n.mode), n.allow.join(" "))
+                }
+                Some(n) => json::network_mode_name(n.mode).to_string(),
+                None => "NONE".to_string(),
+            },
+        ),
     ];
     let mut rows = rows.to_vec();
     if let Some(u) = &s.usage {
@@ -114,6 +124,49 @@ pub async fn get(ctx: &Ctx, id: String) -> Result<u8> {
         ]);
     }
     output::stdout(output::fields(&rows).as_bytes())?;
+    Ok(0)
+}
+
+/// Prints the sandbox's recent network events.
+pub async fn network_log(ctx: &Ctx, id: String, limit: u32) -> Result<u8> {
+    let events = ctx.client().await?.network_log(id, limit).await?;
+    if ctx.json {
+        output::json(&events.iter().map(json::network_event).collect())?;
+        return Ok(0);
+    }
+    let rows: Vec<Vec<String>> = events
+        .iter()
+        .map(|e| {
+            vec![
+                output::time(e.time.as_ref()),
+                e.kind.clone(),
+                if e.allowed { "allowed" } else { "denied" }.to_string(),
+                output::or_dash(&e.name),
+                output::or_dash(&e.addr),
+                if e.port == 0 {
+                    "-".to_string()
+                } else {
+                    e.port.to_string()
+                },
+                if e.allowed {
+                    output::or_dash(&e.rule)
+                } else {
+                    output::ellipsize(&e.detail, 60)
+                },
+                format!("{}/{}", e.bytes_out, e.bytes_in),
+                format!("{}ms", e.duration_ms),
+            ]
+        })
+        .collect();
+    output::stdout(
+        output::table(
+            &[
+                "TIME", "KIND", "VERDICT", "NAME", "ADDR", "PORT", "RULE/WHY", "OUT/IN", "DURATION",
+            ],
+            &rows,
+        )
+        .as_bytes(),
+    )?;
     Ok(0)
 }
 

@@ -355,6 +355,8 @@ mod tests {
             },
             workdir: "/workspace".into(),
             from_snapshot: None,
+            tenant: String::new(),
+            network: Default::default(),
         };
         let placement = Placement { cpus: crate::backend::cpus::claim(&[0]), online_file: PathBuf::from("/state/container/cpus-online/0") };
         let hc = host_config(&spec, None, std::path::Path::new("/x/.tools"), &placement);

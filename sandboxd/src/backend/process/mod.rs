@@ -18,6 +18,7 @@ mod channel;
 mod exec;
 pub mod idmap;
 pub mod init;
+mod net;
 mod pty;
 pub mod storage;
 mod wire;
@@ -73,6 +74,8 @@ pub struct ProcessConfig {
     pub userns: idmap::UsernsMode,
     pub userns_first_id: u32,
     pub userns_ranges: u32,
+    /// The daemon's egress filter, for sandboxes whose network is not NONE.
+    pub egress: Option<Arc<crate::egress::Egress>>,
 }
 
 /// Where a sandbox's writable layer comes from at setup.
@@ -493,6 +496,10 @@ impl ProcessBackend {
             self.stop_runtime(&sandbox, "setup failed").await;
             return Err(BackendError::Internal(format!("sandbox {id} setup: {reason} (init log: {log_tail})")));
         }
+        if let Err(e) = net::attach(self.cfg.egress.as_deref(), &sandbox).await {
+            self.stop_runtime(&sandbox, "network setup failed").await;
+            return Err(e);
+        }
         sandbox.channel.start_reader(id.to_string());
         sandbox.arm_spare();
         Ok(sandbox)
@@ -505,6 +512,7 @@ impl ProcessBackend {
             lost.get_or_insert_with(|| reason.to_string());
         }
         sb.channel.close();
+        net::detach(self.cfg.egress.as_deref(), sb).await;
         // Killing the cgroup ends the init (and with it the pid namespace) and every process.
         if let Err(e) = sb.cgroup.kill_all() {
             tracing::warn!(sandbox = %sb.id, error = %e, "killing sandbox processes");

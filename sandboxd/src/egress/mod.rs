@@ -1,0 +1,443 @@
+//! Egress under policy: what a sandbox's network may reach, enforced by the daemon.
+//!
+//! A process sandbox with mode ALLOWLIST or OPEN gets an `eth0` (a veth pair, see [`link`])
+//! whose only way out is the daemon: nftables redirects every TCP connection to the daemon's
+//! transparent proxy and every UDP/53 query to its DNS server, and drops everything else. The
+//! DNS server answers only names the policy allows, with addresses it asked its upstream for
+//! itself; the proxy lets a connection through only to an address that one of those names
+//! resolved to (on the rule's port), or to an allowed CIDR — and for TLS only when the
+//! ClientHello's server name is such a name too. The host, link-local (metadata), other
+//! sandboxes and the operator's denied ranges are refused in every mode. Every query and
+//! connection is an audit line and a counter. Mode NONE adds nothing: loopback only.
+//!
+//! The manager never knows this exists: the process backend calls [`Egress::attach`] once the
+//! sandbox's network namespace is there, and [`Egress::detach`] when it stops.
+
+pub mod dns;
+pub mod link;
+mod proxy;
+pub mod rules;
+pub mod tls;
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::atomic::AtomicU32;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prometheus::{IntCounterVec, Opts};
+use serde::{Deserialize, Serialize};
+
+use crate::audit::AuditLog;
+pub use rules::{AllowRule, Cidr, NetworkMode, NetworkPolicy};
+
+/// The `[network]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetworkConfig {
+    /// Addresses for the sandboxes' links: a /30 each (the host end, the sandbox's end).
+    /// Never reachable from a sandbox.
+    pub subnet: String,
+    /// Host-side interfaces are named this and a slot number; the nftables table is
+    /// `sandboxd_<prefix>`. One daemon per prefix.
+    pub interface_prefix: String,
+    /// Where the daemon's DNS asks (host:port). Unset: the first `nameserver` of the host's
+    /// /etc/resolv.conf, port 53.
+    pub upstream_dns: Option<SocketAddr>,
+    /// Ranges no sandbox reaches in any mode, allow list or not (the host itself, loopback,
+    /// link-local and the sandboxes' subnet are refused anyway).
+    pub deny: Vec<String>,
+    /// Connections one sandbox may have open at once through the proxy.
+    pub max_connections: u32,
+    /// How long the proxy waits for a destination to accept.
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        NetworkConfig {
+            subnet: "100.96.0.0/16".into(),
+            interface_prefix: "sbxe".into(),
+            upstream_dns: None,
+            deny: ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10"].map(String::from).to_vec(),
+            max_connections: 64,
+            connect_timeout_ms: 10_000,
+        }
+    }
+}
+
+/// A sandbox's link and what it has been told by DNS.
+struct SandboxNet {
+    id: String,
+    tenant: String,
+    policy: NetworkPolicy,
+    slot: u32,
+    addr: Ipv4Addr,
+    /// Addresses handed out by the daemon's DNS, and the names they were for, until when.
+    resolved: Mutex<HashMap<Ipv4Addr, Vec<(String, Instant)>>>,
+    active: AtomicU32,
+    /// The last [`LOG_EVENTS`] queries and connections, for `GetNetworkLog`.
+    log: Mutex<std::collections::VecDeque<NetEvent>>,
+}
+
+/// Events kept per sandbox for `GetNetworkLog` (the audit log keeps them all).
+pub const LOG_EVENTS: usize = 256;
+
+/// One DNS query or connection attempt, as `GetNetworkLog` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetEvent {
+    pub time: std::time::SystemTime,
+    /// "dns" or "connect".
+    pub kind: &'static str,
+    pub name: String,
+    pub addr: String,
+    pub port: u16,
+    pub allowed: bool,
+    pub rule: String,
+    pub detail: String,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    pub duration_ms: u64,
+}
+
+impl SandboxNet {
+    /// The names (still valid) that resolved to `addr` for this sandbox.
+    fn names_for(&self, addr: Ipv4Addr) -> Vec<String> {
+        let now = Instant::now();
+        self.resolved
+            .lock()
+            .map(|m| m.get(&addr).map(|v| v.iter().filter(|(_, t)| *t > now).map(|(n, _)| n.clone()).collect()).unwrap_or_default())
+            .unwrap_or_default()
+    }
+
+    fn remember(&self, name: &str, addrs: &[(Ipv4Addr, u32)], keep: Duration) {
+        let Ok(mut m) = self.resolved.lock() else { return };
+        let now = Instant::now();
+        // Bounded: expired entries go whenever something is added.
+        m.retain(|_, v| {
+            v.retain(|(_, t)| *t > now);
+            !v.is_empty()
+        });
+        if m.len() > 4096 {
+            return;
+        }
+        for (a, _) in addrs {
+            let v = m.entry(*a).or_default();
+            v.retain(|(n, _)| n != name);
+            v.push((name.to_string(), now + keep));
+        }
+    }
+}
+
+#[derive(Default)]
+struct Table {
+    by_addr: HashMap<Ipv4Addr, Arc<SandboxNet>>,
+    by_id: HashMap<String, Arc<SandboxNet>>,
+    slots: BTreeSet<u32>,
+}
+
+struct Counters {
+    connections: IntCounterVec,
+    queries: IntCounterVec,
+    bytes: IntCounterVec,
+}
+
+/// The daemon's egress filter: DNS server, proxy, and the table of sandbox links.
+pub struct Egress {
+    subnet: Cidr,
+    names: link::Names,
+    /// The listeners' ports, for the table (installed at the first attach: a daemon whose
+    /// sandboxes have no network changes nothing on the host).
+    ports: Mutex<Option<(u16, u16)>>,
+    table_installed: tokio::sync::Mutex<bool>,
+    deny: Vec<Cidr>,
+    upstream: SocketAddr,
+    max_connections: u32,
+    connect_timeout: Duration,
+    /// Why sandboxes cannot have a network on this host, if they cannot.
+    unavailable: Mutex<Option<String>>,
+    table: Mutex<Table>,
+    audit: Arc<AuditLog>,
+    counters: Counters,
+}
+
+/// One line of the audit log for a query or a connection.
+#[derive(Debug, Serialize)]
+struct NetAudit<'a> {
+    tenant: &'a str,
+    rpc: &'a str,
+    sandbox_id: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    name: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    addr: &'a str,
+    #[serde(skip_serializing_if = "is_zero")]
+    port: u16,
+    verdict: &'a str,
+    rule: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    detail: &'a str,
+    bytes_out: u64,
+    bytes_in: u64,
+    duration_ms: u64,
+    status: &'a str,
+}
+
+fn is_zero(p: &u16) -> bool {
+    *p == 0
+}
+
+/// What a connection or query came to.
+pub(crate) struct Outcome<'a> {
+    pub name: &'a str,
+    pub addr: String,
+    pub port: u16,
+    pub allowed: bool,
+    pub rule: &'a str,
+    pub detail: &'a str,
+    pub bytes: (u64, u64),
+    pub duration: Duration,
+}
+
+fn first_nameserver() -> Option<SocketAddr> {
+    let text = std::fs::read_to_string("/etc/resolv.conf").ok()?;
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|a| a.trim().parse::<std::net::IpAddr>().ok())
+        .find(|a| a.is_ipv4())
+        .map(|a| SocketAddr::new(a, 53))
+}
+
+impl Egress {
+    /// Checks the configuration, registers the counters and, where the host allows, starts the
+    /// DNS server and proxy and installs the nftables table. A host without the tools or the
+    /// privileges gets an `Egress` that refuses every attach with the reason.
+    pub async fn start(cfg: &NetworkConfig, audit: Arc<AuditLog>, registry: &prometheus::Registry) -> Result<Arc<Egress>, String> {
+        let subnet: Cidr = cfg.subnet.parse().map_err(|e| format!("network.subnet: {e}"))?;
+        if subnet.prefix > 29 {
+            return Err(format!("network.subnet {subnet}: too small (at least a /29)"));
+        }
+        let names = link::Names::new(&cfg.interface_prefix)?;
+        let deny = cfg.deny.iter().map(|d| d.parse::<Cidr>().map_err(|e| format!("network.deny: {e}"))).collect::<Result<Vec<_>, _>>()?;
+        let upstream = cfg.upstream_dns.or_else(first_nameserver).unwrap_or(SocketAddr::from(([127, 0, 0, 1], 53)));
+        let counters = Counters {
+            connections: IntCounterVec::new(Opts::new("egress_connections_total", "Sandbox connections through the egress proxy, by verdict"), &["verdict"])
+                .map_err(|e| e.to_string())?,
+            queries: IntCounterVec::new(Opts::new("egress_dns_queries_total", "Sandbox DNS queries, by verdict"), &["verdict"]).map_err(|e| e.to_string())?,
+            bytes: IntCounterVec::new(Opts::new("egress_bytes_total", "Bytes through the egress proxy, by direction"), &["direction"])
+                .map_err(|e| e.to_string())?,
+        };
+        for c in [&counters.connections, &counters.queries, &counters.bytes] {
+            registry.register(Box::new(c.clone())).map_err(|e| format!("registering egress metrics: {e}"))?;
+        }
+        let egress = Arc::new(Egress {
+            subnet,
+            names,
+            ports: Mutex::new(None),
+            table_installed: tokio::sync::Mutex::new(false),
+            deny,
+            upstream,
+            max_connections: cfg.max_connections.max(1),
+            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms.max(1)),
+            unavailable: Mutex::new(None),
+            table: Mutex::new(Table::default()),
+            audit,
+            counters,
+        });
+        if let Err(reason) = egress.clone().serve().await {
+            tracing::warn!(%reason, "sandbox networks (ALLOWLIST, OPEN) unavailable");
+            if let Ok(mut u) = egress.unavailable.lock() {
+                *u = Some(reason);
+            }
+        } else {
+            tracing::info!(subnet = %subnet, upstream_dns = %upstream, "egress filter ready");
+        }
+        Ok(egress)
+    }
+
+    async fn serve(self: Arc<Self>) -> Result<(), String> {
+        link::tools_present()?;
+        let udp = tokio::net::UdpSocket::bind("0.0.0.0:0").await.map_err(|e| format!("binding the DNS socket: {e}"))?;
+        let tcp = tokio::net::TcpListener::bind("0.0.0.0:0").await.map_err(|e| format!("binding the proxy: {e}"))?;
+        let dns_port = udp.local_addr().map_err(|e| e.to_string())?.port();
+        let proxy_port = tcp.local_addr().map_err(|e| e.to_string())?.port();
+        if let Ok(mut p) = self.ports.lock() {
+            *p = Some((proxy_port, dns_port));
+        }
+        tracing::info!(dns_port, proxy_port, table = %self.names.table, "egress listeners");
+        tokio::spawn(proxy::serve_dns(self.clone(), Arc::new(udp)));
+        tokio::spawn(proxy::serve_proxy(self, tcp));
+        Ok(())
+    }
+
+    /// Why networks cannot be given here, if they cannot.
+    pub fn unavailable(&self) -> Option<String> {
+        self.unavailable.lock().ok().and_then(|u| u.clone())
+    }
+
+    /// Gives sandbox `id`'s network namespace (that of process `pid`) a link under `policy`.
+    /// Returns the address of its DNS server (its gateway) for /etc/resolv.conf.
+    pub async fn attach(&self, id: &str, tenant: &str, policy: &NetworkPolicy, pid: i32) -> Result<Ipv4Addr, String> {
+        if let Some(reason) = self.unavailable() {
+            return Err(format!("network mode {} unavailable: {reason}", policy.mode.name()));
+        }
+        self.install_table().await?;
+        let slots = (self.subnet.size() / 4) as u32;
+        let net = {
+            let mut t = self.table.lock().map_err(|_| "egress table poisoned".to_string())?;
+            if t.by_id.contains_key(id) {
+                return Err(format!("sandbox {id} already has a network"));
+            }
+            let slot = (0..slots).find(|s| !t.slots.contains(s)).ok_or_else(|| format!("network.subnet {} is full ({slots} sandboxes)", self.subnet))?;
+            let net = Arc::new(SandboxNet {
+                id: id.to_string(),
+                tenant: tenant.to_string(),
+                policy: policy.clone(),
+                slot,
+                addr: self.subnet.nth(slot * 4 + 2),
+                resolved: Mutex::new(HashMap::new()),
+                active: AtomicU32::new(0),
+                log: Mutex::new(std::collections::VecDeque::new()),
+            });
+            t.slots.insert(slot);
+            t.by_addr.insert(net.addr, net.clone());
+            t.by_id.insert(id.to_string(), net.clone());
+            net
+        };
+        let gw = self.subnet.nth(net.slot * 4 + 1);
+        let (slot, addr, names) = (net.slot, net.addr, self.names.clone());
+        let linked = tokio::task::spawn_blocking(move || link::attach(&names, slot, pid, gw, addr)).await.map_err(|e| e.to_string()).and_then(|r| r);
+        if let Err(e) = linked {
+            self.forget(id);
+            return Err(format!("giving sandbox {id} its network: {e}"));
+        }
+        tracing::info!(sandbox = id, mode = policy.mode.name(), addr = %addr, interface = %self.names.ifname(slot), "sandbox network attached");
+        Ok(gw)
+    }
+
+    /// Installs the nftables table once (replacing one a previous run left).
+    async fn install_table(&self) -> Result<(), String> {
+        let mut installed = self.table_installed.lock().await;
+        if *installed {
+            return Ok(());
+        }
+        let (proxy_port, dns_port) = self.ports.lock().ok().and_then(|p| *p).ok_or("the egress listeners are not running")?;
+        let names = self.names.clone();
+        tokio::task::spawn_blocking(move || link::install_table(&names, proxy_port, dns_port)).await.map_err(|e| e.to_string())??;
+        tracing::info!(table = %self.names.table, proxy_port, dns_port, "egress nftables table installed");
+        *installed = true;
+        Ok(())
+    }
+
+    fn forget(&self, id: &str) -> Option<Arc<SandboxNet>> {
+        let mut t = self.table.lock().ok()?;
+        let net = t.by_id.remove(id)?;
+        t.by_addr.remove(&net.addr);
+        t.slots.remove(&net.slot);
+        Some(net)
+    }
+
+    /// Takes sandbox `id`'s link away; nothing if it has none.
+    pub async fn detach(&self, id: &str) {
+        if let Some(net) = self.forget(id) {
+            let (slot, addr, names) = (net.slot, net.addr, self.names.clone());
+            let _ = tokio::task::spawn_blocking(move || link::detach(&names, slot, addr)).await;
+        }
+    }
+
+    /// Sandbox `id`'s most recent `limit` events (0: all kept), oldest first; none without a
+    /// network.
+    pub fn recent(&self, id: &str, limit: usize) -> Vec<NetEvent> {
+        let Some(net) = self.table.lock().ok().and_then(|t| t.by_id.get(id).cloned()) else { return Vec::new() };
+        let Ok(log) = net.log.lock() else { return Vec::new() };
+        let skip = if limit == 0 { 0 } else { log.len().saturating_sub(limit) };
+        log.iter().skip(skip).cloned().collect()
+    }
+
+    fn sandbox_at(&self, addr: Ipv4Addr) -> Option<Arc<SandboxNet>> {
+        self.table.lock().ok()?.by_addr.get(&addr).cloned()
+    }
+
+    fn record(&self, net: &SandboxNet, rpc: &str, o: &Outcome<'_>) {
+        let verdict = if o.allowed { "allowed" } else { "denied" };
+        self.audit.record_value(&NetAudit {
+            tenant: &net.tenant,
+            rpc,
+            sandbox_id: &net.id,
+            name: o.name,
+            addr: &o.addr,
+            port: o.port,
+            verdict,
+            rule: o.rule,
+            detail: o.detail,
+            bytes_out: o.bytes.0,
+            bytes_in: o.bytes.1,
+            duration_ms: crate::audit::millis(o.duration),
+            status: if o.allowed { "OK" } else { "PERMISSION_DENIED" },
+        });
+        if let Ok(mut log) = net.log.lock() {
+            if log.len() >= LOG_EVENTS {
+                log.pop_front();
+            }
+            log.push_back(NetEvent {
+                time: std::time::SystemTime::now(),
+                kind: if rpc == "egress.dns" { "dns" } else { "connect" },
+                name: o.name.to_string(),
+                addr: o.addr.clone(),
+                port: o.port,
+                allowed: o.allowed,
+                rule: o.rule.to_string(),
+                detail: o.detail.to_string(),
+                bytes_out: o.bytes.0,
+                bytes_in: o.bytes.1,
+                duration_ms: crate::audit::millis(o.duration),
+            });
+        }
+        if rpc == "egress.dns" {
+            self.counters.queries.with_label_values(&[verdict]).inc();
+        } else {
+            self.counters.connections.with_label_values(&[verdict]).inc();
+            self.counters.bytes.with_label_values(&["out"]).inc_by(o.bytes.0);
+            self.counters.bytes.with_label_values(&["in"]).inc_by(o.bytes.1);
+        }
+        tracing::debug!(sandbox = %net.id, rpc, name = o.name, addr = %o.addr, port = o.port, verdict, rule = o.rule, detail = o.detail, "egress");
+    }
+
+    /// The host's own IPv4 addresses, now.
+    fn host_addrs() -> Vec<Ipv4Addr> {
+        match nix::ifaddrs::getifaddrs() {
+            Ok(addrs) => addrs.filter_map(|a| a.address.and_then(|s| s.as_sockaddr_in().map(|s| s.ip()))).collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "listing the host's addresses");
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// Whether the proxy lets `net` reach `dst`: Ok(rule, names to hold TLS to) or Err(reason).
+fn decide(e: &Egress, net: &SandboxNet, dst: SocketAddrV4) -> Result<(String, Option<Vec<String>>), String> {
+    if let Some(why) = rules::always_denied(*dst.ip(), &Egress::host_addrs(), &e.subnet, &e.deny) {
+        return Err(why);
+    }
+    match net.policy.mode {
+        NetworkMode::None => Err("mode NONE".into()),
+        NetworkMode::Open => Ok(("open".into(), None)),
+        NetworkMode::Allowlist => {
+            if let Some(r) = net.policy.cidr_rule(*dst.ip(), dst.port()) {
+                return Ok((r.to_string(), None));
+            }
+            let names: Vec<String> = net.names_for(*dst.ip()).into_iter().filter(|n| net.policy.name_rule(n, Some(dst.port())).is_some()).collect();
+            match names.first().and_then(|n| net.policy.name_rule(n, Some(dst.port()))) {
+                Some(r) => Ok((r.to_string(), Some(names))),
+                None => Err("no rule allows this address and port (not resolved from an allowed name)".into()),
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Egress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Egress").field("subnet", &self.subnet).field("upstream", &self.upstream).finish_non_exhaustive()
+    }
+}

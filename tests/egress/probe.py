@@ -1,0 +1,108 @@
+"""What a program in a sandbox tries, one attempt per argument group; prints one line per
+attempt: "OK <detail>" or "FAIL <why>". Standard library only (the `debian` image's python3).
+
+  resolve NAME            the system resolver (the sandbox's /etc/resolv.conf)
+  http HOST PORT          GET / and the status line and body
+  echo HOST PORT          send "ping", expect it back
+  tls HOST PORT SNI       send a real ClientHello for SNI, expect it echoed back whole
+  dns TYPE NAME           a raw query of TYPE (number) for NAME to the resolv.conf nameserver
+  connect HOST PORT       connect and send nothing: OK if the connection is still open 2 s
+                          later. For addresses outside the test's namespaces (the metadata
+                          address), so that even a broken filter never sends them a request.
+"""
+import socket
+import ssl
+import struct
+import sys
+
+TIMEOUT = 20
+
+
+def nameserver():
+    for line in open("/etc/resolv.conf"):
+        parts = line.split()
+        if parts and parts[0] == "nameserver":
+            return parts[1]
+    raise RuntimeError("no nameserver in /etc/resolv.conf")
+
+
+def attempt(kind, args):
+    if kind == "resolve":
+        return socket.gethostbyname(args[0])
+    if kind == "http":
+        host, port = args[0], int(args[1])
+        with socket.create_connection((host, port), timeout=TIMEOUT) as s:
+            s.sendall(f"GET / HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+            data = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        if not data:
+            raise RuntimeError("connection closed without a reply")
+        head, _, body = data.partition(b"\r\n\r\n")
+        return head.split(b"\r\n")[0].decode() + " " + body.decode().strip()
+    if kind == "echo":
+        with socket.create_connection((args[0], int(args[1])), timeout=TIMEOUT) as s:
+            s.sendall(b"ping")
+            data = s.recv(100)
+        if data != b"ping":
+            raise RuntimeError(f"got {data!r}")
+        return "ping"
+    if kind == "tls":
+        host, port, sni = args[0], int(args[1]), args[2]
+        ctx = ssl.create_default_context()
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        obj = ctx.wrap_bio(incoming, outgoing, server_hostname=sni)
+        try:
+            obj.do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        hello = outgoing.read()
+        with socket.create_connection((host, port), timeout=TIMEOUT) as s:
+            s.sendall(hello)
+            data = b""
+            while len(data) < len(hello):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        if data != hello:
+            raise RuntimeError(f"{len(data)} of {len(hello)} bytes echoed")
+        return f"echoed {len(hello)} bytes"
+    if kind == "connect":
+        with socket.create_connection((args[0], int(args[1])), timeout=TIMEOUT) as s:
+            # The daemon's proxy closes a refused connection at once; an open one stays open.
+            s.settimeout(2)
+            try:
+                data = s.recv(1)
+            except socket.timeout:
+                return "open"
+        raise RuntimeError(f"closed ({data!r})")
+    if kind == "dns":
+        qtype, name = int(args[0]), args[1]
+        q = struct.pack("!HHHHHH", 0x4242, 0x0100, 1, 0, 0, 0)
+        for label in name.split("."):
+            q += bytes([len(label)]) + label.encode()
+        q += b"\0" + struct.pack("!HH", qtype, 1)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(TIMEOUT)
+        s.sendto(q, (nameserver(), 53))
+        data, _ = s.recvfrom(4096)
+        rcode, ancount = data[3] & 0xF, struct.unpack("!H", data[6:8])[0]
+        if rcode != 0 or ancount == 0:
+            raise RuntimeError(f"rcode {rcode} answers {ancount}")
+        return f"answers {ancount}"
+    raise RuntimeError(f"unknown attempt {kind}")
+
+
+ARITY = {"resolve": 1, "http": 2, "echo": 2, "tls": 3, "dns": 2, "connect": 2}
+argv = sys.argv[1:]
+while argv:
+    kind, args = argv[0], argv[1:1 + ARITY.get(argv[0], 0)]
+    argv = argv[1 + len(args):]
+    try:
+        print("OK", kind, *args, "->", attempt(kind, args), flush=True)
+    except Exception as e:  # noqa: BLE001 - every failure is an answer here
+        print("FAIL", kind, *args, "->", type(e).__name__, e, flush=True)

@@ -1,0 +1,514 @@
+//! Egress under policy (issue #24), end to end on the process tier: a sandbox's network mode
+//! NONE, ALLOWLIST or OPEN, enforced at the network layer by the daemon (a veth, nftables, its
+//! DNS server and transparent proxy), against an "internet" this test builds itself: a network
+//! namespace holding DNS, HTTP and raw TCP servers at 198.18.x.2 (the benchmarking range, never a
+//! real address), reached from the host over a veth. The daemon's upstream resolver is that
+//! namespace's DNS server, which logs every query it gets, so the test sees what left.
+//!
+//! Programs in the sandboxes are the `debian` image's python3 running `tests/egress/probe.py`:
+//! plain sockets and the system resolver, no proxy variables, so what is refused is refused by
+//! the network, not by politeness.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use agent_client::exec_request;
+use agent_client::proto::{CreateSandboxRequest, Isolation, NetworkMode, NetworkPolicy, SnapshotInfo};
+use sandbox_tests::{eventually, exec, images_dir, process_sandbox, run_sbx, text, within, Harness};
+
+const INTERNET_PY: &str = include_str!("../egress/internet.py");
+const PROBE_PY: &str = include_str!("../egress/probe.py");
+
+/// The test's internet: a network namespace with the servers of `internet.py`, its host side
+/// at 198.18.`net`.1 and the servers at 198.18.`net`.2.
+struct Internet {
+    ns: String,
+    host_if: String,
+    server: Child,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+    net: u8,
+}
+
+fn run(cmd: &[&str]) {
+    let out = Command::new(cmd[0]).args(&cmd[1..]).output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+impl Internet {
+    /// Builds it; `n` (0-3) tells apart the internets of the tests of this process.
+    async fn start(n: u8) -> Internet {
+        sandbox_tests::require_environment().expect("environment");
+        let pid = std::process::id();
+        let net = 20 + ((pid % 55) as u8) * 4 + n;
+        let (ns, host_if) = (format!("sbxtest-inet-{pid}-{n}"), format!("inet{}{n}", pid % 100_000));
+        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+        let _ = Command::new("ip").args(["link", "del", &host_if]).output();
+        run(&["ip", "netns", "add", &ns]);
+        run(&["ip", "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &ns]);
+        run(&["ip", "addr", "add", &format!("198.18.{net}.1/24"), "dev", &host_if]);
+        run(&["ip", "link", "set", &host_if, "up"]);
+        run(&["ip", "-n", &ns, "addr", "add", &format!("198.18.{net}.2/24"), "dev", "eth0"]);
+        run(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
+        run(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (script, log) = (dir.path().join("internet.py"), dir.path().join("internet.log"));
+        std::fs::write(&script, INTERNET_PY).expect("writing internet.py");
+        let records = [
+            format!("pypi.test=198.18.{net}.2"),
+            format!("evil.test=198.18.{net}.2"),
+            format!("host.test=198.18.{net}.1"),
+            "meta.test=169.254.169.254".to_string(),
+        ];
+        let server = Command::new("ip")
+            .args(["netns", "exec", &ns, "python3"])
+            .arg(&script)
+            .args(&records)
+            .stdout(std::fs::File::create(&log).expect("log file"))
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting internet.py (python3 on the host)");
+        let internet = Internet { ns, host_if, server, log, _dir: dir, net };
+        assert!(eventually(30, || async { internet.queries().contains("ready") }).await, "the test internet did not start: {}", internet.queries());
+        internet
+    }
+
+    /// Everything its DNS server was asked.
+    fn queries(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn addr(&self) -> String {
+        format!("198.18.{}.2", self.net)
+    }
+
+    /// The interface prefix of this test's daemon (its nftables table is `sandboxd_<prefix>`).
+    fn prefix(&self) -> String {
+        format!("e{:04}{}x", std::process::id() % 10_000, self.net % 4)
+    }
+
+    fn host_addr(&self) -> String {
+        format!("198.18.{}.1", self.net)
+    }
+
+    /// A daemon whose upstream resolver is this internet's, with sandbox links of its own.
+    async fn daemon(&self, extra: &[&str]) -> Harness {
+        let config = format!(
+            "[network]\nsubnet = \"100.98.{net}.0/24\"\ninterface_prefix = \"{prefix}\"\nupstream_dns = \"{addr}:53\"\n",
+            net = self.net,
+            prefix = self.prefix(),
+            addr = self.addr(),
+        );
+        Harness::start_with(&config, extra).await
+    }
+}
+
+impl Drop for Internet {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        let _ = Command::new("ip").args(["link", "del", &self.host_if]).output();
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
+        // The daemon (dropped before this) leaves its table on purpose; the test removes it.
+        let _ = Command::new("nft").args(["delete", "table", "inet", &format!("sandboxd_{}", self.prefix())]).output();
+    }
+}
+
+fn network(mode: NetworkMode, allow: &[String]) -> Option<NetworkPolicy> {
+    Some(NetworkPolicy { mode: mode as i32, allow: allow.to_vec() })
+}
+
+fn require_debian() {
+    let image = images_dir().join("debian/image.json");
+    assert!(image.is_file(), "image 'debian' is not built ({} missing) — run `make image-debian`", image.display());
+}
+
+/// A process sandbox of `debian` with `network`, the probe in /probe.py.
+async fn sandbox(h: &Harness, network: Option<NetworkPolicy>) -> String {
+    let request = CreateSandboxRequest { network, ..process_sandbox("debian") };
+    let id = within(60, h.client.create(request)).await.expect("CreateSandbox").id;
+    within(30, h.client.write_file(&id, "/probe.py", PROBE_PY, 0o644)).await.expect("writing the probe");
+    id
+}
+
+/// Runs the probe's attempts; one line per attempt, in order.
+async fn probe(h: &Harness, id: &str, attempts: &[&str]) -> Vec<String> {
+    let mut argv = vec!["python3", "/probe.py"];
+    argv.extend_from_slice(attempts);
+    let r = exec(&h.client, exec_request(id, argv)).await;
+    assert_eq!(r.exit_code, 0, "{}", sandbox_tests::describe(&r));
+    text(&r.stdout).lines().map(str::to_string).collect()
+}
+
+fn assert_ok(line: &str, wanted: &str) {
+    assert!(line.starts_with("OK") && line.contains(wanted), "expected success with {wanted:?}: {line}");
+}
+
+fn assert_fail(line: &str) {
+    assert!(line.starts_with("FAIL"), "expected a refusal: {line}");
+}
+
+/// The audit log's egress lines for `sandbox`.
+fn audit_lines(h: &Harness, sandbox: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(h.daemon.state_dir().join("audit.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["sandbox_id"] == sandbox && v["rpc"].as_str().is_some_and(|r| r.starts_with("egress.")))
+        .collect()
+}
+
+/// A host service: a listener on every host address; whether anything connected to it.
+struct HostService(std::net::TcpListener);
+
+impl HostService {
+    fn start() -> HostService {
+        let l = std::net::TcpListener::bind("0.0.0.0:0").expect("binding the host service");
+        l.set_nonblocking(true).expect("nonblocking");
+        HostService(l)
+    }
+    fn port(&self) -> String {
+        self.0.local_addr().expect("addr").port().to_string()
+    }
+    fn was_reached(&self) -> bool {
+        self.0.accept().is_ok()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn allowlist_reaches_exactly_the_listed_names_and_ports() {
+    require_debian();
+    let inet = Internet::start(0).await;
+    let h = inet.daemon(&[]).await;
+    let host = HostService::start();
+    let port = host.port();
+    let allow: Vec<String> =
+        ["pypi.test:8080", "pypi.test:7000", "host.test:PORT", "meta.test:80", "169.254.169.254/32:80"].iter().map(|a| a.replace("PORT", &port)).collect();
+    let id = sandbox(&h, network(NetworkMode::Allowlist, &allow)).await;
+    let info = h.client.get(&id).await.expect("GetSandbox");
+    let n = info.network.expect("Sandbox.network");
+    assert_eq!(
+        (n.mode, n.allow.clone()),
+        (NetworkMode::Allowlist as i32, vec![allow[0].clone(), allow[1].clone(), allow[2].clone(), "meta.test:80".into(), "169.254.169.254/32:80".into()])
+    );
+
+    // A second sandbox under the same list that never asked the daemon's DNS: an IP literal
+    // is refused, even the address of an allowed name on its port.
+    let literal = sandbox(&h, network(NetworkMode::Allowlist, &allow)).await;
+    let addr = inet.addr();
+    let lines = probe(&h, &literal, &["http", &addr, "8080", "echo", &addr, "7000"]).await;
+    assert_fail(&lines[0]);
+    assert_fail(&lines[1]);
+
+    let gw = {
+        let conf = h.client.read_file(&id, "/etc/resolv.conf", 0, 0).await.expect("resolv.conf").content;
+        let conf = String::from_utf8_lossy(&conf).to_string();
+        conf.lines().find_map(|l| l.strip_prefix("nameserver ")).expect("a nameserver in resolv.conf").trim().to_string()
+    };
+    let tunnel = format!("{}.tunnel.test", "a".repeat(60));
+    let host_addr = inet.host_addr();
+    let lines = probe(
+        &h,
+        &id,
+        &[
+            "resolve",
+            "pypi.test", // 0
+            "http",
+            "pypi.test",
+            "8080", // 1
+            "echo",
+            "pypi.test",
+            "7000", // 2
+            "tls",
+            "pypi.test",
+            "7000",
+            "pypi.test", // 3: a ClientHello naming the allowed name
+            "tls",
+            "pypi.test",
+            "7000",
+            "evil.test", // 4: SNI of another name at the same address
+            "resolve",
+            "evil.test", // 5: resolves upstream to the allowed address, not listed
+            "http",
+            &addr,
+            "8081", // 6: the allowed address, another port
+            "dns",
+            "16",
+            "pypi.test", // 7: TXT
+            "dns",
+            "1",
+            &tunnel, // 8: a long label under an unlisted name
+            "http",
+            "host.test",
+            &port, // 9: listed, but the name is the host's address
+            "http",
+            &gw,
+            &port, // 10: the gateway (the host) itself
+            "http",
+            &host_addr,
+            &port, // 11
+            "connect",
+            "meta.test",
+            "80", // 12: listed, resolves to the metadata address
+            "connect",
+            "169.254.169.254",
+            "80", // 13: listed as a CIDR, still the metadata address
+        ],
+    )
+    .await;
+    assert_ok(&lines[0], &addr);
+    assert_ok(&lines[1], "200 OK hello from the test internet");
+    assert_ok(&lines[2], "ping");
+    assert_ok(&lines[3], "echoed");
+    for l in &lines[4..] {
+        assert_fail(l);
+    }
+    assert_eq!(lines.len(), 14, "{lines:#?}");
+    assert!(!host.was_reached(), "a sandbox reached a host service");
+
+    // Nothing but allowed A queries reached the upstream: no TXT, no tunnel, no evil.test.
+    let queries = inet.queries();
+    assert!(queries.contains("query pypi.test 1"), "{queries}");
+    for leaked in ["tunnel", "evil.test", " 16\n"] {
+        assert!(!queries.contains(leaked), "{leaked:?} reached the upstream resolver:\n{queries}");
+    }
+
+    // Every attempt is an audit line: allowed with the rule and bytes, denied with why.
+    let lines = audit_lines(&h, &id);
+    let connect_ok =
+        lines.iter().find(|l| l["rpc"] == "egress.connect" && l["verdict"] == "allowed" && l["port"] == 8080).expect("an allowed connection in the audit log");
+    assert_eq!(connect_ok["rule"], "pypi.test:8080", "{connect_ok}");
+    assert_eq!(connect_ok["addr"], addr.as_str(), "{connect_ok}");
+    assert!(connect_ok["bytes_in"].as_u64().unwrap_or(0) > 0 && connect_ok["bytes_out"].as_u64().unwrap_or(0) > 0, "{connect_ok}");
+    assert_eq!(connect_ok["tenant"], "local");
+    let denied = |pred: &dyn Fn(&serde_json::Value) -> bool| lines.iter().any(|l| l["verdict"] == "denied" && pred(l));
+    assert!(denied(&|l| l["rpc"] == "egress.connect" && l["name"] == "evil.test"), "no SNI refusal in {lines:#?}");
+    assert!(denied(&|l| l["rpc"] == "egress.dns" && l["name"] == "evil.test"), "no DNS refusal of evil.test");
+    assert!(denied(&|l| l["rpc"] == "egress.dns" && l["detail"].as_str().unwrap_or("").contains("type 16")), "no TXT refusal");
+    assert!(denied(&|l| l["rpc"] == "egress.connect" && l["addr"] == "169.254.169.254"), "no metadata refusal");
+    assert!(denied(&|l| l["rpc"] == "egress.connect" && l["addr"] == host_addr.as_str() && l["detail"] == "the host"), "no host refusal");
+    assert!(audit_lines(&h, &literal).iter().any(|l| l["verdict"] == "denied" && l["addr"] == addr.as_str() && l["port"] == 8080), "no IP-literal refusal");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn none_reaches_nothing_and_open_reaches_the_internet_but_not_the_host_metadata_or_neighbours() {
+    require_debian();
+    let inet = Internet::start(1).await;
+    let metrics = format!("0.0.0.0:{}", sandbox_tests::free_port().expect("port"));
+    let h = inet.daemon(&["--metrics", &metrics]).await;
+    let metrics_port = metrics.rsplit(':').next().unwrap_or_default().to_string();
+    let addr = inet.addr();
+
+    // NONE (the default): loopback only — no interface but lo, no name, no address.
+    let none = sandbox(&h, None).await;
+    let info = h.client.get(&none).await.expect("GetSandbox");
+    assert_eq!(info.network.expect("Sandbox.network").mode, NetworkMode::None as i32);
+    let lines = probe(&h, &none, &["resolve", "pypi.test", "http", &addr, "8080", "echo", &addr, "7000", "connect", "169.254.169.254", "80"]).await;
+    for l in &lines {
+        assert_fail(l);
+    }
+    let ifaces = sandbox_tests::sh_ok(&h.client, &none, "ls /sys/class/net").await;
+    assert_eq!(ifaces.split_whitespace().collect::<Vec<_>>(), ["lo"], "NONE has interfaces: {ifaces}");
+
+    // OPEN: the same attempts get through — so the refusals above are the mode's doing.
+    let open = sandbox(&h, network(NetworkMode::Open, &[])).await;
+    let neighbour = sandbox(&h, network(NetworkMode::Open, &[])).await;
+    // The neighbour serves HTTP on every address of its own; it answers itself.
+    let server =
+        exec(&h.client, agent_client::proto::ExecRequest { background: true, ..exec_request(&neighbour, ["python3", "-m", "http.server", "8000"]) }).await;
+    assert!(server.exec_id.len() > 1);
+    assert!(
+        eventually(30, || async { probe(&h, &neighbour, &["http", "127.0.0.1", "8000"]).await[0].starts_with("OK") }).await,
+        "the neighbour's server never answered itself"
+    );
+    let neighbour_conf = h.client.read_file(&neighbour, "/etc/resolv.conf", 0, 0).await.expect("resolv.conf").content;
+    let neighbour_gw: std::net::Ipv4Addr = String::from_utf8_lossy(&neighbour_conf)
+        .lines()
+        .find_map(|l| l.strip_prefix("nameserver "))
+        .expect("nameserver")
+        .trim()
+        .parse()
+        .expect("gateway address");
+    let neighbour_addr = std::net::Ipv4Addr::from(u32::from(neighbour_gw) + 1).to_string();
+    let gw = neighbour_gw.to_string();
+    let host = HostService::start();
+    let port = host.port();
+    let lines = probe(
+        &h,
+        &open,
+        &[
+            "resolve",
+            "evil.test", // 0
+            "http",
+            &addr,
+            "8080", // 1: by address
+            "http",
+            "pypi.test",
+            "8080", // 2: by name
+            "echo",
+            &addr,
+            "7000", // 3
+            "connect",
+            &addr,
+            "7000", // 4: the `connect` probe sees an open connection as open
+            "connect",
+            "169.254.169.254",
+            "80", // 5
+            "connect",
+            "meta.test",
+            "80", // 6
+            "http",
+            &neighbour_addr,
+            "8000", // 7: the neighbour sandbox
+            "http",
+            &gw,
+            &port, // 8: a host service at the gateway
+            "http",
+            &inet.host_addr(),
+            &port, // 9: the same at the host end of the internet link
+            "http",
+            &gw,
+            &metrics_port, // 10: the daemon's own metrics listener
+            "dns",
+            "16",
+            "pypi.test", // 11: TXT is refused in every mode
+        ],
+    )
+    .await;
+    assert_ok(&lines[0], &addr);
+    assert_ok(&lines[1], "hello from the test internet");
+    assert_ok(&lines[2], "hello from the test internet");
+    assert_ok(&lines[3], "ping");
+    assert_ok(&lines[4], "open");
+    for l in &lines[5..] {
+        assert_fail(l);
+    }
+    assert_eq!(lines.len(), 12, "{lines:#?}");
+    assert!(!host.was_reached(), "a sandbox reached a host service");
+    let denied: Vec<_> = audit_lines(&h, &open).into_iter().filter(|l| l["verdict"] == "denied").collect();
+    assert!(denied.iter().any(|l| l["addr"] == neighbour_addr.as_str() && l["detail"] == "the sandboxes' network"), "{denied:#?}");
+
+    // The counters say the same.
+    let body = http_get(&format!("127.0.0.1:{metrics_port}")).await;
+    let count = |name: &str, verdict: &str| {
+        body.lines()
+            .find(|l| l.starts_with(name) && l.contains(&format!("verdict=\"{verdict}\"")))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(count("sandboxd_egress_connections_total", "allowed") >= 3.0, "{body}");
+    assert!(count("sandboxd_egress_connections_total", "denied") >= 6.0, "{body}");
+    assert!(count("sandboxd_egress_dns_queries_total", "denied") >= 1.0, "{body}");
+}
+
+async fn http_get(addr: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect metrics");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.expect("write");
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.expect("read");
+    buf
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn forks_inherit_the_network_and_other_tiers_refuse_one() {
+    require_debian();
+    let inet = Internet::start(2).await;
+    let mut h = inet.daemon(&[]).await;
+    let allow = vec!["pypi.test:8080".to_string()];
+
+    // Other tiers: refused with the tier named, never created without the filter.
+    for tier in [Isolation::Container, Isolation::Microvm] {
+        let request = CreateSandboxRequest { isolation: tier as i32, network: network(NetworkMode::Allowlist, &allow), ..Default::default() };
+        let err = within(60, h.client.create(request)).await.expect_err("a filtered network on another tier");
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+        assert!(err.to_string().contains(&format!("{tier:?}").to_uppercase()), "{err}");
+    }
+    // Malformed entries name the field.
+    for (mode, entry) in [(NetworkMode::Allowlist, "pypi.test"), (NetworkMode::Allowlist, "10.0.0.0/40:1"), (NetworkMode::Open, "pypi.test:443")] {
+        let request = CreateSandboxRequest { network: network(mode, &[entry.to_string()]), ..process_sandbox("debian") };
+        let err = within(60, h.client.create(request)).await.expect_err("a bad allow entry");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+        assert!(err.to_string().contains("network.allow"), "{err}");
+    }
+
+    let parent = sandbox(&h, network(NetworkMode::Allowlist, &allow)).await;
+    let snap: SnapshotInfo = within(60, h.client.snapshot(&parent, "")).await.expect("Snapshot");
+    let fork = within(60, h.client.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() })).await.expect("fork");
+    let n = fork.network.expect("network");
+    assert_eq!((n.mode, n.allow), (NetworkMode::Allowlist as i32, allow.clone()));
+    // Enforced in the fork, not only reported.
+    let lines = probe(&h, &fork.id, &["http", "pypi.test", "8080", "http", "pypi.test", "7000"]).await;
+    assert_ok(&lines[0], "hello from the test internet");
+    assert_fail(&lines[1]);
+    // A fork may say otherwise.
+    let closed = within(
+        60,
+        h.client.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id, network: network(NetworkMode::None, &[]), ..Default::default() }),
+    )
+    .await
+    .expect("fork with NONE");
+    assert_eq!(closed.network.expect("network").mode, NetworkMode::None as i32);
+    assert_fail(&probe(&h, &closed.id, &["http", "pypi.test", "8080"]).await[0]);
+
+    // GetNetworkLog / `sbx net log`: the fork's own attempts, allowed and denied, oldest first.
+    let events = within(30, h.client.network_log(&fork.id, 0)).await.expect("GetNetworkLog");
+    let connects: Vec<_> = events.iter().filter(|e| e.kind == "connect").collect();
+    assert_eq!(connects.iter().map(|e| (e.port, e.allowed)).collect::<Vec<_>>(), [(8080, true), (7000, false)], "{events:#?}");
+    assert_eq!(connects[0].rule, "pypi.test:8080");
+    assert!(connects[0].bytes_in > 0, "{:?}", connects[0]);
+    assert!(events.iter().any(|e| e.kind == "dns" && e.name == "pypi.test" && e.allowed), "{events:#?}");
+    assert!(within(30, h.client.network_log(&closed.id, 0)).await.expect("GetNetworkLog").is_empty());
+    let out = run_sbx(&h.daemon, &["net", "log", &fork.id], 30).await;
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(table.lines().any(|l| l.contains("connect") && l.contains("allowed") && l.contains("pypi.test:8080")), "{table}");
+    assert!(table.lines().any(|l| l.contains("connect") && l.contains("denied") && l.contains("7000")), "{table}");
+    let other = h.client.network_log("sb-nosuchsandbox", 0).await.expect_err("an unknown sandbox");
+    assert_eq!(other.code(), tonic::Code::NotFound, "{other}");
+
+    // A daemon restart re-adopts the sandbox with the same network, enforced again.
+    h.daemon.restart().await.expect("restarting sandboxd");
+    h.client = h.daemon.client().await.expect("reconnecting");
+    let running = eventually(120, || async { h.client.get(&fork.id).await.is_ok_and(|s| s.state == agent_client::proto::SandboxState::Running as i32) }).await;
+    assert!(running, "the fork was not re-adopted: {:?}", h.client.get(&fork.id).await);
+    assert_eq!(h.client.get(&fork.id).await.expect("get").network.expect("network").allow, allow);
+    let lines = probe(&h, &fork.id, &["http", "pypi.test", "8080", "http", "pypi.test", "7000"]).await;
+    assert_ok(&lines[0], "hello from the test internet");
+    assert_fail(&lines[1]);
+
+    // The command line: --allow implies ALLOWLIST, and `sbx get --json` reports it.
+    let out =
+        run_sbx(&h.daemon, &["create", "--isolation", "process", "--image", "debian", "--allow", "pypi.test:8080", "--allow", "*.pypi.test:443"], 60).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let out = run_sbx(&h.daemon, &["--json", "get", &id], 30).await;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["network"]["mode"], "ALLOWLIST", "{v}");
+    assert_eq!(v["network"]["allow"], serde_json::json!(["pypi.test:8080", "*.pypi.test:443"]), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pip_installs_from_an_allowed_index_and_not_without_a_network() {
+    require_debian();
+    let inet = Internet::start(3).await;
+    let h = inet.daemon(&[]).await;
+    // pip as a user runs it, with the index by name; --target keeps Debian's system site alone.
+    let pip = "python3 -m pip install --no-cache-dir --disable-pip-version-check --retries 0 --timeout 20 \
+               --break-system-packages --index-url http://pypi.test:8080/simple/ --trusted-host pypi.test --target /workspace/site egresshello \
+               && PYTHONPATH=/workspace/site python3 -c 'import egresshello; print(egresshello.GREETING)'";
+    let allowed = sandbox(&h, network(NetworkMode::Allowlist, &["pypi.test:8080".to_string()])).await;
+    let out = sandbox_tests::sh_ok(&h.client, &allowed, pip).await;
+    assert!(out.contains("installed from the test index"), "{out}");
+    let audit = audit_lines(&h, &allowed);
+    assert!(audit.iter().any(|l| l["rpc"] == "egress.connect" && l["verdict"] == "allowed" && l["bytes_in"].as_u64().unwrap_or(0) > 500), "{audit:#?}");
+
+    let none = sandbox(&h, None).await;
+    let r = sandbox_tests::sh(&h.client, &none, pip).await;
+    assert_ne!(r.exit_code, 0, "pip installed without a network: {}", sandbox_tests::describe(&r));
+    // The same index under an allow list without its port is no better.
+    let wrong_port = sandbox(&h, network(NetworkMode::Allowlist, &["pypi.test:443".to_string()])).await;
+    let r = sandbox_tests::sh(&h.client, &wrong_port, pip).await;
+    assert_ne!(r.exit_code, 0, "pip installed through an unlisted port: {}", sandbox_tests::describe(&r));
+}
