@@ -60,6 +60,10 @@ pub struct Cli {
     /// `[telemetry] otlp_endpoint`.
     #[arg(long)]
     pub otlp_endpoint: Option<String>,
+    /// Serve the E2B-compatible API on this address (e.g. 127.0.0.1:3000); overrides
+    /// `[e2b] listen`.
+    #[arg(long = "e2b")]
+    pub e2b: Option<std::net::SocketAddr>,
 }
 
 /// How log lines are written.
@@ -469,6 +473,8 @@ pub struct FileConfig {
     pub images: ImagesConfig,
     #[serde(default)]
     pub admission: AdmissionConfig,
+    #[serde(default)]
+    pub e2b: crate::e2b::E2bConfig,
 }
 
 /// Where the RUN steps of a `BuildImage` may connect to.
@@ -782,6 +788,7 @@ pub struct Config {
     pub streams: StreamsConfig,
     pub images: ImagesConfig,
     pub admission: AdmissionConfig,
+    pub e2b: crate::e2b::E2bConfig,
 }
 
 impl Config {
@@ -821,6 +828,7 @@ impl Config {
             streams: file.streams,
             images: file.images,
             admission: file.admission,
+            e2b: crate::e2b::E2bConfig { listen: cli.e2b.or(file.e2b.listen), ..file.e2b },
         };
         let cfg = cfg.absolute()?;
         cfg.validate()?;
