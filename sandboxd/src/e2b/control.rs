@@ -122,6 +122,9 @@ fn refuse_unsupported(body: &serde_json::Map<String, Value>) -> Result<(), Error
     let reasons = [
         ("autoPause", "pause is not supported: a sandbox is running or destroyed (snapshots keep files)"),
         ("autoResume", "pause is not supported: a sandbox is running or destroyed"),
+        ("autoPauseMemory", "pause is not supported: a sandbox is running or destroyed"),
+        // The SDK sends this one in snake case; E2B's spec spells it in camel case.
+        ("allow_internet_access", "sandboxes have no network"),
         ("allowInternetAccess", "sandboxes have no network"),
         ("network", "sandboxes have no network"),
         ("mcp", "there is no MCP gateway inside sandboxes"),

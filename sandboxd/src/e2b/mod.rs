@@ -151,10 +151,24 @@ async fn route(state: Arc<State>, req: http::Request<hyper::body::Incoming>) -> 
     }
     match path.as_str() {
         "/files" => return filesystem::handle_files(&state, req).await,
-        "/health" => return empty(http::StatusCode::NO_CONTENT),
+        "/health" => return health(&state, req.headers()),
         _ => {}
     }
     control::handle(&state, req).await
+}
+
+/// envd's `/health`. With a sandbox named, it answers for that sandbox as E2B's edge does: 502
+/// for one that is gone (the SDK's `is_running()` is false), 401 for a bad token.
+fn health(state: &State, headers: &http::HeaderMap) -> http::Response<Body> {
+    if !headers.contains_key("e2b-sandbox-id") {
+        return empty(http::StatusCode::NO_CONTENT);
+    }
+    let alive = state.envd_caller(headers).and_then(|(tenant, id)| state.manager.get(&tenant, &id));
+    match alive {
+        Ok(_) => empty(http::StatusCode::NO_CONTENT),
+        Err(e) if is_unauthenticated(&e) => json_response(http::StatusCode::UNAUTHORIZED, &serde_json::json!({"code": 401, "message": e.to_string()})),
+        Err(e) => json_response(http::StatusCode::BAD_GATEWAY, &serde_json::json!({"code": 502, "message": e.to_string()})),
+    }
 }
 
 impl State {

@@ -226,6 +226,7 @@ async fn start(state: &Arc<State>, tenant: &str, sandbox_id: &str, req: http::Re
     let (input_tx, input_rx) = mpsc::channel(INPUT_BUFFER);
     let events = state.manager.exec_session(tenant, exec, Session { input: input_rx, tty });
     state.audit("e2b.process.Start", tenant, sandbox_id, Some(&argv), "", events.as_ref().err(), started);
+    let mut exec_id = None;
     let mut events = match events {
         Ok(e) => e,
         Err(e) => return connect::stream_error(e.into()),
@@ -233,6 +234,15 @@ async fn start(state: &Arc<State>, tenant: &str, sandbox_id: &str, req: http::Re
     if !keep_stdin && input_tx.send(SessionInput::CloseStdin).await.is_err() {
         return connect::stream_error(RpcError::new("internal", "the session's input closed before it started"));
     }
+    // A session's first event says it runs, with the exec's id (which signals need): the
+    // client learns the pid only after that, so a kill right after a start finds its exec.
+    let first = match events.next().await {
+        Some(Ok(ExecEvent::Started(id))) => {
+            exec_id = Some(id.to_string());
+            None
+        }
+        other => other,
+    };
     let config = process.clone();
     let proc = match state.processes.insert(sandbox_id, |pid| Proc {
         pid,
@@ -240,7 +250,7 @@ async fn start(state: &Arc<State>, tenant: &str, sandbox_id: &str, req: http::Re
         config,
         tty: tty.is_some(),
         input: input_tx,
-        exec_id: Mutex::new(None),
+        exec_id: Mutex::new(exec_id),
         subscribers: Mutex::new(Vec::new()),
     }) {
         Ok(p) => p,
@@ -253,8 +263,13 @@ async fn start(state: &Arc<State>, tenant: &str, sandbox_id: &str, req: http::Re
     let (state2, sandbox) = (state.clone(), sandbox_id.to_string());
     let idle = state.manager.stream_idle_timeout();
     tokio::spawn(async move {
+        let mut first = first;
         let end = loop {
-            match events.next().await {
+            let next = match first.take() {
+                Some(event) => Some(event),
+                None => events.next().await,
+            };
+            match next {
                 Some(Ok(ExecEvent::Started(id))) => {
                     if let Ok(mut e) = proc.exec_id.lock() {
                         *e = Some(id.to_string());
@@ -306,7 +321,7 @@ fn end_event(r: &ExecRecord) -> Value {
     };
     let mut end = json!({"exitCode": o.exit_code, "exited": exited, "status": status});
     let error = match o.status {
-        ExecStatus::Exited | ExecStatus::Signaled => String::new(),
+        ExecStatus::Exited => String::new(),
         _ if !o.error.is_empty() => o.error.clone(),
         _ => status.clone(),
     };
