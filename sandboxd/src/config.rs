@@ -434,6 +434,39 @@ pub fn default_pool_size(state_dir: &Path) -> u64 {
     }
 }
 
+/// The `[e2b]` table: the E2B-compatible front door (see `e2b`). Off unless `listen` (or
+/// `--e2b`) is given.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct E2bConfig {
+    /// Where to serve the E2B API (plain HTTP/1.1; put TLS in front for anything but loopback).
+    pub listen: Option<std::net::SocketAddr>,
+    /// Whether a create's metadata may choose the tier (`isolation=process|container|microvm`).
+    /// Off: the policy's default tier, whatever the metadata says.
+    #[serde(default)]
+    pub isolation_metadata: bool,
+    /// A sandbox's lifetime when a create names none (E2B's `timeout`), in seconds.
+    #[serde(default = "default_timeout_seconds")]
+    pub default_timeout_seconds: u32,
+    /// Connections served at once; more wait in the kernel's backlog.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+}
+
+fn default_timeout_seconds() -> u32 {
+    300
+}
+
+fn default_max_connections() -> usize {
+    256
+}
+
+impl Default for E2bConfig {
+    fn default() -> Self {
+        E2bConfig { listen: None, isolation_metadata: false, default_timeout_seconds: default_timeout_seconds(), max_connections: default_max_connections() }
+    }
+}
+
 /// The TOML file, as written by users.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -474,7 +507,7 @@ pub struct FileConfig {
     #[serde(default)]
     pub admission: AdmissionConfig,
     #[serde(default)]
-    pub e2b: crate::e2b::E2bConfig,
+    pub e2b: E2bConfig,
 }
 
 /// Where the RUN steps of a `BuildImage` may connect to.
@@ -788,7 +821,7 @@ pub struct Config {
     pub streams: StreamsConfig,
     pub images: ImagesConfig,
     pub admission: AdmissionConfig,
-    pub e2b: crate::e2b::E2bConfig,
+    pub e2b: E2bConfig,
 }
 
 impl Config {
@@ -828,7 +861,7 @@ impl Config {
             streams: file.streams,
             images: file.images,
             admission: file.admission,
-            e2b: crate::e2b::E2bConfig { listen: cli.e2b.or(file.e2b.listen), ..file.e2b },
+            e2b: E2bConfig { listen: cli.e2b.or(file.e2b.listen), ..file.e2b },
         };
         let cfg = cfg.absolute()?;
         cfg.validate()?;

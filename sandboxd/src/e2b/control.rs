@@ -6,7 +6,7 @@ use std::time::{Instant, SystemTime};
 
 use serde_json::{json, Value};
 
-use super::{http_status, json_response, read_body, rfc3339, Body, State, ENVD_VERSION};
+use super::{http_status, json_response, read_body, rfc3339, Audited, Body, State, ENVD_VERSION};
 use crate::error::Error;
 use crate::model::{CreateRequest, Isolation, SandboxInfo, SandboxState};
 
@@ -172,7 +172,11 @@ async fn create(state: &State, tenant: &str, req: http::Request<hyper::body::Inc
     };
     let result = state.manager.create(tenant, request).await;
     let id = result.as_ref().map(|i| i.id.to_string()).unwrap_or_default();
-    state.audit("e2b.CreateSandbox", tenant, &id, None, &format!("template={template}"), result.as_ref().err(), started);
+    state.audit(
+        Audited { rpc: "e2b.CreateSandbox", tenant, sandbox_id: &id, argv: None, detail: &format!("template={template}") },
+        result.as_ref().err(),
+        started,
+    );
     let info = result?;
     tracing::info!(sandbox = %info.id, tenant, template, "E2B sandbox created");
     Ok(json_response(http::StatusCode::CREATED, &created(state, &info)))
@@ -272,7 +276,7 @@ fn list(state: &State, tenant: &str, query: &str) -> Result<http::Response<Body>
 async fn kill(state: &State, tenant: &str, id: &str) -> Result<http::Response<Body>, Error> {
     let started = Instant::now();
     let result = state.manager.destroy(tenant, id).await;
-    state.audit("e2b.KillSandbox", tenant, id, None, "", result.as_ref().err(), started);
+    state.audit(Audited { rpc: "e2b.KillSandbox", tenant, sandbox_id: id, argv: None, detail: "" }, result.as_ref().err(), started);
     result?;
     state.processes.forget_sandbox(id);
     Ok(super::empty(http::StatusCode::NO_CONTENT))
@@ -286,7 +290,7 @@ async fn set_timeout(state: &State, tenant: &str, id: &str, req: http::Request<h
         return Err(Error::invalid("timeout", "must be at least 1 second"));
     }
     let result = state.manager.set_ttl(tenant, id, timeout);
-    state.audit("e2b.SetTimeout", tenant, id, None, &format!("timeout={timeout}"), result.as_ref().err(), started);
+    state.audit(Audited { rpc: "e2b.SetTimeout", tenant, sandbox_id: id, argv: None, detail: &format!("timeout={timeout}") }, result.as_ref().err(), started);
     result?;
     Ok(super::empty(http::StatusCode::NO_CONTENT))
 }
@@ -307,7 +311,7 @@ fn extend(state: &State, tenant: &str, id: &str, seconds: u32) -> Result<Sandbox
         return Ok(info);
     }
     let result = state.manager.set_ttl(tenant, id, seconds);
-    state.audit("e2b.SetTimeout", tenant, id, None, &format!("timeout={seconds}"), result.as_ref().err(), started);
+    state.audit(Audited { rpc: "e2b.SetTimeout", tenant, sandbox_id: id, argv: None, detail: &format!("timeout={seconds}") }, result.as_ref().err(), started);
     result
 }
 

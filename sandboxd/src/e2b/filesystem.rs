@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use super::connect::{self, RpcError};
 use super::multipart::{self, Event};
 use super::process::basic_user;
-use super::{http_status, json_response, sandbox_path, Body, State};
+use super::{http_status, json_response, sandbox_path, Audited, Body, State};
 use crate::backend::UploadPiece;
 use crate::error::Error;
 use crate::model::{ExecRequest, ExecStatus, SandboxInfo};
@@ -257,9 +257,20 @@ async fn upload(state: &State, c: &Caller, path: Option<String>, req: http::Requ
         let (_, r) = tokio::join!(feed, state.manager.upload_file(&c.tenant, c.info.id.as_str(), &path, 0o644, rx));
         r.map(|_| written.push(path))
     };
-    state.audit("e2b.files.Upload", &c.tenant, c.info.id.as_str(), None, &format!("paths={written:?}"), result.as_ref().err(), started);
+    state.audit(
+        Audited { rpc: "e2b.files.Upload", tenant: &c.tenant, sandbox_id: c.info.id.as_str(), argv: None, detail: &format!("paths={written:?}") },
+        result.as_ref().err(),
+        started,
+    );
     result?;
     Ok(json_response(http::StatusCode::OK, &Value::Array(written.iter().map(|p| write_info(p)).collect())))
+}
+
+/// The part being written: its path, the feed into its upload and the upload itself.
+struct PartUpload {
+    path: String,
+    tx: mpsc::Sender<UploadPiece>,
+    task: tokio::task::JoinHandle<Result<u64, Error>>,
 }
 
 /// Each file part of a multipart body, streamed into its own upload. The part's file name is its
@@ -274,8 +285,7 @@ async fn upload_multipart(
 ) -> Result<(), Error> {
     let bad = |e: multipart::MultipartError| Error::invalid("body", e.to_string());
     let mut reader = multipart::Reader::new(&multipart::boundary(content_type).map_err(bad)?);
-    // The part being written: its path, the feed into its upload and the upload itself.
-    let mut current: Option<(String, mpsc::Sender<UploadPiece>, tokio::task::JoinHandle<Result<u64, Error>>)> = None;
+    let mut current: Option<PartUpload> = None;
     let mut ended = false;
     loop {
         while let Some(event) = reader.next().map_err(bad)? {
@@ -290,16 +300,16 @@ async fn upload_multipart(
                     let (tx, rx) = mpsc::channel(UPLOAD_BUFFER);
                     let (manager, tenant, sandbox, p) = (state.manager.clone(), c.tenant.clone(), c.info.id.to_string(), path.clone());
                     let task = tokio::spawn(async move { manager.upload_file(&tenant, &sandbox, &p, 0o644, rx).await });
-                    current = Some((path, tx, task));
+                    current = Some(PartUpload { path, tx, task });
                 }
                 Event::Data(d) => {
-                    if let Some((_, tx, _)) = &current {
+                    if let Some(PartUpload { tx, .. }) = &current {
                         // A failed send means the upload gave up: its error comes from the task.
                         let _ = tx.send(UploadPiece::Data(d)).await;
                     }
                 }
                 Event::PartEnd => {
-                    if let Some((path, tx, task)) = current.take() {
+                    if let Some(PartUpload { path, tx, task }) = current.take() {
                         let _ = tx.send(UploadPiece::Commit).await;
                         drop(tx);
                         task.await.map_err(|e| Error::Internal(format!("upload task: {e}")))??;

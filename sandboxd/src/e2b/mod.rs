@@ -19,53 +19,20 @@ mod multipart;
 mod process;
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
-use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::Auth;
 use crate::audit::{millis, AuditEntry, AuditLog};
+pub use crate::config::E2bConfig;
 use crate::error::Error;
 use crate::manager::Manager;
-
-/// The `[e2b]` table. Off unless `listen` (or `--e2b`) is given.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct E2bConfig {
-    /// Where to serve the E2B API (plain HTTP/1.1; put TLS in front for anything but loopback).
-    pub listen: Option<SocketAddr>,
-    /// Whether a create's metadata may choose the tier (`isolation=process|container|microvm`).
-    /// Off: the policy's default tier, whatever the metadata says.
-    #[serde(default)]
-    pub isolation_metadata: bool,
-    /// A sandbox's lifetime when a create names none (E2B's `timeout`), in seconds.
-    #[serde(default = "default_timeout_seconds")]
-    pub default_timeout_seconds: u32,
-    /// Connections served at once; more wait in the kernel's backlog.
-    #[serde(default = "default_max_connections")]
-    pub max_connections: usize,
-}
-
-fn default_timeout_seconds() -> u32 {
-    300
-}
-
-fn default_max_connections() -> usize {
-    256
-}
-
-impl Default for E2bConfig {
-    fn default() -> Self {
-        E2bConfig { listen: None, isolation_metadata: false, default_timeout_seconds: default_timeout_seconds(), max_connections: default_max_connections() }
-    }
-}
 
 /// The envd version this front door answers as. It decides which SDK features are used: 0.5.7
 /// has octet-stream uploads and closing stdin; file metadata (0.6.2) and watch events with
@@ -224,22 +191,31 @@ impl State {
     }
 
     /// Writes the audit line of a call that changed state, as the gRPC API does.
-    fn audit(&self, rpc: &str, tenant: &str, sandbox_id: &str, argv: Option<&[String]>, detail: &str, error: Option<&Error>, started: std::time::Instant) {
+    fn audit(&self, a: Audited<'_>, error: Option<&Error>, started: std::time::Instant) {
         self.audit.record(&AuditEntry {
-            tenant,
-            rpc,
-            sandbox_id,
-            argv,
+            tenant: a.tenant,
+            rpc: a.rpc,
+            sandbox_id: a.sandbox_id,
+            argv: a.argv,
             env: None,
-            detail,
+            detail: a.detail,
             status: error.map(error_code_name).unwrap_or("OK"),
             duration_ms: millis(started.elapsed()),
         });
     }
 }
 
+/// What the audit line of a call says besides its outcome and duration.
+struct Audited<'a> {
+    rpc: &'a str,
+    tenant: &'a str,
+    sandbox_id: &'a str,
+    argv: Option<&'a [String]>,
+    detail: &'a str,
+}
+
 fn decode_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 || s.len() > 512 {
+    if !s.len().is_multiple_of(2) || s.len() > 512 {
         return None;
     }
     (0..s.len()).step_by(2).map(|i| s.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok())).collect()

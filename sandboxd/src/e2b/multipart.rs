@@ -181,11 +181,13 @@ mod tests {
     use super::*;
 
     fn body() -> Vec<u8> {
-        b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/tmp/a.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n--XyZ world\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b\"\r\n\r\n\r\n--XyZ--\r\n".to_vec()
+        b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/tmp/a.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n--XyX world\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b\"\r\n\r\n\r\n--XyZ--\r\n".to_vec()
     }
 
+    type Parts = Vec<(Option<String>, Vec<u8>)>;
+
     /// Feeds `body` in pieces of `step` bytes and collects the parts.
-    fn parts(body: &[u8], step: usize) -> Result<Vec<(Option<String>, Vec<u8>)>, MultipartError> {
+    fn parts(body: &[u8], step: usize) -> Result<Parts, MultipartError> {
         let mut r = Reader::new("XyZ");
         let mut out: Vec<(Option<String>, Vec<u8>)> = Vec::new();
         for piece in body.chunks(step) {
@@ -207,7 +209,7 @@ mod tests {
         for step in [1, 2, 3, 7, 64, 4096] {
             let p = parts(&body(), step).expect("parses");
             assert_eq!(p.len(), 2, "step {step}");
-            assert_eq!(p[0], (Some("/tmp/a.txt".into()), b"hello\r\n--XyZ world".to_vec()), "a near-delimiter stays data (step {step})");
+            assert_eq!(p[0], (Some("/tmp/a.txt".into()), b"hello\r\n--XyX world".to_vec()), "a near-delimiter stays data (step {step})");
             assert_eq!(p[1], (Some("b".into()), Vec::new()), "an empty part (step {step})");
         }
     }

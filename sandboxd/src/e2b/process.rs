@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::connect::{self, RpcError};
-use super::{Body, State};
+use super::{Audited, Body, State};
 use crate::backend::{SessionInput, TerminalSize};
 use crate::error::Error;
 use crate::manager::Session;
@@ -225,7 +225,7 @@ async fn start(state: &Arc<State>, tenant: &str, sandbox_id: &str, req: http::Re
     let exec = ExecRequest { sandbox_id: sandbox_id.to_string(), argv: argv.clone(), env, workdir, user, ..Default::default() };
     let (input_tx, input_rx) = mpsc::channel(INPUT_BUFFER);
     let events = state.manager.exec_session(tenant, exec, Session { input: input_rx, tty });
-    state.audit("e2b.process.Start", tenant, sandbox_id, Some(&argv), "", events.as_ref().err(), started);
+    state.audit(Audited { rpc: "e2b.process.Start", tenant, sandbox_id, argv: Some(&argv), detail: "" }, events.as_ref().err(), started);
     let mut exec_id = None;
     let mut events = match events {
         Ok(e) => e,
@@ -417,7 +417,11 @@ async fn send_signal(state: &State, tenant: &str, sandbox_id: &str, req: http::R
         .and_then(|e| e.clone())
         .ok_or_else(|| RpcError::new("failed_precondition", format!("process {} has not started yet", proc.pid)))?;
     let result = state.manager.signal_exec(tenant, &exec_id, signal).await;
-    state.audit("e2b.process.SendSignal", tenant, sandbox_id, None, &format!("pid={} signal={signal}", proc.pid), result.as_ref().err(), started);
+    state.audit(
+        Audited { rpc: "e2b.process.SendSignal", tenant, sandbox_id, argv: None, detail: &format!("pid={} signal={signal}", proc.pid) },
+        result.as_ref().err(),
+        started,
+    );
     match result {
         Ok(()) => Ok(json!({})),
         // It ended between the lookup and the signal: as envd, the process is not there.
