@@ -445,12 +445,20 @@ pub struct E2bConfig {
     /// Off: the policy's default tier, whatever the metadata says.
     #[serde(default)]
     pub isolation_metadata: bool,
+    /// The image E2B's default template (`base`, what `Sandbox.create()` asks for) maps to: E2B's
+    /// base is a Debian with bash, which the SDK runs every command through.
+    #[serde(default = "default_base_template")]
+    pub base_template: String,
     /// A sandbox's lifetime when a create names none (E2B's `timeout`), in seconds.
     #[serde(default = "default_timeout_seconds")]
     pub default_timeout_seconds: u32,
     /// Connections served at once; more wait in the kernel's backlog.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+}
+
+fn default_base_template() -> String {
+    "debian".into()
 }
 
 fn default_timeout_seconds() -> u32 {
@@ -463,7 +471,13 @@ fn default_max_connections() -> usize {
 
 impl Default for E2bConfig {
     fn default() -> Self {
-        E2bConfig { listen: None, isolation_metadata: false, default_timeout_seconds: default_timeout_seconds(), max_connections: default_max_connections() }
+        E2bConfig {
+            listen: None,
+            isolation_metadata: false,
+            base_template: default_base_template(),
+            default_timeout_seconds: default_timeout_seconds(),
+            max_connections: default_max_connections(),
+        }
     }
 }
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -265,3 +266,21 @@ def test_what_does_not_map_is_refused_with_a_reason(sbx: Sandbox) -> None:
     with pytest.raises(SandboxException) as exc:
         sbx.files.watch_dir("/tmp")
     assert "not supported" in str(exc.value)
+
+
+def test_the_default_template_runs_commands(daemon: Daemon) -> None:
+    s = Sandbox.create()
+    try:
+        assert s.commands.run("echo $0").stdout.strip().endswith("bash")
+    finally:
+        s.kill()
+
+
+def test_the_readme_example_runs_as_written(daemon: Daemon) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Already using E2B?", 1)[1].split("\n## ", 1)[0]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(example.strip().splitlines()) <= 7, "the README promises a short example"
+    out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "hello from Linux\n\nkept\n"

@@ -12,7 +12,7 @@ use crate::model::{CreateRequest, Isolation, SandboxInfo, SandboxState};
 
 /// What `clientID` says in every sandbox (E2B's id of the node that runs it).
 const CLIENT_ID: &str = "sandboxd";
-/// E2B's default template; here the daemon's default image.
+/// E2B's default template; here `[e2b] base_template`.
 const E2B_DEFAULT_TEMPLATE: &str = "base";
 /// Most sandboxes on one page of a list.
 const MAX_PAGE: usize = 100;
@@ -164,7 +164,7 @@ async fn create(state: &State, tenant: &str, req: http::Request<hyper::body::Inc
     }
     let request = CreateRequest {
         isolation,
-        image: if template == E2B_DEFAULT_TEMPLATE { String::new() } else { template.clone() },
+        image: if template == E2B_DEFAULT_TEMPLATE { state.cfg.base_template.clone() } else { template.clone() },
         env: string_map(&body, "envVars")?,
         labels,
         ttl_seconds,
