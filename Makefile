@@ -5,7 +5,7 @@ RUN_DIR    ?= $(CURDIR)/.sandboxd
 SOCKET     ?= $(RUN_DIR)/sandboxd.sock
 E2B_ADDR   ?= 127.0.0.1:3000
 
-.PHONY: all deps pydeps pytest-sdk pytest-e2b images image-debian vm-images exec-helper build release run lint test bench clean
+.PHONY: all deps pydeps pytest-sdk pytest-e2b bench-e2b images image-debian vm-images exec-helper build release run lint test bench clean
 
 all: build
 
@@ -75,6 +75,13 @@ pytest-e2b:
 	$(CARGO) build -p sandboxd
 	cd tests/e2b && SANDBOXD_BIN=$(CURDIR)/target/debug/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(PYENV_E2B)/bin/python -m pytest -p no:cacheprovider .
 
+## bench-e2b: Sandbox.create() + commands.run("true") through the E2B SDK next to the same through
+## sandboxd's Python SDK over gRPC, per tier, into BENCHMARKS.md (make bench runs it).
+bench-e2b:
+	@[ -x $(PYENV_E2B)/bin/python ] || python3 -m venv $(PYENV_E2B)
+	$(PYENV_E2B)/bin/pip install --quiet --disable-pip-version-check -r tests/e2b/requirements.txt ./clients/python
+	cd tests/e2b && SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(PYENV_E2B)/bin/python bench_e2b.py --out $(CURDIR)/BENCHMARKS.md
+
 ## lint: clippy with warnings as errors and rustfmt's check, on the whole workspace.
 lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
@@ -104,6 +111,7 @@ bench: deps release
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/image_bench --out BENCHMARKS.md
 	$(CARGO) build --release -p sandbox-tests --bin restart_bench
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/restart_bench --out BENCHMARKS.md
+	@$(MAKE) --no-print-directory bench-e2b
 
 clean:
 	$(CARGO) clean
