@@ -58,7 +58,7 @@ def free_port() -> int:
 class Daemon:
     """A running sandboxd serving the E2B API on `url`."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra_config: str = "") -> None:
         if os.geteuid() != 0:
             pytest.fail("the E2B tests start sandboxd, which needs root (namespaces, cgroups, mounts)")
         if not sandboxd_bin().is_file():
@@ -74,7 +74,7 @@ class Daemon:
             f'tenant = "alice"\nsha256 = "{hashlib.sha256(ALICE_KEY.encode()).hexdigest()}"\n'
             "[[auth.tokens]]\n"
             f'tenant = "bob"\nsha256 = "{hashlib.sha256(BOB_KEY.encode()).hexdigest()}"\n'
-            "[e2b]\nisolation_metadata = true\n"
+            "[e2b]\nisolation_metadata = true\n" + extra_config
         )
         cmd = [
             str(sandboxd_bin()), "--listen", f"unix://{self.dir / 'sandboxd.sock'}",

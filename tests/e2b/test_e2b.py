@@ -23,6 +23,7 @@ from e2b import (
     SandboxException,
     SandboxNotFoundException,
     SandboxQuery,
+    TimeoutException,
 )
 
 from conftest import BOB_KEY, TIERS, Daemon
@@ -284,3 +285,22 @@ def test_the_readme_example_runs_as_written(daemon: Daemon) -> None:
     out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "hello from Linux\n\nkept\n"
+
+
+def test_timeouts_are_the_sdks_timeout_exception(sbx: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The SDK's own deadline on a command.
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 600", timeout=1)
+    # The daemon's exec timeout ([limits.default] exec_timeout_ms) killing a command.
+    short = Daemon(extra_config="[limits.default]\nexec_timeout_ms = 1500\n")
+    try:
+        monkeypatch.setenv("E2B_API_URL", short.url)
+        monkeypatch.setenv("E2B_SANDBOX_URL", short.url)
+        s = Sandbox.create(IMAGE)
+        with pytest.raises(TimeoutException) as exc:
+            s.commands.run("sleep 600", timeout=0)
+        assert "exec timeout" in str(exc.value)
+        assert s.commands.run("echo still here").stdout == "still here\n"
+        s.kill()
+    finally:
+        short.stop()

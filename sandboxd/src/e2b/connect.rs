@@ -61,7 +61,7 @@ fn status_of(code: &str) -> http::StatusCode {
 }
 
 /// A Connect error: a code and a sentence.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RpcError {
     pub code: &'static str,
     pub message: String,

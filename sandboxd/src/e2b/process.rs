@@ -24,6 +24,9 @@ use crate::error::Error;
 use crate::manager::Session;
 use crate::model::{ExecEvent, ExecRecord, ExecRequest, ExecStatus, OutputChunk};
 
+/// What an attached client reads: a message, or the error that ends its stream.
+type Event = Result<Value, RpcError>;
+
 /// The first pid handed out in a sandbox.
 const FIRST_PID: u32 = 1000;
 /// Messages waiting for each attached client; a slow one slows the process's output.
@@ -52,7 +55,7 @@ struct Proc {
     tty: bool,
     input: mpsc::Sender<SessionInput>,
     exec_id: Mutex<Option<String>>,
-    subscribers: Mutex<Vec<mpsc::Sender<Value>>>,
+    subscribers: Mutex<Vec<mpsc::Sender<Event>>>,
 }
 
 impl Table {
@@ -103,8 +106,8 @@ impl Table {
 impl Proc {
     /// Hands `message` to every attached client, dropping those that are gone or that took
     /// longer than `idle` to make room for it.
-    async fn broadcast(&self, message: &Value, idle: Duration) {
-        let subscribers: Vec<mpsc::Sender<Value>> = self.subscribers.lock().map(|s| s.clone()).unwrap_or_default();
+    async fn broadcast(&self, message: &Event, idle: Duration) {
+        let subscribers: Vec<mpsc::Sender<Event>> = self.subscribers.lock().map(|s| s.clone()).unwrap_or_default();
         let mut gone = Vec::new();
         for (i, s) in subscribers.iter().enumerate() {
             if !matches!(tokio::time::timeout(idle, s.send(message.clone())).await, Ok(Ok(()))) {
@@ -118,7 +121,7 @@ impl Proc {
         }
     }
 
-    fn subscribe(&self) -> mpsc::Receiver<Value> {
+    fn subscribe(&self) -> mpsc::Receiver<Event> {
         let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
         if let Ok(mut subs) = self.subscribers.lock() {
             subs.push(tx);
@@ -275,12 +278,10 @@ async fn start(state: &Arc<State>, tenant: &str, sandbox_id: &str, req: http::Re
                         *e = Some(id.to_string());
                     }
                 }
-                Some(Ok(ExecEvent::Output(chunk))) => proc.broadcast(&data_event(&chunk, proc.tty), idle).await,
+                Some(Ok(ExecEvent::Output(chunk))) => proc.broadcast(&Ok(data_event(&chunk, proc.tty)), idle).await,
                 Some(Ok(ExecEvent::Ended(record))) => break end_event(&record),
-                Some(Err(e)) => break json!({"event": {"end": {"exitCode": -1, "exited": false, "status": "error", "error": e.to_string()}}}),
-                None => {
-                    break json!({"event": {"end": {"exitCode": -1, "exited": false, "status": "lost", "error": "the exec's stream ended without a result"}}})
-                }
+                Some(Err(e)) => break Err(RpcError::from(e)),
+                None => break Err(RpcError::new("unavailable", "the exec's stream ended without a result")),
             }
         };
         state2.processes.remove(&sandbox, proc.pid);
@@ -291,9 +292,9 @@ async fn start(state: &Arc<State>, tenant: &str, sandbox_id: &str, req: http::Re
 }
 
 /// The stream an attached client reads: the start event with the pid, then the process's events.
-fn attached_stream(pid: u32, rx: mpsc::Receiver<Value>) -> http::Response<Body> {
+fn attached_stream(pid: u32, rx: mpsc::Receiver<Event>) -> http::Response<Body> {
     let first = futures::stream::once(async move { Ok(json!({"event": {"start": {"pid": pid}}})) });
-    let rest = tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok);
+    let rest = tokio_stream::wrappers::ReceiverStream::new(rx);
     connect::stream_response(Box::pin(first.chain(rest)), Some(json!({"event": {"keepalive": {}}})))
 }
 
@@ -307,9 +308,16 @@ fn data_event(chunk: &OutputChunk, tty: bool) -> Value {
 }
 
 /// envd's end event from our record: the exit code, whether the process exited by itself, and
-/// a status in the words Go's `os.ProcessState` uses, which envd reports.
-fn end_event(r: &ExecRecord) -> Value {
+/// a status in the words Go's `os.ProcessState` uses, which envd reports. An exec that ran past
+/// its timeout ends the stream with DEADLINE_EXCEEDED instead: the SDK's timeout exception.
+fn end_event(r: &ExecRecord) -> Event {
     let o = &r.outcome;
+    if o.status == ExecStatus::TimedOut {
+        return Err(RpcError::new(
+            "deadline_exceeded",
+            format!("the command ran past its exec timeout ({} ms, [limits] exec_timeout_ms) and was killed", o.duration.as_millis()),
+        ));
+    }
     let (exited, status) = match o.status {
         ExecStatus::Exited => (true, format!("exit status {}", o.exit_code)),
         ExecStatus::Signaled => (false, format!("signal: {}", signal_name(o.signal))),
@@ -328,7 +336,7 @@ fn end_event(r: &ExecRecord) -> Value {
     if !error.is_empty() {
         end["error"] = Value::String(error);
     }
-    json!({"event": {"end": end}})
+    Ok(json!({"event": {"end": end}}))
 }
 
 fn signal_name(signal: i32) -> String {
@@ -444,16 +452,16 @@ mod tests {
 
     #[test]
     fn end_events_carry_exit_codes_and_go_style_statuses() {
-        let e = end_event(&record(ExecStatus::Exited, 3, 0));
+        let e = end_event(&record(ExecStatus::Exited, 3, 0)).expect("an end event");
         assert_eq!(e["event"]["end"]["exitCode"], 3);
         assert_eq!(e["event"]["end"]["exited"], true);
         assert_eq!(e["event"]["end"]["status"], "exit status 3");
         assert!(e["event"]["end"].get("error").is_none());
-        let k = end_event(&record(ExecStatus::Signaled, 137, 9));
+        let k = end_event(&record(ExecStatus::Signaled, 137, 9)).expect("an end event");
         assert_eq!(k["event"]["end"]["status"], "signal: killed");
         assert_eq!(k["event"]["end"]["exited"], false);
-        let t = end_event(&record(ExecStatus::TimedOut, 137, 9));
-        assert!(t["event"]["end"]["error"].as_str().is_some_and(|s| s.contains("timeout")));
+        let t = end_event(&record(ExecStatus::TimedOut, 137, 9)).expect_err("a timeout ends the stream");
+        assert_eq!(t.code, "deadline_exceeded");
     }
 
     #[test]
