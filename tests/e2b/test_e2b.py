@@ -166,6 +166,10 @@ def test_files_write_read_list_exists_remove_make_dir_rename(sbx: Sandbox) -> No
         sbx.files.read("/data/notes/sub/c.txt")
     with pytest.raises(NotFoundException):
         sbx.files.list("/nowhere")
+    # Several files in one multipart upload, each part's name its path.
+    infos = sbx.files.write_files([{"path": "/data/m/one.txt", "data": "1"}, {"path": "/data/m/two.bin", "data": b"\x02" * 70000}])
+    assert sorted(i.path for i in infos) == ["/data/m/one.txt", "/data/m/two.bin"]
+    assert sbx.commands.run("cat /data/m/one.txt; wc -c < /data/m/two.bin").stdout == "170000\n"
     # Relative paths start at the sandbox's workdir.
     sbx.files.write("rel.txt", "relative")
     assert sbx.commands.run("cat /workspace/rel.txt").stdout == "relative"

@@ -83,6 +83,24 @@ pub async fn handle_rpc(state: &Arc<State>, method: &str, req: http::Request<hyp
 
 /// Runs `script` with `args` in the sandbox; its stdout, or the error its exit code means.
 async fn run(state: &State, c: &Caller, script: &str, args: &[&str]) -> Result<String, RpcError> {
+    let started = std::time::Instant::now();
+    let result = run_unaudited(state, c, script, args).await;
+    let rpc = match script {
+        MKDIR_SCRIPT => Some("e2b.filesystem.MakeDir"),
+        MOVE_SCRIPT => Some("e2b.filesystem.Move"),
+        REMOVE_SCRIPT => Some("e2b.filesystem.Remove"),
+        _ => None,
+    };
+    if let Some(rpc) = rpc {
+        let detail = format!("paths={:?}", args.iter().take_while(|a| **a != STAT_FORMAT).collect::<Vec<_>>());
+        let error = result.as_ref().err().map(|e| Error::FailedPrecondition(format!("{}: {}", e.code, e.message)));
+        state.audit(Audited { rpc, tenant: &c.tenant, sandbox_id: c.info.id.as_str(), argv: None, detail: &detail }, error.as_ref(), started);
+    }
+    result
+}
+
+/// [`run`] without the audit line.
+async fn run_unaudited(state: &State, c: &Caller, script: &str, args: &[&str]) -> Result<String, RpcError> {
     let mut argv: Vec<String> = vec!["/bin/sh".into(), "-c".into(), script.into(), "sh".into()];
     argv.extend(args.iter().map(|a| a.to_string()));
     let req = ExecRequest { sandbox_id: c.info.id.to_string(), argv, user: c.user.clone(), max_output_bytes: MAX_LISTING_BYTES, ..Default::default() };
@@ -243,8 +261,15 @@ async fn upload(state: &State, c: &Caller, path: Option<String>, req: http::Requ
         let path = path.filter(|p| !p.is_empty()).ok_or_else(|| Error::invalid("path", "required for a raw upload"))?;
         let path = sandbox_path(&c.info.workdir, &path);
         let (tx, rx) = mpsc::channel(UPLOAD_BUFFER);
+        let idle = state.manager.stream_idle_timeout();
         let feed = async move {
-            while let Some(frame) = body.frame().await {
+            loop {
+                // A client that stops sending loses its upload (not committed: undone).
+                let frame = match tokio::time::timeout(idle, body.frame()).await {
+                    Ok(Some(frame)) => frame,
+                    Ok(None) => break,
+                    Err(_) => return tracing::debug!("upload body idle past the stream idle timeout"),
+                };
                 let Ok(data) = frame.map_err(|e| tracing::debug!(error = %e, "upload body broke off")) else { return };
                 if let Ok(data) = data.into_data() {
                     if tx.send(UploadPiece::Data(data)).await.is_err() {
@@ -321,7 +346,10 @@ async fn upload_multipart(
         if ended {
             break;
         }
-        match body.frame().await {
+        let frame = tokio::time::timeout(state.manager.stream_idle_timeout(), body.frame())
+            .await
+            .map_err(|_| Error::DeadlineExceeded("the upload's body stopped arriving (streams.idle_timeout_ms)".into()))?;
+        match frame {
             Some(Ok(frame)) => {
                 if let Ok(data) = frame.into_data() {
                     reader.feed(&data);

@@ -41,6 +41,8 @@ pub const ENVD_VERSION: &str = "0.5.7";
 
 /// Largest JSON body (control plane, unary RPC) read from a client.
 const MAX_JSON_BODY: usize = 1 << 20;
+/// How long a client may take to send a JSON body.
+const BODY_DEADLINE: Duration = Duration::from_secs(30);
 /// How long a client may take to send a request's headers.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -152,20 +154,9 @@ impl State {
         self.auth.tenant_of_parts(&http::Extensions::new(), &auth_headers).map_err(|s| Error::PermissionDenied(format!("unauthenticated: {}", s.message())))
     }
 
-    /// The access token for envd calls on `sandbox_id` of `tenant`: the tenant in hex, then a
-    /// keyed digest over both, so the token alone says whose call it is and cannot be forged.
+    /// The access token for envd calls on `sandbox_id` of `tenant` (see [`issue_token`]).
     fn envd_token(&self, tenant: &str, sandbox_id: &str) -> String {
-        let tenant_hex: String = tenant.bytes().map(|b| format!("{b:02x}")).collect();
-        format!("{tenant_hex}.{}", self.token_mac(tenant, sandbox_id))
-    }
-
-    fn token_mac(&self, tenant: &str, sandbox_id: &str) -> String {
-        let mut h = Sha256::new();
-        h.update(self.token_key);
-        h.update(tenant.as_bytes());
-        h.update([0]);
-        h.update(sandbox_id.as_bytes());
-        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+        issue_token(&self.token_key, tenant, sandbox_id)
     }
 
     /// The tenant and sandbox of an envd call, from `E2b-Sandbox-Id` and `X-Access-Token`.
@@ -179,14 +170,8 @@ impl State {
             .get("x-access-token")
             .and_then(|v| v.to_str().ok())
             .ok_or_else(|| Error::PermissionDenied("unauthenticated: missing X-Access-Token (the envdAccessToken of create or connect)".into()))?;
-        let refused = || Error::PermissionDenied(format!("unauthenticated: invalid access token for sandbox {sandbox_id} (connect again for a new one)"));
-        let (tenant_hex, mac) = token.split_once('.').ok_or_else(refused)?;
-        let tenant = decode_hex(tenant_hex).and_then(|b| String::from_utf8(b).ok()).ok_or_else(refused)?;
-        let expected = self.token_mac(&tenant, &sandbox_id);
-        // Compared as digests of both sides, so the time taken says nothing about the token.
-        if Sha256::digest(expected.as_bytes()) != Sha256::digest(mac.as_bytes()) {
-            return Err(refused());
-        }
+        let tenant = verify_token(&self.token_key, &sandbox_id, token)
+            .ok_or_else(|| Error::PermissionDenied(format!("unauthenticated: invalid access token for sandbox {sandbox_id} (connect again for a new one)")))?;
         Ok((tenant, sandbox_id))
     }
 
@@ -212,6 +197,38 @@ struct Audited<'a> {
     sandbox_id: &'a str,
     argv: Option<&'a [String]>,
     detail: &'a str,
+}
+
+/// An envd access token: the tenant in hex, a dot, and HMAC-SHA256 under `key` (random per
+/// daemon start) of the tenant and the sandbox id. The token alone says whose call it is, works
+/// for that one sandbox only, and cannot be made without the key.
+fn issue_token(key: &[u8; 32], tenant: &str, sandbox_id: &str) -> String {
+    let tenant_hex: String = tenant.bytes().map(|b| format!("{b:02x}")).collect();
+    format!("{tenant_hex}.{}", hex(&token_mac(key, tenant, sandbox_id)))
+}
+
+/// The tenant a token was issued to, if it is a token of this key for `sandbox_id`.
+fn verify_token(key: &[u8; 32], sandbox_id: &str, token: &str) -> Option<String> {
+    let (tenant_hex, mac) = token.split_once('.')?;
+    let tenant = decode_hex(tenant_hex).and_then(|b| String::from_utf8(b).ok())?;
+    let expected = hex(&token_mac(key, &tenant, sandbox_id));
+    // Compared as digests of both sides, so the time taken says nothing about the token.
+    (Sha256::digest(expected.as_bytes()) == Sha256::digest(mac.as_bytes())).then_some(tenant)
+}
+
+/// HMAC-SHA256 (RFC 2104) of the tenant and the sandbox id, NUL-separated.
+fn token_mac(key: &[u8; 32], tenant: &str, sandbox_id: &str) -> [u8; 32] {
+    let pad = |byte: u8| {
+        let mut p = [byte; 64];
+        p.iter_mut().zip(key).for_each(|(p, k)| *p ^= k);
+        p
+    };
+    let inner = Sha256::new().chain_update(pad(0x36)).chain_update(tenant.as_bytes()).chain_update([0]).chain_update(sandbox_id.as_bytes()).finalize();
+    Sha256::new().chain_update(pad(0x5c)).chain_update(inner).finalize().into()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn decode_hex(s: &str) -> Option<Vec<u8>> {
@@ -293,13 +310,13 @@ fn json_response(status: http::StatusCode, value: &serde_json::Value) -> http::R
     respond(status, Some("application/json"), serde_json::to_vec(value).unwrap_or_default())
 }
 
-/// A request body of at most [`MAX_JSON_BODY`] bytes.
+/// A request body of at most [`MAX_JSON_BODY`] bytes, sent within [`BODY_DEADLINE`].
 async fn read_body(body: hyper::body::Incoming) -> Result<Bytes, Error> {
-    Limited::new(body, MAX_JSON_BODY)
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .map_err(|e| Error::invalid("body", format!("unreadable or larger than {MAX_JSON_BODY} bytes: {e}")))
+    match tokio::time::timeout(BODY_DEADLINE, Limited::new(body, MAX_JSON_BODY).collect()).await {
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Err(e)) => Err(Error::invalid("body", format!("unreadable or larger than {MAX_JSON_BODY} bytes: {e}"))),
+        Err(_) => Err(Error::DeadlineExceeded(format!("the request body did not arrive within {} s", BODY_DEADLINE.as_secs()))),
+    }
 }
 
 /// The first value of `key` in a URL query, percent-decoded.
@@ -334,6 +351,20 @@ mod tests {
         assert_eq!(sandbox_path("/workspace/", "a"), "/workspace/a");
         assert_eq!(sandbox_path("/workspace", "/etc/x"), "/etc/x");
         assert_eq!(sandbox_path("/workspace", ""), "/workspace");
+    }
+
+    #[test]
+    fn a_token_works_for_its_tenant_and_sandbox_only() {
+        let key = [7u8; 32];
+        let token = issue_token(&key, "alice", "sb-aaaa");
+        assert_eq!(verify_token(&key, "sb-aaaa", &token).as_deref(), Some("alice"));
+        assert_eq!(verify_token(&key, "sb-bbbb", &token), None, "another sandbox");
+        assert_eq!(verify_token(&[8u8; 32], "sb-aaaa", &token), None, "another daemon run");
+        let mac = token.split_once('.').map(|(_, m)| m.to_string()).unwrap_or_default();
+        assert_eq!(verify_token(&key, "sb-aaaa", &format!("{}.{mac}", hex(b"bob"))), None, "another tenant's name on alice's mac");
+        assert_eq!(verify_token(&key, "sb-aaaa", "garbage"), None);
+        // HMAC-SHA256 as Python's hmac computes it: hmac.new(bytes([7]*32), b"alice\0sb-aaaa", sha256).
+        assert_eq!(hex(&token_mac(&key, "alice", "sb-aaaa")), "2f65ca77519d673403eafe181fb76c71735a634ee6a77a774404bbcbd7556e08");
     }
 
     #[test]

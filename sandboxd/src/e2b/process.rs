@@ -73,6 +73,11 @@ impl Table {
         if let Ok(mut map) = self.sandboxes.lock() {
             if let Some(procs) = map.get_mut(sandbox_id) {
                 procs.by_pid.remove(&pid);
+                // No entry outlives a sandbox's last process (a sandbox the reaper destroyed
+                // never passes through `forget_sandbox`).
+                if procs.by_pid.is_empty() {
+                    map.remove(sandbox_id);
+                }
             }
         }
     }
