@@ -308,3 +308,23 @@ def test_timeouts_are_the_sdks_timeout_exception(sbx: Sandbox, monkeypatch: pyte
         s.kill()
     finally:
         short.stop()
+
+
+def test_the_async_sdk_too(daemon: Daemon) -> None:
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    async def main() -> None:
+        s = await AsyncSandbox.create(IMAGE, timeout=600)
+        try:
+            outs = await asyncio.gather(*(s.commands.run(f"echo a{i}") for i in range(5)))
+            assert [o.stdout for o in outs] == [f"a{i}\n" for i in range(5)]
+            await s.files.write("/tmp/q", "async")
+            assert await s.files.read("/tmp/q") == "async"
+            h = await s.commands.run("sleep 600", background=True)
+            assert await s.commands.kill(h.pid) is True
+        finally:
+            await s.kill()
+
+    asyncio.run(main())
