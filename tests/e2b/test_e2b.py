@@ -23,6 +23,7 @@ from e2b import (
     SandboxException,
     SandboxNotFoundException,
     SandboxQuery,
+    TemplateException,
     TimeoutException,
 )
 
@@ -268,9 +269,35 @@ def test_what_does_not_map_is_refused_with_a_reason(sbx: Sandbox) -> None:
     with pytest.raises(SandboxException) as exc:
         sbx.pause()
     assert "not supported" in str(exc.value)
-    with pytest.raises(SandboxException) as exc:
-        sbx.files.watch_dir("/tmp")
-    assert "not supported" in str(exc.value)
+    # What our envd version (0.5.7) lacks, the SDK itself refuses.
+    with pytest.raises(TemplateException):
+        sbx.files.watch_dir("/tmp", include_entry=True)
+
+
+def test_watching_a_directory(sbx: Sandbox) -> None:
+    from e2b import FilesystemEventType
+
+    sbx.files.make_dir("/w/sub")
+    sbx.files.write("/w/old.txt", "x")
+    handle = sbx.files.watch_dir("/w", recursive=True)
+    assert handle.get_new_events() == []
+    sbx.files.write("/w/new.txt", "hello")
+    sbx.files.write("/w/sub/deep.txt", "d")
+    sbx.files.remove("/w/old.txt")
+    seen = {(e.name, e.type) for e in handle.get_new_events()}
+    assert seen == {
+        ("new.txt", FilesystemEventType.CREATE),
+        ("sub/deep.txt", FilesystemEventType.CREATE),
+        ("sub", FilesystemEventType.WRITE),
+        ("old.txt", FilesystemEventType.REMOVE),
+    } or seen - {("sub", FilesystemEventType.WRITE)} == {
+        ("new.txt", FilesystemEventType.CREATE),
+        ("sub/deep.txt", FilesystemEventType.CREATE),
+        ("old.txt", FilesystemEventType.REMOVE),
+    }, seen
+    handle.stop()
+    with pytest.raises(SandboxException):
+        handle.get_new_events()
 
 
 def test_the_default_template_runs_commands(daemon: Daemon) -> None:
@@ -324,6 +351,14 @@ def test_the_async_sdk_too(daemon: Daemon) -> None:
             assert await s.files.read("/tmp/q") == "async"
             h = await s.commands.run("sleep 600", background=True)
             assert await s.commands.kill(h.pid) is True
+            events: list[str] = []
+            watch = await s.files.watch_dir("/tmp", on_event=lambda e: events.append(e.name))
+            await s.files.write("/tmp/watched.txt", "w")
+            deadline = time.monotonic() + 30
+            while "watched.txt" not in events:
+                assert time.monotonic() < deadline, f"no event for watched.txt: {events}"
+                await asyncio.sleep(0.05)
+            await watch.stop()
         finally:
             await s.kill()
 

@@ -279,6 +279,7 @@ async fn kill(state: &State, tenant: &str, id: &str) -> Result<http::Response<Bo
     state.audit(Audited { rpc: "e2b.KillSandbox", tenant, sandbox_id: id, argv: None, detail: "" }, result.as_ref().err(), started);
     result?;
     state.processes.forget_sandbox(id);
+    state.watchers.forget_sandbox(id);
     Ok(super::empty(http::StatusCode::NO_CONTENT))
 }
 

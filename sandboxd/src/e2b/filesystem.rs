@@ -7,7 +7,8 @@
 //! busybox included), so they see exactly what the sandbox's processes see, as the user the
 //! client names, and never touch the host. Paths reach them as arguments, never as shell text.
 
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
 use http_body_util::{BodyExt, StreamBody};
@@ -57,22 +58,23 @@ fn caller(state: &State, headers: &http::HeaderMap) -> Result<Caller, Error> {
 
 /// Serves one `filesystem.Filesystem` call.
 pub async fn handle_rpc(state: &Arc<State>, method: &str, req: http::Request<hyper::body::Incoming>) -> http::Response<Body> {
-    if method == "WatchDir" {
-        return connect::stream_error(RpcError::unsupported("watching a directory", "sandboxd has no file-event bridge out of a sandbox yet"));
-    }
     let c = match caller(state, req.headers()) {
         Ok(c) => c,
+        Err(e) if method == "WatchDir" => return connect::stream_error(e.into()),
         Err(e) => return connect::unary_error(e.into()),
     };
+    if method == "WatchDir" {
+        return watch_dir(state, c, req).await;
+    }
     let result = match method {
         "Stat" => stat(state, &c, req).await,
         "ListDir" => list_dir(state, &c, req).await,
         "MakeDir" => make_dir(state, &c, req).await,
         "Move" => move_entry(state, &c, req).await,
         "Remove" => remove(state, &c, req).await,
-        "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => {
-            Err(RpcError::unsupported("watching a directory", "sandboxd has no file-event bridge out of a sandbox yet"))
-        }
+        "CreateWatcher" => create_watcher(state, &c, req).await,
+        "GetWatcherEvents" => watcher_events(state, &c, req).await,
+        "RemoveWatcher" => remove_watcher(state, &c, req).await,
         other => Err(RpcError::new("unimplemented", format!("filesystem.Filesystem/{other} does not exist"))),
     };
     match result {
@@ -197,6 +199,170 @@ async fn remove(state: &State, c: &Caller, req: http::Request<hyper::body::Incom
     let path = path_field(c, &body, "path")?;
     run(state, c, REMOVE_SCRIPT, &[&path]).await?;
     Ok(json!({}))
+}
+
+/// One listing of a watched directory: path → (type, size, mode, mtime) of each entry.
+type Listing = BTreeMap<String, (String, i64, u64, String)>;
+
+/// A directory watched by polling: each look lists it inside the sandbox and compares with the
+/// last listing. There is no inotify bridge out of a sandbox (and none could cross a microVM),
+/// so events are changes between two looks: a rename is a remove and a create, a file written
+/// twice between looks is one write, and a write that keeps the size within the same second of
+/// mtime is missed.
+struct Watcher {
+    tenant: String,
+    sandbox_id: String,
+    path: String,
+    depth: String,
+    last: Listing,
+}
+
+/// Watchers by id.
+#[derive(Default)]
+pub struct Watchers {
+    map: Mutex<HashMap<String, Watcher>>,
+}
+
+impl Watchers {
+    /// Drops the watchers of a destroyed sandbox.
+    pub fn forget_sandbox(&self, sandbox_id: &str) {
+        if let Ok(mut m) = self.map.lock() {
+            m.retain(|_, w| w.sandbox_id != sandbox_id);
+        }
+    }
+}
+
+/// Most watchers one tenant may hold (each look is an exec in its sandbox).
+const MAX_WATCHERS_PER_TENANT: usize = 32;
+/// How often a `WatchDir` stream looks.
+const WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+async fn look(state: &State, c: &Caller, path: &str, depth: &str) -> Result<Listing, RpcError> {
+    let out = run(state, c, LIST_SCRIPT, &[path, depth, STAT_FORMAT]).await?;
+    Ok(entries(&out)
+        .into_iter()
+        .filter_map(|e| {
+            let p = e["path"].as_str()?.to_string();
+            Some((p, (e["type"].as_str()?.to_string(), e["size"].as_i64()?, e["mode"].as_u64()?, e["modifiedTime"].as_str()?.to_string())))
+        })
+        .collect())
+}
+
+/// The events between two listings of `root`, named relative to it as envd names them.
+fn diff(root: &str, before: &Listing, after: &Listing) -> Vec<Value> {
+    let name = |p: &str| p.strip_prefix(root).unwrap_or(p).trim_start_matches('/').to_string();
+    let mut out = Vec::new();
+    for (p, now) in after {
+        match before.get(p) {
+            None => out.push(json!({"name": name(p), "type": "EVENT_TYPE_CREATE"})),
+            Some(was) if was.0 != now.0 || was.1 != now.1 || was.3 != now.3 => out.push(json!({"name": name(p), "type": "EVENT_TYPE_WRITE"})),
+            Some(was) if was.2 != now.2 => out.push(json!({"name": name(p), "type": "EVENT_TYPE_CHMOD"})),
+            Some(_) => {}
+        }
+    }
+    for p in before.keys().filter(|p| !after.contains_key(*p)) {
+        out.push(json!({"name": name(p), "type": "EVENT_TYPE_REMOVE"}));
+    }
+    out
+}
+
+/// The directory and depth a watch request names.
+fn watch_target(c: &Caller, body: &Value) -> Result<(String, String), RpcError> {
+    if body.get("allowNetworkMounts").and_then(Value::as_bool).unwrap_or(false) || body.get("includeEntry").and_then(Value::as_bool).unwrap_or(false) {
+        return Err(RpcError::unsupported("includeEntry and allowNetworkMounts", "watch events carry names only"));
+    }
+    let depth = if body.get("recursive").and_then(Value::as_bool).unwrap_or(false) { MAX_DEPTH } else { 1 };
+    Ok((path_field(c, body, "path")?, depth.to_string()))
+}
+
+async fn create_watcher(state: &State, c: &Caller, req: http::Request<hyper::body::Incoming>) -> Result<Value, RpcError> {
+    let body: Value = connect::unary_request(req).await?;
+    let (path, depth) = watch_target(c, &body)?;
+    let held = state.watchers.map.lock().map(|m| m.values().filter(|w| w.tenant == c.tenant).count()).unwrap_or(0);
+    if held >= MAX_WATCHERS_PER_TENANT {
+        return Err(RpcError::new("resource_exhausted", format!("tenant {} holds {held} watchers, the most allowed; stop one first", c.tenant)));
+    }
+    let last = look(state, c, &path, &depth).await?;
+    let id = format!("w-{:016x}", rand::random::<u64>());
+    let watcher = Watcher { tenant: c.tenant.clone(), sandbox_id: c.info.id.to_string(), path, depth, last };
+    state.watchers.map.lock().map_err(|_| RpcError::new("internal", "watcher table poisoned"))?.insert(id.clone(), watcher);
+    Ok(json!({ "watcherId": id }))
+}
+
+/// The watcher a request names (its id, path, depth and last listing), if it is this caller's.
+fn watcher_of(state: &State, c: &Caller, body: &Value) -> Result<(String, String, String, Listing), RpcError> {
+    let id = body.get("watcherId").and_then(Value::as_str).unwrap_or("");
+    let map = state.watchers.map.lock().map_err(|_| RpcError::new("internal", "watcher table poisoned"))?;
+    match map.get(id) {
+        Some(w) if w.tenant == c.tenant && w.sandbox_id == c.info.id.as_str() => Ok((id.to_string(), w.path.clone(), w.depth.clone(), w.last.clone())),
+        _ => Err(RpcError::new("not_found", format!("watcher {id:?} not found"))),
+    }
+}
+
+async fn watcher_events(state: &State, c: &Caller, req: http::Request<hyper::body::Incoming>) -> Result<Value, RpcError> {
+    let body: Value = connect::unary_request(req).await?;
+    let (id, path, depth, before) = watcher_of(state, c, &body)?;
+    let after = look(state, c, &path, &depth).await?;
+    let events = diff(&path, &before, &after);
+    if let Ok(mut m) = state.watchers.map.lock() {
+        if let Some(w) = m.get_mut(&id) {
+            w.last = after;
+        }
+    }
+    Ok(json!({ "events": events }))
+}
+
+async fn remove_watcher(state: &State, c: &Caller, req: http::Request<hyper::body::Incoming>) -> Result<Value, RpcError> {
+    let body: Value = connect::unary_request(req).await?;
+    let (id, ..) = watcher_of(state, c, &body)?;
+    if let Ok(mut m) = state.watchers.map.lock() {
+        m.remove(&id);
+    }
+    Ok(json!({}))
+}
+
+/// `WatchDir`: a stream of the changes seen every [`WATCH_INTERVAL`] until the client goes away
+/// or the sandbox does.
+async fn watch_dir(state: &Arc<State>, c: Caller, req: http::Request<hyper::body::Incoming>) -> http::Response<Body> {
+    let body: Value = match connect::stream_request(req).await {
+        Ok(b) => b,
+        Err(e) => return connect::stream_error(e),
+    };
+    let (path, depth) = match watch_target(&c, &body) {
+        Ok(t) => t,
+        Err(e) => return connect::stream_error(e),
+    };
+    let mut before = match look(state, &c, &path, &depth).await {
+        Ok(l) => l,
+        Err(e) => return connect::stream_error(e),
+    };
+    let (tx, rx) = mpsc::channel(16);
+    let state = state.clone();
+    tokio::spawn(async move {
+        if tx.send(Ok(json!({"start": {}}))).await.is_err() {
+            return;
+        }
+        loop {
+            tokio::select! {
+                _ = tx.closed() => return,
+                _ = tokio::time::sleep(WATCH_INTERVAL) => {}
+            }
+            let after = match look(&state, &c, &path, &depth).await {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            };
+            for event in diff(&path, &before, &after) {
+                if tx.send(Ok(json!({ "filesystem": event }))).await.is_err() {
+                    return;
+                }
+            }
+            before = after;
+        }
+    });
+    connect::stream_response(tokio_stream::wrappers::ReceiverStream::new(rx), Some(json!({"keepalive": {}})))
 }
 
 /// envd's HTTP error body: `{code, message}` with the status.
@@ -367,6 +533,19 @@ async fn upload_multipart(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listings_diff_into_envd_events() {
+        let l = |items: &[(&str, i64, u64)]| -> Listing {
+            items.iter().map(|(p, size, mode)| (p.to_string(), ("FILE_TYPE_FILE".to_string(), *size, *mode, "t".to_string()))).collect()
+        };
+        let before = l(&[("/w/a", 1, 0o644), ("/w/b", 1, 0o644), ("/w/c", 1, 0o644)]);
+        let after = l(&[("/w/a", 2, 0o644), ("/w/b", 1, 0o600), ("/w/sub/d", 0, 0o644)]);
+        let events: Vec<(String, String)> =
+            diff("/w", &before, &after).iter().map(|e| (e["name"].as_str().unwrap_or("").to_string(), e["type"].as_str().unwrap_or("").to_string())).collect();
+        let expected = [("a", "EVENT_TYPE_WRITE"), ("b", "EVENT_TYPE_CHMOD"), ("sub/d", "EVENT_TYPE_CREATE"), ("c", "EVENT_TYPE_REMOVE")];
+        assert_eq!(events, expected.map(|(n, t)| (n.to_string(), t.to_string())).to_vec());
+    }
 
     #[test]
     fn stat_lines_become_entries() {

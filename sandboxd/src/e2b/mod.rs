@@ -59,6 +59,7 @@ pub(crate) struct State {
     /// (`connect` issues a new one).
     token_key: [u8; 32],
     processes: process::Table,
+    watchers: filesystem::Watchers,
 }
 
 /// Serves the E2B API on `listener` until `stop`.
@@ -73,7 +74,15 @@ pub async fn serve(
     if !auth.tokens_required() {
         tracing::warn!(addr = ?cfg.listen, "E2B listener without [auth] tokens: any API key acts as the local tenant");
     }
-    let state = Arc::new(State { manager, auth, audit, cfg: cfg.clone(), token_key: rand::random(), processes: process::Table::default() });
+    let state = Arc::new(State {
+        manager,
+        auth,
+        audit,
+        cfg: cfg.clone(),
+        token_key: rand::random(),
+        processes: process::Table::default(),
+        watchers: filesystem::Watchers::default(),
+    });
     let connections = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections.max(1)));
     loop {
         let permit = tokio::select! {
