@@ -278,7 +278,16 @@ fn watch_target(c: &Caller, body: &Value) -> Result<(String, String), RpcError> 
 async fn create_watcher(state: &State, c: &Caller, req: http::Request<hyper::body::Incoming>) -> Result<Value, RpcError> {
     let body: Value = connect::unary_request(req).await?;
     let (path, depth) = watch_target(c, &body)?;
-    let held = state.watchers.map.lock().map(|m| m.values().filter(|w| w.tenant == c.tenant).count()).unwrap_or(0);
+    // Watchers of sandboxes that are gone (killed, reaped at their TTL) no longer count.
+    let held = state
+        .watchers
+        .map
+        .lock()
+        .map(|mut m| {
+            m.retain(|_, w| w.tenant != c.tenant || state.manager.get(&w.tenant, &w.sandbox_id).is_ok());
+            m.values().filter(|w| w.tenant == c.tenant).count()
+        })
+        .unwrap_or(0);
     if held >= MAX_WATCHERS_PER_TENANT {
         return Err(RpcError::new("resource_exhausted", format!("tenant {} holds {held} watchers, the most allowed; stop one first", c.tenant)));
     }
