@@ -363,3 +363,23 @@ def test_the_async_sdk_too(daemon: Daemon) -> None:
             await s.kill()
 
     asyncio.run(main())
+
+
+def test_fork_copies_the_filesystem(sbx: Sandbox) -> None:
+    sbx.files.write("/workspace/state.txt", "before fork")
+    forks = sbx.fork(count=2, timeout=600)
+    try:
+        assert len(forks) == 2
+        for f in forks:
+            assert isinstance(f, Sandbox), f
+            assert f.sandbox_id != sbx.sandbox_id
+            assert f.files.read("/workspace/state.txt") == "before fork"
+        first, second = forks
+        assert isinstance(first, Sandbox) and isinstance(second, Sandbox)
+        first.files.write("/workspace/state.txt", "changed in one fork")
+        assert second.files.read("/workspace/state.txt") == "before fork"
+        assert sbx.files.read("/workspace/state.txt") == "before fork"
+    finally:
+        for f in forks:
+            if isinstance(f, Sandbox):
+                f.kill()

@@ -63,8 +63,9 @@ pub async fn handle(state: &State, req: http::Request<hyper::body::Incoming>) ->
         (&M::POST, ["sandboxes", _, "pause" | "resume"]) => {
             Ok(unsupported("pause/resume", "a sandbox is either running or destroyed; keep its files with a snapshot (sbx snapshot) and fork from it"))
         }
-        (&M::POST, ["sandboxes", _, "fork" | "snapshots"]) => {
-            Ok(unsupported("E2B snapshots and forks", "use sandboxd's Snapshot and CreateSandbox(from_snapshot_id) over gRPC"))
+        (&M::POST, ["sandboxes", id, "fork"]) => fork(state, &tenant, id, req).await,
+        (&M::POST, ["sandboxes", _, "snapshots"]) | (_, ["snapshots", ..]) => {
+            Ok(unsupported("E2B's snapshot API", "use Sandbox.fork(), or sandboxd's Snapshot and CreateSandbox(from_snapshot_id) over gRPC"))
         }
         (&M::PUT, ["sandboxes", _, "network"]) => Ok(unsupported("network rules", "sandboxes have no network")),
         (&M::GET, ["templates"]) => templates(state, &tenant),
@@ -323,6 +324,45 @@ async fn connect(state: &State, tenant: &str, id: &str, req: http::Request<hyper
         _ => state.manager.get(tenant, id)?,
     };
     Ok(json_response(http::StatusCode::OK, &created(state, &info)))
+}
+
+/// Most sandboxes one fork makes.
+const MAX_FORKS: u32 = 16;
+
+/// `POST /sandboxes/{id}/fork`: a snapshot of the sandbox's filesystem now, and `count` new
+/// sandboxes started from it (their tier, image, limits, env and labels the source's). The
+/// snapshot stays (named `e2b-fork-…`): the forks' filesystems are layered on it, and it can be
+/// deleted over gRPC once they are gone. Each fork's outcome is reported on its own.
+async fn fork(state: &State, tenant: &str, id: &str, req: http::Request<hyper::body::Incoming>) -> Result<http::Response<Body>, Error> {
+    let started = Instant::now();
+    let body = json_body(req).await?;
+    let count = match body.get("count") {
+        None | Some(Value::Null) => 1,
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|n| (1..=MAX_FORKS).contains(n))
+            .ok_or_else(|| Error::invalid("count", format!("1 to {MAX_FORKS}")))?,
+    };
+    let ttl_seconds = seconds(&body, "timeout")?.filter(|t| *t > 0).unwrap_or(state.cfg.default_timeout_seconds);
+    let name = format!("e2b-fork-{}", humantime::format_rfc3339_millis(SystemTime::now()));
+    let snap = state.manager.snapshot(tenant, id, &name).await;
+    state.audit(Audited { rpc: "e2b.Fork.Snapshot", tenant, sandbox_id: id, argv: None, detail: &name }, snap.as_ref().err(), started);
+    let snap = snap?;
+    let mut results = Vec::new();
+    for _ in 0..count {
+        let started = Instant::now();
+        let request = CreateRequest { from_snapshot_id: snap.snapshot_id.to_string(), ttl_seconds, ..Default::default() };
+        let result = state.manager.create(tenant, request).await;
+        let new_id = result.as_ref().map(|i| i.id.to_string()).unwrap_or_default();
+        let detail = format!("from={id} snapshot={}", snap.snapshot_id);
+        state.audit(Audited { rpc: "e2b.Fork.CreateSandbox", tenant, sandbox_id: &new_id, argv: None, detail: &detail }, result.as_ref().err(), started);
+        results.push(match result {
+            Ok(info) => json!({ "sandbox": created(state, &info) }),
+            Err(e) => json!({ "error": { "code": http_status(&e).as_u16(), "message": e.to_string() } }),
+        });
+    }
+    Ok(json_response(http::StatusCode::CREATED, &Value::Array(results)))
 }
 
 /// `GET /templates`: the images this tenant can start from.
