@@ -4,8 +4,9 @@ IMAGES_DIR ?= $(CURDIR)/images/build
 RUN_DIR    ?= $(CURDIR)/.sandboxd
 SOCKET     ?= $(RUN_DIR)/sandboxd.sock
 VENV       ?= $(CURDIR)/.venv
+E2B_ADDR   ?= 127.0.0.1:3000
 
-.PHONY: all deps pydeps mcpdeps pytest-sdk images image-debian vm-images exec-helper build release run lint test bench clean
+.PHONY: all deps pydeps mcpdeps pytest-sdk pytest-e2b bench-e2b images image-debian vm-images exec-helper build release run lint test bench clean
 
 all: build
 
@@ -46,7 +47,8 @@ run: deps release
 	@$(MAKE) --no-print-directory vm-images exec-helper
 	@mkdir -p $(RUN_DIR)
 	@echo "sandboxd on unix://$(SOCKET) — in another terminal: export SANDBOXD_SOCKET=unix://$(SOCKET); target/release/sbx create"
-	target/release/sandboxd --listen unix://$(SOCKET) --state-dir $(RUN_DIR)/state --images-dir $(IMAGES_DIR)
+	@echo "E2B SDK: export E2B_API_URL=http://$(E2B_ADDR) E2B_SANDBOX_URL=http://$(E2B_ADDR) E2B_API_KEY=local"
+	target/release/sandboxd --listen unix://$(SOCKET) --state-dir $(RUN_DIR)/state --images-dir $(IMAGES_DIR) --e2b $(E2B_ADDR)
 
 ## pydeps: Python's grpcio and grpcio-tools from PyPI, for the stock-client test (tests/tests/grpcio.rs).
 pydeps:
@@ -70,6 +72,23 @@ mcpdeps:
 	@[ -x $(VENV)/bin/pip ] || python3 -m venv --clear $(VENV) || { echo "mcpdeps: python3 -m venv failed (on Debian: apt-get install python3-venv)" >&2; exit 1; }
 	@$(VENV)/bin/python -c 'import mcp' 2>/dev/null || $(VENV)/bin/python -m pip install --quiet --disable-pip-version-check mcp
 
+## pytest-e2b: the unmodified E2B SDK (pinned in tests/e2b/requirements.txt, from PyPI) in a
+## virtualenv of its own ($(PYENV_E2B)), its pytest suite against the daemon's E2B listener on
+## every tier (SANDBOXD_E2B_TIERS=process,container,microvm).
+PYENV_E2B ?= $(CURDIR)/target/pyenv-e2b
+pytest-e2b:
+	@[ -x $(PYENV_E2B)/bin/python ] || python3 -m venv $(PYENV_E2B)
+	$(PYENV_E2B)/bin/pip install --quiet --disable-pip-version-check -r tests/e2b/requirements.txt
+	$(CARGO) build -p sandboxd
+	cd tests/e2b && SANDBOXD_BIN=$(CURDIR)/target/debug/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(PYENV_E2B)/bin/python -m pytest -p no:cacheprovider .
+
+## bench-e2b: Sandbox.create() + commands.run("true") through the E2B SDK next to the same through
+## sandboxd's Python SDK over gRPC, per tier, into BENCHMARKS.md (make bench runs it).
+bench-e2b:
+	@[ -x $(PYENV_E2B)/bin/python ] || python3 -m venv $(PYENV_E2B)
+	$(PYENV_E2B)/bin/pip install --quiet --disable-pip-version-check -r tests/e2b/requirements.txt ./clients/python
+	cd tests/e2b && SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(PYENV_E2B)/bin/python bench_e2b.py --out $(CURDIR)/BENCHMARKS.md
+
 ## lint: clippy with warnings as errors and rustfmt's check, on the whole workspace.
 lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
@@ -83,6 +102,7 @@ test: deps pydeps mcpdeps lint
 	$(CARGO) build --workspace --bins
 	SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) $(CARGO) test --workspace --no-fail-fast
 	@$(MAKE) --no-print-directory pytest-sdk
+	@$(MAKE) --no-print-directory pytest-e2b
 
 ## bench: latency and density numbers, with Docker measured in the same run; writes BENCHMARKS.md.
 bench: deps release
@@ -98,6 +118,7 @@ bench: deps release
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/image_bench --out BENCHMARKS.md
 	$(CARGO) build --release -p sandbox-tests --bin restart_bench
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/restart_bench --out BENCHMARKS.md
+	@$(MAKE) --no-print-directory bench-e2b
 
 clean:
 	$(CARGO) clean

@@ -60,6 +60,10 @@ pub struct Cli {
     /// `[telemetry] otlp_endpoint`.
     #[arg(long)]
     pub otlp_endpoint: Option<String>,
+    /// Serve the E2B-compatible API on this address (e.g. 127.0.0.1:3000); overrides
+    /// `[e2b] listen`.
+    #[arg(long = "e2b")]
+    pub e2b: Option<std::net::SocketAddr>,
 }
 
 /// How log lines are written.
@@ -442,6 +446,53 @@ pub fn default_pool_size(state_dir: &Path) -> u64 {
     }
 }
 
+/// The `[e2b]` table: the E2B-compatible front door (see `e2b`). Off unless `listen` (or
+/// `--e2b`) is given.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct E2bConfig {
+    /// Where to serve the E2B API (plain HTTP/1.1; put TLS in front for anything but loopback).
+    pub listen: Option<std::net::SocketAddr>,
+    /// Whether a create's metadata may choose the tier (`isolation=process|container|microvm`).
+    /// Off: the policy's default tier, whatever the metadata says.
+    #[serde(default)]
+    pub isolation_metadata: bool,
+    /// The image E2B's default template (`base`, what `Sandbox.create()` asks for) maps to: E2B's
+    /// base is a Debian with bash, which the SDK runs every command through.
+    #[serde(default = "default_base_template")]
+    pub base_template: String,
+    /// A sandbox's lifetime when a create names none (E2B's `timeout`), in seconds.
+    #[serde(default = "default_timeout_seconds")]
+    pub default_timeout_seconds: u32,
+    /// Connections served at once; more wait in the kernel's backlog.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+}
+
+fn default_base_template() -> String {
+    "debian".into()
+}
+
+fn default_timeout_seconds() -> u32 {
+    300
+}
+
+fn default_max_connections() -> usize {
+    256
+}
+
+impl Default for E2bConfig {
+    fn default() -> Self {
+        E2bConfig {
+            listen: None,
+            isolation_metadata: false,
+            base_template: default_base_template(),
+            default_timeout_seconds: default_timeout_seconds(),
+            max_connections: default_max_connections(),
+        }
+    }
+}
+
 /// The TOML file, as written by users.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -483,6 +534,8 @@ pub struct FileConfig {
     pub images: ImagesConfig,
     #[serde(default)]
     pub admission: AdmissionConfig,
+    #[serde(default)]
+    pub e2b: E2bConfig,
 }
 
 /// Where the RUN steps of a `BuildImage` may connect to.
@@ -798,6 +851,7 @@ pub struct Config {
     pub streams: StreamsConfig,
     pub images: ImagesConfig,
     pub admission: AdmissionConfig,
+    pub e2b: E2bConfig,
 }
 
 impl Config {
@@ -838,6 +892,7 @@ impl Config {
             streams: file.streams,
             images: file.images,
             admission: file.admission,
+            e2b: E2bConfig { listen: cli.e2b.or(file.e2b.listen), ..file.e2b },
         };
         let cfg = cfg.absolute()?;
         cfg.validate()?;

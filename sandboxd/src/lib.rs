@@ -14,6 +14,7 @@ pub mod authority;
 pub mod backend;
 pub mod config;
 pub mod connections;
+pub mod e2b;
 pub mod egress;
 pub mod error;
 pub mod hostfs;

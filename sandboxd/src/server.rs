@@ -241,6 +241,19 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         });
     }
 
+    // The E2B-compatible front door, when configured: its own listener over the same manager.
+    if let Some(addr) = cfg.e2b.listen {
+        let (manager, auth, audit, stop) = (manager.clone(), auth.clone(), audit.clone(), stop.clone());
+        let e2b_cfg = cfg.e2b.clone();
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding E2B listener {addr}"))?;
+        tracing::info!(%addr, "E2B-compatible API listening");
+        tokio::spawn(async move {
+            if let Err(e) = crate::e2b::serve(listener, e2b_cfg, manager, auth, audit, stop).await {
+                tracing::error!(error = %e, "E2B listener stopped");
+            }
+        });
+    }
+
     // Re-adoption while serving: a call on a sandbox not yet back brings it back first, any
     // other call is answered at once. Health's `sandboxd.recovery` is NOT_SERVING until done.
     let recovery = {
