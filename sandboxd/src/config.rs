@@ -262,6 +262,41 @@ impl StreamsConfig {
     }
 }
 
+/// The `[network]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetworkConfig {
+    /// Addresses for the sandboxes' links: a /30 each (the host end, the sandbox's end).
+    /// Never reachable from a sandbox.
+    pub subnet: String,
+    /// Host-side interfaces are named this and a slot number; the nftables table is
+    /// `sandboxd_<prefix>`. One daemon per prefix.
+    pub interface_prefix: String,
+    /// Where the daemon's DNS asks (host:port). Unset: the first `nameserver` of the host's
+    /// /etc/resolv.conf, port 53.
+    pub upstream_dns: Option<std::net::SocketAddr>,
+    /// Ranges no sandbox reaches in any mode, allow list or not (the host itself, loopback,
+    /// link-local and the sandboxes' subnet are refused anyway).
+    pub deny: Vec<String>,
+    /// Connections one sandbox may have open at once through the proxy.
+    pub max_connections: u32,
+    /// How long the proxy waits for a destination to accept.
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        NetworkConfig {
+            subnet: "100.96.0.0/16".into(),
+            interface_prefix: "sbxe".into(),
+            upstream_dns: None,
+            deny: ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10"].map(String::from).to_vec(),
+            max_connections: 64,
+            connect_timeout_ms: 10_000,
+        }
+    }
+}
+
 /// Whether process sandboxes get a user namespace: `auto` uses one where the kernel and the
 /// filesystems allow it (and logs why not otherwise), `required` refuses to serve the tier
 /// without, `off` keeps sandbox uids host uids.
@@ -523,7 +558,7 @@ pub struct FileConfig {
     #[serde(default)]
     pub process: ProcessTierConfig,
     #[serde(default)]
-    pub network: crate::egress::NetworkConfig,
+    pub network: NetworkConfig,
     #[serde(default)]
     pub files: FilesConfig,
     #[serde(default)]
@@ -845,7 +880,7 @@ pub struct Config {
     pub container: ContainerTierConfig,
     pub process: ProcessTierConfig,
     /// `[network]`: sandbox egress (see `egress`).
-    pub network: crate::egress::NetworkConfig,
+    pub network: NetworkConfig,
     pub files: FilesConfig,
     pub connections: ConnectionsConfig,
     pub streams: StreamsConfig,

@@ -24,6 +24,7 @@ pub mod manager;
 pub mod metrics;
 pub mod model;
 pub mod mountinfo;
+pub mod netpolicy;
 pub mod policy;
 pub mod server;
 pub mod store;

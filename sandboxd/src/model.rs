@@ -152,7 +152,7 @@ pub struct CreateRequest {
     /// Empty = the image's, else root.
     pub user: String,
     /// None = the parent's (a fork), else NONE.
-    pub network: Option<crate::egress::NetworkPolicy>,
+    pub network: Option<crate::netpolicy::NetworkPolicy>,
 }
 
 /// What a sandbox is, as users read it back.
@@ -189,7 +189,7 @@ pub struct SandboxInfo {
     pub image_config: ImageConfig,
     /// Its network mode and allow list (a record from before networks: NONE).
     #[serde(default)]
-    pub network: crate::egress::NetworkPolicy,
+    pub network: crate::netpolicy::NetworkPolicy,
 }
 
 /// How an image says it wants to be run (from an OCI/Docker image config; empty for a
@@ -278,7 +278,7 @@ pub struct SandboxOrigin {
     pub user: Option<String>,
     /// Its network policy; a fork that names none gets this one.
     #[serde(default)]
-    pub network: crate::egress::NetworkPolicy,
+    pub network: crate::netpolicy::NetworkPolicy,
 }
 
 /// An Exec call.

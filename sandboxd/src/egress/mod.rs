@@ -16,7 +16,6 @@
 pub mod dns;
 pub mod link;
 mod proxy;
-pub mod rules;
 pub mod tls;
 
 use std::collections::{BTreeSet, HashMap};
@@ -26,45 +25,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus::{IntCounterVec, Opts};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::audit::AuditLog;
+pub use crate::config::NetworkConfig;
+pub use crate::netpolicy as rules;
 pub use rules::{AllowRule, Cidr, NetworkMode, NetworkPolicy};
-
-/// The `[network]` table.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct NetworkConfig {
-    /// Addresses for the sandboxes' links: a /30 each (the host end, the sandbox's end).
-    /// Never reachable from a sandbox.
-    pub subnet: String,
-    /// Host-side interfaces are named this and a slot number; the nftables table is
-    /// `sandboxd_<prefix>`. One daemon per prefix.
-    pub interface_prefix: String,
-    /// Where the daemon's DNS asks (host:port). Unset: the first `nameserver` of the host's
-    /// /etc/resolv.conf, port 53.
-    pub upstream_dns: Option<SocketAddr>,
-    /// Ranges no sandbox reaches in any mode, allow list or not (the host itself, loopback,
-    /// link-local and the sandboxes' subnet are refused anyway).
-    pub deny: Vec<String>,
-    /// Connections one sandbox may have open at once through the proxy.
-    pub max_connections: u32,
-    /// How long the proxy waits for a destination to accept.
-    pub connect_timeout_ms: u64,
-}
-
-impl Default for NetworkConfig {
-    fn default() -> Self {
-        NetworkConfig {
-            subnet: "100.96.0.0/16".into(),
-            interface_prefix: "sbxe".into(),
-            upstream_dns: None,
-            deny: ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10"].map(String::from).to_vec(),
-            max_connections: 64,
-            connect_timeout_ms: 10_000,
-        }
-    }
-}
 
 /// A sandbox's link and what it has been told by DNS.
 struct SandboxNet {
