@@ -66,12 +66,37 @@ pub fn fstype_at(mounts: &[Mount], dir: &Path) -> Option<String> {
 
 /// Whether `path` is a mount point now.
 pub fn is_mount_point(path: &Path) -> bool {
-    read().iter().any(|m| m.mount_point == path)
+    // statx says it for the path alone (Linux 5.8+); the whole mount table is read only where
+    // the kernel cannot, since a daemon with thousands of mounts would read it for each path.
+    match statx_mount_root(path) {
+        Some(root) => root,
+        None => read().iter().any(|m| m.mount_point == path),
+    }
+}
+
+/// Whether `path` is the root of a mount, by `statx(STATX_ATTR_MOUNT_ROOT)`; None when the
+/// kernel does not say (or the path cannot be looked at).
+fn statx_mount_root(path: &Path) -> Option<bool> {
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statx with a valid C string and a pointer to a zeroed struct of the right type.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT, 0, &mut st) };
+    let bit = libc::STATX_ATTR_MOUNT_ROOT as u64;
+    (r == 0 && st.stx_attributes_mask & bit != 0).then_some(st.stx_attributes & bit != 0)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mount_roots_are_told_apart_from_plain_directories() {
+        assert!(is_mount_point(Path::new("/proc")));
+        assert!(is_mount_point(Path::new("/")));
+        assert!(!is_mount_point(Path::new("/proc/self")));
+        let dir = std::env::temp_dir();
+        assert_eq!(is_mount_point(&dir), read().iter().any(|m| m.mount_point == dir), "statx and the mount table agree on {}", dir.display());
+    }
 
     #[test]
     fn lines_parse_with_escapes_and_optional_fields() {

@@ -37,17 +37,23 @@ fn digest(bytes: &[u8]) -> String {
 
 /// A daemon with tenants `alpha` and `beta` on a TCP listener, plus `extra` configuration.
 async fn two_tenants(extra: &str) -> (Daemon, Client, Client) {
-    let port = free_port().expect("port");
     let toml = format!(
         "{extra}\n[[auth.tokens]]\ntenant = \"alpha\"\nsha256 = \"{}\"\n[[auth.tokens]]\ntenant = \"beta\"\nsha256 = \"{}\"\n",
         token_hash("alpha-secret"),
         token_hash("beta-secret")
     );
-    let tcp = format!("tcp://127.0.0.1:{port}");
-    let daemon = Daemon::start_with(&toml, &["--listen", &tcp]).await.expect("daemon");
-    let alpha = Client::connect(&tcp).await.expect("connect").with_token("alpha-secret").expect("token");
-    let beta = Client::connect(&tcp).await.expect("connect").with_token("beta-secret").expect("token");
-    (daemon, alpha, beta)
+    // A free port can be taken by someone else before the daemon binds it (the daemon then
+    // stops at start): another port and another daemon, a few times.
+    let mut last = String::new();
+    for _ in 0..5 {
+        let tcp = format!("tcp://127.0.0.1:{}", free_port().expect("port"));
+        let daemon = Daemon::start_with(&toml, &["--listen", &tcp]).await.expect("daemon");
+        match (Client::connect(&tcp).await, Client::connect(&tcp).await) {
+            (Ok(a), Ok(b)) => return (daemon, a.with_token("alpha-secret").expect("token"), b.with_token("beta-secret").expect("token")),
+            (Err(e), _) | (_, Err(e)) => last = format!("{e}\n{}", daemon.log()),
+        }
+    }
+    panic!("no daemon reachable over TCP after 5 ports: {last}")
 }
 
 /// One tar member.

@@ -172,7 +172,9 @@ impl ProcessBackend {
         self.ids = self.prepare_userns(&pool)?;
         self.cgroups = Some(cgroups);
         self.pool = Some(pool);
-        self.clean_stale_runtime();
+        // What a previous daemon left (cgroups, overlay mounts, run dirs) is cleared per sandbox
+        // as it is re-adopted, and the rest once all are back (`recovered`): never before the
+        // daemon listens, which at thousands of sandboxes would take seconds.
         Ok(())
     }
 
@@ -221,7 +223,11 @@ impl ProcessBackend {
     /// mounts and run dirs remain. Writable layers are kept for [`Backend::recover`] to judge.
     fn clean_stale_runtime(&self) {
         let Some(cgroups) = &self.cgroups else { return };
-        for name in cgroups.list_sandboxes() {
+        let live: std::collections::HashSet<String> = match self.sandboxes.read() {
+            Ok(map) => map.keys().map(|id| id.to_string()).collect(),
+            Err(_) => return,
+        };
+        for name in cgroups.list_sandboxes().into_iter().filter(|n| !live.contains(n)) {
             if let Some(cg) = cgroups.open_sandbox(&name) {
                 tracing::info!(sandbox = %name, "removing cgroup left by a previous run");
                 if let Err(e) = cg.destroy() {
@@ -230,12 +236,29 @@ impl ProcessBackend {
             }
         }
         if let Ok(entries) = std::fs::read_dir(self.cfg.state_dir.join("run")) {
-            for entry in entries.flatten() {
+            for entry in entries.flatten().filter(|e| !live.contains(e.file_name().to_string_lossy().as_ref())) {
                 let dir = entry.path();
                 teardown_mount(&dir.join("rootfs"));
                 if let Err(e) = std::fs::remove_dir_all(&dir) {
                     tracing::warn!(dir = %dir.display(), error = %e, "cannot remove stale run dir");
                 }
+            }
+        }
+    }
+
+    /// Removes what a previous daemon left of sandbox `id` (its cgroup, rootfs mount and run
+    /// dir) before it is set up again.
+    fn clean_stale_one(&self, id: &SandboxId) {
+        if let Some(cg) = self.cgroups.as_ref().and_then(|c| c.open_sandbox(id.as_str())) {
+            if let Err(e) = cg.destroy() {
+                tracing::warn!(sandbox = %id, error = %e, "cannot remove stale cgroup");
+            }
+        }
+        let dir = self.cfg.state_dir.join("run").join(id.as_str());
+        if dir.exists() {
+            teardown_mount(&dir.join("rootfs"));
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot remove stale run dir");
             }
         }
     }
@@ -742,11 +765,17 @@ impl Backend for ProcessBackend {
     }
 
     async fn readopt(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
+        self.clean_stale_one(&spec.id);
         match self.pool() {
             Ok(pool) if pool.root().join(subvolume_of(&spec.id)).is_dir() => self.start(spec, Layer::Existing).await,
             Ok(_) => Err(BackendError::Internal(format!("the writable layer of {} is missing", spec.id))),
             Err(e) => Err(e),
         }
+    }
+
+    async fn recovered(&self) {
+        // Whatever no re-adopted sandbox claimed: sandboxes without a record, or FAILED ones.
+        self.clean_stale_runtime();
     }
 
     async fn shutdown(&self) {
