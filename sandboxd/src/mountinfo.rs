@@ -78,8 +78,9 @@ pub fn is_mount_point(path: &Path) -> bool {
 /// kernel does not say (or the path cannot be looked at).
 fn statx_mount_root(path: &Path) -> Option<bool> {
     let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    // SAFETY: statx with a valid C string and a pointer to a zeroed struct of the right type.
+    // SAFETY: statx is plain old data: all zeroes is a valid value.
     let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx with a valid C string and a pointer to a live struct of the right type.
     let r = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT, 0, &mut st) };
     let bit = libc::STATX_ATTR_MOUNT_ROOT as u64;
     (r == 0 && st.stx_attributes_mask & bit != 0).then_some(st.stx_attributes & bit != 0)

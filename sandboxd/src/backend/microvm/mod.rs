@@ -93,6 +93,9 @@ pub(crate) struct Inner {
     bases_dir: PathBuf,
     pool_dir: PathBuf,
     probe_dir: PathBuf,
+    /// Backing files of creates still booting (not yet a registered sandbox's disk root), with
+    /// how many hold each: the garbage collection keeps them.
+    pinned: Arc<Mutex<HashMap<PathBuf, usize>>>,
     /// qemu-system and qemu-img, resolved once.
     tools: Result<(PathBuf, PathBuf), String>,
     cgroups: Result<CgroupRoot, String>,
@@ -154,6 +157,7 @@ impl MicroVmBackend {
             bases_dir: root.join("bases"),
             pool_dir: root.join("pool"),
             probe_dir: root.join("probe"),
+            pinned: Arc::new(Mutex::new(HashMap::new())),
             tools,
             cgroups,
             accel: tokio::sync::OnceCell::new(),
@@ -269,9 +273,11 @@ impl Inner {
         std::fs::create_dir_all(&dir).map_err(|e| BackendError::io("creating the probe dir", e))?;
         let result = async {
             let top = dir.join("top-0.qcow2");
-            let base = {
+            let (base, _pinned) = {
                 let _g = self.disk_lock.lock().await;
-                disk::base_for(&image.name, &image.disk, &self.bases_dir)?
+                let base = disk::base_for(&image.name, &image.disk, &self.bases_dir)?;
+                let pinned = self.pin(&base);
+                (base, pinned)
             };
             disk::create_overlay(&self.tools()?.1, &base, &top, disk::read_header(&base)?.virtual_size).await?;
             let uid = self.alloc_uid()?;
@@ -390,7 +396,19 @@ impl Inner {
         if let Ok(snaps) = self.snapshots.lock() {
             roots.extend(snaps.iter().map(|s| self.snapshot_path(s)));
         }
+        if let Ok(pinned) = self.pinned.lock() {
+            roots.extend(pinned.keys().cloned());
+        }
         roots
+    }
+
+    /// Keeps `backing` from the garbage collection until the guard is dropped (take it under
+    /// `disk_lock`, where the file was made or found).
+    fn pin(&self, backing: &Path) -> Pinned {
+        if let Ok(mut p) = self.pinned.lock() {
+            *p.entry(backing.to_path_buf()).or_insert(0) += 1;
+        }
+        Pinned { set: self.pinned.clone(), path: backing.to_path_buf() }
     }
 
     /// Removes snapshot files nothing needs any more.
@@ -406,25 +424,33 @@ impl Inner {
         self.tools()?;
         let image = self.image(&spec.image)?;
         let dir = self.vms_dir.join(spec.id.as_str());
-        let vm = match &spec.from_snapshot {
+        // The backing file stays pinned until the sandbox is registered (its top a disk root).
+        let (vm, _pinned) = match &spec.from_snapshot {
             None => match self.pool.take(&spec.image, &spec.limits, |l| self.vcpus(l)) {
                 Some(pooled) => {
                     let vm = pooled.adopt(&dir)?;
                     tracing::info!(sandbox = %spec.id, "microVM taken from the warm pool");
                     pool::refill(self);
-                    vm
+                    (vm, None)
                 }
                 None => {
-                    let base = {
+                    let (base, pinned) = {
                         let _g = self.disk_lock.lock().await;
-                        disk::base_for(&spec.image, &image.disk, &self.bases_dir)?
+                        let base = disk::base_for(&spec.image, &image.disk, &self.bases_dir)?;
+                        let pinned = self.pin(&base);
+                        (base, pinned)
                     };
-                    self.boot_new(&self.vm_name(), &dir, 0, &base, spec.limits.disk_bytes, &image, &spec.limits).await?
+                    (self.boot_new(&self.vm_name(), &dir, 0, &base, spec.limits.disk_bytes, &image, &spec.limits).await?, Some(pinned))
                 }
             },
             Some(snap) => {
-                let backing = self.live_snapshot(snap)?;
-                self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits).await?
+                let (backing, pinned) = {
+                    let _g = self.disk_lock.lock().await;
+                    let backing = self.live_snapshot(snap)?;
+                    let pinned = self.pin(&backing);
+                    (backing, pinned)
+                };
+                (self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits).await?, Some(pinned))
             }
         };
         let configured = vm.configure(guest_config(spec)).await;
@@ -702,6 +728,25 @@ fn write_probe_cache(key: &str, accel: Accel) {
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
     if std::fs::write(&tmp, format!("{key}\t{}\n", accel.name())).is_ok() {
         let _ = std::fs::rename(&tmp, path);
+    }
+}
+
+/// A backing file kept from the garbage collection while a create boots over it.
+struct Pinned {
+    set: Arc<Mutex<HashMap<PathBuf, usize>>>,
+    path: PathBuf,
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.set.lock() {
+            if let Some(n) = p.get_mut(&self.path) {
+                *n -= 1;
+                if *n == 0 {
+                    p.remove(&self.path);
+                }
+            }
+        }
     }
 }
 
