@@ -108,6 +108,10 @@ struct Counters {
     bytes: IntCounterVec,
 }
 
+/// Proxied connections the daemon holds at once, all sandboxes together (two descriptors each,
+/// well inside the descriptor budget the daemon raises its limit to at start).
+pub(crate) const MAX_PROXIED_CONNECTIONS: usize = 4096;
+
 /// The daemon's egress filter: DNS server, proxy, and the table of sandbox links.
 pub struct Egress {
     subnet: Cidr,
@@ -119,6 +123,9 @@ pub struct Egress {
     deny: Vec<Cidr>,
     upstream: SocketAddr,
     max_connections: u32,
+    /// Proxied connections of all sandboxes together: each holds two of the daemon's descriptors,
+    /// so one tenant's many sandboxes cannot spend the descriptors every other call needs.
+    all_connections: Arc<tokio::sync::Semaphore>,
     connect_timeout: Duration,
     /// Why sandboxes cannot have a network on this host, if they cannot.
     unavailable: Mutex<Option<String>>,
@@ -204,6 +211,7 @@ impl Egress {
             deny,
             upstream,
             max_connections: cfg.max_connections.max(1),
+            all_connections: Arc::new(tokio::sync::Semaphore::new(MAX_PROXIED_CONNECTIONS)),
             connect_timeout: Duration::from_millis(cfg.connect_timeout_ms.max(1)),
             unavailable: Mutex::new(None),
             table: Mutex::new(Table::default()),

@@ -206,6 +206,9 @@ async fn connection(e: Arc<Egress>, net: Arc<SandboxNet>, client: TcpStream) {
     if before >= e.max_connections {
         return deny(&format!("over network.max_connections ({})", e.max_connections), &rule, (0, 0));
     }
+    let Ok(_slot) = e.all_connections.clone().try_acquire_owned() else {
+        return deny(&format!("the daemon's proxy holds its limit of {} connections (all sandboxes together)", super::MAX_PROXIED_CONNECTIONS), &rule, (0, 0));
+    };
     let server = match tokio::time::timeout(e.connect_timeout, TcpStream::connect(dst)).await {
         Ok(Ok(s)) => s,
         Ok(Err(err)) => return deny(&format!("connect: {err}"), &rule, (0, 0)),
