@@ -16,7 +16,7 @@ use crate::sandboxes::{exec_stream_true, exec_true, Sandboxes};
 pub(crate) const EXEC_GAP: Duration = Duration::from_millis(100);
 
 /// Section 1: create and destroy, timed apart.
-async fn create_destroy(sb: &mut Sandboxes, plan: &Plan) -> Result<(Vec<Duration>, Vec<Duration>)> {
+pub(crate) async fn create_destroy(sb: &mut Sandboxes, plan: &Plan) -> Result<(Vec<Duration>, Vec<Duration>)> {
     for i in 0..plan.warmup {
         let (id, _) = sb.create(&format!("warm-up {i}")).await?;
         sb.destroy(&id).await?;

@@ -179,20 +179,7 @@ pub(crate) async fn sandboxd_without_userns(plan: &Plan, report: &mut Report) {
     };
     let mut sb = Sandboxes::new(client);
     eprintln!("bench: sandboxd create × {} without user namespaces", plan.create);
-    let creates = async {
-        for i in 0..plan.warmup {
-            let (id, _) = sb.create(&format!("warm-up {i} without user namespaces")).await?;
-            sb.destroy(&id).await?;
-        }
-        let mut creates = Vec::with_capacity(plan.create);
-        for i in 0..plan.create {
-            let (id, took) = sb.create(&format!("sample {i} without user namespaces")).await?;
-            creates.push(took);
-            sb.destroy(&id).await?;
-        }
-        anyhow::Ok(creates)
-    }
-    .await;
+    let creates = crate::latency::create_destroy(&mut sb, plan).await.map(|(creates, _)| creates);
     match creates {
         Ok(c) => report.measured(Key::CreateNoUserns, &c),
         Err(e) => report.failed(&[Key::CreateNoUserns], &e),
