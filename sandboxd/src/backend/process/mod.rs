@@ -172,9 +172,10 @@ impl ProcessBackend {
         self.ids = self.prepare_userns(&pool)?;
         self.cgroups = Some(cgroups);
         self.pool = Some(pool);
-        // What a previous daemon left (cgroups, overlay mounts, run dirs) is cleared per sandbox
-        // as it is re-adopted, and the rest once all are back (`recovered`): never before the
-        // daemon listens, which at thousands of sandboxes would take seconds.
+        // What a previous daemon left (cgroups, overlay mounts, run dirs), before any create can
+        // be setting up a sandbox of its own (a sweep later would take a create's half-made
+        // cgroup and mount for leftovers).
+        self.clean_stale_runtime();
         Ok(())
     }
 
@@ -771,11 +772,6 @@ impl Backend for ProcessBackend {
             Ok(_) => Err(BackendError::Internal(format!("the writable layer of {} is missing", spec.id))),
             Err(e) => Err(e),
         }
-    }
-
-    async fn recovered(&self) {
-        // Whatever no re-adopted sandbox claimed: sandboxes without a record, or FAILED ones.
-        self.clean_stale_runtime();
     }
 
     async fn shutdown(&self) {
