@@ -186,7 +186,8 @@ async fn stream_caps_answer_resource_exhausted_naming_the_key() {
 
     // Archive walks, once the download slots are free again: a dropped download's slot comes
     // back when the daemon sees the stream go, so the first walk is retried until it is admitted
-    // (a probe download would itself hold a slot for a moment).
+    // (a probe download would itself hold a slot for a moment). The second walk is refused by
+    // the walk cap whatever the downloads are doing: the daemon checks it first.
     drop(_second);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let _walking = loop {

@@ -83,7 +83,9 @@ impl Manager {
     pub async fn upload_archive(&self, tenant: &str, sandbox_id: &str, dir: &str, data: mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "write files").await?;
         refuse_kernel_mounts(info.isolation, &info.workdir, dir)?;
-        let _slots = (self.stream_slots.take(StreamKind::Upload, tenant)?, self.stream_slots.take(StreamKind::ArchiveWalk, tenant)?);
+        // The walk's cap is the scarcer one: checked first, a refusal names it whatever the
+        // plain uploads are doing.
+        let _slots = (self.stream_slots.take(StreamKind::ArchiveWalk, tenant)?, self.stream_slots.take(StreamKind::Upload, tenant)?);
         self.backends.get(info.isolation)?.upload_archive(&sid, dir, data).await.map_err(|e| self.write_error(&info, e))
     }
 
@@ -92,7 +94,7 @@ impl Manager {
     pub async fn download_archive(&self, tenant: &str, sandbox_id: &str, path: &str) -> Result<Held<ByteChunks>, Error> {
         let (sid, _, info) = self.running_entry(tenant, sandbox_id, "read files").await?;
         refuse_kernel_mounts(info.isolation, &info.workdir, path)?;
-        let slots = vec![self.stream_slots.take(StreamKind::Download, tenant)?, self.stream_slots.take(StreamKind::ArchiveWalk, tenant)?];
+        let slots = vec![self.stream_slots.take(StreamKind::ArchiveWalk, tenant)?, self.stream_slots.take(StreamKind::Download, tenant)?];
         let value = self.backends.get(info.isolation)?.download_archive(&sid, path, self.stream_slots.idle_timeout()).await?;
         Ok(Held { value, slots })
     }
