@@ -6,7 +6,7 @@ SOCKET     ?= $(RUN_DIR)/sandboxd.sock
 VENV       ?= $(CURDIR)/.venv
 E2B_ADDR   ?= 127.0.0.1:3000
 
-.PHONY: all deps pydeps mcpdeps pytest-sdk pytest-e2b bench-e2b images image-debian vm-images exec-helper build release run lint test bench clean
+.PHONY: all deps pydeps mcpdeps pytest-sdk pytest-e2b bench-e2b images image-debian vm-images exec-helper build release run run-ready run-image lint test bench clean
 
 all: build
 
@@ -41,14 +41,21 @@ build:
 release:
 	$(CARGO) build --release -p sandboxd -p agent-client --bins
 
-## run: build, prepare the default image if missing, start sandboxd in the foreground.
-run: deps release
-	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) images
-	@$(MAKE) --no-print-directory vm-images exec-helper
+## run: build, prepare the default image if missing, start sandboxd in the foreground. The
+## release build runs beside the apt install and the image build (`-j3`): apt waits on the
+## network and the static guest agent's build fills the core the daemon's crate leaves idle.
+run:
+	@$(MAKE) --no-print-directory -j3 run-ready
 	@mkdir -p $(RUN_DIR)
 	@echo "sandboxd on unix://$(SOCKET) — in another terminal: export SANDBOXD_SOCKET=unix://$(SOCKET); target/release/sbx create"
 	@echo "E2B SDK: export E2B_API_URL=http://$(E2B_ADDR) E2B_SANDBOX_URL=http://$(E2B_ADDR) E2B_API_KEY=local"
 	target/release/sandboxd --listen unix://$(SOCKET) --state-dir $(RUN_DIR)/state --images-dir $(IMAGES_DIR) --e2b $(E2B_ADDR)
+
+## run-ready: what `make run` needs, the daemon's build and the default image in parallel.
+run-ready: release run-image
+run-image: deps
+	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) --no-print-directory images
+	@$(MAKE) --no-print-directory vm-images exec-helper
 
 ## pydeps: Python's grpcio and grpcio-tools from PyPI, for the stock-client test (tests/tests/grpcio.rs).
 pydeps:
