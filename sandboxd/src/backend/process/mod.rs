@@ -135,6 +135,9 @@ pub struct ProcessBackend {
     /// The host id ranges of user namespaces, when sandboxes get them.
     ids: Option<Arc<idmap::IdRanges>>,
     sandboxes: RwLock<HashMap<SandboxId, Arc<ProcessSandbox>>>,
+    /// Names of sandboxes whose runtime state (cgroup, run dir) a previous daemon left, listed
+    /// before serving and removed once re-adoption is done ([`Backend::recovered`]).
+    stale: std::sync::Mutex<Vec<String>>,
 }
 
 /// The file in a writable layer (beside `upper/` and `work/`) that records the host id range
@@ -153,7 +156,7 @@ impl ProcessBackend {
     /// Prepares the tier: the cgroup root and the storage pool. A host that cannot provide them
     /// gets a backend that reports why on every create (the daemon still serves other tiers).
     pub fn new(cfg: ProcessConfig) -> Self {
-        let mut backend = ProcessBackend { cfg, unavailable: None, pool: None, cgroups: None, ids: None, sandboxes: RwLock::new(HashMap::new()) };
+        let mut backend = ProcessBackend { cfg, unavailable: None, pool: None, cgroups: None, ids: None, sandboxes: RwLock::new(HashMap::new()), stale: Default::default() };
         if let Err(reason) = backend.prepare() {
             tracing::error!(%reason, "process tier unavailable");
             backend.unavailable = Some(reason);
@@ -172,10 +175,15 @@ impl ProcessBackend {
         self.ids = self.prepare_userns(&pool)?;
         self.cgroups = Some(cgroups);
         self.pool = Some(pool);
-        // What a previous daemon left (cgroups, overlay mounts, run dirs), before any create can
-        // be setting up a sandbox of its own (a sweep later would take a create's half-made
-        // cgroup and mount for leftovers).
-        self.clean_stale_runtime();
+        // What a previous daemon left (cgroups, overlay mounts, run dirs) is listed now, before
+        // any create can be setting up a sandbox of its own, and removed later: a sandbox's own
+        // leftovers when it is re-adopted, the rest once all are back. Removing them here took
+        // ~4 s before the daemon listened with 1,000 sandboxes; listing them after serving would
+        // take a create's half-made cgroup and mount for leftovers.
+        let stale = self.list_stale_runtime();
+        if let Ok(mut list) = self.stale.lock() {
+            *list = stale;
+        }
         Ok(())
     }
 
@@ -219,26 +227,41 @@ impl ProcessBackend {
         }
     }
 
-    /// Removes the runtime state a previous daemon on this state dir left behind: its sandboxes'
-    /// processes died with it (each init exits when its control socket closes), but cgroups, overlay
-    /// mounts and run dirs remain. Writable layers are kept for [`Backend::recover`] to judge.
-    fn clean_stale_runtime(&self) {
-        let Some(cgroups) = &self.cgroups else { return };
+    /// The sandboxes a previous daemon on this state dir left runtime state of: their processes
+    /// died with it (each init exits when its control socket closes), but cgroups, overlay
+    /// mounts and run dirs remain. Writable layers are for [`Backend::clean`] to judge.
+    fn list_stale_runtime(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.cgroups.as_ref().map(|c| c.list_sandboxes()).unwrap_or_default();
+        if let Ok(entries) = std::fs::read_dir(self.cfg.state_dir.join("run")) {
+            names.extend(entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()));
+        }
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    /// Removes the leftovers of `names` (see [`ProcessBackend::list_stale_runtime`]) except
+    /// those of sandboxes running now: a re-adopted one cleared its own before it started, and
+    /// no new sandbox can have a listed name (ids are never reused).
+    fn clean_stale_runtime(&self, names: Vec<String>) {
         let live: std::collections::HashSet<String> = match self.sandboxes.read() {
             Ok(map) => map.keys().map(|id| id.to_string()).collect(),
             Err(_) => return,
         };
-        for name in cgroups.list_sandboxes().into_iter().filter(|n| !live.contains(n)) {
-            if let Some(cg) = cgroups.open_sandbox(&name) {
-                tracing::info!(sandbox = %name, "removing cgroup left by a previous run");
+        let run = self.cfg.state_dir.join("run");
+        for name in names.into_iter().filter(|n| !live.contains(n)) {
+            if let Some(cg) = self.cgroups.as_ref().and_then(|c| c.open_sandbox(&name)) {
+                tracing::debug!(sandbox = %name, "removing cgroup left by a previous run");
                 if let Err(e) = cg.destroy() {
                     tracing::warn!(sandbox = %name, error = %e, "cannot remove stale cgroup");
                 }
             }
-        }
-        if let Ok(entries) = std::fs::read_dir(self.cfg.state_dir.join("run")) {
-            for entry in entries.flatten().filter(|e| !live.contains(e.file_name().to_string_lossy().as_ref())) {
-                let dir = entry.path();
+            // A name from a directory listing: one path component, never `..` or `/`.
+            if name.contains('/') || name == ".." || name == "." {
+                continue;
+            }
+            let dir = run.join(&name);
+            if dir.exists() {
                 teardown_mount(&dir.join("rootfs"));
                 if let Err(e) = std::fs::remove_dir_all(&dir) {
                     tracing::warn!(dir = %dir.display(), error = %e, "cannot remove stale run dir");
@@ -766,12 +789,34 @@ impl Backend for ProcessBackend {
     }
 
     async fn readopt(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
+        // Its leftovers are cleared here, and its name leaves the sweep's list: the sweep must
+        // never touch a sandbox that is back (a rollback of it may be rebuilding its cgroup).
+        if let Ok(mut stale) = self.stale.lock() {
+            stale.retain(|n| n != spec.id.as_str());
+        }
         self.clean_stale_one(&spec.id);
         match self.pool() {
             Ok(pool) if pool.root().join(subvolume_of(&spec.id)).is_dir() => self.start(spec, Layer::Existing).await,
             Ok(_) => Err(BackendError::Internal(format!("the writable layer of {} is missing", spec.id))),
             Err(e) => Err(e),
         }
+    }
+
+    async fn recovered(&self) {
+        // Whatever no re-adopted sandbox claimed: sandboxes without a record, or FAILED ones.
+        let names = self.stale.lock().map(|mut l| std::mem::take(&mut *l)).unwrap_or_default();
+        if names.is_empty() {
+            return;
+        }
+        let started = std::time::Instant::now();
+        let count = names.len();
+        // Seconds of rmdir/umount at thousands of sandboxes: off the async workers that serve.
+        if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
+            tokio::task::block_in_place(|| self.clean_stale_runtime(names));
+        } else {
+            self.clean_stale_runtime(names);
+        }
+        tracing::info!(listed = count, ms = started.elapsed().as_millis() as u64, "leftovers of the previous run removed");
     }
 
     async fn shutdown(&self) {

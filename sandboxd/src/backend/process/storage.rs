@@ -445,8 +445,13 @@ impl Pool {
             Some("btrfs") => {
                 debug!(pool = %root.display(), "reusing mounted pool");
                 // A pool mounted by an older daemon may lack the flags: sandbox files (setuid
-                // binaries, device nodes) must mean nothing on the host.
-                run(Command::new("mount").args(["-o", "remount,nosuid,nodev,noexec"]).arg(&root), &root)?;
+                // binaries, device nodes) must mean nothing on the host. Remounting a btrfs
+                // syncs it (~0.3 s with 1,000 busy sandboxes), so only when a flag is missing.
+                use nix::sys::statvfs::{statvfs, FsFlags};
+                let want = FsFlags::ST_NOSUID | FsFlags::ST_NODEV | FsFlags::ST_NOEXEC;
+                if !statvfs(&root).map(|v| v.flags().contains(want)).unwrap_or(false) {
+                    run(Command::new("mount").args(["-o", "remount,nosuid,nodev,noexec"]).arg(&root), &root)?;
+                }
             }
             Some(other) => {
                 warn!(pool = %root.display(), fstype = other, "pool dir is another mount");
