@@ -37,6 +37,11 @@ async fn after_kill9_the_daemon_listens_first_and_brings_every_sandbox_back() {
     }
     let before = daemon.log().lines().count();
 
+    // What a sandbox the store no longer knows left behind (a run dir with its rootfs mount
+    // point): swept once re-adoption is done, never by a create or re-adoption in between.
+    daemon.kill9();
+    let leftover = daemon.state_dir().join("run").join("sb-leftover00");
+    std::fs::create_dir_all(leftover.join("rootfs")).expect("a stale run dir");
     daemon.restart().await.expect("restart after SIGKILL");
     let client = daemon.client().await.expect("client");
     // The last one created, asked for first: it is brought back for this call.
@@ -54,6 +59,11 @@ async fn after_kill9_the_daemon_listens_first_and_brings_every_sandbox_back() {
     let all_back = line_of(&log, "every sandbox on record re-adopted").expect("the re-adoption's end is logged");
     assert!(listening < all_back, "the daemon listened only after re-adopting its sandboxes:\n{log}");
     assert_eq!(log.matches("sandbox re-adopted").count(), SANDBOXES, "each sandbox re-adopted once:\n{log}");
+    assert!(
+        eventually(60, || async { !leftover.exists() }).await,
+        "the stale run dir {} is still there once every sandbox is back; log:\n{log}",
+        leftover.display()
+    );
 
     // Every sandbox runs again, with what was written in it.
     for (i, id) in ids.iter().enumerate() {
