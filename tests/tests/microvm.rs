@@ -214,6 +214,21 @@ async fn count_past(client: &Client, id: &str, past: u64) -> (u32, u64) {
     seen.unwrap()
 }
 
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_secs()
+}
+
+async fn guest_unix_secs(client: &Client, id: &str) -> u64 {
+    let r = client.exec(exec_request(id, ["date", "+%s"])).await.expect("date");
+    String::from_utf8_lossy(&r.stdout).trim().parse().expect("seconds")
+}
+
+async fn uuid(client: &Client, id: &str) -> String {
+    let r = client.exec(exec_request(id, ["cat", "/proc/sys/kernel/random/uuid"])).await.expect("uuid");
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    String::from_utf8_lossy(&r.stdout).trim().to_string()
+}
+
 async fn hostname(client: &Client, id: &str) -> String {
     let r = client.exec(exec_request(id, ["hostname"])).await.expect("hostname");
     String::from_utf8_lossy(&r.stdout).trim().to_string()
@@ -247,6 +262,7 @@ async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork()
     client.write_file(&sb.id, "/workspace/f", b"v2".to_vec(), 0).await.expect("write");
 
     // Rollback: the same process runs on, from the count it had at the snapshot.
+    let host_rollback = unix_secs();
     let rolled = client.rollback(&sb.id, &snap.snapshot_id).await.expect("rollback");
     assert_eq!(rolled.state, SandboxState::Running as i32);
     let (pid_back, resumed) = count_past(&client, &sb.id, 0).await;
@@ -258,6 +274,8 @@ async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork()
     count_past(&client, &sb.id, resumed).await;
     assert_eq!(client.read_file(&sb.id, "/workspace/f", 0, 0).await.expect("read").content, b"v1");
     assert_eq!(hostname(&client, &sb.id).await, sb.id);
+    let guest_now = guest_unix_secs(&client, &sb.id).await;
+    assert!(guest_now + 1 >= host_rollback, "after the rollback the guest's clock says {guest_now}, the host said {host_rollback} before it");
 
     // A fork has the process too, with its own identity, and goes its own way.
     let fork = client.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() }).await.expect("fork");
@@ -267,6 +285,16 @@ async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork()
     assert_eq!(hostname(&client, &fork.id).await, fork.id, "the fork keeps the origin's hostname");
     assert_eq!(client.read_file(&fork.id, "/workspace/f", 0, 0).await.expect("read").content, b"v1");
     client.write_file(&fork.id, "/workspace/f", b"fork".to_vec(), 0).await.expect("write");
+    // A second fork of the same memory is a machine of its own: its name, its random stream,
+    // and a clock stepped to the host's (the snapshot's clock is 5 s and more behind by now).
+    let host_before = unix_secs();
+    let fork2 = client.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() }).await.expect("second fork");
+    assert_eq!(hostname(&client, &fork2.id).await, fork2.id);
+    let guest_now = guest_unix_secs(&client, &fork2.id).await;
+    assert!(guest_now + 1 >= host_before, "the fork's clock says {guest_now}, the host said {host_before} before the fork");
+    let (u1, u2) = (uuid(&client, &fork.id).await, uuid(&client, &fork2.id).await);
+    assert_ne!(u1, u2, "two forks of one memory snapshot share their random stream");
+    client.destroy(&fork2.id).await.expect("destroy the second fork");
     let kill = client.exec(exec_request(&fork.id, ["kill", &pid.to_string()])).await.expect("kill in the fork");
     assert_eq!(kill.exit_code, 0, "{kill:?}");
     let (_, origin_now) = count_past(&client, &sb.id, resumed).await;
@@ -332,6 +360,6 @@ async fn a_corrupt_memory_snapshot_is_refused_and_the_sandbox_runs_on() {
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(vms, [sb.id.clone()], "VM directories left behind");
+    assert_eq!(vms, std::slice::from_ref(&sb.id), "VM directories left behind");
     client.destroy(&sb.id).await.expect("destroy");
 }

@@ -237,6 +237,7 @@ pub fn request_name(req: &Request) -> &'static str {
         Request::DownloadArchive { .. } => "download_archive",
         Request::Freeze => "freeze",
         Request::Thaw => "thaw",
+        Request::Resumed { .. } => "resumed",
         Request::Shutdown => "shutdown",
     }
 }

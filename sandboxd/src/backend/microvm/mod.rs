@@ -531,7 +531,7 @@ impl Inner {
                 };
                 // The fork runs on from the snapshot's memory, saved with its filesystem frozen.
                 if resumed {
-                    if let Err(e) = thaw(&vm).await {
+                    if let Err(e) = after_resume(&vm).await {
                         self.stop_vm(&vm).await;
                         let _ = std::fs::remove_dir_all(&dir);
                         return Err(e);
@@ -707,7 +707,7 @@ impl Inner {
                 return Err(e);
             }
         };
-        if let Err(e) = thaw(&vm).await {
+        if let Err(e) = after_resume(&vm).await {
             self.stop_vm(&vm).await;
             let _ = std::fs::remove_dir_all(&staging);
             return Err(e);
@@ -919,6 +919,34 @@ fn allocated_bytes(path: &Path) -> u64 {
 async fn thaw(vm: &Vm) -> Result<(), BackendError> {
     let r = vm.agent.call(&Request::Thaw, &[], Duration::from_secs(30)).await.map_err(|e| vm.agent_error(e))?;
     vm::expect_ok(r.msg, "thaw")
+}
+
+/// The first guest protocol that takes `Resumed`.
+const RESUMED_PROTOCOL: u32 = 6;
+/// Host randomness handed to a resumed guest's RNG.
+const RESUME_ENTROPY_BYTES: usize = 64;
+
+/// Makes a VM resumed from a memory snapshot its own again: its filesystem thawed (it was saved
+/// frozen), its wall clock stepped to the host's (it stood still while saved) and its kernel
+/// RNG reseeded with fresh host randomness (two resumes of one snapshot share its state).
+async fn after_resume(vm: &Vm) -> Result<(), BackendError> {
+    thaw(vm).await?;
+    if vm.hello.version < RESUMED_PROTOCOL {
+        tracing::warn!(
+            protocol = vm.hello.version,
+            "the guest agent predates protocol 6: a VM resumed from memory keeps the snapshot's clock and RNG state (rebuild the VM images: make vm-images)"
+        );
+        return Ok(());
+    }
+    let mut entropy = [0u8; RESUME_ENTROPY_BYTES];
+    // SAFETY: getrandom(2) writes at most `len` bytes into the buffer we own.
+    let n = unsafe { libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0) };
+    if n != entropy.len() as isize {
+        return Err(BackendError::io("reading host randomness for a resumed VM", std::io::Error::last_os_error()));
+    }
+    let unix_time_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let r = vm.agent.call(&Request::Resumed { unix_time_ns }, &entropy, Duration::from_secs(10)).await.map_err(|e| vm.agent_error(e))?;
+    vm::expect_ok(r.msg, "resumed")
 }
 
 /// Longest a memory snapshot may take to write (a 4 GiB guest on a slow disk fits).
