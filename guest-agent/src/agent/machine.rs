@@ -120,8 +120,9 @@ fn reseed(entropy: &[u8]) -> Result<(), Errno> {
     info.extend_from_slice(entropy);
     let random = std::fs::OpenOptions::new().write(true).open("/dev/urandom").map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))?;
     // SAFETY: RNDADDENTROPY reads a rand_pool_info of the size its header gives, which `info`
-    // holds whole; RNDRESEEDCRNG takes no argument. The fd is ours.
+    // holds whole. The fd is ours.
     Errno::result(unsafe { libc::ioctl(random.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) })?;
+    // SAFETY: RNDRESEEDCRNG takes no argument. The fd is ours.
     Errno::result(unsafe { libc::ioctl(random.as_raw_fd(), RNDRESEEDCRNG, 0) }).map(drop)
 }
 
