@@ -42,7 +42,8 @@ async fn without_qemu_create_is_failed_precondition_and_health_says_so() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_guest_has_its_own_kernel_no_network_and_the_pool_serves_creates() {
-    let daemon = Daemon::start_with("", &["--microvm-pool", "1"]).await.expect("daemon");
+    // The pool's VMs get more RAM than the default limits need (a create still takes one).
+    let daemon = Daemon::start_with("[microvm]\npool_memory_bytes = 671088640\n", &["--microvm-pool", "1"]).await.expect("daemon");
     let client = daemon.client().await.expect("client");
     // Wait for the pool to hold a booted VM (the daemon logs it), then take it.
     let filled = eventually(120, || async { daemon.log().contains("warm pool holds a booted microVM") }).await;
@@ -61,6 +62,14 @@ async fn the_guest_has_its_own_kernel_no_network_and_the_pool_serves_creates() {
     // The hostname is the sandbox id, limits apply inside (the pool VM was booted before them).
     let host = client.exec(exec_request(&sb.id, ["hostname"])).await.expect("exec");
     assert_eq!(String::from_utf8_lossy(&host.stdout).trim(), sb.id);
+    // A pooled VM (booted with the pool's RAM, not its sandbox's) resumes from its memory too.
+    let mark = client.exec(exec_request(&sb.id, ["sh", "-c", "echo kept > /dev/shm/mark"])).await.expect("exec");
+    assert_eq!(mark.exit_code, 0, "{mark:?}");
+    let snap = client.snapshot(&sb.id, "pooled").await.expect("snapshot of a pooled VM");
+    assert!(snap.includes_memory);
+    client.rollback(&sb.id, &snap.snapshot_id).await.expect("rollback of a pooled VM");
+    let kept = client.exec(exec_request(&sb.id, ["cat", "/dev/shm/mark"])).await.expect("exec");
+    assert_eq!(kept.stdout, b"kept\n", "the rollback booted instead of resuming: {kept:?}\n{}", daemon.log());
     // A second create while the pool refills boots its own VM and works the same.
     let other = client.create(microvm("minimal")).await.expect("second create");
     let r = client.exec(exec_request(&other.id, ["echo", "ok"])).await.expect("exec");

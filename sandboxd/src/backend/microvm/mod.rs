@@ -241,17 +241,19 @@ impl Inner {
         Ok(Some((file, shape)))
     }
 
-    /// The memory snapshot to resume for a VM of `limits`, when there is one and this VM can
-    /// take it: the same RAM size, vCPUs, accelerator and boot files. Otherwise the VM boots
-    /// over the snapshot's disk (saved frozen: consistent on its own), which is logged.
+    /// The memory snapshot to resume for a VM of `limits`, when there is one and such a VM can
+    /// be it: as many vCPUs, at least the RAM the limits need (a VM from the warm pool may have
+    /// more), the same accelerator and boot files. Otherwise the VM boots over the snapshot's
+    /// disk (saved frozen: consistent on its own), which is logged.
     async fn resumable(&self, snap: &SnapshotId, memory: Option<(std::fs::File, MemoryShape)>, image: &VmImage, limits: &Limits) -> Option<Incoming> {
         let (file, shape) = memory?;
         let here = MemoryShape { memory_mib: Self::memory_mib(limits), vcpus: self.vcpus(limits), accel: self.accel(image).await, boot: boot_key(&image.boot) };
-        if here != shape {
+        let fits = shape.memory_mib >= here.memory_mib && (shape.vcpus, shape.accel, &shape.boot) == (here.vcpus, here.accel, &here.boot);
+        if !fits {
             tracing::info!(snapshot = %snap, saved = ?shape, wanted = ?here, "the memory snapshot is of another machine: booting over its disk instead");
             return None;
         }
-        Some(Incoming { snapshot: snap.clone(), file: Arc::new(file) })
+        Some(Incoming { snapshot: snap.clone(), file: Arc::new(file), memory_mib: shape.memory_mib, vcpus: shape.vcpus })
     }
 
     fn memory_mib(limits: &Limits) -> u64 {
@@ -379,9 +381,14 @@ impl Inner {
         let accel = self.accel(image).await;
         let uid = self.alloc_uid()?;
         let top = dir.join(format!("top-{gen}.qcow2"));
+        // A resumed VM is the machine it was saved from (a pooled VM's RAM may exceed its limits).
+        let (memory_mib, vcpus) = match &incoming {
+            Some(i) => (i.memory_mib, i.vcpus),
+            None => (Self::memory_mib(limits), self.vcpus(limits)),
+        };
         let prepared = (|| {
             std::os::unix::fs::chown(&top, Some(uid), Some(uid)).map_err(|e| BackendError::io(format!("chown {}", top.display()), e))?;
-            let memory_bytes = Self::memory_mib(limits) * MIB + QEMU_OVERHEAD_BYTES;
+            let memory_bytes = memory_mib * MIB + QEMU_OVERHEAD_BYTES;
             self.cgroups()?
                 .create_sandbox(name, &CgroupLimits { memory_bytes, max_pids: QEMU_MAX_TASKS, cpu_millicores: 0 })
                 .map_err(|e| BackendError::Internal(format!("creating the VM's cgroup: {e}")))
@@ -399,8 +406,8 @@ impl Inner {
             top,
             gen,
             boot: image.boot.clone(),
-            memory_mib: Self::memory_mib(limits),
-            vcpus: self.vcpus(limits),
+            memory_mib,
+            vcpus,
             accel,
             uid,
             boot_timeout: self.cfg.boot_timeout(),
@@ -594,7 +601,7 @@ impl Inner {
         use std::os::fd::AsFd;
         use std::os::unix::fs::OpenOptionsExt;
         let image = self.image(&spec.image)?;
-        let shape = MemoryShape { memory_mib: Self::memory_mib(&spec.limits), vcpus: self.vcpus(&spec.limits), accel: vm.accel, boot: boot_key(&image.boot) };
+        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot) };
         let part = self.snapshots_dir.join(format!("{snap}.mem.part"));
         let file = std::fs::OpenOptions::new()
             .write(true)

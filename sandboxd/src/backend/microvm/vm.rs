@@ -85,6 +85,9 @@ pub struct LaunchSpec {
 pub struct Incoming {
     pub snapshot: crate::ids::SnapshotId,
     pub file: Arc<std::fs::File>,
+    /// The machine it was saved from, which the resumed VM must be.
+    pub memory_mib: u64,
+    pub vcpus: u32,
 }
 
 /// A running VM with its agent connected.
@@ -95,6 +98,9 @@ pub struct Vm {
     pub pid: u32,
     pub uid: u32,
     pub accel: Accel,
+    /// Guest RAM and vCPUs QEMU was started with.
+    pub memory_mib: u64,
+    pub vcpus: u32,
     pub agent: AgentConn,
     pub qmp: tokio::sync::Mutex<Qmp>,
     /// Generation of the top disk; the node name is `disk<gen>`.
@@ -253,6 +259,8 @@ impl Vm {
             pid,
             uid: spec.uid,
             accel: spec.accel,
+            memory_mib: spec.memory_mib,
+            vcpus: spec.vcpus,
             agent,
             qmp: tokio::sync::Mutex::new(qmp),
             gen: Mutex::new(spec.gen),
