@@ -480,9 +480,21 @@ impl Client {
         sandbox_id: impl Into<String>,
         name: impl Into<String>,
     ) -> Result<SnapshotInfo> {
+        self.snapshot_with(sandbox_id, name, None).await
+    }
+
+    /// Snapshots the sandbox; `include_memory` `Some(false)` takes only the filesystem of a
+    /// microVM, `None` the tier's default (memory too on the microVM tier).
+    pub async fn snapshot_with(
+        &self,
+        sandbox_id: impl Into<String>,
+        name: impl Into<String>,
+        include_memory: Option<bool>,
+    ) -> Result<SnapshotInfo> {
         let request = SnapshotRequest {
             sandbox_id: sandbox_id.into(),
             name: name.into(),
+            include_memory,
         };
         Ok(self.raw().snapshot(request).await?.into_inner())
     }

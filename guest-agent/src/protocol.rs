@@ -91,9 +91,10 @@ pub const FILE_CHUNK: u64 = 1 << 20;
 /// archive transfer too; 5 added `shm_bytes` to `Configure` (the size of /dev/shm), and a
 /// `Configure` of 5 also writes /etc/hostname and /etc/hosts for the hostname, while the guest
 /// shows its sandbox's cgroup read-only at /sys/fs/cgroup; 5 also added `ExecRequest.user` (execs as
-/// another user). Everything of 1 is unchanged, so a
+/// another user); 6 added `Resumed` (a VM restored from a memory snapshot steps its clock and
+/// reseeds its RNG). Everything of 1 is unchanged, so a
 /// host speaks to any of them (and refuses what an older guest would silently leave undone).
-pub const VERSION: u32 = 5;
+pub const VERSION: u32 = 6;
 /// Oldest guest protocol a host still accepts.
 pub const MIN_VERSION: u32 = 1;
 /// Longest transfer id of a `WriteStaged`.
@@ -211,6 +212,12 @@ pub enum Request {
     Freeze,
     /// Thaws the root filesystem (FITHAW). Answered by `Ok`.
     Thaw,
+    /// (Protocol 6.) The VM was just restored from a memory snapshot: step the wall clock to
+    /// the host's `unix_time_ns` (the guest's stood still while it was saved), and mix the
+    /// payload (fresh host randomness, 32 to 512 bytes) into the kernel RNG, crediting it, and
+    /// reseed it at once, so that two VMs restored from one snapshot never share a random
+    /// stream. Answered by `Ok`.
+    Resumed { unix_time_ns: u64 },
     /// Syncs and powers the VM off. Answered by `Ok` just before.
     Shutdown,
 }

@@ -66,6 +66,7 @@ impl From<BackendError> for Error {
             e @ BackendError::DiskFull { .. } => Error::ResourceExhausted(e.to_string()),
             e @ BackendError::UploadIncomplete { .. } => Error::Aborted(e.to_string()),
             e @ BackendError::Idle { .. } => Error::DeadlineExceeded(e.to_string()),
+            e @ BackendError::SnapshotUnusable { .. } => Error::DataLoss(e.to_string()),
             BackendError::Archive(e) => archive_error(e),
             e @ (BackendError::Io { .. } | BackendError::Internal(_)) => Error::Internal(e.to_string()),
         }

@@ -264,6 +264,9 @@ pub struct SnapshotRecord {
     /// Absent in records written before forks inherited (they fork with the defaults).
     #[serde(default)]
     pub origin: Option<SandboxOrigin>,
+    /// The snapshot holds the memory and device state of its microVM as well as its disk.
+    #[serde(default)]
+    pub memory: bool,
 }
 
 /// The settings of a sandbox that a fork of its snapshot inherits: its limits, environment,

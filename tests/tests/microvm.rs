@@ -1,7 +1,11 @@
 //! MicroVM-tier cases beyond the shared conformance suite: what a host without QEMU answers,
 //! the warm pool, the guest's view of its own isolation (its own kernel, no network), QEMU
-//! dying with a daemon killed by SIGKILL, and QEMU uids never shared by two daemons.
+//! dying with a daemon killed by SIGKILL, QEMU uids never shared by two daemons, and memory
+//! snapshots (processes running on after a rollback or in a fork; a corrupt memory file).
 #![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
+
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
 
 use agent_client::proto::{CreateSandboxRequest, Isolation, ResourceLimits, SandboxState};
 use agent_client::{exec_request, Client};
@@ -38,7 +42,8 @@ async fn without_qemu_create_is_failed_precondition_and_health_says_so() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_guest_has_its_own_kernel_no_network_and_the_pool_serves_creates() {
-    let daemon = Daemon::start_with("", &["--microvm-pool", "1"]).await.expect("daemon");
+    // The pool's VMs get more RAM than the default limits need (a create still takes one).
+    let daemon = Daemon::start_with("[microvm]\npool_memory_bytes = 671088640\n", &["--microvm-pool", "1"]).await.expect("daemon");
     let client = daemon.client().await.expect("client");
     // Wait for the pool to hold a booted VM (the daemon logs it), then take it.
     let filled = eventually(120, || async { daemon.log().contains("warm pool holds a booted microVM") }).await;
@@ -57,6 +62,14 @@ async fn the_guest_has_its_own_kernel_no_network_and_the_pool_serves_creates() {
     // The hostname is the sandbox id, limits apply inside (the pool VM was booted before them).
     let host = client.exec(exec_request(&sb.id, ["hostname"])).await.expect("exec");
     assert_eq!(String::from_utf8_lossy(&host.stdout).trim(), sb.id);
+    // A pooled VM (booted with the pool's RAM, not its sandbox's) resumes from its memory too.
+    let mark = client.exec(exec_request(&sb.id, ["sh", "-c", "echo kept > /dev/shm/mark"])).await.expect("exec");
+    assert_eq!(mark.exit_code, 0, "{mark:?}");
+    let snap = client.snapshot(&sb.id, "pooled").await.expect("snapshot of a pooled VM");
+    assert!(snap.includes_memory);
+    client.rollback(&sb.id, &snap.snapshot_id).await.expect("rollback of a pooled VM");
+    let kept = client.exec(exec_request(&sb.id, ["cat", "/dev/shm/mark"])).await.expect("exec");
+    assert_eq!(kept.stdout, b"kept\n", "the rollback booted instead of resuming: {kept:?}\n{}", daemon.log());
     // A second create while the pool refills boots its own VM and works the same.
     let other = client.create(microvm("minimal")).await.expect("second create");
     let r = client.exec(exec_request(&other.id, ["echo", "ok"])).await.expect("exec");
@@ -174,4 +187,188 @@ async fn two_daemons_never_hand_out_the_same_qemu_uid() {
     ca.destroy(&sa.id).await.expect("destroy");
     cb.destroy(&sb.id).await.expect("destroy");
     cb.destroy(&again.id).await.expect("destroy");
+}
+
+/// Starts, in the background of sandbox `id`, a shell that counts in its memory and publishes
+/// "<its pid> <count>" in /dev/shm/count every 100 ms (a tmpfs: only the guest's RAM holds it).
+async fn start_counter(client: &Client, id: &str) {
+    let script = "i=0; while :; do i=$((i+1)); echo \"$$ $i\" > /dev/shm/count.new && mv /dev/shm/count.new /dev/shm/count; sleep 0.1; done";
+    let r = client.exec(exec_request(id, ["sh", "-c", &format!("sh -c '{script}' </dev/null >/dev/null 2>&1 &")])).await.expect("starting the counter");
+    assert_eq!(r.exit_code, 0, "{r:?}");
+}
+
+/// The counter's pid and count, if it has published one.
+async fn counter(client: &Client, id: &str) -> Option<(u32, u64)> {
+    let r = client.exec(exec_request(id, ["cat", "/dev/shm/count"])).await.expect("reading the counter");
+    if r.exit_code != 0 {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&r.stdout).into_owned();
+    let mut words = text.split_whitespace();
+    Some((words.next()?.parse().ok()?, words.next()?.parse().ok()?))
+}
+
+/// Waits until the counter of `id` shows more than `past`; returns what it showed then.
+async fn count_past(client: &Client, id: &str, past: u64) -> (u32, u64) {
+    let last = std::sync::Mutex::new(None);
+    let last_ref = &last;
+    let passed = eventually(180, || async move {
+        let c = counter(client, id).await;
+        *last_ref.lock().unwrap() = c;
+        c.is_some_and(|(_, n)| n > past)
+    })
+    .await;
+    let seen = *last.lock().unwrap();
+    assert!(passed, "the counter of {id} never passed {past} (last seen {seen:?})");
+    seen.unwrap()
+}
+
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_secs()
+}
+
+async fn guest_unix_secs(client: &Client, id: &str) -> u64 {
+    let r = client.exec(exec_request(id, ["date", "+%s"])).await.expect("date");
+    String::from_utf8_lossy(&r.stdout).trim().parse().expect("seconds")
+}
+
+async fn uuid(client: &Client, id: &str) -> String {
+    let r = client.exec(exec_request(id, ["cat", "/proc/sys/kernel/random/uuid"])).await.expect("uuid");
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    String::from_utf8_lossy(&r.stdout).trim().to_string()
+}
+
+async fn hostname(client: &Client, id: &str) -> String {
+    let r = client.exec(exec_request(id, ["hostname"])).await.expect("hostname");
+    String::from_utf8_lossy(&r.stdout).trim().to_string()
+}
+
+fn snapshot_files(daemon: &Daemon, snap: &str) -> (PathBuf, PathBuf) {
+    let dir = daemon.state_dir().join("microvm").join("snapshots");
+    (dir.join(format!("{snap}.mem")), dir.join(format!("{snap}.vm.json")))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork() {
+    let daemon = Daemon::start().await.expect("daemon");
+    let client = daemon.client().await.expect("client");
+    let sb = client.create(microvm("minimal")).await.expect("create");
+    client.write_file(&sb.id, "/workspace/f", b"v1".to_vec(), 0).await.expect("write");
+    start_counter(&client, &sb.id).await;
+    let (pid, before) = count_past(&client, &sb.id, 2).await;
+
+    // The default snapshot of a microVM holds its memory: a file beside the disk, counted in
+    // the snapshot's size.
+    let snap = client.snapshot(&sb.id, "live").await.expect("snapshot");
+    assert!(snap.includes_memory, "{snap:?}");
+    let (mem, shape) = snapshot_files(&daemon, &snap.snapshot_id);
+    let mem_bytes = std::fs::metadata(&mem).expect("the memory file").blocks() * 512;
+    assert!(shape.is_file() && mem_bytes > 0 && snap.size_bytes >= mem_bytes, "{} bytes of memory, snapshot {snap:?}", mem_bytes);
+    let (_, after) = count_past(&client, &sb.id, 0).await;
+    assert!(after >= before);
+    // The origin counts on, well past the snapshot, and its disk changes.
+    let (_, later) = count_past(&client, &sb.id, after + 50).await;
+    client.write_file(&sb.id, "/workspace/f", b"v2".to_vec(), 0).await.expect("write");
+
+    // Rollback: the same process runs on, from the count it had at the snapshot.
+    let host_rollback = unix_secs();
+    let rolled = client.rollback(&sb.id, &snap.snapshot_id).await.expect("rollback");
+    assert_eq!(rolled.state, SandboxState::Running as i32);
+    let (pid_back, resumed) = count_past(&client, &sb.id, 0).await;
+    assert_eq!(pid_back, pid, "another process counts after the rollback");
+    assert!(
+        resumed >= before && resumed < later,
+        "after the rollback the count is {resumed}: at the snapshot it was in {before}..={after}, before the rollback {later}"
+    );
+    count_past(&client, &sb.id, resumed).await;
+    assert_eq!(client.read_file(&sb.id, "/workspace/f", 0, 0).await.expect("read").content, b"v1");
+    assert_eq!(hostname(&client, &sb.id).await, sb.id);
+    let guest_now = guest_unix_secs(&client, &sb.id).await;
+    assert!(guest_now + 1 >= host_rollback, "after the rollback the guest's clock says {guest_now}, the host said {host_rollback} before it");
+
+    // A fork has the process too, with its own identity, and goes its own way.
+    let fork = client.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() }).await.expect("fork");
+    let (pid_fork, forked) = count_past(&client, &fork.id, 0).await;
+    assert_eq!(pid_fork, pid);
+    assert!(forked >= before && forked < later, "the fork's count is {forked}: at the snapshot it was in {before}..={after}");
+    assert_eq!(hostname(&client, &fork.id).await, fork.id, "the fork keeps the origin's hostname");
+    assert_eq!(client.read_file(&fork.id, "/workspace/f", 0, 0).await.expect("read").content, b"v1");
+    client.write_file(&fork.id, "/workspace/f", b"fork".to_vec(), 0).await.expect("write");
+    // A second fork of the same memory is a machine of its own: its name, its random stream,
+    // and a clock stepped to the host's (the snapshot's clock is 5 s and more behind by now).
+    let host_before = unix_secs();
+    let fork2 = client.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() }).await.expect("second fork");
+    assert_eq!(hostname(&client, &fork2.id).await, fork2.id);
+    let guest_now = guest_unix_secs(&client, &fork2.id).await;
+    assert!(guest_now + 1 >= host_before, "the fork's clock says {guest_now}, the host said {host_before} before the fork");
+    let (u1, u2) = (uuid(&client, &fork.id).await, uuid(&client, &fork2.id).await);
+    assert_ne!(u1, u2, "two forks of one memory snapshot share their random stream");
+    client.destroy(&fork2.id).await.expect("destroy the second fork");
+    let kill = client.exec(exec_request(&fork.id, ["kill", &pid.to_string()])).await.expect("kill in the fork");
+    assert_eq!(kill.exit_code, 0, "{kill:?}");
+    let (_, origin_now) = count_past(&client, &sb.id, resumed).await;
+    count_past(&client, &sb.id, origin_now).await;
+    assert_eq!(client.read_file(&sb.id, "/workspace/f", 0, 0).await.expect("read").content, b"v1");
+
+    // Without memory: today's semantics, a fresh boot over the snapshot's disk.
+    client.write_file(&sb.id, "/workspace/f", b"v3".to_vec(), 0).await.expect("write");
+    let disk_only = client.snapshot_with(&sb.id, "disk", Some(false)).await.expect("snapshot without memory");
+    assert!(!disk_only.includes_memory, "{disk_only:?}");
+    assert!(!snapshot_files(&daemon, &disk_only.snapshot_id).0.exists(), "a snapshot without memory has no memory file");
+    client.write_file(&sb.id, "/workspace/f", b"v4".to_vec(), 0).await.expect("write");
+    client.rollback(&sb.id, &disk_only.snapshot_id).await.expect("rollback without memory");
+    assert_eq!(client.read_file(&sb.id, "/workspace/f", 0, 0).await.expect("read").content, b"v3");
+    assert_eq!(counter(&client, &sb.id).await, None, "a rollback without memory boots: no process of before runs");
+
+    // Another tier has no memory to snapshot.
+    let process = client.create(process_sandbox("minimal")).await.expect("process sandbox");
+    let err = client.snapshot_with(&process.id, "", Some(true)).await.expect_err("memory of a process sandbox");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(!client.snapshot(&process.id, "").await.expect("default snapshot").includes_memory);
+
+    // Deleting the snapshot deletes its memory file.
+    client.destroy(&fork.id).await.expect("destroy the fork");
+    client.delete_snapshot(&snap.snapshot_id).await.expect("delete");
+    assert!(!mem.exists() && !shape.exists(), "the memory snapshot's files outlive it");
+    client.destroy(&sb.id).await.expect("destroy");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_corrupt_memory_snapshot_is_refused_and_the_sandbox_runs_on() {
+    let daemon = Daemon::start().await.expect("daemon");
+    let client = daemon.client().await.expect("client");
+    let sb = client.create(microvm("minimal")).await.expect("create");
+    start_counter(&client, &sb.id).await;
+    let (pid, _) = count_past(&client, &sb.id, 2).await;
+    let snap = client.snapshot(&sb.id, "s").await.expect("snapshot");
+    let (mem, _) = snapshot_files(&daemon, &snap.snapshot_id);
+    let len = std::fs::metadata(&mem).expect("memory file").len();
+    std::fs::OpenOptions::new().write(true).open(&mem).and_then(|f| f.set_len(len / 2)).expect("truncating the memory file");
+    let (_, before) = count_past(&client, &sb.id, 0).await;
+
+    // The time limits only keep a hang from stalling the suite.
+    let limit = std::time::Duration::from_secs(300);
+    let err = tokio::time::timeout(limit, client.rollback(&sb.id, &snap.snapshot_id)).await.expect("the rollback hung").expect_err("a truncated memory file");
+    assert_eq!(err.code(), Code::DataLoss, "{err}");
+    let text = err.to_string();
+    assert!(text.contains("cannot be restored") && text.contains(&snap.snapshot_id), "{text}");
+    // Nothing changed: the sandbox runs, its process counts on.
+    let info = client.get(&sb.id).await.expect("get");
+    assert_eq!(info.state, SandboxState::Running as i32, "{info:?}");
+    let (pid_now, _) = count_past(&client, &sb.id, before).await;
+    assert_eq!(pid_now, pid);
+
+    let fork = tokio::time::timeout(limit, client.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() }))
+        .await
+        .expect("the fork hung");
+    let err = fork.expect_err("a fork of a truncated memory file");
+    assert_eq!(err.code(), Code::DataLoss, "{err}");
+    assert_eq!(client.list(Default::default()).await.expect("list").len(), 1, "the failed fork is left over");
+    let vms: Vec<String> = std::fs::read_dir(daemon.state_dir().join("microvm").join("vms"))
+        .expect("vms dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(vms, std::slice::from_ref(&sb.id), "VM directories left behind");
+    client.destroy(&sb.id).await.expect("destroy");
 }

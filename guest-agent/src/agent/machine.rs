@@ -24,6 +24,8 @@ pub trait Machine: Send + Sync {
     fn thaw(&self) -> Result<(), RequestError>;
     /// Sync and power off. Only returns where powering off is not possible (tests).
     fn power_off(&self);
+    /// Steps the wall clock and reseeds the kernel RNG with `entropy` (see `Request::Resumed`).
+    fn resumed(&self, unix_time_ns: u64, entropy: &[u8]) -> Result<(), RequestError>;
     /// Sets the hostname (the sandbox's id).
     fn set_hostname(&self, name: &str) -> Result<(), RequestError>;
     /// Sizes /dev/shm (a remount of its tmpfs).
@@ -80,6 +82,14 @@ impl Machine for Guest {
         nix::unistd::sethostname(name).map_err(|e| RequestError::new(ErrorKind::BadRequest, format!("cannot set hostname {name:?}: {}", e.desc())))
     }
 
+    fn resumed(&self, unix_time_ns: u64, entropy: &[u8]) -> Result<(), RequestError> {
+        let internal = |what: &str, e: Errno| RequestError::new(ErrorKind::Internal, format!("{what}: {}", e.desc()));
+        let ts = libc::timespec { tv_sec: (unix_time_ns / 1_000_000_000) as libc::time_t, tv_nsec: (unix_time_ns % 1_000_000_000) as libc::c_long };
+        // SAFETY: clock_settime reads the timespec we own.
+        Errno::result(unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) }).map_err(|e| internal("setting the clock", e))?;
+        reseed(entropy).map_err(|e| internal("reseeding the kernel RNG", e))
+    }
+
     fn size_shm(&self, bytes: u64) -> Result<(), RequestError> {
         // Tmpfs pages are charged to the memory cgroup of the process that writes them, an
         // exec's under the sandbox's: a full /dev/shm is memory the sandbox uses, within its
@@ -89,6 +99,31 @@ impl Machine for Guest {
         nix::mount::mount(None::<&str>, "/dev/shm", None::<&str>, flags, Some(opts.as_str()))
             .map_err(|e| RequestError::new(ErrorKind::Internal, format!("cannot size /dev/shm to {bytes} bytes: {}", e.desc())))
     }
+}
+
+/// `_IOW('R', 0x03, int[2])`: add entropy to the input pool, credited.
+const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+/// `_IO('R', 0x07)`: reseed the CRNG from the input pool now.
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+/// Most entropy bytes taken from the host at once.
+pub const MAX_ENTROPY: usize = 512;
+
+/// Credits `entropy` to the kernel's input pool and reseeds the CRNG from it at once.
+fn reseed(entropy: &[u8]) -> Result<(), Errno> {
+    if entropy.len() < 32 || entropy.len() > MAX_ENTROPY {
+        return Err(Errno::EINVAL);
+    }
+    // struct rand_pool_info { int entropy_count (bits); int buf_size (bytes); u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + entropy.len());
+    info.extend_from_slice(&((entropy.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(entropy.len() as i32).to_ne_bytes());
+    info.extend_from_slice(entropy);
+    let random = std::fs::OpenOptions::new().write(true).open("/dev/urandom").map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))?;
+    // SAFETY: RNDADDENTROPY reads a rand_pool_info of the size its header gives, which `info`
+    // holds whole. The fd is ours.
+    Errno::result(unsafe { libc::ioctl(random.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) })?;
+    // SAFETY: RNDRESEEDCRNG takes no argument. The fd is ours.
+    Errno::result(unsafe { libc::ioctl(random.as_raw_fd(), RNDRESEEDCRNG, 0) }).map(drop)
 }
 
 /// Flushes every filesystem.

@@ -249,6 +249,7 @@ impl Agent {
             }
             Request::Freeze => self.machine.freeze().and(ok),
             Request::Thaw => self.machine.thaw().and(ok),
+            Request::Resumed { unix_time_ns } => self.machine.resumed(unix_time_ns, &payload).and(ok),
             // Answered in `handle`, before the power goes.
             Request::Shutdown => ok,
         }

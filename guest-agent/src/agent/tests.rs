@@ -22,6 +22,7 @@ struct FakeMachine {
     powered_off: AtomicBool,
     hostname: std::sync::Mutex<String>,
     shm_bytes: std::sync::atomic::AtomicU64,
+    resumed: std::sync::Mutex<Option<(u64, Vec<u8>)>>,
 }
 
 impl Machine for Arc<FakeMachine> {
@@ -44,6 +45,10 @@ impl Machine for Arc<FakeMachine> {
     }
     fn size_shm(&self, bytes: u64) -> Result<(), RequestError> {
         self.shm_bytes.store(bytes, Ordering::SeqCst);
+        Ok(())
+    }
+    fn resumed(&self, unix_time_ns: u64, entropy: &[u8]) -> Result<(), RequestError> {
+        *self.resumed.lock().expect("lock") = Some((unix_time_ns, entropy.to_vec()));
         Ok(())
     }
 }

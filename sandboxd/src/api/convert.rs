@@ -233,6 +233,7 @@ pub fn snapshot(s: &SnapshotRecord) -> pb::SnapshotInfo {
         created_at: Some(timestamp(s.created_at)),
         size_bytes: s.size_bytes,
         parent_snapshot_id: s.parent_snapshot_id.as_ref().map(|p| p.to_string()).unwrap_or_default(),
+        includes_memory: s.memory,
     }
 }
 

@@ -313,7 +313,7 @@ impl SandboxService for Api {
     async fn snapshot(&self, request: Request<pb::SnapshotRequest>) -> Result<Response<pb::SnapshotInfo>, Status> {
         let audited = sandbox_only(&request.get_ref().sandbox_id);
         self.call("Snapshot", request, audited, |tenant, req| async move {
-            Ok(convert::snapshot(&self.manager.snapshot(&tenant, &req.sandbox_id, &req.name).await?))
+            Ok(convert::snapshot(&self.manager.snapshot(&tenant, &req.sandbox_id, &req.name, req.include_memory).await?))
         })
         .await
     }

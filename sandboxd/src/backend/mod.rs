@@ -205,6 +205,10 @@ pub enum BackendError {
     Archive(#[from] sandbox_exec::archive::ArchiveError),
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
+    /// A snapshot whose saved state cannot be restored (a memory file QEMU refused); nothing
+    /// was changed: the sandbox runs on as it was.
+    #[error("snapshot {snapshot} cannot be restored: {reason}")]
+    SnapshotUnusable { snapshot: SnapshotId, reason: String },
     #[error("{0}")]
     Internal(String),
 }
@@ -271,9 +275,12 @@ pub trait Backend: Send + Sync {
     /// sandbox, confined like the other file operations. A path that does not exist is `Ok`; a
     /// directory or special file is `InvalidPath`. Not an API call: the daemon's own clean-up.
     async fn remove_file(&self, sandbox: &SandboxId, path: &str) -> Result<(), BackendError>;
-    /// Captures the sandbox's filesystem as `snapshot`; returns the bytes it holds beyond the image.
-    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError>;
-    /// Puts the sandbox's filesystem back to `snapshot`; every process in it is ended.
+    /// Captures the sandbox's filesystem as `snapshot` (and with `memory`, which only the
+    /// microVM tier is asked for, its running memory and device state); returns the bytes it
+    /// holds beyond the image.
+    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId, memory: bool) -> Result<u64, BackendError>;
+    /// Puts the sandbox's filesystem back to `snapshot`; every process in it is ended (a
+    /// snapshot with memory brings back the processes that ran when it was taken instead).
     async fn rollback(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<(), BackendError>;
     /// Frees a snapshot no sandbox depends on any more.
     async fn delete_snapshot(&self, snapshot: &SnapshotId) -> Result<(), BackendError>;

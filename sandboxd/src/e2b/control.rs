@@ -346,7 +346,7 @@ async fn fork(state: &State, tenant: &str, id: &str, req: http::Request<hyper::b
     };
     let ttl_seconds = seconds(&body, "timeout")?.filter(|t| *t > 0).unwrap_or(state.cfg.default_timeout_seconds);
     let name = format!("e2b-fork-{}", humantime::format_rfc3339_millis(SystemTime::now()));
-    let snap = state.manager.snapshot(tenant, id, &name).await;
+    let snap = state.manager.snapshot(tenant, id, &name, None).await;
     state.audit(Audited { rpc: "e2b.Fork.Snapshot", tenant, sandbox_id: id, argv: None, detail: &name }, snap.as_ref().err(), started);
     let snap = snap?;
     let mut results = Vec::new();

@@ -123,7 +123,7 @@ impl Backend for FakeBackend {
         Ok(crate::model::SandboxUsage::default())
     }
 
-    async fn snapshot(&self, _sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<u64, BackendError> {
+    async fn snapshot(&self, _sandbox: &SandboxId, _snapshot: &SnapshotId, _memory: bool) -> Result<u64, BackendError> {
         Ok(FAKE_SNAPSHOT_BYTES)
     }
     async fn rollback(&self, _sandbox: &SandboxId, _snapshot: &SnapshotId) -> Result<(), BackendError> {

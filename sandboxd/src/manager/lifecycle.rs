@@ -380,7 +380,7 @@ mod tests {
         let first = ok.into_iter().next().and_then(Result::ok).expect("a sandbox");
         m.destroy("t", first.id.as_str()).await.expect("destroy");
         let sb = m.create("t", with_disk(1 << 30)).await.expect("a destroy frees its disk");
-        let snap = m.snapshot("t", sb.id.as_str(), "s").await.expect("snapshot");
+        let snap = m.snapshot("t", sb.id.as_str(), "s", None).await.expect("snapshot");
         m.destroy("t", sb.id.as_str()).await.expect("destroy");
         let fork = CreateRequest { from_snapshot_id: snap.snapshot_id.to_string(), ..Default::default() };
         m.create("t", fork.clone()).await.expect("the fork fits the freed room");
@@ -440,7 +440,7 @@ mod tests {
             ..Default::default()
         };
         let parent = m.create("t", parent).await.expect("parent");
-        let snap = m.snapshot("t", parent.id.as_str(), "s").await.expect("snapshot");
+        let snap = m.snapshot("t", parent.id.as_str(), "s", None).await.expect("snapshot");
 
         let fork = m.create("t", CreateRequest { from_snapshot_id: snap.snapshot_id.to_string(), ..Default::default() }).await.expect("fork");
         assert_eq!(fork.limits, parent.limits, "limits are inherited, not the defaults");

@@ -5,10 +5,11 @@ use std::time::SystemTime;
 use super::validate::validate_snapshot_name;
 use super::Manager;
 use crate::admission::human_bytes;
+use crate::backend::BackendError;
 use crate::error::Error;
 use crate::ids::{SandboxId, SnapshotId};
 use crate::metrics::Op;
-use crate::model::{SandboxInfo, SandboxOrigin, SandboxState, SnapshotRecord};
+use crate::model::{Isolation, SandboxInfo, SandboxOrigin, SandboxState, SnapshotRecord};
 
 /// Snapshots a tenant and one of its sandboxes hold: counts and `size_bytes`.
 #[derive(Debug, Default)]
@@ -31,7 +32,7 @@ impl Manager {
 
     /// Captures the sandbox's filesystem as a new snapshot.
     #[tracing::instrument(name = "manager.snapshot", skip_all)]
-    pub async fn snapshot(&self, tenant: &str, sandbox_id: &str, name: &str) -> Result<SnapshotRecord, Error> {
+    pub async fn snapshot(&self, tenant: &str, sandbox_id: &str, name: &str, include_memory: Option<bool>) -> Result<SnapshotRecord, Error> {
         let (sid, entry) = self.ready_entry(tenant, sandbox_id).await?;
         validate_snapshot_name(name)?;
         let _op = entry.op.lock().await;
@@ -41,6 +42,11 @@ impl Manager {
         }
         // One snapshot of a tenant at a time from its admission until it is on record, so two
         // concurrent snapshots never both take the tenant's last room.
+        // Memory (and device state) only a microVM has to give; it is that tier's default.
+        let memory = include_memory.unwrap_or(info.isolation == Isolation::MicroVm);
+        if memory && info.isolation != Isolation::MicroVm {
+            return Err(Error::invalid("include_memory", format!("only a microVM sandbox's memory can be snapshotted; {sid} is {:?}", info.isolation)));
+        }
         let tenant_lock = self.snapshot_lock(tenant)?;
         let _admitted = tenant_lock.lock().await;
         let held = self.snapshot_holdings(tenant, &sid)?;
@@ -48,7 +54,7 @@ impl Manager {
         let snap_id = SnapshotId::generate();
         let started = std::time::Instant::now();
         let backend = self.backends.get(info.isolation)?;
-        let size_bytes = backend.snapshot(&sid, &snap_id).await?;
+        let size_bytes = backend.snapshot(&sid, &snap_id, memory).await?;
         // Its size is known once it exists: one that does not fit goes again.
         if let Err(e) = self.admit_snapshot(tenant, &sid, &held, size_bytes) {
             if let Err(del) = backend.delete_snapshot(&snap_id).await {
@@ -75,6 +81,7 @@ impl Manager {
                 user: info.user.clone(),
                 network: info.network.clone(),
             }),
+            memory,
         };
         self.store.put_snapshot(&record)?;
         let info = entry.update(|i| i.head_snapshot = Some(snap_id.clone()))?;
@@ -178,6 +185,8 @@ impl Manager {
         let result = self.backends.get(info.isolation)?.rollback(&sid, &snap.snapshot_id).await;
         let info = match result {
             Ok(()) => entry.update(|i| i.head_snapshot = Some(snap.snapshot_id.clone()))?,
+            // Refused before anything changed: the sandbox runs on as it was.
+            Err(e @ BackendError::SnapshotUnusable { .. }) => return Err(e.into()),
             Err(e) => {
                 // The old runtime is gone; without a new one the sandbox cannot serve.
                 let info = entry.update(|i| i.state = SandboxState::Failed)?;
@@ -234,19 +243,19 @@ mod tests {
         let m = fake_manager(dir.path(), 64 << 30, "[admission]\nmax_snapshots_per_sandbox = 2\nmax_snapshots_per_tenant = 3\n");
         let a = m.create("t", with_disk(1 << 30)).await.expect("a");
         let b = m.create("t", with_disk(1 << 30)).await.expect("b");
-        let first = m.snapshot("t", a.id.as_str(), "1").await.expect("1st of a");
-        m.snapshot("t", a.id.as_str(), "2").await.expect("2nd of a");
-        refused(m.snapshot("t", a.id.as_str(), "3").await, "admission.max_snapshots_per_sandbox (2)");
-        m.snapshot("t", b.id.as_str(), "1").await.expect("1st of b");
-        refused(m.snapshot("t", b.id.as_str(), "2").await, "admission.max_snapshots_per_tenant (3)");
+        let first = m.snapshot("t", a.id.as_str(), "1", None).await.expect("1st of a");
+        m.snapshot("t", a.id.as_str(), "2", None).await.expect("2nd of a");
+        refused(m.snapshot("t", a.id.as_str(), "3", None).await, "admission.max_snapshots_per_sandbox (2)");
+        m.snapshot("t", b.id.as_str(), "1", None).await.expect("1st of b");
+        refused(m.snapshot("t", b.id.as_str(), "2", None).await, "admission.max_snapshots_per_tenant (3)");
         let other = m.create("u", with_disk(1 << 30)).await.expect("another tenant");
-        m.snapshot("u", other.id.as_str(), "1").await.expect("another tenant's quota is its own");
+        m.snapshot("u", other.id.as_str(), "1", None).await.expect("another tenant's quota is its own");
         // A deleted snapshot gives its room back; a destroyed sandbox's snapshots still count.
         m.delete_snapshot("t", first.snapshot_id.as_str()).await.expect("delete");
-        m.snapshot("t", a.id.as_str(), "3").await.expect("room again");
+        m.snapshot("t", a.id.as_str(), "3", None).await.expect("room again");
         m.destroy("t", b.id.as_str()).await.expect("destroy b");
         let c = m.create("t", with_disk(1 << 30)).await.expect("c");
-        refused(m.snapshot("t", c.id.as_str(), "1").await, "admission.max_snapshots_per_tenant (3)");
+        refused(m.snapshot("t", c.id.as_str(), "1", None).await, "admission.max_snapshots_per_tenant (3)");
         assert_eq!(m.store.snapshots(None).expect("list").len(), 4, "a refused snapshot leaves nothing behind");
     }
 
@@ -258,11 +267,11 @@ mod tests {
         let m = fake_manager(dir.path(), 64 << 30, &toml);
         let a = m.create("t", with_disk(1 << 30)).await.expect("a");
         let b = m.create("t", with_disk(1 << 30)).await.expect("b");
-        m.snapshot("t", a.id.as_str(), "1").await.expect("64 MiB");
-        m.snapshot("t", a.id.as_str(), "2").await.expect("128 MiB: exactly the sandbox's quota");
-        refused(m.snapshot("t", a.id.as_str(), "3").await, "admission.max_snapshot_bytes_per_sandbox (128 MiB)");
-        m.snapshot("t", b.id.as_str(), "1").await.expect("the tenant's 192 MiB");
-        refused(m.snapshot("t", b.id.as_str(), "2").await, "admission.max_snapshot_bytes_per_tenant (192 MiB)");
+        m.snapshot("t", a.id.as_str(), "1", None).await.expect("64 MiB");
+        m.snapshot("t", a.id.as_str(), "2", None).await.expect("128 MiB: exactly the sandbox's quota");
+        refused(m.snapshot("t", a.id.as_str(), "3", None).await, "admission.max_snapshot_bytes_per_sandbox (128 MiB)");
+        m.snapshot("t", b.id.as_str(), "1", None).await.expect("the tenant's 192 MiB");
+        refused(m.snapshot("t", b.id.as_str(), "2", None).await, "admission.max_snapshot_bytes_per_tenant (192 MiB)");
         assert_eq!(m.store.snapshots(None).expect("list").len(), 3);
     }
 }

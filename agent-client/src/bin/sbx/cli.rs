@@ -122,13 +122,16 @@ pub enum Command {
     /// shell's exit code. Like every exec it is bound by the sandbox's exec timeout unless
     /// --timeout-ms asks for another (up to the daemon's ceiling).
     Shell(ShellArgs),
-    /// Snapshot a sandbox's filesystem and print the snapshot id.
+    /// Snapshot a sandbox's filesystem (a microVM's memory too) and print the snapshot id.
     Snapshot {
         /// Sandbox id.
         id: String,
         /// A name for the snapshot.
         #[arg(long)]
         name: Option<String>,
+        /// Leave a microVM's memory out: a rollback or fork of the snapshot boots over its disk.
+        #[arg(long)]
+        no_memory: bool,
     },
     /// List a sandbox's snapshots.
     Snapshots {

@@ -159,6 +159,7 @@ pub fn snapshot(s: &SnapshotInfo) -> Value {
         "created_at": timestamp(s.created_at.as_ref()),
         "size_bytes": s.size_bytes,
         "parent_snapshot_id": s.parent_snapshot_id,
+        "includes_memory": s.includes_memory,
     })
 }
 

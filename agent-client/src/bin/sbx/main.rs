@@ -83,7 +83,11 @@ async fn run(cli: Cli) -> Result<u8> {
             dst,
         } => files::copy(&ctx, &src, &dst, recursive).await,
         Command::Shell(args) => session::run(&ctx, args.into_exec()).await,
-        Command::Snapshot { id, name } => snapshot::create(&ctx, id, name).await,
+        Command::Snapshot {
+            id,
+            name,
+            no_memory,
+        } => snapshot::create(&ctx, id, name, no_memory).await,
         Command::Snapshots { id } => snapshot::list(&ctx, id).await,
         Command::Rollback { id, snapshot } => snapshot::rollback(&ctx, id, snapshot).await,
         Command::Rmsnap { snapshot } => snapshot::delete(&ctx, snapshot).await,

@@ -6,11 +6,20 @@ use serde_json::json;
 use crate::{json, output, Ctx};
 
 /// Snapshots a sandbox and prints the snapshot id.
-pub async fn create(ctx: &Ctx, sandbox_id: String, name: Option<String>) -> Result<u8> {
+pub async fn create(
+    ctx: &Ctx,
+    sandbox_id: String,
+    name: Option<String>,
+    no_memory: bool,
+) -> Result<u8> {
     let info = ctx
         .client()
         .await?
-        .snapshot(sandbox_id, name.unwrap_or_default())
+        .snapshot_with(
+            sandbox_id,
+            name.unwrap_or_default(),
+            no_memory.then_some(false),
+        )
         .await?;
     if ctx.json {
         output::json(&json::snapshot(&info))?;

@@ -414,9 +414,13 @@ class Sandbox:
 
     # Snapshots.
 
-    def snapshot(self, name: str = "") -> SnapshotInfo:
-        """Snapshots the sandbox's filesystem as it is now."""
-        reply: pb.SnapshotInfo = self.client.unary("Snapshot", pb.SnapshotRequest(sandbox_id=self.id, name=name), timeout=None)
+    def snapshot(self, name: str = "", include_memory: Optional[bool] = None) -> SnapshotInfo:
+        """Snapshots the sandbox's filesystem as it is now; on the microVM tier also its memory
+        (`include_memory=False` takes the disk alone; None is the tier's default)."""
+        request = pb.SnapshotRequest(sandbox_id=self.id, name=name)
+        if include_memory is not None:
+            request.include_memory = include_memory
+        reply: pb.SnapshotInfo = self.client.unary("Snapshot", request, timeout=None)
         return SnapshotInfo.from_proto(reply)
 
     def snapshots(self) -> List[SnapshotInfo]:

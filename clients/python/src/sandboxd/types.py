@@ -254,6 +254,8 @@ class SnapshotInfo:
     created_at: Optional[datetime]
     size_bytes: int
     parent_snapshot_id: str
+    # The snapshot holds the microVM's memory too: a rollback or fork resumes its processes.
+    includes_memory: bool = False
 
     @property
     def id(self) -> str:
@@ -268,6 +270,7 @@ class SnapshotInfo:
             created_at=_time(m.created_at, m.HasField("created_at")),
             size_bytes=m.size_bytes,
             parent_snapshot_id=m.parent_snapshot_id,
+            includes_memory=m.includes_memory,
         )
 
 

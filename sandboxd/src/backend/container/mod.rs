@@ -405,7 +405,7 @@ impl Backend for ContainerBackend {
         Ok(self.inner.sandbox(sandbox)?.cgroup.usage())
     }
 
-    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {
+    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId, _memory: bool) -> Result<u64, BackendError> {
         Inner::snapshot(&self.inner, sandbox, snapshot).await
     }
 

@@ -144,7 +144,7 @@ impl AgentConn {
                 }
             })
         };
-        AgentConn { writer: Arc::new(tokio::sync::Mutex::new(wr)), pending, next_id: AtomicU64::new(1), closed, reader }
+        AgentConn { writer: Arc::new(tokio::sync::Mutex::new(wr)), pending, next_id: AtomicU64::new(first_request_id()), closed, reader }
     }
 
     fn closed_reason(&self) -> Option<String> {
@@ -217,6 +217,18 @@ impl AgentConn {
     }
 }
 
+/// Where a connection's request ids start: at random. A guest resumed from a memory snapshot
+/// still answers, now and then, requests of the connection it had when it was saved (an exec
+/// that was streaming); ids that started at 1 would collide with this connection's own.
+fn first_request_id() -> u64 {
+    let mut r = [0u8; 4];
+    // SAFETY: getrandom(2) writes at most `len` bytes into the buffer we own.
+    let n = unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) };
+    let r = if n == r.len() as isize { u32::from_ne_bytes(r) } else { std::process::id() };
+    // Below 2^53 (JSON numbers stay exact anywhere), far apart for two connections.
+    (u64::from(r) << 16) + 1
+}
+
 /// Short name of a request for messages.
 pub fn request_name(req: &Request) -> &'static str {
     match req {
@@ -237,6 +249,7 @@ pub fn request_name(req: &Request) -> &'static str {
         Request::DownloadArchive { .. } => "download_archive",
         Request::Freeze => "freeze",
         Request::Thaw => "thaw",
+        Request::Resumed { .. } => "resumed",
         Request::Shutdown => "shutdown",
     }
 }

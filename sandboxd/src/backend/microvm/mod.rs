@@ -46,7 +46,7 @@ use crate::config::{Limits, MicroVmAccel, MicroVmConfig};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 use crate::images::{Catalog, ImageError, Origin};
 pub use vm::Accel;
-use vm::{BootFiles, LaunchSpec, Vm};
+use vm::{BootFiles, Incoming, LaunchSpec, Vm};
 
 const MIB: u64 = 1 << 20;
 /// Guest RAM beyond the sandbox's memory limit: the guest kernel and the agent.
@@ -218,6 +218,44 @@ impl Inner {
         }
     }
 
+    /// The memory snapshot of `snap` (QEMU's migration stream) and the machine it needs.
+    fn memory_path(&self, snap: &SnapshotId) -> PathBuf {
+        self.snapshots_dir.join(format!("{snap}.mem"))
+    }
+
+    fn shape_path(&self, snap: &SnapshotId) -> PathBuf {
+        self.snapshots_dir.join(format!("{snap}.vm.json"))
+    }
+
+    /// The memory snapshot of `snap`, opened (under `disk_lock`: a delete may not take it from
+    /// under a restore), if it has one.
+    fn open_memory(&self, snap: &SnapshotId) -> Result<Option<(std::fs::File, MemoryShape)>, BackendError> {
+        let file = match std::fs::File::open(self.memory_path(snap)) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(BackendError::io("opening the memory snapshot", e)),
+        };
+        let unusable = |reason: String| BackendError::SnapshotUnusable { snapshot: snap.clone(), reason };
+        let json = std::fs::read(self.shape_path(snap)).map_err(|e| unusable(format!("its machine description: {e}")))?;
+        let shape = serde_json::from_slice(&json).map_err(|e| unusable(format!("its machine description: {e}")))?;
+        Ok(Some((file, shape)))
+    }
+
+    /// The memory snapshot to resume for a VM of `limits`, when there is one and such a VM can
+    /// be it: as many vCPUs, at least the RAM the limits need (a VM from the warm pool may have
+    /// more), the same accelerator and boot files. Otherwise the VM boots over the snapshot's
+    /// disk (saved frozen: consistent on its own), which is logged.
+    async fn resumable(&self, snap: &SnapshotId, memory: Option<(std::fs::File, MemoryShape)>, image: &VmImage, limits: &Limits) -> Option<Incoming> {
+        let (file, shape) = memory?;
+        let here = MemoryShape { memory_mib: Self::memory_mib(limits), vcpus: self.vcpus(limits), accel: self.accel(image).await, boot: boot_key(&image.boot) };
+        let fits = shape.memory_mib >= here.memory_mib && (shape.vcpus, shape.accel, &shape.boot) == (here.vcpus, here.accel, &here.boot);
+        if !fits {
+            tracing::info!(snapshot = %snap, saved = ?shape, wanted = ?here, "the memory snapshot is of another machine: booting over its disk instead");
+            return None;
+        }
+        Some(Incoming { snapshot: snap.clone(), file: Arc::new(file), memory_mib: shape.memory_mib, vcpus: shape.vcpus })
+    }
+
     fn memory_mib(limits: &Limits) -> u64 {
         (limits.memory_bytes + GUEST_OVERHEAD_BYTES).div_ceil(MIB)
     }
@@ -292,6 +330,7 @@ impl Inner {
                 accel: Accel::Kvm,
                 uid,
                 boot_timeout: self.cfg.kvm_probe_timeout(),
+                incoming: None,
             };
             let r = Vm::launch(&spec, None).await;
             self.release_uid(uid);
@@ -316,23 +355,40 @@ impl Inner {
         disk_bytes: u64,
         image: &VmImage,
         limits: &Limits,
+        incoming: Option<Incoming>,
     ) -> Result<Arc<Vm>, BackendError> {
         let (qemu, qemu_img) = self.tools()?.clone();
         std::fs::create_dir_all(dir).map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
         let top = dir.join(format!("top-{gen}.qcow2"));
         let size = disk_bytes.max(disk::read_header(backing)?.virtual_size);
         disk::create_overlay(&qemu_img, backing, &top, size).await?;
-        self.boot_existing(name, dir, gen, &qemu, image, limits).await
+        self.boot_existing(name, dir, gen, &qemu, image, limits, incoming).await
     }
 
-    /// Boots a VM over the top disk `dir/top-<gen>.qcow2` that already exists.
-    async fn boot_existing(&self, name: &str, dir: &Path, gen: u64, qemu: &Path, image: &VmImage, limits: &Limits) -> Result<Arc<Vm>, BackendError> {
+    /// Boots a VM over the top disk `dir/top-<gen>.qcow2` that already exists (or resumes it
+    /// from a memory snapshot taken over that disk's backing file).
+    #[allow(clippy::too_many_arguments)] // as boot_new
+    async fn boot_existing(
+        &self,
+        name: &str,
+        dir: &Path,
+        gen: u64,
+        qemu: &Path,
+        image: &VmImage,
+        limits: &Limits,
+        incoming: Option<Incoming>,
+    ) -> Result<Arc<Vm>, BackendError> {
         let accel = self.accel(image).await;
         let uid = self.alloc_uid()?;
         let top = dir.join(format!("top-{gen}.qcow2"));
+        // A resumed VM is the machine it was saved from (a pooled VM's RAM may exceed its limits).
+        let (memory_mib, vcpus) = match &incoming {
+            Some(i) => (i.memory_mib, i.vcpus),
+            None => (Self::memory_mib(limits), self.vcpus(limits)),
+        };
         let prepared = (|| {
             std::os::unix::fs::chown(&top, Some(uid), Some(uid)).map_err(|e| BackendError::io(format!("chown {}", top.display()), e))?;
-            let memory_bytes = Self::memory_mib(limits) * MIB + QEMU_OVERHEAD_BYTES;
+            let memory_bytes = memory_mib * MIB + QEMU_OVERHEAD_BYTES;
             self.cgroups()?
                 .create_sandbox(name, &CgroupLimits { memory_bytes, max_pids: QEMU_MAX_TASKS, cpu_millicores: 0 })
                 .map_err(|e| BackendError::Internal(format!("creating the VM's cgroup: {e}")))
@@ -350,11 +406,12 @@ impl Inner {
             top,
             gen,
             boot: image.boot.clone(),
-            memory_mib: Self::memory_mib(limits),
-            vcpus: self.vcpus(limits),
+            memory_mib,
+            vcpus,
             accel,
             uid,
             boot_timeout: self.cfg.boot_timeout(),
+            incoming,
         };
         match Vm::launch(&spec, Some(cgroup)).await {
             Ok(vm) => {
@@ -418,6 +475,25 @@ impl Inner {
         for p in removed {
             tracing::debug!(file = %p.display(), "unreferenced snapshot disk removed");
         }
+        self.collect_memory();
+    }
+
+    /// Removes the memory files (and machine descriptions) of snapshots no longer on record.
+    /// Call under `disk_lock` (a snapshot being taken is not on record yet: its `.mem.part` is
+    /// never touched here).
+    fn collect_memory(&self) {
+        let live = self.snapshots.lock().map(|s| s.iter().map(|s| s.to_string()).collect::<HashSet<String>>()).unwrap_or_default();
+        let Ok(entries) = std::fs::read_dir(&self.snapshots_dir) else { return };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(snap) = name.strip_suffix(".mem").or_else(|| name.strip_suffix(".vm.json")) else { continue };
+            if !live.contains(snap) {
+                match std::fs::remove_file(e.path()) {
+                    Ok(()) => tracing::debug!(file = %e.path().display(), "memory snapshot file removed"),
+                    Err(err) => tracing::warn!(file = %e.path().display(), error = %err, "removing a memory snapshot file"),
+                }
+            }
+        }
     }
 
     async fn create(self: &Arc<Self>, spec: &SandboxSpec) -> Result<(), BackendError> {
@@ -440,19 +516,38 @@ impl Inner {
                         let pinned = self.pin(&base);
                         (base, pinned)
                     };
-                    (self.boot_new(&self.vm_name(), &dir, 0, &base, spec.limits.disk_bytes, &image, &spec.limits).await?, Some(pinned))
+                    (self.boot_new(&self.vm_name(), &dir, 0, &base, spec.limits.disk_bytes, &image, &spec.limits, None).await?, Some(pinned))
                 }
             },
             Some(snap) => {
-                let (backing, pinned) = {
+                let (backing, pinned, memory) = {
                     let _g = self.disk_lock.lock().await;
                     let backing = self.live_snapshot(snap)?;
                     let pinned = self.pin(&backing);
-                    (backing, pinned)
+                    (backing, pinned, self.open_memory(snap)?)
                 };
-                (self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits).await?, Some(pinned))
+                let incoming = self.resumable(snap, memory, &image, &spec.limits).await;
+                let resumed = incoming.is_some();
+                let vm = self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits, incoming).await;
+                let vm = match vm {
+                    Ok(vm) => vm,
+                    Err(e) => {
+                        let _ = std::fs::remove_dir_all(&dir);
+                        return Err(e);
+                    }
+                };
+                // The fork runs on from the snapshot's memory, saved with its filesystem frozen.
+                if resumed {
+                    if let Err(e) = after_resume(&vm).await {
+                        self.stop_vm(&vm).await;
+                        let _ = std::fs::remove_dir_all(&dir);
+                        return Err(e);
+                    }
+                }
+                (vm, Some(pinned))
             }
         };
+        // A fork resumed from memory gets its own identity here (hostname, /etc/hosts).
         let configured = vm.configure(guest_config(spec)).await;
         if let Err(e) = configured {
             self.stop_vm(&vm).await;
@@ -464,27 +559,70 @@ impl Inner {
         Ok(())
     }
 
-    async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId) -> Result<u64, BackendError> {
+    async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId, memory: bool) -> Result<u64, BackendError> {
         let sb = self.sandbox(id)?;
         let _op = sb.op.lock().await;
         let vm = sb.vm()?;
-        // A consistent disk: the guest flushes and freezes its filesystem first.
+        // A consistent disk: the guest flushes and freezes its filesystem first (a memory
+        // snapshot is saved frozen too, so its disk alone is as consistent as a disk-only one).
         let frozen = vm.agent.call(&Request::Freeze, &[], Duration::from_secs(30)).await.map_err(|e| vm.agent_error(e))?;
         vm::expect_ok(frozen.msg, "freeze")?;
-        let taken = self.swap_top(&vm, snap).await;
-        match vm.agent.call(&Request::Thaw, &[], Duration::from_secs(30)).await {
-            Ok(r) => {
-                if let Err(e) = vm::expect_ok(r.msg, "thaw") {
-                    tracing::warn!(sandbox = %id, error = %e, "thawing the guest filesystem");
-                }
-            }
-            Err(e) => tracing::warn!(sandbox = %id, error = %e, "thawing the guest filesystem"),
+        let taken = if memory { self.save_with_memory(&vm, snap, &sb.spec).await.map(Some) } else { self.swap_top(&vm, snap).await.map(|()| None) };
+        if let Err(e) = thaw(&vm).await {
+            tracing::warn!(sandbox = %id, error = %e, "thawing the guest filesystem");
         }
-        taken?;
+        let saved = taken?;
+        let _g = self.disk_lock.lock().await;
+        let mut memory_bytes = 0;
+        if let Some((part, shape)) = saved {
+            let put = (|| {
+                let json = serde_json::to_vec(&shape).map_err(|e| BackendError::Internal(format!("encoding the memory snapshot's machine: {e}")))?;
+                std::fs::write(self.shape_path(snap), json).map_err(|e| BackendError::io("writing the memory snapshot's machine", e))?;
+                std::fs::rename(&part, self.memory_path(snap)).map_err(|e| BackendError::io("putting the memory snapshot in place", e))
+            })();
+            if let Err(e) = put {
+                let _ = std::fs::remove_file(&part);
+                let _ = std::fs::remove_file(self.shape_path(snap));
+                return Err(e);
+            }
+            memory_bytes = allocated_bytes(&self.memory_path(snap));
+        }
         if let Ok(mut s) = self.snapshots.lock() {
             s.insert(snap.clone());
         }
-        Ok(disk::chain_bytes_above_base(&self.snapshot_path(snap), &self.bases_dir))
+        Ok(disk::chain_bytes_above_base(&self.snapshot_path(snap), &self.bases_dir) + memory_bytes)
+    }
+
+    /// A memory snapshot: the guest is paused, its disk snapshotted as without memory, its
+    /// memory and device state written by QEMU (a migration into the file) and the guest
+    /// continued, so disk and memory are of one instant. Returns the memory file (still named
+    /// `.part`) and the machine a restore needs.
+    async fn save_with_memory(&self, vm: &Vm, snap: &SnapshotId, spec: &SandboxSpec) -> Result<(PathBuf, MemoryShape), BackendError> {
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let image = self.image(&spec.image)?;
+        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot) };
+        let part = self.snapshots_dir.join(format!("{snap}.mem.part"));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&part)
+            .map_err(|e| BackendError::io(format!("creating {}", part.display()), e))?;
+        vm.qmp.lock().await.execute("stop", serde_json::Value::Null).await.map_err(BackendError::Internal)?;
+        let saved = async {
+            self.swap_top(vm, snap).await?;
+            let mut qmp = vm.qmp.lock().await;
+            migrate_to(&mut qmp, file.as_fd()).await.map_err(|e| BackendError::Internal(format!("saving the microVM's memory: {e}")))
+        }
+        .await;
+        // The guest goes on whatever happened (after a migration QEMU takes its disks back).
+        let resumed = vm.qmp.lock().await.execute("cont", serde_json::Value::Null).await;
+        if let Err(e) = saved.and(resumed.map(drop).map_err(|e| BackendError::Internal(format!("continuing the microVM after its snapshot: {e}")))) {
+            let _ = std::fs::remove_file(&part);
+            return Err(e);
+        }
+        Ok((part, shape))
     }
 
     /// The live snapshot itself: the current top becomes the snapshot file and a new top is put
@@ -531,21 +669,73 @@ impl Inner {
     async fn rollback(&self, id: &SandboxId, snap: &SnapshotId) -> Result<(), BackendError> {
         let sb = self.sandbox(id)?;
         let _op = sb.op.lock().await;
-        let backing = self.live_snapshot(snap)?;
+        let (backing, memory) = {
+            let _g = self.disk_lock.lock().await;
+            (self.live_snapshot(snap)?, self.open_memory(snap)?)
+        };
         let image = self.image(&sb.spec.image)?;
+        if let Some(incoming) = self.resumable(snap, memory, &image, &sb.spec.limits).await {
+            self.rollback_resume(&sb, &backing, &image, incoming).await?;
+            drop(_op);
+            self.collect_snapshots().await;
+            return Ok(());
+        }
         let old = sb.vm()?;
         let dir = old.dir();
         let gen = *old.gen.lock().map_err(|_| BackendError::Internal("gen poisoned".into()))?;
         old.mark_lost(&format!("the sandbox was rolled back to {snap}"));
         self.stop_vm(&old).await;
         let _ = std::fs::remove_file(dir.join(format!("top-{gen}.qcow2")));
-        let vm = self.boot_new(&self.vm_name(), &dir, gen + 1, &backing, sb.spec.limits.disk_bytes, &image, &sb.spec.limits).await?;
+        let vm = self.boot_new(&self.vm_name(), &dir, gen + 1, &backing, sb.spec.limits.disk_bytes, &image, &sb.spec.limits, None).await?;
         vm.configure(guest_config(&sb.spec)).await?;
         if let Ok(mut slot) = sb.vm.write() {
             *slot = vm;
         }
         drop(_op);
         self.collect_snapshots().await;
+        Ok(())
+    }
+
+    /// Rollback to a memory snapshot: a new QEMU resumes it beside the running one, in a
+    /// directory of its own, and takes the sandbox's place only once its guest answers; a
+    /// memory file QEMU cannot load leaves the sandbox as it was.
+    async fn rollback_resume(&self, sb: &MicroSandbox, backing: &Path, image: &VmImage, incoming: Incoming) -> Result<(), BackendError> {
+        let id = &sb.spec.id;
+        let snap = incoming.snapshot.clone();
+        let old = sb.vm()?;
+        let dir = old.dir();
+        let gen = *old.gen.lock().map_err(|_| BackendError::Internal("gen poisoned".into()))?;
+        let staging = self.vms_dir.join(format!("{id}.resume"));
+        let _ = std::fs::remove_dir_all(&staging);
+        let vm = match self.boot_new(&self.vm_name(), &staging, gen + 1, backing, sb.spec.limits.disk_bytes, image, &sb.spec.limits, Some(incoming)).await {
+            Ok(vm) => vm,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&staging);
+                return Err(e);
+            }
+        };
+        if let Err(e) = after_resume(&vm).await {
+            self.stop_vm(&vm).await;
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+        old.mark_lost(&format!("the sandbox was rolled back to {snap}"));
+        self.stop_vm(&old).await;
+        // The new VM's directory becomes the sandbox's (QEMU is chrooted into it by inode and
+        // its sockets are connected: the rename does not disturb it).
+        let retired = self.vms_dir.join(format!("{id}.retired"));
+        let _ = std::fs::remove_dir_all(&retired);
+        let moved = std::fs::rename(&dir, &retired).and_then(|()| std::fs::rename(&staging, &dir));
+        if let Ok(mut d) = vm.dir.lock() {
+            *d = if moved.is_ok() { dir.clone() } else { staging.clone() };
+        }
+        if let Err(e) = &moved {
+            tracing::warn!(sandbox = %id, error = %e, "moving the resumed VM's directory into place");
+        }
+        let _ = std::fs::remove_dir_all(&retired);
+        if let Ok(mut slot) = sb.vm.write() {
+            *slot = vm;
+        }
         Ok(())
     }
 
@@ -589,6 +779,14 @@ impl Inner {
         if let Ok(mut s) = self.snapshots.lock() {
             s.extend(snapshots.iter().filter(|s| self.snapshot_path(s).is_file()).cloned());
         }
+        // Memory snapshots a previous run was writing when it died.
+        if let Ok(entries) = std::fs::read_dir(&self.snapshots_dir) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().ends_with(".mem.part") {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
         let wanted: HashSet<&str> = sandboxes.iter().map(|s| s.id.as_str()).collect();
         if let Ok(entries) = std::fs::read_dir(&self.vms_dir) {
             for e in entries.flatten() {
@@ -605,6 +803,7 @@ impl Inner {
         {
             let _g = self.disk_lock.lock().await;
             disk::collect_garbage(&self.disk_roots(), &[&self.snapshots_dir, &self.bases_dir]);
+            self.collect_memory();
         }
         pool::refill(self);
     }
@@ -640,7 +839,7 @@ impl Inner {
         for f in ["agent.sock", "qmp.sock"] {
             let _ = std::fs::remove_file(dir.join(f));
         }
-        let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits).await?;
+        let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits, None).await?;
         vm.configure(guest_config(spec)).await?;
         let sb = Arc::new(MicroSandbox { spec: spec.clone(), vm: RwLock::new(vm), op: tokio::sync::Mutex::new(()) });
         self.sandboxes.write().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?.insert(spec.id.clone(), sb);
@@ -691,6 +890,100 @@ fn guest_config(spec: &SandboxSpec) -> GuestLimits {
         hostname: spec.id.to_string(),
         workdir: spec.workdir.clone(),
         shm_bytes: l.shm_size(),
+    }
+}
+
+/// The machine a memory snapshot was saved from; a restore needs the same one.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct MemoryShape {
+    memory_mib: u64,
+    vcpus: u32,
+    accel: Accel,
+    /// The kernel and initramfs (path, size, mtime): the saved RAM holds that kernel.
+    boot: String,
+}
+
+/// What identifies a VM's boot files (a rebuilt image gets another key).
+fn boot_key(boot: &BootFiles) -> String {
+    use std::os::unix::fs::MetadataExt;
+    [&boot.kernel, &boot.initramfs]
+        .iter()
+        .map(|p| match std::fs::metadata(p) {
+            Ok(m) => format!("{}:{}:{}.{}", p.display(), m.size(), m.mtime(), m.mtime_nsec()),
+            Err(_) => format!("{}:missing", p.display()),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Bytes a file takes on the host (allocated, not apparent).
+fn allocated_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).map(|m| m.blocks() * 512).unwrap_or(0)
+}
+
+/// Thaws the guest's root filesystem (after a snapshot, and in a VM resumed from one).
+async fn thaw(vm: &Vm) -> Result<(), BackendError> {
+    let r = vm.agent.call(&Request::Thaw, &[], Duration::from_secs(30)).await.map_err(|e| vm.agent_error(e))?;
+    vm::expect_ok(r.msg, "thaw")
+}
+
+/// The first guest protocol that takes `Resumed`.
+const RESUMED_PROTOCOL: u32 = 6;
+/// Host randomness handed to a resumed guest's RNG.
+const RESUME_ENTROPY_BYTES: usize = 64;
+
+/// Makes a VM resumed from a memory snapshot its own again: its filesystem thawed (it was saved
+/// frozen), its wall clock stepped to the host's (it stood still while saved) and its kernel
+/// RNG reseeded with fresh host randomness (two resumes of one snapshot share its state).
+async fn after_resume(vm: &Vm) -> Result<(), BackendError> {
+    thaw(vm).await?;
+    if vm.hello.version < RESUMED_PROTOCOL {
+        tracing::warn!(
+            protocol = vm.hello.version,
+            "the guest agent predates protocol 6: a VM resumed from memory keeps the snapshot's clock and RNG state (rebuild the VM images: make vm-images)"
+        );
+        return Ok(());
+    }
+    let mut entropy = [0u8; RESUME_ENTROPY_BYTES];
+    // SAFETY: getrandom(2) writes at most `len` bytes into the buffer we own.
+    let n = unsafe { libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0) };
+    if n != entropy.len() as isize {
+        return Err(BackendError::io("reading host randomness for a resumed VM", std::io::Error::last_os_error()));
+    }
+    let unix_time_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let r = vm.agent.call(&Request::Resumed { unix_time_ns }, &entropy, Duration::from_secs(10)).await.map_err(|e| vm.agent_error(e))?;
+    vm::expect_ok(r.msg, "resumed")
+}
+
+/// Longest a memory snapshot may take to write (a 4 GiB guest on a slow disk fits).
+const MIGRATE_TIMEOUT: Duration = Duration::from_secs(300);
+/// How often a migration's progress is polled.
+const MIGRATE_POLL: Duration = Duration::from_millis(5);
+
+/// Writes the paused VM's memory and device state into `file` (a QEMU migration to `fd:`,
+/// unthrottled) and waits until it is complete.
+async fn migrate_to(qmp: &mut qmp::Qmp, file: std::os::fd::BorrowedFd<'_>) -> Result<(), String> {
+    // QEMU throttles a migration to 128 MiB/s by default; this one goes to a local file.
+    qmp.execute("migrate-set-parameters", json!({ "max-bandwidth": 1u64 << 40 })).await?;
+    qmp.send_fd("snapshot-memory", file).await?;
+    qmp.execute("migrate", json!({ "uri": "fd:snapshot-memory" })).await?;
+    let deadline = tokio::time::Instant::now() + MIGRATE_TIMEOUT;
+    loop {
+        let info = qmp.execute("query-migrate", serde_json::Value::Null).await?;
+        match info.get("status").and_then(serde_json::Value::as_str) {
+            Some("completed") => return Ok(()),
+            Some(s @ ("failed" | "cancelled")) => {
+                let why = info.get("error-desc").and_then(serde_json::Value::as_str).unwrap_or("no reason given");
+                return Err(format!("migration {s}: {why}"));
+            }
+            _ => {}
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let _ = qmp.execute("migrate_cancel", serde_json::Value::Null).await;
+            return Err(format!("not written within {MIGRATE_TIMEOUT:?}"));
+        }
+        tokio::time::sleep(MIGRATE_POLL).await;
     }
 }
 
@@ -897,8 +1190,8 @@ impl Backend for MicroVmBackend {
         Ok(usage)
     }
 
-    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {
-        self.inner.snapshot(sandbox, snapshot).await
+    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId, memory: bool) -> Result<u64, BackendError> {
+        self.inner.snapshot(sandbox, snapshot, memory).await
     }
 
     async fn rollback(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<(), BackendError> {

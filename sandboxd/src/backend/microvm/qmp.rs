@@ -1,6 +1,7 @@
 //! A minimal QMP (QEMU Machine Protocol) client: JSON lines over the VM's QMP UNIX socket, one
 //! command at a time, asynchronous events skipped.
 
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::Path;
 use std::time::Duration;
 
@@ -48,10 +49,45 @@ impl Qmp {
 
     /// Runs one command and returns its `return` value, or QEMU's error description.
     pub async fn execute(&mut self, command: &str, arguments: Value) -> Result<Value, String> {
+        let line = Self::line(command, arguments);
+        self.wr.write_all(line.as_bytes()).await.map_err(|e| format!("writing QMP: {e}"))?;
+        self.answer(command).await
+    }
+
+    /// Hands QEMU a file descriptor under `name` (`getfd`, the descriptor travelling as
+    /// SCM_RIGHTS with the command), for a later `fd:<name>` URI.
+    pub async fn send_fd(&mut self, name: &str, fd: BorrowedFd<'_>) -> Result<(), String> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        let line = Self::line("getfd", json!({ "fdname": name }));
+        let fds = [fd.as_raw_fd()];
+        let stream: &UnixStream = self.wr.as_ref();
+        let mut sent = false;
+        while !sent {
+            stream.writable().await.map_err(|e| format!("writing QMP: {e}"))?;
+            let iov = [std::io::IoSlice::new(line.as_bytes())];
+            match stream.try_io(tokio::io::Interest::WRITABLE, || {
+                sendmsg::<()>(stream.as_raw_fd(), &iov, &[ControlMessage::ScmRights(&fds)], MsgFlags::MSG_NOSIGNAL, None).map_err(std::io::Error::from)
+            }) {
+                // The line is far shorter than a socket buffer: a short write would split the
+                // descriptor from the rest of its command, so it is refused.
+                Ok(n) if n == line.len() => sent = true,
+                Ok(n) => return Err(format!("QMP getfd: short write ({n} of {} bytes)", line.len())),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(format!("writing QMP: {e}")),
+            }
+        }
+        self.answer("getfd").await.map(drop)
+    }
+
+    fn line(command: &str, arguments: Value) -> String {
         let msg = if arguments.is_null() { json!({ "execute": command }) } else { json!({ "execute": command, "arguments": arguments }) };
         let mut line = msg.to_string();
         line.push('\n');
-        self.wr.write_all(line.as_bytes()).await.map_err(|e| format!("writing QMP: {e}"))?;
+        line
+    }
+
+    /// The answer to the command just sent, skipping events.
+    async fn answer(&mut self, command: &str) -> Result<Value, String> {
         loop {
             let v = self.read_line().await?;
             if let Some(r) = v.get("return") {

@@ -75,6 +75,19 @@ pub struct LaunchSpec {
     /// Uid and gid QEMU drops to.
     pub uid: u32,
     pub boot_timeout: Duration,
+    /// A memory snapshot to resume instead of booting.
+    pub incoming: Option<Incoming>,
+}
+
+/// A memory snapshot a VM resumes from: QEMU's migration stream, read through an inherited
+/// descriptor (`-incoming fd:N`).
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    pub snapshot: crate::ids::SnapshotId,
+    pub file: Arc<std::fs::File>,
+    /// The machine it was saved from, which the resumed VM must be.
+    pub memory_mib: u64,
+    pub vcpus: u32,
 }
 
 /// A running VM with its agent connected.
@@ -85,6 +98,9 @@ pub struct Vm {
     pub pid: u32,
     pub uid: u32,
     pub accel: Accel,
+    /// Guest RAM and vCPUs QEMU was started with.
+    pub memory_mib: u64,
+    pub vcpus: u32,
     pub agent: AgentConn,
     pub qmp: tokio::sync::Mutex<Qmp>,
     /// Generation of the top disk; the node name is `disk<gen>`.
@@ -142,6 +158,7 @@ impl Vm {
             None => Vec::new(),
         };
         let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+        let incoming_fd = spec.incoming.as_ref().map(|i| i.file.as_raw_fd());
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
         // calls (write, prctl, open, close) on values prepared before the fork. The guard keeps the death
         // signal across its exec (it is not set-id) and never changes its uid.
@@ -154,6 +171,13 @@ impl Vm {
                 }
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                // The memory snapshot's descriptor stays open across the exec of the guard and
+                // of QEMU (the flag is the child's own copy: the daemon's stays close-on-exec).
+                if let Some(fd) = incoming_fd {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
                 // QEMU holds the guest's memory: under pressure it goes before the daemon.
                 crate::admission::set_sandbox_oom_score_adj_in_child()
@@ -194,9 +218,16 @@ impl Vm {
                 None => Ok(()),
             }
         };
+        let resuming = spec.incoming.is_some();
         let booted = async {
+            // A resumed VM stays paused (as it was when saved) until it is told to continue;
+            // its agent answers only then.
+            let resumed = if resuming { Some(resume_incoming(&qmp_sock, deadline, &alive).await?) } else { None };
             let (agent, hello) = AgentConn::connect(&agent_sock, deadline, Duration::from_millis(200), alive).await?;
-            let qmp = Qmp::connect(&qmp_sock).await.map_err(AgentError::Closed)?;
+            let qmp = match resumed {
+                Some(qmp) => qmp,
+                None => Qmp::connect(&qmp_sock).await.map_err(AgentError::Closed)?,
+            };
             Ok::<_, AgentError>((agent, hello, qmp))
         }
         .await;
@@ -208,6 +239,12 @@ impl Vm {
                 let _ = tokio::time::timeout(Duration::from_secs(5), done.wait_for(|d| *d)).await;
                 let tail = console_tail(&console, 12);
                 let qemu_err = std::fs::read_to_string(spec.dir.join("qemu.log")).unwrap_or_default();
+                if let Some(i) = &spec.incoming {
+                    return Err(BackendError::SnapshotUnusable {
+                        snapshot: i.snapshot.clone(),
+                        reason: format!("the microVM did not resume from its memory ({e}); qemu: {}; console: {}", qemu_err.trim(), tail),
+                    });
+                }
                 return Err(BackendError::Internal(format!(
                     "microVM did not boot with {} ({e}); qemu: {}; console: {}",
                     spec.accel.name(),
@@ -222,6 +259,8 @@ impl Vm {
             pid,
             uid: spec.uid,
             accel: spec.accel,
+            memory_mib: spec.memory_mib,
+            vcpus: spec.vcpus,
             agent,
             qmp: tokio::sync::Mutex::new(qmp),
             gen: Mutex::new(spec.gen),
@@ -298,6 +337,45 @@ impl Vm {
     }
 }
 
+/// How often a resuming VM's state is polled.
+const RESUME_POLL: Duration = Duration::from_millis(5);
+
+/// Waits for QEMU to load the memory snapshot it was started with (`-incoming`) and lets the
+/// guest continue. A stream QEMU cannot load makes it exit: that fails here at once, with why
+/// QEMU went (the caller adds its log).
+async fn resume_incoming(qmp_sock: &Path, deadline: tokio::time::Instant, alive: &impl Fn() -> Result<(), String>) -> Result<Qmp, AgentError> {
+    let gone = |e: String| AgentError::Closed(alive().err().unwrap_or(e));
+    let mut qmp = loop {
+        match Qmp::connect(qmp_sock).await {
+            Ok(q) => break q,
+            Err(e) => {
+                alive().map_err(AgentError::Closed)?;
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(AgentError::Closed(e));
+                }
+                tokio::time::sleep(RESUME_POLL).await;
+            }
+        }
+    };
+    loop {
+        let status = qmp.execute("query-status", serde_json::Value::Null).await.map_err(gone)?;
+        match status.get("status").and_then(serde_json::Value::as_str) {
+            Some("inmigrate") => {}
+            Some("running") => return Ok(qmp),
+            // Saved paused, loaded paused: it goes on from here.
+            Some("paused" | "postmigrate" | "prelaunch") => {
+                qmp.execute("cont", serde_json::Value::Null).await.map_err(gone)?;
+                return Ok(qmp);
+            }
+            other => return Err(AgentError::Protocol(format!("the VM is {other:?} after loading its memory snapshot"))),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(AgentError::Closed("QEMU still loading the memory snapshot at the deadline".into()));
+        }
+        tokio::time::sleep(RESUME_POLL).await;
+    }
+}
+
 /// `Ok` from the agent, or its error as a backend error.
 pub fn expect_ok(msg: Response, what: &str) -> Result<(), BackendError> {
     match msg {
@@ -342,6 +420,9 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
     ]);
     push(&["-device", &format!("virtio-blk-device,drive=disk{}", spec.gen)]);
     push(&["-qmp", &format!("unix:{},server=on,wait=off", p(qmp_sock))]);
+    if let Some(i) = &spec.incoming {
+        push(&["-incoming", &format!("fd:{}", i.file.as_raw_fd())]);
+    }
     // No elevateprivileges=deny: QEMU 7.2 installs the filter before -runas drops privileges,
     // and the setuid it needs would be killed. After -runas it holds no capabilities anyway.
     push(&["-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny"]);
@@ -459,6 +540,7 @@ mod tests {
             accel: Accel::Tcg,
             uid: 400_001,
             boot_timeout: Duration::from_secs(1),
+            incoming: None,
         };
         let args = qemu_args(&spec, Path::new("/s/vms/sb-1/agent.sock"), Path::new("/s/vms/sb-1/qmp.sock"), Path::new("/s/vms/sb-1/console.log")).join(" ");
         for want in [
@@ -474,6 +556,7 @@ mod tests {
             assert!(args.contains(want), "{want:?} missing from {args}");
         }
         assert!(!args.contains("-netdev") && !args.contains("-nic"), "no network device: {args}");
+        assert!(!args.contains("-incoming"), "a boot loads no memory snapshot: {args}");
         assert!(args.contains("tsc_early_khz="), "TCG boots are told the TSC frequency: {args}");
         let khz = host_tsc_khz().expect("a TSC on x86_64");
         assert!((100_000..20_000_000).contains(&khz), "{khz}");

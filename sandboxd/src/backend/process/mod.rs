@@ -734,7 +734,7 @@ impl Backend for ProcessBackend {
         Ok(usage)
     }
 
-    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<u64, BackendError> {
+    async fn snapshot(&self, sandbox: &SandboxId, snapshot: &SnapshotId, _memory: bool) -> Result<u64, BackendError> {
         let sb = self.sandbox(sandbox)?;
         let pool = self.pool()?;
         // Frozen while the snapshot is taken, so no process is between two writes of a

@@ -40,7 +40,7 @@ async fn container_sections(sb: &mut Sandboxes, plan: &Plan, report: &mut Report
     sb.destroy(&id).await?;
 
     eprintln!("bench: sandboxd container tier snapshot+rollback, {CHANGED_SMALL_MIB} MiB changed × {}", plan.container_snap);
-    let (snaps, rollbacks, _) = snapshot_rollback(sb, request(), CHANGED_SMALL_MIB, plan.container_snap).await?;
+    let (snaps, rollbacks, _) = snapshot_rollback(sb, request(), CHANGED_SMALL_MIB, plan.container_snap, None).await?;
     report.measured(Key::ContainerSnapshot, &snaps);
     report.measured(Key::ContainerRollback, &rollbacks);
     Ok(())

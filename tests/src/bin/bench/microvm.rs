@@ -167,10 +167,10 @@ async fn microvm_fork_rounds(sb: &mut Sandboxes, snap: &str, n: usize, what: &st
 /// Forks of one snapshot of a microVM with [`CHANGED_SMALL_MIB`] MiB written: first while the
 /// origin still runs (how forks are used: the origin goes on), then once it is destroyed. The
 /// second set is measured even when the first fails, so a failure there still leaves a time.
-async fn microvm_forks(sb: &mut Sandboxes, n: usize) -> Result<(Result<Vec<Duration>>, Result<Vec<Duration>>)> {
+async fn microvm_forks(sb: &mut Sandboxes, n: usize, include_memory: bool) -> Result<(Result<Vec<Duration>>, Result<Vec<Duration>>)> {
     let (origin, _) = sb.create_with(microvm_request(), "the origin of the microVM forks").await?;
     write_blob(&sb.client, &origin, CHANGED_SMALL_MIB, "the origin of the microVM forks").await?;
-    let (snap, _, _) = sb.snapshot(&origin, "the microVM snapshot to fork").await?;
+    let (snap, _, _) = sb.snapshot_with(&origin, "the microVM snapshot to fork", Some(include_memory)).await?;
     let running = microvm_fork_rounds(sb, &snap, n, "origin running").await;
     // A fork that failed after its create is still alive: it goes, with the origin.
     for id in sb.live.clone() {
@@ -306,40 +306,51 @@ async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel
     }
     sb.cleanup().await;
 
-    eprintln!("bench: sandboxd microVM snapshot+rollback, {CHANGED_SMALL_MIB} MiB changed × {}", plan.microvm_snap);
-    match snapshot_rollback(&mut sb, microvm_request(), CHANGED_SMALL_MIB, plan.microvm_snap).await {
-        Ok((snaps, rollbacks, sizes)) => {
-            report.measured(Key::MicroVmSnapshot, &snaps);
-            report.measured(Key::MicroVmRollback, &rollbacks);
-            report.microvm.snapshot_size = median(&sizes);
+    // Without memory (a boot over the snapshot's disk) and with it (the saved VM resumes), one
+    // after the other on the same daemon.
+    for memory in [false, true] {
+        let (snap_key, rollback_key) =
+            if memory { (Key::MicroVmSnapshotMemory, Key::MicroVmRollbackMemory) } else { (Key::MicroVmSnapshot, Key::MicroVmRollback) };
+        let with = if memory { "with memory" } else { "without memory" };
+        eprintln!("bench: sandboxd microVM snapshot+rollback {with}, {CHANGED_SMALL_MIB} MiB changed × {}", plan.microvm_snap);
+        match snapshot_rollback(&mut sb, microvm_request(), CHANGED_SMALL_MIB, plan.microvm_snap, Some(memory)).await {
+            Ok((snaps, rollbacks, sizes)) => {
+                report.measured(snap_key, &snaps);
+                report.measured(rollback_key, &rollbacks);
+                if memory {
+                    report.microvm.memory_snapshot_size = median(&sizes);
+                } else {
+                    report.microvm.snapshot_size = median(&sizes);
+                }
+            }
+            Err(e) => {
+                print_log_tail(&daemon, "microVM (auto)");
+                report.failed(&[snap_key, rollback_key], &e);
+            }
         }
-        Err(e) => {
-            print_log_tail(&daemon, "microVM (auto)");
-            report.failed(&[Key::MicroVmSnapshot, Key::MicroVmRollback], &e);
-        }
-    }
-    sb.cleanup().await;
+        sb.cleanup().await;
 
-    eprintln!("bench: sandboxd microVM forks × {}, origin running then destroyed", plan.microvm_fork);
-    let fork_keys = [Key::MicroVmFork, Key::MicroVmForkOriginGone];
-    match microvm_forks(&mut sb, plan.microvm_fork).await {
-        Ok((running, gone)) => {
-            for (key, result) in fork_keys.into_iter().zip([running, gone]) {
-                match result {
-                    Ok(forks) => report.measured(key, &forks),
-                    Err(e) => {
-                        print_log_tail(&daemon, "microVM (auto)");
-                        report.failed(&[key], &e);
+        eprintln!("bench: sandboxd microVM forks {with} × {}, origin running then destroyed", plan.microvm_fork);
+        let fork_keys = if memory { [Key::MicroVmForkMemory, Key::MicroVmForkMemoryOriginGone] } else { [Key::MicroVmFork, Key::MicroVmForkOriginGone] };
+        match microvm_forks(&mut sb, plan.microvm_fork, memory).await {
+            Ok((running, gone)) => {
+                for (key, result) in fork_keys.into_iter().zip([running, gone]) {
+                    match result {
+                        Ok(forks) => report.measured(key, &forks),
+                        Err(e) => {
+                            print_log_tail(&daemon, "microVM (auto)");
+                            report.failed(&[key], &e);
+                        }
                     }
                 }
             }
+            Err(e) => {
+                print_log_tail(&daemon, "microVM (auto)");
+                report.failed(&fork_keys, &e);
+            }
         }
-        Err(e) => {
-            print_log_tail(&daemon, "microVM (auto)");
-            report.failed(&fork_keys, &e);
-        }
+        sb.cleanup().await;
     }
-    sb.cleanup().await;
     Ok(Some(accel))
 }
 

@@ -111,7 +111,10 @@ fn render_microvm(w: &mut String, report: &Report, plan: &Plan) {
         ));
     }
     if let Some(size) = vm.snapshot_size {
-        notes.push(format!("the snapshots' `size_bytes` with {CHANGED_SMALL_MIB} MiB changed (median): {}", mib_of(size)));
+        notes.push(format!("the snapshots' `size_bytes` with {CHANGED_SMALL_MIB} MiB changed, without memory (median): {}", mib_of(size)));
+    }
+    if let Some(size) = vm.memory_snapshot_size {
+        notes.push(format!("the same with memory (disk + the memory file QEMU wrote, median): {}", mib_of(size)));
     }
     if !notes.is_empty() {
         let _ = writeln!(w);

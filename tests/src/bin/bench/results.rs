@@ -110,11 +110,18 @@ pub(crate) enum Key {
     MicroVmPoolReady,
     MicroVmExec,
     MicroVmExecStream,
+    /// `Snapshot{include_memory: false}` and `Rollback` to it (a boot over the snapshot's disk).
     MicroVmSnapshot,
     MicroVmRollback,
-    /// Fork of a snapshot whose origin still runs, and of one whose origin was destroyed.
+    /// Fork of such a snapshot whose origin still runs, and of one whose origin was destroyed.
     MicroVmFork,
     MicroVmForkOriginGone,
+    /// The same four with the snapshot's memory (the tier's default): rollback and forks resume
+    /// the saved VM instead of booting one.
+    MicroVmSnapshotMemory,
+    MicroVmRollbackMemory,
+    MicroVmForkMemory,
+    MicroVmForkMemoryOriginGone,
 }
 
 impl Key {
@@ -134,7 +141,7 @@ impl Key {
     pub(crate) const FORKS: [Key; 3] = [Key::Fork, Key::ForkDestroy, Key::ForkBatch];
     pub(crate) const CONTAINER: [Key; 5] = [Key::ContainerCreate, Key::ContainerDestroy, Key::ContainerExec, Key::ContainerSnapshot, Key::ContainerRollback];
     pub(crate) const DOCKER: [Key; 5] = [Key::DockerRun, Key::DockerCreateStart, Key::DockerCreateStartBridge, Key::DockerRemove, Key::DockerExec];
-    pub(crate) const MICROVM: [Key; 13] = [
+    pub(crate) const MICROVM: [Key; 17] = [
         Key::MicroVmBoot(VmAccel::Tcg),
         Key::MicroVmCreate(VmAccel::Tcg),
         Key::MicroVmBoot(VmAccel::Kvm),
@@ -148,6 +155,10 @@ impl Key {
         Key::MicroVmRollback,
         Key::MicroVmFork,
         Key::MicroVmForkOriginGone,
+        Key::MicroVmSnapshotMemory,
+        Key::MicroVmRollbackMemory,
+        Key::MicroVmForkMemory,
+        Key::MicroVmForkMemoryOriginGone,
     ];
 
     pub(crate) fn label(self, live: usize) -> String {
@@ -196,11 +207,21 @@ impl Key {
             Key::MicroVmExec => "microVM `Exec` of `true` (unary), back to back".into(),
             Key::MicroVmExecStream => "microVM `ExecStream` of `true`".into(),
             Key::MicroVmSnapshot => {
-                format!("microVM `Snapshot`, {CHANGED_SMALL_MIB} MiB changed")
+                format!("microVM `Snapshot` without memory, {CHANGED_SMALL_MIB} MiB changed")
             }
-            Key::MicroVmRollback => format!("microVM `Rollback`, {CHANGED_SMALL_MIB} MiB changed (boots a new VM over the snapshot)"),
-            Key::MicroVmFork => format!("microVM fork: `CreateSandbox{{from_snapshot_id}}`, the origin running ({CHANGED_SMALL_MIB} MiB changed)"),
-            Key::MicroVmForkOriginGone => format!("microVM fork of a snapshot whose origin was destroyed ({CHANGED_SMALL_MIB} MiB changed)"),
+            Key::MicroVmRollback => format!("microVM `Rollback` without memory, {CHANGED_SMALL_MIB} MiB changed (boots a new VM over the snapshot)"),
+            Key::MicroVmFork => {
+                format!("microVM fork without memory: `CreateSandbox{{from_snapshot_id}}`, the origin running ({CHANGED_SMALL_MIB} MiB changed; boots)")
+            }
+            Key::MicroVmForkOriginGone => {
+                format!("microVM fork without memory of a snapshot whose origin was destroyed ({CHANGED_SMALL_MIB} MiB changed; boots)")
+            }
+            Key::MicroVmSnapshotMemory => format!("microVM `Snapshot` with memory (the default), {CHANGED_SMALL_MIB} MiB changed"),
+            Key::MicroVmRollbackMemory => format!("microVM `Rollback` to a memory snapshot, {CHANGED_SMALL_MIB} MiB changed (resumes the saved VM)"),
+            Key::MicroVmForkMemory => format!("microVM fork of a memory snapshot, the origin running ({CHANGED_SMALL_MIB} MiB changed; resumes)"),
+            Key::MicroVmForkMemoryOriginGone => {
+                format!("microVM fork of a memory snapshot whose origin was destroyed ({CHANGED_SMALL_MIB} MiB changed; resumes)")
+            }
         }
     }
 }
@@ -259,8 +280,9 @@ pub(crate) struct MicroVm {
     pub(crate) boot_logged: BTreeMap<VmAccel, (Vec<Duration>, Vec<Duration>)>,
     /// `boot_ms` of the VMs the warm pool booted while its rows were measured.
     pub(crate) pool_boot_logged: Vec<Duration>,
-    /// `size_bytes` of the snapshots of the `Snapshot` row (median).
+    /// `size_bytes` of the snapshots of the `Snapshot` rows without and with memory (median).
     pub(crate) snapshot_size: Option<u64>,
+    pub(crate) memory_snapshot_size: Option<u64>,
     /// Why the whole tier is unavailable.
     pub(crate) unavailable: Option<String>,
 }

@@ -54,9 +54,19 @@ impl Sandboxes {
 
     /// Snapshots sandbox `id`; returns the snapshot's id and size and the call's time.
     pub(crate) async fn snapshot(&mut self, id: &str, what: &str) -> Result<(String, u64, Duration)> {
+        self.snapshot_with(id, what, None).await
+    }
+
+    /// [`Sandboxes::snapshot`] with `include_memory` as given (`None`: the tier's default).
+    pub(crate) async fn snapshot_with(&mut self, id: &str, what: &str, include_memory: Option<bool>) -> Result<(String, u64, Duration)> {
         check_interrupt()?;
         let t = Instant::now();
-        let snap = self.client.snapshot(id, "").await.with_context(|| format!("Snapshot of {id} ({what})"))?;
+        let snap = self.client.snapshot_with(id, "", include_memory).await.with_context(|| format!("Snapshot of {id} ({what})"))?;
+        if let Some(want) = include_memory {
+            if snap.includes_memory != want {
+                bail!("Snapshot of {id} ({what}) asked for include_memory={want} and got a snapshot with includes_memory={}", snap.includes_memory);
+            }
+        }
         let took = t.elapsed();
         self.snapshots.insert(snap.snapshot_id.clone());
         Ok((snap.snapshot_id, snap.size_bytes, took))

@@ -27,6 +27,7 @@ pub(crate) async fn snapshot_rollback(
     request: proto::CreateSandboxRequest,
     mib: u32,
     n: usize,
+    include_memory: Option<bool>,
 ) -> Result<(Vec<Duration>, Vec<Duration>, Vec<u64>)> {
     let section = format!("snapshot+rollback, {mib} MiB changed, image {}", request.image);
     let (id, _) = sb.create_with(request, &format!("the sandbox of the {section} section")).await?;
@@ -38,7 +39,7 @@ pub(crate) async fn snapshot_rollback(
     for i in 0..warmup + n {
         let what = format!("{section}, sample {i}");
         write_blob(&sb.client, &id, mib, &what).await?;
-        let (snap, size, took_snap) = sb.snapshot(&id, &what).await?;
+        let (snap, size, took_snap) = sb.snapshot_with(&id, &what, include_memory).await?;
         sh(&sb.client, &id, "rm /workspace/blob && echo changed > /workspace/after-snapshot", &what).await?;
         let took_rollback = sb.rollback(&id, &snap, &what).await?;
         sh(&sb.client, &id, &check, &format!("{what}, after the rollback"))
@@ -124,7 +125,7 @@ pub(crate) async fn sandboxd_snapshots(plan: &Plan, report: &mut Report) {
         for (mib, n) in [(CHANGED_SMALL_MIB, plan.snap_small), (CHANGED_LARGE_MIB, plan.snap_large)] {
             eprintln!("bench: sandboxd snapshot+rollback, {mib} MiB changed, image {} × {n}", image.name());
             let (snap_key, rollback_key) = (Key::Snapshot(image, mib), Key::Rollback(image, mib));
-            match snapshot_rollback(&mut sb, process_sandbox(image.name()), mib, n).await {
+            match snapshot_rollback(&mut sb, process_sandbox(image.name()), mib, n, None).await {
                 Ok((snaps, rollbacks, sizes)) => {
                     report.measured(snap_key, &snaps);
                     report.measured(rollback_key, &rollbacks);
@@ -186,7 +187,7 @@ pub(crate) async fn sandboxd_without_userns(plan: &Plan, report: &mut Report) {
     }
     sb.cleanup().await;
     eprintln!("bench: sandboxd snapshot, {CHANGED_SMALL_MIB} MiB changed × {} without user namespaces", plan.snap_small);
-    match snapshot_rollback(&mut sb, process_sandbox(Image::Minimal.name()), CHANGED_SMALL_MIB, plan.snap_small).await {
+    match snapshot_rollback(&mut sb, process_sandbox(Image::Minimal.name()), CHANGED_SMALL_MIB, plan.snap_small, None).await {
         Ok((snaps, _, _)) => report.measured(Key::SnapshotNoUserns, &snaps),
         Err(e) => report.failed(&[Key::SnapshotNoUserns], &e),
     }

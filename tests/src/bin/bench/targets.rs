@@ -26,6 +26,8 @@ const TARGET_MICROVM_TCG_BOOT_P50_MS: f64 = 2500.0;
 const TARGET_MICROVM_KVM_BOOT_P50_MS: f64 = 300.0;
 const TARGET_MICROVM_EXEC_P50_MS: f64 = 20.0;
 const TARGET_MICROVM_POOL_CREATE_P50_MS: f64 = 100.0;
+/// Issue #29: rollback to and fork of a memory snapshot (a resume, no boot), under TCG too.
+const TARGET_MICROVM_RESUME_P50_MS: f64 = 200.0;
 
 /// (target, what was measured, PASS / MISS / not measured) for each target of the issue.
 pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
@@ -170,6 +172,16 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
         Some(p) => (t, format!("{} ms{create_start}", ms(p)), verdict(p <= TARGET_MICROVM_POOL_CREATE_P50_MS)),
         None => (t, "not measured".into(), "not measured".into()),
     });
+    for (key, boot, what) in [(Key::MicroVmRollbackMemory, Key::MicroVmRollback, "`Rollback`"), (Key::MicroVmForkMemory, Key::MicroVmFork, "fork")] {
+        let t = format!("microVM {what} of a memory snapshot p50 ≤ {TARGET_MICROVM_RESUME_P50_MS} ms");
+        out.push(match report.p50(key) {
+            Some(p) => {
+                let booted = report.p50(boot).map(|b| format!(" (without memory, a boot: {} ms)", ms(b))).unwrap_or_default();
+                (t, format!("{} ms{booted}", ms(p)), verdict(p <= TARGET_MICROVM_RESUME_P50_MS))
+            }
+            None => (t, "not measured".into(), "not measured".into()),
+        });
+    }
     out
 }
 

@@ -439,8 +439,11 @@ class Sandbox(_AsyncClosable):
 
     # Snapshots.
 
-    async def snapshot(self, name: str = "") -> SnapshotInfo:
-        reply: pb.SnapshotInfo = await self.client.unary("Snapshot", pb.SnapshotRequest(sandbox_id=self.id, name=name), timeout=None)
+    async def snapshot(self, name: str = "", include_memory: Optional[bool] = None) -> SnapshotInfo:
+        request = pb.SnapshotRequest(sandbox_id=self.id, name=name)
+        if include_memory is not None:
+            request.include_memory = include_memory
+        reply: pb.SnapshotInfo = await self.client.unary("Snapshot", request, timeout=None)
         return SnapshotInfo.from_proto(reply)
 
     async def snapshots(self) -> List[SnapshotInfo]:
