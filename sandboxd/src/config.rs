@@ -604,7 +604,7 @@ impl FleetFileConfig {
         };
         let node = crate::ids::NodeName::parse(&name).map_err(|_| {
             ConfigError::Invalid(format!(
-                "fleet.node_name {name:?} is not a node name: 1-{} of a-z, 0-9, '-' and '.', starting and ending with a letter or digit (set fleet.node_name or SANDBOXD_NODE_NAME)",
+                "fleet.node_name {name:?} is not a node name: 1-{} of a-z, 0-9 and '-', starting and ending with a letter or digit (set fleet.node_name or SANDBOXD_NODE_NAME)",
                 crate::ids::MAX_NODE_NAME
             ))
         })?;

@@ -69,6 +69,11 @@ impl Routed {
         Ok(out)
     }
 
+    /// Whether `id` names this node (or none): what is served here is stamped with this node.
+    fn is_local(&self, id: &str) -> bool {
+        crate::ids::node_of(id).is_none_or(|n| self.fleet.as_ref().is_none_or(|f| n == f.node()))
+    }
+
     /// A sandbox served here, stamped with this node's name and address.
     fn stamp(&self, mut sandbox: pb::Sandbox) -> pb::Sandbox {
         if let Some(f) = &self.fleet {
@@ -102,18 +107,14 @@ impl Routed {
     /// is dropped with the client's, which resets the peer's stream, so an upload there is
     /// never taken for complete.
     fn onward<M: Send + 'static>(first: M, rest: Inbound<M>) -> impl Stream<Item = M> + Send + 'static {
-        let rest = rest.scan(false, |broken, item| {
-            let next = match item {
-                Ok(m) => Some(Some(m)),
-                Err(_) => {
-                    *broken = true;
-                    Some(None)
-                }
-            };
-            std::future::ready(next)
-        });
-        // After an error: pend forever (never a clean end); the drop above ends the call.
-        futures::stream::once(std::future::ready(first)).chain(rest.filter_map(|m| async move { m }).chain(futures::stream::pending()))
+        futures::stream::once(std::future::ready(first)).chain(futures::stream::unfold(rest, |mut rest| async move {
+            match rest.next().await {
+                Some(Ok(m)) => Some((m, rest)),
+                // The client broke off: pend (never a clean end) until the call is dropped.
+                Some(Err(_)) => futures::future::pending().await,
+                None => None,
+            }
+        }))
     }
 
     /// Creates on a peer with room for `tier` (largest free room first), after this node said
@@ -123,6 +124,9 @@ impl Routed {
         let tier = crate::api::isolation_from_proto(req.isolation)?;
         let mut why = vec![format!("{} (here): {}", fleet.node(), local.message())];
         let mut candidates = Vec::new();
+        // The slow path anyway: the peers as DNS says now (a node that came up since the last
+        // refresh counts), then each one's room as it says now.
+        fleet.refresh().await;
         for (peer, status) in fleet.statuses().await {
             match status {
                 Ok(s) if !s.ready => why.push(format!("{}: not ready", peer.name)),
@@ -234,7 +238,9 @@ impl SandboxService for Routed {
         // A fork is made where its snapshot is.
         let from = request.get_ref().from_snapshot_id.clone();
         if !from.is_empty() {
-            return by_id!(self, request, create_sandbox, from).map(|r| r.map(|s| self.stamp(s)));
+            let local = self.is_local(&from);
+            let r = by_id!(self, request, create_sandbox, from)?;
+            return Ok(if local { r.map(|s| self.stamp(s)) } else { r });
         }
         if fleet.from_peer(&request) {
             return self.local.create_sandbox(request).await.map(|r| r.map(|s| self.stamp(s)));
@@ -251,14 +257,14 @@ impl SandboxService for Routed {
 
     async fn get_sandbox(&self, request: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
         let id = request.get_ref().sandbox_id.clone();
-        let local = crate::ids::node_of(&id).is_none_or(|n| self.fleet.as_ref().is_none_or(|f| n == f.node()));
+        let local = self.is_local(&id);
         let r = by_id!(self, request, get_sandbox, id)?;
         Ok(if local { r.map(|s| self.stamp(s)) } else { r })
     }
 
     async fn set_sandbox_ttl(&self, request: Request<pb::SetSandboxTtlRequest>) -> Result<Response<pb::Sandbox>, Status> {
         let id = request.get_ref().sandbox_id.clone();
-        let local = crate::ids::node_of(&id).is_none_or(|n| self.fleet.as_ref().is_none_or(|f| n == f.node()));
+        let local = self.is_local(&id);
         let r = by_id!(self, request, set_sandbox_ttl, id)?;
         Ok(if local { r.map(|s| self.stamp(s)) } else { r })
     }
@@ -355,7 +361,7 @@ impl SandboxService for Routed {
 
     async fn rollback(&self, request: Request<pb::RollbackRequest>) -> Result<Response<pb::Sandbox>, Status> {
         let id = request.get_ref().sandbox_id.clone();
-        let local = crate::ids::node_of(&id).is_none_or(|n| self.fleet.as_ref().is_none_or(|f| n == f.node()));
+        let local = self.is_local(&id);
         let r = by_id!(self, request, rollback, id)?;
         Ok(if local { r.map(|s| self.stamp(s)) } else { r })
     }
