@@ -36,7 +36,10 @@ fn well_formed(prefix: &str, s: &str) -> bool {
         Some((random, node)) => (random, Some(node)),
         None => (rest, None),
     };
-    !random.is_empty() && random.len() <= 32 && random.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()) && node.is_none_or(|n| NodeName::parse(n).is_ok())
+    !random.is_empty()
+        && random.len() <= 32
+        && random.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && node.is_none_or(|n| NodeName::parse(n).is_ok())
 }
 
 /// The node part of an id string (`sb-abc_node-1` → `node-1`), if it has one. For routing only:

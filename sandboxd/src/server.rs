@@ -19,8 +19,8 @@ use crate::backend::microvm::MicroVmBackend;
 use crate::backend::process::{ProcessBackend, ProcessConfig};
 use crate::backend::Backends;
 use crate::config::{Config, ListenAddr};
-use crate::fleet::router::Routed;
 use crate::connections::{ConnLimits, Guarded, Peer, PeerKey, Transport, PREAUTH_READ_BYTES};
+use crate::fleet::router::Routed;
 use crate::images::{Catalog, Engine};
 use crate::manager::Manager;
 use crate::metrics::{self, Metrics};
@@ -379,7 +379,9 @@ where
         let path = req.uri().path();
         if path.starts_with(FLEET_SERVICE_PREFIX) {
             if !self.gate.auth.from_fleet_peer(req.headers()) {
-                return Box::pin(std::future::ready(Ok(tonic::Status::unauthenticated("FleetService is for the fleet's nodes: present the fleet token").into_http())));
+                return Box::pin(std::future::ready(Ok(
+                    tonic::Status::unauthenticated("FleetService is for the fleet's nodes: present the fleet token").into_http()
+                )));
             }
             if let Some(peer) = Peer::of(req.extensions()) {
                 peer.session.authenticate();

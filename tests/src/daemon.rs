@@ -149,8 +149,16 @@ impl Daemon {
         require_environment()?;
         let dir = tempfile::Builder::new().prefix("sandboxd-test-").tempdir().context("creating temp dir")?;
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
-        let mut daemon =
-            Daemon { child: None, dir, config: None, extra_args: Vec::new(), inherited: Some(host_file.to_path_buf()), default_pool: false, netns: None, address };
+        let mut daemon = Daemon {
+            child: None,
+            dir,
+            config: None,
+            extra_args: Vec::new(),
+            inherited: Some(host_file.to_path_buf()),
+            default_pool: false,
+            netns: None,
+            address,
+        };
         daemon.spawn().await?;
         Ok(daemon)
     }

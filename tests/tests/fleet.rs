@@ -11,10 +11,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::process::{Child, Command, Stdio};
 
 use agent_client::{exec_request, Client};
-use tonic::Code;
 use sandbox_tests::proto::{exec_event, CreateSandboxRequest, ExecSessionStart, Sandbox};
 use sandbox_tests::{eventually, process_sandbox, sh_ok, text, within, Daemon};
 use sha2::{Digest, Sha256};
+use tonic::Code;
 
 const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
 const DNS_NAME: &str = "peers.fleet.test";
@@ -202,7 +202,9 @@ async fn three_nodes_behind_one_address() {
     let out = sh_ok(&a, &sb_c.id, "cat /proc/sys/kernel/hostname; echo from-c > /workspace/f; cat /workspace/f").await;
     assert_eq!(out, format!("{}\nfrom-c\n", sb_c.id), "ran on C's sandbox");
     assert_eq!(a.get(&sb_c.id).await.expect("get").node, "node-c");
-    let r = within(60, a.exec(sandbox_tests::proto::ExecRequest { background: true, ..exec_request(&sb_b.id, ["sh", "-c", "sleep 30"]) })).await.expect("background exec");
+    let r = within(60, a.exec(sandbox_tests::proto::ExecRequest { background: true, ..exec_request(&sb_b.id, ["sh", "-c", "sleep 30"]) }))
+        .await
+        .expect("background exec");
     within(30, a.signal_exec(&r.exec_id, 9)).await.expect("SignalExec forwarded by the exec id");
     let ended = within(60, a.get_exec(&r.exec_id, true)).await.expect("GetExec");
     assert_eq!(ended.signal, 9, "{ended:?}");

@@ -173,11 +173,7 @@ pub async fn feed_upload<M: UploadMessage>(stream: Inbound<M>, tx: mpsc::Sender<
 /// [`feed_upload`] with an idle deadline: a client that sends nothing for `idle` ends the
 /// upload with DEADLINE_EXCEEDED (and `tx` dropped without a commit, the backend removes what
 /// it wrote).
-pub async fn feed_upload_within<M: UploadMessage>(
-    mut stream: Inbound<M>,
-    tx: mpsc::Sender<UploadPiece>,
-    idle: Option<Duration>,
-) -> Result<String, FeedError> {
+pub async fn feed_upload_within<M: UploadMessage>(mut stream: Inbound<M>, tx: mpsc::Sender<UploadPiece>, idle: Option<Duration>) -> Result<String, FeedError> {
     let mut hasher = Sha256::new();
     let mut expected: Option<String> = None;
     loop {

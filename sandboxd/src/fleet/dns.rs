@@ -27,10 +27,7 @@ pub enum DnsError {
 /// The addresses `name` resolves to, each with `port`, sorted and without duplicates.
 pub async fn resolve(name: &str, port: u16, server: Option<SocketAddr>) -> Result<Vec<SocketAddr>, DnsError> {
     let mut addrs: Vec<SocketAddr> = match server {
-        None => tokio::net::lookup_host((name, port))
-            .await
-            .map_err(|e| DnsError::Lookup { name: name.to_string(), reason: e.to_string() })?
-            .collect(),
+        None => tokio::net::lookup_host((name, port)).await.map_err(|e| DnsError::Lookup { name: name.to_string(), reason: e.to_string() })?.collect(),
         Some(server) => query_a(name, server).await?.into_iter().map(|ip| SocketAddr::from((ip, port))).collect(),
     };
     addrs.sort();

@@ -133,7 +133,8 @@ impl Fleet {
             t.channels.retain(|a, _| addrs.contains(a));
             addrs.iter().filter_map(|a| self.channel(&mut t, *a).map(|c| (*a, c))).collect()
         };
-        let asked = futures::future::join_all(channels.into_iter().map(|(addr, channel)| async move { (addr, channel.clone(), self.status_of(channel).await) })).await;
+        let asked =
+            futures::future::join_all(channels.into_iter().map(|(addr, channel)| async move { (addr, channel.clone(), self.status_of(channel).await) })).await;
         let Ok(mut t) = self.table.write() else { return false };
         // A peer that did not answer keeps its place under its last known name (calls for its
         // sandboxes then say it did not answer); one whose address left DNS is forgotten.
@@ -222,9 +223,8 @@ impl Fleet {
     /// Puts the fleet token and the caller's `tenant` on a call to a peer, so the peer serves
     /// it as that tenant's.
     pub fn sign(&self, metadata: &mut tonic::metadata::MetadataMap, tenant: Option<&str>) -> Result<(), Status> {
-        let bearer = format!("Bearer {}", self.cfg.token.0)
-            .parse()
-            .map_err(|_| Status::internal("the fleet token is not a valid header value (fleet.token_file)"))?;
+        let bearer =
+            format!("Bearer {}", self.cfg.token.0).parse().map_err(|_| Status::internal("the fleet token is not a valid header value (fleet.token_file)"))?;
         metadata.insert("authorization", bearer);
         if let Some(t) = tenant {
             let value = t.parse().map_err(|_| Status::failed_precondition(format!("tenant {t:?} cannot be named to a peer (not a header value)")))?;
@@ -254,7 +254,7 @@ impl Fleet {
     }
 
     /// Whether a call comes from a peer (and so is served here, never forwarded again).
-    fn from_peer<T>(&self, request: &Request<T>) -> bool {
+    fn is_from_peer<T>(&self, request: &Request<T>) -> bool {
         self.auth.from_fleet_peer(request.metadata().as_ref())
     }
 }
@@ -280,7 +280,7 @@ impl FleetApi {
 #[tonic::async_trait]
 impl pb::fleet_service_server::FleetService for FleetApi {
     async fn get_node_status(&self, request: Request<pb::GetNodeStatusRequest>) -> Result<Response<pb::NodeStatus>, Status> {
-        if !self.fleet.from_peer(&request) {
+        if !self.fleet.is_from_peer(&request) {
             return Err(Status::unauthenticated("FleetService is for the fleet's nodes: present the fleet token"));
         }
         Ok(Response::new(self.fleet.status()))

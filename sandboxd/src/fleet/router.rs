@@ -47,7 +47,7 @@ impl Routed {
         let Some(fleet) = &self.fleet else { return Ok(None) };
         let Some(node) = crate::ids::node_of(id) else { return Ok(None) };
         // A malformed node part is served here, where the id is NOT_FOUND like any unknown one.
-        if node == fleet.node() || fleet.from_peer(request) || crate::ids::NodeName::parse(node).is_err() {
+        if node == fleet.node() || fleet.is_from_peer(request) || crate::ids::NodeName::parse(node).is_err() {
             return Ok(None);
         }
         let tenant = self.auth.tenant(request)?;
@@ -85,7 +85,10 @@ impl Routed {
 
     /// Reads a client stream's first message (within [`FIRST_MESSAGE_DEADLINE`]) and returns
     /// it with the stream it came from, the request's parts kept for the call made with it.
-    async fn first<M: Send + 'static>(request: Request<tonic::Streaming<M>>, rpc: &str) -> Result<(tonic::metadata::MetadataMap, tonic::Extensions, M, Inbound<M>), Status> {
+    async fn first<M: Send + 'static>(
+        request: Request<tonic::Streaming<M>>,
+        rpc: &str,
+    ) -> Result<(tonic::metadata::MetadataMap, tonic::Extensions, M, Inbound<M>), Status> {
         let (metadata, extensions, stream) = request.into_parts();
         let mut stream: Inbound<M> = Box::pin(stream);
         let first = match tokio::time::timeout(FIRST_MESSAGE_DEADLINE, stream.next()).await {
@@ -120,7 +123,14 @@ impl Routed {
     /// Creates on a peer with room for `tier` (largest free room first), after this node said
     /// `local` (RESOURCE_EXHAUSTED or FAILED_PRECONDITION). RESOURCE_EXHAUSTED naming what each
     /// node lacks when none has room.
-    async fn place(&self, fleet: &Fleet, tenant: &str, metadata: &tonic::metadata::MetadataMap, req: pb::CreateSandboxRequest, local: Status) -> Result<Response<pb::Sandbox>, Status> {
+    async fn place(
+        &self,
+        fleet: &Fleet,
+        tenant: &str,
+        metadata: &tonic::metadata::MetadataMap,
+        req: pb::CreateSandboxRequest,
+        local: Status,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         let tier = crate::api::isolation_from_proto(req.isolation)?;
         let mut why = vec![format!("{} (here): {}", fleet.node(), local.message())];
         let mut candidates = Vec::new();
@@ -242,7 +252,7 @@ impl SandboxService for Routed {
             let r = by_id!(self, request, create_sandbox, from)?;
             return Ok(if local { r.map(|s| self.stamp(s)) } else { r });
         }
-        if fleet.from_peer(&request) {
+        if fleet.is_from_peer(&request) {
             return self.local.create_sandbox(request).await.map(|r| r.map(|s| self.stamp(s)));
         }
         let tenant = self.auth.tenant(&request)?;
@@ -250,7 +260,9 @@ impl SandboxService for Routed {
         match self.local.create_sandbox(Request::from_parts(metadata.clone(), extensions, req.clone())).await {
             Ok(r) => Ok(r.map(|s| self.stamp(s))),
             // No room here, or not the tier: a peer with room.
-            Err(s) if matches!(s.code(), tonic::Code::ResourceExhausted | tonic::Code::FailedPrecondition) => self.place(&fleet, &tenant, &metadata, req, s).await,
+            Err(s) if matches!(s.code(), tonic::Code::ResourceExhausted | tonic::Code::FailedPrecondition) => {
+                self.place(&fleet, &tenant, &metadata, req, s).await
+            }
             Err(s) => Err(s),
         }
     }
@@ -276,7 +288,7 @@ impl SandboxService for Routed {
 
     async fn list_sandboxes(&self, request: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
         let Some(fleet) = self.fleet.clone() else { return self.local.list_sandboxes(request).await };
-        if fleet.from_peer(&request) {
+        if fleet.is_from_peer(&request) {
             let mut r = self.local.list_sandboxes(request).await?;
             let stamped = std::mem::take(&mut r.get_mut().sandboxes).into_iter().map(|s| self.stamp(s)).collect();
             r.get_mut().sandboxes = stamped;
@@ -286,13 +298,11 @@ impl SandboxService for Routed {
         let (metadata, extensions, req) = request.into_parts();
         let peers = fleet.peers();
         let asks: Vec<_> = peers.iter().map(|peer| (peer, self.outgoing(&tenant, &metadata, req.clone()))).collect();
-        let asks = asks.into_iter().map(|(peer, out)| {
-            async move {
-                let out = out?;
-                match tokio::time::timeout(LIST_TIMEOUT, peer.client().list_sandboxes(out)).await {
-                    Ok(r) => r.map(Response::into_inner).map_err(|s| peer.explain(s)),
-                    Err(_) => Err(Status::unavailable(format!("node {} ({}) did not answer within {} s", peer.name, peer.addr, LIST_TIMEOUT.as_secs()))),
-                }
+        let asks = asks.into_iter().map(|(peer, out)| async move {
+            let out = out?;
+            match tokio::time::timeout(LIST_TIMEOUT, peer.client().list_sandboxes(out)).await {
+                Ok(r) => r.map(Response::into_inner).map_err(|s| peer.explain(s)),
+                Err(_) => Err(Status::unavailable(format!("node {} ({}) did not answer within {} s", peer.name, peer.addr, LIST_TIMEOUT.as_secs()))),
             }
         });
         let (mine, theirs) = tokio::join!(self.local.list_sandboxes(Request::from_parts(metadata.clone(), extensions, req)), futures::future::join_all(asks));
