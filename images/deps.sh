@@ -32,7 +32,7 @@ set -euo pipefail
 
 PACKAGES=(busybox-static btrfs-progs debootstrap iproute2 nftables util-linux
     qemu-system-x86 qemu-utils linux-image-amd64 e2fsprogs cpio binutils file xz-utils
-    gcc libc6-dev python3-venv)
+    gcc libc6-dev python3-venv dnsmasq-base)
 # How long to wait for another apt/dpkg run to release its locks.
 LOCK_WAIT_SECONDS=${LOCK_WAIT_SECONDS:-600}
 

@@ -179,7 +179,10 @@ impl SandboxService for Mock {
         } else {
             vec![]
         };
-        Ok(Response::new(ListSandboxesResponse { sandboxes }))
+        Ok(Response::new(ListSandboxesResponse {
+            sandboxes,
+            ..Default::default()
+        }))
     }
     async fn destroy_sandbox(
         &self,

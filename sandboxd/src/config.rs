@@ -528,6 +528,126 @@ impl Default for E2bConfig {
     }
 }
 
+/// The `[fleet]` table as written: several daemons behind one address (see `fleet`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FleetFileConfig {
+    /// This node's name, carried by the ids it makes. Default: `$SANDBOXD_NODE_NAME`, then the
+    /// hostname (lowercased).
+    pub node_name: Option<String>,
+    /// This node's direct address (`host:port`) as peers and clients reach it. Default:
+    /// `$SANDBOXD_NODE_ADDRESS`, then the first TCP listener if it names a specific address.
+    pub address: Option<String>,
+    /// The DNS name whose A records are the fleet's nodes (a headless Service's name).
+    pub peers_dns: String,
+    /// The port every node serves the API on (TCP).
+    #[serde(default = "default_fleet_port")]
+    pub port: u16,
+    /// A DNS server to ask instead of the system resolver (`/etc/resolv.conf`).
+    pub dns_server: Option<std::net::SocketAddr>,
+    /// How often the peers are resolved again (also at once after a failure).
+    #[serde(default = "default_fleet_refresh_ms")]
+    pub refresh_ms: u64,
+    /// How long a connection to a peer may take before the call is UNAVAILABLE.
+    #[serde(default = "default_fleet_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// A file holding the token the nodes present to each other (a Kubernetes Secret's key).
+    pub token_file: PathBuf,
+}
+
+fn default_fleet_port() -> u16 {
+    7070
+}
+
+fn default_fleet_refresh_ms() -> u64 {
+    10_000
+}
+
+fn default_fleet_connect_timeout_ms() -> u64 {
+    2_000
+}
+
+/// The fleet token, kept out of `Debug` output and logs.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// `[fleet]`, resolved: every default filled in and the token read.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    pub node: crate::ids::NodeName,
+    /// `host:port` of this node's API, as its peers and clients reach it.
+    pub address: String,
+    pub peers_dns: String,
+    pub port: u16,
+    pub dns_server: Option<std::net::SocketAddr>,
+    pub refresh: std::time::Duration,
+    pub connect_timeout: std::time::Duration,
+    pub token: Secret,
+}
+
+impl FleetFileConfig {
+    /// Fills in the defaults (environment, hostname, listeners) and reads the token file.
+    fn resolve(self, listen: &[ListenAddr]) -> Result<FleetConfig, ConfigError> {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let name = match self.node_name.or_else(|| env("SANDBOXD_NODE_NAME")) {
+            Some(n) => n,
+            None => nix::unistd::gethostname()
+                .map_err(|e| ConfigError::Invalid(format!("fleet.node_name is unset and the hostname cannot be read: {e}")))?
+                .to_string_lossy()
+                .to_ascii_lowercase(),
+        };
+        let node = crate::ids::NodeName::parse(&name).map_err(|_| {
+            ConfigError::Invalid(format!(
+                "fleet.node_name {name:?} is not a node name: 1-{} of a-z, 0-9 and '-', starting and ending with a letter or digit (set fleet.node_name or SANDBOXD_NODE_NAME)",
+                crate::ids::MAX_NODE_NAME
+            ))
+        })?;
+        let address = match self.address.or_else(|| env("SANDBOXD_NODE_ADDRESS")) {
+            Some(a) => a,
+            None => listen
+                .iter()
+                .find_map(|l| match l {
+                    ListenAddr::Tcp(sock) if !sock.ip().is_unspecified() => Some(sock.to_string()),
+                    _ => None,
+                })
+                .ok_or_else(|| {
+                    ConfigError::Invalid(
+                        "fleet.address is unset and no TCP listener names a specific address: set fleet.address or SANDBOXD_NODE_ADDRESS (host:port)".into(),
+                    )
+                })?,
+        };
+        if self.peers_dns.is_empty() || self.peers_dns.len() > 253 {
+            return Err(ConfigError::Invalid(format!("fleet.peers_dns = {:?} must be a DNS name", self.peers_dns)));
+        }
+        if self.refresh_ms == 0 || self.connect_timeout_ms == 0 {
+            return Err(ConfigError::Invalid("fleet.refresh_ms and fleet.connect_timeout_ms must be > 0".into()));
+        }
+        let token = std::fs::read_to_string(&self.token_file)
+            .map_err(|e| ConfigError::Invalid(format!("fleet.token_file = {}: {e}", self.token_file.display())))?
+            .trim()
+            .to_string();
+        if token.len() < 16 {
+            return Err(ConfigError::Invalid(format!("fleet.token_file = {}: the token must have at least 16 characters", self.token_file.display())));
+        }
+        Ok(FleetConfig {
+            node,
+            address,
+            peers_dns: self.peers_dns,
+            port: self.port,
+            dns_server: self.dns_server,
+            refresh: std::time::Duration::from_millis(self.refresh_ms),
+            connect_timeout: std::time::Duration::from_millis(self.connect_timeout_ms),
+            token: Secret(token),
+        })
+    }
+}
+
 /// The TOML file, as written by users.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -571,6 +691,7 @@ pub struct FileConfig {
     pub admission: AdmissionConfig,
     #[serde(default)]
     pub e2b: E2bConfig,
+    pub fleet: Option<FleetFileConfig>,
 }
 
 /// Where the RUN steps of a `BuildImage` may connect to.
@@ -887,6 +1008,8 @@ pub struct Config {
     pub images: ImagesConfig,
     pub admission: AdmissionConfig,
     pub e2b: E2bConfig,
+    /// `[fleet]`: this daemon is one node of several behind one address (see `fleet`).
+    pub fleet: Option<FleetConfig>,
 }
 
 impl Config {
@@ -904,6 +1027,7 @@ impl Config {
         let listen = listen_raw.iter().map(|a| ListenAddr::parse(a)).collect::<Result<Vec<_>, _>>()?;
         let state_dir = cli.state_dir.or(file.state_dir).unwrap_or_else(|| PathBuf::from("/var/lib/sandboxd"));
         let pool_size_bytes = cli.pool_size_bytes.or(file.pool_size_bytes).unwrap_or_else(|| default_pool_size(&state_dir));
+        let fleet = file.fleet.map(|f| f.resolve(&listen)).transpose()?;
         let cfg = Config {
             listen,
             state_dir,
@@ -928,6 +1052,7 @@ impl Config {
             images: file.images,
             admission: file.admission,
             e2b: E2bConfig { listen: cli.e2b.or(file.e2b.listen), ..file.e2b },
+            fleet,
         };
         let cfg = cfg.absolute()?;
         cfg.validate()?;

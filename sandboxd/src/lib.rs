@@ -17,6 +17,7 @@ pub mod connections;
 pub mod e2b;
 pub mod egress;
 pub mod error;
+pub mod fleet;
 pub mod hostfs;
 pub mod ids;
 pub mod images;

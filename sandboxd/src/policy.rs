@@ -256,6 +256,10 @@ impl Policy {
     pub fn max_sandboxes_per_tenant(&self) -> Option<usize> {
         self.cfg.max_sandboxes_per_tenant
     }
+    /// Whether `tier` is among `policy.allowed`.
+    pub fn allows(&self, tier: Isolation) -> bool {
+        self.cfg.allowed.contains(&tier)
+    }
     pub fn max_concurrent_execs(&self) -> Option<usize> {
         self.cfg.max_concurrent_execs
     }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
+use sandbox_proto::v1::fleet_service_server::FleetServiceServer;
 use sandbox_proto::v1::sandbox_service_server::SandboxServiceServer;
 use tokio_util::sync::CancellationToken;
 
@@ -19,6 +20,7 @@ use crate::backend::process::{ProcessBackend, ProcessConfig};
 use crate::backend::Backends;
 use crate::config::{Config, ListenAddr};
 use crate::connections::{ConnLimits, Guarded, Peer, PeerKey, Transport, PREAUTH_READ_BYTES};
+use crate::fleet::router::Routed;
 use crate::images::{Catalog, Engine};
 use crate::manager::Manager;
 use crate::metrics::{self, Metrics};
@@ -36,6 +38,8 @@ pub const RECOVERY_SERVICE: &str = "sandboxd.recovery";
 const WRITE_FILE_PATH: &str = "/sandbox.v1.SandboxService/WriteFile";
 /// The paths the gate authenticates (health and reflection stay open, as probes expect).
 const SANDBOX_SERVICE_PREFIX: &str = "/sandbox.v1.SandboxService/";
+/// The fleet's own service: only peers with the fleet token may call it.
+const FLEET_SERVICE_PREFIX: &str = "/sandbox.v1.FleetService/";
 /// HTTP/2 flow-control windows (hyper's defaults, set here so the bound is visible): how much of
 /// a call's body, and of all calls on one connection, the daemon accepts before the handler reads.
 const HTTP2_WINDOW_BYTES: u32 = 1 << 20;
@@ -93,14 +97,22 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let engine = Arc::new(Engine::new(&docker_socket));
     let store = Store::open(&cfg.state_dir.join("state.db")).context("opening the state database")?;
     let manager = Manager::new(cfg.clone(), backends, catalog, engine, store, metrics);
-    let auth = Arc::new(Auth::new(&cfg.auth));
+    let auth = match &cfg.fleet {
+        Some(f) => Arc::new(Auth::new(&cfg.auth).with_fleet_token(&f.token.0)),
+        None => Arc::new(Auth::new(&cfg.auth)),
+    };
+    // A fleet's node: its peers from DNS, forwarding in the router (see `fleet`).
+    let fleet = cfg.fleet.clone().map(|f| {
+        tracing::info!(node = %f.node, address = %f.address, peers_dns = %f.peers_dns, port = f.port, "fleet node");
+        crate::fleet::Fleet::new(f, auth.clone(), manager.clone())
+    });
     // Before serving: clean whatever a crash left behind and put the sandboxes on record back in
     // the table (lists and deletes only); they are started again after the listeners open.
     manager.recover().await.context("recovering state from the previous run")?;
     manager.log_admission();
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<SandboxServiceServer<Api>>().await;
+    health_reporter.set_serving::<SandboxServiceServer<Routed>>().await;
     for (tier, status) in manager.tiers() {
         let name = format!("sandboxd.tier.{}", tier.name().to_lowercase());
         let serving = if status.is_ok() { tonic_health::ServingStatus::Serving } else { tonic_health::ServingStatus::NotServing };
@@ -139,7 +151,8 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let preauth = Duration::from_millis(cfg.connections.preauth_timeout_ms);
     tracing::info!(connections = ?cfg.connections, preauth_read_bytes = PREAUTH_READ_BYTES, "connection caps");
     for addr in &cfg.listen {
-        let api = SandboxServiceServer::new(Api::new(manager.clone(), auth.clone(), audit.clone()).with_egress(egress.clone()))
+        let local = Api::new(manager.clone(), auth.clone(), audit.clone()).with_egress(egress.clone());
+        let api = SandboxServiceServer::new(Routed::new(local, fleet.clone(), auth.clone()))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         // Every HTTP/2 bound set here rather than left to a library's default: they are what an
@@ -159,7 +172,9 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         if let (ListenAddr::Tcp(_), Some(tls)) = (addr, &tls) {
             builder = builder.tls_config(tls.clone()).context("configuring TLS")?;
         }
-        let router = builder.layer(gate.clone()).add_service(health_service.clone()).add_service(reflection.clone()).add_service(api);
+        let fleet_api = fleet.clone().map(|f| FleetServiceServer::new(crate::fleet::FleetApi::new(f)));
+        let router =
+            builder.layer(gate.clone()).add_service(health_service.clone()).add_service(reflection.clone()).add_service(api).add_optional_service(fleet_api);
         let shutdown = stop.clone().cancelled_owned();
         let name = addr.to_string();
         match addr {
@@ -267,6 +282,10 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         })
     };
 
+    if let Some(f) = &fleet {
+        f.spawn_refresh(stop.clone());
+    }
+
     let reaper_manager = manager.clone();
     let reaper_stop = stop.clone();
     tokio::spawn(async move {
@@ -358,6 +377,17 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let path = req.uri().path();
+        if path.starts_with(FLEET_SERVICE_PREFIX) {
+            if !self.gate.auth.from_fleet_peer(req.headers()) {
+                return Box::pin(std::future::ready(Ok(
+                    tonic::Status::unauthenticated("FleetService is for the fleet's nodes: present the fleet token").into_http()
+                )));
+            }
+            if let Some(peer) = Peer::of(req.extensions()) {
+                peer.session.authenticate();
+            }
+            return Box::pin(self.inner.call(req));
+        }
         if !path.starts_with(SANDBOX_SERVICE_PREFIX) {
             return Box::pin(self.inner.call(req));
         }

@@ -72,6 +72,8 @@ pub struct Daemon {
     inherited: Option<PathBuf>,
     /// Leave the pool file at the daemon's default size (no `--pool-size-bytes`).
     default_pool: bool,
+    /// A named network namespace (`ip netns add`) to run the daemon in.
+    netns: Option<String>,
     /// `unix:///…/sandboxd.sock`
     pub address: String,
 }
@@ -101,7 +103,24 @@ impl Daemon {
         };
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
         let extra_args = extra_args.iter().map(|a| a.to_string()).collect();
-        let mut daemon = Daemon { child: None, dir, config, extra_args, inherited: None, default_pool: false, address };
+        let mut daemon = Daemon { child: None, dir, config, extra_args, inherited: None, default_pool: false, netns: None, address };
+        daemon.spawn().await?;
+        Ok(daemon)
+    }
+
+    /// Starts a daemon inside the network namespace `netns` (made by `ip netns add`; only the
+    /// network is switched, with `nsenter --net`, so the daemon sees the host's mounts and
+    /// cgroups), with its UNIX socket outside as usual. `toml` is written to the daemon's dir
+    /// after `{dir}` in it is replaced by that dir.
+    pub async fn start_in_netns(netns: &str, toml: &str, extra_args: &[&str]) -> Result<Daemon> {
+        require_environment()?;
+        let dir = tempfile::Builder::new().prefix("sandboxd-test-").tempdir().context("creating temp dir")?;
+        let path = dir.path().join("sandboxd.toml");
+        std::fs::write(&path, toml.replace("{dir}", &dir.path().display().to_string())).context("writing config")?;
+        let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
+        let extra_args = extra_args.iter().map(|a| a.to_string()).collect();
+        let mut daemon =
+            Daemon { child: None, dir, config: Some(path), extra_args, inherited: None, default_pool: false, netns: Some(netns.to_string()), address };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -119,7 +138,7 @@ impl Daemon {
             Some(path)
         };
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
-        let mut daemon = Daemon { child: None, dir, config, extra_args: Vec::new(), inherited: None, default_pool: true, address };
+        let mut daemon = Daemon { child: None, dir, config, extra_args: Vec::new(), inherited: None, default_pool: true, netns: None, address };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -130,8 +149,16 @@ impl Daemon {
         require_environment()?;
         let dir = tempfile::Builder::new().prefix("sandboxd-test-").tempdir().context("creating temp dir")?;
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
-        let mut daemon =
-            Daemon { child: None, dir, config: None, extra_args: Vec::new(), inherited: Some(host_file.to_path_buf()), default_pool: false, address };
+        let mut daemon = Daemon {
+            child: None,
+            dir,
+            config: None,
+            extra_args: Vec::new(),
+            inherited: Some(host_file.to_path_buf()),
+            default_pool: false,
+            netns: None,
+            address,
+        };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -157,7 +184,15 @@ impl Daemon {
 
     async fn spawn(&mut self) -> Result<()> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("sandboxd.log")).context("opening daemon log")?;
-        let mut cmd = Command::new(sandboxd_bin()?);
+        let mut cmd = match &self.netns {
+            // nsenter execs the daemon in place: the child's pid is the daemon's.
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}")).arg("--").arg(sandboxd_bin()?);
+                c
+            }
+            None => Command::new(sandboxd_bin()?),
+        };
         cmd.arg("--listen")
             .arg(&self.address)
             .arg("--state-dir")

@@ -7,6 +7,10 @@
 //! taken ([`Auth::tenant_of_parts`]), and in the handler, which needs the tenant. UNIX peers are
 //! also checked once when they connect ([`Auth::unix_peer_allowed`]), so that a connection the
 //! kernel vouches for starts authenticated.
+//!
+//! In a fleet, a node that forwards a call presents the fleet token (`[fleet] token_file`) and
+//! names the caller's tenant in [`FORWARDED_TENANT`]; that header is believed only next to the
+//! fleet token, and ignored on any other call.
 
 use std::collections::HashMap;
 
@@ -24,7 +28,14 @@ pub struct Auth {
     unix_tenant: String,
     /// SHA-256 of each token → tenant.
     tokens: HashMap<[u8; 32], String>,
+    /// SHA-256 of the fleet token, when this daemon is a fleet's node.
+    fleet: Option<[u8; 32]>,
 }
+
+/// The header in which a forwarding fleet node names the tenant it authenticated.
+pub const FORWARDED_TENANT: &str = "x-sandboxd-tenant";
+/// Longest tenant name a forwarded call may carry.
+const MAX_TENANT_BYTES: usize = 256;
 
 fn parse_hex(hex: &str) -> Option<[u8; 32]> {
     let mut out = [0u8; 32];
@@ -41,7 +52,19 @@ impl Auth {
         let mut allowed_uids = cfg.unix_allowed_uids.clone();
         // Root, and whoever runs the daemon, may always use its socket.
         allowed_uids.extend([0, nix::unistd::geteuid().as_raw()]);
-        Auth { allowed_uids, allowed_gids: cfg.unix_allowed_gids.clone(), unix_tenant: cfg.unix_tenant.clone(), tokens }
+        Auth { allowed_uids, allowed_gids: cfg.unix_allowed_gids.clone(), unix_tenant: cfg.unix_tenant.clone(), tokens, fleet: None }
+    }
+
+    /// Also admits the fleet's peers, who present `token` and name the tenant they forward for.
+    pub fn with_fleet_token(mut self, token: &str) -> Self {
+        self.fleet = Some(Sha256::digest(token.as_bytes()).into());
+        self
+    }
+
+    /// Whether a call comes from a fleet peer (it presents the fleet token).
+    pub fn from_fleet_peer(&self, headers: &http::HeaderMap) -> bool {
+        let Some(fleet) = &self.fleet else { return false };
+        bearer(headers).is_some_and(|t| <[u8; 32]>::from(Sha256::digest(t.as_bytes())) == *fleet)
     }
 
     /// Whether TCP callers must present a token.
@@ -69,6 +92,14 @@ impl Auth {
             let (uid, gid) = (cred.uid(), cred.gid());
             return Err(Status::permission_denied(format!("uid {uid} (gid {gid}) is not allowed on this socket (auth.unix_allowed_uids/gids)")));
         }
+        if self.from_fleet_peer(headers) {
+            let tenant = headers
+                .get(FORWARDED_TENANT)
+                .and_then(|v| v.to_str().ok())
+                .filter(|t| !t.is_empty() && t.len() <= MAX_TENANT_BYTES && !t.chars().any(char::is_control))
+                .ok_or_else(|| Status::unauthenticated(format!("a fleet peer's call must name its tenant in {FORWARDED_TENANT}")))?;
+            return Ok(tenant.to_string());
+        }
         if self.tokens.is_empty() {
             return Ok(self.unix_tenant.clone());
         }
@@ -81,6 +112,12 @@ impl Auth {
         let digest: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
         self.tokens.get(&digest).cloned().ok_or_else(|| Status::unauthenticated("invalid bearer token"))
     }
+}
+
+/// The token of an `authorization: Bearer <token>` header.
+fn bearer(headers: &http::HeaderMap) -> Option<&str> {
+    let v = headers.get("authorization")?.to_str().ok()?;
+    Some(v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer "))?.trim())
 }
 
 /// Hex SHA-256 of a token, as the config stores it.
@@ -107,6 +144,26 @@ mod tests {
         wrong.metadata_mut().insert("authorization", "Bearer nope".parse().expect("header"));
         assert_eq!(a.tenant(&wrong).expect_err("invalid").code(), tonic::Code::Unauthenticated);
         assert_eq!(a.tenant(&Request::new(())).expect_err("missing").code(), tonic::Code::Unauthenticated);
+    }
+
+    #[test]
+    fn the_forwarded_tenant_is_believed_only_with_the_fleet_token() {
+        let a = auth().with_fleet_token("fleet-secret-0123456789");
+        let mut peer = Request::new(());
+        peer.metadata_mut().insert("authorization", "Bearer fleet-secret-0123456789".parse().expect("header"));
+        peer.metadata_mut().insert(FORWARDED_TENANT, "team-b".parse().expect("header"));
+        assert_eq!(a.tenant(&peer).expect("peer"), "team-b");
+        // A tenant's own token with the header: the header is ignored.
+        let mut spoof = Request::new(());
+        spoof.metadata_mut().insert("authorization", "Bearer secret-a".parse().expect("header"));
+        spoof.metadata_mut().insert(FORWARDED_TENANT, "team-b".parse().expect("header"));
+        assert_eq!(a.tenant(&spoof).expect("tenant"), "team-a");
+        // The fleet token without a tenant is refused, and a daemon without [fleet] knows no peer.
+        let mut bare = Request::new(());
+        bare.metadata_mut().insert("authorization", "Bearer fleet-secret-0123456789".parse().expect("header"));
+        assert_eq!(a.tenant(&bare).expect_err("no tenant").code(), tonic::Code::Unauthenticated);
+        assert_eq!(auth().tenant(&peer).expect_err("no fleet").code(), tonic::Code::Unauthenticated);
+        assert!(!auth().from_fleet_peer(peer.metadata().as_ref()));
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub fn isolation_from_proto(value: i32) -> Result<Option<Isolation>, Status> {
     }
 }
 
-fn isolation_to_proto(i: Isolation) -> pb::Isolation {
+pub fn isolation_to_proto(i: Isolation) -> pb::Isolation {
     match i {
         Isolation::Process => pb::Isolation::Process,
         Isolation::Container => pb::Isolation::Container,
@@ -132,6 +132,9 @@ pub fn sandbox(i: &SandboxInfo) -> pb::Sandbox {
         user: i.user.clone().unwrap_or_default(),
         network: Some(network_to_proto(&i.network)),
         usage: None,
+        // Stamped by the fleet's router (it knows the node; the core does not).
+        node: String::new(),
+        node_address: String::new(),
     }
 }
 

@@ -73,7 +73,7 @@ pub type Feed = Pin<Box<dyn Future<Output = Result<String, FeedError>> + Send>>;
 
 /// Feeds the rest of `stream` (chunks, then the sha256) to `tx`.
 pub fn feed<M: UploadMessage + Send + 'static>(stream: tonic::Streaming<M>, tx: mpsc::Sender<UploadPiece>) -> Feed {
-    Box::pin(feed_upload(stream, tx))
+    Box::pin(feed_upload(Box::pin(stream), tx))
 }
 
 /// Everything needed to audit a streaming call when it ends.

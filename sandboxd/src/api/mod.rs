@@ -22,7 +22,8 @@ use crate::audit::{millis, AuditEntry, AuditLog};
 use crate::manager::Manager;
 
 pub use auth::Auth;
-pub use convert::{exec_request, isolation_from_proto};
+pub use convert::{exec_request, isolation_from_proto, isolation_to_proto};
+pub use streams::Inbound;
 
 /// The `sandbox.v1.SandboxService` implementation.
 pub struct Api {
@@ -47,7 +48,7 @@ impl Api {
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::ExecEvent, Status>> + Send>>;
-type SessionStream = Pin<Box<dyn Stream<Item = Result<pb::ExecSessionEvent, Status>> + Send>>;
+pub type SessionStream = Pin<Box<dyn Stream<Item = Result<pb::ExecSessionEvent, Status>> + Send>>;
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<pb::DownloadChunk, Status>> + Send>>;
 
 /// How long a client-streaming call may take to send its first message.
@@ -113,12 +114,12 @@ impl Api {
     async fn call_streaming<M, R, F, Fut>(
         &self,
         rpc: &'static str,
-        request: Request<tonic::Streaming<M>>,
+        request: Request<Inbound<M>>,
         audit_of: impl FnOnce(&M) -> Audited,
         f: F,
     ) -> Result<Response<R>, Status>
     where
-        F: FnOnce(String, M, tonic::Streaming<M>) -> Fut,
+        F: FnOnce(String, M, Inbound<M>) -> Fut,
         Fut: Future<Output = Result<R, Status>>,
     {
         let started = Instant::now();
@@ -126,7 +127,7 @@ impl Api {
         let mut stream = request.into_inner();
         // The first message is waited for like any other of a stream: `streams.idle_timeout_ms`.
         let deadline = FIRST_MESSAGE_DEADLINE.min(self.manager.stream_idle_timeout());
-        let first = match tokio::time::timeout(deadline, stream.message()).await {
+        let first = match tokio::time::timeout(deadline, streams::next_message(&mut stream)).await {
             Ok(Ok(Some(m))) => m,
             Ok(Ok(None)) => return Err(Status::invalid_argument(format!("{rpc}: the stream ended before its first message"))),
             Ok(Err(status)) => return Err(status),
@@ -232,7 +233,7 @@ impl SandboxService for Api {
     async fn list_sandboxes(&self, request: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
         self.call("ListSandboxes", request, None, |tenant, req| async move {
             let list = self.manager.list(&tenant, &req.label_selector.into_iter().collect())?;
-            Ok(pb::ListSandboxesResponse { sandboxes: list.iter().map(convert::sandbox).collect() })
+            Ok(pb::ListSandboxesResponse { sandboxes: list.iter().map(convert::sandbox).collect(), unreachable_nodes: Vec::new() })
         })
         .await
     }
@@ -347,67 +348,22 @@ impl SandboxService for Api {
     type ExecSessionStream = SessionStream;
 
     async fn exec_session(&self, request: Request<tonic::Streaming<pb::ExecSessionRequest>>) -> Result<Response<Self::ExecSessionStream>, Status> {
-        use pb::exec_session_request::Item;
-        let audit_of = |first: &pb::ExecSessionRequest| match &first.item {
-            Some(Item::Start(pb::ExecSessionStart { exec: Some(exec), tty, .. })) => {
-                let mut a = self.audited_exec(exec);
-                a.detail = if *tty { "session tty".into() } else { "session".into() };
-                a
-            }
-            _ => Audited { detail: "session without start".into(), ..Default::default() },
-        };
-        self.call_streaming("ExecSession", request, audit_of, |tenant, first, stream| async move {
-            let Some(Item::Start(start)) = first.item else {
-                return Err(Status::invalid_argument("the first message of an exec session must be `start`"));
-            };
-            let exec = start.exec.ok_or_else(|| Status::invalid_argument("invalid start.exec: missing"))?;
-            let tty = streams::terminal(start.tty, start.size)?;
-            let (started_tx, started_rx) = tokio::sync::watch::channel(None);
-            let input = streams::session_input(self.manager.clone(), tenant.clone(), stream, started_rx, self.manager.session_input_buffer());
-            let events = self.manager.exec_session(&tenant, exec_request(exec), crate::manager::Session { input, tty })?;
-            let events = events.map(move |event| {
-                if let Ok(crate::model::ExecEvent::Started(id)) = &event {
-                    let _ = started_tx.send(Some(id.clone()));
-                }
-                convert::session_event(event)
-            });
-            Ok(Box::pin(events) as SessionStream)
-        })
-        .await
+        self.exec_session_from(request.map(|s| Box::pin(s) as Inbound<_>)).await
     }
 
     async fn upload_file(&self, request: Request<tonic::Streaming<pb::UploadRequest>>) -> Result<Response<pb::UploadFileResponse>, Status> {
-        self.call_streaming("UploadFile", request, upload_audit, |tenant, first, stream| async move {
-            let header = upload_header(first)?;
-            let (tx, rx) = tokio::sync::mpsc::channel(4);
-            let upload = self.manager.upload_file(&tenant, &header.sandbox_id, &header.path, header.mode, rx);
-            let idle = Some(self.manager.stream_idle_timeout());
-            let (fed, written) = streams::run_upload(streams::feed_upload_within(stream, tx, idle), upload).await;
-            let (sha256, bytes_written) = streams::upload_result(fed, written)?;
-            Ok(pb::UploadFileResponse { bytes_written, sha256 })
-        })
-        .await
+        self.upload_file_from(request.map(|s| Box::pin(s) as Inbound<_>)).await
     }
 
+    async fn upload_archive(&self, request: Request<tonic::Streaming<pb::UploadRequest>>) -> Result<Response<pb::UploadArchiveResponse>, Status> {
+        self.upload_archive_from(request.map(|s| Box::pin(s) as Inbound<_>)).await
+    }
     type DownloadFileStream = ChunkStream;
 
     async fn download_file(&self, request: Request<pb::DownloadRequest>) -> Result<Response<Self::DownloadFileStream>, Status> {
         self.call("DownloadFile", request, None, |tenant, req| async move {
             let download = self.manager.download_file(&tenant, &req.sandbox_id, &req.path).await?;
             Ok(Box::pin(streams::download_chunks(download)) as ChunkStream)
-        })
-        .await
-    }
-
-    async fn upload_archive(&self, request: Request<tonic::Streaming<pb::UploadRequest>>) -> Result<Response<pb::UploadArchiveResponse>, Status> {
-        self.call_streaming("UploadArchive", request, upload_audit, |tenant, first, stream| async move {
-            let header = upload_header(first)?;
-            let (tx, rx) = tokio::sync::mpsc::channel(4);
-            let upload = self.manager.upload_archive(&tenant, &header.sandbox_id, &header.path, rx);
-            let idle = Some(self.manager.stream_idle_timeout());
-            let (fed, stats) = streams::run_upload(streams::feed_upload_within(stream, tx, idle), upload).await;
-            let (_, s) = streams::upload_result(fed, stats)?;
-            Ok(pb::UploadArchiveResponse { files: s.files + s.hardlinks, directories: s.dirs, symlinks: s.symlinks, bytes: s.bytes })
         })
         .await
     }
@@ -506,5 +462,67 @@ impl SandboxService for Api {
             }
         };
         Ok(Response::new(images::progress(events, Some(images::feed(stream, pieces)), end)))
+    }
+}
+
+/// The client-streaming calls over any stream of their messages, for the fleet's router.
+impl Api {
+    /// `ExecSession` over any stream of its messages (see [`Inbound`]).
+    pub async fn exec_session_from(&self, request: Request<Inbound<pb::ExecSessionRequest>>) -> Result<Response<SessionStream>, Status> {
+        use pb::exec_session_request::Item;
+        let audit_of = |first: &pb::ExecSessionRequest| match &first.item {
+            Some(Item::Start(pb::ExecSessionStart { exec: Some(exec), tty, .. })) => {
+                let mut a = self.audited_exec(exec);
+                a.detail = if *tty { "session tty".into() } else { "session".into() };
+                a
+            }
+            _ => Audited { detail: "session without start".into(), ..Default::default() },
+        };
+        self.call_streaming("ExecSession", request, audit_of, |tenant, first, stream| async move {
+            let Some(Item::Start(start)) = first.item else {
+                return Err(Status::invalid_argument("the first message of an exec session must be `start`"));
+            };
+            let exec = start.exec.ok_or_else(|| Status::invalid_argument("invalid start.exec: missing"))?;
+            let tty = streams::terminal(start.tty, start.size)?;
+            let (started_tx, started_rx) = tokio::sync::watch::channel(None);
+            let input = streams::session_input(self.manager.clone(), tenant.clone(), stream, started_rx, self.manager.session_input_buffer());
+            let events = self.manager.exec_session(&tenant, exec_request(exec), crate::manager::Session { input, tty })?;
+            let events = events.map(move |event| {
+                if let Ok(crate::model::ExecEvent::Started(id)) = &event {
+                    let _ = started_tx.send(Some(id.clone()));
+                }
+                convert::session_event(event)
+            });
+            Ok(Box::pin(events) as SessionStream)
+        })
+        .await
+    }
+
+    /// `UploadFile` over any stream of its messages.
+    pub async fn upload_file_from(&self, request: Request<Inbound<pb::UploadRequest>>) -> Result<Response<pb::UploadFileResponse>, Status> {
+        self.call_streaming("UploadFile", request, upload_audit, |tenant, first, stream| async move {
+            let header = upload_header(first)?;
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let upload = self.manager.upload_file(&tenant, &header.sandbox_id, &header.path, header.mode, rx);
+            let idle = Some(self.manager.stream_idle_timeout());
+            let (fed, written) = streams::run_upload(streams::feed_upload_within(stream, tx, idle), upload).await;
+            let (sha256, bytes_written) = streams::upload_result(fed, written)?;
+            Ok(pb::UploadFileResponse { bytes_written, sha256 })
+        })
+        .await
+    }
+
+    /// `UploadArchive` over any stream of its messages.
+    pub async fn upload_archive_from(&self, request: Request<Inbound<pb::UploadRequest>>) -> Result<Response<pb::UploadArchiveResponse>, Status> {
+        self.call_streaming("UploadArchive", request, upload_audit, |tenant, first, stream| async move {
+            let header = upload_header(first)?;
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let upload = self.manager.upload_archive(&tenant, &header.sandbox_id, &header.path, rx);
+            let idle = Some(self.manager.stream_idle_timeout());
+            let (fed, stats) = streams::run_upload(streams::feed_upload_within(stream, tx, idle), upload).await;
+            let (_, s) = streams::upload_result(fed, stats)?;
+            Ok(pb::UploadArchiveResponse { files: s.files + s.hardlinks, directories: s.dirs, symlinks: s.symlinks, bytes: s.bytes })
+        })
+        .await
     }
 }

@@ -17,6 +17,15 @@ use crate::ids::ExecId;
 use crate::images::hex;
 use crate::manager::{Held, Manager};
 
+/// A client's stream of messages, from tonic or from the fleet's router (which reads a stream's
+/// first message to learn where it goes, and hands on that message and the rest).
+pub type Inbound<M> = std::pin::Pin<Box<dyn futures::Stream<Item = Result<M, Status>> + Send>>;
+
+/// The next message of `stream` (None at its end), as `tonic::Streaming::message` says it.
+pub async fn next_message<M>(stream: &mut Inbound<M>) -> Result<Option<M>, Status> {
+    futures::StreamExt::next(stream).await.transpose()
+}
+
 /// A session's stdin is handed to the backend in copies of at most this many bytes, so what
 /// waits for the command is counted in bytes (`streams.session_input_buffer_bytes`), not in
 /// messages of up to 64 MiB each.
@@ -53,7 +62,7 @@ fn terminal_size(size: pb::TerminalSize, field: &str) -> Result<TerminalSize, St
 pub fn session_input(
     manager: Arc<Manager>,
     tenant: String,
-    mut stream: tonic::Streaming<pb::ExecSessionRequest>,
+    mut stream: Inbound<pb::ExecSessionRequest>,
     started: watch::Receiver<Option<ExecId>>,
     buffer_bytes: usize,
 ) -> mpsc::Receiver<SessionInput> {
@@ -61,7 +70,7 @@ pub fn session_input(
     let (tx, rx) = mpsc::channel((buffer_bytes / INPUT_PIECE).max(1));
     tokio::spawn(async move {
         loop {
-            let item = match stream.message().await {
+            let item = match next_message(&mut stream).await {
                 Ok(Some(pb::ExecSessionRequest { item: Some(item) })) => item,
                 Ok(Some(pb::ExecSessionRequest { item: None })) => continue,
                 // The client half-closed its side: no more input, the output still flows.
@@ -157,23 +166,19 @@ upload_message! {
 /// only once the client half-closed the stream and its `sha256` (required) matched. Returns the
 /// hex digest of the content; an error (the client broke off, a second header, a bad checksum)
 /// drops `tx` without a commit, so the backend abandons the upload.
-pub async fn feed_upload<M: UploadMessage>(stream: tonic::Streaming<M>, tx: mpsc::Sender<UploadPiece>) -> Result<String, FeedError> {
+pub async fn feed_upload<M: UploadMessage>(stream: Inbound<M>, tx: mpsc::Sender<UploadPiece>) -> Result<String, FeedError> {
     feed_upload_within(stream, tx, None).await
 }
 
 /// [`feed_upload`] with an idle deadline: a client that sends nothing for `idle` ends the
 /// upload with DEADLINE_EXCEEDED (and `tx` dropped without a commit, the backend removes what
 /// it wrote).
-pub async fn feed_upload_within<M: UploadMessage>(
-    mut stream: tonic::Streaming<M>,
-    tx: mpsc::Sender<UploadPiece>,
-    idle: Option<Duration>,
-) -> Result<String, FeedError> {
+pub async fn feed_upload_within<M: UploadMessage>(mut stream: Inbound<M>, tx: mpsc::Sender<UploadPiece>, idle: Option<Duration>) -> Result<String, FeedError> {
     let mut hasher = Sha256::new();
     let mut expected: Option<String> = None;
     loop {
         let next = match idle {
-            Some(idle) => match tokio::time::timeout(idle, stream.message()).await {
+            Some(idle) => match tokio::time::timeout(idle, next_message(&mut stream)).await {
                 Ok(next) => next,
                 Err(_) => {
                     return Err(FeedError::Client(Status::deadline_exceeded(format!(
@@ -182,7 +187,7 @@ pub async fn feed_upload_within<M: UploadMessage>(
                     ))))
                 }
             },
-            None => stream.message().await,
+            None => next_message(&mut stream).await,
         };
         match next.map_err(FeedError::Client)?.map(UploadMessage::piece) {
             Some(Piece::Data(data)) => {

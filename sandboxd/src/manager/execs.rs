@@ -190,7 +190,7 @@ impl Manager {
         if !info.state.can_exec() {
             return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "exec" });
         }
-        let exec_id = ExecId::generate();
+        let exec_id = ExecId::generate_on(self.node());
         let mut spec = exec_spec(&self.cfg, &info, &req, exec_id.clone())?;
         // Moved, not copied: the request lives as long as a foreground exec, and its stdin (up
         // to the 64 MiB message limit) must go once it is written.

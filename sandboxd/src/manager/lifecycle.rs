@@ -57,7 +57,7 @@ impl Manager {
         // Everything a request says is checked before anything is made: a sandbox in which
         // nothing could run (no room for a command line, no pids for a shell, no disk for its
         // own files) is refused here, naming the field, rather than failing later.
-        let id = SandboxId::generate();
+        let id = SandboxId::generate_on(self.node());
         // A fork inherits its tier and image from the snapshot (its layer only makes sense
         // there), and what its parent was given — limits, environment, labels, workdir, user —
         // unless the request says otherwise: a 1 GiB sandbox forks into 1 GiB, not the default.

@@ -397,6 +397,24 @@ impl Manager {
         }
     }
 
+    /// The node name new ids carry (`[fleet] node_name`), if this daemon is a fleet's node. Ids
+    /// are opaque names below the API; only the fleet's router reads their node part.
+    fn node(&self) -> Option<&crate::ids::NodeName> {
+        self.cfg.fleet.as_ref().map(|f| &f.node)
+    }
+
+    /// Room for sandboxes: how many this daemon holds (every tenant's, FAILED ones too, as the
+    /// capacity check counts them) and `policy.max_sandboxes`.
+    pub fn room(&self) -> (usize, Option<usize>) {
+        let held = self.sandboxes.read().map(|m| m.len()).unwrap_or(usize::MAX);
+        (held, self.cfg.policy.max_sandboxes())
+    }
+
+    /// Whether the policy allows `tier` on this daemon at all.
+    pub fn tier_allowed(&self, tier: Isolation) -> bool {
+        self.cfg.policy.allows(tier)
+    }
+
     /// Availability of each tier.
     pub fn tiers(&self) -> Vec<(Isolation, Result<(), String>)> {
         self.backends.availability()

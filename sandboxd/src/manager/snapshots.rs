@@ -51,7 +51,7 @@ impl Manager {
         let _admitted = tenant_lock.lock().await;
         let held = self.snapshot_holdings(tenant, &sid)?;
         self.admit_snapshot(tenant, &sid, &held, 0)?;
-        let snap_id = SnapshotId::generate();
+        let snap_id = SnapshotId::generate_on(self.node());
         let started = std::time::Instant::now();
         let backend = self.backends.get(info.isolation)?;
         let size_bytes = backend.snapshot(&sid, &snap_id, memory).await?;

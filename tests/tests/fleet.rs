@@ -1,0 +1,311 @@
+//! A fleet (issue #27): three daemons in three network namespaces this test makes, joined by a
+//! bridge, whose peers come from a real DNS server (dnsmasq) answering one name with their
+//! three addresses, as cluster DNS answers a headless Service. Every call goes through node A's
+//! TCP address with a tenant's token: creates fill all three nodes by capacity, calls on
+//! sandboxes of other nodes (unary, streams, 100 MiB up and down, snapshots, rollback, fork)
+//! are forwarded, lists fan out, tenants stay apart, and a node killed with SIGKILL makes its
+//! sandboxes UNAVAILABLE naming it while the others keep working, until it comes back.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::{Child, Command, Stdio};
+
+use agent_client::{exec_request, Client};
+use sandbox_tests::proto::{exec_event, CreateSandboxRequest, ExecSessionStart, Sandbox};
+use sandbox_tests::{eventually, process_sandbox, sh_ok, text, within, Daemon};
+use sha2::{Digest, Sha256};
+use tonic::Code;
+
+const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
+const DNS_NAME: &str = "peers.fleet.test";
+const PORT: u16 = 7070;
+const TOKEN_A: &str = "tenant-a-token-0123456789";
+const TOKEN_B: &str = "tenant-b-token-0123456789";
+const FLEET_TOKEN: &str = "fleet-token-abcdefghijklmnop";
+/// Sandboxes each node holds at most (policy.max_sandboxes).
+const PER_NODE: usize = 3;
+
+/// Runs a host command, failing the test with its output if it fails.
+fn run(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    assert!(out.status.success(), "{args:?}: {}{}", text(&out.stdout), text(&out.stderr));
+}
+
+/// The network: a hub namespace with a bridge, one namespace per node on it, a veth from the
+/// host (where the test runs) to the bridge, and dnsmasq on the hub. Removed on drop.
+struct Net {
+    prefix: String,
+    hub: String,
+    nodes: Vec<String>,
+    host_if: String,
+    dns: Option<Child>,
+    _dir: tempfile::TempDir,
+}
+
+impl Net {
+    fn addr(&self, i: usize) -> String {
+        format!("{}.{}", self.prefix, i + 2)
+    }
+
+    fn setup() -> Net {
+        for tool in ["ip", "nsenter", "dnsmasq"] {
+            let found = Command::new("sh").arg("-c").arg(format!("command -v {tool}")).stdout(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
+            assert!(found, "the fleet test needs `{tool}` (images/deps.sh installs it: dnsmasq-base, iproute2, util-linux)");
+        }
+        let n = std::process::id() % 200 + 20;
+        let prefix = format!("10.231.{n}");
+        let tag = format!("{n}");
+        let hub = format!("sbxf{tag}hub");
+        let nodes: Vec<String> = (0..3).map(|i| format!("sbxf{tag}n{i}")).collect();
+        let host_if = format!("sbxf{tag}h");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut net = Net { prefix: prefix.clone(), hub: hub.clone(), nodes: nodes.clone(), host_if: host_if.clone(), dns: None, _dir: dir };
+        // Leftovers of a run that was killed: gone first.
+        net.teardown();
+        run(&["ip", "netns", "add", &hub]);
+        run(&["ip", "-n", &hub, "link", "add", "br0", "type", "bridge"]);
+        run(&["ip", "-n", &hub, "addr", "add", &format!("{prefix}.1/24"), "dev", "br0"]);
+        run(&["ip", "-n", &hub, "link", "set", "br0", "up"]);
+        run(&["ip", "-n", &hub, "link", "set", "lo", "up"]);
+        for (i, ns) in nodes.iter().enumerate() {
+            run(&["ip", "netns", "add", ns]);
+            let port = format!("p{i}");
+            run(&["ip", "-n", &hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", ns]);
+            run(&["ip", "-n", &hub, "link", "set", &port, "master", "br0", "up"]);
+            run(&["ip", "-n", ns, "addr", "add", &format!("{}/24", net.addr(i)), "dev", "eth0"]);
+            run(&["ip", "-n", ns, "link", "set", "eth0", "up"]);
+            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+        }
+        run(&["ip", "link", "add", &host_if, "type", "veth", "peer", "name", "up0", "netns", &hub]);
+        run(&["ip", "-n", &hub, "link", "set", "up0", "master", "br0", "up"]);
+        run(&["ip", "addr", "add", &format!("{prefix}.254/24"), "dev", &host_if]);
+        run(&["ip", "link", "set", &host_if, "up"]);
+        // The headless Service's name with one A record per node, as cluster DNS gives it.
+        let hosts = net._dir.path().join("hosts");
+        let lines: String = (0..3).map(|i| format!("{} {DNS_NAME}\n", net.addr(i))).collect();
+        std::fs::write(&hosts, lines).expect("hosts file");
+        let dns = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{hub}"))
+            .args(["--", "dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts", "--user=root", "--bind-interfaces"])
+            .arg(format!("--listen-address={prefix}.1"))
+            .arg(format!("--addn-hosts={}", hosts.display()))
+            .arg(format!("--pid-file={}", net._dir.path().join("dnsmasq.pid").display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting dnsmasq");
+        net.dns = Some(dns);
+        net
+    }
+
+    fn teardown(&mut self) {
+        if let Some(mut d) = self.dns.take() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+        let _ = Command::new("ip").args(["link", "del", &self.host_if]).stderr(Stdio::null()).status();
+        for ns in self.nodes.iter().chain([&self.hub]) {
+            let _ = Command::new("ip").args(["netns", "del", ns]).stderr(Stdio::null()).status();
+        }
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        self.teardown();
+    }
+}
+
+fn config(net: &Net, i: usize) -> String {
+    let hash = |t: &str| Sha256::digest(t.as_bytes()).iter().map(|b| format!("{b:02x}")).collect::<String>();
+    format!(
+        r#"
+[policy]
+max_sandboxes = {PER_NODE}
+[[auth.tokens]]
+tenant = "team-a"
+sha256 = "{a}"
+[[auth.tokens]]
+tenant = "team-b"
+sha256 = "{b}"
+[fleet]
+node_name = "{node}"
+peers_dns = "{DNS_NAME}"
+port = {PORT}
+dns_server = "{prefix}.1:53"
+refresh_ms = 1000
+connect_timeout_ms = 1000
+token_file = "{{dir}}/fleet-token"
+"#,
+        a = hash(TOKEN_A),
+        b = hash(TOKEN_B),
+        node = NODES[i],
+        prefix = net.prefix,
+    )
+}
+
+async fn start_node(net: &Net, i: usize) -> Daemon {
+    let listen = format!("tcp://{}:{PORT}", net.addr(i));
+    // The fleet token, as a Kubernetes Secret would mount it.
+    let token = net._dir.path().join("fleet-token");
+    std::fs::write(&token, FLEET_TOKEN).expect("token");
+    let toml = config(net, i).replace("{dir}/fleet-token", &token.display().to_string());
+    within(60, Daemon::start_in_netns(&net.nodes[i], &toml, &["--listen", &listen])).await.expect("starting a fleet node")
+}
+
+async fn tenant(net: &Net, token: &str) -> Client {
+    Client::connect(&format!("http://{}:{PORT}", net.addr(0))).await.expect("connecting to node A").with_token(token).expect("token")
+}
+
+fn labelled(i: usize) -> CreateSandboxRequest {
+    let mut r = process_sandbox("minimal");
+    r.labels = HashMap::from([("n".to_string(), i.to_string())]);
+    r
+}
+
+fn by_node(list: &[Sandbox]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for s in list {
+        *m.entry(s.node.clone()).or_insert(0) += 1;
+    }
+    m
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_nodes_behind_one_address() {
+    sandbox_tests::require_environment().expect("environment");
+    let net = Net::setup();
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        nodes.push(start_node(&net, i).await);
+    }
+    let a = tenant(&net, TOKEN_A).await;
+    let b = tenant(&net, TOKEN_B).await;
+
+    // Creates through A fill A first, then the peer with the most room: all three get some.
+    let mut mine = Vec::new();
+    for i in 0..7 {
+        let sb = within(120, a.create(labelled(i))).await.unwrap_or_else(|e| panic!("create {i}: {e}\nnode A's log:\n{}", nodes[0].log()));
+        assert!(NODES.contains(&sb.node.as_str()), "a sandbox names its node: {sb:?}");
+        assert!(sb.id.ends_with(&format!("_{}", sb.node)), "the id names the node: {} on {}", sb.id, sb.node);
+        let i = NODES.iter().position(|n| *n == sb.node).unwrap();
+        assert_eq!(sb.node_address, format!("{}:{PORT}", net.addr(i)), "the node's direct address");
+        mine.push(sb);
+    }
+    let spread = by_node(&mine);
+    assert_eq!(spread.get("node-a"), Some(&PER_NODE), "A fills first: {spread:?}");
+    assert!(spread.get("node-b").is_some_and(|n| *n >= 1) && spread.get("node-c").is_some_and(|n| *n >= 1), "{spread:?}");
+    let on = |node: &str| mine.iter().find(|s| s.node == node).cloned().unwrap();
+    let (sb_b, sb_c) = (on("node-b"), on("node-c"));
+
+    // Unary calls on sandboxes of other nodes, through A.
+    let out = sh_ok(&a, &sb_c.id, "cat /proc/sys/kernel/hostname; echo from-c > /workspace/f; cat /workspace/f").await;
+    assert_eq!(out, format!("{}\nfrom-c\n", sb_c.id), "ran on C's sandbox");
+    assert_eq!(a.get(&sb_c.id).await.expect("get").node, "node-c");
+    let r = within(60, a.exec(sandbox_tests::proto::ExecRequest { background: true, ..exec_request(&sb_b.id, ["sh", "-c", "sleep 30"]) }))
+        .await
+        .expect("background exec");
+    within(30, a.signal_exec(&r.exec_id, 9)).await.expect("SignalExec forwarded by the exec id");
+    let ended = within(60, a.get_exec(&r.exec_id, true)).await.expect("GetExec");
+    assert_eq!(ended.signal, 9, "{ended:?}");
+
+    // ExecStream.
+    let mut stream = within(60, a.exec_stream(exec_request(&sb_c.id, ["sh", "-c", "echo one; echo two >&2"]))).await.expect("ExecStream");
+    let (mut stdout, mut result) = (Vec::new(), None);
+    while let Some(ev) = within(60, stream.next_event()).await.expect("event") {
+        match ev.event {
+            Some(exec_event::Event::Stdout(b)) => stdout.extend(b),
+            Some(exec_event::Event::Result(r)) => result = Some(r),
+            _ => {}
+        }
+    }
+    assert_eq!(text(&stdout), "one\n");
+    assert_eq!(result.expect("result").exit_code, 0);
+
+    // ExecSession on a terminal.
+    let start = ExecSessionStart { exec: Some(exec_request(&sb_b.id, ["cat"])), tty: true, size: None };
+    let mut session = within(60, a.exec_session(start)).await.expect("ExecSession");
+    session.input().stdin(b"hello-session\n".to_vec()).await.expect("stdin");
+    session.input().close_stdin().await.expect("close");
+    let mut seen = Vec::new();
+    let mut finished = None;
+    while let Some(ev) = within(60, session.next_event()).await.expect("session event") {
+        match ev {
+            agent_client::SessionEvent::Stdout(b) => seen.extend(b),
+            agent_client::SessionEvent::Finished(r) => finished = Some(r),
+            _ => {}
+        }
+    }
+    assert!(text(&seen).contains("hello-session"), "{}", text(&seen));
+    assert_eq!(finished.expect("finished").exit_code, 0);
+
+    // 100 MiB up to C and back, through A.
+    let content: Vec<u8> = (0..100u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    let digest = hex(&Sha256::digest(&content));
+    let up = within(300, a.upload_file(&sb_c.id, "/workspace/big", 0, &content[..])).await.expect("upload 100 MiB");
+    assert_eq!(up.sha256, digest);
+    let mut back = Vec::new();
+    let down = within(300, a.download_file(&sb_c.id, "/workspace/big", &mut back)).await.expect("download 100 MiB");
+    assert_eq!((down.sha256.as_str(), back.len()), (digest.as_str(), content.len()));
+    drop((content, back));
+
+    // Snapshot, rollback and fork of B's sandbox, through A: the fork lands on B.
+    let snap = within(120, a.snapshot(&sb_b.id, "s1")).await.expect("snapshot");
+    assert!(snap.snapshot_id.ends_with("_node-b"), "{}", snap.snapshot_id);
+    sh_ok(&a, &sb_b.id, "echo later > /workspace/later").await;
+    within(120, a.rollback(&sb_b.id, &snap.snapshot_id)).await.expect("rollback");
+    assert_eq!(sh_ok(&a, &sb_b.id, "ls /workspace/later 2>/dev/null || echo gone").await, "gone\n");
+    let mut fork = process_sandbox("minimal");
+    fork.image = String::new();
+    fork.from_snapshot_id = snap.snapshot_id.clone();
+    let forked = within(120, a.create(fork)).await.expect("fork");
+    assert_eq!(forked.node, "node-b", "a fork is made where its snapshot is");
+
+    // Team B's sandbox takes the last room; one more create finds none and says where.
+    let theirs = within(120, b.create(labelled(99))).await.expect("team-b create");
+    let err = within(120, a.create(labelled(100))).await.expect_err("the fleet is full");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    for n in NODES {
+        assert!(err.to_string().contains(n), "the refusal names every node: {err}");
+    }
+
+    // Lists fan out, per tenant.
+    let list_a = within(60, a.raw().list_sandboxes(sandbox_tests::proto::ListSandboxesRequest::default())).await.expect("list").into_inner();
+    assert!(list_a.unreachable_nodes.is_empty(), "{:?}", list_a.unreachable_nodes);
+    assert_eq!(list_a.sandboxes.len(), mine.len() + 1, "team-a sees its own on every node");
+    assert!(!list_a.sandboxes.iter().any(|s| s.id == theirs.id));
+    let list_b = within(60, b.list(HashMap::new())).await.expect("list b");
+    assert_eq!(list_b.iter().map(|s| s.id.clone()).collect::<Vec<_>>(), vec![theirs.id.clone()]);
+
+    // Tenants stay apart across nodes: another tenant's sandbox is NOT_FOUND, forwarded or not.
+    for id in [&sb_c.id, &sb_b.id] {
+        let e = within(60, b.get(id.clone())).await.expect_err("another tenant's");
+        assert_eq!(e.code(), Code::NotFound, "{e}");
+        let e = within(60, b.exec(exec_request(id, ["true"]))).await.expect_err("another tenant's");
+        assert_eq!(e.code(), Code::NotFound, "{e}");
+    }
+
+    // A node killed with SIGKILL: its sandboxes are UNAVAILABLE naming it, the others work.
+    nodes[2].kill9();
+    let e = within(10, a.get(&sb_c.id)).await.expect_err("node C is down");
+    assert_eq!(e.code(), Code::Unavailable, "{e}");
+    assert!(e.to_string().contains("node-c"), "names the node: {e}");
+    let e = within(10, a.exec(exec_request(&sb_c.id, ["true"]))).await.expect_err("node C is down");
+    assert!(e.code() == Code::Unavailable && e.to_string().contains("node-c"), "{e}");
+    assert_eq!(sh_ok(&a, &sb_b.id, "echo alive").await, "alive\n");
+    let partial = within(30, a.raw().list_sandboxes(sandbox_tests::proto::ListSandboxesRequest::default())).await.expect("list").into_inner();
+    assert_eq!(partial.unreachable_nodes.iter().map(|n| n.node.as_str()).collect::<Vec<_>>(), vec!["node-c"], "the list names the missing node");
+    assert!(partial.sandboxes.iter().all(|s| s.node != "node-c"));
+
+    // It comes back: its sandboxes are re-adopted and reachable through A again, files kept.
+    within(60, nodes[2].restart()).await.expect("restarting node C");
+    assert!(
+        eventually(60, || async { matches!(a.get(&sb_c.id).await, Ok(s) if s.state == sandbox_tests::proto::SandboxState::Running as i32) }).await,
+        "node C's sandbox is back through A"
+    );
+    assert_eq!(sh_ok(&a, &sb_c.id, "cat /workspace/f").await, "from-c\n");
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
