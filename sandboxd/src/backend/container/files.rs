@@ -109,18 +109,6 @@ pub fn create_for_write(init_pid: i32, container_id: &str, path: &str) -> Result
     root_files::create_for_write_at(&open_root(init_pid, container_id)?, path)
 }
 
-/// Writes `content` into `path` in place (opened confined, truncated, written): for a file
-/// Docker bind-mounts into the container, such as `/etc/resolv.conf`, which a rename cannot
-/// replace.
-pub async fn write_in_place(sb: &ContainerSandbox, path: &str, content: Vec<u8>) -> Result<(), BackendError> {
-    let path = path.to_string();
-    with_root(sb, move |root| {
-        let mut file = root_files::create_for_write_at(root, &path)?;
-        std::io::Write::write_all(&mut file, &content).map_err(|e| BackendError::io(format!("writing {path}"), e))
-    })
-    .await
-}
-
 /// Reads up to `limit` bytes (0 = 4 MiB, the most one call returns) from `offset`.
 pub async fn read_file(sb: &ContainerSandbox, path: &str, offset: u64, limit: u64) -> Result<FileChunk, BackendError> {
     let (workdir, path) = (sb.spec.workdir.clone(), path.to_string());
