@@ -88,6 +88,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         catalog: catalog.clone(),
         docker_socket: docker_socket.clone(),
         require_userns_remap: cfg.container.require_userns_remap,
+        egress: Some(egress.clone()),
     })
     .await;
     backends.insert(Arc::new(container));

@@ -117,16 +117,16 @@ impl Manager {
             )));
         }
         let isolation = decision.isolation;
-        // The network: the request's, else the parent's, else NONE. Only the process tier
-        // enforces a network today; elsewhere anything but NONE is refused, never ignored.
+        // The network: the request's, else the parent's, else NONE. Every tier that runs it
+        // enforces it (see `egress`); a tier that could not would refuse, never ignore it.
         let network = match (req.network, inherited) {
             (Some(n), _) => n,
             (None, Some(parent)) => parent.network.clone(),
             (None, None) => Default::default(),
         };
-        if network.mode != crate::egress::NetworkMode::None && isolation != crate::model::Isolation::Process {
+        if network.mode != crate::egress::NetworkMode::None && isolation == crate::model::Isolation::MicroVm {
             return Err(Error::FailedPrecondition(format!(
-                "network mode {} is not available on isolation {}: only PROCESS sandboxes have a filtered network yet",
+                "network mode {} is not available on isolation {}: only PROCESS and CONTAINER sandboxes have a filtered network yet",
                 network.mode.name(),
                 isolation.name()
             )));

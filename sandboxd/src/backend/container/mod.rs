@@ -25,6 +25,7 @@ mod exec;
 mod files;
 mod image;
 mod layer;
+mod net;
 mod recover;
 mod setup;
 mod snapshot;
@@ -62,6 +63,8 @@ pub struct ContainerConfig {
     pub docker_socket: PathBuf,
     /// Refuse the tier unless Docker remaps container uids (`dockerd --userns-remap`).
     pub require_userns_remap: bool,
+    /// The daemon's egress filter, for sandboxes whose network is not NONE (see [`net`]).
+    pub egress: Option<Arc<crate::egress::Egress>>,
 }
 
 /// The Docker socket to use: `DOCKER_HOST` when it names a UNIX socket (as the docker CLI
@@ -277,6 +280,7 @@ impl Inner {
     /// the container is removed. Idempotent.
     async fn tear_down(&self, sb: &Arc<ContainerSandbox>, reason: &str) {
         sb.mark_lost(reason);
+        net::detach(self, sb).await;
         sb.kill_everything().await;
         sb.remove_exec_cgroups();
         self.remove_container(&sb.container_id).await;
@@ -342,6 +346,10 @@ impl Backend for ContainerBackend {
             }
         }
         let sb = inner.launch(spec, &setup::Role::Active, spec.from_snapshot.as_ref()).await?;
+        if let Err(e) = net::attach(inner, &sb).await {
+            inner.tear_down(&sb, "network setup failed").await;
+            return Err(e);
+        }
         inner.insert_sandbox(sb)
     }
 
@@ -453,6 +461,7 @@ impl Backend for ContainerBackend {
         // and the next start re-adopts them. Killing through the cgroup takes milliseconds.
         let stops = all.iter().map(|sb| async move {
             sb.mark_lost("the daemon shut down");
+            net::detach(inner, sb).await;
             sb.kill_everything().await;
             sb.remove_exec_cgroups();
         });

@@ -66,7 +66,17 @@ impl Inner {
         };
         let options = RestartContainerOptions { t: Some(0), signal: None };
         match docker.restart_container(&container, Some(options)).await {
-            Ok(()) => self.attach(spec, &container).await.and_then(|sb| self.insert_sandbox(sb)),
+            Ok(()) => {
+                let sb = self.attach(spec, &container).await?;
+                // The restart made a new network namespace: the link is given again.
+                if let Err(e) = super::net::attach(self, &sb).await {
+                    // Stopped, not removed: its writable layer is the sandbox's disk.
+                    sb.mark_lost("network setup failed");
+                    sb.kill_everything().await;
+                    return Err(e);
+                }
+                self.insert_sandbox(sb)
+            }
             Err(e) => Err(api_error(format!("restarting container {container}"), e)),
         }
     }

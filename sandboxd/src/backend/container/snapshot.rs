@@ -111,6 +111,7 @@ impl Inner {
 
         // The old container: processes gone now, the container itself later, out of the way.
         old.mark_lost(&format!("the sandbox was rolled back to {snapshot}"));
+        super::net::detach(self, &old).await;
         old.kill_everything().await;
         old.remove_exec_cgroups();
         let replaced = format!("{}-replaced-{}", docker::active_name(sandbox), crate::ids::random_suffix(8));
@@ -140,6 +141,12 @@ impl Inner {
             Some(sb) => sb,
             None => self.launch(&spec, &Role::Active, Some(snapshot)).await?,
         };
+        // The new container's namespace gets the link (a standby never has one: it was made
+        // before anyone knew it would serve).
+        if let Err(e) = super::net::attach(self, &sb).await {
+            self.tear_down(&sb, "network setup failed").await;
+            return Err(e);
+        }
         self.insert_sandbox(sb)?;
         // Agents retry: the next rollback to the same snapshot should be as fast.
         self.prepare_standby(spec, snapshot.clone());
