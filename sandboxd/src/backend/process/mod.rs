@@ -156,7 +156,8 @@ impl ProcessBackend {
     /// Prepares the tier: the cgroup root and the storage pool. A host that cannot provide them
     /// gets a backend that reports why on every create (the daemon still serves other tiers).
     pub fn new(cfg: ProcessConfig) -> Self {
-        let mut backend = ProcessBackend { cfg, unavailable: None, pool: None, cgroups: None, ids: None, sandboxes: RwLock::new(HashMap::new()), stale: Default::default() };
+        let mut backend =
+            ProcessBackend { cfg, unavailable: None, pool: None, cgroups: None, ids: None, sandboxes: RwLock::new(HashMap::new()), stale: Default::default() };
         if let Err(reason) = backend.prepare() {
             tracing::error!(%reason, "process tier unavailable");
             backend.unavailable = Some(reason);
