@@ -714,7 +714,14 @@ impl Inner {
                 return Err(e);
             }
         };
-        if let Err(e) = after_resume(&vm).await {
+        // Its identity set again as a boot would (hostname, /etc/hosts, limits): the snapshot's
+        // files are the sandbox's own, and may have been made hostile (/etc/hosts a link to a
+        // pipe) for whatever reads them next.
+        let resumed = match after_resume(&vm).await {
+            Ok(()) => vm.configure(guest_config(&sb.spec)).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = resumed {
             self.stop_vm(&vm).await;
             let _ = std::fs::remove_dir_all(&staging);
             return Err(e);
