@@ -257,10 +257,6 @@ impl ProcessBackend {
                     tracing::warn!(sandbox = %name, error = %e, "cannot remove stale cgroup");
                 }
             }
-            // A name from a directory listing: one path component, never `..` or `/`.
-            if name.contains('/') || name == ".." || name == "." {
-                continue;
-            }
             let dir = run.join(&name);
             if dir.exists() {
                 teardown_mount(&dir.join("rootfs"));
