@@ -5,8 +5,9 @@ RUN_DIR    ?= $(CURDIR)/.sandboxd
 SOCKET     ?= $(RUN_DIR)/sandboxd.sock
 VENV       ?= $(CURDIR)/.venv
 E2B_ADDR   ?= 127.0.0.1:3000
+WEB_ADDR   ?= 127.0.0.1:8090
 
-.PHONY: all deps pydeps mcpdeps pytest-sdk pytest-e2b bench-e2b images image-debian vm-images exec-helper build release run run-ready run-image lint test bench clean
+.PHONY: all deps pydeps mcpdeps pytest-sdk pytest-e2b bench-e2b images image-debian vm-images exec-helper build release run-build run run-ready run-image lint test bench clean
 
 all: build
 
@@ -41,18 +42,24 @@ build:
 release:
 	$(CARGO) build --release -p sandboxd -p agent-client --bins
 
+## run-build: the two programs `make run` needs (sandboxd, sbx), in the `quick` profile
+## (Cargo.toml: lightly optimized, no debug info) into target/quick/.
+run-build:
+	$(CARGO) build --profile quick -p sandboxd -p agent-client --bin sandboxd --bin sbx
+
 ## run: build, prepare the default image if missing, start sandboxd in the foreground. The
-## release build runs beside the apt install and the image build (`-j3`): apt waits on the
-## network and the static guest agent's build fills the core the daemon's crate leaves idle.
+## build runs beside the apt install and the image build (`-j3`): apt waits on the network and
+## the static guest agent's build fills the core the daemon's crate leaves idle.
 run:
 	@$(MAKE) --no-print-directory -j3 run-ready
 	@mkdir -p $(RUN_DIR)
-	@echo "sandboxd on unix://$(SOCKET) — in another terminal: export SANDBOXD_SOCKET=unix://$(SOCKET); target/release/sbx create"
+	@echo "sandboxd on unix://$(SOCKET) — in another terminal: export SANDBOXD_SOCKET=unix://$(SOCKET); target/quick/sbx create"
 	@echo "E2B SDK: export E2B_API_URL=http://$(E2B_ADDR) E2B_SANDBOX_URL=http://$(E2B_ADDR) E2B_API_KEY=local"
-	target/release/sandboxd --listen unix://$(SOCKET) --state-dir $(RUN_DIR)/state --images-dir $(IMAGES_DIR) --e2b $(E2B_ADDR)
+	@echo "The page: http://$(WEB_ADDR)/"
+	target/quick/sandboxd --listen unix://$(SOCKET) --state-dir $(RUN_DIR)/state --images-dir $(IMAGES_DIR) --e2b $(E2B_ADDR) --web $(WEB_ADDR) --web-agent-runs $(RUN_DIR)/agent
 
 ## run-ready: what `make run` needs, the daemon's build and the default image in parallel.
-run-ready: release run-image
+run-ready: run-build run-image
 run-image: deps
 	@[ -f $(IMAGES_DIR)/minimal/image.json ] && [ -f $(IMAGES_DIR)/minimal/vm/vm.json ] || $(MAKE) --no-print-directory images
 	@$(MAKE) --no-print-directory vm-images exec-helper
@@ -125,6 +132,8 @@ bench: deps release
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/image_bench --out BENCHMARKS.md
 	$(CARGO) build --release -p sandbox-tests --bin restart_bench
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/restart_bench --out BENCHMARKS.md
+	$(CARGO) build --release -p sandbox-tests --bin egress_bench
+	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/egress_bench --out BENCHMARKS.md
 	@$(MAKE) --no-print-directory bench-e2b
 
 clean:

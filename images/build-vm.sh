@@ -19,7 +19,7 @@
 # The agent is built here (static, `+crt-static`) with cargo into
 # target/guest/ of the repository (AGENT_TARGET_DIR overrides). The kernel is
 # the distribution's own, modular: the modules it needs to reach the disk and
-# the host (virtio-mmio, virtio-blk, virtio-console, ext4 and their
+# the host (virtio-mmio, virtio-blk, virtio-console, virtio-net, ext4 and their
 # dependencies from modules.dep) go into the initramfs.
 #
 # Reproducible: the same rootfs, kernel and agent give the same bytes (sorted
@@ -84,7 +84,7 @@ log "kernel $KVER"
 # have it. ext4 looks up crc32c through the crypto API (a softdep modules.dep
 # does not list): the generic one always loads, the SSE4.2 one where the CPU
 # has it.
-WANTED=(virtio_mmio virtio_console virtio_blk crc32c_generic? crc32c-intel? ext4)
+WANTED=(virtio_mmio virtio_console virtio_blk virtio_net crc32c_generic? crc32c-intel? ext4)
 
 # module_path NAME -> its path relative to $MODDIR, per modules.dep ('-' = '_').
 module_path() {

@@ -7,6 +7,8 @@
 #   debootstrap     builds the "debian" image
 #   iproute2        ip(8), sandbox network setup (the egress filter's veth pairs)
 #   nftables        nft(8): the egress filter's redirect/drop table
+#   libsqlite3-dev  the SQLite the daemon's state store links against (the system's, not a copy
+#                   compiled into every build)
 #   util-linux      mount, unshare, nsenter, flock, ...
 # and for the microVM tier (build-vm.sh, and QEMU itself):
 #   qemu-system-x86 qemu-system-x86_64, the VMM of the microVM tier
@@ -20,6 +22,11 @@
 #   gcc, libc6-dev  gcc -static
 # and for the Python SDK's tests (make pytest-sdk):
 #   python3-venv    the virtualenv they run in
+# and for the web page's test (tests/tests/web.rs):
+#   chromium        a real headless browser, driven over its DevTools pipe
+# Not installed here: kubectl for the Kubernetes manifests' check (deploy/kubernetes/check).
+# It needs kustomize v5 (kubectl 1.27 or later); Debian 12's kubernetes-client is kubectl 1.20
+# (kustomize v2.0.3), which cannot render the overlays, and would replace a newer kubectl.
 #
 # Each package is checked with `dpkg -s` first, so on a machine that already
 # has everything this prints one line and changes nothing; `apt-get update`
@@ -30,9 +37,9 @@
 # will replace if it is installed.
 set -euo pipefail
 
-PACKAGES=(busybox-static btrfs-progs debootstrap iproute2 nftables util-linux
+PACKAGES=(busybox-static btrfs-progs debootstrap iproute2 nftables libsqlite3-dev util-linux
     qemu-system-x86 qemu-utils linux-image-amd64 e2fsprogs cpio binutils file xz-utils
-    gcc libc6-dev python3-venv dnsmasq-base)
+    gcc libc6-dev python3-venv dnsmasq-base chromium)
 # How long to wait for another apt/dpkg run to release its locks.
 LOCK_WAIT_SECONDS=${LOCK_WAIT_SECONDS:-600}
 

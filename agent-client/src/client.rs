@@ -20,9 +20,9 @@ use crate::proto::{
     exec_event, CreateSandboxRequest, DeleteSnapshotRequest, DestroySandboxRequest,
     DownloadRequest, ExecEvent, ExecRequest, ExecResult, ExecSessionStart, GetExecRequest,
     GetSandboxRequest, ListExecsRequest, ListExecsResponse, ListSandboxesRequest,
-    ListSnapshotsRequest, ReadFileRequest, ReadFileResponse, RollbackRequest, Sandbox,
-    SetSandboxTtlRequest, SignalExecRequest, SnapshotInfo, SnapshotRequest, UploadArchiveResponse,
-    UploadHeader, WriteFileRequest,
+    ListSnapshotsRequest, PauseSandboxRequest, ReadFileRequest, ReadFileResponse,
+    ResumeSandboxRequest, RollbackRequest, Sandbox, SetSandboxTtlRequest, SignalExecRequest,
+    SnapshotInfo, SnapshotRequest, UploadArchiveResponse, UploadHeader, WriteFileRequest,
 };
 use crate::session::ExecSession;
 use crate::transfer::{self, FileTransfer};
@@ -215,15 +215,40 @@ impl Client {
         Ok(self.raw().set_sandbox_ttl(request).await?.into_inner())
     }
 
+    /// Pauses the sandbox: every process frozen in place (memory kept, no CPU used, its TTL
+    /// stopped); execs and file calls are refused until [`Client::resume`]. Pausing a paused
+    /// sandbox changes nothing.
+    pub async fn pause(&self, sandbox_id: impl Into<String>) -> Result<Sandbox> {
+        let request = PauseSandboxRequest {
+            sandbox_id: sandbox_id.into(),
+        };
+        Ok(self.raw().pause_sandbox(request).await?.into_inner())
+    }
+
+    /// Resumes a paused sandbox where it stopped, with `ttl_seconds` from now as its new TTL
+    /// (0 = what was left of it at the pause). Resuming a running sandbox changes nothing but
+    /// the TTL when one is given.
+    pub async fn resume(&self, sandbox_id: impl Into<String>, ttl_seconds: u32) -> Result<Sandbox> {
+        let request = ResumeSandboxRequest {
+            sandbox_id: sandbox_id.into(),
+            ttl_seconds,
+        };
+        Ok(self.raw().resume_sandbox(request).await?.into_inner())
+    }
+
     /// Lists the sandboxes carrying every label in `label_selector` (all of them if it is empty).
     pub async fn list(&self, label_selector: HashMap<String, String>) -> Result<Vec<Sandbox>> {
+        Ok(self.list_fleet(label_selector).await?.sandboxes)
+    }
+
+    /// Lists sandboxes as [`Client::list`] does, with the fleet nodes that did not answer
+    /// (`unreachable_nodes`: their sandboxes are missing from the list).
+    pub async fn list_fleet(
+        &self,
+        label_selector: HashMap<String, String>,
+    ) -> Result<crate::proto::ListSandboxesResponse> {
         let request = ListSandboxesRequest { label_selector };
-        Ok(self
-            .raw()
-            .list_sandboxes(request)
-            .await?
-            .into_inner()
-            .sandboxes)
+        Ok(self.raw().list_sandboxes(request).await?.into_inner())
     }
 
     /// Destroys a sandbox: kills its processes and frees everything it held.

@@ -168,6 +168,22 @@ impl SandboxService for Mock {
         self.seen(&r);
         Ok(Response::new(sandbox(&r.into_inner().sandbox_id)?))
     }
+    async fn pause_sandbox(
+        &self,
+        r: Request<PauseSandboxRequest>,
+    ) -> Result<Response<Sandbox>, Status> {
+        self.seen(&r);
+        let mut sb = sandbox(&r.into_inner().sandbox_id)?;
+        sb.state = SandboxState::Paused as i32;
+        Ok(Response::new(sb))
+    }
+    async fn resume_sandbox(
+        &self,
+        r: Request<ResumeSandboxRequest>,
+    ) -> Result<Response<Sandbox>, Status> {
+        self.seen(&r);
+        Ok(Response::new(sandbox(&r.into_inner().sandbox_id)?))
+    }
     async fn list_sandboxes(
         &self,
         r: Request<ListSandboxesRequest>,

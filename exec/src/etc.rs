@@ -29,6 +29,8 @@ pub const MAX_HOSTS_BYTES: usize = 64 << 10;
 pub enum EtcError {
     #[error("{0:?} is not a valid hostname (1-64 of [A-Za-z0-9.-])")]
     BadHostname(String),
+    #[error("{0:?} is not a machine id (32 lowercase hex digits)")]
+    BadMachineId(String),
     #[error("{op} {path}: {errno}")]
     Sys { op: &'static str, path: &'static str, errno: Errno },
 }
@@ -151,6 +153,25 @@ pub fn write_identity(root: RawFd, hostname: &str) -> Result<(), EtcError> {
     replace(etc.as_raw_fd(), c"hosts", "/etc/hosts", &hosts_content(&old, hostname))
 }
 
+/// Writes `/etc/resolv.conf` below `root` naming `nameserver` only: the host's egress filter,
+/// whose DNS answers what the sandbox's network policy allows. Replaced like the identity files
+/// (a link planted there is replaced, never followed).
+pub fn write_resolv_conf(root: RawFd, nameserver: std::net::Ipv4Addr) -> Result<(), EtcError> {
+    let etc = open_etc(root)?;
+    let text = format!("# written by sandboxd: the daemon's DNS answers only what the network policy allows\nnameserver {nameserver}\n");
+    replace(etc.as_raw_fd(), c"resolv.conf", "/etc/resolv.conf", &text)
+}
+
+/// Writes `/etc/machine-id` below `root`: `id`, 32 lowercase hex digits, as systemd and D-Bus
+/// read it. Replaced like the identity files.
+pub fn write_machine_id(root: RawFd, id: &str) -> Result<(), EtcError> {
+    if id.len() != 32 || !id.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return Err(EtcError::BadMachineId(id.chars().take(40).collect()));
+    }
+    let etc = open_etc(root)?;
+    replace(etc.as_raw_fd(), c"machine-id", "/etc/machine-id", &format!("{id}\n"))
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -199,6 +220,31 @@ mod tests {
         // Nothing left behind but the two files.
         assert_eq!(std::fs::read_dir(dir.path().join("etc")).expect("ls").count(), 2);
         assert!(write_identity(fd.as_raw_fd(), "bad name").is_err());
+    }
+
+    #[test]
+    fn machine_ids_are_checked_and_written() {
+        let (dir, fd) = root();
+        std::fs::create_dir(dir.path().join("etc")).expect("etc");
+        write_machine_id(fd.as_raw_fd(), "0123456789abcdef0123456789abcdef").expect("write");
+        assert_eq!(std::fs::read_to_string(dir.path().join("etc/machine-id")).expect("read"), "0123456789abcdef0123456789abcdef\n");
+        for bad in ["", "0123", "0123456789ABCDEF0123456789ABCDEF", "0123456789abcdef0123456789abcdeg", "0123456789abcdef0123456789abcdef\n"] {
+            assert!(matches!(write_machine_id(fd.as_raw_fd(), bad), Err(EtcError::BadMachineId(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn resolv_conf_names_only_the_gateway_and_replaces_a_planted_link() {
+        let (dir, fd) = root();
+        let outside = tempfile::tempdir().expect("outside");
+        let victim = outside.path().join("victim");
+        std::fs::write(&victim, "host file\n").expect("victim");
+        std::fs::create_dir(dir.path().join("etc")).expect("etc");
+        symlink(&victim, dir.path().join("etc/resolv.conf")).expect("link");
+        write_resolv_conf(fd.as_raw_fd(), std::net::Ipv4Addr::new(100, 96, 0, 1)).expect("write");
+        assert_eq!(std::fs::read_to_string(&victim).expect("victim"), "host file\n", "the link's target was written");
+        let conf = std::fs::read_to_string(dir.path().join("etc/resolv.conf")).expect("resolv.conf");
+        assert_eq!(conf.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>(), ["nameserver 100.96.0.1"]);
     }
 
     #[test]

@@ -25,6 +25,7 @@ pub mod capture;
 pub mod etc;
 pub mod outcome;
 pub mod pty;
+pub mod serve;
 pub mod spawn;
 pub mod sys;
 pub mod user;

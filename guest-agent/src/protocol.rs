@@ -92,9 +92,10 @@ pub const FILE_CHUNK: u64 = 1 << 20;
 /// `Configure` of 5 also writes /etc/hostname and /etc/hosts for the hostname, while the guest
 /// shows its sandbox's cgroup read-only at /sys/fs/cgroup; 5 also added `ExecRequest.user` (execs as
 /// another user); 6 added `Resumed` (a VM restored from a memory snapshot steps its clock and
-/// reseeds its RNG). Everything of 1 is unchanged, so a
+/// reseeds its RNG); 7 added `network` to `Configure` (the guest's `eth0`, default route and
+/// /etc/resolv.conf when the sandbox has a filtered network) and `machine_id`. Everything of 1 is unchanged, so a
 /// host speaks to any of them (and refuses what an older guest would silently leave undone).
-pub const VERSION: u32 = 6;
+pub const VERSION: u32 = 7;
 /// Oldest guest protocol a host still accepts.
 pub const MIN_VERSION: u32 = 1;
 /// Longest transfer id of a `WriteStaged`.
@@ -242,6 +243,23 @@ pub struct GuestLimits {
     /// the sandbox's cgroup); 0 leaves it as it is.
     #[serde(default)]
     pub shm_bytes: u64,
+    /// The guest's link to the host's egress filter (protocol 7): `None` leaves the VM with
+    /// loopback only (and takes down an `eth0` a restored memory snapshot may have had up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<GuestNetwork>,
+    /// The sandbox's /etc/machine-id (32 lowercase hex digits; protocol 7): a VM resumed from a
+    /// memory snapshot would otherwise keep its parent's. Empty leaves the file as it is.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub machine_id: String,
+}
+
+/// `eth0`'s configuration: `address`/`prefix_len` with a default route via `gateway`, which is
+/// also the only nameserver /etc/resolv.conf names (the host's filter answers DNS there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestNetwork {
+    pub address: std::net::Ipv4Addr,
+    pub prefix_len: u8,
+    pub gateway: std::net::Ipv4Addr,
 }
 
 /// One command to run in the guest, fully resolved by the host.
@@ -635,10 +653,20 @@ mod tests {
 
     #[test]
     fn version_5_configure_carries_the_shm_size_and_older_ones_parse_as_before() {
-        let limits =
-            GuestLimits { memory_bytes: 1 << 30, max_pids: 64, cpu_millicores: 1000, hostname: "sb-1".into(), workdir: "/w".into(), shm_bytes: 512 << 20 };
+        let limits = GuestLimits {
+            memory_bytes: 1 << 30,
+            max_pids: 64,
+            cpu_millicores: 1000,
+            hostname: "sb-1".into(),
+            workdir: "/w".into(),
+            shm_bytes: 512 << 20,
+            network: None,
+            machine_id: String::new(),
+        };
         let json = serde_json::to_value(Envelope { id: 1, msg: &Request::Configure(limits.clone()) }).expect("json");
         assert_eq!((json["msg"]["type"].as_str(), json["msg"]["shm_bytes"].as_u64()), (Some("configure"), Some(512 << 20)));
+        // No network: no field at all, so an agent of 6 or older reads exactly what it knows.
+        assert!(json["msg"].get("network").is_none(), "{json}");
         let mut d = Decoder::new();
         d.push(&encode(1, &Request::Configure(limits.clone()), b"").expect("encode"));
         let Some(Decoded::Frame(f)) = d.next() else { panic!("no frame") };

@@ -44,7 +44,7 @@
 //!
 //! | tier | pool | capacity |
 //! |---|---|---|
-//! | PROCESS | the btrfs pool file (`<state_dir>/pool`) | `pool_size_bytes` (default: half of the free space of the state dir's filesystem when the file is made) |
+//! | PROCESS | the btrfs pool file (`<state_dir>/pool`) | `pool_size_bytes` (default: half of the free space of the state dir's filesystem when the file is made, at least 16 GiB while that is under 80% of it) |
 //! | MICROVM | the state dir's filesystem (sparse qcow2 disks) | `microvm.disk_pool_bytes`, else the filesystem's size at start |
 //! | CONTAINER | Docker's data root (writable layers) | `container.disk_pool_bytes`, else the size at start of the filesystem of `/var/lib/docker` (of the state dir when there is none) |
 //!

@@ -1,5 +1,6 @@
 //! The audit log: one JSON line per mutating call — who (tenant), what (RPC, sandbox, argv), how
-//! it ended (gRPC code) and how long it took — rotated by size.
+//! it ended (gRPC code) and how long it took, and the caller's trace id and span when its call
+//! carried a W3C `traceparent` — rotated by size.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -27,6 +28,9 @@ pub struct AuditEntry<'a> {
     /// gRPC code name ("OK", "NOT_FOUND", …).
     pub status: &'a str,
     pub duration_ms: u64,
+    /// The caller's trace (`trace_id`, `span_id`), when its call carried a `traceparent`.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<&'a crate::model::TraceContext>,
 }
 
 struct Sink {
@@ -137,7 +141,8 @@ mod tests {
         let log = AuditLog::open(&cfg, PathBuf::new()).expect("open");
         let env: std::collections::HashMap<String, String> = [("TOKEN".to_string(), "s3cret".to_string())].into();
         let argv = vec!["echo".to_string(), "hi".to_string()];
-        for _ in 0..20 {
+        let trace = crate::model::TraceContext { trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(), span_id: "00f067aa0ba902b7".into() };
+        for i in 0..20 {
             log.record(&AuditEntry {
                 tenant: "t",
                 rpc: "Exec",
@@ -147,12 +152,18 @@ mod tests {
                 detail: "",
                 status: "OK",
                 duration_ms: 3,
+                trace: (i % 2 == 0).then_some(&trace),
             });
         }
         let text = std::fs::read_to_string(&path).expect("read");
         let first: serde_json::Value = serde_json::from_str(text.lines().next().expect("a line")).expect("json");
         assert_eq!(first["rpc"], "Exec");
         assert_eq!(first["env"]["TOKEN"], "***");
+        // Every other line came with a traceparent: its trace id and span, and the others none.
+        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+        let traced = lines.iter().filter(|l| l["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736" && l["span_id"] == "00f067aa0ba902b7").count();
+        let bare = lines.iter().filter(|l| l.get("trace_id").is_none() && l.get("span_id").is_none()).count();
+        assert!(traced > 0 && bare > 0 && traced + bare == lines.len(), "{text}");
         assert!(!text.contains("s3cret"));
         assert!(PathBuf::from(format!("{}.1", path.display())).exists(), "rotated");
         assert!(!PathBuf::from(format!("{}.3", path.display())).exists(), "keep = 2");

@@ -64,7 +64,78 @@ pub struct Cli {
     /// `[e2b] listen`.
     #[arg(long = "e2b")]
     pub e2b: Option<std::net::SocketAddr>,
+    /// Instead of serving: a command to a running daemon.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Serve the operator's web page on this address (e.g. 127.0.0.1:8080); overrides
+    /// `[web] listen`.
+    #[arg(long = "web")]
+    pub web: Option<std::net::SocketAddr>,
+    /// The `sbx agent` state dir whose runs the page shows; overrides `[web] agent_runs_dir`.
+    #[arg(long = "web-agent-runs")]
+    pub web_agent_runs: Option<PathBuf>,
 }
+
+/// What `sandboxd <command>` does instead of serving.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Drain the daemon serving a UNIX socket, then wait for it to end: it takes no new
+    /// sandboxes (creates answer UNAVAILABLE, so a fleet places them on a peer) and health's
+    /// `sandbox.v1.SandboxService` turns NOT_SERVING; running execs get until `--timeout`, then
+    /// the daemon is stopped with SIGTERM. Exits 0 once the daemon has ended. Run by the
+    /// Kubernetes preStop hook; needs the right to signal the daemon (root).
+    Drain(DrainArgs),
+}
+
+/// The options of `sandboxd drain`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DrainArgs {
+    /// The daemon's UNIX socket (`unix:///path` or a path). Default: the first UNIX listener
+    /// of `--config`, else /run/sandboxd/sandboxd.sock.
+    #[arg(long)]
+    pub socket: Option<String>,
+    /// Seconds the running execs may take before the daemon is stopped with SIGTERM.
+    #[arg(long, default_value_t = 300)]
+    pub timeout: u64,
+    /// Seconds the daemon may take to exit after that SIGTERM.
+    #[arg(long, default_value_t = 60)]
+    pub stop_timeout: u64,
+}
+
+impl DrainArgs {
+    /// The socket to drain: `--socket`, else the first UNIX listener in the `config` file.
+    pub fn socket_path(&self, config: Option<&Path>) -> Result<PathBuf, ConfigError> {
+        if let Some(s) = &self.socket {
+            return match ListenAddr::parse(s)? {
+                ListenAddr::Unix(p) => Ok(p),
+                ListenAddr::Tcp(_) => Err(ConfigError::Invalid(format!("drain --socket {s:?}: a drain needs the daemon's UNIX socket"))),
+            };
+        }
+        let listen = match config {
+            Some(path) => Self::listeners_of(path)?,
+            None => Vec::new(),
+        };
+        let first_unix = listen.iter().map(|a| ListenAddr::parse(a)).find_map(|a| match a {
+            Ok(ListenAddr::Unix(p)) => Some(p),
+            _ => None,
+        });
+        Ok(first_unix.unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET)))
+    }
+
+    /// The `listen` list of a config file, read alone: a drain needs nothing else from it.
+    fn listeners_of(path: &Path) -> Result<Vec<String>, ConfigError> {
+        #[derive(Deserialize)]
+        struct ListenOnly {
+            listen: Option<Vec<String>>,
+        }
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let file: ListenOnly = toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })?;
+        Ok(file.listen.unwrap_or_default())
+    }
+}
+
+/// Where the daemon listens when neither flag nor file says.
+pub const DEFAULT_SOCKET: &str = "/run/sandboxd/sandboxd.sock";
 
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum, Default)]
@@ -126,6 +197,14 @@ pub struct ExecConfig {
     /// Bytes of argv an exec record keeps (ListExecs/GetExec): past it the stored argv is cut
     /// and the record says `argv_truncated`. The exec itself always runs with its whole argv.
     pub max_record_argv_bytes: usize,
+    /// Remount the host's cgroup hierarchy with `favordynmods` at start (see
+    /// `backend::cgroup::favor_dynamic_modifications`): moving a process into a cgroup then no
+    /// longer waits for an RCU grace period (7.8 ms median per move 100 ms apart measured on a
+    /// 2-CPU VM, 0.35 ms with it), which every exec on the process and container tiers does.
+    /// A host-wide setting that makes fork and exit slightly dearer; on the 6.18 kernel it was
+    /// measured on, migrations stayed fast after a remount without the option (until reboot).
+    /// `false` leaves the host's mount as it is.
+    pub favordynmods: bool,
 }
 
 impl Default for ExecConfig {
@@ -137,6 +216,7 @@ impl Default for ExecConfig {
             max_records_per_sandbox: 1000,
             max_output_storage_bytes_per_sandbox: 64 << 20,
             max_record_argv_bytes: 16 << 10,
+            favordynmods: true,
         }
     }
 }
@@ -282,6 +362,12 @@ pub struct NetworkConfig {
     pub max_connections: u32,
     /// How long the proxy waits for a destination to accept.
     pub connect_timeout_ms: u64,
+    /// A proxied connection that moves no byte either way for this long is closed (and one whose
+    /// client sends no first request within it).
+    pub idle_timeout_ms: u64,
+    /// Bytes per second one sandbox may move each way through the proxy, all its connections
+    /// together (a burst of one second's worth); 0 is no cap.
+    pub bandwidth_bytes_per_sec: u64,
 }
 
 impl Default for NetworkConfig {
@@ -293,6 +379,8 @@ impl Default for NetworkConfig {
             deny: ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10"].map(String::from).to_vec(),
             max_connections: 64,
             connect_timeout_ms: 10_000,
+            idle_timeout_ms: 300_000,
+            bandwidth_bytes_per_sec: 50 << 20,
         }
     }
 }
@@ -341,6 +429,10 @@ pub struct ContainerTierConfig {
     /// Refuse container sandboxes unless Docker runs with `userns-remap` (so root in a
     /// container is not the host's root, nor uid 1000 the host's uid 1000).
     pub require_userns_remap: bool,
+    /// Start every exec through Docker's exec API, as before the exec channel (see the
+    /// container tier's `exec.rs`): ~10× slower per exec. For comparison, and as a way back
+    /// should the channel misbehave on some host. Applies to containers created from then on.
+    pub exec_through_docker: bool,
 }
 
 /// The `[admission]` table: what the host may promise to sandboxes, what it keeps for itself,
@@ -463,22 +555,50 @@ impl AdmissionConfig {
     }
 }
 
-/// The pool file's size when neither the flag nor the file sets it: half of the space free on
-/// the filesystem that will hold it (the nearest existing ancestor of the state dir), at least
-/// the 256 MiB mkfs.btrfs needs. The file is sparse and the pool overcommits, so a fraction of
-/// the free space serves many sandboxes; the other half stays for images, records and the host.
+/// The pool file's size when neither the flag nor the file sets it, from the space free on the
+/// filesystem that will hold it (the nearest existing ancestor of the state dir): see
+/// [`pool_size_for_free`].
 pub fn default_pool_size(state_dir: &Path) -> u64 {
-    const FLOOR: u64 = 256 << 20;
     let existing = state_dir.ancestors().find(|p| p.exists()).unwrap_or(Path::new("/"));
     match nix::sys::statvfs::statvfs(existing) {
         // Both fields are u64 or u32 depending on the libc.
         #[allow(clippy::useless_conversion)]
-        Ok(st) => (u64::from(st.blocks_available()).saturating_mul(u64::from(st.fragment_size())) / 2).max(FLOOR),
+        Ok(st) => pool_size_for_free(u64::from(st.blocks_available()).saturating_mul(u64::from(st.fragment_size()))),
         Err(e) => {
             tracing::warn!(dir = %existing.display(), error = %e, "cannot measure the free space for the pool file; using 32 GiB (set pool_size_bytes)");
             32 << 30
         }
     }
+}
+
+/// The default pool size on a filesystem with `free` bytes available: half of it, so the other
+/// half stays for images, records and the host — but at least 16 GiB (1,600 default sandboxes
+/// under the default 100× disk overcommit) while that is under 80% of the free space, and never
+/// under the 256 MiB mkfs.btrfs needs. The file is sparse: its size is a ceiling that real use,
+/// guarded by `admission.disk_high_water`, approaches only as sandboxes write.
+pub fn pool_size_for_free(free: u64) -> u64 {
+    const FLOOR: u64 = 256 << 20;
+    const COMFORTABLE: u64 = 16 << 30;
+    (free / 2).max(COMFORTABLE.min(free / 5 * 4)).max(FLOOR)
+}
+
+/// The `[web]` table: the operator's page (see `web`). Off unless `listen` (or `--web`) is given.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct WebConfig {
+    /// Where to serve the page and its JSON (plain HTTP/1.1). A loopback address unless
+    /// `[auth]` has tokens: without them the page answers as the local tenant, so only this
+    /// host may reach it.
+    pub listen: Option<std::net::SocketAddr>,
+    /// Whether the page may destroy a sandbox (its only state-changing action). Off: read-only.
+    #[serde(default)]
+    pub allow_destroy: bool,
+    /// A state dir of `sbx agent` (the runs under `<dir>/runs/`) whose runs the page shows,
+    /// read-only.
+    pub agent_runs_dir: Option<PathBuf>,
+    /// Where an exec's trace id links to: an `http(s)://` URL with `{trace_id}` in it (a Jaeger
+    /// or Tempo trace view). Unset: the link shows the sandbox's execs of that trace.
+    pub trace_url: Option<String>,
 }
 
 /// The `[e2b]` table: the E2B-compatible front door (see `e2b`). Off unless `listen` (or
@@ -532,7 +652,8 @@ impl Default for E2bConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FleetFileConfig {
-    /// This node's name, carried by the ids it makes. Default: `$SANDBOXD_NODE_NAME`, then the
+    /// This node's name, carried by the ids it makes. Default: `$SANDBOXD_NODE_NAME`, then
+    /// `$SANDBOXD_KUBE_NODE_NAME` made a node name ([`node_name_of_kube_node`]), then the
     /// hostname (lowercased).
     pub node_name: Option<String>,
     /// This node's direct address (`host:port`) as peers and clients reach it. Default:
@@ -567,6 +688,24 @@ fn default_fleet_connect_timeout_ms() -> u64 {
     2_000
 }
 
+/// A fleet node name for the Kubernetes node called `kube` (`$SANDBOXD_KUBE_NODE_NAME`, the
+/// downward API's `spec.nodeName`): the node a DaemonSet pod runs on is what holds its state
+/// dir, and its name survives the pod's replacement, which the pod's own name does not. Cloud
+/// node names are often dotted (`ip-10-0-1-23.ec2.internal`) or longer than a node name may be:
+/// the first DNS label is kept, lowercased, and one longer than [`crate::ids::MAX_NODE_NAME`] is
+/// cut and given 8 hex digits of the whole name's SHA-256, so distinct names stay distinct.
+pub fn node_name_of_kube_node(kube: &str) -> String {
+    use sha2::Digest;
+    let label = kube.split('.').next().unwrap_or_default().to_ascii_lowercase();
+    if label.len() <= crate::ids::MAX_NODE_NAME {
+        return label;
+    }
+    let digest = sha2::Sha256::digest(kube.as_bytes());
+    let hex: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    let keep = label.get(..crate::ids::MAX_NODE_NAME - 9).unwrap_or_default().trim_end_matches('-');
+    format!("{keep}-{hex}")
+}
+
 /// The fleet token, kept out of `Debug` output and logs.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(pub String);
@@ -595,7 +734,8 @@ impl FleetFileConfig {
     /// Fills in the defaults (environment, hostname, listeners) and reads the token file.
     fn resolve(self, listen: &[ListenAddr]) -> Result<FleetConfig, ConfigError> {
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        let name = match self.node_name.or_else(|| env("SANDBOXD_NODE_NAME")) {
+        let from_kube = || env("SANDBOXD_KUBE_NODE_NAME").map(|n| node_name_of_kube_node(&n));
+        let name = match self.node_name.or_else(|| env("SANDBOXD_NODE_NAME")).or_else(from_kube) {
             Some(n) => n,
             None => nix::unistd::gethostname()
                 .map_err(|e| ConfigError::Invalid(format!("fleet.node_name is unset and the hostname cannot be read: {e}")))?
@@ -691,6 +831,8 @@ pub struct FileConfig {
     pub admission: AdmissionConfig,
     #[serde(default)]
     pub e2b: E2bConfig,
+    #[serde(default)]
+    pub web: WebConfig,
     pub fleet: Option<FleetFileConfig>,
 }
 
@@ -1008,6 +1150,8 @@ pub struct Config {
     pub images: ImagesConfig,
     pub admission: AdmissionConfig,
     pub e2b: E2bConfig,
+    /// `[web]`: the operator's page.
+    pub web: WebConfig,
     /// `[fleet]`: this daemon is one node of several behind one address (see `fleet`).
     pub fleet: Option<FleetConfig>,
 }
@@ -1022,8 +1166,7 @@ impl Config {
         let policy = Policy::new(file.policy, file.limits.default, file.limits.max);
         let line_of = |offset: usize| text.get(..offset).map(|t| t.matches('\n').count() + 1).unwrap_or(0);
         policy.validate(&line_of).map_err(|message| ConfigError::Parse { path: cli.config.clone().unwrap_or_default(), message })?;
-        let listen_raw =
-            if !cli.listen.is_empty() { cli.listen } else { file.listen.unwrap_or_else(|| vec!["unix:///run/sandboxd/sandboxd.sock".to_string()]) };
+        let listen_raw = if !cli.listen.is_empty() { cli.listen } else { file.listen.unwrap_or_else(|| vec![format!("unix://{DEFAULT_SOCKET}")]) };
         let listen = listen_raw.iter().map(|a| ListenAddr::parse(a)).collect::<Result<Vec<_>, _>>()?;
         let state_dir = cli.state_dir.or(file.state_dir).unwrap_or_else(|| PathBuf::from("/var/lib/sandboxd"));
         let pool_size_bytes = cli.pool_size_bytes.or(file.pool_size_bytes).unwrap_or_else(|| default_pool_size(&state_dir));
@@ -1052,6 +1195,7 @@ impl Config {
             images: file.images,
             admission: file.admission,
             e2b: E2bConfig { listen: cli.e2b.or(file.e2b.listen), ..file.e2b },
+            web: WebConfig { listen: cli.web.or(file.web.listen), agent_runs_dir: cli.web_agent_runs.or(file.web.agent_runs_dir), ..file.web },
             fleet,
         };
         let cfg = cfg.absolute()?;
@@ -1075,6 +1219,9 @@ impl Config {
         if let Some(path) = &mut self.audit.path {
             abs(path, "audit.path")?;
         }
+        if let Some(path) = &mut self.web.agent_runs_dir {
+            abs(path, "web.agent_runs_dir")?;
+        }
         if let Some(tls) = &mut self.tls {
             abs(&mut tls.cert, "tls.cert")?;
             abs(&mut tls.key, "tls.key")?;
@@ -1095,6 +1242,19 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(url) = &self.web.trace_url {
+            if !(url.starts_with("http://") || url.starts_with("https://")) || !url.contains("{trace_id}") {
+                return Err(ConfigError::Invalid(format!("web.trace_url = {url:?} must be an http(s):// URL with {{trace_id}} in it")));
+            }
+        }
+        // Without tokens every caller of the page is the local tenant: only this host may call.
+        if let Some(addr) = self.web.listen.filter(|a| !a.ip().is_loopback()) {
+            if self.auth.tokens.is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "web.listen = {addr} is not a loopback address and [auth] has no tokens: anyone who can reach it would act as the local tenant; listen on 127.0.0.1 or configure [[auth.tokens]]"
+                )));
+            }
+        }
         // The import store lives in <state_dir>/images: an images_dir there would list every
         // imported image as script-built (not removable) and every script-built one as imported.
         if self.images_dir == self.state_dir.join("images") {
@@ -1202,6 +1362,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_default_pool_is_half_the_free_space_but_comfortable_when_that_is_small() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(pool_size_for_free(100 * GIB), 50 * GIB, "half of a roomy disk");
+        assert_eq!(pool_size_for_free(20 * GIB), 16 * GIB, "16 GiB while under 80% of the free space");
+        assert_eq!(pool_size_for_free(10 * GIB), 10 * GIB / 5 * 4, "80% of a small disk");
+        assert_eq!(pool_size_for_free(0), 256 << 20, "what mkfs.btrfs needs");
+    }
+
+    #[test]
     fn listen_addresses_parse() {
         assert_eq!(ListenAddr::parse("unix:///tmp/s.sock").ok(), Some(ListenAddr::Unix("/tmp/s.sock".into())));
         assert!(matches!(ListenAddr::parse("tcp://127.0.0.1:7000"), Ok(ListenAddr::Tcp(_))));
@@ -1263,6 +1432,27 @@ mod tests {
     }
 
     #[test]
+    fn the_page_off_loopback_needs_tokens_and_a_trace_url_needs_its_placeholder() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("web.toml");
+        let load = |toml: &str| {
+            std::fs::write(&path, toml).expect("write");
+            Config::load(Cli { config: Some(path.clone()), state_dir: Some(dir.path().join("st")), ..Default::default() })
+        };
+        let cfg = load("").expect("off by default");
+        assert!(cfg.web.listen.is_none() && !cfg.web.allow_destroy);
+        let cfg = load("[web]\nlisten = \"127.0.0.1:8090\"\nagent_runs_dir = \"runs\"\n").expect("loopback without tokens");
+        assert!(cfg.web.agent_runs_dir.is_some_and(|d| d.is_absolute()), "made absolute");
+        let err = load("[web]\nlisten = \"0.0.0.0:8090\"\n").expect_err("anyone would be the local tenant");
+        assert!(err.to_string().contains("web.listen = 0.0.0.0:8090"), "{err}");
+        let tokens = format!("[[auth.tokens]]\ntenant = \"a\"\nsha256 = \"{}\"\n", "0".repeat(64));
+        load(&format!("{tokens}[web]\nlisten = \"0.0.0.0:8090\"\n")).expect("with tokens");
+        let err = load("[web]\ntrace_url = \"javascript:alert(1)\"\n").expect_err("not http");
+        assert!(err.to_string().contains("web.trace_url"), "{err}");
+        load("[web]\ntrace_url = \"http://jaeger:16686/trace/{trace_id}\"\n").expect("a Jaeger link");
+    }
+
+    #[test]
     fn unknown_keys_and_bad_limits_are_refused() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("bad.toml");
@@ -1286,6 +1476,22 @@ mod tests {
             std::fs::write(&path, toml).expect("write");
             let err = Config::load(Cli { config: Some(path.clone()), ..Default::default() }).expect_err(toml);
             assert!(err.to_string().contains(key), "{toml}: {err}");
+        }
+    }
+
+    #[test]
+    fn kubernetes_node_names_become_stable_fleet_node_names() {
+        assert_eq!(node_name_of_kube_node("kind-worker2"), "kind-worker2");
+        assert_eq!(node_name_of_kube_node("ip-10-0-1-23.eu-west-1.compute.internal"), "ip-10-0-1-23");
+        assert_eq!(node_name_of_kube_node("Node-A"), "node-a");
+        let long = "gke-production-cluster-default-pool-1a2b3c4d-wxyz";
+        let a = node_name_of_kube_node(long);
+        let b = node_name_of_kube_node("gke-production-cluster-default-pool-1a2b3c4d-wxyq");
+        assert!(a.len() <= crate::ids::MAX_NODE_NAME && a.starts_with("gke-production-cluster-defau"), "{a}");
+        assert_ne!(a, b, "names that differ past the cut stay distinct");
+        assert_eq!(a, node_name_of_kube_node(long), "the same every start");
+        for name in [a, b, node_name_of_kube_node("ip-10-0-1-23.ec2.internal")] {
+            assert!(crate::ids::NodeName::parse(&name).is_ok(), "{name}");
         }
     }
 

@@ -23,7 +23,7 @@ pub enum Error {
     FileNotFound(String),
     #[error("invalid {field}: {message}")]
     InvalidArgument { field: String, message: String },
-    #[error("sandbox {id} is {state:?}: cannot {operation}")]
+    #[error("sandbox {id} is {state:?}: cannot {operation}{}", resume_hint(*.state, .id))]
     IncorrectState { id: String, state: SandboxState, operation: &'static str },
     #[error("isolation {} unavailable: {reason}", .isolation.name())]
     Unavailable { isolation: Isolation, reason: String },
@@ -44,6 +44,14 @@ pub enum Error {
     DeadlineExceeded(String),
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+/// What to do about a paused sandbox, said where an operation meets one.
+fn resume_hint(state: SandboxState, id: &str) -> String {
+    match state {
+        SandboxState::Paused => format!(" while it is paused; resume it first (ResumeSandbox, `sbx resume {id}`)"),
+        _ => String::new(),
+    }
 }
 
 impl Error {

@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use sandboxd::backend::process::init;
-use sandboxd::config::{Cli, Config, LogFormat};
+use sandboxd::config::{Cli, Command, Config, DrainArgs, LogFormat};
 use sandboxd::telemetry::Telemetry;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -23,7 +23,11 @@ fn main() -> anyhow::Result<()> {
     // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on descriptors; it closes
     // nothing and no Rust object is invalidated.
     unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
-    let cfg = Config::load(Cli::parse())?;
+    let mut cli = Cli::parse();
+    if let Some(Command::Drain(args)) = cli.command.take() {
+        return drain(&args, cli.config.as_deref());
+    }
+    let cfg = Config::load(cli)?;
     // Every running exec holds descriptors; the usual soft limit of 1024 would let a few hundred
     // of them starve every other call. Logged below, once logging is up.
     let nofile = sandboxd::admission::raise_nofile_limit();
@@ -69,6 +73,29 @@ fn main() -> anyhow::Result<()> {
         telemetry.shutdown();
     }
     result
+}
+
+/// `sandboxd drain`: plain log lines on stderr (a preStop hook's output lands in the kubelet's
+/// events when it fails).
+fn drain(args: &DrainArgs, config: Option<&std::path::Path>) -> anyhow::Result<()> {
+    use anyhow::Context;
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(false).init();
+    let socket = args.socket_path(config)?;
+    let deadline = std::time::Duration::from_secs(args.timeout);
+    let outcome = sandboxd::drain::drain(&socket, deadline, std::time::Duration::from_secs(args.stop_timeout))
+        .with_context(|| format!("draining the daemon on {}", socket.display()))?;
+    match outcome {
+        sandboxd::drain::Drained::Quiet { pid, after } => {
+            tracing::info!(pid, secs = after.as_secs_f64(), "drained: every exec ended and the daemon exited")
+        }
+        sandboxd::drain::Drained::Stopped { pid, after } => tracing::warn!(
+            pid,
+            secs = after.as_secs_f64(),
+            timeout = args.timeout,
+            "execs were still running at the deadline: the daemon was stopped with SIGTERM (its sandboxes are kept for the next start)"
+        ),
+    }
+    Ok(())
 }
 
 /// Logs the open-file limit the daemon runs with and how many execs it leaves room for, warning

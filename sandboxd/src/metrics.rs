@@ -64,6 +64,7 @@ fn state_label(s: SandboxState) -> &'static str {
         SandboxState::Running => "running",
         SandboxState::Failed => "failed",
         SandboxState::Destroyed => "destroyed",
+        SandboxState::Paused => "paused",
     }
 }
 
@@ -178,7 +179,7 @@ impl Metrics {
     pub fn render(&self, sandboxes: &[(Isolation, SandboxState)], tiers: &[(Isolation, bool)]) -> String {
         self.sandboxes.reset();
         for tier in Isolation::ALL {
-            for state in [SandboxState::Creating, SandboxState::Running, SandboxState::Failed] {
+            for state in [SandboxState::Creating, SandboxState::Running, SandboxState::Paused, SandboxState::Failed] {
                 let n = sandboxes.iter().filter(|(t, s)| *t == tier && *s == state).count();
                 self.sandboxes.with_label_values(&[&tier.name().to_lowercase(), state_label(state)]).set(n as f64);
             }
@@ -224,6 +225,38 @@ pub async fn serve(
             }
         });
     }
+}
+
+/// The metrics an operator's overview shows (the rest are on the metrics listener): the page's
+/// Health section, and each fleet node's status for its peers' pages.
+const KEY_METRICS: &[&str] =
+    &["sandboxd_execs_total", "sandboxd_oom_kills_total", "sandboxd_exec_timeouts_total", "sandboxd_admission_pressure", "sandboxd_host_admission"];
+
+/// One sample of a key metric.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeySample {
+    /// The metric's name.
+    pub name: String,
+    /// Its labels as written (`a="x",b="y"`), empty when none.
+    pub labels: String,
+    /// The value.
+    pub value: f64,
+}
+
+/// The samples of [`KEY_METRICS`] in a Prometheus text exposition.
+pub fn key_samples(text: &str) -> Vec<KeySample> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| KEY_METRICS.iter().any(|m| l.strip_prefix(m).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (name, labels) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            Some(KeySample { name: name.to_string(), labels: labels.to_string(), value: value.parse::<f64>().ok()? })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -102,13 +102,16 @@ impl Limits {
 }
 
 /// Lifecycle of a sandbox. Transitions: Creating → Running | Failed; Running → Destroyed;
-/// Running → Failed when a restart or rollback cannot bring it back.
+/// Running ⇄ Paused (PauseSandbox, ResumeSandbox, or a TTL with [`OnExpiry::Pause`]);
+/// Paused → Destroyed; Running | Paused → Failed when a restart or rollback cannot bring it back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SandboxState {
     Creating,
     Running,
     Failed,
     Destroyed,
+    /// Every process frozen in place (memory kept, no CPU used), its TTL clock stopped.
+    Paused,
 }
 
 impl SandboxState {
@@ -118,12 +121,38 @@ impl SandboxState {
     }
     /// Whether the sandbox may be destroyed now (a sandbox being created is not yet).
     pub fn can_destroy(self) -> bool {
-        matches!(self, SandboxState::Running | SandboxState::Failed)
+        matches!(self, SandboxState::Running | SandboxState::Failed | SandboxState::Paused)
     }
-    /// Whether its filesystem may be snapshotted or rolled back.
+    /// Whether its filesystem may be snapshotted or rolled back. Not while paused: a snapshot
+    /// freezes and thaws the sandbox itself (process and container tiers) or stops and continues
+    /// its VM, which would wake a paused one.
     pub fn can_snapshot(self) -> bool {
         self == SandboxState::Running
     }
+    /// Whether it may be paused now (a paused one again: that changes nothing).
+    pub fn can_pause(self) -> bool {
+        matches!(self, SandboxState::Running | SandboxState::Paused)
+    }
+    /// Whether it may be resumed now (a running one again: that changes nothing).
+    pub fn can_resume(self) -> bool {
+        matches!(self, SandboxState::Running | SandboxState::Paused)
+    }
+    /// Whether its processes hold memory and exist (a sandbox a restart brings back, and whose
+    /// promises admission counts as in use).
+    pub fn is_live(self) -> bool {
+        matches!(self, SandboxState::Running | SandboxState::Paused)
+    }
+}
+
+/// What a sandbox's TTL does when it passes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnExpiry {
+    /// The sandbox is destroyed (the only behaviour before pause existed).
+    #[default]
+    Destroy,
+    /// The sandbox is paused, and stays so until resumed or destroyed.
+    Pause,
 }
 
 /// Limits as a request gives them: 0 means "the default".
@@ -153,6 +182,8 @@ pub struct CreateRequest {
     pub user: String,
     /// None = the parent's (a fork), else NONE.
     pub network: Option<crate::netpolicy::NetworkPolicy>,
+    /// What its TTL's passing does.
+    pub on_expiry: OnExpiry,
 }
 
 /// What a sandbox is, as users read it back.
@@ -190,6 +221,34 @@ pub struct SandboxInfo {
     /// Its network mode and allow list (a record from before networks: NONE).
     #[serde(default)]
     pub network: crate::netpolicy::NetworkPolicy,
+    /// What its TTL's passing does (a record from before pause: destroy).
+    #[serde(default)]
+    pub on_expiry: OnExpiry,
+    /// Since when it is paused (None while it is not). `expires_at` stays where the TTL stood
+    /// at the pause; a resume moves it by the time spent paused, so the clock stops meanwhile.
+    #[serde(default)]
+    pub paused_at: Option<SystemTime>,
+    /// The TTL it was last given (create or SetSandboxTtl), in seconds; 0 = none. A sandbox its
+    /// TTL paused gets it again when resumed without a new one.
+    #[serde(default)]
+    pub ttl_seconds: u32,
+}
+
+impl SandboxInfo {
+    /// Its TTL after a resume at `now`: `ttl_seconds` from now when given (0 = keep), else
+    /// what was left at the pause — or, when nothing was left (its TTL paused it), the TTL it
+    /// was last given, from now. A sandbox without a TTL keeps none.
+    pub fn expiry_after_resume(&self, now: SystemTime, ttl_seconds: u32) -> Option<SystemTime> {
+        if ttl_seconds > 0 {
+            return Some(now + Duration::from_secs(ttl_seconds.into()));
+        }
+        let expires = self.expires_at?;
+        let left = expires.duration_since(self.paused_at.unwrap_or(now)).unwrap_or_default();
+        if left.is_zero() {
+            return (self.ttl_seconds > 0).then(|| now + Duration::from_secs(self.ttl_seconds.into()));
+        }
+        Some(now + left)
+    }
 }
 
 /// How an image says it wants to be run (from an OCI/Docker image config; empty for a
@@ -298,6 +357,19 @@ pub struct ExecRequest {
     pub background: bool,
     /// Empty = the sandbox's user.
     pub user: String,
+    /// The caller's trace, when its call carried a W3C `traceparent`: kept in the exec's record.
+    pub trace: Option<TraceContext>,
+}
+
+/// The caller's W3C trace context (from the `traceparent` of its call): the trace id and the
+/// caller's own span (the header's parent id), so what the daemon did can be joined to the
+/// caller's step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceContext {
+    /// 32 lower-case hex digits.
+    pub trace_id: String,
+    /// 16 lower-case hex digits.
+    pub span_id: String,
 }
 
 /// Why an exec ended.
@@ -410,13 +482,16 @@ pub struct ExecRecord {
     /// store in a column of its own, not in the JSON document.
     #[serde(skip)]
     pub output_discarded: bool,
+    /// The trace of the call that started the exec, when it carried one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceContext>,
 }
 
 impl ExecRecord {
     /// The record of an exec that is starting now.
     pub fn running(exec_id: ExecId, sandbox_id: SandboxId, argv: Vec<String>, idempotency_key: String) -> Self {
         let outcome = ExecOutcome::failed(ExecStatus::Running, 0, String::new(), SystemTime::now());
-        ExecRecord { exec_id, sandbox_id, argv, argv_truncated: false, idempotency_key, outcome, output_discarded: false }
+        ExecRecord { exec_id, sandbox_id, argv, argv_truncated: false, idempotency_key, outcome, output_discarded: false, trace: None }
     }
 }
 
@@ -497,5 +572,48 @@ mod tests {
         assert!(!SandboxState::Creating.can_exec());
         assert!(!SandboxState::Creating.can_destroy());
         assert!(SandboxState::Failed.can_destroy());
+        let paused = SandboxState::Paused;
+        assert!(!paused.can_exec() && !paused.can_snapshot(), "nothing runs in a paused sandbox");
+        assert!(paused.can_destroy() && paused.can_pause() && paused.can_resume(), "destroy works; pause and resume are idempotent");
+        assert!(SandboxState::Running.can_resume(), "resuming a running sandbox is a no-op, not an error");
+        for s in [SandboxState::Creating, SandboxState::Failed, SandboxState::Destroyed] {
+            assert!(!s.can_pause() && !s.can_resume(), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn a_paused_ttl_clock_stops_and_an_expiry_pause_gets_its_ttl_again() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let info = |expires: Option<u64>, paused: Option<u64>, ttl: u32| SandboxInfo {
+            id: crate::ids::SandboxId::generate_on(None),
+            tenant: String::new(),
+            isolation: Isolation::Process,
+            isolation_reason: None,
+            image: String::new(),
+            state: SandboxState::Paused,
+            limits: Limits::DEFAULTS,
+            labels: BTreeMap::new(),
+            env: BTreeMap::new(),
+            created_at: t0,
+            workdir: String::new(),
+            parent_snapshot_id: None,
+            expires_at: expires.map(|s| t0 + Duration::from_secs(s)),
+            head_snapshot: None,
+            failure_reason: None,
+            user: None,
+            image_config: ImageConfig::default(),
+            network: Default::default(),
+            on_expiry: OnExpiry::Pause,
+            paused_at: paused.map(|s| t0 + Duration::from_secs(s)),
+            ttl_seconds: ttl,
+        };
+        let now = t0 + Duration::from_secs(5000);
+        // Paused at 100 s with 200 s left: 200 s left from the resume, however long it slept.
+        assert_eq!(info(Some(300), Some(100), 300).expiry_after_resume(now, 0), Some(now + Duration::from_secs(200)));
+        // Paused by its TTL (nothing left): its TTL again.
+        assert_eq!(info(Some(300), Some(300), 300).expiry_after_resume(now, 0), Some(now + Duration::from_secs(300)));
+        // A new TTL wins; no TTL stays none.
+        assert_eq!(info(Some(300), Some(100), 300).expiry_after_resume(now, 7), Some(now + Duration::from_secs(7)));
+        assert_eq!(info(None, Some(100), 0).expiry_after_resume(now, 0), None);
     }
 }

@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 /// Most entries in one allow list.
 pub const MAX_ALLOW_RULES: usize = 64;
 
-/// How much network a sandbox gets.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// How much network a sandbox gets, in increasing order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NetworkMode {
     /// Loopback only: no interface but `lo`.

@@ -29,6 +29,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use crate::model::{Isolation, Limits};
+use crate::netpolicy::{AllowRule, NetworkMode, NetworkPolicy};
 
 /// Limits a rule overrides; unset fields keep what applies already.
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
@@ -103,9 +104,23 @@ pub struct Rule {
     pub limits_default: PartialLimits,
     #[serde(default)]
     pub limits_max: PartialLimits,
+    /// The most network a matching sandbox may have (NONE < ALLOWLIST < OPEN); a request over
+    /// it is refused naming the rule. Implied `allowlist` by `network_allow`.
+    #[serde(default)]
+    pub max_network: Option<NetworkMode>,
+    /// With `max_network = "allowlist"`: the only entries a matching sandbox may list, and the
+    /// list one gets when it asks for no network of its own (the operator's "CI tasks reach the
+    /// package mirror and the git host").
+    #[serde(default)]
+    pub network_allow: Vec<AllowRule>,
 }
 
 impl Rule {
+    /// The rule's network ceiling, if it sets one.
+    fn network_ceiling(&self) -> Option<NetworkMode> {
+        self.max_network.or(if self.network_allow.is_empty() { None } else { Some(NetworkMode::Allowlist) })
+    }
+
     fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
         self.match_labels.iter().all(|(k, v)| labels.get(k) == Some(v))
     }
@@ -223,6 +238,19 @@ pub enum PolicyError {
     NotAllowed { requested: Isolation, allowed: String },
     #[error("policy rule {rule:?} requires isolation {} or stronger; the request asked for {}", .min.name(), .requested.name())]
     BelowMinimum { rule: String, min: Isolation, requested: Isolation },
+    #[error("policy rule {rule:?} allows network up to {}; the sandbox would have {}", .max.name(), .requested.name())]
+    NetworkOverMaximum { rule: String, max: NetworkMode, requested: NetworkMode },
+    #[error("policy rule {rule:?} does not allow network entry {entry:?} (allowed: {allowed})")]
+    NetworkEntryNotAllowed { rule: String, entry: String, allowed: String },
+}
+
+/// A matching rule's network ceiling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetworkCeiling {
+    pub rule: String,
+    pub max: NetworkMode,
+    /// Empty: any entries (under ALLOWLIST); else only these.
+    pub allow: Vec<AllowRule>,
 }
 
 /// What the policy decided for one request.
@@ -233,6 +261,28 @@ pub struct Decision {
     pub reason: Option<String>,
     pub defaults: Limits,
     pub ceilings: Limits,
+    /// The network ceilings of the matching rules, all of which a sandbox's network must meet.
+    pub network_ceilings: Vec<NetworkCeiling>,
+    /// The network a matching rule gives a request that names none (and has no parent).
+    pub network_default: Option<NetworkPolicy>,
+}
+
+impl Decision {
+    /// The sandbox's network: `asked` (the request's or the parent's), else the matching rules'
+    /// default, else NONE — refused if over any matching rule's ceiling.
+    pub fn network(&self, asked: Option<NetworkPolicy>) -> Result<NetworkPolicy, PolicyError> {
+        let network = asked.or_else(|| self.network_default.clone()).unwrap_or_default();
+        for c in &self.network_ceilings {
+            if network.mode > c.max {
+                return Err(PolicyError::NetworkOverMaximum { rule: c.rule.clone(), max: c.max, requested: network.mode });
+            }
+            if let Some(entry) = network.allow.iter().find(|e| !c.allow.is_empty() && !c.allow.contains(e)) {
+                let allowed = c.allow.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ");
+                return Err(PolicyError::NetworkEntryNotAllowed { rule: c.rule.clone(), entry: entry.to_string(), allowed });
+            }
+        }
+        Ok(network)
+    }
 }
 
 /// The policy in force.
@@ -311,6 +361,12 @@ impl Policy {
             if !names.insert(rule.name.clone()) {
                 return Err(at("the name is used twice".into()));
             }
+            if !rule.network_allow.is_empty() && rule.max_network.is_some_and(|m| m != NetworkMode::Allowlist) {
+                return Err(at("network_allow needs max_network = \"allowlist\" (or no max_network)".into()));
+            }
+            if rule.network_allow.len() > crate::netpolicy::MAX_ALLOW_RULES {
+                return Err(at(format!("network_allow has {} entries, at most {}", rule.network_allow.len(), crate::netpolicy::MAX_ALLOW_RULES)));
+            }
             if let Some(min) = rule.min_isolation {
                 if !c.allowed.iter().any(|a| *a >= min) {
                     return Err(at(format!("min_isolation {} cannot be met: no allowed isolation is that strong", min.name())));
@@ -352,7 +408,14 @@ impl Policy {
         let mut reason = None;
         let mut defaults = self.global_defaults;
         let mut ceilings = self.global_ceilings;
+        let (mut network_ceilings, mut network_default) = (Vec::new(), None);
         for rule in self.cfg.rules.iter().map(|r| r.get_ref()).filter(|r| r.matches(labels)) {
+            if let Some(max) = rule.network_ceiling() {
+                network_ceilings.push(NetworkCeiling { rule: rule.name.clone(), max, allow: rule.network_allow.clone() });
+            }
+            if network_default.is_none() && !rule.network_allow.is_empty() {
+                network_default = Some(NetworkPolicy { mode: NetworkMode::Allowlist, allow: rule.network_allow.clone() });
+            }
             if let Some(min) = rule.min_isolation {
                 if isolation < min {
                     if !rule.upgrade {
@@ -369,7 +432,7 @@ impl Policy {
             defaults = rule.limits_default.over(defaults);
             ceilings = min_limits(ceilings, rule.limits_max.over(ceilings));
         }
-        Ok(Decision { isolation, reason, defaults: min_limits(defaults, ceilings), ceilings })
+        Ok(Decision { isolation, reason, defaults: min_limits(defaults, ceilings), ceilings, network_ceilings, network_default })
     }
 }
 
@@ -466,5 +529,51 @@ upgrade = false
         assert_eq!(p.exec_caps().running_per_sandbox, ExecCaps::DEFAULTS.running_per_sandbox, "unnamed caps keep their default");
         let err = policy("[policy]\nmax_running_execs_per_sandbox = 0\n").expect_err("zero");
         assert!(err.contains("policy.max_running_execs_per_sandbox"), "{err}");
+    }
+
+    #[test]
+    fn network_rules_bound_what_a_labelled_sandbox_reaches_and_give_it_its_list() {
+        let p = policy(
+            r#"
+[policy]
+[[policy.rules]]
+name = "untrusted"
+match_labels = { trust = "untrusted" }
+max_network = "none"
+
+[[policy.rules]]
+name = "ci"
+match_labels = { team = "ci" }
+network_allow = ["pypi.org:443", "*.github.com:443"]
+"#,
+        )
+        .expect("valid");
+        let allow = |entries: &[&str]| NetworkPolicy::new(NetworkMode::Allowlist, &entries.iter().map(|e| e.to_string()).collect::<Vec<_>>()).expect("entries");
+        // No rule: whatever the request says, NONE by default.
+        let free = p.decide(None, &labels(&[])).expect("decide");
+        assert_eq!(free.network(None).expect("default"), NetworkPolicy::default());
+        let open = NetworkPolicy { mode: NetworkMode::Open, allow: vec![] };
+        assert_eq!(free.network(Some(open.clone())).expect("open"), open);
+        // Untrusted: nothing but NONE, named in the refusal.
+        let untrusted = p.decide(None, &labels(&[("trust", "untrusted")])).expect("decide");
+        let err = untrusted.network(Some(allow(&["pypi.org:443"]))).expect_err("over NONE").to_string();
+        assert!(err.contains("\"untrusted\"") && err.contains("up to NONE") && err.contains("ALLOWLIST"), "{err}");
+        assert_eq!(untrusted.network(None).expect("none").mode, NetworkMode::None);
+        // CI: the rule's list when it asks for nothing; a subset of it; nothing else, no OPEN.
+        let ci = p.decide(None, &labels(&[("team", "ci")])).expect("decide");
+        assert_eq!(ci.network(None).expect("default"), allow(&["pypi.org:443", "*.github.com:443"]));
+        assert_eq!(ci.network(Some(allow(&["pypi.org:443"]))).expect("subset"), allow(&["pypi.org:443"]));
+        let err = ci.network(Some(allow(&["pypi.org:443", "evil.test:443"]))).expect_err("not listed").to_string();
+        assert!(err.contains("\"ci\"") && err.contains("evil.test:443") && err.contains("pypi.org:443"), "{err}");
+        let err = ci.network(Some(open)).expect_err("open").to_string();
+        assert!(err.contains("up to ALLOWLIST") && err.contains("OPEN"), "{err}");
+        // Both rules match: both ceilings hold (the tighter one wins).
+        let both = p.decide(None, &labels(&[("team", "ci"), ("trust", "untrusted")])).expect("decide");
+        assert!(both.network(None).is_err(), "the CI list is over the untrusted rule's NONE");
+        // A list needs ALLOWLIST; a bad entry is named at load.
+        let err = policy("[policy]\n[[policy.rules]]\nname = \"x\"\nmax_network = \"open\"\nnetwork_allow = [\"a.test:1\"]\n").expect_err("open with a list");
+        assert!(err.contains("network_allow needs max_network"), "{err}");
+        let err = policy("[policy]\n[[policy.rules]]\nname = \"x\"\nnetwork_allow = [\"a.test\"]\n").expect_err("no port");
+        assert!(err.contains("a.test"), "{err}");
     }
 }

@@ -70,6 +70,17 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         .await
         .map_err(anyhow::Error::msg)
         .context("starting the egress filter")?;
+    if cfg.exec.favordynmods {
+        use crate::backend::cgroup::{favor_dynamic_modifications, Favor};
+        match favor_dynamic_modifications() {
+            Ok(Favor::Already(mount)) => tracing::debug!(mount = %mount.display(), "cgroup favordynmods already on"),
+            Ok(Favor::Remounted(mount)) => tracing::info!(
+                mount = %mount.display(),
+                "remounted the cgroup hierarchy with favordynmods: moving an exec into its cgroup no longer waits for an RCU grace period (exec.favordynmods = false leaves it)"
+            ),
+            Err(e) => tracing::warn!(error = %e, "cannot turn on cgroup favordynmods: an exec after a pause may wait for an RCU grace period (~8 ms)"),
+        }
+    }
     let mut backends = Backends::default();
     let process = ProcessBackend::new(ProcessConfig {
         state_dir: cfg.state_dir.clone(),
@@ -88,12 +99,13 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         catalog: catalog.clone(),
         docker_socket: docker_socket.clone(),
         require_userns_remap: cfg.container.require_userns_remap,
+        exec_through_docker: cfg.container.exec_through_docker,
         egress: Some(egress.clone()),
     })
     .await;
     backends.insert(Arc::new(container));
     // Never fails either: without QEMU or VM images the tier reports why.
-    let microvm = MicroVmBackend::new(cfg.microvm.clone(), &cfg.state_dir, catalog.clone(), cfg.limits.default);
+    let microvm = MicroVmBackend::new(cfg.microvm.clone(), &cfg.state_dir, catalog.clone(), cfg.limits.default, Some(egress.clone()));
     backends.insert(Arc::new(microvm));
     let engine = Arc::new(Engine::new(&docker_socket));
     let store = Store::open(&cfg.state_dir.join("state.db")).context("opening the state database")?;
@@ -270,6 +282,19 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         });
     }
 
+    // The operator's page, when configured: its own listener over the same manager.
+    if let Some(addr) = cfg.web.listen {
+        let (manager, auth, audit, fleet, stop) = (manager.clone(), auth.clone(), audit.clone(), fleet.clone(), stop.clone());
+        let web_cfg = cfg.web.clone();
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding web listener {addr}"))?;
+        tracing::info!(%addr, allow_destroy = web_cfg.allow_destroy, "web page listening");
+        tokio::spawn(async move {
+            if let Err(e) = crate::web::serve(listener, web_cfg, manager, auth, audit, fleet, stop).await {
+                tracing::error!(error = %e, "web listener stopped");
+            }
+        });
+    }
+
     // Re-adoption while serving: a call on a sandbox not yet back brings it back first, any
     // other call is answered at once. Health's `sandboxd.recovery` is NOT_SERVING until done.
     let recovery = {
@@ -300,11 +325,23 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     });
 
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut sigusr1 = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1()).context("installing SIGUSR1 handler")?;
     tokio::select! {
         _ = sigterm.recv() => tracing::info!("SIGTERM: shutting down"),
         r = tokio::signal::ctrl_c() => { r.context("waiting for SIGINT")?; tracing::info!("SIGINT: shutting down") }
         Some(r) = servers.join_next() => {
             tracing::error!(result = ?r, "a listener stopped unexpectedly; shutting down");
+        }
+        _ = sigusr1.recv() => {
+            start_drain(&manager, &health_reporter).await;
+            tokio::select! {
+                _ = manager.execs_ended() => tracing::info!("drained: no exec is running; shutting down"),
+                _ = sigterm.recv() => tracing::info!(running_execs = manager.running_execs(), "SIGTERM while draining: shutting down now"),
+                r = tokio::signal::ctrl_c() => { r.context("waiting for SIGINT")?; tracing::info!("SIGINT while draining: shutting down now") }
+                Some(r) = servers.join_next() => {
+                    tracing::error!(result = ?r, "a listener stopped unexpectedly while draining; shutting down");
+                }
+            }
         }
     }
     stop.cancel();
@@ -321,6 +358,23 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// A drain (SIGUSR1, sent by `sandboxd drain`): creates are refused from now on (UNAVAILABLE
+/// naming the drain, so a fleet places them on a peer, which also sees this node not ready in its
+/// `NodeStatus`), and health's `sandbox.v1.SandboxService` turns NOT_SERVING, which takes the pod
+/// out of a Kubernetes Service that routes by readiness. The overall status (`""`) stays
+/// SERVING: a liveness probe must not restart a daemon that is finishing its execs. Everything
+/// else is served as before, execs in the sandboxes held here included, until the caller ends
+/// the daemon: when no exec runs any more, or at SIGTERM (`sandboxd drain` sends it at its
+/// deadline; Kubernetes at the end of the grace period).
+///
+/// A signal rather than an RPC: only a process allowed to signal the daemon (root, or its own
+/// uid) can start a drain, no tenant's token can, and no new API surface is needed.
+async fn start_drain(manager: &Manager, health: &tonic_health::server::HealthReporter) {
+    tracing::info!(running_execs = manager.running_execs(), "SIGUSR1: draining: no new sandboxes, readiness off; ending once no exec runs");
+    manager.drain();
+    health.set_not_serving::<SandboxServiceServer<Routed>>().await;
 }
 
 /// What every call passes before its handler: SandboxService calls are authenticated from
@@ -423,7 +477,7 @@ fn rpc_span(req: &http::Request<()>) -> tracing::Span {
         .headers()
         .get("traceparent")
         .and_then(|v| v.to_str().ok())
-        .and_then(parse_traceparent)
+        .and_then(telemetry::parse_traceparent)
         .map(|(t, p)| (t.to_string(), p.to_string()))
         .unwrap_or_default();
     let span = tracing::info_span!(
@@ -436,14 +490,6 @@ fn rpc_span(req: &http::Request<()>) -> tracing::Span {
     );
     telemetry::continue_trace(&span, req.uri().path(), req.headers());
     span
-}
-
-/// `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>` → (trace id, parent id).
-fn parse_traceparent(v: &str) -> Option<(&str, &str)> {
-    let mut parts = v.trim().split('-');
-    let (version, trace, parent, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    (hex(version, 2) && hex(trace, 32) && hex(parent, 16) && hex(flags, 2) && trace.bytes().any(|b| b != b'0')).then_some((trace, parent))
 }
 
 #[cfg(test)]
@@ -580,13 +626,5 @@ mod tests {
         good.extensions_mut().insert(peer.clone());
         assert_eq!(svc.call(good).await.expect("served").body(), "called");
         assert!(peer.session.is_authenticated());
-    }
-
-    #[test]
-    fn traceparent_parses_and_rejects_garbage() {
-        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        assert_eq!(parse_traceparent(tp), Some(("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")));
-        assert_eq!(parse_traceparent("00-00000000000000000000000000000000-00f067aa0ba902b7-01"), None);
-        assert_eq!(parse_traceparent("garbage"), None);
     }
 }

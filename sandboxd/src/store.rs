@@ -188,6 +188,7 @@ fn without_bodies(rec: &ExecRecord, max_argv: usize) -> ExecRecord {
             error: o.error.clone(),
         },
         output_discarded: false,
+        trace: rec.trace.clone(),
     }
 }
 
@@ -789,6 +790,7 @@ mod tests {
             idempotency_key: key.into(),
             outcome,
             output_discarded: false,
+            trace: None,
         }
     }
 
@@ -821,7 +823,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("state.db");
         let sb = SandboxId::generate();
-        let (a, b) = (record(&sb, "k1", ExecStatus::Exited), record(&sb, "", ExecStatus::Running));
+        let (mut a, b) = (record(&sb, "k1", ExecStatus::Exited), record(&sb, "", ExecStatus::Running));
+        a.trace = Some(crate::model::TraceContext { trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(), span_id: "00f067aa0ba902b7".into() });
         {
             let store = Store::open(&path).expect("open");
             store.put_exec(&a).expect("put a");
@@ -831,6 +834,8 @@ mod tests {
         let list = all(&store, &sb, 0);
         assert_eq!(ids(&list), vec![a.exec_id.clone(), b.exec_id.clone()]);
         assert_eq!(list[0].outcome.stdout.bytes, b"hi\n");
+        assert_eq!(list[0].trace, a.trace, "the caller's trace is kept");
+        assert_eq!(list[1].trace, None);
         let by_key = store.exec_by_key(sb.as_str(), "k1").expect("query").expect("found");
         assert_eq!(by_key.exec_id, a.exec_id);
         assert_eq!(by_key.outcome.stdout.bytes, b"hi\n", "a replay gets the output");

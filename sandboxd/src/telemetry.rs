@@ -21,6 +21,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::Layer;
 
 use crate::config::TelemetryConfig;
+use crate::model::TraceContext;
 
 /// One export (with the exporter's retries) gives up after this long.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -107,6 +108,22 @@ pub fn continue_trace(span: &tracing::Span, rpc: &str, headers: &http::HeaderMap
         span.record("otel.name", rpc.trim_start_matches('/'));
         span.record("otel.kind", "server");
     }
+}
+
+/// `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>` → (trace id, parent id); None for
+/// anything else, the all-zero trace id included.
+pub fn parse_traceparent(v: &str) -> Option<(&str, &str)> {
+    let mut parts = v.trim().split('-');
+    let (version, trace, parent, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    (hex(version, 2) && hex(trace, 32) && hex(parent, 16) && hex(flags, 2) && trace.bytes().any(|b| b != b'0')).then_some((trace, parent))
+}
+
+/// The caller's trace (trace id and its span) from a request's `traceparent`, lower-cased, for
+/// the audit line and the exec record; None without one or with a malformed one.
+pub fn caller_trace(headers: &http::HeaderMap) -> Option<TraceContext> {
+    let (trace, span) = headers.get("traceparent").and_then(|v| v.to_str().ok()).and_then(parse_traceparent)?;
+    Some(TraceContext { trace_id: trace.to_ascii_lowercase(), span_id: span.to_ascii_lowercase() })
 }
 
 /// Reads propagation headers from gRPC metadata (HTTP/2 headers).
@@ -253,6 +270,18 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    #[test]
+    fn traceparent_parses_and_rejects_garbage() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(parse_traceparent(tp), Some(("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")));
+        assert_eq!(parse_traceparent("00-00000000000000000000000000000000-00f067aa0ba902b7-01"), None);
+        assert_eq!(parse_traceparent("garbage"), None);
+        let caller = caller_trace(&headers(Some("00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01"))).expect("a trace");
+        assert_eq!((caller.trace_id.as_str(), caller.span_id.as_str()), ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"));
+        assert_eq!(caller_trace(&headers(Some("00-garbage"))), None);
+        assert_eq!(caller_trace(&headers(None)), None);
     }
 
     #[tokio::test]

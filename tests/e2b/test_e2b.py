@@ -23,6 +23,7 @@ from e2b import (
     SandboxException,
     SandboxNotFoundException,
     SandboxQuery,
+    SandboxState,
     TemplateException,
     TimeoutException,
 )
@@ -261,14 +262,16 @@ def test_unknown_ids_and_templates_are_not_found(daemon: Daemon) -> None:
 def test_what_does_not_map_is_refused_with_a_reason(sbx: Sandbox) -> None:
     # The control plane's 400 is the SDK's SandboxException, with our sentence in it.
     with pytest.raises(SandboxException) as exc:
-        Sandbox.create(IMAGE, lifecycle={"on_timeout": "pause"})
-    assert "not supported" in str(exc.value)
+        Sandbox.create(IMAGE, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    assert "not supported" in str(exc.value) and "autoResume" in str(exc.value)
     with pytest.raises(SandboxException) as exc:
         Sandbox.create(IMAGE, allow_internet_access=True)
     assert "no network" in str(exc.value)
+    # A pause keeps the memory: a filesystem-only one (and a reboot on resume) is refused.
     with pytest.raises(SandboxException) as exc:
-        sbx.pause()
+        sbx.pause(mode="filesystem")
     assert "not supported" in str(exc.value)
+    assert sbx.get_info().state == SandboxState.RUNNING
     # What our envd version (0.5.7) lacks, the SDK itself refuses.
     with pytest.raises(TemplateException):
         sbx.files.watch_dir("/tmp", include_entry=True)
@@ -383,3 +386,56 @@ def test_fork_copies_the_filesystem(sbx: Sandbox) -> None:
         for f in forks:
             if isinstance(f, Sandbox):
                 f.kill()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_pause_list_and_connect_on_each_tier(daemon: Daemon, tier: str) -> None:
+    run = os.urandom(4).hex()
+    s = Sandbox.create(IMAGE, timeout=600, metadata={"isolation": tier, "run": run})
+    try:
+        s.files.write("/tmp/kept", "kept")
+        s.commands.run("i=0; while :; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.05; done", background=True)
+        count = lambda sb: int(sb.commands.run("cat /tmp/c 2>/dev/null || echo 0").stdout.strip())  # noqa: E731
+        wait_for("the counter to count", lambda: count(s) > 2)
+        assert s.pause() is True
+        assert s.pause() is False, "a second pause answers 'already paused'"
+        info = Sandbox.get_info(s.sandbox_id)
+        assert info.state == SandboxState.PAUSED
+        paused = Sandbox.list(query=SandboxQuery(metadata={"run": run}, state=[SandboxState.PAUSED])).next_items()
+        assert [p.sandbox_id for p in paused] == [s.sandbox_id]
+        assert paused[0].state == SandboxState.PAUSED
+        running = Sandbox.list(query=SandboxQuery(metadata={"run": run}, state=[SandboxState.RUNNING])).next_items()
+        assert running == []
+        # Nothing runs in it meanwhile, and it says why.
+        with pytest.raises(Exception) as exc:
+            s.commands.run("true")
+        assert "paused" in str(exc.value)
+
+        c = Sandbox.connect(s.sandbox_id, timeout=300)
+        assert c.sandbox_id == s.sandbox_id
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.RUNNING
+        assert c.commands.run("cat /tmp/kept").stdout == "kept"
+        # The same counter goes on (frozen, not restarted).
+        first = count(c)
+        wait_for("the counter to go on", lambda: count(c) > first)
+        assert Sandbox.get_info(s.sandbox_id).end_at > datetime.now(timezone.utc)
+        # Connecting to a running sandbox leaves it running.
+        assert Sandbox.connect(s.sandbox_id).commands.run("echo ok").stdout == "ok\n"
+    finally:
+        Sandbox.kill(s.sandbox_id)
+
+
+def test_auto_pause_at_timeout_then_connect_resumes(daemon: Daemon) -> None:
+    s = Sandbox.create(IMAGE, timeout=3, lifecycle={"on_timeout": "pause"})
+    try:
+        s.files.write("/tmp/kept", "kept")
+        lifecycle = Sandbox.get_info(s.sandbox_id).lifecycle
+        assert lifecycle is not None and lifecycle["on_timeout"] == "pause"
+        wait_for("the timeout to pause the sandbox", lambda: Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED, timeout=60)
+        # Paused, not killed: it stays listed and connect brings it back with its files.
+        assert s.sandbox_id in [p.sandbox_id for p in Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()]
+        c = Sandbox.connect(s.sandbox_id, timeout=600)
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.RUNNING
+        assert c.commands.run("cat /tmp/kept").stdout == "kept"
+    finally:
+        Sandbox.kill(s.sandbox_id)

@@ -14,6 +14,8 @@ import socket
 import ssl
 import struct
 import sys
+import threading
+import time
 
 TIMEOUT = 20
 
@@ -43,6 +45,40 @@ def attempt(kind, args):
             raise RuntimeError("connection closed without a reply")
         head, _, body = data.partition(b"\r\n\r\n")
         return head.split(b"\r\n")[0].decode() + " " + body.decode().strip()
+    if kind == "httphost":
+        # A plain HTTP request to host:port that names another host in its Host header.
+        host, port, named = args[0], int(args[1]), args[2]
+        with socket.create_connection((host, port), timeout=TIMEOUT) as s:
+            s.sendall(f"GET / HTTP/1.1\r\nHost: {named}\r\nConnection: close\r\n\r\n".encode())
+            data = s.recv(65536)
+        if not data:
+            raise RuntimeError("connection closed without a reply")
+        return data.split(b"\r\n")[0].decode()
+    if kind == "idle":
+        # Connects and sends nothing: how long until the other end closes.
+        started = time.monotonic()
+        with socket.create_connection((args[0], int(args[1])), timeout=TIMEOUT) as s:
+            data = s.recv(1)
+        if data:
+            raise RuntimeError(f"got {data!r}")
+        return f"closed after {time.monotonic() - started:.1f} s"
+    if kind == "bulk":
+        # Sends n bytes to an echo server and reads them back: the seconds it took.
+        host, port, n = args[0], int(args[1]), int(args[2])
+        started = time.monotonic()
+        with socket.create_connection((host, port), timeout=TIMEOUT) as s:
+            # Written from a thread while this one reads, so neither end's buffers can fill up
+            # with the other waiting.
+            sender = threading.Thread(target=s.sendall, args=(b"x" * n,), daemon=True)
+            sender.start()
+            got = 0
+            while got < n:
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    raise RuntimeError(f"closed after {got} bytes")
+                got += len(chunk)
+            sender.join()
+        return f"{n} bytes in {time.monotonic() - started:.2f} s"
     if kind == "echo":
         with socket.create_connection((args[0], int(args[1])), timeout=TIMEOUT) as s:
             s.sendall(b"ping")
@@ -97,7 +133,7 @@ def attempt(kind, args):
     raise RuntimeError(f"unknown attempt {kind}")
 
 
-ARITY = {"resolve": 1, "http": 2, "echo": 2, "tls": 3, "dns": 2, "connect": 2}
+ARITY = {"resolve": 1, "http": 2, "httphost": 3, "idle": 2, "bulk": 3, "echo": 2, "tls": 3, "dns": 2, "connect": 2}
 argv = sys.argv[1:]
 while argv:
     kind, args = argv[0], argv[1:1 + ARITY.get(argv[0], 0)]

@@ -20,6 +20,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 static int escaped = 0;
@@ -235,11 +236,93 @@ static int do_ptrace_child(void) {
     return ok ? 0 : 1;
 }
 
+
+/* Whether /proc/<pid>/cmdline is the container tier's exec helper serving execs. */
+static int is_keepalive(int pid) {
+    char path[64], buf[256] = {0};
+    snprintf(path, sizeof path, "/proc/%d/cmdline", pid);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    return n > 0 && !strcmp(buf, "/.sandboxd/sandbox-exec") && (size_t)n > strlen(buf) + 1 && !strcmp(buf + strlen(buf) + 1, "--serve");
+}
+
+/* Whether an executable's path (as /proc shows it) is a host binary: the exec helper, the
+ * init Docker mounts in, or a runtime's own (runc, containerd, sandboxd). Every other one is a
+ * file of the container's own filesystem, which root inside may write anyway. */
+static int is_host_binary(const char *link) {
+    return !strncmp(link, "/.sandboxd/", 11) || !strcmp(link, "/sbin/docker-init") || !strcmp(link, "/dev/init") || strstr(link, "runc") ||
+           strstr(link, "containerd") || strstr(link, "docker") || strstr(link, "sandboxd") || strstr(link, "memfd:");
+}
+
+/* runc CVE-2019-5736 and its class: no process here (PID 1, the exec helper serving execs, a
+ * process being started) may give us its executable for writing, directly or through an O_PATH
+ * descriptor re-opened later; the helper's descriptors (the daemon's channel) are out of reach.
+ * Scans /proc for `ms` milliseconds, so processes caught while an exec enters count too.
+ * Prints one line per kind of attempt, and "SEEN" counts. */
+static int do_exe(int ms) {
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    int self = getpid(), helper_seen = 0, helper_blocked = 0, others = 0, last_err = 0;
+    do {
+        DIR *d = opendir("/proc");
+        if (!d) { printf("cannot list /proc: %s\n", strerror(errno)); return 2; }
+        struct dirent *e;
+        while ((e = readdir(d))) {
+            int pid = atoi(e->d_name);
+            if (pid <= 0 || pid == self) continue;
+            char exe[64], what[512];
+            snprintf(exe, sizeof exe, "/proc/%d/exe", pid);
+            int path_fd = open(exe, O_PATH);
+            if (path_fd >= 0) {
+                char again[64], link[256] = {0};
+                snprintf(again, sizeof again, "/proc/self/fd/%d", path_fd);
+                if (readlink(again, link, sizeof link - 1) < 0 || is_host_binary(link)) {
+                    int fd = open(exe, O_WRONLY);
+                    if (fd >= 0) { snprintf(what, sizeof what, "open %s (%s) for writing", exe, link); verdict(1, what, 0); close(fd); }
+                    fd = open(again, O_WRONLY);
+                    if (fd >= 0) { snprintf(what, sizeof what, "re-open of %s (%s, O_PATH) for writing", exe, link); verdict(1, what, 0); close(fd); }
+                    else last_err = errno;
+                }
+                close(path_fd);
+            }
+            if (is_keepalive(pid)) {
+                helper_seen = 1;
+                if (path_fd >= 0) { snprintf(what, sizeof what, "O_PATH open of the exec helper's %s", exe); verdict(1, what, 0); }
+                else helper_blocked = 1;
+                int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+                for (int target = 0; pidfd >= 0 && target < 16; target++) {
+                    int got = (int)syscall(SYS_pidfd_getfd, pidfd, target, 0);
+                    if (got >= 0) { snprintf(what, sizeof what, "pidfd_getfd(exec helper, %d)", target); verdict(1, what, 0); close(got); }
+                }
+                if (pidfd >= 0) close(pidfd);
+                for (int target = 0; target < 16; target++) {
+                    char fdp[64];
+                    snprintf(fdp, sizeof fdp, "/proc/%d/fd/%d", pid, target);
+                    int got = open(fdp, O_RDWR);
+                    if (got >= 0) { snprintf(what, sizeof what, "open %s", fdp); verdict(1, what, 0); close(got); }
+                }
+            } else {
+                others++;
+            }
+        }
+        closedir(d);
+        clock_gettime(CLOCK_MONOTONIC, &now);
+    } while ((now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000 < ms);
+    if (!helper_seen) { printf("the exec helper (/.sandboxd/sandbox-exec --serve) was not found\n"); return 2; }
+    verdict(!helper_blocked, "O_PATH open of the exec helper's /proc/<pid>/exe", EACCES);
+    verdict(0, "opening any /proc/<pid>/exe for writing", last_err ? last_err : EACCES);
+    printf("SEEN: %d process looks\n", others);
+    return escaped;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
     if (argc < 2) return 2;
     if (!strcmp(argv[1], "setuid")) return do_setuid();
     if (!strcmp(argv[1], "pid1")) return do_pid1();
+    if (!strcmp(argv[1], "exe")) return do_exe(argc > 2 ? atoi(argv[2]) : 0);
     if (!strcmp(argv[1], "fds")) return do_fds();
     if (!strcmp(argv[1], "io_uring")) return do_io_uring();
     if (!strcmp(argv[1], "vsock")) return do_vsock();

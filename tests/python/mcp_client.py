@@ -147,6 +147,14 @@ async def main():
         _, text = await call(client, "run_command", {"sandbox_id": extra, "command": "true"}, error=True)
         check("NOT_FOUND" in text, text)
 
+        # A network: only the listed destinations; the daemon's DNS refuses any other name.
+        _, text = await call(client, "create_sandbox", {"allow": ["pypi.test:443"], "make_default": False})
+        check("network ALLOWLIST pypi.test:443" in text, text)
+        net = sandbox_id(text)
+        _, text = await call(client, "run_command", {"sandbox_id": net, "command": "nslookup evil.test"})
+        check(not text.startswith("exit_code=0"), f"an unlisted name resolved: {text!r}")
+        _, text = await call(client, "destroy_sandbox", {"sandbox_id": net})
+
         # Limits beyond the daemon's policy are the daemon's refusal, as a tool error.
         _, text = await call(client, "create_sandbox", {"memory_mb": 100_000_000}, error=True)
         check("INVALID_ARGUMENT" in text or "RESOURCE_EXHAUSTED" in text, text)

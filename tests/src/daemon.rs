@@ -279,6 +279,17 @@ impl Daemon {
         self.spawn().await
     }
 
+    /// The daemon's exit status if it has ended (by itself: a drain), reaping it; None while it
+    /// runs.
+    pub fn exited(&mut self) -> Result<Option<std::process::ExitStatus>> {
+        let Some(child) = self.child.as_mut() else { bail!("daemon not started") };
+        let status = child.try_wait().context("checking whether the daemon has ended")?;
+        if status.is_some() {
+            self.child = None;
+        }
+        Ok(status)
+    }
+
     /// Graceful stop: SIGTERM, then wait (bounded). Returns the exit status.
     pub fn stop(&mut self) -> Result<std::process::ExitStatus> {
         let Some(mut child) = self.child.take() else { bail!("daemon not running") };

@@ -3,18 +3,21 @@
 //! (`tests/tests/*.rs`) share: a daemon-and-client [`Harness`], requests they send most, exec
 //! helpers that describe a result in full when an assertion fails, bounded waiting ([`within`],
 //! [`eventually`]), what the host shows of a daemon (mounts, cgroups, memory, files), hostile
-//! probes, and checks more than one suite makes (e.g. [`assert_paths_stay_inside`]).
+//! probes, checks more than one suite makes (e.g. [`assert_paths_stay_inside`]), and the egress
+//! suites' test internet ([`Internet`]).
 //!
 //! Nothing here skips: a machine that cannot run the daemon (not root, no images built) makes
 //! the test fail with a message saying what is missing, because CI — root, with Docker — has
 //! everything.
 #![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
+pub mod browser;
 mod checks;
 mod daemon;
 mod exec;
 mod harness;
 mod host;
+mod internet;
 mod probes;
 mod report;
 mod requests;
@@ -30,6 +33,7 @@ pub use host::{
     cgroups_of, dirs_named, find_under, free_port, mounted, mounts_of, mounts_under, owner_label, proc_status_bytes, remove_containers_of, rss_bytes, unique,
     PeakRss,
 };
+pub use internet::Internet;
 pub use probes::build_probe;
 pub use report::replace_section;
 pub use requests::{process_sandbox, sandbox_request};

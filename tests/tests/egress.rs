@@ -1,120 +1,23 @@
-//! Egress under policy (issue #24), end to end on the process tier: a sandbox's network mode
+//! Egress under policy (issue #24), end to end on every tier: a sandbox's network mode
 //! NONE, ALLOWLIST or OPEN, enforced at the network layer by the daemon (a veth, nftables, its
 //! DNS server and transparent proxy), against an "internet" this test builds itself: a network
 //! namespace holding DNS, HTTP and raw TCP servers at 198.18.x.2 (the benchmarking range, never a
 //! real address), reached from the host over a veth. The daemon's upstream resolver is that
-//! namespace's DNS server, which logs every query it gets, so the test sees what left.
+//! namespace's DNS server, which logs every query it gets, so the test sees what left
+//! ([`sandbox_tests::Internet`], shared with `egress_bench`).
 //!
 //! Programs in the sandboxes are the `debian` image's python3 running `tests/egress/probe.py`:
 //! plain sockets and the system resolver, no proxy variables, so what is refused is refused by
 //! the network, not by politeness.
 #![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use agent_client::exec_request;
 use agent_client::proto::{CreateSandboxRequest, Isolation, NetworkMode, NetworkPolicy, SnapshotInfo};
-use sandbox_tests::{eventually, exec, images_dir, process_sandbox, run_sbx, text, within, Harness};
+use sandbox_tests::{eventually, exec, images_dir, process_sandbox, run_sbx, text, within, Harness, Internet};
 
-const INTERNET_PY: &str = include_str!("../egress/internet.py");
 const PROBE_PY: &str = include_str!("../egress/probe.py");
-
-/// The test's internet: a network namespace with the servers of `internet.py`, its host side
-/// at 198.18.`net`.1 and the servers at 198.18.`net`.2.
-struct Internet {
-    ns: String,
-    host_if: String,
-    server: Child,
-    log: PathBuf,
-    _dir: tempfile::TempDir,
-    net: u8,
-}
-
-fn run(cmd: &[&str]) {
-    let out = Command::new(cmd[0]).args(&cmd[1..]).output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-impl Internet {
-    /// Builds it; `n` (0-7) tells apart the internets of the tests of this process.
-    async fn start(n: u8) -> Internet {
-        sandbox_tests::require_environment().expect("environment");
-        assert!(n < 8);
-        let pid = std::process::id();
-        let net = 20 + ((pid % 29) as u8) * 8 + n;
-        let (ns, host_if) = (format!("sbxtest-inet-{pid}-{n}"), format!("inet{}{n}", pid % 100_000));
-        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
-        let _ = Command::new("ip").args(["link", "del", &host_if]).output();
-        run(&["ip", "netns", "add", &ns]);
-        run(&["ip", "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &ns]);
-        run(&["ip", "addr", "add", &format!("198.18.{net}.1/24"), "dev", &host_if]);
-        run(&["ip", "link", "set", &host_if, "up"]);
-        run(&["ip", "-n", &ns, "addr", "add", &format!("198.18.{net}.2/24"), "dev", "eth0"]);
-        run(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
-        run(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (script, log) = (dir.path().join("internet.py"), dir.path().join("internet.log"));
-        std::fs::write(&script, INTERNET_PY).expect("writing internet.py");
-        let records = [
-            format!("pypi.test=198.18.{net}.2"),
-            format!("evil.test=198.18.{net}.2"),
-            format!("host.test=198.18.{net}.1"),
-            "meta.test=169.254.169.254".to_string(),
-        ];
-        let server = Command::new("ip")
-            .args(["netns", "exec", &ns, "python3"])
-            .arg(&script)
-            .args(&records)
-            .stdout(std::fs::File::create(&log).expect("log file"))
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("starting internet.py (python3 on the host)");
-        let internet = Internet { ns, host_if, server, log, _dir: dir, net };
-        assert!(eventually(30, || async { internet.queries().contains("ready") }).await, "the test internet did not start: {}", internet.queries());
-        internet
-    }
-
-    /// Everything its DNS server was asked.
-    fn queries(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn addr(&self) -> String {
-        format!("198.18.{}.2", self.net)
-    }
-
-    /// The interface prefix of this test's daemon (its nftables table is `sandboxd_<prefix>`).
-    fn prefix(&self) -> String {
-        format!("e{:04}{}x", std::process::id() % 10_000, self.net % 8)
-    }
-
-    fn host_addr(&self) -> String {
-        format!("198.18.{}.1", self.net)
-    }
-
-    /// A daemon whose upstream resolver is this internet's, with sandbox links of its own.
-    async fn daemon(&self, extra: &[&str]) -> Harness {
-        let config = format!(
-            "[network]\nsubnet = \"100.98.{net}.0/24\"\ninterface_prefix = \"{prefix}\"\nupstream_dns = \"{addr}:53\"\n",
-            net = self.net,
-            prefix = self.prefix(),
-            addr = self.addr(),
-        );
-        Harness::start_with(&config, extra).await
-    }
-}
-
-impl Drop for Internet {
-    fn drop(&mut self) {
-        let _ = self.server.kill();
-        let _ = self.server.wait();
-        let _ = Command::new("ip").args(["link", "del", &self.host_if]).output();
-        let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
-        // The daemon (dropped before this) leaves its table on purpose; the test removes it.
-        let _ = Command::new("nft").args(["delete", "table", "inet", &format!("sandboxd_{}", self.prefix())]).output();
-    }
-}
 
 fn network(mode: NetworkMode, allow: &[String]) -> Option<NetworkPolicy> {
     Some(NetworkPolicy { mode: mode as i32, allow: allow.to_vec() })
@@ -418,20 +321,12 @@ async fn http_get(addr: &str) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn forks_inherit_the_network_and_the_microvm_tier_refuses_one() {
+async fn forks_inherit_the_network_and_restarts_keep_it() {
     require_debian();
     let inet = Internet::start(2).await;
     let mut h = inet.daemon(&[]).await;
     let allow = vec!["pypi.test:8080".to_string()];
 
-    // The microVM tier (not done yet): refused with the tier named, never created without the
-    // filter.
-    for tier in [Isolation::Microvm] {
-        let request = CreateSandboxRequest { isolation: tier as i32, network: network(NetworkMode::Allowlist, &allow), ..Default::default() };
-        let err = within(60, h.client.create(request)).await.expect_err("a filtered network on another tier");
-        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
-        assert!(err.to_string().contains(&format!("{tier:?}").to_uppercase()), "{err}");
-    }
     // Malformed entries name the field.
     for (mode, entry) in [(NetworkMode::Allowlist, "pypi.test"), (NetworkMode::Allowlist, "10.0.0.0/40:1"), (NetworkMode::Open, "pypi.test:443")] {
         let request = CreateSandboxRequest { network: network(mode, &[entry.to_string()]), ..process_sandbox("debian") };
@@ -525,6 +420,23 @@ async fn nameserver(h: &Harness, id: &str) -> std::net::Ipv4Addr {
     let conf = within(30, h.client.read_file(id, "/etc/resolv.conf", 0, 0)).await.expect("resolv.conf").content;
     let conf = String::from_utf8_lossy(&conf).to_string();
     conf.lines().find_map(|l| l.strip_prefix("nameserver ")).unwrap_or_else(|| panic!("no nameserver in {conf:?}")).trim().parse().expect("an address")
+}
+
+/// Returns once every sandbox of the daemon is back after a restart. A listing is no sign: a
+/// sandbox waiting for its re-adoption is listed in its recorded state (RUNNING) before its
+/// container or VM, and its link, are back; an exec waits for (or does) the re-adoption.
+async fn every_sandbox_readopted(h: &Harness) {
+    let all = within(60, h.client.list(Default::default())).await.expect("ListSandboxes");
+    for s in all {
+        let r = within(180, h.client.exec(exec_request(&s.id, ["true"]))).await.expect("Exec");
+        assert_eq!(r.exit_code, 0, "{}: not back after the restart: {}", s.id, r.error);
+    }
+}
+
+/// Whether Docker has a container of exactly this name (running or not).
+fn container_exists(name: &str) -> bool {
+    let out = Command::new("docker").args(["ps", "-a", "--format", "{{.Names}}"]).output().expect("docker ps");
+    text(&out.stdout).lines().any(|l| l == name)
 }
 
 /// The host-side interfaces of the daemon's sandbox links (named `<prefix><slot>`).
@@ -671,6 +583,18 @@ async fn the_container_tier_is_held_the_same_through_fork_rollback_restart_and_d
     assert_fail(&lines[1]);
     assert_fail(&lines[2]);
 
+    // The rollback prepared a standby for the next one; a newer snapshot discards it. The
+    // standby carries the sandbox's id but no link: discarding it leaves the serving
+    // container's link alone.
+    let standby = format!("sandboxd-{id}-standby-{}", snap.snapshot_id);
+    assert!(eventually(120, || async { container_exists(&standby) }).await, "the rollback prepared no standby {standby}");
+    let links = host_links(&prefix);
+    within(60, h.client.snapshot(&id, "")).await.expect("Snapshot");
+    assert!(eventually(120, || async { !container_exists(&standby) }).await, "the replaced standby {standby} was not removed");
+    assert_eq!(host_links(&prefix), links, "discarding a standby changed the links");
+    let lines = probe(&h, &id, &["http", "pypi.test", "8080"]).await;
+    assert_ok(&lines[0], "hello from the test internet");
+
     // A daemon restart restarts the container (a new namespace): re-adopted with its link.
     h.daemon.restart().await.expect("restarting sandboxd");
     h.client = h.daemon.client().await.expect("reconnecting");
@@ -683,8 +607,219 @@ async fn the_container_tier_is_held_the_same_through_fork_rollback_restart_and_d
     let lines = probe(&h, &none, &["http", &addr, "8080"]).await;
     assert_fail(&lines[0]);
 
-    // Destroy takes the link away.
+    // Destroy takes the link away — counted once every sandbox is back: the restart's
+    // re-adoption of the others gives them links meanwhile.
+    every_sandbox_readopted(&h).await;
     let before = host_links(&prefix).len();
     within(60, h.client.destroy(&id)).await.expect("Destroy");
     assert_eq!(host_links(&prefix).len(), before - 1, "{:?}", host_links(&prefix));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_microvm_tier_is_held_the_same_through_fork_rollback_restart_and_destroy() {
+    require_debian();
+    let inet = Internet::start(5).await;
+    let mut h = inet.daemon(&[]).await;
+    let (addr, prefix) = (inet.addr(), inet.prefix());
+    let host = HostService::start();
+    let port = host.port();
+
+    // NONE (the default): no network device at all, no link on the host.
+    let none = sandbox_on(&h, Isolation::Microvm, None).await;
+    let lines = probe(&h, &none, &["resolve", "pypi.test", "http", &addr, "8080"]).await;
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    for l in &lines {
+        assert_fail(l);
+    }
+    let ifaces = sandbox_tests::sh_ok(&h.client, &none, "ls /sys/class/net").await;
+    assert_eq!(ifaces.split_whitespace().collect::<Vec<_>>(), ["lo"], "NONE has interfaces: {ifaces}");
+    assert!(host_links(&prefix).is_empty(), "a NONE microVM got a link: {:?}", host_links(&prefix));
+    within(60, h.client.destroy(&none)).await.expect("Destroy");
+
+    // ALLOWLIST: a virtio-net device on a TAP, held by the same filter as the other tiers.
+    let allow = vec!["pypi.test:8080".to_string(), format!("host.test:{port}"), "169.254.169.254/32:80".to_string()];
+    let id = sandbox_on(&h, Isolation::Microvm, network(NetworkMode::Allowlist, &allow)).await;
+    assert_eq!(host_links(&prefix).len(), 1, "{:?}", host_links(&prefix));
+    let gw = nameserver(&h, &id).await.to_string();
+    let lines = probe(
+        &h,
+        &id,
+        &[
+            "http",
+            &addr,
+            "8080", // 0: an IP literal nobody resolved
+            "http",
+            "pypi.test",
+            "8080", // 1: listed
+            "echo",
+            "pypi.test",
+            "7000", // 2: the listed name on another port
+            "resolve",
+            "evil.test", // 3: not listed
+            "http",
+            "host.test",
+            &port, // 4: listed, but the host
+            "http",
+            &gw,
+            &port, // 5: the gateway (the host)
+            "connect",
+            "169.254.169.254",
+            "80", // 6: listed as a CIDR, still the metadata address
+        ],
+    )
+    .await;
+    assert_eq!(lines.len(), 7, "{lines:#?}");
+    assert_fail(&lines[0]);
+    assert_ok(&lines[1], "200 OK hello from the test internet");
+    for l in &lines[2..] {
+        assert_fail(l);
+    }
+    assert!(!host.was_reached(), "a microVM reached a host service");
+    let audit = audit_lines(&h, &id);
+    let ok = audit.iter().find(|l| l["rpc"] == "egress.connect" && l["verdict"] == "allowed").expect("an allowed connection in the audit log");
+    assert_eq!((ok["rule"].as_str(), ok["port"].as_u64()), (Some("pypi.test:8080"), Some(8080)), "{ok}");
+    let denied = |pred: &dyn Fn(&serde_json::Value) -> bool| audit.iter().any(|l| l["verdict"] == "denied" && pred(l));
+    assert!(denied(&|l| l["rpc"] == "egress.connect" && l["addr"] == addr.as_str() && l["port"] == 8080), "no IP-literal refusal: {audit:#?}");
+    assert!(denied(&|l| l["rpc"] == "egress.dns" && l["name"] == "evil.test"), "no DNS refusal: {audit:#?}");
+    assert!(!inet.queries().contains("evil.test"), "an unlisted name reached the upstream resolver");
+    // OPEN: the test internet, but not the host, the metadata address or a neighbour (a
+    // process sandbox: every tier's links are in one subnet, and none reaches another).
+    let open = sandbox_on(&h, Isolation::Microvm, network(NetworkMode::Open, &[])).await;
+    let neighbour = sandbox_on(&h, Isolation::Process, network(NetworkMode::Open, &[])).await;
+    let server =
+        exec(&h.client, agent_client::proto::ExecRequest { background: true, ..exec_request(&neighbour, ["python3", "-m", "http.server", "8000"]) }).await;
+    assert!(server.exec_id.len() > 1);
+    assert!(
+        eventually(30, || async { probe(&h, &neighbour, &["http", "127.0.0.1", "8000"]).await[0].starts_with("OK") }).await,
+        "the neighbour's server never answered itself"
+    );
+    let neighbour_addr = std::net::Ipv4Addr::from(u32::from(nameserver(&h, &neighbour).await) + 1).to_string();
+    let open_gw = nameserver(&h, &open).await.to_string();
+    let lines = probe(
+        &h,
+        &open,
+        &["http", &addr, "8080", "http", "pypi.test", "8080", "connect", "169.254.169.254", "80", "http", &neighbour_addr, "8000", "http", &open_gw, &port],
+    )
+    .await;
+    assert_eq!(lines.len(), 5, "{lines:#?}");
+    assert_ok(&lines[0], "hello from the test internet");
+    assert_ok(&lines[1], "hello from the test internet");
+    for l in &lines[2..] {
+        assert_fail(l);
+    }
+    assert!(!host.was_reached(), "a microVM reached a host service");
+    within(60, h.client.destroy(&open)).await.expect("Destroy");
+    within(60, h.client.destroy(&neighbour)).await.expect("Destroy");
+
+    // A fork resumes the snapshot's memory on a link of its own: its own address, same list.
+    let snap: SnapshotInfo = within(120, h.client.snapshot(&id, "")).await.expect("Snapshot");
+    assert!(snap.includes_memory, "a microVM snapshot holds its memory by default: {snap:?}");
+    let fork = within(120, h.client.create(CreateSandboxRequest { from_snapshot_id: snap.snapshot_id.clone(), ..Default::default() })).await.expect("fork");
+    assert_eq!(fork.network.clone().expect("network").allow, allow);
+    let fork_gw = nameserver(&h, &fork.id).await.to_string();
+    assert_ne!(fork_gw, gw, "the fork shares its parent's link");
+    // (The image has no iproute2: SIOCGIFADDR from python.)
+    let fork_addr = sandbox_tests::sh_ok(
+        &h.client,
+        &fork.id,
+        "python3 -c \"import fcntl,socket,struct; s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); print(socket.inet_ntoa(fcntl.ioctl(s.fileno(),0x8915,struct.pack('256s',b'eth0'))[20:24]))\"",
+    )
+    .await;
+    assert!(fork_addr.contains(&std::net::Ipv4Addr::from(u32::from(fork_gw.parse::<std::net::Ipv4Addr>().expect("gw")) + 1).to_string()), "{fork_addr}");
+    let lines = probe(&h, &fork.id, &["http", "pypi.test", "8080", "echo", "pypi.test", "7000"]).await;
+    assert_ok(&lines[0], "hello from the test internet");
+    assert_fail(&lines[1]);
+
+    // A rollback resumes the memory in a new QEMU on the sandbox's own link.
+    let links = host_links(&prefix).len();
+    within(120, h.client.rollback(&id, &snap.snapshot_id)).await.expect("Rollback");
+    assert_eq!(host_links(&prefix).len(), links, "{:?}", host_links(&prefix));
+    let lines = probe(&h, &id, &["http", "pypi.test", "8080", "echo", "pypi.test", "7000", "connect", "169.254.169.254", "80"]).await;
+    assert_ok(&lines[0], "hello from the test internet");
+    assert_fail(&lines[1]);
+    assert_fail(&lines[2]);
+
+    // A daemon restart boots the VM again: re-adopted with a link, enforced again.
+    h.daemon.restart().await.expect("restarting sandboxd");
+    h.client = h.daemon.client().await.expect("reconnecting");
+    let running = eventually(180, || async { h.client.get(&id).await.is_ok_and(|s| s.state == agent_client::proto::SandboxState::Running as i32) }).await;
+    assert!(running, "the microVM was not re-adopted: {:?}", h.client.get(&id).await);
+    let lines = probe(&h, &id, &["http", "pypi.test", "8080", "echo", "pypi.test", "7000", "http", &addr, "8081"]).await;
+    assert_ok(&lines[0], "hello from the test internet");
+    assert_fail(&lines[1]);
+    assert_fail(&lines[2]);
+
+    // Destroy takes the link away — counted once every sandbox is back: the restart's
+    // re-adoption of the others gives them links meanwhile.
+    every_sandbox_readopted(&h).await;
+    let before = host_links(&prefix).len();
+    within(60, h.client.destroy(&id)).await.expect("Destroy");
+    assert_eq!(host_links(&prefix).len(), before - 1, "{:?}", host_links(&prefix));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn policy_rules_grant_and_bound_networks_idle_connections_close_bandwidth_is_capped_and_http_must_name_an_allowed_host() {
+    require_debian();
+    let inet = Internet::start(6).await;
+    let rules = "[[policy.rules]]\nname = \"ci\"\nmatch_labels = { team = \"ci\" }\nnetwork_allow = [\"pypi.test:8080\"]\n";
+    let h = inet.daemon_with(&format!("idle_timeout_ms = 1500\nbandwidth_bytes_per_sec = 1048576\n{rules}"), &[]).await;
+
+    // A policy rule by label: a CI sandbox that asks for no network gets the rule's list, and
+    // cannot ask for more.
+    let ci = |network: Option<NetworkPolicy>| CreateSandboxRequest {
+        network,
+        labels: [("team".to_string(), "ci".to_string())].into_iter().collect(),
+        ..process_sandbox("debian")
+    };
+    let granted = within(60, h.client.create(ci(None))).await.expect("CreateSandbox with the rule's network");
+    let n = granted.network.clone().expect("network");
+    assert_eq!((n.mode, n.allow), (NetworkMode::Allowlist as i32, vec!["pypi.test:8080".to_string()]));
+    within(30, h.client.write_file(&granted.id, "/probe.py", PROBE_PY, 0o644)).await.expect("writing the probe");
+    let lines = probe(&h, &granted.id, &["http", "pypi.test", "8080", "echo", "pypi.test", "7000"]).await;
+    assert_ok(&lines[0], "hello from the test internet");
+    assert_fail(&lines[1]);
+    let err = within(60, h.client.create(ci(network(NetworkMode::Open, &[])))).await.expect_err("OPEN over the rule");
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("policy rule \"ci\"") && msg.contains("OPEN"), "{err}");
+
+    let allow = vec!["pypi.test:8080".to_string(), "pypi.test:7000".to_string()];
+    let id = sandbox(&h, network(NetworkMode::Allowlist, &allow)).await;
+    let lines = probe(
+        &h,
+        &id,
+        &[
+            "httphost",
+            "pypi.test",
+            "8080",
+            "pypi.test:8080", // 0: the name it resolved
+            "httphost",
+            "pypi.test",
+            "8080",
+            "evil.test", // 1: the allowed address, another name in Host
+            "idle",
+            "pypi.test",
+            "7000", // 2: a connection that says nothing is closed after the idle timeout
+            "bulk",
+            "pypi.test",
+            "7000",
+            "3145728", // 3: 3 MiB each way at 1 MiB/s (a burst of 1 MiB): at least 2 s
+        ],
+    )
+    .await;
+    assert_eq!(lines.len(), 4, "{lines:#?}");
+    assert_ok(&lines[0], "200");
+    assert_fail(&lines[1]);
+    assert_ok(&lines[2], "closed after");
+    assert_ok(&lines[3], "3145728 bytes");
+    let seconds: f64 = lines[3].rsplit(" in ").next().and_then(|t| t.trim_end_matches(" s").parse().ok()).expect("seconds");
+    assert!(seconds >= 1.8, "3 MiB through a 1 MiB/s cap took {seconds} s: {}", lines[3]);
+    let audit = audit_lines(&h, &id);
+    assert!(
+        audit.iter().any(|l| l["verdict"] == "denied" && l["name"] == "evil.test" && l["detail"].as_str().unwrap_or("").contains("HTTP Host")),
+        "no Host refusal: {audit:#?}"
+    );
+    assert!(audit.iter().any(|l| l["detail"].as_str().unwrap_or("").contains("idle_timeout_ms")), "no idle close: {audit:#?}");
+    let bulk = audit.iter().find(|l| l["verdict"] == "allowed" && l["bytes_out"].as_u64() == Some(3_145_728)).expect("the bulk connection's line");
+    assert_eq!(bulk["bytes_in"].as_u64(), Some(3_145_728), "{bulk}");
 }

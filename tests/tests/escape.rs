@@ -394,6 +394,44 @@ async fn the_container_exec_helper_cannot_be_changed_or_moved_aside_from_inside(
     assert!(std::fs::read(&host_helper).expect("the host's exec helper") == before, "the host's exec helper changed");
 }
 
+/// runc CVE-2019-5736 and its class on the container tier: root inside, scanning /proc while
+/// execs start, can neither open the executable of PID 1 (docker-init), of the exec helper that
+/// serves execs, or of a process being started for writing — directly or by re-opening an
+/// O_PATH descriptor — nor reach the helper's executable or descriptors (the daemon's channel)
+/// at all: the helper is not dumpable. The host's copies of the helper, of docker-init and of
+/// sandboxd are byte for byte the same afterwards, and execs still start.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_host_binary_is_reachable_through_proc_exe_of_a_container_process() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (probe, _host_file, _daemon, client) = probe_and_daemon_inheriting(tmp.path()).await;
+    let host_files = [
+        sandbox_tests::images_dir().join(".tools/sandbox-exec"),
+        sandbox_tests::sandboxd_bin().expect("sandboxd binary"),
+        PathBuf::from("/usr/bin/docker-init"),
+    ];
+    let before: Vec<Vec<u8>> = host_files.iter().map(|p| std::fs::read(p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()))).collect();
+    let id = sandbox_with_probe(&client, Isolation::Container, &probe).await;
+    // The scan runs for 3 s in the background while execs start beside it, so processes caught
+    // between the helper's fork and their execve are tried too.
+    let mut scan = exec_request(&id, [PROBE, "exe", "3000"]);
+    scan.background = true;
+    let scan = within(60, client.exec(scan)).await.expect("Exec");
+    for _ in 0..30 {
+        let r = run(&client, &id, &["true"]).await;
+        assert_eq!(r.status(), ExecStatus::Exited, "{}", text(&r));
+    }
+    let r = within(60, client.get_exec(&scan.exec_id, true)).await.expect("GetExec");
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert!(!out.contains("ESCAPE"), "{}", text(&r));
+    assert_eq!((r.status(), r.exit_code), (ExecStatus::Exited, 0), "the probe ran to its end: {}", text(&r));
+    assert!(out.contains("BLOCKED: O_PATH open of the exec helper's"), "the helper was found and tried: {}", text(&r));
+    for (path, old) in host_files.iter().zip(&before) {
+        assert!(std::fs::read(path).expect("host file") == *old, "{} changed", path.display());
+    }
+    let after = run(&client, &id, &["echo", "still starting"]).await;
+    assert_eq!(String::from_utf8_lossy(&after.stdout), "still starting\n", "{}", text(&after));
+}
+
 /// The sandbox's own /etc/passwd is read by the runtime that starts an exec as a user (PID 1 on
 /// the process tier, the exec helper, the guest agent). Made hostile — a FIFO nobody writes, a
 /// link to an endless device, a link to the kernel log, a huge file — it must neither block nor

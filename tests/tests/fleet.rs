@@ -19,6 +19,8 @@ use tonic::Code;
 const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
 const DNS_NAME: &str = "peers.fleet.test";
 const PORT: u16 = 7070;
+/// Each node's page (`--web`), on its fleet address: off loopback, allowed because of the tokens.
+const WEB_PORT: u16 = 8090;
 const TOKEN_A: &str = "tenant-a-token-0123456789";
 const TOKEN_B: &str = "tenant-b-token-0123456789";
 const FLEET_TOKEN: &str = "fleet-token-abcdefghijklmnop";
@@ -150,11 +152,25 @@ async fn start_node(net: &Net, i: usize) -> Daemon {
     let token = net._dir.path().join("fleet-token");
     std::fs::write(&token, FLEET_TOKEN).expect("token");
     let toml = config(net, i).replace("{dir}/fleet-token", &token.display().to_string());
-    within(60, Daemon::start_in_netns(&net.nodes[i], &toml, &["--listen", &listen])).await.expect("starting a fleet node")
+    let web = format!("{}:{WEB_PORT}", net.addr(i));
+    within(60, Daemon::start_in_netns(&net.nodes[i], &toml, &["--listen", &listen, "--web", &web])).await.expect("starting a fleet node")
 }
 
 async fn tenant(net: &Net, token: &str) -> Client {
     Client::connect(&format!("http://{}:{PORT}", net.addr(0))).await.expect("connecting to node A").with_token(token).expect("token")
+}
+
+/// A GET on a node's page listener with a tenant's token: the JSON body.
+fn page_json(host: &str, path: &str, token: &str) -> serde_json::Value {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect((host, WEB_PORT)).expect("connect to the page");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).expect("timeout");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {host}:{WEB_PORT}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).expect("send");
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).expect("read");
+    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{path}: {e}: {resp}"))
 }
 
 fn labelled(i: usize) -> CreateSandboxRequest {
@@ -195,6 +211,13 @@ async fn three_nodes_behind_one_address() {
     let spread = by_node(&mine);
     assert_eq!(spread.get("node-a"), Some(&PER_NODE), "A fills first: {spread:?}");
     assert!(spread.get("node-b").is_some_and(|n| *n >= 1) && spread.get("node-c").is_some_and(|n| *n >= 1), "{spread:?}");
+    // Node A's page shows every node of the fleet with its readiness and room per tier.
+    let overview = page_json(&net.addr(0), "/api/overview", TOKEN_A);
+    let fleet = overview["fleet"].as_array().unwrap_or_else(|| panic!("no fleet in the page's overview: {overview}"));
+    let mut names: Vec<&str> = fleet.iter().filter_map(|n| n["node"].as_str()).collect();
+    names.sort();
+    assert_eq!(names, NODES.to_vec(), "{overview}");
+    assert!(fleet.iter().all(|n| n["status"]["ready"] == true && n["status"]["tiers"].as_array().is_some_and(|t| !t.is_empty())), "{overview}");
     let on = |node: &str| mine.iter().find(|s| s.node == node).cloned().unwrap();
     let (sb_b, sb_c) = (on("node-b"), on("node-c"));
 
@@ -276,6 +299,25 @@ async fn three_nodes_behind_one_address() {
     assert!(!list_a.sandboxes.iter().any(|s| s.id == theirs.id));
     let list_b = within(60, b.list(HashMap::new())).await.expect("list b");
     assert_eq!(list_b.iter().map(|s| s.id.clone()).collect::<Vec<_>>(), vec![theirs.id.clone()]);
+    // Node A's page lists through the same fan-out: the tenant's sandboxes of every node, each
+    // naming its node; and each node's health with its sandboxes and key metrics.
+    let page = page_json(&net.addr(0), "/api/sandboxes", TOKEN_A);
+    let page_list = page["sandboxes"].as_array().unwrap_or_else(|| panic!("{page}"));
+    let mut page_ids: Vec<&str> = page_list.iter().filter_map(|s| s["id"].as_str()).collect();
+    page_ids.sort();
+    let mut grpc_ids: Vec<&str> = list_a.sandboxes.iter().map(|s| s.id.as_str()).collect();
+    grpc_ids.sort();
+    assert_eq!(page_ids, grpc_ids, "the page lists what ListSandboxes lists");
+    assert!(page["unreachable_nodes"].as_array().is_some_and(|u| u.is_empty()), "{page}");
+    for s in page_list {
+        let id = s["id"].as_str().unwrap_or_default();
+        assert!(s["node"].as_str().is_some_and(|n| id.ends_with(&format!("_{n}"))), "each row names its node: {s}");
+    }
+    let overview = page_json(&net.addr(0), "/api/overview", TOKEN_A);
+    for n in overview["fleet"].as_array().expect("fleet") {
+        assert!(n["status"]["sandboxes_held"].as_u64().is_some_and(|h| h >= 1), "every node holds some: {n}");
+        assert!(n["status"]["metrics"].as_array().is_some_and(|m| m.iter().any(|m| m["name"] == "sandboxd_admission_pressure")), "key metrics per node: {n}");
+    }
 
     // Tenants stay apart across nodes: another tenant's sandbox is NOT_FOUND, forwarded or not.
     for id in [&sb_c.id, &sb_b.id] {
@@ -296,6 +338,33 @@ async fn three_nodes_behind_one_address() {
     let partial = within(30, a.raw().list_sandboxes(sandbox_tests::proto::ListSandboxesRequest::default())).await.expect("list").into_inner();
     assert_eq!(partial.unreachable_nodes.iter().map(|n| n.node.as_str()).collect::<Vec<_>>(), vec!["node-c"], "the list names the missing node");
     assert!(partial.sandboxes.iter().all(|s| s.node != "node-c"));
+    // `sbx ls` says so too, rather than showing a shorter list as if it were whole.
+    let out = sandbox_tests::run_sbx(&nodes[0], &["ls"], 30).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let warned = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(warned.contains("node node-c did not answer") && warned.contains("not listed"), "{warned}");
+    // The page says so too, at once: node C unreachable in its list and its health, the rest listed.
+    let asked = std::time::Instant::now();
+    let page = page_json(&net.addr(0), "/api/sandboxes", TOKEN_A);
+    let took = asked.elapsed();
+    let missing: Vec<&str> = page["unreachable_nodes"].as_array().expect("unreachable_nodes").iter().filter_map(|n| n["node"].as_str()).collect();
+    assert_eq!(missing, vec!["node-c"], "{page}");
+    let shown = page["sandboxes"].as_array().expect("sandboxes");
+    assert!(!shown.is_empty() && shown.iter().all(|s| s["node"] != "node-c"), "{page}");
+    assert!(took < std::time::Duration::from_secs(10), "the page's list waited {took:?} for a dead node");
+    eprintln!("node A's page list with node C down answered in {took:?}");
+    let overview = page_json(&net.addr(0), "/api/overview", TOKEN_A);
+    let c = overview["fleet"].as_array().expect("fleet").iter().find(|n| n["node"] == "node-c").cloned().expect("node C still listed");
+    assert_eq!(c["unreachable"], true, "{c}");
+    let mut browser = tokio::task::block_in_place(sandbox_tests::browser::Browser::start).expect("chromium");
+    tokio::task::block_in_place(|| {
+        let mut page = browser.open(&format!("http://{}:{WEB_PORT}/#token={TOKEN_A}", net.addr(0))).expect("open node A's page");
+        let t = std::time::Duration::from_secs(60);
+        page.wait_for("#sandboxes p.unreachable[data-node='node-c']", "unreachable", t).expect("the list names node C unreachable");
+        page.wait_for("#fleet tr[data-node='node-c']", "unreachable", t).expect("the health table marks node C");
+        page.wait_for(&format!("#sandboxes tr[data-sandbox-id='{}']", sb_b.id), "node-b", t).expect("node B's sandbox is listed with its node");
+    });
+    drop(browser);
 
     // It comes back: its sandboxes are re-adopted and reachable through A again, files kept.
     within(60, nodes[2].restart()).await.expect("restarting node C");

@@ -303,6 +303,13 @@ async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork()
     assert!(guest_now + 1 >= host_before, "the fork's clock says {guest_now}, the host said {host_before} before the fork");
     let (u1, u2) = (uuid(&client, &fork.id).await, uuid(&client, &fork2.id).await);
     assert_ne!(u1, u2, "two forks of one memory snapshot share their random stream");
+    let machine_id = |id: String| {
+        let client = client.clone();
+        async move { client.read_file(&id, "/etc/machine-id", 0, 0).await.expect("machine-id").content }
+    };
+    let (m0, m1, m2) = (machine_id(sb.id.clone()).await, machine_id(fork.id.clone()).await, machine_id(fork2.id.clone()).await);
+    assert_eq!(m1.len(), 33, "{:?}", String::from_utf8_lossy(&m1));
+    assert!(m0 != m1 && m1 != m2 && m0 != m2, "forks share a machine-id: {m0:?} {m1:?} {m2:?}");
     client.destroy(&fork2.id).await.expect("destroy the second fork");
     let kill = client.exec(exec_request(&fork.id, ["kill", &pid.to_string()])).await.expect("kill in the fork");
     assert_eq!(kill.exit_code, 0, "{kill:?}");

@@ -22,6 +22,8 @@ const EXPECTED_SKIPS: &[&str] = &[
     "agent-client/README.md: sbx agent resume RUN_ID --max-steps 100 (an OpenAI-compatible endpoint of the reader's (the demo-model block walks the loop))",
     "agent-client/README.md: sbx agent ls (an OpenAI-compatible endpoint of the reader's (the demo-model block walks the loop))",
     "agent-client/README.md: sbx agent show RUN_ID (an OpenAI-compatible endpoint of the reader's (the demo-model block walks the loop))",
+    "agent-client/README.md: sbx agent steer RUN_ID \"use python3, not python\" (an OpenAI-compatible endpoint of the reader's (the demo-model block walks the loop))",
+    "agent-client/README.md: sbx agent stop RUN_ID --done --reason \"good enough\" (an OpenAI-compatible endpoint of the reader's (the demo-model block walks the loop))",
     "agent-client/README.md: llama-server -m qwen2.5-coder-7b-instruct-q4_k_m.gguf --jinja -c 32768 --port 8080 (a local model server of the reader's (llama.cpp, Ollama))",
     "agent-client/README.md: OPENAI_BASE_URL=http://127.0.0.1:8080/v1 sbx agent run --model qwen2.5-coder --context-window 32768 --task \"…\" (a local model server of the reader's (llama.cpp, Ollama))",
     "agent-client/README.md: ollama pull qwen2.5-coder:7b (a local model server of the reader's (llama.cpp, Ollama))",
@@ -113,7 +115,7 @@ fn script(block: &Block, id: &str, daemon: &Daemon, bin_dir: &Path, skipped: &mu
             continue;
         }
         // The reader's own socket is the test daemon's.
-        let mut run = line.replace("unix://$PWD/.sandboxd/sandboxd.sock", &daemon.address).replace("target/release/sbx", "sbx");
+        let mut run = line.replace("unix://$PWD/.sandboxd/sandboxd.sock", &daemon.address).replace("target/quick/sbx", "sbx");
         run = fill_id(&run, id).replace("RUN_ID", "\"$(ls -t .sandboxd/agent/runs | head -n 1)\"");
         let code = expected_code(line);
         s.push_str(&format!("{run}\n"));

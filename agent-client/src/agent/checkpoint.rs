@@ -21,6 +21,7 @@ use sha2::{Digest, Sha256};
 
 use super::budget::BudgetUsed;
 use super::context::ContextState;
+use super::inbox::{OperatorRecord, StopRequest};
 use super::state::{LoopState, StopReason};
 use super::termination::DetectorState;
 use super::tools::Action;
@@ -220,6 +221,13 @@ pub struct Checkpoint {
     /// snapshot).
     #[serde(default)]
     pub sandbox_removed: bool,
+    /// Operator requests applied (`sbx agent steer`, `stop`), oldest first, the last
+    /// [`super::inbox::MAX_RECORDS`]: a request whose id is here is never applied again.
+    #[serde(default)]
+    pub operator: Vec<OperatorRecord>,
+    /// An operator's stop taken at a boundary and not yet carried out.
+    #[serde(default)]
+    pub stop_requested: Option<StopRequest>,
 }
 
 /// Where checkpoints live.
@@ -234,13 +242,8 @@ pub trait CheckpointStore: Send + Sync {
 
 /// Checks a run id before it becomes part of a path.
 pub fn validate_run_id(run_id: &str) -> Result<(), CheckpointError> {
-    let ok = !run_id.is_empty()
-        && run_id.len() <= 64
-        && !run_id.starts_with('.')
-        && run_id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-    if ok {
+    // One rule for every writer of a run's directory (the page of `sandboxd --web` too).
+    if agent_inbox::valid_run_id(run_id) {
         Ok(())
     } else {
         Err(CheckpointError::InvalidRunId(
@@ -261,6 +264,11 @@ impl FileStore {
         FileStore {
             root: state_dir.into(),
         }
+    }
+
+    /// The state directory.
+    pub fn root(&self) -> &Path {
+        &self.root
     }
 
     /// The directory of a run (its checkpoint, trace and salvage files).
@@ -642,6 +650,8 @@ pub(crate) mod tests {
             background_execs: Vec::new(),
             keep_sandbox_secs: None,
             sandbox_removed: false,
+            operator: Vec::new(),
+            stop_requested: None,
         }
     }
 

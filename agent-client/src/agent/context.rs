@@ -11,6 +11,11 @@
 //! Beside the layers, a **pinned facts** channel (current subtask, verified results, key
 //! variables, budget warnings, the recovery note) and the list of **failed approaches** ("tried
 //! X, failed because Y") are rendered into every prompt and never summarized away.
+//!
+//! An operator's **steer** (`sbx agent steer`) is pinned last in every prompt until the model
+//! acknowledges it, which is: answering a prompt that carried it with a usable tool call. It
+//! then moves into the history just before that step's call, as the message the step answered,
+//! and from there is folded, summarized and archived like the rest of the step.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -104,6 +109,10 @@ pub struct StepEntry {
     /// Shown folded whatever its age: the context manager folded harder to fit the window.
     #[serde(default)]
     pub force_folded: bool,
+    /// Operator messages the model had seen when it took this step (acknowledged steers),
+    /// shown just before its call.
+    #[serde(default)]
+    pub operator: Vec<String>,
     tokens_full: usize,
     tokens_folded: usize,
 }
@@ -157,26 +166,67 @@ impl StepEntry {
         call
     }
 
-    fn messages(&self, folded: bool) -> [Message; 2] {
+    fn messages(&self, folded: bool) -> Vec<Message> {
         let reasoning = self.reasoning.trim();
+        let mut messages = Vec::with_capacity(3);
+        if !self.operator.is_empty() {
+            let lines: Vec<String> = if folded {
+                self.operator
+                    .iter()
+                    .map(|m| cut_chars(&m.replace('\n', " "), FOLDED_OPERATOR_CHARS))
+                    .collect()
+            } else {
+                self.operator.clone()
+            };
+            messages.push(Message::user(lines.join("\n")));
+        }
         if folded {
             let brief = (!reasoning.is_empty())
                 .then(|| cut_chars(&reasoning.replace('\n', " "), FOLDED_REASONING_CHARS));
-            [
-                Message::assistant_call(self.folded_call(), brief),
-                Message::tool(&self.call.id, &self.stub),
-            ]
+            messages.push(Message::assistant_call(self.folded_call(), brief));
+            messages.push(Message::tool(&self.call.id, &self.stub));
         } else {
-            [
-                Message::assistant_call(self.call.clone(), Some(reasoning.to_owned())),
-                Message::tool(&self.call.id, &self.observation),
-            ]
+            messages.push(Message::assistant_call(
+                self.call.clone(),
+                Some(reasoning.to_owned()),
+            ));
+            messages.push(Message::tool(&self.call.id, &self.observation));
         }
+        messages
     }
 }
 
 /// Characters of a folded step's reasoning still shown.
 const FOLDED_REASONING_CHARS: usize = 160;
+/// Characters of each operator message of a folded step still shown.
+const FOLDED_OPERATOR_CHARS: usize = 200;
+/// Characters an operator's steer keeps at least, however full the window.
+const MIN_STEER_CHARS: usize = 200;
+
+/// An operator's correction (`sbx agent steer`), pinned in every prompt until acknowledged.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Steer {
+    /// The request id.
+    pub id: String,
+    /// The message (cut to what the window allows).
+    pub text: String,
+    /// Steps done when it arrived.
+    pub at_step: u64,
+    /// The step the model took after seeing it; set until that step is recorded, when the
+    /// steer moves into the step's history.
+    #[serde(default)]
+    pub acked_step: Option<u64>,
+}
+
+impl Steer {
+    /// How the history shows it, before the call of the step that answered it.
+    fn history_line(&self) -> String {
+        format!(
+            "[operator message {} (sent after step {}), answered by the next call]\n{}",
+            self.id, self.at_step, self.text
+        )
+    }
+}
 
 /// A summary of steps that left the working layer.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -222,6 +272,9 @@ pub struct ContextState {
     /// The turn of the latest summary by the model.
     #[serde(default)]
     pub last_summary_turn: Option<u64>,
+    /// Operator steers not yet in the history: pinned last in every prompt.
+    #[serde(default)]
+    pub steers: Vec<Steer>,
 }
 
 /// The work a compaction needs from the model.
@@ -321,6 +374,52 @@ impl ContextManager {
         (self.window() / 8).saturating_sub(used)
     }
 
+    /// Pins an operator's steer until the model acknowledges it. The steers together get at
+    /// most an eighth of the window (as pinned facts do), so a long one is cut, never below
+    /// [`MIN_STEER_CHARS`]; returns whether it was.
+    pub fn steer(&mut self, id: &str, text: &str, at_step: u64) -> bool {
+        let used: usize = self
+            .state
+            .steers
+            .iter()
+            .map(|s| self.counter.count(&s.text))
+            .sum();
+        let room_chars = ((self.window() / 8).saturating_sub(used) * 3).max(MIN_STEER_CHARS);
+        let text = text.trim();
+        let cut = text.chars().count() > room_chars;
+        self.state.steers.push(Steer {
+            id: id.to_owned(),
+            text: if cut {
+                cut_chars(text, room_chars)
+            } else {
+                text.to_owned()
+            },
+            at_step,
+            acked_step: None,
+        });
+        cut
+    }
+
+    /// The model answered a prompt carrying the pinned steers with a usable call for `step`:
+    /// they are acknowledged, and move into that step's history once it is recorded. Returns
+    /// the ids acknowledged now.
+    pub fn acknowledge_steers(&mut self, step: u64) -> Vec<String> {
+        self.state
+            .steers
+            .iter_mut()
+            .filter(|s| s.acked_step.is_none())
+            .map(|s| {
+                s.acked_step = Some(step);
+                s.id.clone()
+            })
+            .collect()
+    }
+
+    /// Steers not yet in the history.
+    pub fn steers(&self) -> &[Steer] {
+        &self.state.steers
+    }
+
     /// Removes a pinned fact.
     pub fn unpin(&mut self, key: &str) {
         self.state.pinned.remove(key);
@@ -402,9 +501,16 @@ impl ContextManager {
             reasoning,
             shrunk: false,
             force_folded: false,
+            operator: Vec::new(),
             tokens_full: 0,
             tokens_folded: 0,
         };
+        // The steers the model had seen when it made this call go into the history with it.
+        let (answered, pinned): (Vec<Steer>, Vec<Steer>) = std::mem::take(&mut self.state.steers)
+            .into_iter()
+            .partition(|s| s.acked_step.is_some_and(|at| at <= step));
+        self.state.steers = pinned;
+        entry.operator = answered.iter().map(Steer::history_line).collect();
         self.recount(&mut entry);
         self.state.reask = None;
         if self.state.first.len() < self.cfg.keep_first && self.state.archive.is_none() {
@@ -504,6 +610,20 @@ impl ContextManager {
         Some(Message::user(text))
     }
 
+    /// The pinned steers, last in the prompt so they are the freshest instruction.
+    fn steer_message(&self) -> Option<Message> {
+        if self.state.steers.is_empty() {
+            return None;
+        }
+        let mut text = String::from(
+            "[operator: a human supervising this run sends this correction; it takes precedence over your plan. Act on it in your next tool call.]\n",
+        );
+        for s in &self.state.steers {
+            text.push_str(&format!("- ({}) {}\n", s.id, s.text));
+        }
+        Some(Message::user(text))
+    }
+
     fn summary_message(&self) -> Option<Message> {
         self.state.archive.as_ref().map(|s| {
             Message::user(format!(
@@ -531,6 +651,7 @@ impl ContextManager {
             messages.push(error.clone());
         }
         messages.extend(self.memory_message());
+        messages.extend(self.steer_message());
         messages
     }
 
@@ -573,6 +694,9 @@ impl ContextManager {
             Message::user(format!("Task:\n{}", self.state.task)),
         ]) + self.tools_tokens;
         if let Some(m) = self.memory_message() {
+            fixed += self.count_messages(&[m]);
+        }
+        if let Some(m) = self.steer_message() {
             fixed += self.count_messages(&[m]);
         }
         fixed
@@ -755,6 +879,9 @@ impl ContextManager {
         for e in &mut entries {
             e.observation = shrink_text(&e.observation, e.step, 600);
             e.reasoning = cut_chars(&e.reasoning, 200);
+            for m in &mut e.operator {
+                *m = cut_chars(m, 300);
+            }
             e.shrunk = true;
             self.recount(e);
         }
@@ -852,6 +979,13 @@ impl ContextManager {
             } else {
                 per_step_chars / 3
             };
+            for m in &e.operator {
+                // The operator's correction must outlive the step it steered.
+                input.push_str(&format!(
+                    "  operator said before it: {}\n",
+                    cut_chars(&m.replace('\n', " "), per_step_chars / 2)
+                ));
+            }
             if reasoning_chars > 0 {
                 input.push_str(&format!(
                     "  reasoning: {}\n",
@@ -917,6 +1051,13 @@ impl ContextManager {
             ));
         }
         for e in &covered[skipped..] {
+            for m in &e.operator {
+                lines.push(format!(
+                    "operator before step {}: {}",
+                    e.step,
+                    cut_chars(&m.replace('\n', " "), 300)
+                ));
+            }
             lines.push(format!(
                 "step {}: {} -> {}{}{}",
                 e.step,
@@ -1119,6 +1260,153 @@ mod tests {
             Some(format!("ex-{step}")),
             true,
         );
+    }
+
+    /// The prompt's tokens counted from scratch, as `prompt_tokens_match_a_recount` does.
+    fn recount(m: &ContextManager) -> usize {
+        let counter = TokenCounter::for_model("gpt-4o");
+        m.render()
+            .iter()
+            .map(|msg| MESSAGE_OVERHEAD + counter.count(&msg.countable_text()))
+            .sum::<usize>()
+            + counter.count(&Value::Array(m.tools().to_vec()).to_string())
+    }
+
+    fn texts(m: &ContextManager) -> Vec<String> {
+        m.render()
+            .iter()
+            .map(|m| m.content.clone().unwrap_or_default())
+            .collect()
+    }
+
+    #[test]
+    fn a_steer_is_pinned_until_acknowledged_then_kept_with_its_step() {
+        let mut m = manager(100_000);
+        push(&mut m, 1, "one");
+        let before = m.prompt_tokens();
+        assert!(!m.steer("op-1", "use python3, not python", 1));
+        // Pinned last, counted in the prompt.
+        let last = texts(&m).last().cloned().unwrap_or_default();
+        assert!(
+            last.contains("[operator:") && last.contains("use python3, not python"),
+            "{last}"
+        );
+        assert!(m.prompt_tokens() > before);
+        assert_eq!(m.prompt_tokens(), recount(&m));
+
+        // A malformed reply does not acknowledge it: it stays pinned through re-asks.
+        m.set_reask(Message::user("bad"), Message::user("error"));
+        assert!(texts(&m).last().is_some_and(|t| t.contains("use python3")));
+
+        // The model answers with a call for step 2: acknowledged, still shown until the step
+        // is recorded, then in the history just before that step's call.
+        assert_eq!(m.acknowledge_steers(2), vec!["op-1".to_owned()]);
+        assert!(m.acknowledge_steers(2).is_empty(), "acknowledged once");
+        push(&mut m, 2, "two");
+        assert!(m.steers().is_empty());
+        let msgs = m.render();
+        let at = msgs
+            .iter()
+            .position(|x| {
+                x.content
+                    .as_deref()
+                    .is_some_and(|c| c.contains("use python3"))
+            })
+            .expect("in the history");
+        assert_eq!(msgs[at].role, "user");
+        assert!(
+            msgs[at]
+                .content
+                .as_deref()
+                .is_some_and(|c| c.contains("operator message op-1")),
+            "{:?}",
+            msgs[at]
+        );
+        assert_eq!(msgs[at + 1].role, "assistant");
+        assert_eq!(msgs[at + 1].tool_calls[0].id, "c2");
+        assert!(
+            !texts(&m).last().is_some_and(|t| t.contains("[operator:")),
+            "no longer pinned"
+        );
+        assert_eq!(m.prompt_tokens(), recount(&m));
+
+        // Folded with its step once old, still there in brief.
+        let long = format!("use python3; {}", "details ".repeat(100));
+        m.steer("op-2", &long, 2);
+        m.acknowledge_steers(3);
+        push(&mut m, 3, "three");
+        for step in 4..=10 {
+            push(&mut m, step, "more");
+        }
+        let folded = texts(&m)
+            .into_iter()
+            .find(|t| t.contains("operator message op-2"))
+            .expect("kept folded");
+        assert!(
+            folded.chars().count() <= FOLDED_OPERATOR_CHARS + 1,
+            "{folded}"
+        );
+        assert_eq!(m.prompt_tokens(), recount(&m));
+    }
+
+    #[test]
+    fn steers_survive_a_checkpoint_and_a_summary_keeps_them() {
+        let mut m = manager(100_000);
+        push(&mut m, 1, "one");
+        m.steer("op-1", "do not touch the tests directory", 1);
+        let restored = ContextManager::restore(
+            ContextConfig::for_window(100_000),
+            TokenCounter::for_model("gpt-4o"),
+            Vec::new(),
+            serde_json::from_value(serde_json::to_value(m.state()).expect("encode"))
+                .expect("decode"),
+        );
+        assert_eq!(restored.steers().len(), 1);
+        assert!(restored
+            .render()
+            .last()
+            .and_then(|x| x.content.clone())
+            .is_some_and(|t| t.contains("tests directory")));
+
+        m.acknowledge_steers(2);
+        push(&mut m, 2, "two");
+        // A window the steps overflow, so the oldest working step (2) is summarized.
+        let mut m = ContextManager::restore(
+            ContextConfig::for_window(8_000),
+            TokenCounter::for_model("gpt-4o"),
+            m.tools().to_vec(),
+            m.state().clone(),
+        );
+        for step in 3..=8 {
+            push(&mut m, step, &"more words here ".repeat(150));
+        }
+        let plan = m.plan_compaction(true).expect("a plan");
+        assert!(
+            plan.from_step <= 2 && plan.to_step >= 2,
+            "{} {}",
+            plan.from_step,
+            plan.to_step
+        );
+        let input = plan.request.messages[1].content.clone().unwrap_or_default();
+        assert!(
+            input.contains("operator said before it") && input.contains("tests directory"),
+            "{input}"
+        );
+        assert!(
+            plan.fallback.contains("tests directory"),
+            "{}",
+            plan.fallback
+        );
+    }
+
+    #[test]
+    fn a_steer_too_long_for_the_window_is_cut() {
+        let mut m = manager(4_000);
+        let text = "word ".repeat(2_000);
+        assert!(m.steer("op-1", &text, 0), "cut");
+        let kept = m.steers()[0].text.chars().count();
+        assert!(kept < text.len() && kept >= MIN_STEER_CHARS, "{kept}");
+        assert!(m.check_fits().is_ok());
     }
 
     #[test]

@@ -19,6 +19,7 @@
 //! | [`retry`] | backoff with jitter, per-tool circuit breakers, the model's rate limit |
 //! | [`verify`] | action, subtask and task-level checks |
 //! | [`trace`] | the JSONL trace and its timeline |
+//! | [`inbox`] | operator requests (`steer`, `stop`) through the run's directory |
 //! | [`sandbox`] | the daemon calls the loop makes, and an in-memory fake |
 //! | [`fixture`] | a scripted OpenAI-compatible server for tests and benchmarks |
 
@@ -27,6 +28,7 @@ pub mod checkpoint;
 pub mod classify;
 pub mod context;
 pub mod fixture;
+pub mod inbox;
 pub mod llm;
 pub mod observe;
 pub mod retry;

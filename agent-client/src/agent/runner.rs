@@ -48,6 +48,8 @@ const MAX_CONTEXT_REPAIRS: u32 = 8;
 const TRACE_REASONING_CHARS: usize = 8_000;
 /// Largest diff kept in the report (the whole one is in the run directory).
 const REPORT_DIFF_CHARS: usize = 8_000;
+/// How often a retry's wait looks at the operator's inbox.
+const OPERATOR_POLL: Duration = Duration::from_millis(250);
 
 /// Everything that can stop the loop from running at all (as opposed to a run that ends with
 /// a reason, which is a [`RunReport`]).
@@ -445,6 +447,8 @@ pub async fn start<S: SandboxApi + Clone + 'static>(
         background_execs: Vec::new(),
         keep_sandbox_secs: opts.keep_sandbox.map(|d| d.as_secs()),
         sandbox_removed: false,
+        operator: Vec::new(),
+        stop_requested: None,
     };
     let mut agent = Agent::assemble(
         sandbox,
@@ -996,6 +1000,11 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
     /// THINKING: one model turn. Within the budgets, a prompt that fits the window, through
     /// the endpoint's breaker; then the reply becomes the pending action, or a re-ask.
     async fn think(&mut self) -> Result<(), AgentError> {
+        // A boundary: the operator's requests are taken before the prompt is built, so a
+        // steer is in this very prompt.
+        if self.operator_boundary().await? {
+            return Ok(());
+        }
         if let Some((reason, detail)) = self.check_budgets() {
             return self.halt(reason, detail);
         }
@@ -1221,6 +1230,8 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                     },
                 };
                 let step = self.ck.step + 1;
+                // The prompt this call answers carried every pinned steer.
+                self.acknowledge_steers(step);
                 let verifying = matches!(parsed.action, Action::Finish { .. });
                 self.ck.pending = Some(PendingAction {
                     step,
@@ -1420,7 +1431,18 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 }
             ));
         }
-        tokio::time::sleep(plan.delay).await;
+        // The wait is a boundary too: a stop does not wait for an outage to end.
+        let until = Instant::now() + plan.delay;
+        loop {
+            if self.operator_boundary().await? {
+                return Ok(());
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            tokio::time::sleep(left.min(OPERATOR_POLL)).await;
+        }
         self.go(plan.then, "retry")
     }
 
@@ -1491,6 +1513,10 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
     }
 
     async fn act(&mut self) -> Result<(), AgentError> {
+        // A boundary: an action chosen while a stop was on its way is not sent.
+        if self.operator_boundary().await? {
+            return Ok(());
+        }
         // The step before is durable (its write overlapped the model call), and the pending
         // action is durable before it is sent.
         self.writer.write_now(self.checkpoint()).await?;
@@ -1854,6 +1880,14 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
     }
 
     async fn verify(&mut self) -> Result<(), AgentError> {
+        if self.operator_boundary().await? {
+            return Ok(());
+        }
+        if self.ctx.steers().iter().any(|s| s.acked_step.is_none()) {
+            // A correction the model has not seen must not be overtaken by the end of the
+            // run: the model gets it, and may finish again.
+            return self.hold_finish().await;
+        }
         self.writer.write_now(self.checkpoint()).await?;
         let Some(pending) = self.ck.pending.clone() else {
             return self.go(LoopState::Thinking, "nothing to verify");
@@ -2030,6 +2064,7 @@ fn reask_text(e: &CallError) -> String {
 }
 
 mod actions;
+mod operator;
 mod resume;
 mod salvage;
 #[cfg(test)]

@@ -75,6 +75,23 @@ impl LoopState {
         )
     }
 
+    /// Whether the operator may move the run from `self` to `to` (`sbx agent stop`): the
+    /// "intervene" transition, from any non-terminal state straight to DONE or FAILED at a step
+    /// boundary. Kept apart from [`LoopState::can_go_to`] so that the loop's own transitions
+    /// stay strict: THINKING never reaches DONE by itself.
+    pub fn can_intervene(self, to: LoopState) -> bool {
+        !self.is_terminal() && to.is_terminal()
+    }
+
+    /// Checks an operator's transition ([`LoopState::can_intervene`]).
+    pub fn check_intervention(self, to: LoopState) -> Result<LoopState, IllegalTransition> {
+        if self.can_intervene(to) {
+            Ok(to)
+        } else {
+            Err(IllegalTransition { from: self, to })
+        }
+    }
+
     /// Checks a transition.
     pub fn check(self, to: LoopState) -> Result<LoopState, IllegalTransition> {
         if self.can_go_to(to) {
@@ -146,28 +163,33 @@ pub enum StopReason {
     MalformedOutput,
     /// Authentication failed, the daemon or the model endpoint is gone: resumable.
     FatalError,
+    /// An operator ended the run as done (`sbx agent stop --done`).
+    OperatorDone,
+    /// An operator ended the run as failed (`sbx agent stop --failed`).
+    OperatorFailed,
 }
 
 impl StopReason {
     /// The `status` this reason ends a run with.
     pub fn status(self) -> RunStatus {
         match self {
-            StopReason::Finished => RunStatus::Done,
+            StopReason::Finished | StopReason::OperatorDone => RunStatus::Done,
             StopReason::MaxSteps
             | StopReason::NoProgress
             | StopReason::BudgetTokens
             | StopReason::BudgetTime
             | StopReason::BudgetCost => RunStatus::Stopped,
-            StopReason::VerifyFailed | StopReason::MalformedOutput | StopReason::FatalError => {
-                RunStatus::Failed
-            }
+            StopReason::VerifyFailed
+            | StopReason::MalformedOutput
+            | StopReason::FatalError
+            | StopReason::OperatorFailed => RunStatus::Failed,
         }
     }
 
     /// Whether `sbx agent resume` may pick the run up again: only after an error that may go
     /// away (the daemon restarted, the endpoint came back), never after a deliberate stop.
     pub fn resumable(self) -> bool {
-        matches!(self, StopReason::FatalError)
+        agent_inbox::RESUMABLE_REASONS.contains(&self.as_str())
     }
 
     /// The snake_case name used in JSON and the trace.
@@ -182,6 +204,8 @@ impl StopReason {
             StopReason::VerifyFailed => "verify_failed",
             StopReason::MalformedOutput => "malformed_output",
             StopReason::FatalError => "fatal_error",
+            StopReason::OperatorDone => "operator_done",
+            StopReason::OperatorFailed => "operator_failed",
         }
     }
 }
@@ -231,12 +255,33 @@ mod tests {
     }
 
     #[test]
+    fn the_operator_intervenes_from_any_live_state_to_an_end() {
+        for from in [Idle, Thinking, Acting, Observing, Verifying, Retrying] {
+            assert_eq!(from.check_intervention(Done), Ok(Done), "{from}");
+            assert_eq!(from.check_intervention(Failed), Ok(Failed), "{from}");
+            assert!(
+                !from.can_intervene(Thinking),
+                "{from} -> THINKING is no stop"
+            );
+        }
+        assert!(!Done.can_intervene(Failed), "an ended run stays ended");
+        assert!(!Failed.can_intervene(Done));
+        // The loop's own table is unchanged by it.
+        assert!(!Thinking.can_go_to(Done));
+        assert!(!Retrying.can_go_to(Done));
+    }
+
+    #[test]
     fn reasons_map_to_statuses() {
         assert_eq!(StopReason::Finished.status(), RunStatus::Done);
         assert_eq!(StopReason::NoProgress.status(), RunStatus::Stopped);
         assert_eq!(StopReason::FatalError.status(), RunStatus::Failed);
         assert!(StopReason::FatalError.resumable());
         assert!(!StopReason::BudgetTokens.resumable());
+        assert_eq!(StopReason::OperatorDone.status(), RunStatus::Done);
+        assert_eq!(StopReason::OperatorFailed.status(), RunStatus::Failed);
+        assert!(!StopReason::OperatorDone.resumable());
+        assert!(!StopReason::OperatorFailed.resumable());
         let json = serde_json::to_string(&StopReason::BudgetTokens).unwrap_or_default();
         assert_eq!(json, "\"budget_tokens\"");
     }

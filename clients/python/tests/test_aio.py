@@ -142,6 +142,17 @@ async def test_snapshot_rollback_fork(asb: Sandbox, aclient: sandboxd.aio.Client
     assert await asb.snapshots() == []
 
 
+async def test_network_and_its_log(aclient: sandboxd.aio.Client) -> None:
+    async with Sandbox.create(allow=["pypi.test:443"], client=aclient) as sb:
+        assert (sb.info.network, list(sb.info.allow)) == ("allowlist", ["pypi.test:443"])
+        assert (await sb.exec(["nslookup", "evil.test"])).exit_code != 0
+        events = await sb.network_log()
+        assert any(e.kind == "dns" and e.name == "evil.test" and not e.allowed for e in events), events
+        snap = await sb.snapshot()
+        async with Sandbox.fork(snap, network="open", client=aclient) as child:
+            assert child.info.network == "open"
+
+
 async def test_errors_and_images(aclient: sandboxd.aio.Client) -> None:
     with pytest.raises(sandboxd.aio.InvalidArgument) as e:
         await Sandbox.create(isolation="process", image="minimal", memory="1K", client=aclient)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 import uuid
 
 import pytest
@@ -49,6 +50,26 @@ def test_keep_connect_list_ttl_and_destroy(client: sandboxd.Client) -> None:
     assert again.refresh().id == sid
     again.destroy()
     assert Sandbox.list(labels={"run": label}, client=client) == []
+
+
+def test_pause_and_resume(client: sandboxd.Client) -> None:
+    with Sandbox.create(isolation="process", image="minimal", ttl=600, client=client) as sb:
+        sb.exec(["sh", "-c", "echo before > /tmp/f"]).check()
+        info = sb.pause()
+        assert info.state == sandboxd.SandboxState.PAUSED and info.paused_at is not None
+        assert sb.pause().state == sandboxd.SandboxState.PAUSED, "pausing again changes nothing"
+        with pytest.raises(sandboxd.FailedPrecondition) as e:
+            sb.exec(["true"])
+        assert "paused" in e.value.message and "resume" in e.value.message
+        info = sb.resume(ttl=1200)
+        assert info.state == sandboxd.SandboxState.RUNNING and info.paused_at is None
+        assert sb.exec(["cat", "/tmp/f"]).check().stdout_text == "before\n"
+    with Sandbox.create(isolation="process", image="minimal", ttl=1, on_expiry="pause", client=client) as sb:
+        assert sb.info.on_expiry == "pause"
+        deadline = time.monotonic() + 60
+        while sb.refresh().state != sandboxd.SandboxState.PAUSED:
+            assert time.monotonic() < deadline, "the TTL never paused the sandbox"
+            time.sleep(0.05)
 
 
 def test_exec_options(sb: Sandbox) -> None:
@@ -204,6 +225,33 @@ def test_snapshot_rollback_and_fork(sb: Sandbox, client: sandboxd.Client) -> Non
     assert sb.snapshots() == []
     with pytest.raises(sandboxd.NotFound):
         sb.rollback(snap)
+
+
+def test_network_modes_forks_and_the_network_log(client: sandboxd.Client) -> None:
+    # The daemon's DNS answers only what the policy allows: a query for an unlisted name is
+    # refused and logged (no upstream is needed for that).
+    with Sandbox.create(allow=["pypi.test:443"], client=client) as sb:
+        assert (sb.info.network, list(sb.info.allow)) == ("allowlist", ["pypi.test:443"])
+        r = sb.exec(["nslookup", "evil.test"])
+        assert r.exit_code != 0, r.stdout
+        events = sb.network_log()
+        denied = [e for e in events if e.kind == "dns" and e.name == "evil.test"]
+        assert denied and not denied[0].allowed and denied[0].detail, events
+        assert isinstance(denied[0], sandboxd.NetworkEvent) and denied[0].time is not None
+        assert len(sb.network_log(limit=1)) == 1
+        snap = sb.snapshot()
+        with Sandbox.fork(snap, client=client) as child:
+            assert (child.info.network, list(child.info.allow)) == ("allowlist", ["pypi.test:443"]), "a fork inherits"
+        with Sandbox.fork(snap, network="none", client=client) as closed:
+            assert closed.info.network == "none" and closed.network_log() == []
+    with Sandbox.create(network="open", client=client) as sb:
+        assert sb.info.network == "open" and list(sb.info.allow) == []
+    with Sandbox.create(client=client) as sb:
+        assert sb.info.network == "none"
+    with pytest.raises(sandboxd.InvalidArgument, match="network"):
+        Sandbox.create(network="everything", client=client)
+    with pytest.raises(sandboxd.InvalidArgument, match="network.allow"):
+        Sandbox.create(allow=["no-port.test"], client=client)
 
 
 def test_deadlines_and_capacity_errors() -> None:

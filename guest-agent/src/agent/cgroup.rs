@@ -312,6 +312,8 @@ mod tests {
             hostname: String::new(),
             workdir: String::new(),
             shm_bytes: 0,
+            network: None,
+            machine_id: String::new(),
         })
         .expect("configure");
         let read = |f: &str| std::fs::read_to_string(root.path().join(SANDBOX).join(f)).expect("read");
@@ -320,8 +322,17 @@ mod tests {
         assert_eq!(read("cpu.max"), "150000 100000");
         assert_eq!(read("cgroup.subtree_control"), "+cpu +memory +pids");
         blank(&root.path().join(SANDBOX));
-        cg.configure(&GuestLimits { memory_bytes: 0, max_pids: 0, cpu_millicores: 0, hostname: String::new(), workdir: String::new(), shm_bytes: 0 })
-            .expect("configure");
+        cg.configure(&GuestLimits {
+            memory_bytes: 0,
+            max_pids: 0,
+            cpu_millicores: 0,
+            hostname: String::new(),
+            workdir: String::new(),
+            shm_bytes: 0,
+            network: None,
+            machine_id: String::new(),
+        })
+        .expect("configure");
         assert_eq!(read("memory.max"), "max");
         assert_eq!(read("pids.max"), "max");
     }

@@ -143,9 +143,26 @@ impl Files {
     pub fn write_identity(&self, hostname: &str) -> Result<(), RequestError> {
         let root = self.open_root()?;
         sandbox_exec::etc::write_identity(root.as_raw_fd(), hostname).map_err(|e| match e {
-            sandbox_exec::etc::EtcError::BadHostname(_) => RequestError::new(ErrorKind::BadRequest, e.to_string()),
+            sandbox_exec::etc::EtcError::BadHostname(_) | sandbox_exec::etc::EtcError::BadMachineId(_) => {
+                RequestError::new(ErrorKind::BadRequest, e.to_string())
+            }
             sandbox_exec::etc::EtcError::Sys { .. } => RequestError::new(ErrorKind::Internal, e.to_string()),
         })
+    }
+
+    /// Writes /etc/machine-id.
+    pub fn write_machine_id(&self, id: &str) -> Result<(), RequestError> {
+        let root = self.open_root()?;
+        sandbox_exec::etc::write_machine_id(root.as_raw_fd(), id).map_err(|e| match e {
+            sandbox_exec::etc::EtcError::BadMachineId(_) => RequestError::new(ErrorKind::BadRequest, e.to_string()),
+            _ => RequestError::new(ErrorKind::Internal, e.to_string()),
+        })
+    }
+
+    /// Writes /etc/resolv.conf naming `nameserver` (the host's filter) only.
+    pub fn write_resolv_conf(&self, nameserver: std::net::Ipv4Addr) -> Result<(), RequestError> {
+        let root = self.open_root()?;
+        sandbox_exec::etc::write_resolv_conf(root.as_raw_fd(), nameserver).map_err(|e| RequestError::new(ErrorKind::Internal, e.to_string()))
     }
 
     fn open_root(&self) -> Result<File, RequestError> {

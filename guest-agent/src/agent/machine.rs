@@ -5,7 +5,7 @@
 use std::fs::File;
 use std::os::fd::AsRawFd;
 
-use guest_agent::protocol::ErrorKind;
+use guest_agent::protocol::{ErrorKind, GuestNetwork};
 use nix::errno::Errno;
 
 use super::console::log;
@@ -30,7 +30,12 @@ pub trait Machine: Send + Sync {
     fn set_hostname(&self, name: &str) -> Result<(), RequestError>;
     /// Sizes /dev/shm (a remount of its tmpfs).
     fn size_shm(&self, bytes: u64) -> Result<(), RequestError>;
+    /// Configures `eth0` as `network` says, or takes it down (if there is one) for `None`.
+    fn configure_network(&self, network: Option<&GuestNetwork>) -> Result<(), RequestError>;
 }
+
+/// The guest's network interface (the virtio-net device the host adds for a filtered network).
+pub const NETWORK_INTERFACE: &str = "eth0";
 
 /// The real VM: the root filesystem is the disk the agent switched into.
 pub struct Guest {
@@ -88,6 +93,20 @@ impl Machine for Guest {
         // SAFETY: clock_settime reads the timespec we own.
         Errno::result(unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) }).map_err(|e| internal("setting the clock", e))?;
         reseed(entropy).map_err(|e| internal("reseeding the kernel RNG", e))
+    }
+
+    fn configure_network(&self, network: Option<&GuestNetwork>) -> Result<(), RequestError> {
+        let internal = |what: String, e: Errno| RequestError::new(ErrorKind::Internal, format!("{what}: {}", e.desc()));
+        match network {
+            Some(n) => {
+                // The device's driver is loaded at boot; a VM the host gave a network has it.
+                sandbox_exec::sys::configure_ipv4(NETWORK_INTERFACE, n.address, n.prefix_len, n.gateway)
+                    .map_err(|e| internal(format!("configuring {NETWORK_INTERFACE} as {}/{} via {}", n.address, n.prefix_len, n.gateway), e))?;
+                log!("{NETWORK_INTERFACE}: {}/{} via {}", n.address, n.prefix_len, n.gateway);
+                Ok(())
+            }
+            None => sandbox_exec::sys::link_down(NETWORK_INTERFACE).map_err(|e| internal(format!("taking {NETWORK_INTERFACE} down"), e)),
+        }
     }
 
     fn size_shm(&self, bytes: u64) -> Result<(), RequestError> {

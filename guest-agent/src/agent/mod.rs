@@ -196,6 +196,13 @@ impl Agent {
                 if !limits.workdir.is_empty() {
                     self.files.create_dir_all(&limits.workdir)?;
                 }
+                if !limits.machine_id.is_empty() {
+                    self.files.write_machine_id(&limits.machine_id)?;
+                }
+                self.machine.configure_network(limits.network.as_ref())?;
+                if let Some(n) = &limits.network {
+                    self.files.write_resolv_conf(n.gateway)?;
+                }
                 ok
             }
             Request::Exec(req) => self.exec(id, &req, exec::Session::default(), payload, conn),

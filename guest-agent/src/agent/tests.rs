@@ -23,6 +23,7 @@ struct FakeMachine {
     hostname: std::sync::Mutex<String>,
     shm_bytes: std::sync::atomic::AtomicU64,
     resumed: std::sync::Mutex<Option<(u64, Vec<u8>)>>,
+    network: std::sync::Mutex<Vec<Option<guest_agent::protocol::GuestNetwork>>>,
 }
 
 impl Machine for Arc<FakeMachine> {
@@ -45,6 +46,10 @@ impl Machine for Arc<FakeMachine> {
     }
     fn size_shm(&self, bytes: u64) -> Result<(), RequestError> {
         self.shm_bytes.store(bytes, Ordering::SeqCst);
+        Ok(())
+    }
+    fn configure_network(&self, network: Option<&guest_agent::protocol::GuestNetwork>) -> Result<(), RequestError> {
+        self.network.lock().expect("lock").push(network.copied());
         Ok(())
     }
     fn resumed(&self, unix_time_ns: u64, entropy: &[u8]) -> Result<(), RequestError> {
@@ -310,6 +315,8 @@ fn configure_sets_the_hostname_and_creates_the_workdir() {
         hostname: "sb-1".into(),
         workdir: "/workspace/proj".into(),
         shm_bytes: 128 << 20,
+        network: None,
+        machine_id: "00112233445566778899aabbccddeeff".into(),
     };
     assert_eq!(host.call(&Request::Configure(limits.clone()), b"").0, Response::Ok);
     assert_eq!(*host.machine.hostname.lock().expect("lock"), "sb-1");
@@ -317,9 +324,30 @@ fn configure_sets_the_hostname_and_creates_the_workdir() {
     assert!(host.root.path().join("workspace/proj").is_dir());
     assert_eq!(std::fs::read_to_string(host.root.path().join("etc/hostname")).expect("hostname"), "sb-1\n");
     assert_eq!(std::fs::read_to_string(host.root.path().join("etc/hosts")).expect("hosts"), "::1\tlocalhost\n127.0.0.1\tlocalhost\n127.0.1.1\tsb-1\n");
+    assert!(!host.root.path().join("etc/resolv.conf").exists(), "no network, no resolv.conf");
+    assert_eq!(std::fs::read_to_string(host.root.path().join("etc/machine-id")).expect("machine-id"), "00112233445566778899aabbccddeeff\n");
     // Again (a VM taken from the warm pool is configured twice): still fine.
-    assert_eq!(host.call(&Request::Configure(limits), b"").0, Response::Ok);
-    let relative = GuestLimits { memory_bytes: 0, max_pids: 0, cpu_millicores: 0, hostname: String::new(), workdir: "work".into(), shm_bytes: 0 };
+    assert_eq!(host.call(&Request::Configure(limits.clone()), b"").0, Response::Ok);
+    // With a network (protocol 7): eth0 configured, resolv.conf naming the gateway only.
+    let network = guest_agent::protocol::GuestNetwork {
+        address: std::net::Ipv4Addr::new(100, 96, 0, 6),
+        prefix_len: 30,
+        gateway: std::net::Ipv4Addr::new(100, 96, 0, 5),
+    };
+    assert_eq!(host.call(&Request::Configure(GuestLimits { network: Some(network), ..limits }), b"").0, Response::Ok);
+    assert_eq!(*host.machine.network.lock().expect("lock"), [None, None, Some(network)]);
+    let conf = std::fs::read_to_string(host.root.path().join("etc/resolv.conf")).expect("resolv.conf");
+    assert!(conf.ends_with("\nnameserver 100.96.0.5\n"), "{conf}");
+    let relative = GuestLimits {
+        memory_bytes: 0,
+        max_pids: 0,
+        cpu_millicores: 0,
+        hostname: String::new(),
+        workdir: "work".into(),
+        shm_bytes: 0,
+        network: None,
+        machine_id: String::new(),
+    };
     let (resp, _) = host.call(&Request::Configure(relative), b"");
     assert!(matches!(resp, Response::Error { kind: ErrorKind::InvalidPath, .. }), "{resp:?}");
 }

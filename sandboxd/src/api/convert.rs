@@ -9,8 +9,8 @@ use tonic::Status;
 
 use crate::error::Error;
 use crate::model::{
-    CreateRequest, ExecEvent, ExecRecord, ExecRequest, ExecStatus, ImageProgress, ImageRecord, Isolation, ListExecsQuery, OutputChunk, RequestedLimits,
-    SandboxInfo, SandboxState, SnapshotRecord,
+    CreateRequest, ExecEvent, ExecRecord, ExecRequest, ExecStatus, ImageProgress, ImageRecord, Isolation, ListExecsQuery, OnExpiry, OutputChunk,
+    RequestedLimits, SandboxInfo, SandboxState, SnapshotRecord,
 };
 
 fn timestamp(t: SystemTime) -> prost_types::Timestamp {
@@ -43,6 +43,23 @@ fn state_to_proto(s: SandboxState) -> pb::SandboxState {
         SandboxState::Running => pb::SandboxState::Running,
         SandboxState::Failed => pb::SandboxState::Failed,
         SandboxState::Destroyed => pb::SandboxState::Destroyed,
+        SandboxState::Paused => pb::SandboxState::Paused,
+    }
+}
+
+fn on_expiry_to_proto(o: OnExpiry) -> pb::OnExpiry {
+    match o {
+        OnExpiry::Destroy => pb::OnExpiry::Destroy,
+        OnExpiry::Pause => pb::OnExpiry::Pause,
+    }
+}
+
+/// A create's `on_expiry`: unset is DESTROY, as before the field.
+fn on_expiry_from_proto(v: i32) -> Result<OnExpiry, Status> {
+    match pb::OnExpiry::try_from(v) {
+        Ok(pb::OnExpiry::Unspecified | pb::OnExpiry::Destroy) => Ok(OnExpiry::Destroy),
+        Ok(pb::OnExpiry::Pause) => Ok(OnExpiry::Pause),
+        Err(_) => Err(Status::invalid_argument(format!("invalid on_expiry: unknown value {v}"))),
     }
 }
 
@@ -79,6 +96,7 @@ pub fn create_request(r: pb::CreateSandboxRequest) -> Result<CreateRequest, Stat
         from_snapshot_id: r.from_snapshot_id,
         user: r.user,
         network: network_from_proto(r.network)?,
+        on_expiry: on_expiry_from_proto(r.on_expiry)?,
     })
 }
 
@@ -135,6 +153,8 @@ pub fn sandbox(i: &SandboxInfo) -> pb::Sandbox {
         // Stamped by the fleet's router (it knows the node; the core does not).
         node: String::new(),
         node_address: String::new(),
+        on_expiry: on_expiry_to_proto(i.on_expiry) as i32,
+        paused_at: i.paused_at.map(timestamp),
     }
 }
 
@@ -163,6 +183,7 @@ pub fn exec_request(r: pb::ExecRequest) -> ExecRequest {
         idempotency_key: r.idempotency_key,
         background: r.background,
         user: r.user,
+        trace: None,
     }
 }
 
@@ -193,6 +214,8 @@ pub fn exec_result(record: &ExecRecord, with_output: bool) -> pb::ExecResult {
         stderr_spill_path: r.stderr.spill_path.clone().unwrap_or_default(),
         output_discarded: record.output_discarded,
         argv_truncated: record.argv_truncated,
+        trace_id: record.trace.as_ref().map(|t| t.trace_id.clone()).unwrap_or_default(),
+        span_id: record.trace.as_ref().map(|t| t.span_id.clone()).unwrap_or_default(),
     }
 }
 

@@ -3,7 +3,7 @@
 //! what a call does (validation, idempotency, what a dropped stream means) is the manager's.
 
 pub mod auth;
-mod convert;
+pub(crate) mod convert;
 mod images;
 mod status;
 mod streams;
@@ -20,6 +20,8 @@ use tonic::{Request, Response, Status};
 
 use crate::audit::{millis, AuditEntry, AuditLog};
 use crate::manager::Manager;
+use crate::model::{ExecRequest, TraceContext};
+use crate::telemetry::caller_trace;
 
 pub use auth::Auth;
 pub use convert::{exec_request, isolation_from_proto, isolation_to_proto};
@@ -61,6 +63,8 @@ struct Audited {
     argv: Option<Vec<String>>,
     env: Option<std::collections::BTreeMap<String, String>>,
     detail: String,
+    /// The caller's trace (its `traceparent`), set by [`Api::call`] and [`Api::call_streaming`].
+    trace: Option<TraceContext>,
 }
 
 fn code_name(code: tonic::Code) -> &'static str {
@@ -96,11 +100,13 @@ impl Api {
     {
         let started = Instant::now();
         let tenant = self.auth.tenant(&request);
+        let trace = caller_trace(request.metadata().as_ref());
         let result = match &tenant {
             Ok(t) => f(t.clone(), request.into_inner()).await,
             Err(e) => Err(e.clone()),
         };
-        if let Some(a) = audited {
+        if let Some(mut a) = audited {
+            a.trace = trace;
             self.record(rpc, tenant.as_deref().ok(), &a, result.as_ref().err(), started);
         }
         result.map(Response::new)
@@ -124,6 +130,7 @@ impl Api {
     {
         let started = Instant::now();
         let tenant = self.auth.tenant(&request)?;
+        let trace = caller_trace(request.metadata().as_ref());
         let mut stream = request.into_inner();
         // The first message is waited for like any other of a stream: `streams.idle_timeout_ms`.
         let deadline = FIRST_MESSAGE_DEADLINE.min(self.manager.stream_idle_timeout());
@@ -135,7 +142,7 @@ impl Api {
                 return Err(Status::deadline_exceeded(format!("{rpc}: no first message within {:.1} s (streams.idle_timeout_ms)", deadline.as_secs_f64())))
             }
         };
-        let audited = audit_of(&first);
+        let audited = Audited { trace, ..audit_of(&first) };
         let result = f(tenant.clone(), first, stream).await;
         self.record(rpc, Some(&tenant), &audited, result.as_ref().err(), started);
         result.map(Response::new)
@@ -152,6 +159,7 @@ impl Api {
             argv: Some(req.argv.clone()),
             env: self.audit.env(&req.env),
             detail: if req.background { "background".into() } else { String::new() },
+            trace: None,
         }
     }
 }
@@ -167,6 +175,7 @@ fn record_audit(audit: &AuditLog, rpc: &'static str, tenant: Option<&str>, a: &A
         detail: &a.detail,
         status: error.map(|s| code_name(s.code())).unwrap_or("OK"),
         duration_ms: millis(started.elapsed()),
+        trace: a.trace.as_ref(),
     });
 }
 
@@ -197,6 +206,11 @@ impl SandboxService for Api {
         let r = request.get_ref();
         let detail = format!("isolation={} image={} from_snapshot={}", r.isolation, r.image, r.from_snapshot_id);
         self.call("CreateSandbox", request, Some(Audited { detail, ..Default::default() }), |tenant, req| async move {
+            // UNAVAILABLE, not FAILED_PRECONDITION: the node will not take it, another one may
+            // (the fleet's router places it on a ready peer).
+            if m.is_draining() {
+                return Err(Status::unavailable(m.drain_refusal()));
+            }
             let info = m.create(&tenant, convert::create_request(req)?).await?;
             Ok(convert::sandbox(&info))
         })
@@ -230,6 +244,20 @@ impl SandboxService for Api {
         .await
     }
 
+    async fn pause_sandbox(&self, request: Request<pb::PauseSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let audited = sandbox_only(&request.get_ref().sandbox_id);
+        self.call("PauseSandbox", request, audited, |tenant, req| async move { Ok(convert::sandbox(&self.manager.pause(&tenant, &req.sandbox_id).await?)) })
+            .await
+    }
+
+    async fn resume_sandbox(&self, request: Request<pb::ResumeSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let audited = sandbox_only(&request.get_ref().sandbox_id);
+        self.call("ResumeSandbox", request, audited, |tenant, req| async move {
+            Ok(convert::sandbox(&self.manager.resume(&tenant, &req.sandbox_id, req.ttl_seconds).await?))
+        })
+        .await
+    }
+
     async fn list_sandboxes(&self, request: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
         self.call("ListSandboxes", request, None, |tenant, req| async move {
             let list = self.manager.list(&tenant, &req.label_selector.into_iter().collect())?;
@@ -249,8 +277,9 @@ impl SandboxService for Api {
 
     async fn exec(&self, request: Request<pb::ExecRequest>) -> Result<Response<pb::ExecResult>, Status> {
         let audited = Some(self.audited_exec(request.get_ref()));
+        let trace = caller_trace(request.metadata().as_ref());
         self.call("Exec", request, audited, |tenant, req| async move {
-            let record = self.manager.exec(&tenant, exec_request(req)).await?;
+            let record = self.manager.exec(&tenant, ExecRequest { trace, ..exec_request(req) }).await?;
             Ok(convert::exec_result(&record, true))
         })
         .await
@@ -260,8 +289,9 @@ impl SandboxService for Api {
 
     async fn exec_stream(&self, request: Request<pb::ExecRequest>) -> Result<Response<Self::ExecStreamStream>, Status> {
         let audited = Some(self.audited_exec(request.get_ref()));
+        let trace = caller_trace(request.metadata().as_ref());
         self.call("ExecStream", request, audited, |tenant, req| async move {
-            let events = self.manager.exec_stream(&tenant, exec_request(req))?;
+            let events = self.manager.exec_stream(&tenant, ExecRequest { trace, ..exec_request(req) })?;
             Ok(Box::pin(events.filter_map(|e| std::future::ready(convert::exec_event(e).transpose()))) as EventStream)
         })
         .await
@@ -410,6 +440,7 @@ impl SandboxService for Api {
         let started = Instant::now();
         let tenant = self.auth.tenant(&request)?;
         let viewer = self.manager.image_viewer(&tenant, images::root_peer(&request));
+        let trace = caller_trace(request.metadata().as_ref());
         let mut stream = request.into_inner();
         let first = images::first_message(&mut stream, "ImportImage").await?;
         let Some(Item::Header(header)) = first.item else {
@@ -420,7 +451,7 @@ impl SandboxService for Api {
             audit: self.audit.clone(),
             rpc: "ImportImage",
             tenant: tenant.clone(),
-            audited: Audited { detail, ..Default::default() },
+            audited: Audited { detail, trace, ..Default::default() },
             started,
         };
         let events = match images::start_import(&self.manager, &viewer, req) {
@@ -441,6 +472,7 @@ impl SandboxService for Api {
         let started = Instant::now();
         let tenant = self.auth.tenant(&request)?;
         let viewer = self.manager.image_viewer(&tenant, images::root_peer(&request));
+        let trace = caller_trace(request.metadata().as_ref());
         let mut stream = request.into_inner();
         let first = images::first_message(&mut stream, "BuildImage").await?;
         let Some(Item::Header(header)) = first.item else {
@@ -451,7 +483,7 @@ impl SandboxService for Api {
             audit: self.audit.clone(),
             rpc: "BuildImage",
             tenant: tenant.clone(),
-            audited: Audited { detail, ..Default::default() },
+            audited: Audited { detail, trace, ..Default::default() },
             started,
         };
         let events = match images::start_build(&self.manager, &viewer, req) {
@@ -478,6 +510,7 @@ impl Api {
             }
             _ => Audited { detail: "session without start".into(), ..Default::default() },
         };
+        let trace = caller_trace(request.metadata().as_ref());
         self.call_streaming("ExecSession", request, audit_of, |tenant, first, stream| async move {
             let Some(Item::Start(start)) = first.item else {
                 return Err(Status::invalid_argument("the first message of an exec session must be `start`"));
@@ -486,7 +519,7 @@ impl Api {
             let tty = streams::terminal(start.tty, start.size)?;
             let (started_tx, started_rx) = tokio::sync::watch::channel(None);
             let input = streams::session_input(self.manager.clone(), tenant.clone(), stream, started_rx, self.manager.session_input_buffer());
-            let events = self.manager.exec_session(&tenant, exec_request(exec), crate::manager::Session { input, tty })?;
+            let events = self.manager.exec_session(&tenant, ExecRequest { trace, ..exec_request(exec) }, crate::manager::Session { input, tty })?;
             let events = events.map(move |event| {
                 if let Ok(crate::model::ExecEvent::Started(id)) = &event {
                     let _ = started_tx.send(Some(id.clone()));

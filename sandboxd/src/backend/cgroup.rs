@@ -679,6 +679,67 @@ fn v2_enable_subtree(dir: &Path) -> Result<(), CgroupError> {
     Ok(())
 }
 
+/// What [`favor_dynamic_modifications`] found or did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Favor {
+    /// The hierarchy at this mount point already had `favordynmods`.
+    Already(PathBuf),
+    /// The hierarchy at this mount point was remounted with it.
+    Remounted(PathBuf),
+}
+
+/// Puts the kernel's cgroup core into "favor dynamic modifications" mode by remounting one
+/// cgroup hierarchy with `favordynmods` (the mode is global: it switches the one lock every
+/// cgroup migration takes, on v1 and v2 alike).
+///
+/// Why: moving a task into a cgroup takes `cgroup_threadgroup_rwsem` for writing, and that
+/// per-CPU semaphore first waits for an RCU grace period unless a writer was there moments ago.
+/// Every exec on the process and container tiers moves a process into its own cgroup, so an
+/// exec after a pause (an agent thinking) paid the grace period: a migration 100 ms after the
+/// last one took 7.8 ms median on a 2-CPU VM, 0.06 ms back to back, and 0.35 ms either way in
+/// this mode. The kernel documents the cost: fork and exit take the semaphore's slower path.
+/// On the 6.18 kernel this was measured on, migrations stayed fast after the hierarchy was
+/// remounted without the option: treat the mode as on until reboot once set.
+///
+/// The cgroup2 hierarchy is preferred (on a hybrid host the empty one at
+/// `/sys/fs/cgroup/unified`), else a v1 one. `mount(8)` does the remount because it keeps the
+/// mount's other options (`nsdelegate`, `nosuid`, …), which a bare `mount(2)` would reset.
+pub fn favor_dynamic_modifications() -> Result<Favor, String> {
+    let mountinfo = fs::read_to_string(MOUNTINFO).map_err(|e| format!("reading {MOUNTINFO}: {e}"))?;
+    let (mount, already) = favordynmods_target(&mountinfo).ok_or_else(|| format!("no cgroup hierarchy is mounted (per {MOUNTINFO})"))?;
+    if already {
+        return Ok(Favor::Already(mount));
+    }
+    let out = std::process::Command::new("mount")
+        .arg("-o")
+        .arg("remount,favordynmods")
+        .arg(&mount)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("running mount(8) to remount {} with favordynmods: {e}", mount.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "mount -o remount,favordynmods {} failed ({}): {} (Linux 6.0 or later has the option)",
+            mount.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(Favor::Remounted(mount))
+}
+
+/// The hierarchy [`favor_dynamic_modifications`] remounts, from mountinfo text, and whether it
+/// already has `favordynmods`: a cgroup2 mount first, else the first v1 one; any hierarchy
+/// that has the option already means the mode is on.
+fn favordynmods_target(mountinfo: &str) -> Option<(PathBuf, bool)> {
+    let mounts: Vec<_> = super::mountinfo::parse(mountinfo).into_iter().filter(|m| m.fstype == "cgroup2" || m.fstype == "cgroup").collect();
+    if let Some(m) = mounts.iter().find(|m| m.super_options.iter().any(|o| o == "favordynmods")) {
+        return Some((m.mount_point.clone(), true));
+    }
+    let pick = mounts.iter().find(|m| m.fstype == "cgroup2").or_else(|| mounts.first())?;
+    Some((pick.mount_point.clone(), false))
+}
+
 impl CgroupRoot {
     /// Detects the cgroup version and creates the daemon's parent cgroup `name` in
     /// every hierarchy (on v2 also enabling memory, pids and cpu for its subtree).
@@ -1333,6 +1394,20 @@ mod tests {
             assert!(start.elapsed() < Duration::from_secs(60), "timed out: {what}");
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    #[test]
+    fn favordynmods_goes_on_the_cgroup2_hierarchy_or_the_first_v1_one() {
+        let hybrid = "30 25 0:26 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:10 - cgroup2 cgroup2 rw,nsdelegate\n\
+                      31 25 0:27 / /sys/fs/cgroup/memory rw,nosuid shared:11 - cgroup cgroup rw,memory\n";
+        assert_eq!(favordynmods_target(hybrid), Some((PathBuf::from("/sys/fs/cgroup/unified"), false)));
+        let v1 = "31 25 0:27 / /sys/fs/cgroup/memory rw shared:11 - cgroup cgroup rw,memory\n\
+                  32 25 0:28 / /sys/fs/cgroup/pids rw shared:12 - cgroup cgroup rw,pids\n";
+        assert_eq!(favordynmods_target(v1), Some((PathBuf::from("/sys/fs/cgroup/memory"), false)));
+        let on = "31 25 0:27 / /sys/fs/cgroup/memory rw shared:11 - cgroup cgroup rw,memory\n\
+                  30 25 0:26 / /sys/fs/cgroup rw shared:10 - cgroup2 cgroup2 rw,nsdelegate,favordynmods\n";
+        assert_eq!(favordynmods_target(on), Some((PathBuf::from("/sys/fs/cgroup"), true)));
+        assert_eq!(favordynmods_target("22 1 0:21 / /proc rw - proc proc rw\n"), None);
     }
 
     #[test]

@@ -85,6 +85,47 @@ pub struct ExecSpec {
     /// Run on a pseudo-terminal of this size: stdin, stdout and stderr are its slave side (so
     /// the output is one stream, reported as stdout) and it is the controlling terminal.
     pub tty: Option<TerminalSize>,
+    /// The clock `timeout` is measured on: it stops while the sandbox is paused, so a paused
+    /// sandbox's command is not timed out for the time it was frozen.
+    pub clock: RunClock,
+}
+
+/// A sandbox's running time: wall time minus the time it spent paused. Every host-side exec
+/// deadline sleeps on it (E2B's semantics: a paused sandbox's clock stops).
+#[derive(Debug, Clone, Default)]
+pub struct RunClock(Option<tokio::sync::watch::Receiver<bool>>);
+
+impl RunClock {
+    /// The clock of a sandbox whose paused flag `paused` follows (true while paused).
+    pub fn new(paused: tokio::sync::watch::Receiver<bool>) -> Self {
+        RunClock(Some(paused))
+    }
+
+    /// Returns once `d` of running time has passed: time while paused does not count. A
+    /// sandbox that goes away (the flag's sender dropped) counts as running.
+    pub async fn sleep(&self, d: Duration) {
+        let Some(rx) = &self.0 else { return tokio::time::sleep(d).await };
+        let mut rx = rx.clone();
+        let mut left = d;
+        loop {
+            // Paused: wait for the resume; the time until then is not counted.
+            let running = rx.wait_for(|p| !*p).await.is_ok();
+            let since = tokio::time::Instant::now();
+            if !running {
+                return tokio::time::sleep(left).await;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(left) => return,
+                // The guard `wait_for` returns is not Send: only whether it came is kept.
+                paused = async { rx.wait_for(|p| *p).await.is_ok() } => {
+                    left = left.saturating_sub(since.elapsed());
+                    if !paused {
+                        return tokio::time::sleep(left).await;
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Rows and columns of an exec's pseudo-terminal.
@@ -105,6 +146,84 @@ pub enum SessionInput {
     Resize(TerminalSize),
 }
 
+/// Writes `first` to an exec's stdin pipe, then the session's live input (resizes ignored);
+/// dropping the pipe closes the command's stdin. A command that does not read its stdin closes
+/// the pipe: EPIPE is normal here and ends the feeding. The process and container tiers' pipes.
+pub(crate) async fn feed_pipe(mut w: tokio::net::unix::pipe::Sender, first: Vec<u8>, input: Option<mpsc::Receiver<SessionInput>>) {
+    use tokio::io::AsyncWriteExt;
+    if w.write_all(&first).await.is_err() {
+        return;
+    }
+    // Written: not held while the session goes on.
+    drop(first);
+    let Some(mut input) = input else { return };
+    while let Some(item) = input.recv().await {
+        match item {
+            SessionInput::Stdin(bytes) => {
+                if w.write_all(&bytes).await.is_err() {
+                    return;
+                }
+            }
+            SessionInput::CloseStdin => return,
+            SessionInput::Resize(_) => {}
+        }
+    }
+}
+
+/// Reads one output stream of an exec (a pipe, or a terminal's master side) into `capture`, and
+/// into the sink when streaming, until EOF or `stop`. `transform` sees each chunk as read and
+/// gives what the exec's output is made of (the container tier strips its helper's failure
+/// line); the process and container tiers' pumps.
+pub(crate) async fn pump_output<R: tokio::io::AsyncRead + std::os::fd::AsRawFd + Unpin>(
+    mut rx: R,
+    capture: &mut sandbox_exec::capture::OutputCapture,
+    sink: &OutputSink,
+    is_stdout: bool,
+    stop: &CancellationToken,
+    mut transform: impl FnMut(&[u8]) -> std::borrow::Cow<'_, [u8]>,
+) {
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = tokio::select! {
+            biased;
+            r = rx.read(&mut buf) => match r {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            },
+            _ = stop.cancelled() => {
+                // Told to stop waiting for EOF (a background process holds the pipe): still
+                // take what is already in the pipe — a loaded machine may not have scheduled
+                // this task since the main process wrote it.
+                // A raw read: tokio's try_read trusts cached readiness the reactor may not have
+                // delivered yet. The fd is non-blocking, so this never waits.
+                while let Ok(n) = nix::unistd::read(rx.as_raw_fd(), &mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    capture.feed(&transform(&buf[..n]));
+                }
+                break;
+            }
+        };
+        let bytes = transform(&buf[..n]);
+        if bytes.is_empty() {
+            continue;
+        }
+        capture.feed(&bytes);
+        if let Some(tx) = sink {
+            let chunk = Bytes::copy_from_slice(&bytes);
+            let event = if is_stdout { OutputChunk::Stdout(chunk) } else { OutputChunk::Stderr(chunk) };
+            // A slow reader slows the command (back-pressure through the pipe); a gone reader
+            // only stops the streaming, not the capture.
+            tokio::select! {
+                _ = tx.send(event) => {}
+                _ = stop.cancelled() => break,
+            }
+        }
+    }
+}
+
 /// The receiving end of a session's input, handed to the backend that runs the exec (which
 /// takes it once). The channel closing counts as [`SessionInput::CloseStdin`].
 #[derive(Debug, Clone, Default)]
@@ -119,6 +238,11 @@ impl SessionInputs {
     /// The receiver, once; `None` for a plain exec (or when already taken).
     pub fn take(&self) -> Option<mpsc::Receiver<SessionInput>> {
         self.0.lock().ok().and_then(|mut rx| rx.take())
+    }
+
+    /// Whether there is a receiver still to take (a session's live input).
+    pub fn is_some(&self) -> bool {
+        self.0.lock().map(|rx| rx.is_some()).unwrap_or(false)
     }
 }
 
@@ -284,6 +408,12 @@ pub trait Backend: Send + Sync {
     async fn rollback(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<(), BackendError>;
     /// Frees a snapshot no sandbox depends on any more.
     async fn delete_snapshot(&self, snapshot: &SnapshotId) -> Result<(), BackendError>;
+    /// Freezes every process of the sandbox in place: memory kept, nothing scheduled. Called
+    /// only on a running sandbox; `destroy` must work on a paused one (a frozen cgroup's kill
+    /// thaws it, a stopped VM's QEMU is killed like a running one).
+    async fn pause(&self, sandbox: &SandboxId) -> Result<(), BackendError>;
+    /// Lets a paused sandbox's processes run again where they stopped.
+    async fn resume(&self, sandbox: &SandboxId) -> Result<(), BackendError>;
     /// Kills every process and frees every mount, cgroup and directory of the sandbox.
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), BackendError>;
     /// Called once at start, before any other call and before the daemon listens, with the

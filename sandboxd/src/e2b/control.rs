@@ -1,5 +1,6 @@
 //! E2B's control plane (its OpenAPI `/sandboxes`, `/v2/sandboxes`, `/templates`) on the
-//! manager: a template is an image, metadata are labels, `timeout` is the TTL.
+//! manager: a template is an image, metadata are labels, `timeout` is the TTL, `autoPause` is
+//! the TTL's on-expiry action, pause/resume/connect are PauseSandbox/ResumeSandbox.
 
 use std::collections::BTreeMap;
 use std::time::{Instant, SystemTime};
@@ -8,7 +9,7 @@ use serde_json::{json, Value};
 
 use super::{http_status, json_response, read_body, rfc3339, Audited, Body, State, ENVD_VERSION};
 use crate::error::Error;
-use crate::model::{CreateRequest, Isolation, SandboxInfo, SandboxState};
+use crate::model::{CreateRequest, Isolation, OnExpiry, SandboxInfo, SandboxState};
 
 /// What `clientID` says in every sandbox (E2B's id of the node that runs it).
 const CLIENT_ID: &str = "sandboxd";
@@ -60,9 +61,8 @@ pub async fn handle(state: &State, req: http::Request<hyper::body::Incoming>) ->
         (&M::POST, ["sandboxes", id, "timeout"]) => set_timeout(state, &tenant, id, req).await,
         (&M::POST, ["sandboxes", id, "refreshes"]) => refresh(state, &tenant, id, req).await,
         (&M::POST, ["sandboxes", id, "connect"]) => connect(state, &tenant, id, req).await,
-        (&M::POST, ["sandboxes", _, "pause" | "resume"]) => {
-            Ok(unsupported("pause/resume", "a sandbox is either running or destroyed; keep its files with a snapshot (sbx snapshot) and fork from it"))
-        }
+        (&M::POST, ["sandboxes", id, "pause"]) => pause(state, &tenant, id, req).await,
+        (&M::POST, ["sandboxes", id, "resume"]) => resume(state, &tenant, id, req).await,
         (&M::POST, ["sandboxes", id, "fork"]) => fork(state, &tenant, id, req).await,
         (&M::POST, ["sandboxes", _, "snapshots"]) | (_, ["snapshots", ..]) => {
             Ok(unsupported("E2B's snapshot API", "use Sandbox.fork(), or sandboxd's Snapshot and CreateSandbox(from_snapshot_id) over gRPC"))
@@ -121,9 +121,7 @@ fn refuse_unsupported(body: &serde_json::Map<String, Value>) -> Result<(), Error
         Some(_) => true,
     };
     let reasons = [
-        ("autoPause", "pause is not supported: a sandbox is running or destroyed (snapshots keep files)"),
-        ("autoResume", "pause is not supported: a sandbox is running or destroyed"),
-        ("autoPauseMemory", "pause is not supported: a sandbox is running or destroyed"),
+        ("autoResume", "a paused sandbox is resumed by connect or resume, not by traffic"),
         // The SDK sends this one in snake case; E2B's spec spells it in camel case.
         ("allow_internet_access", "sandboxes have no network"),
         ("allowInternetAccess", "sandboxes have no network"),
@@ -163,18 +161,23 @@ async fn create(state: &State, tenant: &str, req: http::Request<hyper::body::Inc
     if ttl_seconds == 0 {
         return Err(Error::invalid("timeout", "must be at least 1 second"));
     }
+    // `lifecycle.on_timeout = "pause"` arrives as `autoPause: true`: the TTL pauses instead of
+    // killing. A pause here always keeps the memory (the processes are frozen in place).
+    let on_expiry = if flag(&body, "autoPause")? { OnExpiry::Pause } else { OnExpiry::Destroy };
+    refuse_filesystem_only(&body, "autoPauseMemory")?;
     let request = CreateRequest {
         isolation,
         image: if template == E2B_DEFAULT_TEMPLATE { state.cfg.base_template.clone() } else { template.clone() },
         env: string_map(&body, "envVars")?,
         labels,
         ttl_seconds,
+        on_expiry,
         ..Default::default()
     };
     let result = state.manager.create(tenant, request).await;
     let id = result.as_ref().map(|i| i.id.to_string()).unwrap_or_default();
     state.audit(
-        Audited { rpc: "e2b.CreateSandbox", tenant, sandbox_id: &id, argv: None, detail: &format!("template={template}") },
+        Audited { rpc: "e2b.CreateSandbox", tenant, sandbox_id: &id, argv: None, detail: &format!("template={template}"), trace: None },
         result.as_ref().err(),
         started,
     );
@@ -213,11 +216,24 @@ fn listed(info: &SandboxInfo) -> Value {
         "cpuCount": info.limits.cpu_millicores.div_ceil(1000).max(1),
         "memoryMB": info.limits.memory_bytes >> 20,
         "diskSizeMB": info.limits.disk_bytes >> 20,
-        // E2B knows running and paused; ours are running (or on their way to FAILED).
-        "state": "running",
+        // E2B knows running and paused; a FAILED one is listed as running, as it was.
+        "state": e2b_state(info.state),
         "envdVersion": ENVD_VERSION,
         "metadata": info.labels,
+        "lifecycle": {
+            "onTimeout": if info.on_expiry == OnExpiry::Pause { "pause" } else { "kill" },
+            "autoResume": false,
+        },
     })
+}
+
+/// E2B's name of a sandbox's state: `paused`, else `running`.
+fn e2b_state(s: SandboxState) -> &'static str {
+    if s == SandboxState::Paused {
+        "paused"
+    } else {
+        "running"
+    }
 }
 
 /// E2B's `SandboxDetail`.
@@ -226,6 +242,10 @@ fn detail(state: &State, info: &SandboxInfo) -> Value {
     if let Value::Object(m) = &mut v {
         m.insert("envdAccessToken".into(), Value::String(state.envd_token(&info.tenant, info.id.as_str())));
         m.insert("domain".into(), Value::Null);
+        if info.state == SandboxState::Paused {
+            // Processes frozen with their memory: what E2B calls a full pause.
+            m.insert("pauseMode".into(), Value::String("full".into()));
+        }
     }
     v
 }
@@ -252,10 +272,9 @@ fn list(state: &State, tenant: &str, query: &str) -> Result<http::Response<Body>
         }
     }
     let mut all = state.manager.list(tenant, &selector)?;
-    all.retain(|i| i.state == SandboxState::Running || i.state == SandboxState::Creating);
-    // Only running sandboxes exist here: a filter for paused ones alone matches none.
-    if !states.is_empty() && !states.iter().any(|s| s == "running") {
-        all.clear();
+    all.retain(|i| matches!(i.state, SandboxState::Running | SandboxState::Creating | SandboxState::Paused));
+    if !states.is_empty() {
+        all.retain(|i| states.iter().any(|s| s == e2b_state(i.state)));
     }
     let start = match &after {
         Some(token) => {
@@ -277,7 +296,7 @@ fn list(state: &State, tenant: &str, query: &str) -> Result<http::Response<Body>
 async fn kill(state: &State, tenant: &str, id: &str) -> Result<http::Response<Body>, Error> {
     let started = Instant::now();
     let result = state.manager.destroy(tenant, id).await;
-    state.audit(Audited { rpc: "e2b.KillSandbox", tenant, sandbox_id: id, argv: None, detail: "" }, result.as_ref().err(), started);
+    state.audit(Audited { rpc: "e2b.KillSandbox", tenant, sandbox_id: id, argv: None, detail: "", trace: None }, result.as_ref().err(), started);
     result?;
     state.processes.forget_sandbox(id);
     state.watchers.forget_sandbox(id);
@@ -292,7 +311,11 @@ async fn set_timeout(state: &State, tenant: &str, id: &str, req: http::Request<h
         return Err(Error::invalid("timeout", "must be at least 1 second"));
     }
     let result = state.manager.set_ttl(tenant, id, timeout);
-    state.audit(Audited { rpc: "e2b.SetTimeout", tenant, sandbox_id: id, argv: None, detail: &format!("timeout={timeout}") }, result.as_ref().err(), started);
+    state.audit(
+        Audited { rpc: "e2b.SetTimeout", tenant, sandbox_id: id, argv: None, detail: &format!("timeout={timeout}"), trace: None },
+        result.as_ref().err(),
+        started,
+    );
     result?;
     Ok(super::empty(http::StatusCode::NO_CONTENT))
 }
@@ -313,17 +336,94 @@ fn extend(state: &State, tenant: &str, id: &str, seconds: u32) -> Result<Sandbox
         return Ok(info);
     }
     let result = state.manager.set_ttl(tenant, id, seconds);
-    state.audit(Audited { rpc: "e2b.SetTimeout", tenant, sandbox_id: id, argv: None, detail: &format!("timeout={seconds}") }, result.as_ref().err(), started);
+    state.audit(
+        Audited { rpc: "e2b.SetTimeout", tenant, sandbox_id: id, argv: None, detail: &format!("timeout={seconds}"), trace: None },
+        result.as_ref().err(),
+        started,
+    );
     result
 }
 
+/// `POST /sandboxes/{id}/connect`: a running sandbox is returned (200) with its timeout
+/// extended to `timeout` from now if that is longer; a paused one is resumed (201) with
+/// `timeout` from now (or what was left of its TTL at the pause).
 async fn connect(state: &State, tenant: &str, id: &str, req: http::Request<hyper::body::Incoming>) -> Result<http::Response<Body>, Error> {
     let body = json_body(req).await?;
-    let info = match seconds(&body, "timeout")? {
-        Some(t) if t > 0 => extend(state, tenant, id, t)?,
-        _ => state.manager.get(tenant, id)?,
+    refuse_filesystem_only(&body, "memory")?;
+    let timeout = seconds(&body, "timeout")?.filter(|t| *t > 0);
+    if state.manager.get(tenant, id)?.state == SandboxState::Paused {
+        let info = resumed(state, tenant, id, timeout.unwrap_or(0), "e2b.Connect").await?;
+        return Ok(json_response(http::StatusCode::CREATED, &created(state, &info)));
+    }
+    let info = match timeout {
+        Some(t) => extend(state, tenant, id, t)?,
+        None => state.manager.get(tenant, id)?,
     };
     Ok(json_response(http::StatusCode::OK, &created(state, &info)))
+}
+
+/// `POST /sandboxes/{id}/pause`: 204 once paused; 409 when it already was (the SDK's `pause()`
+/// then answers False). `memory: false` (a filesystem-only pause) is refused: the processes
+/// are frozen in place with their memory, never dropped.
+async fn pause(state: &State, tenant: &str, id: &str, req: http::Request<hyper::body::Incoming>) -> Result<http::Response<Body>, Error> {
+    let started = Instant::now();
+    let body = json_body(req).await?;
+    refuse_filesystem_only(&body, "memory")?;
+    if state.manager.get(tenant, id)?.state == SandboxState::Paused {
+        return Err(Error::FailedPrecondition(format!("sandbox {id} is already paused")));
+    }
+    let result = state.manager.pause(tenant, id).await;
+    state.audit(Audited { rpc: "e2b.PauseSandbox", tenant, sandbox_id: id, argv: None, detail: "", trace: None }, result.as_ref().err(), started);
+    result?;
+    Ok(super::empty(http::StatusCode::NO_CONTENT))
+}
+
+/// `POST /sandboxes/{id}/resume` (E2B's older call, which `connect` replaced): 201 with the
+/// sandbox once resumed with `timeout` from now; 409 when it is not paused. `autoPause` sets
+/// what its next timeout does.
+async fn resume(state: &State, tenant: &str, id: &str, req: http::Request<hyper::body::Incoming>) -> Result<http::Response<Body>, Error> {
+    let body = json_body(req).await?;
+    refuse_filesystem_only(&body, "memory")?;
+    let info = state.manager.get(tenant, id)?;
+    let auto_pause = body.get("autoPause").is_some_and(|v| !v.is_null()).then(|| flag(&body, "autoPause")).transpose()?;
+    if auto_pause.is_some_and(|a| a != (info.on_expiry == OnExpiry::Pause)) {
+        return Err(Error::invalid("autoPause", "not supported by sandboxd: what a timeout does is set at create (lifecycle.on_timeout)"));
+    }
+    if info.state != SandboxState::Paused {
+        return Err(Error::FailedPrecondition(format!("sandbox {id} is not paused")));
+    }
+    let timeout = seconds(&body, "timeout")?.filter(|t| *t > 0).unwrap_or(state.cfg.default_timeout_seconds);
+    let info = resumed(state, tenant, id, timeout, "e2b.ResumeSandbox").await?;
+    Ok(json_response(http::StatusCode::CREATED, &created(state, &info)))
+}
+
+/// Resumes a paused sandbox with `ttl_seconds` from now (0: what its TTL had left), audited.
+async fn resumed(state: &State, tenant: &str, id: &str, ttl_seconds: u32, rpc: &'static str) -> Result<SandboxInfo, Error> {
+    let started = Instant::now();
+    let result = state.manager.resume(tenant, id, ttl_seconds).await;
+    state.audit(Audited { rpc, tenant, sandbox_id: id, argv: None, detail: &format!("timeout={ttl_seconds}"), trace: None }, result.as_ref().err(), started);
+    result
+}
+
+/// A boolean field (absent or null: false).
+fn flag(body: &serde_json::Map<String, Value>, field: &str) -> Result<bool, Error> {
+    match body.get(field) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(Error::invalid(field, "expected true or false")),
+    }
+}
+
+/// Refuses `field: false`: E2B's filesystem-only pause (or resume by reboot), which would drop
+/// the processes. Here a pause freezes them with their memory, and a resume continues them.
+fn refuse_filesystem_only(body: &serde_json::Map<String, Value>, field: &str) -> Result<(), Error> {
+    match body.get(field) {
+        Some(Value::Bool(false)) => Err(Error::invalid(
+            field,
+            "not supported by sandboxd: a pause keeps the memory (its processes are frozen in place) and a resume continues them; filesystem-only pause and reboot on resume are not offered",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Most sandboxes one fork makes.
@@ -347,7 +447,7 @@ async fn fork(state: &State, tenant: &str, id: &str, req: http::Request<hyper::b
     let ttl_seconds = seconds(&body, "timeout")?.filter(|t| *t > 0).unwrap_or(state.cfg.default_timeout_seconds);
     let name = format!("e2b-fork-{}", humantime::format_rfc3339_millis(SystemTime::now()));
     let snap = state.manager.snapshot(tenant, id, &name, None).await;
-    state.audit(Audited { rpc: "e2b.Fork.Snapshot", tenant, sandbox_id: id, argv: None, detail: &name }, snap.as_ref().err(), started);
+    state.audit(Audited { rpc: "e2b.Fork.Snapshot", tenant, sandbox_id: id, argv: None, detail: &name, trace: None }, snap.as_ref().err(), started);
     let snap = snap?;
     let mut results = Vec::new();
     for _ in 0..count {
@@ -356,7 +456,11 @@ async fn fork(state: &State, tenant: &str, id: &str, req: http::Request<hyper::b
         let result = state.manager.create(tenant, request).await;
         let new_id = result.as_ref().map(|i| i.id.to_string()).unwrap_or_default();
         let detail = format!("from={id} snapshot={}", snap.snapshot_id);
-        state.audit(Audited { rpc: "e2b.Fork.CreateSandbox", tenant, sandbox_id: &new_id, argv: None, detail: &detail }, result.as_ref().err(), started);
+        state.audit(
+            Audited { rpc: "e2b.Fork.CreateSandbox", tenant, sandbox_id: &new_id, argv: None, detail: &detail, trace: None },
+            result.as_ref().err(),
+            started,
+        );
         results.push(match result {
             Ok(info) => json!({ "sandbox": created(state, &info) }),
             Err(e) => json!({ "error": { "code": http_status(&e).as_u16(), "message": e.to_string() } }),
@@ -442,8 +546,11 @@ mod tests {
     fn unsupported_create_fields_are_refused_and_off_values_pass() {
         let body = |v: Value| v.as_object().cloned().unwrap_or_default();
         assert!(refuse_unsupported(&body(json!({"autoPause": false, "volumeMounts": [], "metadata": {}}))).is_ok());
-        let err = refuse_unsupported(&body(json!({"autoPause": true}))).expect_err("refused");
-        assert!(err.to_string().contains("autoPause"), "{err}");
+        assert!(refuse_unsupported(&body(json!({"autoPause": true}))).is_ok(), "autoPause is the on-expiry action");
+        let err = refuse_unsupported(&body(json!({"autoResume": {"enabled": true}}))).expect_err("refused");
+        assert!(err.to_string().contains("autoResume"), "{err}");
+        assert!(refuse_filesystem_only(&body(json!({"memory": false})), "memory").is_err(), "a filesystem-only pause is refused");
+        assert!(refuse_filesystem_only(&body(json!({"memory": true})), "memory").is_ok());
         assert!(refuse_unsupported(&body(json!({"allowInternetAccess": true}))).is_err());
     }
 }

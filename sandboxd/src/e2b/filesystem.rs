@@ -96,7 +96,7 @@ async fn run(state: &State, c: &Caller, script: &str, args: &[&str]) -> Result<S
     if let Some(rpc) = rpc {
         let detail = format!("paths={:?}", args.iter().take_while(|a| **a != STAT_FORMAT).collect::<Vec<_>>());
         let error = result.as_ref().err().map(|e| Error::FailedPrecondition(format!("{}: {}", e.code, e.message)));
-        state.audit(Audited { rpc, tenant: &c.tenant, sandbox_id: c.info.id.as_str(), argv: None, detail: &detail }, error.as_ref(), started);
+        state.audit(Audited { rpc, tenant: &c.tenant, sandbox_id: c.info.id.as_str(), argv: None, detail: &detail, trace: None }, error.as_ref(), started);
     }
     result
 }
@@ -458,7 +458,7 @@ async fn upload(state: &State, c: &Caller, path: Option<String>, req: http::Requ
         r.map(|_| written.push(path))
     };
     state.audit(
-        Audited { rpc: "e2b.files.Upload", tenant: &c.tenant, sandbox_id: c.info.id.as_str(), argv: None, detail: &format!("paths={written:?}") },
+        Audited { rpc: "e2b.files.Upload", tenant: &c.tenant, sandbox_id: c.info.id.as_str(), argv: None, detail: &format!("paths={written:?}"), trace: None },
         result.as_ref().err(),
         started,
     );

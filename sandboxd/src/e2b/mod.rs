@@ -195,6 +195,7 @@ impl State {
             detail: a.detail,
             status: error.map(error_code_name).unwrap_or("OK"),
             duration_ms: millis(started.elapsed()),
+            trace: a.trace,
         });
     }
 }
@@ -206,6 +207,8 @@ struct Audited<'a> {
     sandbox_id: &'a str,
     argv: Option<&'a [String]>,
     detail: &'a str,
+    /// The caller's trace, when its request carried a `traceparent`.
+    trace: Option<&'a crate::model::TraceContext>,
 }
 
 /// An envd access token: the tenant in hex, a dot, and HMAC-SHA256 under `key` (random per

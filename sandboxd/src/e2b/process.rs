@@ -206,6 +206,7 @@ pub async fn handle(state: &Arc<State>, method: &str, req: http::Request<hyper::
 async fn start(state: &Arc<State>, tenant: &str, sandbox_id: &str, req: http::Request<hyper::body::Incoming>) -> http::Response<Body> {
     let started = Instant::now();
     let user = basic_user(req.headers());
+    let trace = crate::telemetry::caller_trace(req.headers());
     let body: Value = match connect::stream_request(req).await {
         Ok(b) => b,
         Err(e) => return connect::stream_error(e),
@@ -230,10 +231,10 @@ async fn start(state: &Arc<State>, tenant: &str, sandbox_id: &str, req: http::Re
     let tag = body.get("tag").and_then(Value::as_str).map(str::to_string);
     // envd keeps stdin open only when asked (`stdin: true`) or on a terminal.
     let keep_stdin = tty.is_some() || body.get("stdin").and_then(Value::as_bool).unwrap_or(false);
-    let exec = ExecRequest { sandbox_id: sandbox_id.to_string(), argv: argv.clone(), env, workdir, user, ..Default::default() };
+    let exec = ExecRequest { sandbox_id: sandbox_id.to_string(), argv: argv.clone(), env, workdir, user, trace: trace.clone(), ..Default::default() };
     let (input_tx, input_rx) = mpsc::channel(INPUT_BUFFER);
     let events = state.manager.exec_session(tenant, exec, Session { input: input_rx, tty });
-    state.audit(Audited { rpc: "e2b.process.Start", tenant, sandbox_id, argv: Some(&argv), detail: "" }, events.as_ref().err(), started);
+    state.audit(Audited { rpc: "e2b.process.Start", tenant, sandbox_id, argv: Some(&argv), detail: "", trace: trace.as_ref() }, events.as_ref().err(), started);
     let mut exec_id = None;
     let mut events = match events {
         Ok(e) => e,
@@ -431,7 +432,7 @@ async fn send_signal(state: &State, tenant: &str, sandbox_id: &str, req: http::R
         .ok_or_else(|| RpcError::new("failed_precondition", format!("process {} has not started yet", proc.pid)))?;
     let result = state.manager.signal_exec(tenant, &exec_id, signal).await;
     state.audit(
-        Audited { rpc: "e2b.process.SendSignal", tenant, sandbox_id, argv: None, detail: &format!("pid={} signal={signal}", proc.pid) },
+        Audited { rpc: "e2b.process.SendSignal", tenant, sandbox_id, argv: None, detail: &format!("pid={} signal={signal}", proc.pid), trace: None },
         result.as_ref().err(),
         started,
     );

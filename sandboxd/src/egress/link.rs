@@ -120,6 +120,50 @@ pub fn attach(names: &Names, slot: u32, pid: i32, gw: Ipv4Addr, addr: Ipv4Addr) 
     done
 }
 
+/// The MAC address of every TAP device's host end. Fixed, so that a guest resumed from a memory
+/// snapshot (whose ARP cache names the gateway's MAC at the time) reaches its new link's gateway
+/// at once; each TAP is a link of its own, so no two ends ever share a segment.
+pub const TAP_HOST_MAC: &str = "02:73:62:78:00:01";
+/// The guest's MAC address (the virtio-net device's), fixed for the same reason.
+pub const TAP_GUEST_MAC: &str = "02:73:62:78:00:02";
+
+/// `_IOW('T', 202, int)`: attach the descriptor to a TUN/TAP device, creating it.
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const IFF_TAP: libc::c_short = 0x0002;
+const IFF_NO_PI: libc::c_short = 0x1000;
+
+/// Creates slot `slot`'s TAP device (host end `gw`/30, the guest to be `addr`) and returns the
+/// descriptor that holds it: not persistent, so it goes when QEMU (the other holder) and this
+/// descriptor are closed. The sources set admits only `addr` from it.
+pub fn attach_tap(names: &Names, slot: u32, gw: Ipv4Addr, addr: Ipv4Addr) -> Result<std::os::fd::OwnedFd, String> {
+    use std::os::fd::AsRawFd;
+    let ifname = names.ifname(slot);
+    // A leftover of a VM whose QEMU has not quite gone yet, or of a daemon crash.
+    let _ = run("ip", &["link", "del", &ifname], None);
+    let tun = std::fs::OpenOptions::new().read(true).write(true).open("/dev/net/tun").map_err(|e| format!("opening /dev/net/tun: {e}"))?;
+    // SAFETY: ifreq is plain old data; all-zero is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(ifname.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_flags = IFF_TAP | IFF_NO_PI;
+    // SAFETY: TUNSETIFF reads (and writes back the name into) the ifreq we pass; the fd is ours.
+    if unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF, &mut ifr) } < 0 {
+        return Err(format!("creating TAP device {ifname}: {}", std::io::Error::last_os_error()));
+    }
+    let done = (|| {
+        let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6"), "1");
+        run("ip", &["addr", "add", &format!("{gw}/30"), "dev", &ifname], None)?;
+        run("ip", &["link", "set", &ifname, "address", TAP_HOST_MAC, "up"], None)?;
+        run("nft", &["add", "element", "inet", &names.table, "sources", &format!("{{ \"{ifname}\" . {addr} }}")], None)
+    })();
+    if let Err(e) = done {
+        detach(names, slot, addr);
+        return Err(e);
+    }
+    Ok(tun.into())
+}
+
 /// Takes a slot's link away (the veth goes with the namespace too; this is for the set and
 /// for a namespace that outlives its sandbox). Idempotent.
 pub fn detach(names: &Names, slot: u32, addr: Ipv4Addr) {

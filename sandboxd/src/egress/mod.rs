@@ -10,12 +10,17 @@
 //! sandboxes and the operator's denied ranges are refused in every mode. Every query and
 //! connection is an audit line and a counter. Mode NONE adds nothing: loopback only.
 //!
-//! The manager never knows this exists: the process backend calls [`Egress::attach`] once the
-//! sandbox's network namespace is there, and [`Egress::detach`] when it stops.
+//! The manager never knows this exists: the process and container backends call
+//! [`Egress::attach`] once the sandbox's network namespace is there, the microVM backend
+//! [`Egress::attach_tap`] before each QEMU of the sandbox starts (a TAP device instead of a veth,
+//! held by QEMU's virtio-net; the guest agent configures the VM's side), and all call
+//! [`Egress::detach`] when it stops.
 
 pub mod dns;
+mod http;
 pub mod link;
 mod proxy;
+mod pump;
 pub mod tls;
 
 use std::collections::{BTreeSet, HashMap};
@@ -42,8 +47,23 @@ struct SandboxNet {
     /// Addresses handed out by the daemon's DNS, and the names they were for, until when.
     resolved: Mutex<HashMap<Ipv4Addr, Vec<(String, Instant)>>>,
     active: AtomicU32,
+    /// Its bandwidth caps, shared by all its connections: sandbox to world, and back.
+    rate_out: pump::RateLimit,
+    rate_in: pump::RateLimit,
     /// The last [`LOG_EVENTS`] queries and connections, for `GetNetworkLog`.
     log: Mutex<std::collections::VecDeque<NetEvent>>,
+}
+
+/// Every sandbox link is a /30: the host end, the sandbox's end.
+pub const LINK_PREFIX: u8 = 30;
+
+/// A microVM's link: the TAP device's descriptor (for QEMU) and what the guest is to configure.
+#[derive(Debug)]
+pub struct TapLink {
+    pub fd: std::os::fd::OwnedFd,
+    pub address: Ipv4Addr,
+    pub prefix_len: u8,
+    pub gateway: Ipv4Addr,
 }
 
 /// Events kept per sandbox for `GetNetworkLog` (the audit log keeps them all).
@@ -127,6 +147,10 @@ pub struct Egress {
     /// so one tenant's many sandboxes cannot spend the descriptors every other call needs.
     all_connections: Arc<tokio::sync::Semaphore>,
     connect_timeout: Duration,
+    /// A proxied connection that moves no byte either way for this long is closed.
+    idle_timeout: Duration,
+    /// Bytes per second each way per sandbox (0: no cap).
+    bandwidth: u64,
     /// Why sandboxes cannot have a network on this host, if they cannot.
     unavailable: Mutex<Option<String>>,
     table: Mutex<Table>,
@@ -213,6 +237,8 @@ impl Egress {
             max_connections: cfg.max_connections.max(1),
             all_connections: Arc::new(tokio::sync::Semaphore::new(MAX_PROXIED_CONNECTIONS)),
             connect_timeout: Duration::from_millis(cfg.connect_timeout_ms.max(1)),
+            idle_timeout: Duration::from_millis(cfg.idle_timeout_ms.max(1)),
+            bandwidth: cfg.bandwidth_bytes_per_sec,
             unavailable: Mutex::new(None),
             table: Mutex::new(Table::default()),
             audit,
@@ -252,33 +278,8 @@ impl Egress {
     /// Gives sandbox `id`'s network namespace (that of process `pid`) a link under `policy`.
     /// Returns the address of its DNS server (its gateway) for /etc/resolv.conf.
     pub async fn attach(&self, id: &str, tenant: &str, policy: &NetworkPolicy, pid: i32) -> Result<Ipv4Addr, String> {
-        if let Some(reason) = self.unavailable() {
-            return Err(format!("network mode {} unavailable: {reason}", policy.mode.name()));
-        }
-        self.install_table().await?;
-        let slots = (self.subnet.size() / 4) as u32;
-        let net = {
-            let mut t = self.table.lock().map_err(|_| "egress table poisoned".to_string())?;
-            if t.by_id.contains_key(id) {
-                return Err(format!("sandbox {id} already has a network"));
-            }
-            let slot = (0..slots).find(|s| !t.slots.contains(s)).ok_or_else(|| format!("network.subnet {} is full ({slots} sandboxes)", self.subnet))?;
-            let net = Arc::new(SandboxNet {
-                id: id.to_string(),
-                tenant: tenant.to_string(),
-                policy: policy.clone(),
-                slot,
-                addr: self.subnet.nth(slot * 4 + 2),
-                resolved: Mutex::new(HashMap::new()),
-                active: AtomicU32::new(0),
-                log: Mutex::new(std::collections::VecDeque::new()),
-            });
-            t.slots.insert(slot);
-            t.by_addr.insert(net.addr, net.clone());
-            t.by_id.insert(id.to_string(), net.clone());
-            net
-        };
-        let gw = self.subnet.nth(net.slot * 4 + 1);
+        let net = self.reserve(id, tenant, policy).await?;
+        let gw = self.gateway_of(&net);
         let (slot, addr, names) = (net.slot, net.addr, self.names.clone());
         let linked = tokio::task::spawn_blocking(move || link::attach(&names, slot, pid, gw, addr)).await.map_err(|e| e.to_string()).and_then(|r| r);
         if let Err(e) = linked {
@@ -287,6 +288,61 @@ impl Egress {
         }
         tracing::info!(sandbox = id, mode = policy.mode.name(), addr = %addr, interface = %self.names.ifname(slot), "sandbox network attached");
         Ok(gw)
+    }
+
+    /// Gives sandbox `id` (a microVM) a TAP device under `policy`, held by the descriptor
+    /// returned (QEMU's virtio-net backend): the device, and with it the link, goes when the
+    /// last holder closes it. The guest configures its side as [`TapLink`] says.
+    pub async fn attach_tap(&self, id: &str, tenant: &str, policy: &NetworkPolicy) -> Result<TapLink, String> {
+        let net = self.reserve(id, tenant, policy).await?;
+        let gw = self.gateway_of(&net);
+        let (slot, addr, names) = (net.slot, net.addr, self.names.clone());
+        let linked = tokio::task::spawn_blocking(move || link::attach_tap(&names, slot, gw, addr)).await.map_err(|e| e.to_string()).and_then(|r| r);
+        match linked {
+            Ok(fd) => {
+                tracing::info!(sandbox = id, mode = policy.mode.name(), addr = %addr, interface = %self.names.ifname(slot), "sandbox network attached (TAP)");
+                Ok(TapLink { fd, address: addr, prefix_len: LINK_PREFIX, gateway: gw })
+            }
+            Err(e) => {
+                self.forget(id);
+                Err(format!("giving sandbox {id} its network: {e}"))
+            }
+        }
+    }
+
+    /// Takes a slot of the subnet for sandbox `id`, installing the table first if need be.
+    async fn reserve(&self, id: &str, tenant: &str, policy: &NetworkPolicy) -> Result<Arc<SandboxNet>, String> {
+        if let Some(reason) = self.unavailable() {
+            return Err(format!("network mode {} unavailable: {reason}", policy.mode.name()));
+        }
+        self.install_table().await?;
+        let slots = (self.subnet.size() / 4) as u32;
+        let mut t = self.table.lock().map_err(|_| "egress table poisoned".to_string())?;
+        if t.by_id.contains_key(id) {
+            return Err(format!("sandbox {id} already has a network"));
+        }
+        let slot = (0..slots).find(|s| !t.slots.contains(s)).ok_or_else(|| format!("network.subnet {} is full ({slots} sandboxes)", self.subnet))?;
+        let net = Arc::new(SandboxNet {
+            id: id.to_string(),
+            tenant: tenant.to_string(),
+            policy: policy.clone(),
+            slot,
+            addr: self.subnet.nth(slot * 4 + 2),
+            resolved: Mutex::new(HashMap::new()),
+            active: AtomicU32::new(0),
+            rate_out: pump::RateLimit::new(self.bandwidth),
+            rate_in: pump::RateLimit::new(self.bandwidth),
+            log: Mutex::new(std::collections::VecDeque::new()),
+        });
+        t.slots.insert(slot);
+        t.by_addr.insert(net.addr, net.clone());
+        t.by_id.insert(id.to_string(), net.clone());
+        Ok(net)
+    }
+
+    /// The host end of a slot's /30: the sandbox's gateway and nameserver.
+    fn gateway_of(&self, net: &SandboxNet) -> Ipv4Addr {
+        self.subnet.nth(net.slot * 4 + 1)
     }
 
     /// Installs the nftables table once (replacing one a previous run left).

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
-use super::{decide, dns, tls, Egress, NetworkMode, Outcome, SandboxNet};
+use super::pump::{pump, Activity};
+use super::{decide, dns, http, tls, Egress, NetworkMode, Outcome, SandboxNet};
+use std::sync::atomic::AtomicU64;
 
 /// Queries answered at once (all sandboxes); more wait in the socket's buffer.
 const DNS_IN_FLIGHT: usize = 128;
@@ -218,43 +220,38 @@ async fn connection(e: Arc<Egress>, net: Arc<SandboxNet>, client: TcpStream) {
     let _ = client.set_nodelay(true);
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
+    let activity = Arc::new(Activity::new());
+    let inbound = Arc::new(AtomicU64::new(0));
     // The server may speak first (SSH, SMTP): its bytes flow at once; the client's first bytes
-    // are held until they are known not to be a TLS hello for another name.
-    let downstream = tokio::spawn(async move {
-        let n = tokio::io::copy(&mut sr, &mut cw).await.unwrap_or(0);
-        let _ = cw.shutdown().await;
-        n
-    });
-    let mut first = Vec::with_capacity(2048);
-    let mut chunk = vec![0u8; 4096];
-    let mut sni = None;
-    loop {
-        if !first.is_empty() {
-            match tls::client_hello(&first) {
-                tls::Hello::NotTls => break,
-                tls::Hello::ClientHello { sni: s } => {
-                    sni = s;
-                    break;
-                }
-                tls::Hello::Malformed if tls_names.is_some() => {
-                    downstream.abort();
-                    return deny("a TLS handshake that is no readable ClientHello", &rule, (0, 0));
-                }
-                tls::Hello::Malformed => break,
-                tls::Hello::Partial { .. } => {}
-            }
-        }
-        match cr.read(&mut chunk).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => first.extend_from_slice(&chunk[..n]),
-        }
-    }
+    // are held until they are known not to be a TLS hello or HTTP request for another name.
+    let mut downstream = {
+        let (net, activity, inbound) = (net.clone(), activity.clone(), inbound.clone());
+        tokio::spawn(async move {
+            let _ = pump(&mut sr, &mut cw, &net.rate_in, &activity, &inbound).await;
+        })
+    };
+    // However this ends (a refusal, the idle deadline), the server's side goes with it.
+    let _downstream_guard = AbortOnDrop(downstream.abort_handle());
+    let idle = e.idle_timeout;
+    let held = tokio::select! {
+        r = first_bytes(&mut cr, tls_names.is_some(), &activity) => r,
+        () = activity.idle_for(idle) => Err(format!("idle for network.idle_timeout_ms ({} ms) before its first request", idle.as_millis())),
+    };
+    let (first, sni, http_host) = match held {
+        Ok(f) => f,
+        Err(why) => return deny(&why, &rule, (0, inbound.load(Ordering::Relaxed))),
+    };
     let is_tls = first.first() == Some(&0x16);
-    let name = sni.clone().unwrap_or_default();
+    let name = sni.clone().or(http_host.clone()).unwrap_or_default();
     if let Some(names) = &tls_names {
-        if is_tls && !sni.as_ref().is_some_and(|s| names.contains(s)) {
-            downstream.abort();
-            let detail = format!("TLS server name {:?} is not a name that resolved to this address ({})", sni.unwrap_or_default(), names.join(","));
+        let refusal = if is_tls && !sni.as_ref().is_some_and(|s| names.contains(s)) {
+            Some(format!("TLS server name {:?} is not a name that resolved to this address ({})", sni.unwrap_or_default(), names.join(",")))
+        } else if http_host.as_ref().is_some_and(|h| !names.contains(h)) {
+            Some(format!("HTTP Host {:?} is not a name that resolved to this address ({})", http_host.unwrap_or_default(), names.join(",")))
+        } else {
+            None
+        };
+        if let Some(detail) = refusal {
             return e.record(
                 &net,
                 "egress.connect",
@@ -264,22 +261,84 @@ async fn connection(e: Arc<Egress>, net: Arc<SandboxNet>, client: TcpStream) {
     }
     let names = tls_names.map(|n| n.join(",")).unwrap_or_default();
     let shown = if name.is_empty() { names.as_str() } else { name.as_str() };
-    let mut out = first.len() as u64;
+    let outbound = AtomicU64::new(0);
     let up = async {
         if !first.is_empty() {
+            net.rate_out.take(first.len()).await;
             sw.write_all(&first).await?;
+            outbound.fetch_add(first.len() as u64, Ordering::Relaxed);
         }
-        let n = tokio::io::copy(&mut cr, &mut sw).await?;
-        let _ = sw.shutdown().await;
-        Ok::<u64, std::io::Error>(n)
+        pump(&mut cr, &mut sw, &net.rate_out, &activity, &outbound).await?;
+        // The server's side ends on its own (or by the idle deadline).
+        let _ = (&mut downstream).await;
+        Ok::<(), std::io::Error>(())
     };
-    if let Ok(n) = up.await {
-        out += n;
-    }
-    let inbound = downstream.await.unwrap_or(0);
+    let detail = tokio::select! {
+        r = up => match r {
+            Ok(()) => String::new(),
+            Err(err) => format!("ended by an error: {err}"),
+        },
+        () = activity.idle_for(idle) => format!("idle for network.idle_timeout_ms ({} ms): closed", idle.as_millis()),
+    };
     e.record(
         &net,
         "egress.connect",
-        &Outcome { name: shown, addr, port: dst.port(), allowed: true, rule: &rule, detail: "", bytes: (out, inbound), duration: started.elapsed() },
+        &Outcome {
+            name: shown,
+            addr,
+            port: dst.port(),
+            allowed: true,
+            rule: &rule,
+            detail: &detail,
+            bytes: (outbound.load(Ordering::Relaxed), inbound.load(Ordering::Relaxed)),
+            duration: started.elapsed(),
+        },
     );
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The first request of a connection (the server's bytes flow meanwhile).
+type FirstBytes = (Vec<u8>, Option<String>, Option<String>);
+
+/// Reads the client's first bytes until they are known to be a TLS ClientHello (with its server
+/// name), an HTTP/1 request head (with its host), or something else; the end of the client's
+/// stream ends it too. When names are checked (an allow-list name rule), a handshake or request
+/// head that cannot be read is refused.
+async fn first_bytes(cr: &mut tokio::net::tcp::OwnedReadHalf, names_checked: bool, activity: &Activity) -> Result<FirstBytes, String> {
+    let mut first = Vec::with_capacity(2048);
+    let mut chunk = vec![0u8; 4096];
+    loop {
+        if !first.is_empty() {
+            match tls::client_hello(&first) {
+                tls::Hello::ClientHello { sni } => return Ok((first, sni, None)),
+                tls::Hello::Malformed if names_checked => return Err("a TLS handshake that is no readable ClientHello".into()),
+                tls::Hello::Malformed => return Ok((first, None, None)),
+                tls::Hello::Partial { .. } => {}
+                tls::Hello::NotTls => match http::request_head(&first) {
+                    http::Head::NotHttp => return Ok((first, None, None)),
+                    http::Head::Request { host } => return Ok((first, None, host)),
+                    http::Head::Malformed if names_checked => {
+                        return Err(format!("an HTTP request head that cannot be read (over {} bytes, or not text)", http::MAX_HEAD))
+                    }
+                    http::Head::Malformed => return Ok((first, None, None)),
+                    http::Head::Partial => {}
+                },
+            }
+        }
+        match cr.read(&mut chunk).await {
+            Ok(0) | Err(_) => return Ok((first, None, None)),
+            Ok(n) => {
+                activity.touch();
+                first.extend_from_slice(&chunk[..n]);
+            }
+        }
+    }
 }

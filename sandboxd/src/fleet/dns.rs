@@ -1,6 +1,7 @@
 //! The fleet's peers from DNS: the A records of one name (a Kubernetes headless Service's, which
 //! cluster DNS answers with one record per ready pod). Either through the system resolver (what
-//! a pod's `/etc/resolv.conf` names) or by asking one server directly over UDP.
+//! a pod's `/etc/resolv.conf` names) or by asking one server directly: over UDP, and again over
+//! TCP when the UDP answer was truncated (a 512-byte answer holds 28 A records; a fleet has more).
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -8,7 +9,8 @@ use std::time::Duration;
 /// How long one query to a DNS server may take; it is tried twice.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(2);
 /// The largest answer read over UDP (EDNS is not asked for, so servers keep to 512 bytes and set
-/// TC past it; 4 KiB leaves room for servers that do not).
+/// TC past it; 4 KiB leaves room for servers that do not). Over TCP an answer is at most 64 KiB
+/// (its two-byte length), about 4,000 A records.
 const MAX_ANSWER: usize = 4096;
 
 /// Why the peers could not be resolved.
@@ -50,6 +52,8 @@ async fn query_a(name: &str, server: SocketAddr) -> Result<Vec<Ipv4Addr>, DnsErr
         while let Ok(got) = tokio::time::timeout_at(deadline, socket.recv(&mut buf)).await {
             let n = got.map_err(|e| DnsError::Lookup { name: name.to_string(), reason: format!("{server}: {e}") })?;
             match parse_answer(id, &buf[..n]) {
+                // Truncated (TC): the whole answer over TCP.
+                Ok(Some(_)) if truncated(&buf[..n]) => return query_a_tcp(name, server, id, &query).await,
                 Ok(Some(ips)) => return Ok(ips),
                 Ok(None) => continue,
                 Err(Parse::Rcode(rcode)) => return Err(DnsError::Rcode { name: name.to_string(), server, rcode }),
@@ -58,6 +62,36 @@ async fn query_a(name: &str, server: SocketAddr) -> Result<Vec<Ipv4Addr>, DnsErr
         }
     }
     Err(DnsError::Timeout { name: name.to_string(), server })
+}
+
+/// Whether an answer has its TC (truncated) bit set.
+fn truncated(msg: &[u8]) -> bool {
+    msg.get(2).is_some_and(|b| b & 0x02 != 0)
+}
+
+/// Asks `server` for `query` (id `id`) over TCP: the answer a truncated UDP one stood for.
+async fn query_a_tcp(name: &str, server: SocketAddr, id: u16, query: &[u8]) -> Result<Vec<Ipv4Addr>, DnsError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = |e: std::io::Error| DnsError::Lookup { name: name.to_string(), reason: format!("{server} (TCP): {e}") };
+    let asked = async {
+        let mut stream = tokio::net::TcpStream::connect(server).await.map_err(io)?;
+        let mut framed = Vec::with_capacity(query.len() + 2);
+        framed.extend_from_slice(&(query.len() as u16).to_be_bytes());
+        framed.extend_from_slice(query);
+        stream.write_all(&framed).await.map_err(io)?;
+        let mut len = [0u8; 2];
+        stream.read_exact(&mut len).await.map_err(io)?;
+        let mut msg = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        stream.read_exact(&mut msg).await.map_err(io)?;
+        Ok::<_, DnsError>(msg)
+    };
+    let msg = tokio::time::timeout(QUERY_TIMEOUT, asked).await.map_err(|_| DnsError::Timeout { name: name.to_string(), server })??;
+    match parse_answer(id, &msg) {
+        Ok(Some(ips)) => Ok(ips),
+        Ok(None) => Err(DnsError::Malformed { name: name.to_string(), server, reason: "a TCP answer to another query" }),
+        Err(Parse::Rcode(rcode)) => Err(DnsError::Rcode { name: name.to_string(), server, rcode }),
+        Err(Parse::Malformed(reason)) => Err(DnsError::Malformed { name: name.to_string(), server, reason }),
+    }
 }
 
 /// A standard query (recursion desired) for the A records of `name`.
@@ -189,5 +223,38 @@ mod tests {
         assert_eq!(parse_answer(7, &nx).ok().flatten(), Some(vec![]));
         assert!(encode_query(1, "bad name").is_none());
         assert!(encode_query(1, &"a".repeat(64)).is_none());
+    }
+
+    /// A server that answers UDP with the first 28 records and TC set, and TCP with all of them,
+    /// as dnsmasq does for a headless Service of 1,000 pods.
+    #[tokio::test]
+    async fn a_truncated_udp_answer_is_asked_again_over_tcp() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("tcp");
+        let server = tcp.local_addr().expect("addr");
+        let udp = tokio::net::UdpSocket::bind(server).await.expect("udp on the same port");
+        let ips: Vec<[u8; 4]> = (0..1000u32).map(|i| [10, 1, (i >> 8) as u8, i as u8]).collect();
+        let all = ips.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            let (n, peer) = udp.recv_from(&mut buf).await.expect("udp query");
+            let id = u16::from_be_bytes([buf[0], buf[1]]);
+            let mut m = answer(id, "peers.fleet.test", &all[..28]);
+            assert!(n > 12);
+            m[2] |= 0x02;
+            udp.send_to(&m, peer).await.expect("udp answer");
+        });
+        tokio::spawn(async move {
+            let (mut s, _) = tcp.accept().await.expect("tcp query");
+            let mut len = [0u8; 2];
+            s.read_exact(&mut len).await.expect("len");
+            let mut q = vec![0u8; usize::from(u16::from_be_bytes(len))];
+            s.read_exact(&mut q).await.expect("query");
+            let m = answer(u16::from_be_bytes([q[0], q[1]]), "peers.fleet.test", &ips);
+            s.write_all(&(m.len() as u16).to_be_bytes()).await.expect("write");
+            s.write_all(&m).await.expect("write");
+        });
+        let got = resolve("peers.fleet.test", 7070, Some(server)).await.expect("resolved");
+        assert_eq!(got.len(), 1000, "all the peers, not the 28 a UDP answer holds");
     }
 }

@@ -220,6 +220,47 @@ impl Fleet {
         .await
     }
 
+    /// The request to send to a peer for `tenant`: `message` with the fleet token, the tenant
+    /// and the caller's trace context (from `incoming`).
+    pub fn outgoing<T>(&self, tenant: &str, incoming: &tonic::metadata::MetadataMap, message: T) -> Result<Request<T>, Status> {
+        let mut out = Request::new(message);
+        self.sign(out.metadata_mut(), Some(tenant))?;
+        for key in ["traceparent", "tracestate"] {
+            if let Some(v) = incoming.get(key) {
+                out.metadata_mut().insert(key, v.clone());
+            }
+        }
+        Ok(out)
+    }
+
+    /// The fan-out of a list: every peer asked for `tenant`'s sandboxes at once, each answer
+    /// within `deadline` (a peer that does not answer in time is UNAVAILABLE naming it, so a
+    /// node that is down never holds the list up). The gRPC `ListSandboxes` and the page's list
+    /// both go through here.
+    pub async fn list_on_peers(
+        &self,
+        tenant: &str,
+        incoming: &tonic::metadata::MetadataMap,
+        req: pb::ListSandboxesRequest,
+        deadline: Duration,
+    ) -> Vec<(Peer, Result<pb::ListSandboxesResponse, Status>)> {
+        let peers = self.peers();
+        futures::future::join_all(peers.into_iter().map(|peer| {
+            let out = self.outgoing(tenant, incoming, req.clone());
+            async move {
+                let answer = match out {
+                    Err(e) => Err(e),
+                    Ok(out) => match tokio::time::timeout(deadline, peer.client().list_sandboxes(out)).await {
+                        Ok(r) => r.map(Response::into_inner).map_err(|s| peer.explain(s)),
+                        Err(_) => Err(Status::unavailable(format!("node {} ({}) did not answer within {} ms", peer.name, peer.addr, deadline.as_millis()))),
+                    },
+                };
+                (peer, answer)
+            }
+        }))
+        .await
+    }
+
     /// Puts the fleet token and the caller's `tenant` on a call to a peer, so the peer serves
     /// it as that tenant's.
     pub fn sign(&self, metadata: &mut tonic::metadata::MetadataMap, tenant: Option<&str>) -> Result<(), Status> {
@@ -250,7 +291,19 @@ impl Fleet {
                 pb::TierCapacity { isolation: crate::api::isolation_to_proto(tier) as i32, available, free_sandboxes: if available { free } else { 0 }, reason }
             })
             .collect();
-        pb::NodeStatus { node: self.node().to_string(), address: self.address().to_string(), ready: true, tiers }
+        // A draining node is not ready: placement passes it by.
+        let key_metrics = crate::metrics::key_samples(&self.manager.render_metrics())
+            .into_iter()
+            .map(|m| pb::MetricSample { name: m.name, labels: m.labels, value: m.value })
+            .collect();
+        pb::NodeStatus {
+            node: self.node().to_string(),
+            address: self.address().to_string(),
+            ready: !self.manager.is_draining(),
+            tiers,
+            sandboxes_held: u32::try_from(held).unwrap_or(u32::MAX),
+            key_metrics,
+        }
     }
 
     /// Whether a call comes from a peer (and so is served here, never forwarded again).

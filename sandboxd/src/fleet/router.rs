@@ -25,7 +25,7 @@ use crate::model::Isolation;
 /// How long a client-streaming call may take to send the message that says where it goes.
 const FIRST_MESSAGE_DEADLINE: Duration = Duration::from_secs(30);
 /// How long a peer may take to answer its part of a fan-out list.
-const LIST_TIMEOUT: Duration = Duration::from_secs(10);
+pub const LIST_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Boxed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
@@ -57,16 +57,10 @@ impl Routed {
     /// The request to send to a peer: `message` with the fleet token, the tenant and the
     /// caller's trace context.
     fn outgoing<T>(&self, tenant: &str, incoming: &tonic::metadata::MetadataMap, message: T) -> Result<Request<T>, Status> {
-        let mut out = Request::new(message);
-        if let Some(fleet) = &self.fleet {
-            fleet.sign(out.metadata_mut(), Some(tenant))?;
+        match &self.fleet {
+            Some(fleet) => fleet.outgoing(tenant, incoming, message),
+            None => Ok(Request::new(message)),
         }
-        for key in ["traceparent", "tracestate"] {
-            if let Some(v) = incoming.get(key) {
-                out.metadata_mut().insert(key, v.clone());
-            }
-        }
-        Ok(out)
     }
 
     /// Whether `id` names this node (or none): what is served here is stamped with this node.
@@ -121,8 +115,8 @@ impl Routed {
     }
 
     /// Creates on a peer with room for `tier` (largest free room first), after this node said
-    /// `local` (RESOURCE_EXHAUSTED or FAILED_PRECONDITION). RESOURCE_EXHAUSTED naming what each
-    /// node lacks when none has room.
+    /// `local` (RESOURCE_EXHAUSTED, FAILED_PRECONDITION, or UNAVAILABLE while it drains).
+    /// RESOURCE_EXHAUSTED naming what each node lacks when none has room.
     async fn place(
         &self,
         fleet: &Fleet,
@@ -259,8 +253,8 @@ impl SandboxService for Routed {
         let (metadata, extensions, req) = request.into_parts();
         match self.local.create_sandbox(Request::from_parts(metadata.clone(), extensions, req.clone())).await {
             Ok(r) => Ok(r.map(|s| self.stamp(s))),
-            // No room here, or not the tier: a peer with room.
-            Err(s) if matches!(s.code(), tonic::Code::ResourceExhausted | tonic::Code::FailedPrecondition) => {
+            // No room here, not the tier, or this node is draining: a peer with room.
+            Err(s) if matches!(s.code(), tonic::Code::ResourceExhausted | tonic::Code::FailedPrecondition | tonic::Code::Unavailable) => {
                 self.place(&fleet, &tenant, &metadata, req, s).await
             }
             Err(s) => Err(s),
@@ -281,6 +275,20 @@ impl SandboxService for Routed {
         Ok(if local { r.map(|s| self.stamp(s)) } else { r })
     }
 
+    async fn pause_sandbox(&self, request: Request<pb::PauseSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let id = request.get_ref().sandbox_id.clone();
+        let local = self.is_local(&id);
+        let r = by_id!(self, request, pause_sandbox, id)?;
+        Ok(if local { r.map(|s| self.stamp(s)) } else { r })
+    }
+
+    async fn resume_sandbox(&self, request: Request<pb::ResumeSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let id = request.get_ref().sandbox_id.clone();
+        let local = self.is_local(&id);
+        let r = by_id!(self, request, resume_sandbox, id)?;
+        Ok(if local { r.map(|s| self.stamp(s)) } else { r })
+    }
+
     async fn get_network_log(&self, request: Request<pb::GetNetworkLogRequest>) -> Result<Response<pb::GetNetworkLogResponse>, Status> {
         let id = request.get_ref().sandbox_id.clone();
         by_id!(self, request, get_network_log, id)
@@ -296,19 +304,13 @@ impl SandboxService for Routed {
         }
         let tenant = self.auth.tenant(&request)?;
         let (metadata, extensions, req) = request.into_parts();
-        let peers = fleet.peers();
-        let asks: Vec<_> = peers.iter().map(|peer| (peer, self.outgoing(&tenant, &metadata, req.clone()))).collect();
-        let asks = asks.into_iter().map(|(peer, out)| async move {
-            let out = out?;
-            match tokio::time::timeout(LIST_TIMEOUT, peer.client().list_sandboxes(out)).await {
-                Ok(r) => r.map(Response::into_inner).map_err(|s| peer.explain(s)),
-                Err(_) => Err(Status::unavailable(format!("node {} ({}) did not answer within {} s", peer.name, peer.addr, LIST_TIMEOUT.as_secs()))),
-            }
-        });
-        let (mine, theirs) = tokio::join!(self.local.list_sandboxes(Request::from_parts(metadata.clone(), extensions, req)), futures::future::join_all(asks));
+        let (mine, theirs) = tokio::join!(
+            self.local.list_sandboxes(Request::from_parts(metadata.clone(), extensions, req.clone())),
+            fleet.list_on_peers(&tenant, &metadata, req, LIST_TIMEOUT)
+        );
         let mut out = mine?.into_inner();
         out.sandboxes = out.sandboxes.into_iter().map(|s| self.stamp(s)).collect();
-        for (peer, answer) in peers.iter().zip(theirs) {
+        for (peer, answer) in theirs {
             match answer {
                 Ok(r) => out.sandboxes.extend(r.sandboxes),
                 Err(e) => out.unreachable_nodes.push(pb::NodeError { node: peer.name.clone(), error: e.message().to_string() }),

@@ -192,6 +192,7 @@ impl Manager {
         }
         let exec_id = ExecId::generate_on(self.node());
         let mut spec = exec_spec(&self.cfg, &info, &req, exec_id.clone())?;
+        spec.clock = crate::backend::RunClock::new(entry.paused.subscribe());
         // Moved, not copied: the request lives as long as a foreground exec, and its stdin (up
         // to the 64 MiB message limit) must go once it is written.
         spec.stdin = crate::backend::Stdin::new(std::mem::take(&mut req.stdin));
@@ -205,7 +206,8 @@ impl Manager {
 
         let (done_tx, done_rx) = watch::channel(false);
         let cancel = CancellationToken::new();
-        let record = ExecRecord::running(exec_id.clone(), sid.clone(), req.argv.clone(), req.idempotency_key.clone());
+        let mut record = ExecRecord::running(exec_id.clone(), sid.clone(), req.argv.clone(), req.idempotency_key.clone());
+        record.trace = req.trace.clone();
         let exec = Arc::new(ExecEntry { record: Mutex::new(record.clone()), done: done_rx, cancel: cancel.clone() });
         let key = (!req.idempotency_key.is_empty()).then(|| (sid.clone(), req.idempotency_key.clone()));
         // The exec's claim on its sandbox's and tenant's exec slots, held by the task that runs
@@ -362,6 +364,27 @@ impl Manager {
         }
         for exec in &running {
             let _ = tokio::time::timeout(Duration::from_secs(5), exec.wait()).await;
+        }
+    }
+
+    /// Execs in flight now (foreground, background and streamed).
+    pub fn running_execs(&self) -> usize {
+        self.running.lock().map(|r| r.by_id.len()).unwrap_or(0)
+    }
+
+    /// Returns once no exec is in flight: waits for the execs running now, then for any that
+    /// started meanwhile (a drain still serves execs in the sandboxes it holds), until a look
+    /// finds none. The caller bounds it.
+    pub async fn execs_ended(&self) {
+        loop {
+            let running: Vec<Arc<ExecEntry>> = match self.running.lock() {
+                Ok(r) => r.by_id.values().cloned().collect(),
+                Err(_) => return,
+            };
+            if running.is_empty() {
+                return;
+            }
+            futures::future::join_all(running.iter().map(|e| e.wait())).await;
         }
     }
 

@@ -17,7 +17,8 @@ use crate::store::Store;
 /// What every snapshot of the fake backend holds.
 pub(super) const FAKE_SNAPSHOT_BYTES: u64 = 64 << 20;
 
-/// A PROCESS backend that makes nothing: `sleep <ms>` runs that long (or until cancelled),
+/// A PROCESS backend that makes nothing: `sleep <ms>` runs that long on the sandbox's running
+/// clock (a pause stops it; or until cancelled),
 /// `echo <words>` writes the words to stdout, anything else ends at once. A sandbox whose
 /// workdir is [`STUCK_WORKDIR`] never comes back from its re-adoption; others come back at once,
 /// one at a time.
@@ -69,7 +70,7 @@ impl Backend for FakeBackend {
         if spec.argv[0] == "sleep" {
             let ms = spec.argv.get(1).and_then(|a| a.parse().ok()).unwrap_or(0);
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(ms)) => {}
+                () = spec.clock.sleep(Duration::from_millis(ms)) => {}
                 _ = cancel.cancelled() => return Ok(ExecOutcome::failed(ExecStatus::Signaled, 137, String::new(), started_at)),
             }
         }
@@ -130,6 +131,12 @@ impl Backend for FakeBackend {
         Ok(())
     }
     async fn delete_snapshot(&self, _snapshot: &SnapshotId) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn pause(&self, _sandbox: &SandboxId) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn resume(&self, _sandbox: &SandboxId) -> Result<(), BackendError> {
         Ok(())
     }
     async fn destroy(&self, _sandbox: &SandboxId) -> Result<(), BackendError> {

@@ -11,7 +11,7 @@ use crate::error::Error;
 use crate::ids::SandboxId;
 use crate::images::display_name;
 use crate::metrics::Op;
-use crate::model::{CreateRequest, Isolation, Limits, SandboxInfo, SandboxState};
+use crate::model::{CreateRequest, Isolation, Limits, OnExpiry, SandboxInfo, SandboxState};
 
 /// The image of a create request that names none.
 pub const DEFAULT_IMAGE: &str = "minimal";
@@ -57,6 +57,11 @@ impl Manager {
         // Everything a request says is checked before anything is made: a sandbox in which
         // nothing could run (no room for a command line, no pids for a shell, no disk for its
         // own files) is refused here, naming the field, rather than failing later.
+        // The gRPC API answers UNAVAILABLE before it gets here (so a fleet places the create
+        // on a peer); this refuses it for every other front door.
+        if self.is_draining() {
+            return Err(Error::FailedPrecondition(self.drain_refusal()));
+        }
         let id = SandboxId::generate_on(self.node());
         // A fork inherits its tier and image from the snapshot (its layer only makes sense
         // there), and what its parent was given — limits, environment, labels, workdir, user —
@@ -117,20 +122,15 @@ impl Manager {
             )));
         }
         let isolation = decision.isolation;
-        // The network: the request's, else the parent's, else NONE. Every tier that runs it
-        // enforces it (see `egress`); a tier that could not would refuse, never ignore it.
+        // The network: the request's, else the parent's, else a matching policy rule's, else
+        // NONE — within every matching rule's ceiling (a fork's too: the policy may have
+        // tightened since the snapshot). Every tier enforces it (see `egress`).
         let network = match (req.network, inherited) {
-            (Some(n), _) => n,
-            (None, Some(parent)) => parent.network.clone(),
-            (None, None) => Default::default(),
+            (Some(n), _) => Some(n),
+            (None, Some(parent)) => Some(parent.network.clone()),
+            (None, None) => None,
         };
-        if network.mode != crate::egress::NetworkMode::None && isolation == crate::model::Isolation::MicroVm {
-            return Err(Error::FailedPrecondition(format!(
-                "network mode {} is not available on isolation {}: only PROCESS and CONTAINER sandboxes have a filtered network yet",
-                network.mode.name(),
-                isolation.name()
-            )));
-        }
+        let network = decision.network(network).map_err(|e| Error::PermissionDenied(e.to_string()))?;
         // The parent's limits stand in for the defaults, kept under today's ceilings (the
         // policy may have tightened since the snapshot).
         let defaults = match inherited {
@@ -162,6 +162,9 @@ impl Manager {
             user,
             image_config,
             network,
+            on_expiry: req.on_expiry,
+            paused_at: None,
+            ttl_seconds: req.ttl_seconds,
         };
         let entry = SandboxEntry::new(info.clone());
         {
@@ -225,12 +228,12 @@ impl Manager {
         self.entry(tenant, id)?.1.info()
     }
 
-    /// What the sandbox uses now; None while it is not running (creating, failed, being
-    /// re-adopted) or when its tier cannot tell.
+    /// What the sandbox uses now; None while it is neither running nor paused (creating,
+    /// failed, being re-adopted) or when its tier cannot tell.
     pub async fn usage(&self, tenant: &str, id: &str) -> Result<Option<crate::model::SandboxUsage>, Error> {
         let (sid, entry) = self.entry(tenant, id)?;
         let info = entry.info()?;
-        if entry.is_pending() || !info.state.can_exec() {
+        if entry.is_pending() || !info.state.is_live() {
             return Ok(None);
         }
         match self.backends.get(info.isolation)?.usage(&sid).await {
@@ -242,16 +245,22 @@ impl Manager {
         }
     }
 
-    /// A new lifetime for the sandbox: reaped `ttl_seconds` from now, or never for 0. Recorded,
-    /// so it holds across restarts like the create's TTL.
+    /// A new lifetime for the sandbox: reaped (or paused, see [`OnExpiry`]) `ttl_seconds` from
+    /// now, or never for 0. Recorded, so it holds across restarts like the create's TTL. On a
+    /// paused sandbox the lifetime starts when it is resumed (its clock is stopped).
     pub fn set_ttl(&self, tenant: &str, id: &str, ttl_seconds: u32) -> Result<SandboxInfo, Error> {
         let (sid, entry) = self.entry(tenant, id)?;
         let state = entry.read(|i| i.state)?;
         if !state.can_destroy() {
             return Err(Error::IncorrectState { id: sid.to_string(), state, operation: "change its TTL" });
         }
-        let expires_at = (ttl_seconds > 0).then(|| SystemTime::now() + Duration::from_secs(ttl_seconds.into()));
-        let info = entry.update(|i| i.expires_at = expires_at)?;
+        let now = SystemTime::now();
+        let info = entry.update(|i| {
+            // While paused, `expires_at` is counted from the pause (see `expiry_after_resume`).
+            let from = i.paused_at.unwrap_or(now);
+            i.expires_at = (ttl_seconds > 0).then(|| from + Duration::from_secs(ttl_seconds.into()));
+            i.ttl_seconds = ttl_seconds;
+        })?;
         self.store.put_sandbox(&info)?;
         tracing::info!(sandbox = %sid, ttl_seconds, "sandbox TTL set");
         Ok(info)
@@ -287,6 +296,8 @@ impl Manager {
             map.remove(&sid);
         }
         entry.update(|i| i.state = SandboxState::Destroyed)?;
+        // A paused sandbox's execs are killed with the rest; their clocks need not wait.
+        entry.paused.send_replace(false);
         let result = match self.backends.get(info.isolation) {
             Ok(backend) => backend.destroy(&sid).await.map_err(Error::from),
             Err(e) => Err(e.into()),
@@ -304,24 +315,126 @@ impl Manager {
         }
     }
 
-    /// Destroys sandboxes whose TTL has passed, and logs when a host resource nears or reaches
-    /// its limit (see [`Manager::watch_pressure`]). Called periodically.
+    /// Destroys (or, with [`OnExpiry::Pause`], pauses) sandboxes whose TTL has passed, and
+    /// logs when a host resource nears or reaches its limit (see [`Manager::watch_pressure`]).
+    /// Called periodically. A paused sandbox's clock is stopped: it never expires.
     pub async fn reap_expired(&self) {
         self.watch_pressure();
         let now = SystemTime::now();
-        let expired: Vec<(SandboxId, String)> = match self.sandboxes.read() {
+        let expired: Vec<(SandboxId, String, bool)> = match self.sandboxes.read() {
             Ok(map) => map
                 .iter()
-                .filter_map(|(id, e)| e.info().ok().filter(|i| i.state.can_destroy() && i.expires_at.is_some_and(|t| t <= now)).map(|i| (id.clone(), i.tenant)))
+                .filter_map(|(id, e)| {
+                    let i = e.info().ok()?;
+                    let due = matches!(i.state, SandboxState::Running | SandboxState::Failed) && i.expires_at.is_some_and(|t| t <= now);
+                    // A FAILED sandbox has nothing left to pause: it goes.
+                    due.then(|| (id.clone(), i.tenant, i.on_expiry == OnExpiry::Pause && i.state == SandboxState::Running))
+                })
                 .collect(),
             Err(_) => return,
         };
-        for (id, tenant) in expired {
+        for (id, tenant, pause) in expired {
+            if pause {
+                tracing::info!(sandbox = %id, "TTL expired; pausing (on_expiry PAUSE)");
+                if let Err(e) = self.pause_as(&tenant, id.as_str(), true).await {
+                    tracing::warn!(sandbox = %id, error = %e, "TTL pause failed");
+                }
+                continue;
+            }
             tracing::info!(sandbox = %id, "TTL expired; destroying");
             if let Err(e) = self.destroy(&tenant, id.as_str()).await {
                 tracing::warn!(sandbox = %id, error = %e, "TTL reap failed");
             }
         }
+    }
+
+    /// Pauses a sandbox: every process frozen in place (memory kept, no CPU used), execs,
+    /// sessions and file calls refused until [`Manager::resume`], its TTL clock stopped. A
+    /// paused sandbox is returned as it is. Its promises stay admitted: its memory is still held.
+    #[tracing::instrument(name = "manager.pause", skip_all)]
+    pub async fn pause(&self, tenant: &str, id: &str) -> Result<SandboxInfo, Error> {
+        self.pause_as(tenant, id, false).await
+    }
+
+    /// [`Manager::pause`]; `by_ttl` when its TTL does it (the reaper: then only a sandbox still
+    /// running and still expired is paused, as a resume or SetSandboxTtl may have come first).
+    async fn pause_as(&self, tenant: &str, id: &str, by_ttl: bool) -> Result<SandboxInfo, Error> {
+        let (sid, entry) = self.ready_entry(tenant, id).await?;
+        let started = std::time::Instant::now();
+        // Serialized with snapshot, rollback, destroy and resume: a snapshot's own freeze and
+        // thaw never meet a pause's.
+        let _op = entry.op.lock().await;
+        let info = entry.info()?;
+        if info.state == SandboxState::Paused {
+            return Ok(info);
+        }
+        if !info.state.can_pause() {
+            return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "pause" });
+        }
+        if by_ttl && info.expires_at.is_none_or(|t| t > SystemTime::now()) {
+            return Ok(info);
+        }
+        let backend = self.backends.get(info.isolation)?.clone();
+        // PAUSED before the freeze, so no new exec or file call starts into a sandbox being
+        // frozen, and the execs' clock stops with it; put back if the freeze fails.
+        let now = SystemTime::now();
+        let paused = entry.update(|i| {
+            i.state = SandboxState::Paused;
+            i.paused_at = Some(now);
+        })?;
+        entry.paused.send_replace(true);
+        if let Err(e) = backend.pause(&sid).await {
+            entry.update(|i| {
+                i.state = SandboxState::Running;
+                i.paused_at = None;
+            })?;
+            entry.paused.send_replace(false);
+            tracing::warn!(sandbox = %sid, error = %e, "sandbox pause failed");
+            return Err(e.into());
+        }
+        self.store.put_sandbox(&paused)?;
+        tracing::info!(sandbox = %sid, tier = info.isolation.name(), by_ttl, ms = started.elapsed().as_millis() as u64, "sandbox paused");
+        Ok(paused)
+    }
+
+    /// Resumes a paused sandbox: its processes go on where they stopped, and its TTL with what
+    /// was left of it (or `ttl_seconds` from now when not 0; see
+    /// [`SandboxInfo::expiry_after_resume`]). A running sandbox is returned as it is, with the
+    /// new TTL when one is given.
+    #[tracing::instrument(name = "manager.resume", skip_all)]
+    pub async fn resume(&self, tenant: &str, id: &str, ttl_seconds: u32) -> Result<SandboxInfo, Error> {
+        let (sid, entry) = self.ready_entry(tenant, id).await?;
+        let started = std::time::Instant::now();
+        let _op = entry.op.lock().await;
+        let info = entry.info()?;
+        if !info.state.can_resume() {
+            return Err(Error::IncorrectState { id: sid.to_string(), state: info.state, operation: "resume" });
+        }
+        if info.state == SandboxState::Running {
+            if ttl_seconds == 0 {
+                return Ok(info);
+            }
+            let info = entry.update(|i| {
+                i.expires_at = Some(SystemTime::now() + Duration::from_secs(ttl_seconds.into()));
+                i.ttl_seconds = ttl_seconds;
+            })?;
+            self.store.put_sandbox(&info)?;
+            return Ok(info);
+        }
+        self.backends.get(info.isolation)?.resume(&sid).await.inspect_err(|e| tracing::warn!(sandbox = %sid, error = %e, "sandbox resume failed"))?;
+        let now = SystemTime::now();
+        let info = entry.update(|i| {
+            i.expires_at = i.expiry_after_resume(now, ttl_seconds);
+            if ttl_seconds > 0 {
+                i.ttl_seconds = ttl_seconds;
+            }
+            i.state = SandboxState::Running;
+            i.paused_at = None;
+        })?;
+        entry.paused.send_replace(false);
+        self.store.put_sandbox(&info)?;
+        tracing::info!(sandbox = %sid, tier = info.isolation.name(), ms = started.elapsed().as_millis() as u64, "sandbox resumed");
+        Ok(info)
     }
 }
 
@@ -402,6 +515,62 @@ mod tests {
         assert!(m.store.sandboxes().expect("records").iter().any(|r| r.id == sb.id && r.expires_at.is_none()), "recorded");
         let err = m.set_ttl("other", sb.id.as_str(), 60).expect_err("another tenant's");
         assert!(matches!(err, Error::SandboxNotFound(_)), "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pause_is_idempotent_refuses_work_stops_the_clocks_and_survives_a_restart() {
+        use crate::model::{OnExpiry, SandboxState};
+        use std::time::{Duration, Instant};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        let sb = m.create("t", CreateRequest { ttl_seconds: 3600, ..Default::default() }).await.expect("create");
+        let id = sb.id.as_str();
+        // A 400 ms command, started before the pause: its running time stops with the sandbox.
+        let bg = m
+            .exec("t", ExecRequest { sandbox_id: id.into(), argv: vec!["sleep".into(), "400".into()], background: true, ..Default::default() })
+            .await
+            .expect("exec");
+        let t0 = Instant::now();
+        let paused = m.pause("t", id).await.expect("pause");
+        assert_eq!(paused.state, SandboxState::Paused);
+        let again = m.pause("t", id).await.expect("pausing again is no error");
+        assert_eq!(again.paused_at, paused.paused_at, "and changes nothing");
+        let err = m.exec("t", ExecRequest { sandbox_id: id.into(), argv: vec!["true".into()], ..Default::default() }).await.expect_err("exec while paused");
+        assert!(matches!(err, Error::IncorrectState { state: SandboxState::Paused, .. }) && err.to_string().contains("resume"), "{err}");
+        let err = m.write_file("t", id, "/x", b"x", 0o644).await.expect_err("a write while paused");
+        assert!(matches!(err, Error::IncorrectState { .. }), "{err}");
+        assert!(matches!(m.snapshot("t", id, "s", None).await, Err(Error::IncorrectState { .. })), "no snapshot of a paused sandbox");
+        // Paused for 1 s: the 400 ms command has not ended, and the TTL is not reaped.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        m.reap_expired().await;
+        assert_eq!(m.get_exec("t", bg.exec_id.as_str(), false).await.expect("record").outcome.status, crate::model::ExecStatus::Running);
+        let resumed = m.resume("t", id, 0).await.expect("resume");
+        assert_eq!(resumed.state, SandboxState::Running);
+        let left = resumed.expires_at.expect("a TTL").duration_since(std::time::SystemTime::now()).expect("in the future");
+        assert!(left > Duration::from_secs(3590), "the TTL ran on while paused: {left:?} left");
+        let ended = m.get_exec("t", bg.exec_id.as_str(), true).await.expect("record");
+        assert_eq!(ended.outcome.status, crate::model::ExecStatus::Exited);
+        assert!(t0.elapsed() >= Duration::from_millis(1300), "the command ended {:?} after the pause began: its clock ran on", t0.elapsed());
+        assert_eq!(m.resume("t", id, 0).await.expect("resuming a running sandbox").state, SandboxState::Running);
+
+        // On record: a daemon started over the same state has it paused, and its TTL-pause kin too.
+        let by_ttl = m.create("t", CreateRequest { ttl_seconds: 1, on_expiry: OnExpiry::Pause, ..Default::default() }).await.expect("create");
+        m.pause("t", id).await.expect("pause");
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        m.reap_expired().await;
+        assert_eq!(m.get("t", by_ttl.id.as_str()).expect("paused, not reaped").state, SandboxState::Paused);
+        drop(m);
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        m.recover().await.expect("recover");
+        for sid in [id, by_ttl.id.as_str()] {
+            let (_, entry) = m.ready_entry("t", sid).await.expect("re-adopted");
+            assert_eq!(entry.info().expect("info").state, SandboxState::Paused, "{sid} after a restart");
+            assert!(*entry.paused.borrow(), "its execs' clock is stopped");
+        }
+        // An expiry pause resumed without a TTL gets its TTL again.
+        let back = m.resume("t", by_ttl.id.as_str(), 0).await.expect("resume");
+        assert!(back.expires_at.is_some_and(|e| e > std::time::SystemTime::now()), "{back:?}");
+        m.destroy("t", id).await.expect("destroying a paused sandbox");
     }
 
     #[tokio::test]

@@ -53,6 +53,9 @@ struct SandboxEntry {
     /// it — takes the spec and re-adopts it under this lock; everyone else waits for that (see
     /// [`Manager::adopted`]). `None` for every sandbox created by this daemon.
     pending: tokio::sync::Mutex<Option<SandboxSpec>>,
+    /// True while the sandbox is paused: the running clock of its execs' deadlines
+    /// ([`crate::backend::RunClock`]) stops meanwhile.
+    paused: tokio::sync::watch::Sender<bool>,
 }
 
 impl SandboxEntry {
@@ -61,7 +64,8 @@ impl SandboxEntry {
     }
 
     fn recorded(info: SandboxInfo, pending: Option<SandboxSpec>) -> Arc<Self> {
-        Arc::new(SandboxEntry { info: Mutex::new(info), op: tokio::sync::Mutex::new(()), pending: tokio::sync::Mutex::new(pending) })
+        let paused = tokio::sync::watch::Sender::new(info.state == SandboxState::Paused);
+        Arc::new(SandboxEntry { info: Mutex::new(info), op: tokio::sync::Mutex::new(()), pending: tokio::sync::Mutex::new(pending), paused })
     }
 
     /// Whether the sandbox still waits for its re-adoption (or is being re-adopted now).
@@ -123,6 +127,8 @@ pub struct Manager {
     snapshot_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Uploads, downloads, sessions and archive walks open now, against `[streams]`.
     stream_slots: Arc<streams::StreamSlots>,
+    /// Set once by a drain (`sandboxd drain`): this daemon takes no new sandboxes from then on.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 /// What the backend needs to (re)build a sandbox.
@@ -182,6 +188,7 @@ impl Manager {
             pressure: PressureLog::default(),
             exec_slots: Arc::new(Mutex::new(ExecSlots::default())),
             stream_slots,
+            draining: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -303,18 +310,20 @@ impl Manager {
         for tier in Isolation::ALL {
             let mine: Vec<SandboxInfo> = records.iter().filter(|r| r.isolation == tier && r.state != SandboxState::Creating).cloned().collect();
             let backend = self.backends.available(tier);
-            let specs: Vec<SandboxSpec> = mine.iter().filter(|i| i.state == SandboxState::Running).map(spec_of).collect();
+            // A paused sandbox is brought back like a running one (and frozen again once back).
+            let specs: Vec<SandboxSpec> = mine.iter().filter(|i| i.state.is_live()).map(spec_of).collect();
             if let Ok(backend) = &backend {
                 let snaps: Vec<SnapshotId> = snapshots.iter().filter(|s| s.isolation == tier).map(|s| s.snapshot_id.clone()).collect();
                 backend.clean(&specs, &snaps).await;
             }
             let mut table = self.sandboxes.write().map_err(|_| Error::Internal("sandbox table poisoned".into()))?;
             for mut info in mine {
-                let pending = match (&backend, info.state) {
-                    (Ok(_), SandboxState::Running) => Some(spec_of(&info)),
-                    (Err(e), SandboxState::Running) => {
+                let pending = match (&backend, info.state.is_live()) {
+                    (Ok(_), true) => Some(spec_of(&info)),
+                    (Err(e), true) => {
                         tracing::warn!(sandbox = %info.id, reason = %e, "sandbox could not be re-adopted; marked FAILED");
                         info.state = SandboxState::Failed;
+                        info.paused_at = None;
                         info.failure_reason = Some(format!("could not be brought back after a daemon restart: {e}"));
                         self.store.put_sandbox(&info)?;
                         None
@@ -377,19 +386,30 @@ impl Manager {
     async fn adopted(&self, entry: &SandboxEntry) {
         let mut pending = entry.pending.lock().await;
         let Some(spec) = pending.take() else { return };
-        let Ok(isolation) = entry.read(|i| i.isolation) else { return };
+        let Ok((isolation, paused)) = entry.read(|i| (i.isolation, i.state == SandboxState::Paused)) else { return };
         let result = match self.backends.available(isolation) {
-            Ok(backend) => backend.readopt(&spec).await.map_err(|e| e.to_string()),
+            Ok(backend) => match backend.readopt(&spec).await {
+                // A paused sandbox stays paused across the restart: its processes (new ones,
+                // as after every restart) are frozen before anything can run them, so recovery
+                // never lets its TTL or anything else run on.
+                Ok(()) if paused => backend.pause(&spec.id).await.map_err(|e| format!("it was paused, and could not be paused again: {e}")),
+                Ok(()) => Ok(()),
+                Err(e) => Err(e.to_string()),
+            },
             Err(e) => Err(e.to_string()),
         };
         let updated = entry.update(|info| match &result {
-            Ok(()) => tracing::info!(sandbox = %info.id, "sandbox re-adopted"),
+            Ok(()) => tracing::info!(sandbox = %info.id, paused, "sandbox re-adopted"),
             Err(reason) => {
                 tracing::warn!(sandbox = %info.id, %reason, "sandbox could not be re-adopted; marked FAILED");
                 info.state = SandboxState::Failed;
+                info.paused_at = None;
                 info.failure_reason = Some(format!("could not be brought back after a daemon restart: {reason}"));
             }
         });
+        if result.is_err() {
+            entry.paused.send_replace(false);
+        }
         if let (Err(_), Ok(info)) = (&result, updated) {
             if let Err(e) = self.store.put_sandbox(&info) {
                 tracing::error!(sandbox = %info.id, error = %e, "cannot record a sandbox that failed its re-adoption");
@@ -408,6 +428,24 @@ impl Manager {
     pub fn room(&self) -> (usize, Option<usize>) {
         let held = self.sandboxes.read().map(|m| m.len()).unwrap_or(usize::MAX);
         (held, self.cfg.policy.max_sandboxes())
+    }
+
+    /// Starts a drain: from now on every create is refused (see [`Manager::is_draining`]); the
+    /// sandboxes held and their execs are served as before. There is no way back: a drained
+    /// daemon ends once its execs have (see `server`).
+    pub fn drain(&self) {
+        self.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether a drain has started.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Why a create is refused during a drain, naming this node.
+    pub fn drain_refusal(&self) -> String {
+        let node = self.node().map(|n| format!("node {n}")).unwrap_or_else(|| "this daemon".into());
+        format!("{node} is draining (sandboxd drain): it takes no new sandboxes; create on another node")
     }
 
     /// Whether the policy allows `tier` on this daemon at all.
@@ -449,14 +487,17 @@ impl Manager {
     /// with the reason, so it never shows `running` while nothing in it can run.
     fn note_failure(&self, entry: &SandboxEntry) {
         let Ok((id, isolation, state)) = entry.read(|i| (i.id.clone(), i.isolation, i.state)) else { return };
-        // A sandbox not yet re-adopted is unknown to its backend, not dead.
-        if state != SandboxState::Running || entry.is_pending() {
+        // A sandbox not yet re-adopted is unknown to its backend, not dead. A paused one is
+        // (a frozen init is alive; a stopped VM's QEMU runs).
+        if !state.is_live() || entry.is_pending() {
             return;
         }
         let Some(reason) = self.backends.get(isolation).ok().and_then(|b| b.failure(&id)) else { return };
         tracing::warn!(sandbox = %id, %reason, "sandbox failed");
+        entry.paused.send_replace(false);
         match entry.update(|i| {
             i.state = SandboxState::Failed;
+            i.paused_at = None;
             i.failure_reason = Some(reason);
         }) {
             Ok(updated) => {

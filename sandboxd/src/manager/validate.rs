@@ -281,6 +281,8 @@ pub(super) fn exec_spec(cfg: &Config, info: &SandboxInfo, req: &ExecRequest, exe
         io_drain_timeout: Duration::from_millis(cfg.exec.io_drain_timeout_ms),
         input: crate::backend::SessionInputs::default(),
         tty: None,
+        // Set by the caller from the sandbox's entry (see `Manager::run_exec_with`).
+        clock: crate::backend::RunClock::default(),
     })
 }
 

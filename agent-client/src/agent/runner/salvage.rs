@@ -90,6 +90,9 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         }
         self.trace_event("stop", json!({"reason": reason.as_str(), "status": reason.status().as_str(), "detail": detail,
             "prompt_tokens": ck.budget.prompt_tokens, "completion_tokens": ck.budget.completion_tokens}));
+        if !reason.resumable() {
+            self.drop_waiting_requests();
+        }
         report_of(
             &ck,
             &self.store,

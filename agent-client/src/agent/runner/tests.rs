@@ -1432,3 +1432,484 @@ async fn a_missing_file_and_a_cap_are_answers_a_missing_sandbox_is_fatal() {
     assert_eq!(report.reason, StopReason::FatalError, "{report:?}");
     assert!(report.error.unwrap_or_default().contains("is gone"));
 }
+
+// ---- the operator's hand: steer and stop ------------------------------------------------
+
+fn steer_cmd(text: &str) -> crate::agent::inbox::Command {
+    crate::agent::inbox::Command::Steer {
+        message: text.into(),
+    }
+}
+
+fn stop_cmd(done: bool, reason: &str) -> crate::agent::inbox::Command {
+    crate::agent::inbox::Command::Stop {
+        status: if done {
+            crate::agent::inbox::StopAs::Done
+        } else {
+            crate::agent::inbox::StopAs::Failed
+        },
+        reason: Some(reason.into()),
+    }
+}
+
+/// A model that, while answering turn `at`, has the operator send `commands` to run r1 (as
+/// `sbx agent steer`/`stop` from another process would), then plays `replies`.
+fn model_with_operator(
+    dir: &std::path::Path,
+    at: usize,
+    commands: Vec<crate::agent::inbox::Command>,
+    replies: Vec<Reply>,
+) -> Arc<ScriptedLlm> {
+    let store = FileStore::new(dir);
+    Arc::new(ScriptedLlm::new(
+        Script::from_fn(move |t| {
+            if t.index == at {
+                for c in &commands {
+                    crate::agent::inbox::send(&store, "r1", c.clone()).expect("send");
+                }
+            }
+            replies
+                .get(t.index)
+                .cloned()
+                .unwrap_or_else(|| Reply::finish("script exhausted"))
+        }),
+        "gpt-4o",
+    ))
+}
+
+fn trace_of(dir: &std::path::Path) -> Vec<Value> {
+    crate::agent::trace::read(&dir.join("runs/r1/trace.jsonl")).expect("trace")
+}
+
+fn inbox_left(dir: &std::path::Path) -> Vec<String> {
+    crate::agent::inbox::Inbox::of(&FileStore::new(dir).run_dir("r1"))
+        .pending()
+        .expect("inbox")
+}
+
+#[tokio::test]
+async fn a_steer_reaches_the_next_prompt_and_is_kept_once_answered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let model = model_with_operator(
+        dir.path(),
+        1,
+        vec![steer_cmd("STEER-1: write to out.txt, not log")],
+        vec![
+            Reply::bash("echo one >> log"),
+            Reply::bash("echo two >> log"),
+            Reply::bash("echo three > out.txt"),
+            Reply::finish("done"),
+        ],
+    );
+    let report = start(
+        fake.clone(),
+        model.clone(),
+        spec("x"),
+        Some("r1".into()),
+        opts(dir.path()),
+    )
+    .await
+    .expect("run");
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let requests = requests_of(&model);
+    // Sent during turn 1: not in it, pinned last in turn 2, in the history (before step 3's
+    // call, the one that answered it) in turn 3.
+    assert!(!requests[1].to_string().contains("STEER-1"));
+    let last = requests[2]["messages"]
+        .as_array()
+        .and_then(|m| m.last())
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(last["role"], "user");
+    assert!(
+        last["content"]
+            .as_str()
+            .is_some_and(|c| c.contains("[operator:") && c.contains("STEER-1")),
+        "{last}"
+    );
+    let messages = requests[3]["messages"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let at = messages
+        .iter()
+        .position(|m| m["content"].as_str().is_some_and(|c| c.contains("STEER-1")))
+        .expect("kept in the history");
+    assert_eq!(
+        requests[3].to_string().matches("STEER-1").count(),
+        1,
+        "once, not pinned any more"
+    );
+    assert_eq!(
+        messages[at + 1]["tool_calls"][0]["function"]["arguments"],
+        r#"{"command":"echo three > out.txt"}"#
+    );
+    // Recorded in the checkpoint (with the step that answered it) and the trace; the inbox
+    // is empty.
+    let ck = FileStore::new(dir.path()).load("r1").expect("checkpoint");
+    assert_eq!(ck.operator.len(), 1);
+    assert_eq!(ck.operator[0].kind, "steer");
+    // Taken at the boundary before step 2's action (one step done), answered by step 3.
+    assert_eq!(ck.operator[0].step, 1);
+    assert_eq!(ck.operator[0].acked_step, Some(3));
+    assert!(ck.context.steers.is_empty());
+    let events = trace_of(dir.path());
+    assert!(events.iter().any(|e| e["event"] == "operator"
+        && e["decision"] == "steer"
+        && e["message"] == "STEER-1: write to out.txt, not log"));
+    assert!(events.iter().any(|e| e["event"] == "operator"
+        && e["decision"] == "acknowledged"
+        && e["acked_step"] == 3));
+    assert!(inbox_left(dir.path()).is_empty());
+}
+
+#[tokio::test]
+async fn a_steer_stays_pinned_through_re_asks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let model = model_with_operator(
+        dir.path(),
+        0,
+        vec![steer_cmd("STEER-2: be brief")],
+        vec![
+            Reply::bash("echo one >> log"),
+            Reply::Text("I am thinking".into()),
+            Reply::bash("echo two >> log"),
+            Reply::finish("done"),
+        ],
+    );
+    let report = start(
+        fake.clone(),
+        model.clone(),
+        spec("x"),
+        Some("r1".into()),
+        opts(dir.path()),
+    )
+    .await
+    .expect("run");
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let requests = requests_of(&model);
+    let pinned_last = |r: &Value| {
+        r["messages"]
+            .as_array()
+            .and_then(|m| m.last())
+            .and_then(|m| m["content"].as_str())
+            .is_some_and(|c| c.contains("STEER-2"))
+    };
+    assert!(pinned_last(&requests[1]), "pinned");
+    assert!(
+        pinned_last(&requests[2]),
+        "a prose answer did not acknowledge it"
+    );
+    assert!(!pinned_last(&requests[3]), "the call of step 2 did");
+    let ck = FileStore::new(dir.path()).load("r1").expect("checkpoint");
+    assert_eq!(ck.operator[0].acked_step, Some(2));
+}
+
+#[tokio::test]
+async fn stop_done_ends_the_run_at_the_next_boundary_with_a_salvage() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let model = model_with_operator(
+        dir.path(),
+        1,
+        vec![
+            stop_cmd(true, "good enough"),
+            // Sent after the stop: never applied, said in the trace.
+            steer_cmd("too late"),
+        ],
+        vec![
+            Reply::bash("echo one >> log"),
+            Reply::bash("echo two >> log"),
+            Reply::bash("echo three >> log"),
+        ],
+    );
+    let report = start(
+        fake.clone(),
+        model.clone(),
+        spec("x"),
+        Some("r1".into()),
+        opts(dir.path()),
+    )
+    .await
+    .expect("run");
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    assert_eq!(report.reason, StopReason::OperatorDone);
+    assert!(!report.resumable);
+    // The stop arrived while the model chose step 2: that action is not sent, and no model
+    // turn follows.
+    assert_eq!(report.steps, 1);
+    assert_eq!(requests_of(&model).len(), 2);
+    assert_eq!(log_file(&fake, &report), "one\n");
+    assert_eq!(
+        fake.execs()
+            .iter()
+            .filter(|e| e.idempotency_key.contains(":act:"))
+            .count(),
+        1
+    );
+    // The salvage of any end: final snapshot, diff, summary naming the operator's reason.
+    assert!(report.final_snapshot_id.is_some(), "{report:?}");
+    assert!(
+        report
+            .summary
+            .contains("stopped by the operator: good enough"),
+        "{}",
+        report.summary
+    );
+    assert!(report.error.is_none(), "{report:?}");
+    let ck = FileStore::new(dir.path()).load("r1").expect("checkpoint");
+    assert_eq!(
+        ck.outcome.as_ref().map(|o| o.reason),
+        Some(StopReason::OperatorDone)
+    );
+    assert_eq!(ck.state, LoopState::Done);
+    assert_eq!(ck.operator.len(), 1, "{:?}", ck.operator);
+    assert_eq!(ck.operator[0].kind, "stop");
+    let events = trace_of(dir.path());
+    assert!(events.iter().any(|e| e["event"] == "transition"
+        && e["from"] == "ACTING"
+        && e["to"] == "DONE"
+        && e["why"] == "operator stop"));
+    assert!(events
+        .iter()
+        .any(|e| e["event"] == "decision" && e["reason"] == "operator_done"));
+    assert!(
+        events
+            .iter()
+            .any(|e| e["event"] == "operator" && e["decision"] == "dropped"),
+        "the steer after the stop"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e["event"] == "operator" && e["decision"] == "pending_abandoned"),
+        "step 2's call, never sent"
+    );
+    assert!(inbox_left(dir.path()).is_empty());
+}
+
+#[tokio::test]
+async fn a_stop_ends_a_retry_wait_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let model = model_with_operator(
+        dir.path(),
+        1,
+        vec![stop_cmd(false, "the endpoint is down for the day")],
+        vec![
+            Reply::bash("echo one >> log"),
+            Reply::Status {
+                code: 503,
+                body: "overloaded".into(),
+                retry_after: None,
+            },
+        ],
+    );
+    let mut o = opts(dir.path());
+    // A long wait: the stop must not sit it out.
+    o.llm_backoff = Backoff {
+        base: Duration::from_secs(60),
+        cap: Duration::from_secs(60),
+        max_attempts: u32::MAX,
+        patience: Some(Duration::from_secs(600)),
+    };
+    let started = Instant::now();
+    let report = start(fake.clone(), model, spec("x"), Some("r1".into()), o)
+        .await
+        .expect("run");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(report.status, RunStatus::Failed, "{report:?}");
+    assert_eq!(report.reason, StopReason::OperatorFailed);
+    assert!(!report.resumable);
+    let events = trace_of(dir.path());
+    assert!(events
+        .iter()
+        .any(|e| e["event"] == "transition" && e["from"] == "RETRYING" && e["to"] == "FAILED"));
+}
+
+/// Run r1 left as a crash leaves it (step 1 done, step 2 pending), with a steer in its inbox.
+async fn crashed_run_with_a_steer(dir: &std::path::Path, fake: &FakeSandbox) -> String {
+    crashed_run(dir, fake).await;
+    crate::agent::inbox::send(
+        &FileStore::new(dir),
+        "r1",
+        steer_cmd("STEER-3: check the log"),
+    )
+    .expect("send")
+    .id
+}
+
+#[tokio::test]
+async fn a_steer_sent_while_the_run_is_down_is_applied_on_resume_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    crashed_run_with_a_steer(dir.path(), &fake).await;
+    let (report, model) = resume_to_end(dir.path(), &fake).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let first = requests_of(&model)[0].to_string();
+    assert_eq!(first.matches("STEER-3").count(), 1, "{first}");
+    assert!(inbox_left(dir.path()).is_empty());
+}
+
+#[tokio::test]
+async fn a_crash_after_the_checkpoint_took_a_request_does_not_apply_it_twice() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let id = crashed_run_with_a_steer(dir.path(), &fake).await;
+    // The crash came after the checkpoint took the steer and before its file was removed.
+    let store = FileStore::new(dir.path());
+    let mut ck = store.load("r1").expect("load");
+    ck.context.steers.push(crate::agent::context::Steer {
+        id: id.clone(),
+        text: "STEER-3: check the log".into(),
+        at_step: 1,
+        acked_step: None,
+    });
+    ck.operator.push(crate::agent::inbox::OperatorRecord {
+        id: id.clone(),
+        kind: "steer".into(),
+        step: 1,
+        sent_at_ms: 0,
+        applied_at_ms: 0,
+        text: "STEER-3: check the log".into(),
+        acked_step: None,
+    });
+    store.save(&ck).expect("save");
+    let (report, model) = resume_to_end(dir.path(), &fake).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let first = requests_of(&model)[0].to_string();
+    assert_eq!(first.matches("STEER-3").count(), 1, "{first}");
+    let ck = store.load("r1").expect("load");
+    assert_eq!(ck.operator.iter().filter(|r| r.id == id).count(), 1);
+    assert!(trace_of(dir.path())
+        .iter()
+        .any(|e| e["decision"] == "already_applied"));
+    assert!(inbox_left(dir.path()).is_empty());
+}
+
+#[tokio::test]
+async fn a_stop_taken_before_a_crash_still_ends_the_run_on_resume() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    crashed_run(dir.path(), &fake).await;
+    // The boundary took the stop (durable) and the process died before the salvage.
+    let store = FileStore::new(dir.path());
+    let mut ck = store.load("r1").expect("load");
+    ck.pending = None;
+    ck.state = LoopState::Thinking;
+    ck.stop_requested = Some(crate::agent::inbox::StopRequest {
+        id: "op-1".into(),
+        reason: StopReason::OperatorFailed,
+        detail: "stopped by the operator: wrong task".into(),
+    });
+    store.save(&ck).expect("save");
+    let (report, model) = resume_to_end(dir.path(), &fake).await;
+    assert_eq!(report.reason, StopReason::OperatorFailed, "{report:?}");
+    assert_eq!(report.steps, 1);
+    assert!(
+        requests_of(&model).is_empty(),
+        "no model turn after the stop"
+    );
+    assert!(report.summary.contains("wrong task"), "{}", report.summary);
+}
+
+#[tokio::test]
+async fn a_finish_called_while_a_steer_arrived_is_held_until_the_model_saw_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let model = model_with_operator(
+        dir.path(),
+        1,
+        vec![steer_cmd("STEER-4: also write out.txt")],
+        vec![
+            Reply::bash("echo one >> log"),
+            Reply::finish("early"),
+            Reply::bash("echo x > out.txt"),
+            Reply::finish("with out.txt"),
+        ],
+    );
+    let report = start(
+        fake.clone(),
+        model.clone(),
+        spec("x"),
+        Some("r1".into()),
+        opts(dir.path()),
+    )
+    .await
+    .expect("run");
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    assert_eq!(report.answer.as_deref(), Some("with out.txt"));
+    let requests = requests_of(&model);
+    let third = requests[2].to_string();
+    assert!(third.contains("finish NOT accepted yet"), "{third}");
+    let last = requests[2]["messages"]
+        .as_array()
+        .and_then(|m| m.last())
+        .cloned()
+        .unwrap_or_default();
+    assert!(last.to_string().contains("STEER-4"), "{last}");
+    let ck = FileStore::new(dir.path()).load("r1").expect("checkpoint");
+    assert_eq!(ck.rejected_finishes, 0, "a held finish is no rejection");
+    assert_eq!(ck.operator[0].acked_step, Some(3));
+    assert!(trace_of(dir.path())
+        .iter()
+        .any(|e| e["decision"] == "finish_held"));
+}
+
+#[tokio::test]
+async fn a_bad_inbox_file_is_rejected_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let inbox_dir = dir.path().join("runs/r1/inbox");
+    let bad = inbox_dir.clone();
+    let model = Arc::new(ScriptedLlm::new(
+        Script::from_fn(move |t| {
+            if t.index == 0 {
+                std::fs::create_dir_all(&bad).expect("inbox");
+                std::fs::write(bad.join("x1.json"), b"{\"kind\":\"stop\"").expect("write");
+                std::fs::write(
+                    bad.join("x2.json"),
+                    br#"{"id":"x2","sent_at_ms":1,"kind":"launch_missiles"}"#,
+                )
+                .expect("write");
+            }
+            [
+                Reply::bash("echo one >> log"),
+                Reply::bash("echo two >> log"),
+            ]
+            .get(t.index)
+            .cloned()
+            .unwrap_or_else(|| Reply::finish("done"))
+        }),
+        "gpt-4o",
+    ));
+    let report = start(
+        fake.clone(),
+        model,
+        spec("x"),
+        Some("r1".into()),
+        opts(dir.path()),
+    )
+    .await
+    .expect("run");
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    assert_eq!(report.steps, 3);
+    let rejected: Vec<String> = trace_of(dir.path())
+        .iter()
+        .filter(|e| e["event"] == "operator" && e["decision"] == "rejected")
+        .filter_map(|e| e["file"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(rejected, ["x1.json", "x2.json"]);
+    assert_eq!(std::fs::read_dir(&inbox_dir).expect("inbox").count(), 0);
+    assert!(FileStore::new(dir.path())
+        .load("r1")
+        .expect("ck")
+        .operator
+        .is_empty());
+}

@@ -1,4 +1,4 @@
-//! `sbx agent run`, `resume` and `show`: the agent loop on the command line.
+//! `sbx agent run`, `resume`, `show`, `steer` and `stop`: the agent loop on the command line.
 //!
 //! Exit codes: 0 only when the run is `done`; 1 when it `failed` (or cannot start or resume:
 //! a corrupt checkpoint, an unknown run); 3 when a termination rule `stopped` it.
@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agent_client::agent::checkpoint::{CheckpointError, CheckpointStore, FileStore, RunLock};
+use agent_client::agent::inbox::{self, Command, Inbox, InboxError, Liveness, StopAs};
 use agent_client::agent::{
     self, trace, AgentError, LlmProvider, NewBudgets, OpenAiProvider, Progress, ProgressSink,
     RunOptions, RunReport, RunSpec, RunStatus,
@@ -100,7 +101,79 @@ pub async fn agent(ctx: &Ctx, command: AgentCommand) -> Result<u8> {
             follow: true,
         } => follow(ctx, run_id, state_dir).await,
         AgentCommand::Ls { state_dir } => ls(ctx, state_dir),
+        AgentCommand::Steer {
+            run_id,
+            message,
+            state_dir,
+        } => operator(ctx, &run_id, state_dir, Command::Steer { message }),
+        AgentCommand::Stop {
+            run_id,
+            done,
+            failed: _,
+            reason,
+            state_dir,
+        } => {
+            let status = if done { StopAs::Done } else { StopAs::Failed };
+            operator(ctx, &run_id, state_dir, Command::Stop { status, reason })
+        }
         AgentCommand::DemoModel { listen } => demo_model(listen).await,
+    }
+}
+
+/// `sbx agent steer` and `stop`: the request goes into the run's inbox (no daemon needed); the
+/// run takes it at its next step boundary, or on resume. Prints the request id.
+fn operator(ctx: &Ctx, run_id: &str, dir: Option<PathBuf>, command: Command) -> Result<u8> {
+    let store = FileStore::new(state_dir(dir));
+    let kind = command.kind();
+    let sent = match inbox::send(&store, run_id, command) {
+        Ok(sent) => sent,
+        Err(e) => {
+            if ctx.json {
+                output::json(&json!({
+                    "run_id": run_id,
+                    "request_id": null,
+                    "kind": kind,
+                    "reason": refusal_reason(&e),
+                    "error": e.to_string(),
+                }))?;
+            }
+            return Err(e.into());
+        }
+    };
+    if ctx.json {
+        output::json(&json!({
+            "run_id": run_id,
+            "request_id": sent.id,
+            "kind": kind,
+            "run": sent.run,
+        }))?;
+        return Ok(0);
+    }
+    output::note(&match sent.run {
+        Liveness::Running => format!("{kind} sent to run {run_id}: taken at its next step boundary"),
+        Liveness::Down => format!(
+            "{kind} queued for run {run_id}, which is not running: taken when it is resumed (sbx agent resume {run_id})"
+        ),
+    })?;
+    output::stdout(format!("{}\n", sent.id).as_bytes())?;
+    Ok(0)
+}
+
+/// The `reason` of a refused steer or stop, for scripts (`--json`).
+fn refusal_reason(e: &InboxError) -> &'static str {
+    match e {
+        InboxError::UnknownRun { .. } => "unknown_run",
+        InboxError::Finished { .. } => "run_finished",
+        InboxError::Full { .. } => "inbox_full",
+        InboxError::Inbox(
+            agent_inbox::Error::EmptyMessage
+            | agent_inbox::Error::MessageTooLong { .. }
+            | agent_inbox::Error::ReasonTooLong { .. },
+        ) => "invalid_request",
+        InboxError::Checkpoint(CheckpointError::InvalidRunId(_)) => "invalid_run_id",
+        InboxError::Checkpoint(CheckpointError::Corrupt { .. }) => "checkpoint_corrupt",
+        InboxError::Checkpoint(CheckpointError::Incompatible { .. }) => "checkpoint_incompatible",
+        InboxError::Checkpoint(_) | InboxError::Inbox(_) => "io_error",
     }
 }
 
@@ -757,6 +830,10 @@ fn show(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
         |o| format!("{} ({})", o.reason.status().as_str(), o.reason),
     );
     let per_call = trace::prompt_tokens_per_call(&events);
+    let waiting = Inbox::of(&store.run_dir(&run_id))
+        .pending()
+        .map(|p| p.len())
+        .unwrap_or(0);
     if ctx.json {
         output::json(&json!({
             "run_id": ck.run_id,
@@ -781,6 +858,9 @@ fn show(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
             "final_snapshot_id": ck.outcome.as_ref().and_then(|o| o.final_snapshot_id.clone()),
             "answer": ck.outcome.as_ref().and_then(|o| o.answer.clone()),
             "pinned": ck.context.pinned,
+            "operator": ck.operator,
+            "steers_pinned": ck.context.steers,
+            "operator_waiting": waiting,
             "prompt_tokens_per_call": per_call,
             "events": events,
         }))?;
@@ -865,6 +945,26 @@ fn show(ctx: &Ctx, run_id: String, dir: Option<PathBuf>) -> Result<u8> {
             text.push_str(&format!("ANSWER        {a}\n"));
         }
         text.push_str(&format!("SUMMARY       {}\n", o.summary));
+    }
+    if !ck.operator.is_empty() || waiting > 0 {
+        text.push_str("\nOperator requests:\n");
+        for r in &ck.operator {
+            let acked = match (r.kind.as_str(), r.acked_step) {
+                ("steer", Some(step)) => format!(", answered at step {step}"),
+                ("steer", None) => ", pinned, not yet answered".to_owned(),
+                _ => String::new(),
+            };
+            text.push_str(&format!(
+                "  {} {} after step {}{acked}: {}\n",
+                r.id,
+                r.kind,
+                r.step,
+                output::ellipsize(&r.text.replace('\n', " "), 120)
+            ));
+        }
+        if waiting > 0 {
+            text.push_str(&format!("  {waiting} waiting for the next step boundary\n"));
+        }
     }
     if !ck.context.pinned.is_empty() {
         text.push_str("\nPinned facts:\n");

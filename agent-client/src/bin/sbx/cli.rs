@@ -1,7 +1,7 @@
 //! The command line, as clap derive types.
 
 use agent_client::proto::{
-    CreateSandboxRequest, Isolation, NetworkMode, NetworkPolicy, ResourceLimits,
+    CreateSandboxRequest, Isolation, NetworkMode, NetworkPolicy, OnExpiry, ResourceLimits,
 };
 use std::path::PathBuf;
 
@@ -69,6 +69,19 @@ pub enum Command {
         id: String,
         /// Seconds from now; 0 removes the TTL.
         secs: u32,
+    },
+    /// Pause a sandbox: every process frozen in place (memory kept, no CPU, TTL stopped).
+    Pause {
+        /// Sandbox id.
+        id: String,
+    },
+    /// Resume a paused sandbox where it stopped.
+    Resume {
+        /// Sandbox id.
+        id: String,
+        /// A new TTL from now [default: what was left of it at the pause].
+        #[arg(long, value_name = "SECS", default_value_t = 0)]
+        ttl: u32,
     },
     /// Destroy sandboxes.
     #[command(visible_alias = "destroy")]
@@ -316,6 +329,41 @@ pub enum AgentCommand {
         #[arg(long, short = 'f')]
         follow: bool,
     },
+    /// Send a correction to a run: the loop puts it into the model's next prompt, pinned
+    /// until the model answers it with a tool call.
+    ///
+    /// Taken at the run's next step boundary (before its next model turn); a run that is not
+    /// running takes it when `sbx agent resume` continues it. Prints the request id.
+    Steer {
+        /// The run id.
+        run_id: String,
+        /// The correction, at most 4000 bytes.
+        message: String,
+        /// Where runs are kept [env: SBX_AGENT_STATE_DIR; default: ./.sandboxd/agent].
+        #[arg(long, value_name = "DIR")]
+        state_dir: Option<PathBuf>,
+    },
+    /// End a run at its next step boundary, as DONE or FAILED, with the final snapshot, diff
+    /// and summary every end gets.
+    ///
+    /// A running or retrying run stops at its next boundary; one that is not running stops
+    /// when `sbx agent resume` continues it. Prints the request id.
+    Stop {
+        /// The run id.
+        run_id: String,
+        /// End it as DONE.
+        #[arg(long, conflicts_with = "failed")]
+        done: bool,
+        /// End it as FAILED (the default).
+        #[arg(long)]
+        failed: bool,
+        /// Why, kept in the run's outcome and trace (at most 1000 bytes).
+        #[arg(long, value_name = "TEXT")]
+        reason: Option<String>,
+        /// Where runs are kept [env: SBX_AGENT_STATE_DIR; default: ./.sandboxd/agent].
+        #[arg(long, value_name = "DIR")]
+        state_dir: Option<PathBuf>,
+    },
     /// List the runs with their status, steps and sandbox.
     Ls {
         /// Where runs are kept [env: SBX_AGENT_STATE_DIR; default: ./.sandboxd/agent].
@@ -489,9 +537,12 @@ pub struct SandboxSpec {
     /// Working directory of every exec [default: /workspace].
     #[arg(long, value_name = "PATH")]
     pub workdir: Option<String>,
-    /// Destroy the sandbox after this many seconds.
+    /// Destroy the sandbox after this many seconds (or pause it: --on-expiry pause).
     #[arg(long, value_name = "SECS")]
     pub ttl: Option<u32>,
+    /// What the TTL's passing does: destroy the sandbox, or pause it (resume with `sbx resume`).
+    #[arg(long, value_enum, value_name = "ACTION")]
+    pub on_expiry: Option<OnExpiryArg>,
     /// Who every exec runs as: name, uid, name:group or uid:gid [default: the image's USER, else root].
     #[arg(long, short = 'u', value_name = "USER")]
     pub user: Option<String>,
@@ -568,8 +619,22 @@ impl SandboxSpec {
             from_snapshot_id: from_snapshot_id.unwrap_or_default(),
             user: self.user.clone().unwrap_or_default(),
             network: self.network(),
+            on_expiry: match self.on_expiry {
+                None => OnExpiry::Unspecified,
+                Some(OnExpiryArg::Destroy) => OnExpiry::Destroy,
+                Some(OnExpiryArg::Pause) => OnExpiry::Pause,
+            } as i32,
         }
     }
+}
+
+/// `--on-expiry` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnExpiryArg {
+    /// Destroy the sandbox (the default).
+    Destroy,
+    /// Pause it; it stays paused until resumed or destroyed.
+    Pause,
 }
 
 /// `--isolation` values.
@@ -816,6 +881,22 @@ mod tests {
         );
         assert!(parse(&["agent", "run"]).is_err(), "--task is required");
         assert!(parse(&["agent", "show"]).is_err(), "RUN_ID is required");
+        assert!(matches!(
+            parse(&["agent", "steer", "r1", "use python3"]).expect("valid").command,
+            Command::Agent(AgentCommand::Steer { ref run_id, ref message, .. }) if run_id == "r1" && message == "use python3"
+        ));
+        assert!(
+            parse(&["agent", "steer", "r1"]).is_err(),
+            "MESSAGE is required"
+        );
+        assert!(matches!(
+            parse(&["agent", "stop", "r1", "--done", "--reason", "good enough"]).expect("valid").command,
+            Command::Agent(AgentCommand::Stop { done: true, failed: false, ref reason, .. }) if reason.as_deref() == Some("good enough")
+        ));
+        assert!(
+            parse(&["agent", "stop", "r1", "--done", "--failed"]).is_err(),
+            "one end or the other"
+        );
     }
 
     #[test]

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use agent_client::proto::{
-    ExecResult, ExecStatus, ImageInfo, Isolation, ResourceLimits, Sandbox, SandboxState,
+    ExecResult, ExecStatus, ImageInfo, Isolation, OnExpiry, ResourceLimits, Sandbox, SandboxState,
     SnapshotInfo,
 };
 use prost_types::Timestamp;
@@ -30,6 +30,8 @@ pub fn sandbox(s: &Sandbox) -> Value {
         "parent_snapshot_id": s.parent_snapshot_id,
         "isolation_reason": s.isolation_reason,
         "failure_reason": s.failure_reason,
+        "on_expiry": on_expiry_name(s.on_expiry),
+        "paused_at": timestamp(s.paused_at.as_ref()),
         "usage": s.usage.as_ref().map(|u| json!({
             "cpu_user_ms": u.cpu_user_ms,
             "cpu_system_ms": u.cpu_system_ms,
@@ -181,6 +183,15 @@ fn string_map(map: &HashMap<String, String>) -> Value {
 
 fn isolation_name(v: i32) -> Value {
     Isolation::try_from(v).map_or_else(|_| json!(v), |e| json!(e.as_str_name()))
+}
+
+/// `ON_EXPIRY_PAUSE` → "PAUSE" (unset: "DESTROY", what it means).
+fn on_expiry_name(v: i32) -> Value {
+    match OnExpiry::try_from(v) {
+        Ok(OnExpiry::Unspecified) => json!("DESTROY"),
+        Ok(e) => json!(e.as_str_name().trim_start_matches("ON_EXPIRY_")),
+        Err(_) => json!(v),
+    }
 }
 
 fn state_name(v: i32) -> Value {

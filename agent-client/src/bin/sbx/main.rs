@@ -69,6 +69,8 @@ async fn run(cli: Cli) -> Result<u8> {
         Command::Ls { labels } => sandbox::list(&ctx, labels).await,
         Command::Get { id } => sandbox::get(&ctx, id).await,
         Command::Ttl { id, secs } => sandbox::set_ttl(&ctx, id, secs).await,
+        Command::Pause { id } => sandbox::pause(&ctx, id).await,
+        Command::Resume { id, ttl } => sandbox::resume(&ctx, id, ttl).await,
         Command::Net {
             command: cli::NetCommand::Log { id, limit },
         } => sandbox::network_log(&ctx, id, limit).await,

@@ -19,11 +19,22 @@ pub async fn create(ctx: &Ctx, request: CreateSandboxRequest) -> Result<u8> {
 
 /// Lists sandboxes matching every label.
 pub async fn list(ctx: &Ctx, labels: Vec<(String, String)>) -> Result<u8> {
-    let mut sandboxes = ctx
+    let listed = ctx
         .client()
         .await?
-        .list(labels.into_iter().collect())
+        .list_fleet(labels.into_iter().collect())
         .await?;
+    let mut sandboxes = listed.sandboxes;
+    // A fleet node that did not answer: its sandboxes are missing, which must not pass unseen.
+    for n in &listed.unreachable_nodes {
+        output::stderr(
+            format!(
+                "sbx: node {} did not answer ({}): its sandboxes are not listed\n",
+                n.node, n.error
+            )
+            .as_bytes(),
+        )?;
+    }
     if ctx.json {
         output::json(&sandboxes.iter().map(json::sandbox).collect())?;
         return Ok(0);
@@ -178,6 +189,34 @@ pub async fn set_ttl(ctx: &Ctx, id: String, secs: u32) -> Result<u8> {
         return Ok(0);
     }
     output::stdout(format!("{}\n", output::time(s.expires_at.as_ref())).as_bytes())?;
+    Ok(0)
+}
+
+/// Pauses the sandbox and prints its state (PAUSED).
+pub async fn pause(ctx: &Ctx, id: String) -> Result<u8> {
+    let s = ctx.client().await?.pause(id).await?;
+    print_state(ctx, &s)
+}
+
+/// Resumes the sandbox and prints its state (RUNNING) and when it now expires.
+pub async fn resume(ctx: &Ctx, id: String, ttl: u32) -> Result<u8> {
+    let s = ctx.client().await?.resume(id, ttl).await?;
+    print_state(ctx, &s)
+}
+
+/// `ID STATE EXPIRES` for pause and resume (or the sandbox as JSON).
+fn print_state(ctx: &Ctx, s: &Sandbox) -> Result<u8> {
+    if ctx.json {
+        output::json(&json::sandbox(s))?;
+        return Ok(0);
+    }
+    let line = format!(
+        "{} {} {}\n",
+        s.id,
+        output::state(s.state),
+        output::time(s.expires_at.as_ref())
+    );
+    output::stdout(line.as_bytes())?;
     Ok(0)
 }
 

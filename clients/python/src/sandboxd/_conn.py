@@ -152,7 +152,7 @@ class Settings:
         return grpc.ssl_channel_credentials(root_certificates=self.root_certificates)
 
 
-# Calls whose repetition changes nothing: reads, whole-file writes and TTL settings.
+# Calls whose repetition changes nothing: reads, whole-file writes, TTL settings, pause, resume.
 IDEMPOTENT = frozenset(
     {
         "GetSandbox",
@@ -163,6 +163,8 @@ IDEMPOTENT = frozenset(
         "WriteFile",
         "ListSnapshots",
         "SetSandboxTtl",
+        "PauseSandbox",
+        "ResumeSandbox",
         "ListImages",
         "GetImage",
     }

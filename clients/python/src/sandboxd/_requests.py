@@ -37,6 +37,9 @@ def create_request(
     ttl: Optional[float] = None,
     user: Optional[str] = None,
     from_snapshot: Optional[str] = None,
+    network: Optional[str] = None,
+    allow: Optional[Sequence[str]] = None,
+    on_expiry: Optional[str] = None,
 ) -> pb.CreateSandboxRequest:
     """A CreateSandboxRequest. Sizes take ints (bytes) or strings ("512M", "1G"), `cpus` a
     number of CPUs (0.5 = 500 millicores), times seconds; None leaves the daemon's default."""
@@ -57,6 +60,8 @@ def create_request(
         if ttl < 0:
             raise InvalidArgument(f"ttl: {ttl} is negative")
         ttl_seconds = int(ttl) if ttl == int(ttl) else int(ttl) + 1
+    if on_expiry not in (None, "destroy", "pause"):
+        raise InvalidArgument(f"on_expiry: {on_expiry!r}: expected 'destroy' or 'pause'")
     return pb.CreateSandboxRequest(
         isolation=int(Isolation.parse(isolation)),  # type: ignore[arg-type]
         image=image or "",
@@ -67,7 +72,25 @@ def create_request(
         ttl_seconds=ttl_seconds,
         user=user or "",
         from_snapshot_id=from_snapshot or "",
+        network=network_policy(network, allow),
+        on_expiry=pb.ON_EXPIRY_PAUSE if on_expiry == "pause" else pb.ON_EXPIRY_UNSPECIFIED,
     )
+
+
+NETWORK_MODES = {"none": pb.NETWORK_MODE_NONE, "allowlist": pb.NETWORK_MODE_ALLOWLIST, "open": pb.NETWORK_MODE_OPEN}
+
+
+def network_policy(network: Optional[str], allow: Optional[Sequence[str]]) -> Optional[pb.NetworkPolicy]:
+    """The request's network: None (both None) leaves it to the daemon (NONE, a fork's parent's,
+    or a policy rule's); `allow` entries imply "allowlist"."""
+    if network is None and allow is None:
+        return None
+    if isinstance(allow, str):
+        raise InvalidArgument("allow: a list of entries (\"name:port\", \"10.0.0.0/8:5432\"), not one string")
+    mode = (network or "allowlist").lower()
+    if mode not in NETWORK_MODES:
+        raise InvalidArgument(f"network: {network!r} is not one of none, allowlist, open")
+    return pb.NetworkPolicy(mode=NETWORK_MODES[mode], allow=list(allow or []))
 
 
 def exec_request(

@@ -46,7 +46,7 @@ USED = {
     "ExecStream", "GetExec", "SignalExec", "ListExecs", "WriteFile", "ReadFile", "Snapshot",
     "ListSnapshots", "Rollback", "DeleteSnapshot", "ExecSession", "UploadFile", "DownloadFile",
     "UploadArchive", "DownloadArchive", "ListImages", "GetImage", "RemoveImage", "ImportImage",
-    "BuildImage",
+    "BuildImage", "GetNetworkLog", "PauseSandbox", "ResumeSandbox",
 }
 _missing = USED - METHODS.keys()
 if _missing:

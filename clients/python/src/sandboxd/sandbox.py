@@ -29,7 +29,7 @@ from ._requests import (
 )
 from .client import Client, resolve
 from .errors import ProtocolError, SandboxdError, SessionClosed, from_rpc_error
-from .types import DirTransfer, ExecResult, FileTransfer, OutputChunk, SandboxInfo, SnapshotInfo
+from .types import DirTransfer, ExecResult, FileTransfer, NetworkEvent, OutputChunk, SandboxInfo, SnapshotInfo
 
 log = logging.getLogger("sandboxd")
 
@@ -82,6 +82,9 @@ class Sandbox:
         labels: Optional[Mapping[str, str]] = None,
         ttl: Optional[float] = None,
         user: Optional[str] = None,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
+        on_expiry: Optional[str] = None,
         keep: bool = False,
         client: Optional[Client] = None,
     ) -> "Sandbox":
@@ -90,13 +93,14 @@ class Sandbox:
         `isolation` "process", "container" or "microvm" (None: the daemon's policy); `image`
         (None: "minimal"); `memory`, `disk`, `shm` as bytes or "512M"/"1G"; `cpus` in CPUs
         (0.5 = half of one); `pids` the most processes; `exec_timeout` the default exec
-        timeout in seconds; `ttl` seconds until the daemon reaps it. None leaves each at the
-        daemon's default; a value above the daemon's ceiling is `InvalidArgument` naming it.
+        timeout in seconds; `ttl` seconds until the daemon reaps it (or, with `on_expiry="pause"`,
+        pauses it). None leaves each at the daemon's default; a value above the daemon's ceiling
+        is `InvalidArgument` naming it.
         """
         request = create_request(
             isolation=isolation, image=image, memory=memory, cpus=cpus, disk=disk, pids=pids,
             shm=shm, exec_timeout=exec_timeout, env=env, workdir=workdir, labels=labels, ttl=ttl,
-            user=user,
+            user=user, network=network, allow=allow, on_expiry=on_expiry,
         )
         return cls._create(request, resolve(client), keep)
 
@@ -112,6 +116,8 @@ class Sandbox:
         env: Optional[Mapping[str, str]] = None,
         labels: Optional[Mapping[str, str]] = None,
         ttl: Optional[float] = None,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
         keep: bool = False,
         client: Optional[Client] = None,
     ) -> "Sandbox":
@@ -119,7 +125,7 @@ class Sandbox:
         user)."""
         request = create_request(
             memory=memory, cpus=cpus, disk=disk, pids=pids, env=env, labels=labels, ttl=ttl,
-            from_snapshot=_snapshot_id(snapshot),
+            from_snapshot=_snapshot_id(snapshot), network=network, allow=allow,
         )
         return cls._create(request, resolve(client), keep)
 
@@ -160,6 +166,31 @@ class Sandbox:
         )
         self.info = SandboxInfo.from_proto(reply)
         return self.info
+
+    def pause(self) -> SandboxInfo:
+        """Freezes every process of the sandbox in place: memory kept, no CPU used, its TTL
+        stopped. Execs and file calls raise `FailedPrecondition` until `resume()`. Pausing a
+        paused sandbox changes nothing."""
+        reply: pb.Sandbox = self.client.unary("PauseSandbox", pb.PauseSandboxRequest(sandbox_id=self.id))
+        self.info = SandboxInfo.from_proto(reply)
+        return self.info
+
+    def resume(self, ttl: Optional[float] = None) -> SandboxInfo:
+        """Lets a paused sandbox run on where it stopped; `ttl` seconds from now as its new TTL
+        (None: what was left of it at the pause). Resuming a running sandbox changes nothing."""
+        request = pb.ResumeSandboxRequest(sandbox_id=self.id, ttl_seconds=int(ttl or 0))
+        reply: pb.Sandbox = self.client.unary("ResumeSandbox", request)
+        self.info = SandboxInfo.from_proto(reply)
+        return self.info
+
+    def network_log(self, limit: int = 0) -> List[NetworkEvent]:
+        """The sandbox's recent DNS queries and connection attempts, oldest first: allowed or
+        denied, by which rule or why, bytes each way (`limit` most recent; 0 = all the daemon
+        keeps, the last 256). Empty for a sandbox without a network."""
+        reply: pb.GetNetworkLogResponse = self.client.unary(
+            "GetNetworkLog", pb.GetNetworkLogRequest(sandbox_id=self.id, limit=max(0, int(limit)))
+        )
+        return [NetworkEvent.from_proto(e) for e in reply.events]
 
     def destroy(self) -> None:
         """Kills every process of the sandbox and frees everything it held."""

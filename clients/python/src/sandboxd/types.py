@@ -7,7 +7,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -47,6 +47,8 @@ class SandboxState(enum.IntEnum):
     RUNNING = pb.SANDBOX_STATE_RUNNING
     FAILED = pb.SANDBOX_STATE_FAILED
     DESTROYED = pb.SANDBOX_STATE_DESTROYED
+    #: Frozen in place by `Sandbox.pause()` (or its TTL with `on_expiry="pause"`).
+    PAUSED = pb.SANDBOX_STATE_PAUSED
 
 
 class ExecStatus(enum.IntEnum):
@@ -108,6 +110,14 @@ class SandboxInfo:
     isolation_reason: str
     failure_reason: str
     user: str
+    #: "none", "allowlist" or "open": what the sandbox's network may reach.
+    network: str = "none"
+    #: With "allowlist": the entries ("pypi.org:443", "*.github.com:443", "10.1.0.0/16:5432").
+    allow: Sequence[str] = ()
+    #: "destroy" or "pause": what the TTL's passing does.
+    on_expiry: str = "destroy"
+    #: Since when it is paused; None while it is not.
+    paused_at: Optional[datetime] = None
 
     @classmethod
     def from_proto(cls, m: pb.Sandbox) -> "SandboxInfo":
@@ -125,6 +135,54 @@ class SandboxInfo:
             isolation_reason=m.isolation_reason,
             failure_reason=m.failure_reason,
             user=m.user,
+            network=_network_mode(m.network.mode) if m.HasField("network") else "none",
+            allow=tuple(m.network.allow) if m.HasField("network") else (),
+            on_expiry="pause" if m.on_expiry == pb.ON_EXPIRY_PAUSE else "destroy",
+            paused_at=_time(m.paused_at, m.HasField("paused_at")),
+        )
+
+
+def _network_mode(mode: int) -> str:
+    if mode == pb.NETWORK_MODE_ALLOWLIST:
+        return "allowlist"
+    if mode == pb.NETWORK_MODE_OPEN:
+        return "open"
+    return "none"
+
+
+@dataclass(frozen=True)
+class NetworkEvent:
+    """One DNS query or connection attempt of a sandbox (`Sandbox.network_log`)."""
+
+    time: Optional[datetime]
+    #: "dns" or "connect".
+    kind: str
+    name: str
+    addr: str
+    port: int
+    allowed: bool
+    #: The allow-list entry that let it through ("open" in mode OPEN); empty when denied.
+    rule: str
+    #: Why it was denied, or what went wrong.
+    detail: str
+    bytes_out: int
+    bytes_in: int
+    duration_ms: int
+
+    @classmethod
+    def from_proto(cls, m: pb.NetworkEvent) -> "NetworkEvent":
+        return cls(
+            time=_time(m.time, m.HasField("time")),
+            kind=m.kind,
+            name=m.name,
+            addr=m.addr,
+            port=m.port,
+            allowed=m.allowed,
+            rule=m.rule,
+            detail=m.detail,
+            bytes_out=m.bytes_out,
+            bytes_in=m.bytes_in,
+            duration_ms=m.duration_ms,
         )
 
 

@@ -1,29 +1,55 @@
 //! Running one command in a container sandbox, from the daemon's side.
 //!
-//! Docker's exec API starts a process in the container, but gives it no cgroup of its own, tells
-//! its host pid only when asked, and reports its exit code only after its output pipes closed —
-//! up to 2 s late when a background child holds them (and then it also delays the container's
-//! next exec). So every exec starts as the exec helper (`sandbox-exec`, a static binary of the
-//! `sandbox-exec` crate in a directory bind-mounted read-only at [`HELPER_DIR_IN_CONTAINER`]: it needs nothing from
-//! the image, not even a shell), whose first act is to stop itself. The daemon then:
+//! **Design: the container's own keepalive starts every exec.** Each container's main process
+//! under docker-init is the exec helper (`sandbox-exec --serve`, a static binary of the
+//! `sandbox-exec` crate in a directory bind-mounted read-only at [`HELPER_DIR_IN_CONTAINER`]).
+//! Right after start, before anything of the sandbox runs, the daemon takes the helper's end of
+//! a socket pair out of it with `pidfd_getfd` (`channel.rs`; the wire is
+//! `sandbox_exec::serve`), and the helper closes its copy: the channel is a descriptor only the
+//! daemon and the helper hold, never a path in the container, and the helper is not dumpable, so
+//! root inside (same pid namespace, but no `CAP_SYS_PTRACE`) can neither open its
+//! `/proc/<pid>/fd` nor `pidfd_getfd` from it. An exec then is:
 //!
-//! 1. finds the helper's host pid (exec inspect) and waits until it is stopped;
-//! 2. moves it into the exec's own cgroup below the container's — nothing has forked yet, so the
-//!    whole tree will live there — and opens a pidfd on it;
-//! 3. continues it. The helper becomes the command through `sandbox_exec::spawn`, exactly as the
-//!    process tier's init and the microVM's guest agent do; or, if it cannot, writes a failure
-//!    line (stage and errno) on stderr, which the daemon strips and describes like every tier;
-//! 4. pumps output into bounded captures while it waits on the pidfd for the exit, the timeout
-//!    or cancellation — the last two kill the exec's cgroup: every descendant, daemonized or not;
-//! 5. takes the raw wait status from the pidfd (`PIDFD_GET_INFO`, Linux 6.15+; Docker's exit
-//!    code otherwise), CPU and peak memory from the exec's cgroup; spilled output was written into
-//!    the container as it came. Usage is the exec's own, not the container's: concurrent execs do not blur
-//!    each other's numbers. As on the process tier it includes page cache the exec caused to be
-//!    charged, and here also the helper's start (a static binary: well under a millisecond).
+//! 1. the daemon makes the exec's cgroup, its pipes and a reply socket and sends the request
+//!    with them (one message);
+//! 2. the helper forks. The child is a copy of a process that already sits in every namespace,
+//!    behind the capabilities, seccomp filter, no-new-privileges and AppArmor profile Docker
+//!    gave the container — exactly what `docker exec` gives its process, by construction (a test
+//!    compares the two: `tests/tests/conformance.rs`). It says "ready" on the reply socket; the
+//!    kernel attaches its pid as the daemon sees it (`SCM_CREDENTIALS`), the daemon checks it is
+//!    a process of this container, moves it into the exec's cgroup while it cannot fork, opens a
+//!    pidfd on it, and says "go";
+//! 3. the child takes its own session, resolves the user in the container's /etc, and becomes
+//!    the command through `sandbox_exec::spawn`, exactly as the process tier's init and the
+//!    microVM's guest agent do; or, if it cannot, writes a failure line (stage and errno) on
+//!    stderr, which the daemon strips and describes like every tier;
+//! 4. the daemon pumps the pipes into bounded captures while it waits on the pidfd for the exit,
+//!    the timeout or cancellation — the last two kill the exec's cgroup: every descendant,
+//!    daemonized or not;
+//! 5. the raw wait status comes from the pidfd (`PIDFD_GET_INFO`: the helper ignores SIGCHLD, so
+//!    the kernel reaps), CPU and peak memory from the exec's cgroup; spilled output was written
+//!    into the container as it came. Usage is the exec's own, not the container's.
 //!
-//! Nothing of the command runs before step 3, so anything Docker writes on the stream before
-//! that (an "OCI runtime exec failed" when the sandbox is out of pids) is a start failure, never
-//! the user's output.
+//! Nothing the helper says is believed beyond its own container: replies are one bounded
+//! message, time-limited, and the pid comes from the kernel. The helper never blocks on anything
+//! the container controls (the child, not the helper, reads /etc/passwd). Code inside can kill
+//! or stop the helper: that ends or stalls its own sandbox's execs (they fail to start within
+//! [`START_DEADLINE`]), nothing else.
+//!
+//! The runc way (the daemon entering the namespaces with `setns` and re-applying capabilities,
+//! seccomp, no-new-privileges and AppArmor itself) was not taken: it would duplicate what Docker
+//! already applied to the helper, and any field it missed would be a confinement gap.
+//!
+//! **Through Docker's exec API** go: execs on a terminal (Docker makes the pty in the
+//! container's devpts and its controlling terminal), requests too large for one channel message,
+//! containers made before the channel (their keepalive is `--pause`; a re-adopted container is
+//! restarted with its old command, see `recover.rs`, and keeps this path until it is recreated),
+//! and kernels whose pidfds do not keep exit statuses (Linux < 6.15). There the exec starts as
+//! the helper, which stops itself; the daemon finds its host pid through the container's cgroup,
+//! moves it into the exec's cgroup, continues it, and steps 3–5 follow with Docker's stream in
+//! place of the pipes (Docker's exit code where the pidfd has none). Anything Docker writes on
+//! the stream before step 3 (an "OCI runtime exec failed" when the sandbox is out of pids) is a
+//! start failure, never the user's output.
 
 use std::fs::File;
 use std::io::Write;
@@ -47,7 +73,9 @@ use super::docker::{api_error, is_conflict, is_not_found};
 use super::process_cgroup::ExecCgroup;
 use super::{ContainerSandbox, Inner};
 use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, StartSignal};
+use nix::sys::socket::{send, setsockopt, socketpair, sockopt, AddressFamily, MsgFlags, SockFlag, SockType};
 use sandbox_exec::capture::{OutputCapture, SpillTarget};
+use sandbox_exec::serve;
 use sandbox_exec::spawn;
 
 pub use sandbox_exec::capture::SPILL_DIR;
@@ -243,7 +271,7 @@ fn proc_state(pid: i32) -> Option<char> {
     stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
 }
 
-fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
+pub(super) fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if fd < 0 {
@@ -273,6 +301,12 @@ enum PidfdExit {
     NotYet,
     /// The kernel predates `PIDFD_INFO_EXIT`.
     Unsupported,
+}
+
+/// Whether this kernel's pidfds keep a process's exit status (`PIDFD_INFO_EXIT`, Linux 6.15+),
+/// asked of a live process's pidfd.
+pub(super) fn pidfd_keeps_exit(fd: &OwnedFd) -> bool {
+    !matches!(pidfd_exit(fd), PidfdExit::Unsupported)
 }
 
 fn pidfd_exit(fd: &OwnedFd) -> PidfdExit {
@@ -431,6 +465,72 @@ async fn drain_start_error(output: &mut OutputStream) -> String {
     String::from_utf8_lossy(&text).trim().chars().take(500).collect()
 }
 
+/// The exec channel's request for `spec` (an error when it is too large for one message).
+fn helper_request(spec: &ExecSpec) -> Result<serve::Request, serve::RequestError> {
+    let request = serve::Request {
+        tag: format!("{TAG_PREFIX}{}", spec.exec_id),
+        workdir: spec.workdir.clone(),
+        user: spec.user.clone().unwrap_or_default(),
+        // As through Docker (see `exec_in_cgroup`): a non-root exec without HOME in its env
+        // gets the user's home from /etc/passwd, not the container's root one.
+        home_from_passwd: spec.user.is_some() && !spec.env.iter().any(|(k, _)| k == "HOME"),
+        stdin: !spec.stdin.is_empty() || spec.input.is_some(),
+        argv: spec.argv.clone(),
+        env: spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+    };
+    request.encode()?;
+    Ok(request)
+}
+
+fn pipe() -> Result<(OwnedFd, OwnedFd), BackendError> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::io("creating exec pipe", e.into()))
+}
+
+/// Moves a process that cannot fork yet into the exec's cgroup (every hierarchy). Blocking: see
+/// [`join_cgroup`].
+fn move_into(cgroup: &ExecCgroup, pid: i32) -> Result<(), String> {
+    for mut procs in cgroup.procs_files().map_err(|e| e.to_string())? {
+        procs.write_all(pid.to_string().as_bytes()).map_err(|e| format!("joining the exec cgroup: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Reads one output pipe into its capture (and the sink), stripping the helper's failure line
+/// from the start of stderr, until EOF or `stop`. What is already in the pipe at `stop` is
+/// still taken.
+async fn pump_pipe(fd: OwnedFd, mut capture: OutputCapture, sink: OutputSink, is_stdout: bool, stop: CancellationToken) -> (CapturedOutput, Option<String>) {
+    let mut marker = (!is_stdout).then(MarkerFilter::new);
+    let rx = match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
+        Ok(rx) => rx,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch exec output pipe");
+            return (capture.finish(), None);
+        }
+    };
+    crate::backend::pump_output(rx, &mut capture, &sink, is_stdout, &stop, |b| match marker.as_mut() {
+        Some(m) => std::borrow::Cow::Owned(m.filter(b)),
+        None => std::borrow::Cow::Borrowed(b),
+    })
+    .await;
+    let found = marker.as_mut().and_then(|m| {
+        let rest = m.finish();
+        if !rest.is_empty() {
+            capture.feed(&rest);
+            if let Some(tx) = &sink {
+                let _ = tx.try_send(OutputChunk::Stderr(Bytes::from(rest)));
+            }
+        }
+        m.found.take()
+    });
+    (capture.finish(), found)
+}
+
+/// Both output pipes of an exec started through the exec channel.
+async fn pump_pipes(out: OwnedFd, err: OwnedFd, out_cap: OutputCapture, err_cap: OutputCapture, sink: OutputSink, stop: CancellationToken) -> Pumped {
+    let ((stdout, _), (stderr, marker)) = tokio::join!(pump_pipe(out, out_cap, sink.clone(), true, stop.clone()), pump_pipe(err, err_cap, sink, false, stop));
+    Pumped { stdout, stderr, marker }
+}
+
 impl ContainerSandbox {
     /// Runs `spec` to its end. See the module documentation.
     pub(super) async fn run_exec(
@@ -469,6 +569,12 @@ impl ContainerSandbox {
         cancel: CancellationToken,
         started_at: SystemTime,
     ) -> Result<ExecOutcome, BackendError> {
+        if let (Some(channel), None) = (&self.channel, spec.tty) {
+            match helper_request(spec) {
+                Ok(request) => return self.exec_through_helper(channel, request, spec, cgroup, sink, started, cancel, started_at).await,
+                Err(e) => tracing::debug!(exec = %spec.exec_id, error = %e, "exec too large for the exec channel: through Docker's exec API"),
+            }
+        }
         let docker = inner.docker()?;
         let exec_id = spec.exec_id.to_string();
         let phase0 = Instant::now();
@@ -570,6 +676,16 @@ impl ContainerSandbox {
         }
 
         // 4. Output and the end.
+        let stop = CancellationToken::new();
+        let (out, err) = self.captures(spec);
+        let pump_task = tokio::spawn(pump(output, out, err, sink, stop.clone()));
+        tracing::debug!(exec = %exec_id, started_us = started_ms, stopped_us = stopped_ms, continued_us = continued_ms, "exec phases (Docker's exec API)");
+        self.finish(spec, cgroup, cancel, started_at, t0, pidfd, pump_task, stop, Some((docker, docker_exec.as_str()))).await
+    }
+
+    /// The output captures of an exec, each spilling into the container past the cap.
+    fn captures(&self, spec: &ExecSpec) -> (OutputCapture, OutputCapture) {
+        let exec_id = spec.exec_id.to_string();
         let cap = usize::try_from(spec.max_output_bytes).unwrap_or(usize::MAX);
         let spill = |stream: &str| -> Option<Box<dyn SpillTarget>> {
             Some(Box::new(ContainerSpill {
@@ -579,9 +695,139 @@ impl ContainerSandbox {
                 cap: self.spec.limits.disk_bytes,
             }))
         };
-        let stop = CancellationToken::new();
-        let mut pump_task = tokio::spawn(pump(output, OutputCapture::new(cap, spill("stdout")), OutputCapture::new(cap, spill("stderr")), sink, stop.clone()));
+        (OutputCapture::new(cap, spill("stdout")), OutputCapture::new(cap, spill("stderr")))
+    }
 
+    /// Starts `request` through the exec channel (the module documentation's steps 1–3 for
+    /// containers with one), then [`Self::finish`].
+    #[allow(clippy::too_many_arguments)]
+    async fn exec_through_helper(
+        &self,
+        channel: &super::channel::HelperChannel,
+        request: serve::Request,
+        spec: &ExecSpec,
+        cgroup: &Arc<ExecCgroup>,
+        sink: OutputSink,
+        started: StartSignal,
+        cancel: CancellationToken,
+        started_at: SystemTime,
+    ) -> Result<ExecOutcome, BackendError> {
+        use super::channel::Reply;
+        let exec_id = spec.exec_id.to_string();
+        let phase0 = Instant::now();
+        let session = spec.input.take();
+        // 1. The request, with the exec's reply socket and pipes (all the daemon's: nothing of
+        //    the container's filesystem is opened by the daemon).
+        // Non-blocking on the daemon's end only: the child blocks on its end until the go.
+        let (reply, reply_theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+            .map_err(|e| BackendError::io("creating an exec's reply socket", e.into()))?;
+        super::channel::set_nonblocking(&reply).map_err(|e| BackendError::io("an exec's reply socket", e))?;
+        setsockopt(&reply, sockopt::PassCred, &true).map_err(|e| BackendError::io("SO_PASSCRED on an exec's reply socket", e.into()))?;
+        let (out_r, out_w) = pipe()?;
+        let (err_r, err_w) = pipe()?;
+        let stdin = if request.stdin { Some(pipe()?) } else { None };
+        let mut fds = vec![reply_theirs.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()];
+        if let Some((r, _)) = &stdin {
+            fds.push(r.as_raw_fd());
+        }
+        let bytes = request.encode().map_err(|e| BackendError::Internal(format!("exec request: {e}")))?;
+        // Bounded: a helper stopped from inside stops reading, and the channel fills.
+        match tokio::time::timeout(START_DEADLINE, channel.send(&bytes, &fds)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Ok(self.lost_outcome(|| format!("the sandbox's exec helper is gone: {e}"), started_at)),
+            Err(_) => {
+                let error = format!("the command could not be started: the sandbox's exec helper took no request for {} s", START_DEADLINE.as_secs());
+                return Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, 126, error, started_at));
+            }
+        }
+        drop((reply_theirs, out_w, err_w));
+        let stdin_w = stdin.map(|(r, w)| {
+            drop(r);
+            w
+        });
+        // 2. The child's greeting, whose pid the kernel vouches for.
+        // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open until it is dropped.
+        let reply = unsafe { tokio::io::unix::AsyncFd::register_with_interest(reply, tokio::io::Interest::READABLE) }
+            .map_err(|e| BackendError::io("watching an exec's reply socket", e.into()))?;
+        let pid = match tokio::time::timeout(START_DEADLINE, super::channel::read_reply(&reply)).await {
+            Ok(Reply::Ready(pid)) => pid,
+            Ok(Reply::ForkFailed(errno)) => {
+                let error = format!("the command could not be started: fork: {}", std::io::Error::from_raw_os_error(errno));
+                return Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, 126, error, started_at));
+            }
+            Ok(Reply::Broken(why)) => return Ok(self.lost_outcome(|| format!("the sandbox's exec helper did not start the command: {why}"), started_at)),
+            Err(_) => {
+                let error = format!("the command could not be started: the sandbox's exec helper did not answer within {} s", START_DEADLINE.as_secs());
+                return Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, 126, error, started_at));
+            }
+        };
+        let greeted_us = phase0.elapsed().as_micros() as u64;
+        // Into the exec's cgroup while it waits for the go (it cannot fork before), after
+        // checking that the pid is a process of this container: the helper's word about
+        // anything else is never taken.
+        // (Code inside may kill the waiting child: then it simply did not start.)
+        let not_started = |why: String| Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, 126, format!("the command could not be started: {why}"), started_at));
+        let pidfd = match pidfd_open(pid) {
+            Ok(fd) => fd,
+            Err(e) => return not_started(format!("its process ended before it started ({e})")),
+        };
+        if !self.cgroup.pids().contains(&pid) {
+            tracing::warn!(exec = %exec_id, pid, "the exec helper's child is not a process of its container: not started");
+            return not_started("the exec helper answered with a process outside its container".into());
+        }
+        let cg = cgroup.clone();
+        tokio::task::spawn_blocking(move || move_into(&cg, pid))
+            .await
+            .unwrap_or_else(|e| Err(format!("join task: {e}")))
+            .map_err(|e| BackendError::Internal(format!("exec {exec_id} setup: {e}")))?;
+        let joined_us = phase0.elapsed().as_micros() as u64;
+        // SAFETY: an OwnedFd stays open and keeps returning the same descriptor until the
+        // AsyncFd that owns it is dropped.
+        let pidfd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
+            .map_err(|e| BackendError::io("watching the exec's pidfd", e.into()))?;
+        self.execs.started(&exec_id, cgroup.clone());
+        // 3. Go. (A child killed from inside meanwhile simply ends: its pidfd says how.)
+        if let Err(e) = send(reply.get_ref().as_raw_fd(), serve::GO, MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL) {
+            tracing::debug!(exec = %exec_id, error = %e, "the exec's child is gone before its start");
+        }
+        drop(reply);
+        let t0 = Instant::now();
+        if let Some(tx) = started {
+            let _ = tx.send(());
+        }
+        if let Some(w) = stdin_w {
+            match tokio::net::unix::pipe::Sender::from_owned_fd(w) {
+                Ok(w) => {
+                    tokio::spawn(crate::backend::feed_pipe(w, spec.stdin.take(), session));
+                }
+                Err(e) => tracing::warn!(exec = %exec_id, error = %e, "cannot write the exec's stdin"),
+            }
+        }
+        // 4. Output and the end.
+        let stop = CancellationToken::new();
+        let (out, err) = self.captures(spec);
+        let pump_task = tokio::spawn(pump_pipes(out_r, err_r, out, err, sink, stop.clone()));
+        tracing::debug!(exec = %exec_id, greeted_us, joined_us, "exec phases (exec channel)");
+        self.finish(spec, cgroup, cancel, started_at, t0, pidfd, pump_task, stop, None).await
+    }
+
+    /// 4–5 of the module documentation, the same for both ways of starting: waits for the
+    /// exit, the timeout or cancellation (the last two kill the exec's cgroup), drains the
+    /// output (bounded), and classifies the end.
+    #[allow(clippy::too_many_arguments)]
+    async fn finish(
+        &self,
+        spec: &ExecSpec,
+        cgroup: &Arc<ExecCgroup>,
+        cancel: CancellationToken,
+        started_at: SystemTime,
+        t0: Instant,
+        pidfd: tokio::io::unix::AsyncFd<OwnedFd>,
+        mut pump_task: tokio::task::JoinHandle<Pumped>,
+        stop: CancellationToken,
+        docker_exec: Option<(&Docker, &str)>,
+    ) -> Result<ExecOutcome, BackendError> {
+        let exec_id = spec.exec_id.to_string();
         #[derive(Clone, Copy, PartialEq)]
         enum End {
             Exited,
@@ -595,7 +841,8 @@ impl ContainerSandbox {
                 }
                 End::Exited
             }
-            _ = tokio::time::sleep(spec.timeout) => End::TimedOut,
+            // The sandbox's running time: a pause does not count against the timeout.
+            () = spec.clock.sleep(spec.timeout) => End::TimedOut,
             _ = cancel.cancelled() => End::Cancelled,
         };
         if end != End::Exited {
@@ -610,7 +857,6 @@ impl ContainerSandbox {
             }
         }
         let duration = t0.elapsed();
-        let exited_ms = phase0.elapsed().as_micros() as u64;
 
         // Bounded wait for the output: a grandchild left in the background may hold the pipes,
         // and then `io_drain_timeout` is all it gets. With nothing left in the exec's cgroup
@@ -630,9 +876,8 @@ impl ContainerSandbox {
             }
         };
         let Pumped { stdout, stderr, marker } = pumped.map_err(|e| BackendError::Internal(format!("output task: {e}")))?;
-        let exit = self.exit_of(docker, &docker_exec, pidfd.get_ref()).await;
+        let exit = exit_of(docker_exec, pidfd.get_ref()).await;
         let raw = cgroup.usage();
-        tracing::debug!(exec = %exec_id, started_us = started_ms, stopped_us = stopped_ms, continued_us = continued_ms, exited_us = exited_ms, drained_us = phase0.elapsed().as_micros() as u64, "exec phases");
         let usage = ExecUsage { cpu_user_ms: raw.cpu_user_ms, cpu_system_ms: raw.cpu_system_ms, peak_memory_bytes: raw.peak_memory_bytes };
 
         // The container was taken down under this exec (rollback, destroy, shutdown): whatever
@@ -656,42 +901,44 @@ impl ContainerSandbox {
         let error = if status == ExecStatus::Lost { UNKNOWN_EXIT.to_string() } else { String::new() };
         Ok(ExecOutcome { status, exit_code: end.exit_code, signal: end.signal, stdout, stderr, started_at, duration, usage, error })
     }
+}
 
-    /// The main process's end: from the pidfd when the kernel keeps it (exact), else from Docker
-    /// (which reports a signal death as 128+n, so on such kernels a command that exits with a
-    /// code above 128 is reported as signaled).
-    async fn exit_of(&self, docker: &Docker, docker_exec: &str, pidfd: &OwnedFd) -> Exit {
-        let deadline = Instant::now() + Duration::from_millis(500);
-        loop {
-            match pidfd_exit(pidfd) {
-                PidfdExit::Status(s) => return decode_wait_status(s),
-                PidfdExit::Unsupported => break,
-                PidfdExit::NotYet if Instant::now() > deadline => break,
-                PidfdExit::NotYet => tokio::time::sleep(Duration::from_millis(1)).await,
-            }
+/// The main process's end: from the pidfd when the kernel keeps it (exact), else from Docker
+/// (which reports a signal death as 128+n, so on such kernels a command that exits with a code
+/// above 128 is reported as signaled). Execs through the exec channel only run on kernels that
+/// keep it (see `channel::take`).
+async fn exit_of(docker_exec: Option<(&Docker, &str)>, pidfd: &OwnedFd) -> Exit {
+    let deadline = Instant::now() + Duration::from_millis(500);
+    loop {
+        match pidfd_exit(pidfd) {
+            PidfdExit::Status(s) => return decode_wait_status(s),
+            PidfdExit::Unsupported => break,
+            PidfdExit::NotYet if Instant::now() > deadline => break,
+            PidfdExit::NotYet => tokio::time::sleep(Duration::from_millis(1)).await,
         }
-        // Docker holds the record until the streams close (at most ~2 s after the exit).
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            match docker.inspect_exec(docker_exec).await {
-                Ok(info) if info.running == Some(false) => {
-                    return match info.exit_code.and_then(|c| i32::try_from(c).ok()) {
-                        Some(c) if (129..=128 + 64).contains(&c) => Exit::Signal(c - 128),
-                        Some(c) => Exit::Code(c),
-                        None => Exit::Unknown,
-                    };
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::debug!(error = %e, "inspecting an ended exec");
-                    return Exit::Unknown;
-                }
+    }
+    let Some((docker, docker_exec)) = docker_exec else { return Exit::Unknown };
+    // Docker holds the record until the streams close (at most ~2 s after the exit).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match docker.inspect_exec(docker_exec).await {
+            Ok(info) if info.running == Some(false) => {
+                return match info.exit_code.and_then(|c| i32::try_from(c).ok()) {
+                    Some(c) if (129..=128 + 64).contains(&c) => Exit::Signal(c - 128),
+                    Some(c) => Exit::Code(c),
+                    None => Exit::Unknown,
+                };
             }
-            if Instant::now() > deadline {
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "inspecting an ended exec");
                 return Exit::Unknown;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        if Instant::now() > deadline {
+            return Exit::Unknown;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

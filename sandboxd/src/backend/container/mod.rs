@@ -20,6 +20,7 @@
 //! `container/snapshots/<snapshot>/` (copies of writable layers). Output spilled while an exec runs
 //! is written straight into the container (its own writable layer), never on the host.
 
+mod channel;
 mod docker;
 mod exec;
 mod files;
@@ -63,6 +64,9 @@ pub struct ContainerConfig {
     pub docker_socket: PathBuf,
     /// Refuse the tier unless Docker remaps container uids (`dockerd --userns-remap`).
     pub require_userns_remap: bool,
+    /// Create containers whose execs go through Docker's exec API (`[container]
+    /// exec_through_docker`): their keepalive only waits, it serves no exec channel.
+    pub exec_through_docker: bool,
     /// The daemon's egress filter, for sandboxes whose network is not NONE (see [`net`]).
     pub egress: Option<Arc<crate::egress::Egress>>,
 }
@@ -99,6 +103,9 @@ pub(crate) struct ContainerSandbox {
     lost: Mutex<Option<String>>,
     /// Cgroups of running execs and of finished ones with processes left behind.
     execs: process_cgroup::ExecCgroups,
+    /// The channel to its exec helper, through which execs start (see `exec`); None for a
+    /// container made before the channel existed, whose execs go through Docker's exec API.
+    channel: Option<channel::HelperChannel>,
     /// The host CPUs of its cpuset; given back when the container goes.
     #[allow(dead_code)] // held for its Drop
     cpus: super::cpus::CpuLease,
@@ -276,11 +283,18 @@ impl Inner {
         }
     }
 
-    /// Takes a sandbox's container down: execs end as LOST with `reason`, every process dies,
-    /// the container is removed. Idempotent.
+    /// Takes a sandbox's serving container down: execs end as LOST with `reason`, the
+    /// sandbox's network link goes, every process dies, the container is removed. Idempotent.
     async fn tear_down(&self, sb: &Arc<ContainerSandbox>, reason: &str) {
-        sb.mark_lost(reason);
         net::detach(self, sb).await;
+        self.remove_unlinked(sb, reason).await;
+    }
+
+    /// Takes down a container that holds no link of its own: a standby, which shares its
+    /// sandbox's id with the serving container, so detaching by that id would cut the serving
+    /// container's network.
+    async fn remove_unlinked(&self, sb: &Arc<ContainerSandbox>, reason: &str) {
+        sb.mark_lost(reason);
         sb.kill_everything().await;
         sb.remove_exec_cgroups();
         self.remove_container(&sb.container_id).await;
@@ -423,6 +437,25 @@ impl Backend for ContainerBackend {
 
     async fn delete_snapshot(&self, snapshot: &SnapshotId) -> Result<(), BackendError> {
         self.inner.delete_snapshot(snapshot).await
+    }
+
+    async fn pause(&self, sandbox: &SandboxId) -> Result<(), BackendError> {
+        // The container's cgroup is frozen here, as the process tier freezes its own, rather
+        // than through Docker's pause: the exec cgroups are ours, below the container's, and a
+        // freezer is hierarchical, so they stop with it and our kill path (freeze, SIGKILL,
+        // thaw) keeps working on them. A container Docker believes paused would refuse the
+        // exec API and need an unpause before the stop, restart and removal that destroy,
+        // shutdown and re-adoption do; Docker never learns of this freeze, and `kill_all`
+        // thaws what it kills.
+        let sb = self.inner.sandbox(sandbox)?;
+        tokio::task::spawn_blocking(move || sb.cgroup.freeze()).await.map_err(|e| BackendError::Internal(format!("freeze task: {e}")))??;
+        Ok(())
+    }
+
+    async fn resume(&self, sandbox: &SandboxId) -> Result<(), BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        tokio::task::spawn_blocking(move || sb.cgroup.thaw()).await.map_err(|e| BackendError::Internal(format!("thaw task: {e}")))??;
+        Ok(())
     }
 
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), BackendError> {

@@ -7,6 +7,11 @@
 //! restarted, so like the process tier its filesystem is kept and its processes are not: the
 //! execs that ran in it were recorded LOST by the manager. Snapshot copies no record knows are
 //! deleted, and so are spill files of execs that never finished.
+//!
+//! The exec channel (see `exec.rs`) does not survive a daemon restart (its end died with the old
+//! daemon); the restart starts a new keepalive, whose channel `attach` takes like a new
+//! container's. A container created before the channel existed restarts with its old keepalive
+//! (`--pause`) and its execs keep going through Docker's exec API until it is recreated.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -64,6 +69,7 @@ impl Inner {
         let Some(container) = container else {
             return Err(BackendError::Internal(format!("the container of {} is gone", spec.id)));
         };
+        self.kill_frozen_leftovers(&docker, &container).await;
         let options = RestartContainerOptions { t: Some(0), signal: None };
         match docker.restart_container(&container, Some(options)).await {
             Ok(()) => {
@@ -78,6 +84,21 @@ impl Inner {
                 self.insert_sandbox(sb)
             }
             Err(e) => Err(api_error(format!("restarting container {container}"), e)),
+        }
+    }
+
+    /// Kills what still runs in a container a killed daemon left, through its cgroup. A
+    /// sandbox paused when that daemon died (SIGKILL: no shutdown thawed it) is still frozen by
+    /// our freezer, and on cgroup v1 a frozen task never acts on the SIGKILL of Docker's
+    /// restart; `kill_all` thaws what it killed, so the restart finds it gone.
+    async fn kill_frozen_leftovers(&self, docker: &bollard::Docker, container: &str) {
+        let Ok(info) = docker.inspect_container(container, None).await else { return };
+        let Some(pid) = info.state.and_then(|s| s.pid).and_then(|p| i32::try_from(p).ok()).filter(|&p| p > 0) else { return };
+        let Ok(cgroup) = self.cgroup_of(container, pid) else { return };
+        match tokio::task::spawn_blocking(move || cgroup.kill_all()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(%container, error = %e, "killing a left container's processes before its restart"),
+            Err(e) => tracing::warn!(%container, error = %e, "kill task failed"),
         }
     }
 

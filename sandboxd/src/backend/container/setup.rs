@@ -18,10 +18,13 @@ use crate::ids::SnapshotId;
 /// (no network anyway). Everything else is dropped.
 const KEPT_CAPS: [&str; 11] = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "SETFCAP"];
 
-/// The container's main process under docker-init: the exec helper waiting for signals forever.
-/// Execs are separate processes started through the exec API; this only keeps the container up,
-/// and needs nothing from the image (no shell, no `sleep`).
-const KEEPALIVE: [&str; 2] = [super::exec::HELPER_IN_CONTAINER, "--pause"];
+/// The container's main process under docker-init: the exec helper serving the daemon's exec
+/// requests (see `exec.rs`). It keeps the container up and needs nothing from the image (no
+/// shell, no `sleep`).
+const KEEPALIVE: [&str; 2] = [super::exec::HELPER_IN_CONTAINER, "--serve"];
+/// The keepalive with `[container] exec_through_docker` (and of containers made before the exec
+/// channel): it only waits for signals.
+const KEEPALIVE_WITHOUT_CHANNEL: [&str; 2] = [super::exec::HELPER_IN_CONTAINER, "--pause"];
 
 /// Docker refuses a CPU limit below 0.01 CPU.
 const MIN_NANO_CPUS: i64 = 10_000_000;
@@ -203,7 +206,7 @@ impl Inner {
         }
         let body = |disk: Option<u64>| ContainerCreateBody {
             image: Some(image.to_string()),
-            cmd: Some(KEEPALIVE.iter().map(|s| s.to_string()).collect()),
+            cmd: Some(if self.cfg.exec_through_docker { KEEPALIVE_WITHOUT_CHANNEL } else { KEEPALIVE }.iter().map(|s| s.to_string()).collect()),
             // Same as the process tier: the hostname is the sandbox id.
             hostname: Some(spec.id.to_string()),
             // Docker creates the working directory at start when the image lacks it.
@@ -279,7 +282,19 @@ impl Inner {
         // restart), count for the placement of the next sandboxes until it goes.
         let cpuset = info.host_config.and_then(|h| h.cpuset_cpus).unwrap_or_default();
         let cpus = crate::backend::cpus::claim(&crate::backend::cpus::parse_list(&cpuset).unwrap_or_default());
-        tracing::debug!(sandbox = %spec.id, container = %container_id, pid = init_pid, "container running");
+        // The exec channel, taken from the helper before anything of the sandbox runs in it.
+        let taken = tokio::task::spawn_blocking(move || super::channel::take(init_pid))
+            .await
+            .map_err(|e| BackendError::Internal(format!("exec channel task: {e}")))?
+            .map_err(|e| BackendError::Internal(format!("container {container_id}: {e}")))?;
+        let channel = match taken {
+            Some(sock) => Some(super::channel::HelperChannel::new(sock).map_err(|e| BackendError::io("watching the exec channel", e))?),
+            None => {
+                tracing::info!(container = %container_id, "container without an exec channel: its execs go through Docker's exec API");
+                None
+            }
+        };
+        tracing::debug!(sandbox = %spec.id, container = %container_id, pid = init_pid, channel = channel.is_some(), "container running");
         Ok(Arc::new(ContainerSandbox {
             spec: spec.clone(),
             container_id: container_id.to_string(),
@@ -288,6 +303,7 @@ impl Inner {
             upper_dir,
             lost: Mutex::new(None),
             execs: Default::default(),
+            channel,
             cpus,
         }))
     }

@@ -124,8 +124,8 @@ impl Inner {
         self.spawn_background(async move { background.remove_container(&old_id).await });
 
         let mut served = None;
-        if let Some(task) = standby {
-            match tokio::time::timeout(STANDBY_WAIT, task).await {
+        if let Some(mut task) = standby {
+            match tokio::time::timeout(STANDBY_WAIT, &mut task).await {
                 Ok(Ok(Some(sb))) => match self.promote(&sb).await {
                     Ok(()) => served = Some(sb),
                     Err(e) => {
@@ -134,7 +134,11 @@ impl Inner {
                     }
                 },
                 Ok(_) => tracing::warn!(sandbox = %sandbox, "standby failed to start; starting from the snapshot"),
-                Err(_) => tracing::warn!(sandbox = %sandbox, "standby not ready in time; starting from the snapshot"),
+                Err(_) => {
+                    tracing::warn!(sandbox = %sandbox, "standby not ready in time; starting from the snapshot");
+                    // Still starting: removed once it has (not left running beside its sandbox).
+                    self.spawn_discard(Standby { snapshot: snapshot.clone(), task });
+                }
             }
         }
         let sb = match served {
@@ -208,7 +212,7 @@ impl Inner {
 
     async fn discard(&self, standby: Standby) {
         if let Ok(Some(sb)) = standby.task.await {
-            self.tear_down(&sb, "the standby was discarded").await;
+            self.remove_unlinked(&sb, "the standby was discarded").await;
         }
     }
 

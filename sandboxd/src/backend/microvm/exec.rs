@@ -85,10 +85,13 @@ pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal
     tokio::pin!(forward);
     let mut forwarding = true;
     let mut started = started;
-    let deadline = tokio::time::Instant::now() + spec.timeout + spec.io_drain_timeout + REPORT_GRACE;
+    // The guest's own clock stops while the VM is stopped (a pause), and so does this one:
+    // the sandbox's running time, not the wall clock.
+    let deadline = spec.clock.sleep(spec.timeout + spec.io_drain_timeout + REPORT_GRACE);
+    tokio::pin!(deadline);
     let mut cancelled_at: Option<tokio::time::Instant> = None;
     loop {
-        let wait_until = cancelled_at.map_or(deadline, |c| (c + CANCEL_GRACE).min(deadline));
+        let grace_until = cancelled_at.map(|c| c + CANCEL_GRACE);
         let next = tokio::select! {
             r = rx.recv() => r,
             () = &mut forward, if forwarding => {
@@ -103,10 +106,14 @@ pub async fn run(vm: &Vm, spec: ExecSpec, sink: OutputSink, started: StartSignal
                 }
                 continue;
             }
-            _ = tokio::time::sleep_until(wait_until) => {
+            () = &mut deadline => {
                 vm.agent.forget(id);
                 let why = if cancelled_at.is_some() { "no final record from the guest after the kill" } else { "the guest agent stopped reporting on the command" };
                 return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, why.into(), started_at));
+            }
+            _ = tokio::time::sleep_until(grace_until.unwrap_or_else(tokio::time::Instant::now)), if grace_until.is_some() => {
+                vm.agent.forget(id);
+                return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "no final record from the guest after the kill".into(), started_at));
             }
         };
         let Some(reply) = next else {

@@ -43,6 +43,7 @@ use super::{
     ArchiveStats, Backend, BackendError, ByteChunks, Download, ExecOutcome, ExecSpec, FileChunk, Isolation, OutputSink, SandboxSpec, StartSignal, UploadPiece,
 };
 use crate::config::{Limits, MicroVmAccel, MicroVmConfig};
+use crate::egress::{Egress, NetworkMode, TapLink};
 use crate::ids::{ExecId, SandboxId, SnapshotId};
 use crate::images::{Catalog, ImageError, Origin};
 pub use vm::Accel;
@@ -74,6 +75,9 @@ struct VmImage {
 struct MicroSandbox {
     spec: SandboxSpec,
     vm: RwLock<Arc<Vm>>,
+    /// Its TAP device for a filtered network, held for the sandbox's life: every QEMU of it
+    /// (a rollback starts another) is given the same device, so the guest keeps its address.
+    net: Option<Arc<TapLink>>,
     /// Serializes snapshot, rollback and destroy of this sandbox.
     op: tokio::sync::Mutex<()>,
 }
@@ -108,6 +112,8 @@ pub(crate) struct Inner {
     pool: pool::Pool,
     vm_seq: std::sync::atomic::AtomicU64,
     host_cpus: u32,
+    /// The daemon's egress filter, for sandboxes whose network is not NONE.
+    egress: Option<Arc<Egress>>,
 }
 
 /// The microVM-tier backend.
@@ -129,7 +135,7 @@ fn resolve_tool(name: &Path) -> Result<PathBuf, String> {
 
 impl MicroVmBackend {
     /// Prepares the tier; never fails: a host without QEMU gets a backend that says why.
-    pub fn new(cfg: MicroVmConfig, state_dir: &Path, catalog: Arc<Catalog>, default_limits: Limits) -> Self {
+    pub fn new(cfg: MicroVmConfig, state_dir: &Path, catalog: Arc<Catalog>, default_limits: Limits, egress: Option<Arc<Egress>>) -> Self {
         let root = state_dir.join("microvm");
         let tools = resolve_tool(&cfg.qemu).and_then(|q| resolve_tool(&cfg.qemu_img).map(|i| (q, i)));
         let mut dirs_err = None;
@@ -167,6 +173,7 @@ impl MicroVmBackend {
             disk_lock: tokio::sync::Mutex::new(()),
             vm_seq: std::sync::atomic::AtomicU64::new(1),
             host_cpus,
+            egress,
         };
         MicroVmBackend { inner: Arc::new(inner) }
     }
@@ -243,12 +250,21 @@ impl Inner {
 
     /// The memory snapshot to resume for a VM of `limits`, when there is one and such a VM can
     /// be it: as many vCPUs, at least the RAM the limits need (a VM from the warm pool may have
-    /// more), the same accelerator and boot files. Otherwise the VM boots over the snapshot's
+    /// more), the same accelerator and boot files, a network device if and only if the snapshot's
+    /// VM had one (a fork that changes NONE to a network, or back, boots). Otherwise the VM boots over the snapshot's
     /// disk (saved frozen: consistent on its own), which is logged.
-    async fn resumable(&self, snap: &SnapshotId, memory: Option<(std::fs::File, MemoryShape)>, image: &VmImage, limits: &Limits) -> Option<Incoming> {
+    async fn resumable(
+        &self,
+        snap: &SnapshotId,
+        memory: Option<(std::fs::File, MemoryShape)>,
+        image: &VmImage,
+        limits: &Limits,
+        nic: bool,
+    ) -> Option<Incoming> {
         let (file, shape) = memory?;
-        let here = MemoryShape { memory_mib: Self::memory_mib(limits), vcpus: self.vcpus(limits), accel: self.accel(image).await, boot: boot_key(&image.boot) };
-        let fits = shape.memory_mib >= here.memory_mib && (shape.vcpus, shape.accel, &shape.boot) == (here.vcpus, here.accel, &here.boot);
+        let here =
+            MemoryShape { memory_mib: Self::memory_mib(limits), vcpus: self.vcpus(limits), accel: self.accel(image).await, boot: boot_key(&image.boot), nic };
+        let fits = shape.memory_mib >= here.memory_mib && (shape.vcpus, shape.accel, &shape.boot, shape.nic) == (here.vcpus, here.accel, &here.boot, here.nic);
         if !fits {
             tracing::info!(snapshot = %snap, saved = ?shape, wanted = ?here, "the memory snapshot is of another machine: booting over its disk instead");
             return None;
@@ -331,6 +347,7 @@ impl Inner {
                 uid,
                 boot_timeout: self.cfg.kvm_probe_timeout(),
                 incoming: None,
+                tap: None,
             };
             let r = Vm::launch(&spec, None).await;
             self.release_uid(uid);
@@ -356,13 +373,14 @@ impl Inner {
         image: &VmImage,
         limits: &Limits,
         incoming: Option<Incoming>,
+        tap: Option<Arc<TapLink>>,
     ) -> Result<Arc<Vm>, BackendError> {
         let (qemu, qemu_img) = self.tools()?.clone();
         std::fs::create_dir_all(dir).map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
         let top = dir.join(format!("top-{gen}.qcow2"));
         let size = disk_bytes.max(disk::read_header(backing)?.virtual_size);
         disk::create_overlay(&qemu_img, backing, &top, size).await?;
-        self.boot_existing(name, dir, gen, &qemu, image, limits, incoming).await
+        self.boot_existing(name, dir, gen, &qemu, image, limits, incoming, tap).await
     }
 
     /// Boots a VM over the top disk `dir/top-<gen>.qcow2` that already exists (or resumes it
@@ -377,6 +395,7 @@ impl Inner {
         image: &VmImage,
         limits: &Limits,
         incoming: Option<Incoming>,
+        tap: Option<Arc<TapLink>>,
     ) -> Result<Arc<Vm>, BackendError> {
         let accel = self.accel(image).await;
         let uid = self.alloc_uid()?;
@@ -412,6 +431,7 @@ impl Inner {
             uid,
             boot_timeout: self.cfg.boot_timeout(),
             incoming,
+            tap,
         };
         match Vm::launch(&spec, Some(cgroup)).await {
             Ok(vm) => {
@@ -499,10 +519,41 @@ impl Inner {
     async fn create(self: &Arc<Self>, spec: &SandboxSpec) -> Result<(), BackendError> {
         self.tools()?;
         let image = self.image(&spec.image)?;
+        let net = self.link_for(spec).await?;
+        let created = self.create_with(spec, &image, net.clone()).await;
+        if created.is_err() && net.is_some() {
+            self.unlink(&spec.id).await;
+        }
+        created
+    }
+
+    /// A TAP link for `spec`'s network, None for NONE (see [`Egress::attach_tap`]).
+    async fn link_for(&self, spec: &SandboxSpec) -> Result<Option<Arc<TapLink>>, BackendError> {
+        let policy = &spec.network;
+        if policy.mode == NetworkMode::None {
+            return Ok(None);
+        }
+        let unavailable = |reason: String| BackendError::Unavailable { isolation: Isolation::MicroVm, reason };
+        let egress = self.egress.as_deref().ok_or_else(|| unavailable(format!("network mode {}: the daemon has no egress filter", policy.mode.name())))?;
+        let link = egress.attach_tap(spec.id.as_str(), &spec.tenant, policy).await.map_err(unavailable)?;
+        Ok(Some(Arc::new(link)))
+    }
+
+    /// Takes sandbox `id`'s link away (a no-op without one).
+    async fn unlink(&self, id: &SandboxId) {
+        if let Some(e) = &self.egress {
+            e.detach(id.as_str()).await;
+        }
+    }
+
+    async fn create_with(self: &Arc<Self>, spec: &SandboxSpec, image: &VmImage, net: Option<Arc<TapLink>>) -> Result<(), BackendError> {
+        let image = image.clone();
         let dir = self.vms_dir.join(spec.id.as_str());
         // The backing file stays pinned until the sandbox is registered (its top a disk root).
         let (vm, _pinned) = match &spec.from_snapshot {
-            None => match self.pool.take(&spec.image, &spec.limits, |l| self.vcpus(l)) {
+            // Pooled VMs have no network device (and microvm has no hotplug): a sandbox with a
+            // network boots its own.
+            None => match if net.is_none() { self.pool.take(&spec.image, &spec.limits, |l| self.vcpus(l)) } else { None } {
                 Some(pooled) => {
                     let vm = pooled.adopt(&dir)?;
                     tracing::info!(sandbox = %spec.id, "microVM taken from the warm pool");
@@ -516,7 +567,7 @@ impl Inner {
                         let pinned = self.pin(&base);
                         (base, pinned)
                     };
-                    (self.boot_new(&self.vm_name(), &dir, 0, &base, spec.limits.disk_bytes, &image, &spec.limits, None).await?, Some(pinned))
+                    (self.boot_new(&self.vm_name(), &dir, 0, &base, spec.limits.disk_bytes, &image, &spec.limits, None, net.clone()).await?, Some(pinned))
                 }
             },
             Some(snap) => {
@@ -526,9 +577,9 @@ impl Inner {
                     let pinned = self.pin(&backing);
                     (backing, pinned, self.open_memory(snap)?)
                 };
-                let incoming = self.resumable(snap, memory, &image, &spec.limits).await;
+                let incoming = self.resumable(snap, memory, &image, &spec.limits, net.is_some()).await;
                 let resumed = incoming.is_some();
-                let vm = self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits, incoming).await;
+                let vm = self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits, incoming, net.clone()).await;
                 let vm = match vm {
                     Ok(vm) => vm,
                     Err(e) => {
@@ -547,14 +598,15 @@ impl Inner {
                 (vm, Some(pinned))
             }
         };
-        // A fork resumed from memory gets its own identity here (hostname, /etc/hosts).
-        let configured = vm.configure(guest_config(spec)).await;
+        // A fork resumed from memory gets its own identity here (hostname, /etc/hosts, its own
+        // address on its own link).
+        let configured = vm.configure(guest_config(spec, net.as_deref())).await;
         if let Err(e) = configured {
             self.stop_vm(&vm).await;
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
         }
-        let sb = Arc::new(MicroSandbox { spec: spec.clone(), vm: RwLock::new(vm), op: tokio::sync::Mutex::new(()) });
+        let sb = Arc::new(MicroSandbox { spec: spec.clone(), vm: RwLock::new(vm), net, op: tokio::sync::Mutex::new(()) });
         self.sandboxes.write().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?.insert(spec.id.clone(), sb);
         Ok(())
     }
@@ -601,7 +653,7 @@ impl Inner {
         use std::os::fd::AsFd;
         use std::os::unix::fs::OpenOptionsExt;
         let image = self.image(&spec.image)?;
-        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot) };
+        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot), nic: vm.nic };
         let part = self.snapshots_dir.join(format!("{snap}.mem.part"));
         let file = std::fs::OpenOptions::new()
             .write(true)
@@ -674,7 +726,7 @@ impl Inner {
             (self.live_snapshot(snap)?, self.open_memory(snap)?)
         };
         let image = self.image(&sb.spec.image)?;
-        if let Some(incoming) = self.resumable(snap, memory, &image, &sb.spec.limits).await {
+        if let Some(incoming) = self.resumable(snap, memory, &image, &sb.spec.limits, sb.net.is_some()).await {
             self.rollback_resume(&sb, &backing, &image, incoming).await?;
             drop(_op);
             self.collect_snapshots().await;
@@ -686,8 +738,8 @@ impl Inner {
         old.mark_lost(&format!("the sandbox was rolled back to {snap}"));
         self.stop_vm(&old).await;
         let _ = std::fs::remove_file(dir.join(format!("top-{gen}.qcow2")));
-        let vm = self.boot_new(&self.vm_name(), &dir, gen + 1, &backing, sb.spec.limits.disk_bytes, &image, &sb.spec.limits, None).await?;
-        vm.configure(guest_config(&sb.spec)).await?;
+        let vm = self.boot_new(&self.vm_name(), &dir, gen + 1, &backing, sb.spec.limits.disk_bytes, &image, &sb.spec.limits, None, sb.net.clone()).await?;
+        vm.configure(guest_config(&sb.spec, sb.net.as_deref())).await?;
         if let Ok(mut slot) = sb.vm.write() {
             *slot = vm;
         }
@@ -707,7 +759,12 @@ impl Inner {
         let gen = *old.gen.lock().map_err(|_| BackendError::Internal("gen poisoned".into()))?;
         let staging = self.vms_dir.join(format!("{id}.resume"));
         let _ = std::fs::remove_dir_all(&staging);
-        let vm = match self.boot_new(&self.vm_name(), &staging, gen + 1, backing, sb.spec.limits.disk_bytes, image, &sb.spec.limits, Some(incoming)).await {
+        // The same TAP as the running VM's: for the moment both run, the link's frames go to
+        // either; the old one stops once the new one answers.
+        let vm = match self
+            .boot_new(&self.vm_name(), &staging, gen + 1, backing, sb.spec.limits.disk_bytes, image, &sb.spec.limits, Some(incoming), sb.net.clone())
+            .await
+        {
             Ok(vm) => vm,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&staging);
@@ -718,7 +775,7 @@ impl Inner {
         // files are the sandbox's own, and may have been made hostile (/etc/hosts a link to a
         // pipe) for whatever reads them next.
         let resumed = match after_resume(&vm).await {
-            Ok(()) => vm.configure(guest_config(&sb.spec)).await,
+            Ok(()) => vm.configure(guest_config(&sb.spec, sb.net.as_deref())).await,
             Err(e) => Err(e),
         };
         if let Err(e) = resumed {
@@ -757,6 +814,9 @@ impl Inner {
         if let Ok(vm) = sb.vm() {
             vm.mark_lost("the sandbox was destroyed");
             self.stop_vm(&vm).await;
+        }
+        if sb.net.is_some() {
+            self.unlink(id).await;
         }
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             tracing::warn!(dir = %dir.display(), error = %e, "removing a VM directory");
@@ -846,9 +906,26 @@ impl Inner {
         for f in ["agent.sock", "qmp.sock"] {
             let _ = std::fs::remove_file(dir.join(f));
         }
-        let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits, None).await?;
-        vm.configure(guest_config(spec)).await?;
-        let sb = Arc::new(MicroSandbox { spec: spec.clone(), vm: RwLock::new(vm), op: tokio::sync::Mutex::new(()) });
+        let net = self.link_for(spec).await?;
+        let booted = async {
+            let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits, None, net.clone()).await?;
+            if let Err(e) = vm.configure(guest_config(spec, net.as_deref())).await {
+                self.stop_vm(&vm).await;
+                return Err(e);
+            }
+            Ok(vm)
+        }
+        .await;
+        let vm = match booted {
+            Ok(vm) => vm,
+            Err(e) => {
+                if net.is_some() {
+                    self.unlink(&spec.id).await;
+                }
+                return Err(e);
+            }
+        };
+        let sb = Arc::new(MicroSandbox { spec: spec.clone(), vm: RwLock::new(vm), net, op: tokio::sync::Mutex::new(()) });
         self.sandboxes.write().map_err(|_| BackendError::Internal("sandbox table poisoned".into()))?.insert(spec.id.clone(), sb);
         Ok(())
     }
@@ -888,7 +965,7 @@ fn vm_image(catalog: &Catalog, image: &str) -> Result<VmImage, BackendError> {
 }
 
 /// The sandbox as the guest applies it.
-fn guest_config(spec: &SandboxSpec) -> GuestLimits {
+fn guest_config(spec: &SandboxSpec, net: Option<&TapLink>) -> GuestLimits {
     let l = &spec.limits;
     GuestLimits {
         memory_bytes: l.memory_bytes,
@@ -897,7 +974,16 @@ fn guest_config(spec: &SandboxSpec) -> GuestLimits {
         hostname: spec.id.to_string(),
         workdir: spec.workdir.clone(),
         shm_bytes: l.shm_size(),
+        network: net.map(|n| guest_agent::protocol::GuestNetwork { address: n.address, prefix_len: n.prefix_len, gateway: n.gateway }),
+        machine_id: machine_id(&spec.id),
     }
+}
+
+/// The sandbox's /etc/machine-id: the first 128 bits of the SHA-256 of its id, so every sandbox
+/// (every fork of one memory snapshot) has its own, and keeps it across its rollbacks.
+fn machine_id(id: &SandboxId) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(id.as_str().as_bytes())[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The machine a memory snapshot was saved from; a restore needs the same one.
@@ -908,6 +994,9 @@ struct MemoryShape {
     accel: Accel,
     /// The kernel and initramfs (path, size, mtime): the saved RAM holds that kernel.
     boot: String,
+    /// Whether the VM had a network device (absent in files written before networks: none).
+    #[serde(default)]
+    nic: bool,
 }
 
 /// What identifies a VM's boot files (a rebuilt image gets another key).
@@ -945,6 +1034,12 @@ const RESUME_ENTROPY_BYTES: usize = 64;
 /// RNG reseeded with fresh host randomness (two resumes of one snapshot share its state).
 async fn after_resume(vm: &Vm) -> Result<(), BackendError> {
     thaw(vm).await?;
+    tell_resumed(vm).await
+}
+
+/// Tells the guest it was stopped (a resume from memory, or a pause's `cont`): its wall clock
+/// is stepped to the host's and its RNG reseeded.
+async fn tell_resumed(vm: &Vm) -> Result<(), BackendError> {
     if vm.hello.version < RESUMED_PROTOCOL {
         tracing::warn!(
             protocol = vm.hello.version,
@@ -1211,6 +1306,31 @@ impl Backend for MicroVmBackend {
             return Err(BackendError::NoSuchSnapshot(snapshot.clone()));
         }
         self.inner.collect_snapshots().await;
+        Ok(())
+    }
+
+    async fn pause(&self, sandbox: &SandboxId) -> Result<(), BackendError> {
+        // QMP `stop`: the vCPUs stop and QEMU's virtual clock with them, so the guest's own
+        // timers (an exec's timeout in the agent) do not run on; its RAM stays where it is.
+        // Destroy kills QEMU, stopped or not.
+        let sb = self.inner.sandbox(sandbox)?;
+        let _op = sb.op.lock().await;
+        let vm = sb.vm()?;
+        let answer = vm.qmp.lock().await.execute("stop", serde_json::Value::Null).await;
+        answer.map(drop).map_err(|e| BackendError::Internal(format!("stopping the microVM: {e}")))
+    }
+
+    async fn resume(&self, sandbox: &SandboxId) -> Result<(), BackendError> {
+        let sb = self.inner.sandbox(sandbox)?;
+        let _op = sb.op.lock().await;
+        let vm = sb.vm()?;
+        let answer = vm.qmp.lock().await.execute("cont", serde_json::Value::Null).await;
+        answer.map(drop).map_err(|e| BackendError::Internal(format!("continuing the microVM: {e}")))?;
+        // Its wall clock stood still while stopped; a guest that cannot be told keeps going
+        // (behind by the pause) rather than failing a resume that happened.
+        if let Err(e) = tell_resumed(&vm).await {
+            tracing::warn!(sandbox = %sandbox, error = %e, "cannot step a resumed microVM's clock");
+        }
         Ok(())
     }
 

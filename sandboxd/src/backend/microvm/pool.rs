@@ -159,7 +159,7 @@ async fn boot_one(inner: &Arc<Inner>) -> Result<Pooled, BackendError> {
     };
     let name = inner.vm_name();
     let dir = inner.pool_dir.join(&name);
-    match inner.boot_new(&name, &dir, 0, &base, limits.disk_bytes, &image, &limits, None).await {
+    match inner.boot_new(&name, &dir, 0, &base, limits.disk_bytes, &image, &limits, None, None).await {
         Ok(vm) => {
             warm_up(&vm).await;
             Ok(Pooled { vm, image: image_name, limits })

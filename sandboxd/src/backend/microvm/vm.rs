@@ -3,7 +3,8 @@
 //! QEMU runs with as little as it can: its own host cgroup (memory and pids bounded), a uid of
 //! its own, unique on the host, with no capabilities (`-runas`), chrooted into the VM's
 //! directory (`-chroot`: after start-up it sees only its own top disk file), QEMU's seccomp
-//! sandbox, no network device, no default devices, and it never outlives the daemon: it runs in
+//! sandbox, no network device (or, for a filtered network, one virtio-net device on a TAP
+//! descriptor the daemon opened), no default devices, and it never outlives the daemon: it runs in
 //! a pid namespace of its own under a guard process that dies with the daemon ([`super::guard`];
 //! `PR_SET_PDEATHSIG` on QEMU itself would be cleared by `-runas`). Every file it needs (kernel,
 //! initramfs, backing disks) is opened before it drops privileges.
@@ -18,6 +19,9 @@ use guest_agent::protocol::{GuestLimits, Request, Response, PORT_NAME};
 /// The first guest protocol whose `Configure` sizes /dev/shm and writes /etc/hostname and
 /// /etc/hosts (and whose guest shows the sandbox's cgroup at /sys/fs/cgroup).
 const ENVIRONMENT: u32 = 5;
+
+/// The first guest protocol whose `Configure` sets up `eth0` and /etc/resolv.conf.
+const NETWORK: u32 = 7;
 
 /// Refuses an agent too old to set up the sandbox's environment (its VM images predate it).
 fn need_environment(version: u32) -> Result<(), BackendError> {
@@ -77,6 +81,9 @@ pub struct LaunchSpec {
     pub boot_timeout: Duration,
     /// A memory snapshot to resume instead of booting.
     pub incoming: Option<Incoming>,
+    /// The sandbox's TAP device (see [`crate::egress::Egress::attach_tap`]): a virtio-net device
+    /// on it. None: no network device at all.
+    pub tap: Option<Arc<crate::egress::TapLink>>,
 }
 
 /// A memory snapshot a VM resumes from: QEMU's migration stream, read through an inherited
@@ -115,6 +122,8 @@ pub struct Vm {
     kill: Mutex<Option<oneshot::Sender<()>>>,
     done: tokio::sync::watch::Receiver<bool>,
     pub boot_time: Duration,
+    /// Whether QEMU has a virtio-net device (a memory snapshot restores only into the same).
+    pub nic: bool,
     /// What the agent said when it came up.
     pub hello: HelloInfo,
 }
@@ -159,6 +168,7 @@ impl Vm {
         };
         let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
         let incoming_fd = spec.incoming.as_ref().map(|i| i.file.as_raw_fd());
+        let tap_fd = spec.tap.as_ref().map(|t| t.fd.as_raw_fd());
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
         // calls (write, prctl, open, close) on values prepared before the fork. The guard keeps the death
         // signal across its exec (it is not set-id) and never changes its uid.
@@ -174,7 +184,8 @@ impl Vm {
                 }
                 // The memory snapshot's descriptor stays open across the exec of the guard and
                 // of QEMU (the flag is the child's own copy: the daemon's stays close-on-exec).
-                if let Some(fd) = incoming_fd {
+                // So does the TAP device's, which QEMU's virtio-net reads and writes.
+                for fd in [incoming_fd, tap_fd].into_iter().flatten() {
                     if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -270,6 +281,7 @@ impl Vm {
             kill: Mutex::new(Some(kill_tx)),
             done: done_rx,
             boot_time: t0.elapsed(),
+            nic: spec.tap.is_some(),
             hello,
         })
     }
@@ -298,8 +310,18 @@ impl Vm {
     /// Applies the sandbox's limits inside the guest. An agent older than protocol 5 would
     /// leave /dev/shm unsized and /etc/hosts naming another sandbox without a word (it skips
     /// what it does not know), so it is refused.
-    pub async fn configure(&self, limits: GuestLimits) -> Result<(), BackendError> {
+    pub async fn configure(&self, mut limits: GuestLimits) -> Result<(), BackendError> {
         need_environment(self.hello.version)?;
+        if self.hello.version < NETWORK {
+            // An older agent would ignore it; its image's machine-id stays (make vm-images).
+            limits.machine_id.clear();
+        }
+        if limits.network.is_some() && self.hello.version < NETWORK {
+            return Err(BackendError::Internal(format!(
+                "the guest agent of this microVM speaks protocol {}, which cannot configure a network: rebuild the VM images (make vm-images)",
+                self.hello.version
+            )));
+        }
         match self.agent.call(&Request::Configure(limits), &[], Duration::from_secs(10)).await {
             Ok(r) => expect_ok(r.msg, "configure"),
             Err(e) => Err(self.agent_error(e)),
@@ -420,6 +442,11 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
     ]);
     push(&["-device", &format!("virtio-blk-device,drive=disk{}", spec.gen)]);
     push(&["-qmp", &format!("unix:{},server=on,wait=off", p(qmp_sock))]);
+    // The filtered network: a virtio-net device on the sandbox's TAP (fixed MAC: see link.rs).
+    if let Some(t) = &spec.tap {
+        push(&["-netdev", &format!("tap,id=net0,fd={}", t.fd.as_raw_fd())]);
+        push(&["-device", &format!("virtio-net-device,netdev=net0,mac={}", crate::egress::link::TAP_GUEST_MAC)]);
+    }
     if let Some(i) = &spec.incoming {
         push(&["-incoming", &format!("fd:{}", i.file.as_raw_fd())]);
     }
@@ -541,6 +568,7 @@ mod tests {
             uid: 400_001,
             boot_timeout: Duration::from_secs(1),
             incoming: None,
+            tap: None,
         };
         let args = qemu_args(&spec, Path::new("/s/vms/sb-1/agent.sock"), Path::new("/s/vms/sb-1/qmp.sock"), Path::new("/s/vms/sb-1/console.log")).join(" ");
         for want in [
@@ -558,6 +586,19 @@ mod tests {
         assert!(!args.contains("-netdev") && !args.contains("-nic"), "no network device: {args}");
         assert!(!args.contains("-incoming"), "a boot loads no memory snapshot: {args}");
         assert!(args.contains("tsc_early_khz="), "TCG boots are told the TSC frequency: {args}");
+        // With a network: one virtio-net device on the TAP's inherited descriptor, nothing else.
+        let tap = std::fs::File::open("/dev/null").expect("a descriptor");
+        let link = crate::egress::TapLink {
+            fd: tap.into(),
+            address: std::net::Ipv4Addr::new(100, 96, 0, 2),
+            prefix_len: 30,
+            gateway: std::net::Ipv4Addr::new(100, 96, 0, 1),
+        };
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&link.fd);
+        let spec = LaunchSpec { tap: Some(Arc::new(link)), ..spec };
+        let args = qemu_args(&spec, Path::new("/a"), Path::new("/q"), Path::new("/c")).join(" ");
+        assert!(args.contains(&format!("-netdev tap,id=net0,fd={fd} -device virtio-net-device,netdev=net0,mac=02:")), "{args}");
+        assert_eq!(args.matches("-netdev").count(), 1, "{args}");
         let khz = host_tsc_khz().expect("a TSC on x86_64");
         assert!((100_000..20_000_000).contains(&khz), "{khz}");
     }

@@ -10,8 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
-use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 
 use super::pty;
@@ -19,7 +18,7 @@ use super::wire::ToInit;
 use super::ProcessSandbox;
 use crate::backend::cgroup::ExecCgroup;
 use crate::backend::files;
-use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputChunk, OutputSink, SessionInput, StartSignal};
+use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputSink, SessionInput, StartSignal};
 use sandbox_exec::capture::{OutputCapture, SpillTarget};
 use sandbox_exec::spawn::describe_failure;
 
@@ -90,32 +89,11 @@ enum StdinWriter {
 /// here and ends the feeding.
 async fn feed_stdin(tx: StdinWriter, first: Vec<u8>, input: Option<tokio::sync::mpsc::Receiver<SessionInput>>) {
     match tx {
-        StdinWriter::Pipe(p) => feed_pipe(p, first, input).await,
+        StdinWriter::Pipe(p) => crate::backend::feed_pipe(p, first, input).await,
         StdinWriter::Terminal(t) => match t.try_clone() {
             Ok(control) => feed_terminal(t, control, first, input).await,
             Err(e) => tracing::warn!(error = %e, "cannot write to the exec's terminal"),
         },
-    }
-}
-
-/// [`feed_stdin`] for a pipe: dropping it closes the command's stdin.
-async fn feed_pipe(mut w: tokio::net::unix::pipe::Sender, first: Vec<u8>, input: Option<tokio::sync::mpsc::Receiver<SessionInput>>) {
-    if w.write_all(&first).await.is_err() {
-        return;
-    }
-    // Written: not held while the session goes on.
-    drop(first);
-    let Some(mut input) = input else { return };
-    while let Some(item) = input.recv().await {
-        match item {
-            SessionInput::Stdin(bytes) => {
-                if w.write_all(&bytes).await.is_err() {
-                    return;
-                }
-            }
-            SessionInput::CloseStdin => return,
-            SessionInput::Resize(_) => {}
-        }
     }
 }
 
@@ -168,41 +146,8 @@ async fn pump<R: tokio::io::AsyncRead + AsRawFd + Unpin>(
     is_stdout: bool,
     stop: CancellationToken,
 ) -> CapturedOutput {
-    let Some(mut rx) = rx else { return capture.finish() };
-    let mut buf = vec![0u8; 64 << 10];
-    loop {
-        let n = tokio::select! {
-            biased;
-            r = rx.read(&mut buf) => match r {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            },
-            _ = stop.cancelled() => {
-                // Told to stop waiting for EOF (a background process holds the pipe): still
-                // take what is already in the pipe — a loaded machine may not have scheduled
-                // this task since the main process wrote it.
-                // A raw read: tokio's try_read trusts cached readiness the reactor may not have
-                // delivered yet. The fd is non-blocking, so this never waits.
-                while let Ok(n) = nix::unistd::read(rx.as_raw_fd(), &mut buf) {
-                    if n == 0 {
-                        break;
-                    }
-                    capture.feed(&buf[..n]);
-                }
-                break;
-            }
-        };
-        capture.feed(&buf[..n]);
-        if let Some(tx) = &sink {
-            let chunk = Bytes::copy_from_slice(&buf[..n]);
-            let event = if is_stdout { OutputChunk::Stdout(chunk) } else { OutputChunk::Stderr(chunk) };
-            // A slow reader slows the command (back-pressure through the pipe); a gone reader
-            // only stops the streaming, not the capture.
-            tokio::select! {
-                _ = tx.send(event) => {}
-                _ = stop.cancelled() => break,
-            }
-        }
+    if let Some(rx) = rx {
+        crate::backend::pump_output(rx, &mut capture, &sink, is_stdout, &stop, |b| std::borrow::Cow::Borrowed(b)).await;
     }
     capture.finish()
 }
@@ -390,7 +335,8 @@ impl ProcessSandbox {
         let mut exited = waiters.exited;
         let end = tokio::select! {
             r = &mut exited => match r { Ok((c, s)) => End::Exited(c, s), Err(_) => End::Lost },
-            _ = tokio::time::sleep(spec.timeout) => End::TimedOut,
+            // The sandbox's running time: a pause does not count against the timeout.
+            () = spec.clock.sleep(spec.timeout) => End::TimedOut,
             _ = cancel.cancelled() => End::Cancelled,
         };
         if matches!(end, End::TimedOut | End::Cancelled) {

@@ -766,6 +766,22 @@ impl Backend for ProcessBackend {
         Ok(self.pool()?.delete_subvolume(&snapshot_of(snapshot))?)
     }
 
+    async fn pause(&self, sandbox: &SandboxId) -> Result<(), BackendError> {
+        // The sandbox's cgroup freezer (v1 `freezer.state`, v2 `cgroup.freeze`) is hierarchical:
+        // its init, every exec cgroup below it and the armed spare stop together, and an exec
+        // cgroup made meanwhile starts frozen. A kill still works (`kill_all` thaws after its
+        // SIGKILLs, and v2's `cgroup.kill` reaches frozen tasks), so destroy needs no resume.
+        let sb = self.sandbox(sandbox)?;
+        tokio::task::spawn_blocking(move || sb.cgroup.freeze()).await.map_err(|e| BackendError::Internal(format!("freeze task: {e}")))??;
+        Ok(())
+    }
+
+    async fn resume(&self, sandbox: &SandboxId) -> Result<(), BackendError> {
+        let sb = self.sandbox(sandbox)?;
+        tokio::task::spawn_blocking(move || sb.cgroup.thaw()).await.map_err(|e| BackendError::Internal(format!("thaw task: {e}")))??;
+        Ok(())
+    }
+
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), BackendError> {
         let sb = self.take_sandbox(sandbox);
         if let Ok(sb) = &sb {

@@ -32,6 +32,10 @@ pub(crate) struct Args {
     /// Leave out sandboxd's microVM tier (its boots take seconds each under TCG).
     #[arg(long)]
     pub(crate) no_microvm: bool,
+    /// Only sandboxd's container tier and the Docker baseline it is compared with (no process
+    /// tier sections, no microVM tier): for work on the container tier. Not a report to keep.
+    #[arg(long)]
+    pub(crate) container_only: bool,
 }
 
 /// How many samples each section takes.

@@ -38,12 +38,37 @@ async fn container_sections(sb: &mut Sandboxes, plan: &Plan, report: &mut Report
     }
     report.measured(Key::ContainerExec, &execs);
     sb.destroy(&id).await?;
+    container_exec_via_docker(plan, report).await?;
 
     eprintln!("bench: sandboxd container tier snapshot+rollback, {CHANGED_SMALL_MIB} MiB changed × {}", plan.container_snap);
     let (snaps, rollbacks, _) = snapshot_rollback(sb, request(), CHANGED_SMALL_MIB, plan.container_snap, None).await?;
     report.measured(Key::ContainerSnapshot, &snaps);
     report.measured(Key::ContainerRollback, &rollbacks);
     Ok(())
+}
+
+/// [`Key::ContainerExecViaDocker`]: the exec section again, on a daemon of its own that starts
+/// every exec through Docker's exec API.
+async fn container_exec_via_docker(plan: &Plan, report: &mut Report) -> Result<()> {
+    eprintln!("bench: sandboxd container tier Exec through Docker's exec API × {}", plan.container_exec);
+    let daemon = Daemon::start_with_config("[container]\nexec_through_docker = true\n").await.context("starting sandboxd with exec_through_docker")?;
+    let mut sb = Sandboxes::new(daemon.client().await?);
+    let request = proto::CreateSandboxRequest { isolation: proto::Isolation::Container as i32, ..process_sandbox("minimal") };
+    let measured = async {
+        let (id, _) = sb.create_with(request, "the sandbox of the exec_through_docker section").await?;
+        let mut execs = Vec::new();
+        for i in 0..plan.warmup * 3 + plan.container_exec {
+            let took = exec_true(&sb.client, &id, &format!("container tier exec through Docker {i}")).await?;
+            if i >= plan.warmup * 3 {
+                execs.push(took);
+            }
+        }
+        report.measured(Key::ContainerExecViaDocker, &execs);
+        anyhow::Ok(())
+    }
+    .await;
+    sb.cleanup().await;
+    measured
 }
 
 /// The container tier (`ISOLATION_CONTAINER`) on a daemon of its own. A container tier that

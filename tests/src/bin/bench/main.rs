@@ -76,10 +76,12 @@ async fn run(args: Args) -> Result<bool> {
     eprintln!("bench: sandboxd = {}, images = {}, {}", machine.sandboxd_bin, images_dir().display(), if plan.quick { "quick mode" } else { "full run" });
 
     let mut report = Report::default();
-    latency::sandboxd_latency(&plan, &mut report).await;
-    density::sandboxd_density(&plan, &mut report).await;
-    snapshots::sandboxd_snapshots(&plan, &mut report).await;
-    snapshots::sandboxd_without_userns(&plan, &mut report).await;
+    if !args.container_only {
+        latency::sandboxd_latency(&plan, &mut report).await;
+        density::sandboxd_density(&plan, &mut report).await;
+        snapshots::sandboxd_snapshots(&plan, &mut report).await;
+        snapshots::sandboxd_without_userns(&plan, &mut report).await;
+    }
     if args.no_docker {
         let why = "left out with --no-docker";
         report.docker_unavailable = Some(why.into());
@@ -92,8 +94,8 @@ async fn run(args: Args) -> Result<bool> {
     }
     // Last: its VMs are CPU-heavy under TCG and the pool boots in the background, so nothing
     // else is measured beside them.
-    if args.no_microvm {
-        let why = "left out with --no-microvm";
+    if args.no_microvm || args.container_only {
+        let why = if args.container_only { "left out with --container-only" } else { "left out with --no-microvm" };
         report.microvm.unavailable = Some(why.into());
         report.unavailable(&Key::MICROVM, why);
     } else {

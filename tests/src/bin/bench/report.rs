@@ -302,8 +302,9 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
          `GetSandbox` calls, unary execs back to back, unary execs {} ms apart (the pause is not timed: it is \
          an agent thinking between commands) and streamed execs each run in one sandbox; a few untimed \
          calls before each section ({} creates, {} calls) take one-off costs out. Execs are timed both ways \
-         because on cgroup v1 moving the exec into its cgroups can wait for an RCU grace period, which \
-         back-to-back execs often skip and a lone one pays. The density section uses a second, fresh \
+         because moving a process into a cgroup waits for an RCU grace period, which back-to-back execs \
+         often skip and a lone one pays, unless the cgroup hierarchy has `favordynmods` (the daemon's \
+         `[exec] favordynmods`, on by default; once set, it was seen to last until reboot on Linux 6.18). The density section uses a second, fresh \
          daemon: it creates {} \
          sandboxes in turn, reads the daemon's VmRSS from /proc/<pid>/status (and the PSS of its whole \
          process tree from /proc/<pid>/smaps_rollup), runs `true` in each sandbox 3 times round-robin, then \

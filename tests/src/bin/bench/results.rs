@@ -92,6 +92,9 @@ pub(crate) enum Key {
     ContainerCreate,
     ContainerDestroy,
     ContainerExec,
+    /// The same on a daemon with `[container] exec_through_docker`: how every exec started
+    /// before the exec channel, in the same run.
+    ContainerExecViaDocker,
     ContainerSnapshot,
     ContainerRollback,
     DockerRun,
@@ -139,7 +142,8 @@ impl Key {
     ];
     pub(crate) const NO_USERNS: [Key; 2] = [Key::CreateNoUserns, Key::SnapshotNoUserns];
     pub(crate) const FORKS: [Key; 3] = [Key::Fork, Key::ForkDestroy, Key::ForkBatch];
-    pub(crate) const CONTAINER: [Key; 5] = [Key::ContainerCreate, Key::ContainerDestroy, Key::ContainerExec, Key::ContainerSnapshot, Key::ContainerRollback];
+    pub(crate) const CONTAINER: [Key; 6] =
+        [Key::ContainerCreate, Key::ContainerDestroy, Key::ContainerExec, Key::ContainerExecViaDocker, Key::ContainerSnapshot, Key::ContainerRollback];
     pub(crate) const DOCKER: [Key; 5] = [Key::DockerRun, Key::DockerCreateStart, Key::DockerCreateStartBridge, Key::DockerRemove, Key::DockerExec];
     pub(crate) const MICROVM: [Key; 17] = [
         Key::MicroVmBoot(VmAccel::Tcg),
@@ -188,6 +192,7 @@ impl Key {
             Key::ContainerCreate => "sandboxd container tier `CreateSandbox` (image minimal)".into(),
             Key::ContainerDestroy => "sandboxd container tier `DestroySandbox`".into(),
             Key::ContainerExec => "sandboxd container tier `Exec` of `true`, back to back".into(),
+            Key::ContainerExecViaDocker => "sandboxd container tier `Exec` of `true` through Docker's exec API (`exec_through_docker`), back to back".into(),
             Key::ContainerSnapshot => {
                 format!("sandboxd container tier `Snapshot`, {CHANGED_SMALL_MIB} MiB changed")
             }

@@ -20,6 +20,14 @@ const TARGET_FORK_OVER_CREATE_MS: f64 = 10.0;
 /// Container tier against the raw Docker API calls for the same work.
 const TARGET_CONTAINER_VS_DOCKER: f64 = 1.1;
 const TARGET_CONTAINER_ROLLBACK_P50_MS: f64 = 300.0;
+/// Issue 28: a container-tier exec started through the exec channel.
+const TARGET_CONTAINER_EXEC_P50_MS: f64 = 5.0;
+/// Issue 28 on the process tier: exec (back to back and after a pause), create, and snapshot /
+/// rollback with a small change, near the kernel's floor.
+const TARGET_FLOOR_EXEC_P50_MS: f64 = 2.0;
+const TARGET_FLOOR_CREATE_P50_MS: f64 = 5.0;
+const TARGET_FLOOR_SNAPSHOT_P50_MS: f64 = 10.0;
+const TARGET_FLOOR_ROLLBACK_P50_MS: f64 = 20.0;
 /// MicroVM tier: boot to first exec without a pool, under TCG and under KVM; exec round trip;
 /// `CreateSandbox` served from the warm pool.
 const TARGET_MICROVM_TCG_BOOT_P50_MS: f64 = 2500.0;
@@ -106,6 +114,29 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
         _ => (t, "not measured".into(), "not measured".into()),
     });
 
+    // Issue 28: the process tier near the kernel's floor.
+    for (what, key, target) in [
+        ("`Exec` of `true` back to back", Key::Exec, TARGET_FLOOR_EXEC_P50_MS),
+        ("`Exec` of `true` 100 ms apart", Key::ExecSpaced, TARGET_FLOOR_EXEC_P50_MS),
+        ("`CreateSandbox`", Key::Create, TARGET_FLOOR_CREATE_P50_MS),
+    ] {
+        let t = format!("issue 28: {what} p50 ≤ {target} ms");
+        out.push(match report.p50(key) {
+            Some(p) => (t, format!("{} ms", ms(p)), verdict(p <= target)),
+            None => (t, "not measured".into(), "not measured".into()),
+        });
+    }
+    for (op, key, target) in [
+        ("Snapshot", Key::Snapshot(Image::Minimal, small), TARGET_FLOOR_SNAPSHOT_P50_MS),
+        ("Rollback", Key::Rollback(Image::Minimal, small), TARGET_FLOOR_ROLLBACK_P50_MS),
+    ] {
+        let t = format!("issue 28: `{op}` p50 ≤ {target} ms with {small} MiB changed (image minimal)");
+        out.push(match report.p50(key) {
+            Some(p) => (t, format!("{} ms", ms(p)), verdict(p <= target)),
+            None => (t, "not measured".into(), "not measured".into()),
+        });
+    }
+
     // Container tier (issue 4).
     for (what, ours, theirs) in
         [("container tier `CreateSandbox`", Key::ContainerCreate, Key::DockerCreateStart), ("container tier `Exec`", Key::ContainerExec, Key::DockerExec)]
@@ -125,6 +156,12 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
             _ => (t, "not measured".into(), "not measured".into()),
         });
     }
+    // Issue 28: execs started by the container's own exec helper, not Docker's exec API.
+    let t = format!("container tier `Exec` p50 ≤ {TARGET_CONTAINER_EXEC_P50_MS} ms");
+    out.push(match report.p50(Key::ContainerExec) {
+        Some(p) => (t, format!("{} ms", ms(p)), verdict(p <= TARGET_CONTAINER_EXEC_P50_MS)),
+        None => (t, "not measured".into(), "not measured".into()),
+    });
     let t = format!("container tier `Rollback` p50 ≤ {TARGET_CONTAINER_ROLLBACK_P50_MS} ms ({small} MiB changed)");
     out.push(match report.p50(Key::ContainerRollback) {
         Some(p) => (t, format!("{} ms", ms(p)), verdict(p <= TARGET_CONTAINER_ROLLBACK_P50_MS)),

@@ -83,8 +83,18 @@ pub fn exec_result(r: &ExecResult, limit: usize) -> String {
 /// A sandbox in one line.
 pub fn sandbox_line(s: &Sandbox) -> String {
     let limits = s.limits.unwrap_or_default();
+    // The network only when it has one: most sandboxes reach nothing.
+    let network = match &s.network {
+        Some(n) if n.mode == agent_client::proto::NetworkMode::Allowlist as i32 => {
+            format!(", network ALLOWLIST {}", n.allow.join(" "))
+        }
+        Some(n) if n.mode == agent_client::proto::NetworkMode::Open as i32 => {
+            ", network OPEN".to_string()
+        }
+        _ => String::new(),
+    };
     format!(
-        "{} ({}, image {}, {}, workdir {}, memory {}, cpu {}m)",
+        "{} ({}, image {}, {}, workdir {}, memory {}, cpu {}m{network})",
         s.id,
         output::isolation(s.isolation),
         s.image,

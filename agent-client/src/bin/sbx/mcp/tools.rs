@@ -43,6 +43,19 @@ pub enum Tier {
     Microvm,
 }
 
+/// Network modes, as a model names them.
+#[derive(Debug, Clone, Copy, Deserialize, schemars::JsonSchema)]
+#[schemars(crate = "rmcp::schemars")]
+#[serde(rename_all = "lowercase")]
+pub enum Network {
+    /// Loopback only (the default).
+    None,
+    /// Only the destinations in `allow`.
+    Allowlist,
+    /// Everything but the host, metadata addresses and other sandboxes.
+    Open,
+}
+
 /// Arguments of create_sandbox.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[schemars(crate = "rmcp::schemars")]
@@ -68,6 +81,10 @@ pub struct CreateParams {
     pub workdir: Option<String>,
     /// Destroy the sandbox after this many seconds.
     pub ttl_seconds: Option<u32>,
+    /// Network: none (default), allowlist (only `allow`) or open. The daemon's policy may refuse more.
+    pub network: Option<Network>,
+    /// With allowlist (implied by giving it): destinations as "host:port", "*.suffix:port" or "10.0.0.0/8:port".
+    pub allow: Option<Vec<String>>,
     /// Keep the sandbox after this session ends (default false: destroyed at the end).
     #[serde(default)]
     pub keep: bool,
@@ -263,7 +280,7 @@ impl SandboxTools {
     }
 
     #[tool(
-        description = "Create a sandbox: an isolated Linux machine to run commands in. Optional: isolation (process|container|microvm), image, memory_mb, cpus, max_pids, disk_mb, command_timeout_seconds, env, workdir, ttl_seconds. Limits above the daemon's policy are refused with the reason. Destroyed when this session ends unless keep=true. Becomes the default sandbox unless make_default=false. You do not need this for simple work: the first call without sandbox_id creates a default sandbox."
+        description = "Create a sandbox: an isolated Linux machine to run commands in. Optional: isolation (process|container|microvm), image, memory_mb, cpus, max_pids, disk_mb, command_timeout_seconds, env, workdir, ttl_seconds, network (none|allowlist|open; default none: no network) with allow (destinations such as \"pypi.org:443\"). Limits above the daemon's policy are refused with the reason. Destroyed when this session ends unless keep=true. Becomes the default sandbox unless make_default=false. You do not need this for simple work: the first call without sandbox_id creates a default sandbox."
     )]
     async fn create_sandbox(&self, Parameters(p): Parameters<CreateParams>) -> CallToolResult {
         reply(self.create(p).await)
@@ -387,6 +404,17 @@ impl SandboxTools {
             env: p.env.unwrap_or_default(),
             workdir: p.workdir.unwrap_or_default(),
             ttl_seconds: p.ttl_seconds.unwrap_or(0),
+            network: match (p.network, p.allow) {
+                (None, None) => None,
+                (mode, allow) => Some(agent_client::proto::NetworkPolicy {
+                    mode: match mode.unwrap_or(Network::Allowlist) {
+                        Network::None => agent_client::proto::NetworkMode::None,
+                        Network::Allowlist => agent_client::proto::NetworkMode::Allowlist,
+                        Network::Open => agent_client::proto::NetworkMode::Open,
+                    } as i32,
+                    allow: allow.unwrap_or_default(),
+                }),
+            },
             ..Default::default()
         };
         let sandbox = self.session.create(request, p.keep).await?;

@@ -31,7 +31,7 @@ from .._proto.sandbox.v1 import sandbox_pb2 as pb
 from .._requests import DownloadCheck, IsolationArg, Size, check_upload, create_request, exec_request, rpc_deadline
 from ..errors import ProtocolError, SandboxdError, SessionClosed, from_rpc_error
 from ..sandbox import SnapshotArg, _snapshot_id
-from ..types import DirTransfer, ExecResult, FileTransfer, OutputChunk, SandboxInfo, SnapshotInfo
+from ..types import DirTransfer, ExecResult, FileTransfer, NetworkEvent, OutputChunk, SandboxInfo, SnapshotInfo
 from .client import Client, resolve
 
 log = logging.getLogger("sandboxd")
@@ -109,6 +109,9 @@ class Sandbox(_AsyncClosable):
         labels: Optional[Mapping[str, str]] = None,
         ttl: Optional[float] = None,
         user: Optional[str] = None,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
+        on_expiry: Optional[str] = None,
         keep: bool = False,
         client: Optional[Client] = None,
     ) -> "Opening[Sandbox]":
@@ -116,6 +119,7 @@ class Sandbox(_AsyncClosable):
         request = create_request(
             isolation=isolation, image=image, memory=memory, cpus=cpus, disk=disk, pids=pids, shm=shm,
             exec_timeout=exec_timeout, env=env, workdir=workdir, labels=labels, ttl=ttl, user=user,
+            network=network, allow=allow, on_expiry=on_expiry,
         )
         return Opening(lambda: cls._create(request, client, keep))
 
@@ -131,13 +135,15 @@ class Sandbox(_AsyncClosable):
         env: Optional[Mapping[str, str]] = None,
         labels: Optional[Mapping[str, str]] = None,
         ttl: Optional[float] = None,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
         keep: bool = False,
         client: Optional[Client] = None,
     ) -> "Opening[Sandbox]":
         """A new sandbox starting from `snapshot`'s filesystem."""
         request = create_request(
             memory=memory, cpus=cpus, disk=disk, pids=pids, env=env, labels=labels, ttl=ttl,
-            from_snapshot=_snapshot_id(snapshot),
+            from_snapshot=_snapshot_id(snapshot), network=network, allow=allow,
         )
         return Opening(lambda: cls._create(request, client, keep))
 
@@ -172,6 +178,26 @@ class Sandbox(_AsyncClosable):
         )
         self.info = SandboxInfo.from_proto(reply)
         return self.info
+
+    async def pause(self) -> SandboxInfo:
+        """See `sandboxd.Sandbox.pause`."""
+        reply: pb.Sandbox = await self.client.unary("PauseSandbox", pb.PauseSandboxRequest(sandbox_id=self.id))
+        self.info = SandboxInfo.from_proto(reply)
+        return self.info
+
+    async def resume(self, ttl: Optional[float] = None) -> SandboxInfo:
+        """See `sandboxd.Sandbox.resume`."""
+        request = pb.ResumeSandboxRequest(sandbox_id=self.id, ttl_seconds=int(ttl or 0))
+        reply: pb.Sandbox = await self.client.unary("ResumeSandbox", request)
+        self.info = SandboxInfo.from_proto(reply)
+        return self.info
+
+    async def network_log(self, limit: int = 0) -> List[NetworkEvent]:
+        """See `sandboxd.Sandbox.network_log`."""
+        reply: pb.GetNetworkLogResponse = await self.client.unary(
+            "GetNetworkLog", pb.GetNetworkLogRequest(sandbox_id=self.id, limit=max(0, int(limit)))
+        )
+        return [NetworkEvent.from_proto(e) for e in reply.events]
 
     async def destroy(self) -> None:
         await self.client.unary("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=self.id), timeout=None)
