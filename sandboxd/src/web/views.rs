@@ -115,7 +115,8 @@ const PEER_LIST_DEADLINE: Duration = Duration::from_secs(3);
 /// error}]}`, a node that did not answer within [`PEER_LIST_DEADLINE`] named there, never
 /// waited for longer.
 pub async fn sandboxes(state: &State, tenant: &str, headers: &http::HeaderMap) -> Result<Value, Error> {
-    let mut list: Vec<(SystemTime, Value)> = state.manager.list(tenant, &BTreeMap::new())?.iter().map(|s| (s.created_at, sandbox_json(&crate::api::convert::sandbox(s)))).collect();
+    let mut list: Vec<(SystemTime, Value)> =
+        state.manager.list(tenant, &BTreeMap::new())?.iter().map(|s| (s.created_at, sandbox_json(&crate::api::convert::sandbox(s)))).collect();
     let mut unreachable = Vec::new();
     if let Some(f) = &state.fleet {
         for (_, v) in &mut list {
@@ -126,9 +127,7 @@ pub async fn sandboxes(state: &State, tenant: &str, headers: &http::HeaderMap) -
         for (peer, answer) in f.list_on_peers(tenant, &metadata, Default::default(), PEER_LIST_DEADLINE).await {
             match answer {
                 Ok(r) => list.extend(
-                    r.sandboxes
-                        .iter()
-                        .map(|s| (s.created_at.and_then(|t| SystemTime::try_from(t).ok()).unwrap_or(SystemTime::UNIX_EPOCH), sandbox_json(s))),
+                    r.sandboxes.iter().map(|s| (s.created_at.and_then(|t| SystemTime::try_from(t).ok()).unwrap_or(SystemTime::UNIX_EPOCH), sandbox_json(s))),
                 ),
                 Err(e) => unreachable.push(json!({ "node": peer.name, "address": peer.addr.to_string(), "error": e.message() })),
             }
