@@ -1163,7 +1163,14 @@ impl Config {
             Some(path) => Self::read_file(path)?,
             None => (FileConfig::default(), String::new()),
         };
-        let policy = Policy::new(file.policy, file.limits.default, file.limits.max);
+        let config_path = || cli.config.clone().unwrap_or_default();
+        let network_deny = file
+            .network
+            .deny
+            .iter()
+            .map(|d| d.parse::<crate::netpolicy::Cidr>().map_err(|e| ConfigError::Parse { path: config_path(), message: format!("network.deny: {e}") }))
+            .collect::<Result<Vec<_>, _>>()?;
+        let policy = Policy::new(file.policy, file.limits.default, file.limits.max).with_network_deny(network_deny);
         let line_of = |offset: usize| text.get(..offset).map(|t| t.matches('\n').count() + 1).unwrap_or(0);
         policy.validate(&line_of).map_err(|message| ConfigError::Parse { path: cli.config.clone().unwrap_or_default(), message })?;
         let listen_raw = if !cli.listen.is_empty() { cli.listen } else { file.listen.unwrap_or_else(|| vec![format!("unix://{DEFAULT_SOCKET}")]) };

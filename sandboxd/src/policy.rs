@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use crate::model::{Isolation, Limits};
-use crate::netpolicy::{AllowRule, NetworkMode, NetworkPolicy};
+use crate::netpolicy::{AllowRule, Cidr, Dest, NetworkMode, NetworkPolicy};
 
 /// Limits a rule overrides; unset fields keep what applies already.
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
@@ -242,6 +242,8 @@ pub enum PolicyError {
     NetworkOverMaximum { rule: String, max: NetworkMode, requested: NetworkMode },
     #[error("policy rule {rule:?} does not allow network entry {entry:?} (allowed: {allowed})")]
     NetworkEntryNotAllowed { rule: String, entry: String, allowed: String },
+    #[error("network entry {entry:?} lies wholly inside the denied range {range} ([network] deny): it could reach nothing")]
+    NetworkEntryDenied { entry: String, range: String },
 }
 
 /// A matching rule's network ceiling.
@@ -265,6 +267,8 @@ pub struct Decision {
     pub network_ceilings: Vec<NetworkCeiling>,
     /// The network a matching rule gives a request that names none (and has no parent).
     pub network_default: Option<NetworkPolicy>,
+    /// The operator's `[network] deny` ranges: never reachable, whatever a list says.
+    pub network_deny: Vec<Cidr>,
 }
 
 impl Decision {
@@ -281,6 +285,17 @@ impl Decision {
                 return Err(PolicyError::NetworkEntryNotAllowed { rule: c.rule.clone(), entry: entry.to_string(), allowed });
             }
         }
+        // Deny wins over allow (the egress path checks every connection against the deny
+        // ranges). An entry that could reach nothing is a mistake the caller should hear about
+        // at create, not a connection refused later; one that overlaps a range only partly
+        // keeps its other addresses.
+        for entry in &network.allow {
+            if let Dest::Cidr(c) = &entry.dest {
+                if let Some(range) = self.network_deny.iter().find(|d| d.prefix <= c.prefix && d.contains(c.net)) {
+                    return Err(PolicyError::NetworkEntryDenied { entry: entry.to_string(), range: range.to_string() });
+                }
+            }
+        }
         Ok(network)
     }
 }
@@ -291,12 +306,20 @@ pub struct Policy {
     cfg: PolicyConfig,
     global_defaults: Limits,
     global_ceilings: Limits,
+    network_deny: Vec<Cidr>,
 }
 
 impl Policy {
     /// A policy over the global `[limits]`.
     pub fn new(cfg: PolicyConfig, global_defaults: Limits, global_ceilings: Limits) -> Self {
-        Policy { cfg, global_defaults, global_ceilings }
+        Policy { cfg, global_defaults, global_ceilings, network_deny: Vec::new() }
+    }
+
+    /// The operator's `[network] deny` ranges, which an allow-list entry cannot lie wholly
+    /// inside.
+    pub fn with_network_deny(mut self, deny: Vec<Cidr>) -> Self {
+        self.network_deny = deny;
+        self
     }
 
     /// The capacity limits.
@@ -432,7 +455,15 @@ impl Policy {
             defaults = rule.limits_default.over(defaults);
             ceilings = min_limits(ceilings, rule.limits_max.over(ceilings));
         }
-        Ok(Decision { isolation, reason, defaults: min_limits(defaults, ceilings), ceilings, network_ceilings, network_default })
+        Ok(Decision {
+            isolation,
+            reason,
+            defaults: min_limits(defaults, ceilings),
+            ceilings,
+            network_ceilings,
+            network_default,
+            network_deny: self.network_deny.clone(),
+        })
     }
 }
 
@@ -529,6 +560,24 @@ upgrade = false
         assert_eq!(p.exec_caps().running_per_sandbox, ExecCaps::DEFAULTS.running_per_sandbox, "unnamed caps keep their default");
         let err = policy("[policy]\nmax_running_execs_per_sandbox = 0\n").expect_err("zero");
         assert!(err.contains("policy.max_running_execs_per_sandbox"), "{err}");
+    }
+
+    #[test]
+    fn an_allowed_range_wholly_inside_a_denied_one_is_refused_at_create() {
+        let deny = vec!["10.0.0.0/8".parse().expect("cidr"), "192.168.7.0/24".parse().expect("cidr")];
+        let p = policy("[policy]\n").expect("policy").with_network_deny(deny);
+        let d = p.decide(None, &BTreeMap::new()).expect("decide");
+        let allow = |entries: &[&str]| NetworkPolicy::new(NetworkMode::Allowlist, &entries.iter().map(|e| e.to_string()).collect::<Vec<_>>()).expect("entries");
+        let err = d.network(Some(allow(&["pypi.org:443", "10.1.0.0/16:5432"]))).expect_err("inside 10/8");
+        assert_eq!(
+            err.to_string(),
+            "network entry \"10.1.0.0/16:5432\" lies wholly inside the denied range 10.0.0.0/8 ([network] deny): it could reach nothing"
+        );
+        assert!(d.network(Some(allow(&["192.168.7.9:80"]))).is_err(), "a single address inside a range");
+        // Overlapping only partly, or outside: allowed (deny still wins per connection).
+        for ok in ["192.168.0.0/16:80", "0.0.0.0/0:443", "11.0.0.0/8:22", "*.internal.test:443"] {
+            assert!(d.network(Some(allow(&[ok]))).is_ok(), "{ok}");
+        }
     }
 
     #[test]

@@ -5,8 +5,10 @@ Serves, on every address of the namespace:
     it receives is logged ("query NAME TYPE") so a test can tell what reached it;
   * HTTP on 8080: a package index (PEP 503 `/simple/`) holding one pure-Python wheel,
     `egresshello` 1.0, built here at start; "hello from the test internet" for any other GET;
-  * a raw TCP echo server on 7000.
-Prints "ready" once all three listen. Standard library only.
+  * a raw TCP echo server on 7000;
+  * with --tls=CERT,KEY: HTTPS on 8443, the same pages behind that certificate (the test makes
+    a CA and a certificate for pypi.test and evil.test).
+Prints "ready" once all of them listen. Standard library only.
 """
 import base64
 import hashlib
@@ -14,13 +16,18 @@ import http.server
 import io
 import socket
 import socketserver
+import ssl
 import struct
 import sys
 import threading
 import zipfile
 
 RECORDS = {}
+TLS = None
 for arg in sys.argv[1:]:
+    if arg.startswith("--tls="):
+        TLS = arg[len("--tls="):].split(",", 1)
+        continue
     name, addr = arg.split("=", 1)
     RECORDS[name.lower()] = addr
 
@@ -125,6 +132,24 @@ class Threaded(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
 
 
+class ThreadedTls(Threaded):
+    """HTTPS: the handshake runs in the connection's own thread, so a client that stalls in it
+    (a proxy that cut the connection after the ClientHello) never holds up the accept loop."""
+
+    def __init__(self, address, handler, context):
+        super().__init__(address, handler)
+        self.context = context
+
+    def finish_request(self, request, client_address):
+        request.settimeout(20)
+        try:
+            tls = self.context.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError) as e:
+            log(f"tls handshake failed {e!r}")
+            return
+        self.RequestHandlerClass(tls, client_address, self)
+
+
 ready = threading.Semaphore(0)
 threading.Thread(target=dns_server, daemon=True).start()
 ready.acquire()
@@ -132,5 +157,10 @@ web = Threaded(("0.0.0.0", 8080), Hello)
 echo = Threaded(("0.0.0.0", 7000), Echo)
 threading.Thread(target=web.serve_forever, daemon=True).start()
 threading.Thread(target=echo.serve_forever, daemon=True).start()
+if TLS:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(TLS[0], TLS[1])
+    secure = ThreadedTls(("0.0.0.0", 8443), Hello, context)
+    threading.Thread(target=secure.serve_forever, daemon=True).start()
 log("ready")
 threading.Event().wait()

@@ -5,6 +5,9 @@ attempt: "OK <detail>" or "FAIL <why>". Standard library only (the `debian` imag
   http HOST PORT          GET / and the status line and body
   echo HOST PORT          send "ping", expect it back
   tls HOST PORT SNI       send a real ClientHello for SNI, expect it echoed back whole
+  https HOST PORT SNI     a real TLS handshake naming SNI, checked against /ca.pem, then GET /
+  many N HOST PORT        N connections to an echo server held open together, "ping" on each
+                          in turn: how many were echoed
   dns TYPE NAME           a raw query of TYPE (number) for NAME to the resolv.conf nameserver
   connect HOST PORT       connect and send nothing: OK if the connection is still open 2 s
                           later. For addresses outside the test's namespaces (the metadata
@@ -45,6 +48,39 @@ def attempt(kind, args):
             raise RuntimeError("connection closed without a reply")
         head, _, body = data.partition(b"\r\n\r\n")
         return head.split(b"\r\n")[0].decode() + " " + body.decode().strip()
+    if kind == "https":
+        host, port, sni = args[0], int(args[1]), args[2]
+        context = ssl.create_default_context(cafile="/ca.pem")
+        with socket.create_connection((host, port), timeout=TIMEOUT) as raw:
+            with context.wrap_socket(raw, server_hostname=sni) as s:
+                s.sendall(f"GET / HTTP/1.0\r\nHost: {sni}\r\n\r\n".encode())
+                data = b""
+                while True:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+        if not data:
+            raise RuntimeError("connection closed without a reply")
+        head, _, body = data.partition(b"\r\n\r\n")
+        return head.split(b"\r\n")[0].decode() + " " + body.decode().strip()
+    if kind == "many":
+        n, host, port = int(args[0]), args[1], int(args[2])
+        held, echoed = [], 0
+        try:
+            for _ in range(n):
+                s = socket.create_connection((host, port), timeout=TIMEOUT)
+                held.append(s)
+                try:
+                    s.sendall(b"ping")
+                    if s.recv(4) == b"ping":
+                        echoed += 1
+                except OSError:
+                    pass
+        finally:
+            for s in held:
+                s.close()
+        return f"{echoed} of {n} echoed"
     if kind == "httphost":
         # A plain HTTP request to host:port that names another host in its Host header.
         host, port, named = args[0], int(args[1]), args[2]
@@ -133,7 +169,7 @@ def attempt(kind, args):
     raise RuntimeError(f"unknown attempt {kind}")
 
 
-ARITY = {"resolve": 1, "http": 2, "httphost": 3, "idle": 2, "bulk": 3, "echo": 2, "tls": 3, "dns": 2, "connect": 2}
+ARITY = {"resolve": 1, "http": 2, "httphost": 3, "idle": 2, "bulk": 3, "echo": 2, "tls": 3, "https": 3, "many": 3, "dns": 2, "connect": 2}
 argv = sys.argv[1:]
 while argv:
     kind, args = argv[0], argv[1:1 + ARITY.get(argv[0], 0)]

@@ -153,6 +153,26 @@ static int do_vsock(void) {
     return escaped;
 }
 
+/* personality(2) flags that switch hardening off for the caller and its children: Docker's
+ * default profile allows only PER_LINUX, PER_LINUX32, UNAME26 (and their union) and the query.
+ * ADDR_NO_RANDOMIZE turns ASLR off, READ_IMPLIES_EXEC makes readable mappings executable. */
+static int do_personality(void) {
+    unsigned long personas[] = {0x0040000 /* ADDR_NO_RANDOMIZE */, 0x0400000 /* READ_IMPLIES_EXEC */, 0x0100000 /* MMAP_PAGE_ZERO */};
+    const char *names[] = {"personality(ADDR_NO_RANDOMIZE)", "personality(READ_IMPLIES_EXEC)", "personality(MMAP_PAGE_ZERO)"};
+    for (unsigned i = 0; i < sizeof personas / sizeof personas[0]; i++) {
+        errno = 0;
+        long r = syscall(SYS_personality, personas[i]);
+        int err = errno;
+        verdict(r != -1 || err != EPERM, names[i], err);
+    }
+    /* The query must still work: glibc and setarch read it. */
+    if (syscall(SYS_personality, 0xffffffffUL) == -1) {
+        printf("ESCAPE: the personality query was refused (%s): the filter is too broad\n", strerror(errno));
+        escaped = 1;
+    }
+    return escaped;
+}
+
 /* Writes `value` to `path`; reports a write that got through (or a file that could be made). */
 static void try_write(const char *path, const char *value) {
     char what[256];
@@ -326,6 +346,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "fds")) return do_fds();
     if (!strcmp(argv[1], "io_uring")) return do_io_uring();
     if (!strcmp(argv[1], "vsock")) return do_vsock();
+    if (!strcmp(argv[1], "personality")) return do_personality();
     if (!strcmp(argv[1], "ptrace_child")) return do_ptrace_child();
     if (!strcmp(argv[1], "cgroup")) return do_cgroup();
     fprintf(stderr, "unknown probe %s\n", argv[1]);

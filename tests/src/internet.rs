@@ -13,14 +13,37 @@ const INTERNET_PY: &str = include_str!("../egress/internet.py");
 
 /// The test's internet: a network namespace with the servers of `internet.py`, its host side
 /// at 198.18.`net`.1 and the servers at 198.18.`net`.2 (DNS on 53, HTTP on 8080, a TCP echo
-/// server on 7000). Dropping it removes the namespace, the link and the daemon's nftables table.
+/// server on 7000, HTTPS on 8443 with a certificate for `pypi.test` and `evil.test` signed by a
+/// CA of its own: [`Internet::ca_pem`]). Dropping it removes the namespace, the link and the daemon's nftables table.
 pub struct Internet {
     ns: String,
     host_if: String,
     server: Child,
     log: PathBuf,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     net: u8,
+}
+
+/// Makes a CA and a server certificate for `pypi.test` and `evil.test` signed by it in `dir`
+/// (`ca.pem`, `server.pem`, `server.key`) with the host's openssl.
+fn make_certificates(dir: &std::path::Path) {
+    let path = |name: &str| dir.join(name).display().to_string();
+    let ext = dir.join("san.ext");
+    std::fs::write(
+        &ext,
+        "subjectAltName=DNS:pypi.test,DNS:evil.test\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+    )
+    .expect("san.ext");
+    #[rustfmt::skip]
+    let steps: [Vec<String>; 3] = [
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=sandboxd egress test CA", "-keyout", &path("ca.key"), "-out", &path("ca.pem")].map(String::from).to_vec(),
+        ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=pypi.test", "-keyout", &path("server.key"), "-out", &path("server.csr")].map(String::from).to_vec(),
+        ["x509", "-req", "-in", &path("server.csr"), "-CA", &path("ca.pem"), "-CAkey", &path("ca.key"), "-CAcreateserial", "-days", "2", "-extfile", &ext.display().to_string(), "-out", &path("server.pem")].map(String::from).to_vec(),
+    ];
+    for args in steps {
+        let out = Command::new("openssl").args(&args).output().expect("running openssl (needed for the HTTPS server)");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
 }
 
 fn run(cmd: &[&str]) {
@@ -49,6 +72,8 @@ impl Internet {
         let dir = tempfile::tempdir().expect("tempdir");
         let (script, log) = (dir.path().join("internet.py"), dir.path().join("internet.log"));
         std::fs::write(&script, INTERNET_PY).expect("writing internet.py");
+        make_certificates(dir.path());
+        let tls = format!("--tls={},{}", dir.path().join("server.pem").display(), dir.path().join("server.key").display());
         let records = [
             format!("pypi.test=198.18.{net}.2"),
             format!("evil.test=198.18.{net}.2"),
@@ -59,13 +84,19 @@ impl Internet {
             .args(["netns", "exec", &ns, "python3"])
             .arg(&script)
             .args(&records)
+            .arg(&tls)
             .stdout(std::fs::File::create(&log).expect("log file"))
             .stderr(Stdio::inherit())
             .spawn()
             .expect("starting internet.py (python3 on the host)");
-        let internet = Internet { ns, host_if, server, log, _dir: dir, net };
+        let internet = Internet { ns, host_if, server, log, dir, net };
         assert!(eventually(30, || async { internet.queries().contains("ready") }).await, "the test internet did not start: {}", internet.queries());
         internet
+    }
+
+    /// The CA certificate (PEM) that signed the HTTPS server's certificate.
+    pub fn ca_pem(&self) -> Vec<u8> {
+        std::fs::read(self.dir.path().join("ca.pem")).expect("ca.pem")
     }
 
     /// Everything its DNS server was asked.

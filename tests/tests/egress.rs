@@ -91,14 +91,20 @@ async fn allowlist_reaches_exactly_the_listed_names_and_ports() {
     let h = inet.daemon(&[]).await;
     let host = HostService::start();
     let port = host.port();
-    let allow: Vec<String> =
-        ["pypi.test:8080", "pypi.test:7000", "host.test:PORT", "meta.test:80", "169.254.169.254/32:80"].iter().map(|a| a.replace("PORT", &port)).collect();
+    let allow: Vec<String> = ["pypi.test:8080", "pypi.test:7000", "host.test:PORT", "meta.test:80", "169.254.169.254/32:80", "pypi.test:8443"]
+        .iter()
+        .map(|a| a.replace("PORT", &port))
+        .collect();
     let id = sandbox(&h, network(NetworkMode::Allowlist, &allow)).await;
+    within(30, h.client.write_file(&id, "/ca.pem", inet.ca_pem(), 0o644)).await.expect("writing the test CA");
     let info = h.client.get(&id).await.expect("GetSandbox");
     let n = info.network.expect("Sandbox.network");
     assert_eq!(
         (n.mode, n.allow.clone()),
-        (NetworkMode::Allowlist as i32, vec![allow[0].clone(), allow[1].clone(), allow[2].clone(), "meta.test:80".into(), "169.254.169.254/32:80".into()])
+        (
+            NetworkMode::Allowlist as i32,
+            vec![allow[0].clone(), allow[1].clone(), allow[2].clone(), "meta.test:80".into(), "169.254.169.254/32:80".into(), "pypi.test:8443".into()]
+        )
     );
 
     // A second sandbox under the same list that never asked the daemon's DNS: an IP literal
@@ -162,17 +168,26 @@ async fn allowlist_reaches_exactly_the_listed_names_and_ports() {
             "connect",
             "169.254.169.254",
             "80", // 13: listed as a CIDR, still the metadata address
+            "https",
+            "pypi.test",
+            "8443",
+            "evil.test", // 14: real HTTPS naming another name at the allowed address (its certificate would do)
+            "https",
+            "pypi.test",
+            "8443",
+            "pypi.test", // 15: real HTTPS to the allowed name, checked against the test CA
         ],
     )
     .await;
+    assert_eq!(lines.len(), 16, "{lines:#?}");
     assert_ok(&lines[0], &addr);
     assert_ok(&lines[1], "200 OK hello from the test internet");
     assert_ok(&lines[2], "ping");
     assert_ok(&lines[3], "echoed");
-    for l in &lines[4..] {
+    for l in &lines[4..15] {
         assert_fail(l);
     }
-    assert_eq!(lines.len(), 14, "{lines:#?}");
+    assert_ok(&lines[15], "200 OK hello from the test internet");
     assert!(!host.was_reached(), "a sandbox reached a host service");
 
     // Nothing but allowed A queries reached the upstream: no TXT, no tunnel, no evil.test.
@@ -471,8 +486,9 @@ async fn the_container_tier_is_held_the_same_through_fork_rollback_restart_and_d
     assert!(host_links(&prefix).is_empty(), "a NONE container got a link: {:?}", host_links(&prefix));
 
     // ALLOWLIST: exactly the listed name and port, through the daemon's DNS and proxy.
-    let allow = vec!["pypi.test:8080".to_string(), format!("host.test:{port}"), "169.254.169.254/32:80".to_string()];
+    let allow = vec!["pypi.test:8080".to_string(), format!("host.test:{port}"), "169.254.169.254/32:80".to_string(), "pypi.test:8443".to_string()];
     let id = sandbox_on(&h, Isolation::Container, network(NetworkMode::Allowlist, &allow)).await;
+    within(30, h.client.write_file(&id, "/ca.pem", inet.ca_pem(), 0o644)).await.expect("writing the test CA");
     assert_eq!(host_links(&prefix).len(), 1, "{:?}", host_links(&prefix));
     let gw = nameserver(&h, &id).await.to_string();
     let lines = probe(
@@ -499,15 +515,24 @@ async fn the_container_tier_is_held_the_same_through_fork_rollback_restart_and_d
             "connect",
             "169.254.169.254",
             "80", // 6: listed as a CIDR, still the metadata address
+            "https",
+            "pypi.test",
+            "8443",
+            "evil.test", // 7: real HTTPS naming an unlisted name at the allowed address
+            "https",
+            "pypi.test",
+            "8443",
+            "pypi.test", // 8: real HTTPS to the listed name, checked against the test CA
         ],
     )
     .await;
-    assert_eq!(lines.len(), 7, "{lines:#?}");
+    assert_eq!(lines.len(), 9, "{lines:#?}");
     assert_fail(&lines[0]);
     assert_ok(&lines[1], "200 OK hello from the test internet");
-    for l in &lines[2..] {
+    for l in &lines[2..8] {
         assert_fail(l);
     }
+    assert_ok(&lines[8], "200 OK hello from the test internet");
     assert!(!host.was_reached(), "a container reached a host service");
     let audit = audit_lines(&h, &id);
     let ok = audit.iter().find(|l| l["rpc"] == "egress.connect" && l["verdict"] == "allowed").expect("an allowed connection in the audit log");
@@ -762,7 +787,7 @@ async fn policy_rules_grant_and_bound_networks_idle_connections_close_bandwidth_
     require_debian();
     let inet = Internet::start(6).await;
     let rules = "[[policy.rules]]\nname = \"ci\"\nmatch_labels = { team = \"ci\" }\nnetwork_allow = [\"pypi.test:8080\"]\n";
-    let h = inet.daemon_with(&format!("idle_timeout_ms = 1500\nbandwidth_bytes_per_sec = 1048576\n{rules}"), &[]).await;
+    let h = inet.daemon_with(&format!("idle_timeout_ms = 1500\nbandwidth_bytes_per_sec = 1048576\nmax_connections = 3\n{rules}"), &[]).await;
 
     // A policy rule by label: a CI sandbox that asks for no network gets the rule's list, and
     // cannot ask for more.
@@ -782,6 +807,16 @@ async fn policy_rules_grant_and_bound_networks_idle_connections_close_bandwidth_
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
     let msg = err.to_string();
     assert!(msg.contains("policy rule \"ci\"") && msg.contains("OPEN"), "{err}");
+    // Deny wins over allow: a listed range wholly inside `[network] deny` (10.0.0.0/8 by
+    // default) could reach nothing, and is refused at create rather than left to fail later.
+    let err = within(
+        60,
+        h.client.create(CreateSandboxRequest { network: network(NetworkMode::Allowlist, &["10.1.0.0/16:5432".to_string()]), ..process_sandbox("debian") }),
+    )
+    .await
+    .expect_err("inside a denied range");
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    assert!(err.to_string().contains("10.1.0.0/16:5432") && err.to_string().contains("10.0.0.0/8"), "{err}");
 
     let allow = vec!["pypi.test:8080".to_string(), "pypi.test:7000".to_string()];
     let id = sandbox(&h, network(NetworkMode::Allowlist, &allow)).await;
@@ -822,4 +857,41 @@ async fn policy_rules_grant_and_bound_networks_idle_connections_close_bandwidth_
     assert!(audit.iter().any(|l| l["detail"].as_str().unwrap_or("").contains("idle_timeout_ms")), "no idle close: {audit:#?}");
     let bulk = audit.iter().find(|l| l["verdict"] == "allowed" && l["bytes_out"].as_u64() == Some(3_145_728)).expect("the bulk connection's line");
     assert_eq!(bulk["bytes_in"].as_u64(), Some(3_145_728), "{bulk}");
+
+    // max_connections: a sandbox holding 3 connections gets its 4th closed unanswered (a
+    // sandbox of its own, so no earlier connection is still being counted down).
+    let held = sandbox(&h, network(NetworkMode::Allowlist, &["pypi.test:7000".to_string()])).await;
+    let lines = probe(&h, &held, &["many", "4", "pypi.test", "7000"]).await;
+    assert_ok(&lines[0], "3 of 4 echoed");
+    assert!(
+        audit_lines(&h, &held).iter().any(|l| l["verdict"] == "denied" && l["detail"].as_str().unwrap_or("").contains("over network.max_connections (3)")),
+        "no max_connections refusal in the audit log"
+    );
+    // Once they are closed, the sandbox connects again.
+    let again = eventually(60, || async { probe(&h, &held, &["echo", "pypi.test", "7000"]).await[0].starts_with("OK") }).await;
+    assert!(again, "the sandbox could not connect again after closing its connections");
+
+    // The host's connection tracking holds at most 1024 flows of one sandbox: 1500 DNS
+    // queries, each from a socket of its own (a flow each, tracked for 30 s), leave no more.
+    let ns = nameserver(&h, &held).await;
+    let flood = format!(
+        r#"import socket, struct
+q = struct.pack("!HHHHHH", 1, 0x100, 1, 0, 0, 0) + b"\x04pypi\x04test\x00" + struct.pack("!HH", 1, 1)
+c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+c.connect(("{ns}", 53))
+print(c.getsockname()[0])
+c.close()
+for _ in range(1500):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.sendto(q, ("{ns}", 53))
+    s.close()
+"#
+    );
+    within(30, h.client.write_file(&held, "/flood.py", flood.into_bytes(), 0o644)).await.expect("writing the flood");
+    let out = sandbox_tests::sh_ok(&h.client, &held, "python3 /flood.py").await;
+    let me = out.trim().to_string();
+    let tracked = std::fs::read_to_string("/proc/net/nf_conntrack").expect("/proc/net/nf_conntrack");
+    let dns_flows = tracked.lines().filter(|l| l.contains(" udp ") && l.contains(&format!(" src={me} ")) && l.contains(" dport=53 ")).count();
+    assert!(dns_flows > 0, "no DNS flow of {me} is tracked: the count below proves nothing");
+    assert!(dns_flows <= 1024, "the host tracks {dns_flows} DNS flows of one sandbox ({me}), over the cap of 1024");
 }

@@ -162,6 +162,7 @@ async fn pid1_fds_and_kernel_surface_are_out_of_reach_process_tier() {
     assert_blocked(&client, &id, "pid1").await;
     assert_blocked(&client, &id, "io_uring").await;
     assert_blocked(&client, &id, "vsock").await;
+    assert_blocked(&client, &id, "personality").await;
     // What must keep working: tracing one's own children (strace, gdb inside the sandbox).
     let r = run(&client, &id, &[PROBE, "ptrace_child"]).await;
     assert!(r.exit_code == 0 && String::from_utf8_lossy(&r.stdout).contains("OK: traced own child"), "{}", text(&r));
@@ -189,6 +190,7 @@ async fn container_and_microvm_execs_get_only_their_stdio() {
     assert_blocked(&client, &container, "fds").await;
     assert_blocked(&client, &container, "io_uring").await;
     assert_blocked(&client, &container, "vsock").await;
+    assert_blocked(&client, &container, "personality").await;
     // The daemon reads files as host root: never the container's /proc or /sys (kernel
     // addresses in /proc/kallsyms would be real ones for it).
     for path in ["/proc/kallsyms", "/proc/1/environ", "/sys/kernel/notes"] {

@@ -348,3 +348,28 @@ async fn a_tenants_long_builds_do_not_block_another_tenants_import() {
         b.abort();
     }
 }
+
+/// Whether a host process runs exactly `sleep <marker>`.
+fn sleep_is_running(marker: &str) -> bool {
+    let want = format!("sleep\0{marker}\0").into_bytes();
+    std::fs::read_dir("/proc").map(|d| d.flatten().any(|e| std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == want))).unwrap_or(false)
+}
+
+/// A build past `build_timeout_ms` is RESOURCE_EXHAUSTED naming the key, what its RUN step
+/// started is killed, and the tenant's slot is free again for its next build.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_build_past_its_timeout_is_stopped_and_its_steps_killed() {
+    let (_daemon, alpha, _beta) = two_tenants("[images]\nmax_concurrent_per_tenant = 1\nbuild_timeout_ms = 30000\n").await;
+    let marker = format!("36{}", std::process::id() % 10_000);
+    let mut log = Vec::new();
+    let err = build(&alpha, "forever", &format!("FROM sandboxd/minimal\nRUN echo sleeping; sleep {marker}\n"), &mut log).await.expect_err("past the timeout");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}: {}", log.join("\n"));
+    assert!(err.message().contains("build_timeout_ms"), "{err}");
+    assert!(log.iter().any(|l| l.contains("sleeping")), "the RUN step never started within the timeout: {}", log.join("\n"));
+    assert!(
+        sandbox_tests::eventually(120, || std::future::ready(!sleep_is_running(&marker))).await,
+        "the build's RUN step (sleep {marker}) still runs after the build was stopped"
+    );
+    // The one slot is free: the next build runs.
+    build(&alpha, "after", "FROM sandboxd/minimal\nRUN true\n", &mut log).await.unwrap_or_else(|e| panic!("{e}: {}", log.join("\n")));
+}

@@ -30,3 +30,28 @@ def test_readme_example_runs(daemon: Daemon, index: int, tmp_path: Path) -> None
         assert out.stdout.startswith("EXITED 0 hello from Linux\n[stdout] 1\n") and out.stdout.endswith("3\n"), out.stdout
     else:
         assert "['0', '1', '2']" in out.stdout and "[stderr] err\n" in out.stdout, out.stdout
+
+
+TOP_README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def top_examples() -> list[str]:
+    """The repository README's SDK examples (its E2B and grpcio blocks are not the SDK's)."""
+    blocks = re.findall(r"```python\n(.*?)```", TOP_README.read_text(), flags=re.S)
+    return [b for b in blocks if "from sandboxd" in b]
+
+
+def test_the_top_readme_shows_both_sdk_examples() -> None:
+    assert len(top_examples()) == 2, top_examples()
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_top_readme_example_runs(daemon: Daemon, index: int, tmp_path: Path) -> None:
+    code = top_examples()[index]
+    env = {"SANDBOXD_SOCKET": daemon.address, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    if index == 0:
+        assert out.stdout.startswith("EXITED 0 hello from Linux\n[stdout] 1\n") and out.stdout.endswith("3\n"), out.stdout
+    else:
+        assert out.stdout.strip() == "['0', '1', '2']", out.stdout

@@ -130,6 +130,35 @@ pub const DENIED_SOCKET_FAMILIES: &[(&str, i32)] = &[
     ("AF_MCTP", 45),
 ];
 
+/// The `personality(2)` values Docker's default profile allows: `PER_LINUX`, `PER_LINUX32`,
+/// `UNAME26`, `PER_LINUX32 | UNAME26` and the query `0xffffffff`. The other flags switch off
+/// hardening for the caller and its children (`ADDR_NO_RANDOMIZE` turns ASLR off,
+/// `READ_IMPLIES_EXEC` makes every readable mapping executable, `MMAP_PAGE_ZERO` maps page 0):
+/// refused with EPERM on both tiers that share the host kernel, as Docker refuses them.
+pub const ALLOWED_PERSONALITIES: &[u32] = &[0x0, 0x8, 0x2_0000, 0x2_0008, 0xffff_ffff];
+
+/// Every 32-bit `personality` argument outside [`ALLOWED_PERSONALITIES`], as `(mask, value)`
+/// pairs (`arg & mask == value`) that together cover exactly that complement. A filter on a
+/// default-allow list cannot say "not one of these" in one rule (libseccomp, and so Docker's
+/// profile, takes one comparison per argument), so the complement is split along a binary trie:
+/// a prefix no allowed value starts with is one pair.
+pub fn denied_personality_masks() -> Vec<(u32, u32)> {
+    fn split(prefix: u32, bits: u32, allowed: &[u32], out: &mut Vec<(u32, u32)>) {
+        let mask = if bits == 0 { 0 } else { u32::MAX << (32 - bits) };
+        let inside: Vec<u32> = allowed.iter().copied().filter(|v| v & mask == prefix).collect();
+        if inside.is_empty() {
+            out.push((mask, prefix));
+        } else if bits < 32 {
+            let next = 1u32 << (31 - bits);
+            split(prefix, bits + 1, &inside, out);
+            split(prefix | next, bits + 1, &inside, out);
+        }
+    }
+    let mut out = Vec::new();
+    split(0, 0, ALLOWED_PERSONALITIES, &mut out);
+    out
+}
+
 /// `clone` flags that would create namespaces (a way around the unshare/setns denial).
 const NAMESPACE_CLONE_FLAGS: &[u64] = &[
     libc::CLONE_NEWNS as u64,
@@ -165,6 +194,14 @@ fn deny_program() -> Result<BpfProgram, SeccompError> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     rules.insert(libc::SYS_socket, socket_rules);
+    let personality_rules = denied_personality_masks()
+        .into_iter()
+        .map(|(mask, value)| {
+            let cond = SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(u64::from(mask)), u64::from(value)).map_err(build)?;
+            SeccompRule::new(vec![cond]).map_err(build)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    rules.insert(libc::SYS_personality, personality_rules);
     let filter = SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch()?).map_err(build)?;
     filter.try_into().map_err(|e: seccompiler::BackendError| build(e))
 }
@@ -212,6 +249,16 @@ pub fn docker_profile() -> String {
             "action": "SCMP_ACT_ERRNO",
             "errnoRet": libc::EPERM,
             "args": [{ "index": 0, "value": family, "valueTwo": 0, "op": "SCMP_CMP_EQ" }],
+        }));
+    }
+    for (mask, value) in denied_personality_masks() {
+        syscalls.push(serde_json::json!({
+            "names": ["personality"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": libc::EPERM,
+            // libseccomp's MASKED_EQ: `value` is the mask, `valueTwo` what the masked
+            // argument must equal (Docker's own profile writes `clone`'s rule this way).
+            "args": [{ "index": 0, "value": mask, "valueTwo": value, "op": "SCMP_CMP_MASKED_EQ" }],
         }));
     }
     serde_json::json!({
@@ -368,6 +415,94 @@ mod tests {
                 assert!(code != 99, "the filter could not be installed");
                 assert!(code != 98, "an ordinary AF_UNIX or AF_INET socket was refused");
                 assert_eq!(code, 0, "{} got through the filter", DENIED_SOCKET_FAMILIES[(code - 100).max(0) as usize].0);
+            }
+        }
+    }
+
+    #[test]
+    fn personality_masks_refuse_exactly_what_is_not_allowed() {
+        let masks = denied_personality_masks();
+        let denied = |x: u32| masks.iter().any(|&(mask, value)| x & mask == value);
+        for &v in ALLOWED_PERSONALITIES {
+            assert!(!denied(v), "{v:#x} is allowed but a mask matches it");
+        }
+        // Every single flag bit and a spread of other values.
+        let mut others: Vec<u32> = (0..32).map(|b| 1u32 << b).collect();
+        others.extend([
+            0x0040_0000, /* READ_IMPLIES_EXEC */
+            0x0004_0000, /* ADDR_NO_RANDOMIZE */
+            0x9,
+            0x2_0009,
+            0xffff_fffe,
+            0x7fff_ffff,
+            0x0010_0008,
+        ]);
+        let mut x: u32 = 0x1234_5678;
+        for _ in 0..10_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            others.push(x);
+        }
+        for v in others.into_iter().filter(|v| !ALLOWED_PERSONALITIES.contains(v)) {
+            assert!(denied(v), "{v:#x} is not allowed but no mask matches it");
+        }
+        // Small enough for a BPF program and a Docker profile.
+        assert!(masks.len() < 200, "{} pieces", masks.len());
+    }
+
+    #[test]
+    fn the_docker_profile_refuses_the_same_personas() {
+        let profile: serde_json::Value = serde_json::from_str(&docker_profile()).expect("json");
+        let rules: Vec<(u64, u64)> = profile["syscalls"]
+            .as_array()
+            .expect("syscalls")
+            .iter()
+            .filter(|r| r["names"][0] == "personality" && r["errnoRet"] == libc::EPERM && r["args"][0]["op"] == "SCMP_CMP_MASKED_EQ")
+            .filter_map(|r| Some((r["args"][0]["value"].as_u64()?, r["args"][0]["valueTwo"].as_u64()?)))
+            .collect();
+        let expected: Vec<(u64, u64)> = denied_personality_masks().into_iter().map(|(m, v)| (u64::from(m), u64::from(v))).collect();
+        assert_eq!(rules, expected, "the profile's (mask, datum) pairs");
+        let matches = |x: u64| rules.iter().any(|&(mask, datum)| x & mask == datum);
+        assert!(matches(0x0040_0000), "READ_IMPLIES_EXEC must be refused");
+        assert!(!matches(0x8) && !matches(0xffff_ffff), "PER_LINUX32 and the query must pass");
+    }
+
+    #[test]
+    fn installed_filter_refuses_personas_outside_the_list() {
+        // SAFETY: the child only makes syscalls and _exits (install() allocates, acceptable in a
+        // test: the parent waits).
+        match unsafe { nix::unistd::fork() }.expect("fork") {
+            nix::unistd::ForkResult::Child => {
+                // SAFETY: prctl with integer arguments.
+                unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+                let mut code = 0;
+                if install().is_err() {
+                    code = 99;
+                } else {
+                    // ADDR_NO_RANDOMIZE and READ_IMPLIES_EXEC: refused.
+                    for (i, persona) in [0x0004_0000u64, 0x0040_0000].into_iter().enumerate() {
+                        // SAFETY: personality(2) with an integer argument.
+                        let r = unsafe { libc::syscall(libc::SYS_personality, persona) };
+                        if r != -1 || nix::errno::Errno::last() != nix::errno::Errno::EPERM {
+                            code = 10 + i as i32;
+                        }
+                    }
+                    // The query and PER_LINUX: allowed.
+                    // SAFETY: as above.
+                    if unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) } < 0 || unsafe { libc::syscall(libc::SYS_personality, 0u64) } < 0 {
+                        code = 20;
+                    }
+                }
+                // SAFETY: _exit in a forked child.
+                unsafe { libc::_exit(code) }
+            }
+            nix::unistd::ForkResult::Parent { child } => {
+                let status = nix::sys::wait::waitpid(child, None).expect("waitpid");
+                let nix::sys::wait::WaitStatus::Exited(_, code) = status else { panic!("child ended with {status:?}") };
+                assert!(code != 99, "the filter could not be installed");
+                assert!(code != 20, "the personality query or PER_LINUX was refused");
+                assert_eq!(code, 0, "a persona outside Docker's list got through the filter");
             }
         }
     }

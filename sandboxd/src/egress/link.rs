@@ -61,18 +61,34 @@ pub fn tools_present() -> Result<(), String> {
     Ok(())
 }
 
+/// How many flows the host's connection tracking may hold for one sandbox at a time (its TCP
+/// connections to the proxy, open or half-open, and its DNS exchanges): a new one past this is
+/// dropped before it is tracked, so one sandbox cannot fill the host's conntrack table (which
+/// every container and host service shares). Closed TCP connections are not counted.
+pub const MAX_TRACKED_FLOWS_PER_SANDBOX: u32 = 1024;
+
 /// (Re)creates the table: TCP from sandbox interfaces redirected to `proxy_port`, UDP/53 to
 /// `dns_port`, sources checked against the set of (interface, address) pairs so no sandbox
 /// speaks with another's address, IPv6 dropped, nothing forwarded, nothing else delivered.
+/// Everything but TCP and UDP/53 is dropped in the raw hook, before connection tracking sees
+/// it; the flows a sandbox may have tracked at once are capped
+/// ([`MAX_TRACKED_FLOWS_PER_SANDBOX`]).
 pub fn install_table(names: &Names, proxy_port: u16, dns_port: u16) -> Result<(), String> {
     let (p, table) = (&names.prefix, &names.table);
+    let max_flows = MAX_TRACKED_FLOWS_PER_SANDBOX;
     let rules = format!(
         "table inet {table}\ndelete table inet {table}\n\
 table inet {table} {{
   set sources {{ type ifname . ipv4_addr; }}
+  set flows {{ type ipv4_addr; size 65535; flags dynamic; }}
   chain prerouting_raw {{ type filter hook prerouting priority raw; policy accept;
     iifname \"{p}*\" meta nfproto != ipv4 drop
     iifname \"{p}*\" iifname . ip saddr != @sources drop
+    iifname \"{p}*\" meta l4proto udp udp dport != 53 drop
+    iifname \"{p}*\" meta l4proto != {{ tcp, udp }} drop
+  }}
+  chain prerouting_flows {{ type filter hook prerouting priority mangle; policy accept;
+    iifname \"{p}*\" ct state new add @flows {{ ip saddr ct count over {max_flows} }} drop
   }}
   chain prerouting_nat {{ type nat hook prerouting priority dstnat; policy accept;
     iifname \"{p}*\" meta l4proto tcp redirect to :{proxy_port}
