@@ -284,7 +284,7 @@ static int is_host_binary(const char *link) {
 static int do_exe(int ms) {
     struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
-    int self = getpid(), helper_seen = 0, helper_blocked = 0, others = 0, last_err = 0;
+    int self = getpid(), helper_seen = 0, helper_blocked = 0, others = 0, last_err = 0, raced = 0;
     do {
         DIR *d = opendir("/proc");
         if (!d) { printf("cannot list /proc: %s\n", strerror(errno)); return 2; }
@@ -309,20 +309,33 @@ static int do_exe(int ms) {
             }
             if (is_keepalive(pid)) {
                 helper_seen = 1;
+                /* The exe was opened before the cmdline was read: a process that had already
+                 * left the helper's image by execve would not show its cmdline. */
                 if (path_fd >= 0) { snprintf(what, sizeof what, "O_PATH open of the exec helper's %s", exe); verdict(1, what, 0); }
                 else helper_blocked = 1;
+                /* A forked child of the helper shows the helper's cmdline until its execve, and
+                 * after it is an ordinary process of the sandbox's (dumpable: its descriptors
+                 * are the sandbox's own). What was reached counts only if the process still
+                 * shows the helper's cmdline afterwards, i.e. had not yet left its image. */
+                char hits[1024] = {0};
+                size_t used = 0;
                 int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
                 for (int target = 0; pidfd >= 0 && target < 16; target++) {
                     int got = (int)syscall(SYS_pidfd_getfd, pidfd, target, 0);
-                    if (got >= 0) { snprintf(what, sizeof what, "pidfd_getfd(exec helper, %d)", target); verdict(1, what, 0); close(got); }
+                    if (got >= 0) { used += snprintf(hits + used, sizeof hits - used, "ESCAPE: pidfd_getfd(exec helper, %d)\n", target); close(got); }
+                    if (used >= sizeof hits) used = sizeof hits - 1;
                 }
-                if (pidfd >= 0) close(pidfd);
                 for (int target = 0; target < 16; target++) {
                     char fdp[64];
                     snprintf(fdp, sizeof fdp, "/proc/%d/fd/%d", pid, target);
                     int got = open(fdp, O_RDWR);
-                    if (got >= 0) { snprintf(what, sizeof what, "open %s", fdp); verdict(1, what, 0); close(got); }
+                    if (got >= 0) { used += snprintf(hits + used, sizeof hits - used, "ESCAPE: open %s\n", fdp); close(got); }
+                    if (used >= sizeof hits) used = sizeof hits - 1;
                 }
+                int still = is_keepalive(pid);
+                if (pidfd >= 0) close(pidfd);
+                if (used && still) { fputs(hits, stdout); escaped = 1; }
+                else if (used) raced++;
             } else {
                 others++;
             }
@@ -333,7 +346,7 @@ static int do_exe(int ms) {
     if (!helper_seen) { printf("the exec helper (/.sandboxd/sandbox-exec --serve) was not found\n"); return 2; }
     verdict(!helper_blocked, "O_PATH open of the exec helper's /proc/<pid>/exe", EACCES);
     verdict(0, "opening any /proc/<pid>/exe for writing", last_err ? last_err : EACCES);
-    printf("SEEN: %d process looks\n", others);
+    printf("SEEN: %d process looks, %d helper children that reached execve mid-look\n", others, raced);
     return escaped;
 }
 

@@ -428,6 +428,14 @@ async fn pip_installs_from_an_allowed_index_and_not_without_a_network() {
     let wrong_port = sandbox(&h, network(NetworkMode::Allowlist, &["pypi.test:443".to_string()])).await;
     let r = sandbox_tests::sh(&h.client, &wrong_port, pip).await;
     assert_ne!(r.exit_code, 0, "pip installed through an unlisted port: {}", sandbox_tests::describe(&r));
+
+    // The container tier: the same install through the same filter, and none without it.
+    let container = sandbox_on(&h, Isolation::Container, network(NetworkMode::Allowlist, &["pypi.test:8080".to_string()])).await;
+    let out = sandbox_tests::sh_ok(&h.client, &container, pip).await;
+    assert!(out.contains("installed from the test index"), "{out}");
+    let none = sandbox_on(&h, Isolation::Container, None).await;
+    let r = sandbox_tests::sh(&h.client, &none, pip).await;
+    assert_ne!(r.exit_code, 0, "pip installed in a container without a network: {}", sandbox_tests::describe(&r));
 }
 
 /// The nameserver a sandbox's /etc/resolv.conf names: its gateway, the host end of its link.
@@ -487,6 +495,7 @@ async fn the_container_tier_is_held_the_same_through_fork_rollback_restart_and_d
 
     // ALLOWLIST: exactly the listed name and port, through the daemon's DNS and proxy.
     let allow = vec!["pypi.test:8080".to_string(), format!("host.test:{port}"), "169.254.169.254/32:80".to_string(), "pypi.test:8443".to_string()];
+    let tunnel = format!("{}.tunnel.test", "b".repeat(60));
     let id = sandbox_on(&h, Isolation::Container, network(NetworkMode::Allowlist, &allow)).await;
     within(30, h.client.write_file(&id, "/ca.pem", inet.ca_pem(), 0o644)).await.expect("writing the test CA");
     assert_eq!(host_links(&prefix).len(), 1, "{:?}", host_links(&prefix));
@@ -523,16 +532,28 @@ async fn the_container_tier_is_held_the_same_through_fork_rollback_restart_and_d
             "pypi.test",
             "8443",
             "pypi.test", // 8: real HTTPS to the listed name, checked against the test CA
+            "dns",
+            "16",
+            "pypi.test", // 9: TXT of the listed name
+            "dns",
+            "1",
+            &tunnel, // 10: a long label under an unlisted name
         ],
     )
     .await;
-    assert_eq!(lines.len(), 9, "{lines:#?}");
+    assert_eq!(lines.len(), 11, "{lines:#?}");
     assert_fail(&lines[0]);
     assert_ok(&lines[1], "200 OK hello from the test internet");
     for l in &lines[2..8] {
         assert_fail(l);
     }
     assert_ok(&lines[8], "200 OK hello from the test internet");
+    assert_fail(&lines[9]);
+    assert_fail(&lines[10]);
+    let queries = inet.queries();
+    for leaked in ["tunnel", " 16\n"] {
+        assert!(!queries.contains(leaked), "{leaked:?} reached the upstream resolver from a container:\n{queries}");
+    }
     assert!(!host.was_reached(), "a container reached a host service");
     let audit = audit_lines(&h, &id);
     let ok = audit.iter().find(|l| l["rpc"] == "egress.connect" && l["verdict"] == "allowed").expect("an allowed connection in the audit log");
@@ -662,8 +683,10 @@ async fn the_microvm_tier_is_held_the_same_through_fork_rollback_restart_and_des
     within(60, h.client.destroy(&none)).await.expect("Destroy");
 
     // ALLOWLIST: a virtio-net device on a TAP, held by the same filter as the other tiers.
-    let allow = vec!["pypi.test:8080".to_string(), format!("host.test:{port}"), "169.254.169.254/32:80".to_string()];
+    let allow = vec!["pypi.test:8080".to_string(), format!("host.test:{port}"), "169.254.169.254/32:80".to_string(), "pypi.test:8443".to_string()];
+    let tunnel = format!("{}.tunnel.test", "c".repeat(60));
     let id = sandbox_on(&h, Isolation::Microvm, network(NetworkMode::Allowlist, &allow)).await;
+    within(60, h.client.write_file(&id, "/ca.pem", inet.ca_pem(), 0o644)).await.expect("writing the test CA");
     assert_eq!(host_links(&prefix).len(), 1, "{:?}", host_links(&prefix));
     let gw = nameserver(&h, &id).await.to_string();
     let lines = probe(
@@ -690,16 +713,35 @@ async fn the_microvm_tier_is_held_the_same_through_fork_rollback_restart_and_des
             "connect",
             "169.254.169.254",
             "80", // 6: listed as a CIDR, still the metadata address
+            "https",
+            "pypi.test",
+            "8443",
+            "evil.test", // 7: real HTTPS naming an unlisted name at the allowed address
+            "dns",
+            "16",
+            "pypi.test", // 8: TXT of the listed name
+            "dns",
+            "1",
+            &tunnel, // 9: a long label under an unlisted name
+            "https",
+            "pypi.test",
+            "8443",
+            "pypi.test", // 10: real HTTPS to the listed name, checked against the test CA
         ],
     )
     .await;
-    assert_eq!(lines.len(), 7, "{lines:#?}");
+    assert_eq!(lines.len(), 11, "{lines:#?}");
     assert_fail(&lines[0]);
     assert_ok(&lines[1], "200 OK hello from the test internet");
-    for l in &lines[2..] {
+    for l in &lines[2..10] {
         assert_fail(l);
     }
+    assert_ok(&lines[10], "200 OK hello from the test internet");
     assert!(!host.was_reached(), "a microVM reached a host service");
+    let queries = inet.queries();
+    for leaked in ["tunnel", " 16\n"] {
+        assert!(!queries.contains(leaked), "{leaked:?} reached the upstream resolver from a microVM:\n{queries}");
+    }
     let audit = audit_lines(&h, &id);
     let ok = audit.iter().find(|l| l["rpc"] == "egress.connect" && l["verdict"] == "allowed").expect("an allowed connection in the audit log");
     assert_eq!((ok["rule"].as_str(), ok["port"].as_u64()), (Some("pypi.test:8080"), Some(8080)), "{ok}");

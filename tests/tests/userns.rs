@@ -312,3 +312,22 @@ async fn host_uevents_do_not_reach_a_sandbox() {
     let id = h.sandbox_with("debian", Default::default()).await;
     assert!(sandbox_sees_host_uevents(&h, &id).await, "without a user namespace the host's uevent should have reached the sandbox (the control)");
 }
+
+/// The container tier shares host uids unless Docker remaps user namespaces; an operator who
+/// asks for strict mode gets container creates refused, naming the setting and the fix, while
+/// the process tier goes on. (This host's Docker does not remap: the test checks that first.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_mode_refuses_containers_while_docker_shares_host_uids() {
+    let info = std::process::Command::new("docker").args(["info", "--format", "{{json .SecurityOptions}}"]).output().expect("docker info");
+    assert!(info.status.success(), "docker info: {}", String::from_utf8_lossy(&info.stderr));
+    assert!(!String::from_utf8_lossy(&info.stdout).contains("userns"), "this test expects a Docker without userns-remap");
+    let h = Harness::start_with_config("[container]\nrequire_userns_remap = true\n").await;
+    let request =
+        agent_client::proto::CreateSandboxRequest { isolation: agent_client::proto::Isolation::Container as i32, ..sandbox_tests::process_sandbox("minimal") };
+    let err = sandbox_tests::within(60, h.client.create(request)).await.expect_err("a container create in strict mode");
+    let msg = err.to_string();
+    assert!(msg.contains("require_userns_remap") && msg.contains("--userns-remap"), "{msg}");
+    // Nothing else is affected.
+    let id = h.sandbox().await;
+    assert_eq!(h.sh_ok(&id, "echo ok").await, "ok\n");
+}
