@@ -24,6 +24,9 @@ pub(super) const MAX_EDIT_BYTES: u64 = 32 << 20;
 /// Longest value the model may pin: pinned facts are in every prompt and survive every
 /// summary, so a big one would crowd out everything else.
 pub(super) const MAX_PIN_CHARS: usize = 2_000;
+/// Longest key the model may pin (or unpin) under: the key is in every prompt with its value,
+/// and a refusal must not echo an unbounded key back either.
+pub(super) const MAX_PIN_KEY_CHARS: usize = 200;
 
 /// The SHA-256 of `bytes`, hex.
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -209,6 +212,13 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                     "rolled back to {snapshot_id}; processes that were running were stopped"
                 ))
             }
+            Action::Pin { key, .. } if key.chars().count() > MAX_PIN_KEY_CHARS => {
+                Observation::error(format!(
+                    "pin REFUSED: the key is {} characters ({}); a pin key may have at most {MAX_PIN_KEY_CHARS} (pins are in every prompt). Use a short name as the key and put the fact in the value.",
+                    key.chars().count(),
+                    observe::cut_chars(key, 40)
+                ))
+            }
             Action::Pin { key, value } => match value {
                 Some(v) if v.chars().count() > MAX_PIN_CHARS => Observation::error(format!(
                     "pin REFUSED: the value is {} characters; a pinned fact may have at most {MAX_PIN_CHARS} (pins are in every prompt). Keep the key fact short, or write the details to a file and pin its path.",
@@ -220,7 +230,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                         self.ctx.counter().count(key) + self.ctx.counter().count(old)
                     });
                     let room = self.ctx.pin_room() + had;
-                    let adds = self.ctx.counter().count(v);
+                    let adds = self.ctx.counter().count(key) + self.ctx.counter().count(v);
                     if adds > room {
                         Observation::error(format!(
                             "pin REFUSED: pinned facts would take more than their share of the context window ({adds} tokens more, {room} left). Unpin facts you no longer need, or shorten this one."

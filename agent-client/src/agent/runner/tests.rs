@@ -1913,3 +1913,48 @@ async fn a_bad_inbox_file_is_rejected_and_the_run_goes_on() {
         .operator
         .is_empty());
 }
+
+#[tokio::test]
+async fn a_pin_with_a_huge_key_is_refused_and_never_reaches_a_prompt() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    // Many distinct words: thousands of tokens, more than the pins' share of the window.
+    let key: String = (0..3_000).map(|i| format!("fact{i} ")).collect();
+    let (report, model) = run(
+        &fake,
+        spec("remember things"),
+        vec![
+            Reply::call("pin", json!({"key": key, "value": "v"})),
+            Reply::call("pin", json!({"key": key})),
+            Reply::call("pin", json!({"key": "short", "value": "kept"})),
+            Reply::finish("done"),
+        ],
+        dir.path(),
+    )
+    .await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let ck = FileStore::new(dir.path()).load("r1").expect("checkpoint");
+    assert!(
+        !ck.context.pinned.contains_key(&key),
+        "the huge key was pinned"
+    );
+    assert_eq!(
+        ck.context.pinned.get("short").map(String::as_str),
+        Some("kept")
+    );
+    let requests = requests_of(&model);
+    assert_eq!(requests.len(), 4);
+    let told = requests[1].to_string();
+    assert!(
+        told.contains("pin REFUSED: the key is"),
+        "the model is told why: {told:.300}"
+    );
+    // Neither the pin, its refusal, the unpin nor the action lines carry the key along.
+    let long_piece = &key[..600];
+    for (i, r) in requests.iter().enumerate().skip(1) {
+        assert!(
+            !r.to_string().contains(long_piece),
+            "request {i} carries the huge key"
+        );
+    }
+}
