@@ -333,6 +333,48 @@ impl FileStore {
     }
 }
 
+impl FileStore {
+    /// [`CheckpointStore::save`] on the blocking pool: for async code, which must not block
+    /// its runtime's thread on writes and fsyncs (`sbx` runs a current-thread runtime).
+    pub async fn save_off_runtime(&self, checkpoint: Checkpoint) -> Result<(), CheckpointError> {
+        let store = self.clone();
+        let path = self.path(&checkpoint.run_id);
+        off_runtime("cannot save checkpoint", path, move || {
+            store.save(&checkpoint)
+        })
+        .await
+    }
+
+    /// [`FileStore::write_atomic`] on the blocking pool (see [`FileStore::save_off_runtime`]).
+    pub async fn write_atomic_off_runtime(
+        path: PathBuf,
+        bytes: Vec<u8>,
+    ) -> Result<(), CheckpointError> {
+        let at = path.clone();
+        off_runtime("cannot write", at, move || {
+            Self::write_atomic(&path, &bytes)
+        })
+        .await
+    }
+}
+
+/// Runs blocking file work (writes, fsyncs, directories made durable) on tokio's blocking
+/// pool and waits for it. Never `block_in_place`: it panics on a current-thread runtime. A
+/// task that panicked or was cancelled is an error about `path`, saying what was being done.
+pub async fn off_runtime<T: Send + 'static>(
+    what: &'static str,
+    path: PathBuf,
+    work: impl FnOnce() -> Result<T, CheckpointError> + Send + 'static,
+) -> Result<T, CheckpointError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| CheckpointError::Io {
+            what,
+            path,
+            source: std::io::Error::other(format!("the blocking task did not finish: {e}")),
+        })?
+}
+
 /// The directory `path` is in (`.` for a bare name).
 fn parent_or_dot(path: &Path) -> &Path {
     match path.parent() {

@@ -1958,3 +1958,58 @@ async fn a_pin_with_a_huge_key_is_refused_and_never_reaches_a_prompt() {
         );
     }
 }
+
+/// Directory fsyncs under `dir` done on the calling thread (the test's current-thread
+/// runtime, as `sbx`'s), from the `from`th on.
+fn syncs_on_this_thread(dir: &std::path::Path, from: usize) -> Vec<std::path::PathBuf> {
+    let here = std::thread::current().id();
+    crate::agent::checkpoint::tests::dir_syncs_under(dir)[from..]
+        .iter()
+        .filter(|(_, t)| *t == here)
+        .map(|(p, _)| p.clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn checkpoint_writes_never_block_the_runtime_thread() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let mut o = opts(dir.path());
+    o.keep_sandbox = Some(Duration::ZERO);
+    let model = llm(vec![Reply::bash("echo a >> log"), Reply::finish("a")]);
+    let report = start(fake.clone(), model, spec("x"), Some("r1".into()), o)
+        .await
+        .expect("run");
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    assert!(report.diff_path.is_some(), "final.diff written");
+    let all = crate::agent::checkpoint::tests::dir_syncs_under(dir.path());
+    assert!(all.len() > 3, "{all:?}");
+    // The run: its directory, checkpoints, final diff.
+    assert_eq!(syncs_on_this_thread(dir.path(), 0), Vec::<PathBuf>::new());
+    // The sweep that marks a removed sandbox in the checkpoint.
+    let from = all.len();
+    assert_eq!(reap_finished_sandboxes(&fake, dir.path()).await.len(), 1);
+    assert_eq!(
+        syncs_on_this_thread(dir.path(), from),
+        Vec::<PathBuf>::new()
+    );
+    // The removal of an unused sandbox (a run that ended before its first step).
+    let sb = fake.create(Default::default()).await.expect("create");
+    let mut ck = crate::agent::checkpoint::tests::sample("r2");
+    ck.step = 0;
+    ck.sandbox_id = sb.id.clone();
+    ck.outcome = FileStore::new(dir.path())
+        .load("r1")
+        .expect("checkpoint")
+        .outcome;
+    FileStore::new(dir.path()).save(&ck).expect("save");
+    let from = crate::agent::checkpoint::tests::dir_syncs_under(dir.path()).len();
+    let removed = remove_unused_sandbox(&fake, dir.path(), "r2")
+        .await
+        .expect("remove");
+    assert_eq!(removed, Some(sb.id));
+    assert_eq!(
+        syncs_on_this_thread(dir.path(), from),
+        Vec::<PathBuf>::new()
+    );
+}
