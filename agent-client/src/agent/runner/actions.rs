@@ -12,7 +12,7 @@ use crate::agent::checkpoint::PendingAction;
 use crate::agent::classify::{self, at, Class, Op, OpError};
 use crate::agent::observe::{self, Observation};
 use crate::agent::sandbox::SandboxApi;
-use crate::agent::tools::Action;
+use crate::agent::tools::{self, Action};
 use crate::agent::verify::{self, Level};
 use crate::proto::{ExecStatus, SandboxState};
 
@@ -155,7 +155,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 let path = self.abs_path(path);
                 let n = self
                     .sandbox
-                    .write_file(&sid, &path, content.clone().into_bytes())
+                    .write_file(&sid, &path, content.clone().into_bytes(), 0)
                     .await
                     .map_err(at(Op::WriteFile))?;
                 Observation::ok(format!("wrote {n} bytes to {path}"))
@@ -337,6 +337,10 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             return Ok(Observation::error(format!("str_replace in {path}: old_str occurs {count} times; include more surrounding text to make it unique, or set replace_all")));
         }
         let updated = replace_at(&content, &offsets, old_str.len(), new_str.as_bytes());
+        let mode = match self.file_mode(p, &path).await? {
+            Ok(mode) => mode,
+            Err(unknown) => return Ok(unknown),
+        };
         let expect = sha256_hex(&updated);
         if let Some(pending) = self.ck.pending.as_mut() {
             pending.expect_sha256 = Some(expect);
@@ -350,7 +354,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         }
         let first = offsets.first().copied();
         self.sandbox
-            .write_file(&sid, &path, updated.clone())
+            .write_file(&sid, &path, updated.clone(), mode)
             .await
             .map_err(at(Op::WriteFile))?;
         Ok(Observation::ok(format!(
@@ -358,6 +362,39 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             if count == 1 { "" } else { "s" },
             snippet(&updated, first, new_str.lines().count())
         )))
+    }
+
+    /// The permission bits of `path`, for a rewrite to keep them: WriteFile replaces the file
+    /// with the mode it is given (0644 when none), so an executable script would lose its
+    /// exec bit. ReadFile does not report the mode, so the sandbox's `stat` is asked (`-L`:
+    /// of the file a link leads to, as ReadFile reads it), keyed like the step. A mode that
+    /// cannot be learned, or that WriteFile cannot express (0), means the edit is not made:
+    /// never a silent chmod.
+    async fn file_mode(
+        &mut self,
+        p: &PendingAction,
+        path: &str,
+    ) -> Result<Result<u32, Observation>, OpError> {
+        let command = format!("stat -L -c %a -- {}", tools::shell_quote(path));
+        let key = idempotency_key(&self.ck.run_id, p.step, p.attempt, "mode");
+        let r = self
+            .exec(self.sh_request(&command, key, self.budget.limits.step_time))
+            .await
+            .map_err(at(Op::Exec))?;
+        let out = String::from_utf8_lossy(&r.stdout);
+        let mode = (r.status == ExecStatus::Exited as i32 && r.exit_code == 0)
+            .then(|| u32::from_str_radix(out.trim(), 8).ok())
+            .flatten()
+            .filter(|m| (1..=0o7777).contains(m));
+        Ok(mode.ok_or_else(|| {
+            let said = format!("{}{}", out.trim(), String::from_utf8_lossy(&r.stderr).trim());
+            tracing::warn!(path, exit_code = r.exit_code, said = %said, "cannot learn a file's mode for str_replace");
+            Observation::error(format!(
+                "str_replace in {path} NOT done: its permissions could not be learned to keep them (`{command}` exited {}: {}). Make the edit with bash (sed -i keeps the mode).",
+                r.exit_code,
+                observe::cut_chars(&said, 200)
+            ))
+        }))
     }
 
     /// The whole file, read in the daemon's 4 MiB pieces; a file over [`MAX_EDIT_BYTES`] is
@@ -448,7 +485,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             let path = format!("{AGENT_DIR}/spill/step-{step}.{stream}");
             let shown = match self
                 .sandbox
-                .write_file(&self.ck.sandbox_id, &path, text.into_bytes())
+                .write_file(&self.ck.sandbox_id, &path, text.into_bytes(), 0)
                 .await
             {
                 Ok(_) => path,

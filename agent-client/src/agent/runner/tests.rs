@@ -491,7 +491,7 @@ async fn resume_rolls_back_a_lost_exec_before_running_it_again() {
         ..crate::exec_request(ck.sandbox_id.as_str(), ["sh", "-c", "echo two >> log"])
     };
     fake.exec(req).await.expect("lost exec");
-    fake.write_file(&ck.sandbox_id, "/workspace/log", b"one\ntw".to_vec())
+    fake.write_file(&ck.sandbox_id, "/workspace/log", b"one\ntw".to_vec(), 0)
         .await
         .expect("half a write");
     let (report, _) = resume_to_end(dir.path(), &fake).await;
@@ -2011,5 +2011,72 @@ async fn checkpoint_writes_never_block_the_runtime_thread() {
     assert_eq!(
         syncs_on_this_thread(dir.path(), from),
         Vec::<PathBuf>::new()
+    );
+}
+
+#[tokio::test]
+async fn str_replace_keeps_the_file_mode() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let replies = vec![
+        Reply::call(
+            "write_file",
+            json!({"path": "run.sh", "content": "#!/bin/sh\necho old\n"}),
+        ),
+        Reply::bash("chmod 750 run.sh"),
+        Reply::call(
+            "str_replace",
+            json!({"path": "run.sh", "old_str": "old", "new_str": "new"}),
+        ),
+        Reply::finish("ok"),
+    ];
+    let (report, model) = run(&fake, spec("x"), replies, dir.path()).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let told = requests_of(&model)[3].to_string();
+    assert!(told.contains("replaced 1 occurrence"), "{told}");
+    assert_eq!(
+        fake.file(&report.sandbox_id, "/workspace/run.sh"),
+        Some(b"#!/bin/sh\necho new\n".to_vec())
+    );
+    assert_eq!(
+        fake.mode(&report.sandbox_id, "/workspace/run.sh"),
+        Some(0o750)
+    );
+}
+
+#[tokio::test]
+async fn str_replace_is_not_made_when_the_mode_cannot_be_learned() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A sandbox without a working stat.
+    let fake = FakeSandbox::new(Arc::new(
+        |cmd: &str, files: &mut crate::agent::sandbox::FakeFiles| {
+            if cmd == "make" {
+                files.insert("/workspace/a.txt".into(), b"x = 1\n".to_vec());
+            }
+            (0, String::new())
+        },
+    ));
+    fake.break_stat();
+    let replies = vec![
+        Reply::bash("make"),
+        Reply::call(
+            "str_replace",
+            json!({"path": "a.txt", "old_str": "x = 1", "new_str": "x = 2"}),
+        ),
+        Reply::finish("ok"),
+    ];
+    let (report, model) = run(&fake, spec("x"), replies, dir.path()).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let told = requests_of(&model)[2].to_string();
+    assert!(
+        told.contains(
+            "str_replace in /workspace/a.txt NOT done: its permissions could not be learned"
+        ),
+        "{told}"
+    );
+    assert_eq!(
+        fake.file(&report.sandbox_id, "/workspace/a.txt"),
+        Some(b"x = 1\n".to_vec()),
+        "unchanged"
     );
 }
