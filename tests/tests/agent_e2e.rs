@@ -1017,6 +1017,23 @@ async fn str_replace_keeps_bytes_that_are_not_utf8() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn str_replace_keeps_the_file_mode() -> Result<()> {
+    let env = Env::new(Script::sequence(vec![
+        Reply::bash("printf '#!/bin/sh\\necho old\\n' > run.sh && chmod 750 run.sh"),
+        Reply::call("str_replace", json!({"path": "run.sh", "old_str": "old", "new_str": "new"})),
+        Reply::bash("stat -c 'mode=%a' run.sh && ./run.sh"),
+        Reply::finish("edited"),
+    ]))
+    .await?;
+    let out = env.agent_run("edit run.sh", "keepmode", &[]).await?;
+    let (code, r) = report(&out)?;
+    assert_eq!(code, 0, "{r:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    let told = last_tool_text(&env.model.requests()[3]);
+    assert!(told.contains("mode=750") && told.contains("new"), "{told}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_str_replace_whose_answer_was_lost_is_not_applied_twice() -> Result<()> {
     let plan = new_plan();
     let armer = plan.clone();

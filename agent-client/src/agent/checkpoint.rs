@@ -294,25 +294,8 @@ impl FileStore {
         bytes: &[u8],
         write: impl FnOnce(&mut File, &[u8]) -> std::io::Result<()>,
     ) -> Result<(), CheckpointError> {
-        let dir = path.parent().unwrap_or(Path::new("."));
-        if !dir.is_dir() {
-            fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
-                what: "cannot create",
-                path: dir.to_path_buf(),
-                source,
-            })?;
-            // A new run directory is an entry of its parent: without this fsync the first
-            // checkpoint can vanish with it on a power loss.
-            if let Some(parent) = dir.parent() {
-                File::open(parent)
-                    .and_then(|d| d.sync_all())
-                    .map_err(|source| CheckpointError::Io {
-                        what: "cannot fsync directory",
-                        path: parent.to_path_buf(),
-                        source,
-                    })?;
-            }
-        }
+        let dir = parent_or_dot(path);
+        create_dir_durable(dir)?;
         let tmp = dir.join(format!(
             ".{}.tmp-{}",
             path.file_name().and_then(|n| n.to_str()).unwrap_or("ckpt"),
@@ -346,14 +329,101 @@ impl FileStore {
             path: path.to_path_buf(),
             source,
         })?;
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|source| CheckpointError::Io {
-                what: "cannot fsync directory",
-                path: dir.to_path_buf(),
-                source,
-            })
+        sync_dir(dir)
     }
+}
+
+impl FileStore {
+    /// [`CheckpointStore::save`] on the blocking pool: for async code, which must not block
+    /// its runtime's thread on writes and fsyncs (`sbx` runs a current-thread runtime).
+    pub async fn save_off_runtime(&self, checkpoint: Checkpoint) -> Result<(), CheckpointError> {
+        let store = self.clone();
+        let path = self.path(&checkpoint.run_id);
+        off_runtime("cannot save checkpoint", path, move || {
+            store.save(&checkpoint)
+        })
+        .await
+    }
+
+    /// [`FileStore::write_atomic`] on the blocking pool (see [`FileStore::save_off_runtime`]).
+    pub async fn write_atomic_off_runtime(
+        path: PathBuf,
+        bytes: Vec<u8>,
+    ) -> Result<(), CheckpointError> {
+        let at = path.clone();
+        off_runtime("cannot write", at, move || {
+            Self::write_atomic(&path, &bytes)
+        })
+        .await
+    }
+}
+
+/// Runs blocking file work (writes, fsyncs, directories made durable) on tokio's blocking
+/// pool and waits for it. Never `block_in_place`: it panics on a current-thread runtime. A
+/// task that panicked or was cancelled is an error about `path`, saying what was being done.
+pub async fn off_runtime<T: Send + 'static>(
+    what: &'static str,
+    path: PathBuf,
+    work: impl FnOnce() -> Result<T, CheckpointError> + Send + 'static,
+) -> Result<T, CheckpointError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| CheckpointError::Io {
+            what,
+            path,
+            source: std::io::Error::other(format!("the blocking task did not finish: {e}")),
+        })?
+}
+
+/// The directory `path` is in (`.` for a bare name).
+fn parent_or_dot(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
+/// fsyncs a directory, so the entries made in it (a new file or directory, a rename) survive
+/// a power loss.
+fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    #[cfg(test)]
+    tests::note_dir_sync(dir);
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|source| CheckpointError::Io {
+            what: "cannot fsync directory",
+            path: dir.to_path_buf(),
+            source,
+        })
+}
+
+/// Creates `dir` and its missing parents, fsyncing the parent of each one made: a new
+/// directory is an entry of its parent, and without that fsync it can vanish on a power loss
+/// with everything written in it since.
+fn create_dir_durable(dir: &Path) -> Result<(), CheckpointError> {
+    let mut missing = Vec::new();
+    let mut at = dir;
+    while !at.is_dir() {
+        missing.push(at);
+        match at.parent() {
+            Some(p) if !p.as_os_str().is_empty() => at = p,
+            _ => break,
+        }
+    }
+    for made in missing.into_iter().rev() {
+        if let Err(source) = fs::create_dir(made) {
+            // Made meanwhile by another process: its entry is synced below all the same.
+            if !(source.kind() == std::io::ErrorKind::AlreadyExists && made.is_dir()) {
+                return Err(CheckpointError::Io {
+                    what: "cannot create",
+                    path: made.to_path_buf(),
+                    source,
+                });
+            }
+        }
+        sync_dir(parent_or_dot(made))?;
+    }
+    Ok(())
 }
 
 /// Encodes a checkpoint as header + body.
@@ -436,7 +506,18 @@ fn hex(bytes: &[u8]) -> String {
 impl CheckpointStore for FileStore {
     fn save(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
         validate_run_id(&checkpoint.run_id)?;
-        Self::write_atomic(&self.path(&checkpoint.run_id), &encode(checkpoint))
+        let path = self.path(&checkpoint.run_id);
+        let first = !path.exists();
+        Self::write_atomic(&path, &encode(checkpoint))?;
+        if first {
+            // The run's first checkpoint: its directory, and `runs/`, may have been made
+            // without their entries reaching the disk (by a process that died before its
+            // fsync); the checkpoint is durable only once they are.
+            let run_dir = self.run_dir(&checkpoint.run_id);
+            sync_dir(parent_or_dot(&run_dir))?;
+            sync_dir(&self.root)?;
+        }
+        Ok(())
     }
 
     fn load(&self, run_id: &str) -> Result<Checkpoint, CheckpointError> {
@@ -562,11 +643,7 @@ impl RunLock {
     pub fn acquire(store: &FileStore, run_id: &str) -> Result<Self, CheckpointError> {
         validate_run_id(run_id)?;
         let dir = store.run_dir(run_id);
-        fs::create_dir_all(&dir).map_err(|source| CheckpointError::Io {
-            what: "cannot create",
-            path: dir.clone(),
-            source,
-        })?;
+        create_dir_durable(&dir)?;
         Self::lock(&dir, run_id)
     }
 
@@ -610,6 +687,74 @@ impl RunLock {
 pub(crate) mod tests {
     use super::*;
     use crate::agent::context::ContextState;
+    use std::sync::Mutex;
+    use std::thread::ThreadId;
+
+    /// Every directory fsync of the tests' processes, and the thread that did it.
+    static DIR_SYNCS: Mutex<Vec<(PathBuf, ThreadId)>> = Mutex::new(Vec::new());
+
+    pub(super) fn note_dir_sync(dir: &Path) {
+        DIR_SYNCS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((dir.to_path_buf(), std::thread::current().id()));
+    }
+
+    /// The directory fsyncs so far at or below `root` (a test's temporary directory), in order.
+    pub(crate) fn dir_syncs_under(root: &Path) -> Vec<(PathBuf, ThreadId)> {
+        DIR_SYNCS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(p, _)| p.starts_with(root))
+            .cloned()
+            .collect()
+    }
+
+    fn synced_paths(root: &Path) -> Vec<PathBuf> {
+        dir_syncs_under(root).into_iter().map(|(p, _)| p).collect()
+    }
+
+    #[test]
+    fn a_new_run_directory_is_fsynced_in_its_parent() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let root = tmp.path().join("state");
+        let store = FileStore::new(&root);
+        let _lock = RunLock::acquire(&store, "r1").expect("lock");
+        // Each directory made has its entry fsynced in its parent.
+        let synced = synced_paths(tmp.path());
+        for dir in [tmp.path().to_path_buf(), root.clone(), root.join("runs")] {
+            assert!(
+                synced.contains(&dir),
+                "{} not synced: {synced:?}",
+                dir.display()
+            );
+        }
+    }
+
+    #[test]
+    fn the_first_checkpoint_of_a_run_fsyncs_the_run_directory_entry() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let store = FileStore::new(tmp.path());
+        // The run directory exists, made without any fsync (as by a process that died).
+        fs::create_dir_all(store.run_dir("r1")).expect("mkdir");
+        store.save(&sample("r1")).expect("save");
+        let runs = tmp.path().join("runs");
+        let synced = synced_paths(tmp.path());
+        // The checkpoint's entry in the run directory, the run directory's in `runs/`,
+        // `runs/`'s in the state directory.
+        for dir in [store.run_dir("r1"), runs.clone(), tmp.path().to_path_buf()] {
+            assert!(
+                synced.contains(&dir),
+                "{} not synced: {synced:?}",
+                dir.display()
+            );
+        }
+        // Later checkpoints sync only the run directory.
+        let before = synced.len();
+        store.save(&sample("r1")).expect("save");
+        assert_eq!(synced_paths(tmp.path())[before..], [store.run_dir("r1")]);
+    }
 
     pub(crate) fn sample(run_id: &str) -> Checkpoint {
         Checkpoint {

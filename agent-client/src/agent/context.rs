@@ -142,9 +142,24 @@ impl StepEntry {
         )
     }
 
-    /// The call with bulky arguments (file contents) folded too, still valid JSON.
+    /// The call with bulky arguments (file contents) folded too, still valid JSON. A
+    /// `write_file` keeps its path and, for the content, a prefix, the size and a digest:
+    /// whatever its length, the content itself is in the file, not in the history. Folding a
+    /// folded call changes nothing.
     fn folded_call(&self) -> ToolCall {
         let mut call = self.call.clone();
+        if call.function.name == "write_file" {
+            if let Ok(Value::Object(mut map)) =
+                serde_json::from_str::<Value>(&call.function.arguments)
+            {
+                if let Some(Value::String(content)) = map.get_mut("content") {
+                    if content.chars().count() > FOLDED_CONTENT_CHARS {
+                        *content = fold_content(content);
+                        call.function.arguments = Value::Object(map).to_string();
+                    }
+                }
+            }
+        }
         if call.function.arguments.len() > 400 {
             if let Ok(Value::Object(mut map)) =
                 serde_json::from_str::<Value>(&call.function.arguments)
@@ -194,6 +209,36 @@ impl StepEntry {
         }
         messages
     }
+}
+
+/// Tokens of `messages` in a prompt.
+fn count_messages(counter: &TokenCounter, messages: &[Message]) -> usize {
+    messages
+        .iter()
+        .map(|m| MESSAGE_OVERHEAD + counter.count(&m.countable_text()))
+        .sum()
+}
+
+/// Longest `write_file` content a folded step still shows whole; a longer one is replaced by
+/// [`fold_content`], which is shorter than this (so folding twice changes nothing).
+const FOLDED_CONTENT_CHARS: usize = 120;
+/// Characters of a folded `write_file` content's prefix still shown.
+const FOLDED_CONTENT_PREFIX_CHARS: usize = 48;
+
+/// What a folded `write_file` keeps of the content: a prefix, the size and a short digest
+/// (enough to tell two writes apart; the content is in the file).
+fn fold_content(content: &str) -> String {
+    use sha2::{Digest as _, Sha256};
+    let sum = Sha256::digest(content.as_bytes());
+    let short: String = sum.iter().take(6).map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}… [{} bytes folded, sha256 {short}]",
+        content
+            .chars()
+            .take(FOLDED_CONTENT_PREFIX_CHARS)
+            .collect::<String>(),
+        content.len()
+    )
 }
 
 /// Characters of a folded step's reasoning still shown.
@@ -529,18 +574,30 @@ impl ContextManager {
 
     /// Folded results whose exec the daemon keeps need not be held here too: dropping them
     /// keeps memory and checkpoints small however long the run (`recall` fetches them back).
+    /// Likewise a folded `write_file` keeps only what its folded call shows (path, size, a
+    /// prefix and a digest of the content), not the content it wrote.
     fn drop_folded_observations(&mut self) {
         if !self.cfg.managed {
             return;
         }
         let newest = self.state.working.back().map_or(0, |e| e.step);
         let horizon = self.cfg.fold_after as u64;
+        let counter = &self.counter;
         for e in self
             .state
             .first
             .iter_mut()
             .chain(self.state.working.iter_mut())
         {
+            if newest.saturating_sub(e.step) >= horizon {
+                let folded = e.folded_call();
+                if folded.function.arguments != e.call.function.arguments
+                    && e.call.function.name == "write_file"
+                {
+                    e.call = folded;
+                    e.tokens_full = count_messages(counter, &e.messages(false));
+                }
+            }
             if !e.dropped && e.exec_id.is_some() && newest.saturating_sub(e.step) >= horizon {
                 // A bounded digest stays for the summary that will absorb this step.
                 e.observation = digest(&e.observation);
@@ -566,10 +623,7 @@ impl ContextManager {
     }
 
     fn count_messages(&self, messages: &[Message]) -> usize {
-        messages
-            .iter()
-            .map(|m| MESSAGE_OVERHEAD + self.counter.count(&m.countable_text()))
-            .sum()
+        count_messages(&self.counter, messages)
     }
 
     /// Whether a step is shown folded: by age, or because the manager folded harder.
@@ -1277,6 +1331,72 @@ mod tests {
             .iter()
             .map(|m| m.content.clone().unwrap_or_default())
             .collect()
+    }
+
+    #[test]
+    fn a_folded_write_file_keeps_path_size_and_digest_not_the_content() {
+        let mut m = manager(100_000);
+        // Steps in the first layer and in the working layer, a short and a long content.
+        let contents: Vec<String> = (1..=6)
+            .map(|i| {
+                let len = if i % 2 == 0 { 300 } else { 5_000 };
+                (0..len)
+                    .map(|j| char::from(b'a' + ((i * 7 + j * 13) % 26) as u8))
+                    .collect()
+            })
+            .collect();
+        for (i, content) in contents.iter().enumerate() {
+            let step = i as u64 + 1;
+            let mut c = call(step, &json_args(step, content));
+            c.function.name = "write_file".into();
+            m.push_step(
+                step,
+                c,
+                format!("write_file f{step} ({} bytes)", content.len()),
+                format!("wrote {} bytes to f{step}", content.len()),
+                None,
+                true,
+            );
+        }
+        for step in 7..=14 {
+            push(&mut m, step, "more");
+        }
+        let held: Vec<&StepEntry> = m
+            .state()
+            .first
+            .iter()
+            .chain(m.state().working.iter())
+            .collect();
+        let rendered = serde_json::to_string(&m.render()).expect("json");
+        let stored = serde_json::to_string(m.state()).expect("json");
+        for (i, content) in contents.iter().enumerate() {
+            let step = i as u64 + 1;
+            let e = held.iter().find(|e| e.step == step).expect("held");
+            let args: Value = serde_json::from_str(&e.call.function.arguments).expect("valid JSON");
+            assert_eq!(args["path"], format!("f{step}"));
+            let kept = args["content"].as_str().unwrap_or_default();
+            assert!(kept.chars().count() <= FOLDED_CONTENT_CHARS, "{kept}");
+            assert!(
+                kept.contains(&format!("{} bytes folded, sha256 ", content.len())),
+                "{kept}"
+            );
+            assert!(
+                kept.starts_with(&content[..FOLDED_CONTENT_PREFIX_CHARS]),
+                "{kept}"
+            );
+            // Neither the prompt nor the checkpointed state holds the content any more.
+            let piece = &content[..FOLDED_CONTENT_PREFIX_CHARS + 20];
+            assert!(
+                !rendered.contains(piece),
+                "step {step} content in the prompt"
+            );
+            assert!(!stored.contains(piece), "step {step} content in the state");
+        }
+        assert_eq!(m.prompt_tokens(), recount(&m));
+    }
+
+    fn json_args(step: u64, content: &str) -> String {
+        serde_json::json!({"path": format!("f{step}"), "content": content}).to_string()
     }
 
     #[test]

@@ -406,7 +406,14 @@ pub async fn start<S: SandboxApi + Clone + 'static>(
     let run_id = run_id.unwrap_or_else(new_run_id);
     super::checkpoint::validate_run_id(&run_id)?;
     let store = FileStore::new(&opts.state_dir);
-    let lock = RunLock::acquire(&store, &run_id)?;
+    // Makes the run's directory durably (fsyncs): on the blocking pool.
+    let lock = {
+        let (store, id) = (store.clone(), run_id.clone());
+        super::checkpoint::off_runtime("cannot lock", store.run_dir(&run_id), move || {
+            RunLock::acquire(&store, &id)
+        })
+        .await?
+    };
     if store.exists(&run_id) {
         return Err(AgentError::RunExists(run_id));
     }
@@ -615,7 +622,7 @@ pub async fn reap_finished_sandboxes<S: SandboxApi>(
         }
         tracing::info!(run = %run_id, sandbox = %ck.sandbox_id, "removed the sandbox of an ended run after its keep time");
         ck.sandbox_removed = true;
-        if let Err(e) = store.save(&ck) {
+        if let Err(e) = store.save_off_runtime(ck.clone()).await {
             tracing::warn!(run = %run_id, error = %e, "cannot mark the sandbox removed");
         }
         removed.push((run_id, ck.sandbox_id.clone()));
@@ -654,7 +661,7 @@ pub async fn remove_unused_sandbox<S: SandboxApi>(
         }
     }
     let removed = std::mem::take(&mut ck.sandbox_id);
-    store.save(&ck)?;
+    store.save_off_runtime(ck).await?;
     Ok(Some(removed))
 }
 

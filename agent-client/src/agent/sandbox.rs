@@ -35,8 +35,15 @@ pub trait SandboxApi: Send + Sync {
         offset: u64,
         limit: u64,
     ) -> Result<ReadFileResponse>;
-    /// WriteFile.
-    async fn write_file(&self, sandbox_id: &str, path: &str, content: Vec<u8>) -> Result<u64>;
+    /// WriteFile, replacing the file with permission bits `mode` (0 means 0644, the daemon's
+    /// default).
+    async fn write_file(
+        &self,
+        sandbox_id: &str,
+        path: &str,
+        content: Vec<u8>,
+        mode: u32,
+    ) -> Result<u64>;
     /// Snapshot.
     async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotInfo>;
     /// ListSnapshots of a sandbox.
@@ -75,8 +82,14 @@ impl SandboxApi for Client {
     ) -> Result<ReadFileResponse> {
         Client::read_file(self, sandbox_id, path, offset, limit).await
     }
-    async fn write_file(&self, sandbox_id: &str, path: &str, content: Vec<u8>) -> Result<u64> {
-        Client::write_file(self, sandbox_id, path, content, 0).await
+    async fn write_file(
+        &self,
+        sandbox_id: &str,
+        path: &str,
+        content: Vec<u8>,
+        mode: u32,
+    ) -> Result<u64> {
+        Client::write_file(self, sandbox_id, path, content, mode).await
     }
     async fn snapshot(&self, sandbox_id: &str, name: &str) -> Result<SnapshotInfo> {
         Client::snapshot(self, sandbox_id, name).await
@@ -104,6 +117,11 @@ pub type FakeHandler = Arc<dyn Fn(&str, &mut FakeFiles) -> (i32, String) + Send 
 #[derive(Default)]
 struct FakeState {
     sandboxes: HashMap<String, FakeFiles>,
+    /// Permission bits by (sandbox, path), for files written with a mode or chmodded; any
+    /// other file is 0644. Snapshots do not keep them.
+    modes: HashMap<(String, String), u32>,
+    /// `stat` is not found (an image without it).
+    no_stat: bool,
     execs: Vec<ExecResult>,
     snapshots: HashMap<String, (SnapshotInfo, FakeFiles)>,
     next_id: u64,
@@ -152,6 +170,26 @@ impl FakeSandbox {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, FakeState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A file's permission bits (0644 unless written with a mode or chmodded).
+    pub fn mode(&self, sandbox_id: &str, path: &str) -> Option<u32> {
+        let s = self.lock();
+        let exists = s
+            .sandboxes
+            .get(sandbox_id)
+            .is_some_and(|f| f.contains_key(path));
+        exists.then(|| {
+            s.modes
+                .get(&(sandbox_id.to_owned(), path.to_owned()))
+                .copied()
+                .unwrap_or(0o644)
+        })
+    }
+
+    /// Makes `stat` a command not found, as in an image without it.
+    pub fn break_stat(&self) {
+        self.lock().no_stat = true;
     }
 
     /// A file's content.
@@ -320,11 +358,16 @@ impl SandboxApi for FakeSandbox {
         } else if lose {
             s.lose_next = false;
         }
+        let command = request.argv.last().cloned().unwrap_or_default();
+        let builtin = fake_mode_command(&mut s, &request.sandbox_id, &command);
         let files = s
             .sandboxes
             .get_mut(&request.sandbox_id)
             .ok_or_else(|| Self::no_sandbox(&request.sandbox_id))?;
-        let command = request.argv.last().cloned().unwrap_or_default();
+        let run = |command: &str, files: &mut FakeFiles| match builtin.clone() {
+            Some(answer) => answer,
+            None => (self.handler)(command, files),
+        };
         let mut result = ExecResult {
             exec_id,
             sandbox_id: request.sandbox_id.clone(),
@@ -335,11 +378,11 @@ impl SandboxApi for FakeSandbox {
         if lose {
             // What the daemon reports after dying under an exec: it ran, maybe only in part;
             // here its effects are all there, the worst case for a re-run.
-            let _ = (self.handler)(&command, files);
+            let _ = run(&command, files);
             result.status = ExecStatus::Lost as i32;
             result.error = "the daemon restarted while the exec ran".into();
         } else {
-            let (code, out) = (self.handler)(&command, files);
+            let (code, out) = run(&command, files);
             result.status = ExecStatus::Exited as i32;
             result.exit_code = code;
             if code == FAKE_TIMED_OUT {
@@ -425,7 +468,13 @@ impl SandboxApi for FakeSandbox {
         })
     }
 
-    async fn write_file(&self, sandbox_id: &str, path: &str, content: Vec<u8>) -> Result<u64> {
+    async fn write_file(
+        &self,
+        sandbox_id: &str,
+        path: &str,
+        content: Vec<u8>,
+        mode: u32,
+    ) -> Result<u64> {
         let mut s = self.lock();
         let files = s
             .sandboxes
@@ -433,6 +482,10 @@ impl SandboxApi for FakeSandbox {
             .ok_or_else(|| Self::no_sandbox(sandbox_id))?;
         let n = content.len() as u64;
         files.insert(path.to_owned(), content);
+        // Like the daemon: 0 is 0644, and the file is replaced with exactly that mode.
+        let mode = if mode == 0 { 0o644 } else { mode & 0o7777 };
+        s.modes
+            .insert((sandbox_id.to_owned(), path.to_owned()), mode);
         Ok(n)
     }
 
@@ -553,6 +606,53 @@ pub fn basic_handler() -> FakeHandler {
         }
         (0, format!("ran: {cmd}\n"))
     })
+}
+
+/// The fake's own `stat -L -c %a -- <path>` and `chmod <octal> <path>` (the commands the loop
+/// and tests use for permission bits, which a [`FakeHandler`] cannot see): the answer, or
+/// `None` for any other command.
+fn fake_mode_command(s: &mut FakeState, sandbox_id: &str, command: &str) -> Option<(i32, String)> {
+    let unquote = |p: &str| {
+        let p = p.trim();
+        match p.strip_prefix('\'').and_then(|p| p.strip_suffix('\'')) {
+            Some(inner) => inner.replace(r"'\''", "'"),
+            None => p.to_owned(),
+        }
+    };
+    let exists = |s: &FakeState, path: &str| {
+        s.sandboxes
+            .get(sandbox_id)
+            .is_some_and(|f| f.contains_key(path))
+    };
+    if let Some(path) = command.strip_prefix("stat -L -c %a -- ") {
+        if s.no_stat {
+            return Some((127, "sh: stat: not found\n".into()));
+        }
+        let path = absolute(&unquote(path));
+        if !exists(s, &path) {
+            return Some((
+                1,
+                format!("stat: cannot statx '{path}': No such file or directory\n"),
+            ));
+        }
+        let mode = s
+            .modes
+            .get(&(sandbox_id.to_owned(), path))
+            .copied()
+            .unwrap_or(0o644);
+        return Some((0, format!("{mode:o}\n")));
+    }
+    let (mode, path) = command.strip_prefix("chmod ")?.split_once(' ')?;
+    let mode = u32::from_str_radix(mode, 8).ok()?;
+    let path = absolute(&unquote(path));
+    if !exists(s, &path) {
+        return Some((
+            1,
+            format!("chmod: cannot access '{path}': No such file or directory\n"),
+        ));
+    }
+    s.modes.insert((sandbox_id.to_owned(), path), mode & 0o7777);
+    Some((0, String::new()))
 }
 
 fn absolute(path: &str) -> String {

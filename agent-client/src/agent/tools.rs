@@ -202,8 +202,8 @@ impl Action {
             Action::Rollback { snapshot_id } => format!("rollback to {snapshot_id}"),
             Action::Finish { answer } => format!("finish: {}", short(answer, 60)),
             Action::Pin { key, value } => match value {
-                Some(v) => format!("pin {key} = {}", short(v, 60)),
-                None => format!("unpin {key}"),
+                Some(v) => format!("pin {} = {}", short(key, 60), short(v, 60)),
+                None => format!("unpin {}", short(key, 60)),
             },
             Action::Subtask { title, .. } => format!("subtask: {}", short(title, 60)),
             Action::Recall { step } => format!("recall step {step}"),

@@ -26,7 +26,7 @@ pub enum TraceError {
 /// Appends events to a run's trace.
 #[derive(Debug)]
 pub struct Trace {
-    file: Option<File>,
+    file: File,
     path: PathBuf,
     trace_id: String,
     run_id: String,
@@ -50,23 +50,12 @@ impl Trace {
                 source,
             })?;
         Ok(Trace {
-            file: Some(file),
+            file,
             path: path.to_path_buf(),
             trace_id: trace_id.to_owned(),
             run_id: run_id.to_owned(),
             session,
         })
-    }
-
-    /// A trace that records nothing (benchmarks).
-    pub fn disabled() -> Self {
-        Trace {
-            file: None,
-            path: PathBuf::new(),
-            trace_id: String::new(),
-            run_id: String::new(),
-            session: 0,
-        }
     }
 
     /// The file.
@@ -78,9 +67,6 @@ impl Trace {
     ///
     /// A failing trace write is logged, not fatal: losing a trace line must not lose the run.
     pub fn event(&mut self, kind: &str, step: u64, state: &str, fields: Value) {
-        let Some(file) = self.file.as_mut() else {
-            return;
-        };
         let mut obj = Map::new();
         obj.insert(
             "ts_ms".into(),
@@ -100,7 +86,7 @@ impl Trace {
         let mut line = Value::Object(obj).to_string();
         line.push('\n');
         // One write per line, so a crash never leaves half a line followed by another.
-        if let Err(e) = file.write_all(line.as_bytes()) {
+        if let Err(e) = self.file.write_all(line.as_bytes()) {
             tracing::warn!(path = %self.path.display(), error = %e, "cannot append to the trace");
         }
     }

@@ -12,7 +12,7 @@ use crate::agent::checkpoint::PendingAction;
 use crate::agent::classify::{self, at, Class, Op, OpError};
 use crate::agent::observe::{self, Observation};
 use crate::agent::sandbox::SandboxApi;
-use crate::agent::tools::Action;
+use crate::agent::tools::{self, Action};
 use crate::agent::verify::{self, Level};
 use crate::proto::{ExecStatus, SandboxState};
 
@@ -24,6 +24,9 @@ pub(super) const MAX_EDIT_BYTES: u64 = 32 << 20;
 /// Longest value the model may pin: pinned facts are in every prompt and survive every
 /// summary, so a big one would crowd out everything else.
 pub(super) const MAX_PIN_CHARS: usize = 2_000;
+/// Longest key the model may pin (or unpin) under: the key is in every prompt with its value,
+/// and a refusal must not echo an unbounded key back either.
+pub(super) const MAX_PIN_KEY_CHARS: usize = 200;
 
 /// The SHA-256 of `bytes`, hex.
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -152,7 +155,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                 let path = self.abs_path(path);
                 let n = self
                     .sandbox
-                    .write_file(&sid, &path, content.clone().into_bytes())
+                    .write_file(&sid, &path, content.clone().into_bytes(), 0)
                     .await
                     .map_err(at(Op::WriteFile))?;
                 Observation::ok(format!("wrote {n} bytes to {path}"))
@@ -209,6 +212,13 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                     "rolled back to {snapshot_id}; processes that were running were stopped"
                 ))
             }
+            Action::Pin { key, .. } if key.chars().count() > MAX_PIN_KEY_CHARS => {
+                Observation::error(format!(
+                    "pin REFUSED: the key is {} characters ({}); a pin key may have at most {MAX_PIN_KEY_CHARS} (pins are in every prompt). Use a short name as the key and put the fact in the value.",
+                    key.chars().count(),
+                    observe::cut_chars(key, 40)
+                ))
+            }
             Action::Pin { key, value } => match value {
                 Some(v) if v.chars().count() > MAX_PIN_CHARS => Observation::error(format!(
                     "pin REFUSED: the value is {} characters; a pinned fact may have at most {MAX_PIN_CHARS} (pins are in every prompt). Keep the key fact short, or write the details to a file and pin its path.",
@@ -220,7 +230,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
                         self.ctx.counter().count(key) + self.ctx.counter().count(old)
                     });
                     let room = self.ctx.pin_room() + had;
-                    let adds = self.ctx.counter().count(v);
+                    let adds = self.ctx.counter().count(key) + self.ctx.counter().count(v);
                     if adds > room {
                         Observation::error(format!(
                             "pin REFUSED: pinned facts would take more than their share of the context window ({adds} tokens more, {room} left). Unpin facts you no longer need, or shorten this one."
@@ -327,6 +337,10 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             return Ok(Observation::error(format!("str_replace in {path}: old_str occurs {count} times; include more surrounding text to make it unique, or set replace_all")));
         }
         let updated = replace_at(&content, &offsets, old_str.len(), new_str.as_bytes());
+        let mode = match self.file_mode(p, &path).await? {
+            Ok(mode) => mode,
+            Err(unknown) => return Ok(unknown),
+        };
         let expect = sha256_hex(&updated);
         if let Some(pending) = self.ck.pending.as_mut() {
             pending.expect_sha256 = Some(expect);
@@ -340,7 +354,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         }
         let first = offsets.first().copied();
         self.sandbox
-            .write_file(&sid, &path, updated.clone())
+            .write_file(&sid, &path, updated.clone(), mode)
             .await
             .map_err(at(Op::WriteFile))?;
         Ok(Observation::ok(format!(
@@ -348,6 +362,39 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             if count == 1 { "" } else { "s" },
             snippet(&updated, first, new_str.lines().count())
         )))
+    }
+
+    /// The permission bits of `path`, for a rewrite to keep them: WriteFile replaces the file
+    /// with the mode it is given (0644 when none), so an executable script would lose its
+    /// exec bit. ReadFile does not report the mode, so the sandbox's `stat` is asked (`-L`:
+    /// of the file a link leads to, as ReadFile reads it), keyed like the step. A mode that
+    /// cannot be learned, or that WriteFile cannot express (0), means the edit is not made:
+    /// never a silent chmod.
+    async fn file_mode(
+        &mut self,
+        p: &PendingAction,
+        path: &str,
+    ) -> Result<Result<u32, Observation>, OpError> {
+        let command = format!("stat -L -c %a -- {}", tools::shell_quote(path));
+        let key = idempotency_key(&self.ck.run_id, p.step, p.attempt, "mode");
+        let r = self
+            .exec(self.sh_request(&command, key, self.budget.limits.step_time))
+            .await
+            .map_err(at(Op::Exec))?;
+        let out = String::from_utf8_lossy(&r.stdout);
+        let mode = (r.status == ExecStatus::Exited as i32 && r.exit_code == 0)
+            .then(|| u32::from_str_radix(out.trim(), 8).ok())
+            .flatten()
+            .filter(|m| (1..=0o7777).contains(m));
+        Ok(mode.ok_or_else(|| {
+            let said = format!("{}{}", out.trim(), String::from_utf8_lossy(&r.stderr).trim());
+            tracing::warn!(path, exit_code = r.exit_code, said = %said, "cannot learn a file's mode for str_replace");
+            Observation::error(format!(
+                "str_replace in {path} NOT done: its permissions could not be learned to keep them (`{command}` exited {}: {}). Make the edit with bash (sed -i keeps the mode).",
+                r.exit_code,
+                observe::cut_chars(&said, 200)
+            ))
+        }))
     }
 
     /// The whole file, read in the daemon's 4 MiB pieces; a file over [`MAX_EDIT_BYTES`] is
@@ -438,7 +485,7 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
             let path = format!("{AGENT_DIR}/spill/step-{step}.{stream}");
             let shown = match self
                 .sandbox
-                .write_file(&self.ck.sandbox_id, &path, text.into_bytes())
+                .write_file(&self.ck.sandbox_id, &path, text.into_bytes(), 0)
                 .await
             {
                 Ok(_) => path,

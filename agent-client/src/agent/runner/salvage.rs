@@ -59,7 +59,10 @@ impl<S: SandboxApi + Clone + 'static> Agent<S> {
         };
         let run_dir = self.store.run_dir(&self.ck.run_id);
         if !diff.is_empty() {
-            if let Err(e) = FileStore::write_atomic(&run_dir.join("final.diff"), diff.as_bytes()) {
+            let path = run_dir.join("final.diff");
+            if let Err(e) =
+                FileStore::write_atomic_off_runtime(path, diff.clone().into_bytes()).await
+            {
                 errors.push(format!("cannot save the diff: {e}"));
             }
         }

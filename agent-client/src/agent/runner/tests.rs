@@ -491,7 +491,7 @@ async fn resume_rolls_back_a_lost_exec_before_running_it_again() {
         ..crate::exec_request(ck.sandbox_id.as_str(), ["sh", "-c", "echo two >> log"])
     };
     fake.exec(req).await.expect("lost exec");
-    fake.write_file(&ck.sandbox_id, "/workspace/log", b"one\ntw".to_vec())
+    fake.write_file(&ck.sandbox_id, "/workspace/log", b"one\ntw".to_vec(), 0)
         .await
         .expect("half a write");
     let (report, _) = resume_to_end(dir.path(), &fake).await;
@@ -1912,4 +1912,171 @@ async fn a_bad_inbox_file_is_rejected_and_the_run_goes_on() {
         .expect("ck")
         .operator
         .is_empty());
+}
+
+#[tokio::test]
+async fn a_pin_with_a_huge_key_is_refused_and_never_reaches_a_prompt() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    // Many distinct words: thousands of tokens, more than the pins' share of the window.
+    let key: String = (0..3_000).map(|i| format!("fact{i} ")).collect();
+    let (report, model) = run(
+        &fake,
+        spec("remember things"),
+        vec![
+            Reply::call("pin", json!({"key": key, "value": "v"})),
+            Reply::call("pin", json!({"key": key})),
+            Reply::call("pin", json!({"key": "short", "value": "kept"})),
+            Reply::finish("done"),
+        ],
+        dir.path(),
+    )
+    .await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let ck = FileStore::new(dir.path()).load("r1").expect("checkpoint");
+    assert!(
+        !ck.context.pinned.contains_key(&key),
+        "the huge key was pinned"
+    );
+    assert_eq!(
+        ck.context.pinned.get("short").map(String::as_str),
+        Some("kept")
+    );
+    let requests = requests_of(&model);
+    assert_eq!(requests.len(), 4);
+    let told = requests[1].to_string();
+    assert!(
+        told.contains("pin REFUSED: the key is"),
+        "the model is told why: {told:.300}"
+    );
+    // Neither the pin, its refusal, the unpin nor the action lines carry the key along.
+    let long_piece = &key[..600];
+    for (i, r) in requests.iter().enumerate().skip(1) {
+        assert!(
+            !r.to_string().contains(long_piece),
+            "request {i} carries the huge key"
+        );
+    }
+}
+
+/// Directory fsyncs under `dir` done on the calling thread (the test's current-thread
+/// runtime, as `sbx`'s), from the `from`th on.
+fn syncs_on_this_thread(dir: &std::path::Path, from: usize) -> Vec<std::path::PathBuf> {
+    let here = std::thread::current().id();
+    crate::agent::checkpoint::tests::dir_syncs_under(dir)[from..]
+        .iter()
+        .filter(|(_, t)| *t == here)
+        .map(|(p, _)| p.clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn checkpoint_writes_never_block_the_runtime_thread() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let mut o = opts(dir.path());
+    o.keep_sandbox = Some(Duration::ZERO);
+    let model = llm(vec![Reply::bash("echo a >> log"), Reply::finish("a")]);
+    let report = start(fake.clone(), model, spec("x"), Some("r1".into()), o)
+        .await
+        .expect("run");
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    assert!(report.diff_path.is_some(), "final.diff written");
+    let all = crate::agent::checkpoint::tests::dir_syncs_under(dir.path());
+    assert!(all.len() > 3, "{all:?}");
+    // The run: its directory, checkpoints, final diff.
+    assert_eq!(syncs_on_this_thread(dir.path(), 0), Vec::<PathBuf>::new());
+    // The sweep that marks a removed sandbox in the checkpoint.
+    let from = all.len();
+    assert_eq!(reap_finished_sandboxes(&fake, dir.path()).await.len(), 1);
+    assert_eq!(
+        syncs_on_this_thread(dir.path(), from),
+        Vec::<PathBuf>::new()
+    );
+    // The removal of an unused sandbox (a run that ended before its first step).
+    let sb = fake.create(Default::default()).await.expect("create");
+    let mut ck = crate::agent::checkpoint::tests::sample("r2");
+    ck.step = 0;
+    ck.sandbox_id = sb.id.clone();
+    ck.outcome = FileStore::new(dir.path())
+        .load("r1")
+        .expect("checkpoint")
+        .outcome;
+    FileStore::new(dir.path()).save(&ck).expect("save");
+    let from = crate::agent::checkpoint::tests::dir_syncs_under(dir.path()).len();
+    let removed = remove_unused_sandbox(&fake, dir.path(), "r2")
+        .await
+        .expect("remove");
+    assert_eq!(removed, Some(sb.id));
+    assert_eq!(
+        syncs_on_this_thread(dir.path(), from),
+        Vec::<PathBuf>::new()
+    );
+}
+
+#[tokio::test]
+async fn str_replace_keeps_the_file_mode() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = FakeSandbox::new(basic_handler());
+    let replies = vec![
+        Reply::call(
+            "write_file",
+            json!({"path": "run.sh", "content": "#!/bin/sh\necho old\n"}),
+        ),
+        Reply::bash("chmod 750 run.sh"),
+        Reply::call(
+            "str_replace",
+            json!({"path": "run.sh", "old_str": "old", "new_str": "new"}),
+        ),
+        Reply::finish("ok"),
+    ];
+    let (report, model) = run(&fake, spec("x"), replies, dir.path()).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let told = requests_of(&model)[3].to_string();
+    assert!(told.contains("replaced 1 occurrence"), "{told}");
+    assert_eq!(
+        fake.file(&report.sandbox_id, "/workspace/run.sh"),
+        Some(b"#!/bin/sh\necho new\n".to_vec())
+    );
+    assert_eq!(
+        fake.mode(&report.sandbox_id, "/workspace/run.sh"),
+        Some(0o750)
+    );
+}
+
+#[tokio::test]
+async fn str_replace_is_not_made_when_the_mode_cannot_be_learned() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A sandbox without a working stat.
+    let fake = FakeSandbox::new(Arc::new(
+        |cmd: &str, files: &mut crate::agent::sandbox::FakeFiles| {
+            if cmd == "make" {
+                files.insert("/workspace/a.txt".into(), b"x = 1\n".to_vec());
+            }
+            (0, String::new())
+        },
+    ));
+    fake.break_stat();
+    let replies = vec![
+        Reply::bash("make"),
+        Reply::call(
+            "str_replace",
+            json!({"path": "a.txt", "old_str": "x = 1", "new_str": "x = 2"}),
+        ),
+        Reply::finish("ok"),
+    ];
+    let (report, model) = run(&fake, spec("x"), replies, dir.path()).await;
+    assert_eq!(report.status, RunStatus::Done, "{report:?}");
+    let told = requests_of(&model)[2].to_string();
+    assert!(
+        told.contains(
+            "str_replace in /workspace/a.txt NOT done: its permissions could not be learned"
+        ),
+        "{told}"
+    );
+    assert_eq!(
+        fake.file(&report.sandbox_id, "/workspace/a.txt"),
+        Some(b"x = 1\n".to_vec()),
+        "unchanged"
+    );
 }
