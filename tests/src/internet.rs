@@ -79,6 +79,7 @@ impl Internet {
             format!("evil.test=198.18.{net}.2"),
             format!("host.test=198.18.{net}.1"),
             "meta.test=169.254.169.254".to_string(),
+            "local.test=127.0.0.1".to_string(),
         ];
         let server = Command::new("ip")
             .args(["netns", "exec", &ns, "python3"])

@@ -72,7 +72,14 @@ struct HostService(std::net::TcpListener);
 
 impl HostService {
     fn start() -> HostService {
-        let l = std::net::TcpListener::bind("0.0.0.0:0").expect("binding the host service");
+        Self::bind("0.0.0.0:0")
+    }
+    /// One that listens on the host's loopback only (a local database, an admin port).
+    fn loopback() -> HostService {
+        Self::bind("127.0.0.1:0")
+    }
+    fn bind(addr: &str) -> HostService {
+        let l = std::net::TcpListener::bind(addr).expect("binding the host service");
         l.set_nonblocking(true).expect("nonblocking");
         HostService(l)
     }
@@ -91,10 +98,13 @@ async fn allowlist_reaches_exactly_the_listed_names_and_ports() {
     let h = inet.daemon(&[]).await;
     let host = HostService::start();
     let port = host.port();
-    let allow: Vec<String> = ["pypi.test:8080", "pypi.test:7000", "host.test:PORT", "meta.test:80", "169.254.169.254/32:80", "pypi.test:8443"]
-        .iter()
-        .map(|a| a.replace("PORT", &port))
-        .collect();
+    let local = HostService::loopback();
+    let local_port = local.port();
+    let allow: Vec<String> =
+        ["pypi.test:8080", "pypi.test:7000", "host.test:PORT", "meta.test:80", "169.254.169.254/32:80", "pypi.test:8443", "local.test:LOCAL"]
+            .iter()
+            .map(|a| a.replace("PORT", &port).replace("LOCAL", &local_port))
+            .collect();
     let id = sandbox(&h, network(NetworkMode::Allowlist, &allow)).await;
     within(30, h.client.write_file(&id, "/ca.pem", inet.ca_pem(), 0o644)).await.expect("writing the test CA");
     let info = h.client.get(&id).await.expect("GetSandbox");
@@ -103,7 +113,15 @@ async fn allowlist_reaches_exactly_the_listed_names_and_ports() {
         (n.mode, n.allow.clone()),
         (
             NetworkMode::Allowlist as i32,
-            vec![allow[0].clone(), allow[1].clone(), allow[2].clone(), "meta.test:80".into(), "169.254.169.254/32:80".into(), "pypi.test:8443".into()]
+            vec![
+                allow[0].clone(),
+                allow[1].clone(),
+                allow[2].clone(),
+                "meta.test:80".into(),
+                "169.254.169.254/32:80".into(),
+                "pypi.test:8443".into(),
+                allow[6].clone()
+            ]
         )
     );
 
@@ -176,10 +194,13 @@ async fn allowlist_reaches_exactly_the_listed_names_and_ports() {
             "pypi.test",
             "8443",
             "pypi.test", // 15: real HTTPS to the allowed name, checked against the test CA
+            "http",
+            "local.test",
+            &local_port, // 16: listed, resolves to 127.0.0.1: a service on the host's loopback only
         ],
     )
     .await;
-    assert_eq!(lines.len(), 16, "{lines:#?}");
+    assert_eq!(lines.len(), 17, "{lines:#?}");
     assert_ok(&lines[0], &addr);
     assert_ok(&lines[1], "200 OK hello from the test internet");
     assert_ok(&lines[2], "ping");
@@ -188,7 +209,9 @@ async fn allowlist_reaches_exactly_the_listed_names_and_ports() {
         assert_fail(l);
     }
     assert_ok(&lines[15], "200 OK hello from the test internet");
+    assert_fail(&lines[16]);
     assert!(!host.was_reached(), "a sandbox reached a host service");
+    assert!(!local.was_reached(), "a sandbox reached a service on the host's loopback");
 
     // Nothing but allowed A queries reached the upstream: no TXT, no tunnel, no evil.test.
     let queries = inet.queries();
