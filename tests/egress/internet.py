@@ -5,7 +5,7 @@ Serves, on every address of the namespace:
     it receives is logged ("query NAME TYPE") so a test can tell what reached it;
   * HTTP on 8080: a package index (PEP 503 `/simple/`) holding one pure-Python wheel,
     `egresshello` 1.0, built here at start; "hello from the test internet" for any other GET;
-  * a raw TCP echo server on 7000;
+  * raw TCP echo servers on 7000 and 7001;
   * with --tls=CERT,KEY: HTTPS on 8443, the same pages behind that certificate (the test makes
     a CA and a certificate for pypi.test and evil.test).
 Prints "ready" once all of them listen. Standard library only.
@@ -155,8 +155,10 @@ threading.Thread(target=dns_server, daemon=True).start()
 ready.acquire()
 web = Threaded(("0.0.0.0", 8080), Hello)
 echo = Threaded(("0.0.0.0", 7000), Echo)
+echo2 = Threaded(("0.0.0.0", 7001), Echo)
 threading.Thread(target=web.serve_forever, daemon=True).start()
 threading.Thread(target=echo.serve_forever, daemon=True).start()
+threading.Thread(target=echo2.serve_forever, daemon=True).start()
 if TLS:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(TLS[0], TLS[1])

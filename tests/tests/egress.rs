@@ -67,6 +67,11 @@ fn audit_lines(h: &Harness, sandbox: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// pip as a user runs it, with the test index by name; --target keeps Debian's system site alone.
+const PIP_INSTALL: &str = "python3 -m pip install --no-cache-dir --disable-pip-version-check --retries 0 --timeout 20 \
+    --break-system-packages --index-url http://pypi.test:8080/simple/ --trusted-host pypi.test --target /workspace/site egresshello \
+    && PYTHONPATH=/workspace/site python3 -c 'import egresshello; print(egresshello.GREETING)'";
+
 /// A host service: a listener on every host address; whether anything connected to it.
 struct HostService(std::net::TcpListener);
 
@@ -434,10 +439,7 @@ async fn pip_installs_from_an_allowed_index_and_not_without_a_network() {
     require_debian();
     let inet = Internet::start(3).await;
     let h = inet.daemon(&[]).await;
-    // pip as a user runs it, with the index by name; --target keeps Debian's system site alone.
-    let pip = "python3 -m pip install --no-cache-dir --disable-pip-version-check --retries 0 --timeout 20 \
-               --break-system-packages --index-url http://pypi.test:8080/simple/ --trusted-host pypi.test --target /workspace/site egresshello \
-               && PYTHONPATH=/workspace/site python3 -c 'import egresshello; print(egresshello.GREETING)'";
+    let pip = PIP_INSTALL;
     let allowed = sandbox(&h, network(NetworkMode::Allowlist, &["pypi.test:8080".to_string()])).await;
     let out = sandbox_tests::sh_ok(&h.client, &allowed, pip).await;
     assert!(out.contains("installed from the test index"), "{out}");
@@ -517,7 +519,13 @@ async fn the_container_tier_is_held_the_same_through_fork_rollback_restart_and_d
     assert!(host_links(&prefix).is_empty(), "a NONE container got a link: {:?}", host_links(&prefix));
 
     // ALLOWLIST: exactly the listed name and port, through the daemon's DNS and proxy.
-    let allow = vec!["pypi.test:8080".to_string(), format!("host.test:{port}"), "169.254.169.254/32:80".to_string(), "pypi.test:8443".to_string()];
+    let allow = vec![
+        "pypi.test:8080".to_string(),
+        format!("host.test:{port}"),
+        "169.254.169.254/32:80".to_string(),
+        "pypi.test:8443".to_string(),
+        "pypi.test:7001".to_string(),
+    ];
     let tunnel = format!("{}.tunnel.test", "b".repeat(60));
     let id = sandbox_on(&h, Isolation::Container, network(NetworkMode::Allowlist, &allow)).await;
     within(30, h.client.write_file(&id, "/ca.pem", inet.ca_pem(), 0o644)).await.expect("writing the test CA");
@@ -561,10 +569,13 @@ async fn the_container_tier_is_held_the_same_through_fork_rollback_restart_and_d
             "dns",
             "1",
             &tunnel, // 10: a long label under an unlisted name
+            "echo",
+            "pypi.test",
+            "7001", // 11: a listed raw TCP port
         ],
     )
     .await;
-    assert_eq!(lines.len(), 11, "{lines:#?}");
+    assert_eq!(lines.len(), 12, "{lines:#?}");
     assert_fail(&lines[0]);
     assert_ok(&lines[1], "200 OK hello from the test internet");
     for l in &lines[2..8] {
@@ -573,6 +584,7 @@ async fn the_container_tier_is_held_the_same_through_fork_rollback_restart_and_d
     assert_ok(&lines[8], "200 OK hello from the test internet");
     assert_fail(&lines[9]);
     assert_fail(&lines[10]);
+    assert_ok(&lines[11], "ping");
     let queries = inet.queries();
     for leaked in ["tunnel", " 16\n"] {
         assert!(!queries.contains(leaked), "{leaked:?} reached the upstream resolver from a container:\n{queries}");
@@ -706,7 +718,13 @@ async fn the_microvm_tier_is_held_the_same_through_fork_rollback_restart_and_des
     within(60, h.client.destroy(&none)).await.expect("Destroy");
 
     // ALLOWLIST: a virtio-net device on a TAP, held by the same filter as the other tiers.
-    let allow = vec!["pypi.test:8080".to_string(), format!("host.test:{port}"), "169.254.169.254/32:80".to_string(), "pypi.test:8443".to_string()];
+    let allow = vec![
+        "pypi.test:8080".to_string(),
+        format!("host.test:{port}"),
+        "169.254.169.254/32:80".to_string(),
+        "pypi.test:8443".to_string(),
+        "pypi.test:7001".to_string(),
+    ];
     let tunnel = format!("{}.tunnel.test", "c".repeat(60));
     let id = sandbox_on(&h, Isolation::Microvm, network(NetworkMode::Allowlist, &allow)).await;
     within(60, h.client.write_file(&id, "/ca.pem", inet.ca_pem(), 0o644)).await.expect("writing the test CA");
@@ -750,16 +768,23 @@ async fn the_microvm_tier_is_held_the_same_through_fork_rollback_restart_and_des
             "pypi.test",
             "8443",
             "pypi.test", // 10: real HTTPS to the listed name, checked against the test CA
+            "echo",
+            "pypi.test",
+            "7001", // 11: a listed raw TCP port
         ],
     )
     .await;
-    assert_eq!(lines.len(), 11, "{lines:#?}");
+    assert_eq!(lines.len(), 12, "{lines:#?}");
     assert_fail(&lines[0]);
     assert_ok(&lines[1], "200 OK hello from the test internet");
     for l in &lines[2..10] {
         assert_fail(l);
     }
     assert_ok(&lines[10], "200 OK hello from the test internet");
+    assert_ok(&lines[11], "ping");
+    // pip from the test index, as on the other tiers.
+    let out = sandbox_tests::sh_ok(&h.client, &id, PIP_INSTALL).await;
+    assert!(out.contains("installed from the test index"), "{out}");
     assert!(!host.was_reached(), "a microVM reached a host service");
     let queries = inet.queries();
     for leaked in ["tunnel", " 16\n"] {
