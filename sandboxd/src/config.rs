@@ -944,6 +944,11 @@ pub struct MicroVmConfig {
     pub pool_image: String,
     /// Guest memory of pooled VMs: a create asking for more boots its own VM.
     pub pool_memory_bytes: u64,
+    /// Boot once per image: the first create of an image (per RAM, vCPUs and network device)
+    /// boots and keeps a memory snapshot of the freshly booted VM; later creates without a
+    /// pooled VM restore it instead of booting. Held on disk under the state dir for the
+    /// daemon's life.
+    pub boot_snapshots: bool,
     /// Bytes of disk that MICROVM sandboxes may be promised in total (the sum of their
     /// `disk_bytes`; their qcow2 disks are sparse files under the state dir). Unset: the size
     /// of the state dir's filesystem at start — see `admission`.
@@ -961,6 +966,7 @@ impl Default for MicroVmConfig {
             pool_size: 0,
             pool_image: "minimal".into(),
             pool_memory_bytes: 512 << 20,
+            boot_snapshots: true,
             disk_pool_bytes: None,
         }
     }

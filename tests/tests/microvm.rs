@@ -379,3 +379,60 @@ async fn a_corrupt_memory_snapshot_is_refused_and_the_sandbox_runs_on() {
     assert_eq!(vms, std::slice::from_ref(&sb.id), "VM directories left behind");
     client.destroy(&sb.id).await.expect("destroy");
 }
+
+/// Boot once per image: the first create of `minimal` boots and snapshots the fresh VM; the
+/// next creates of the same shape restore that snapshot instead of booting, each with a
+/// hostname, machine-id, random stream and clock of its own and none of the first sandbox's
+/// later files; a create of another shape (more RAM) boots and snapshots its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn creates_after_the_first_restore_the_images_boot_snapshot() {
+    let daemon = Daemon::start().await.expect("daemon");
+    let client = daemon.client().await.expect("client");
+    let taken = |log: &str| log.matches("boot snapshot taken").count();
+    let restored = |log: &str| log.matches("restored from its image's boot snapshot").count();
+
+    let a = client.create(microvm("minimal")).await.expect("first create");
+    assert_eq!((taken(&daemon.log()), restored(&daemon.log())), (1, 0), "{}", daemon.log());
+    client.write_file(&a.id, "/workspace/a-only", b"a".to_vec(), 0o644).await.expect("write in a");
+
+    let b = client.create(microvm("minimal")).await.expect("second create");
+    assert_eq!((taken(&daemon.log()), restored(&daemon.log())), (1, 1), "the second create did not restore:\n{}", daemon.log());
+    let c = client.create(microvm("minimal")).await.expect("third create");
+    assert_eq!(restored(&daemon.log()), 2, "{}", daemon.log());
+
+    // Each its own identity.
+    let ids = [&a.id, &b.id, &c.id];
+    let mut hostnames = Vec::new();
+    let mut uuids = Vec::new();
+    let mut machine_ids = Vec::new();
+    for id in ids {
+        hostnames.push(hostname(&client, id).await);
+        uuids.push(uuid(&client, id).await);
+        let r = client.exec(exec_request(id, ["cat", "/etc/machine-id"])).await.expect("machine-id");
+        machine_ids.push(String::from_utf8_lossy(&r.stdout).trim().to_string());
+    }
+    for list in [&hostnames, &uuids, &machine_ids] {
+        let mut unique = list.to_vec();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), 3, "shared between restored VMs: {list:?}");
+    }
+    // Not the first sandbox's files written after its boot snapshot; a clock of now.
+    let r = client.exec(exec_request(&b.id, ["ls", "/workspace"])).await.expect("ls");
+    assert!(!String::from_utf8_lossy(&r.stdout).contains("a-only"), "{r:?}");
+    let skew = guest_unix_secs(&client, &b.id).await.abs_diff(unix_secs());
+    assert!(skew <= 5, "the restored guest's clock is {skew} s off");
+    client.write_file(&b.id, "/workspace/b", b"bee".to_vec(), 0o600).await.expect("write in b");
+    assert_eq!(client.read_file(&b.id, "/workspace/b", 0, 0).await.expect("read in b").content, b"bee");
+
+    // The snapshot outlives the sandbox it was taken from.
+    client.destroy(&a.id).await.expect("destroy a");
+    let d = client.create(microvm("minimal")).await.expect("fourth create");
+    assert_eq!(restored(&daemon.log()), 3, "{}", daemon.log());
+    assert!(!hostname(&client, &d.id).await.is_empty());
+
+    // Another machine shape boots and gets a snapshot of its own.
+    let bigger = CreateSandboxRequest { limits: Some(ResourceLimits { memory_bytes: 768 << 20, ..Default::default() }), ..microvm("minimal") };
+    client.create(bigger).await.expect("a bigger VM");
+    assert_eq!((taken(&daemon.log()), restored(&daemon.log())), (2, 3), "{}", daemon.log());
+}

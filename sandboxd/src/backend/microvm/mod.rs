@@ -107,6 +107,12 @@ pub(crate) struct Inner {
     uids: uids::UidAllocator,
     sandboxes: RwLock<HashMap<SandboxId, Arc<MicroSandbox>>>,
     snapshots: Mutex<HashSet<SnapshotId>>,
+    /// "Boot once per image": for each image and machine shape ([`Inner::boot_snapshot_key`]),
+    /// the memory snapshot of a VM of it taken right after its boot, which later creates
+    /// restore instead of booting. Kept in `snapshots` (so its files stay) for the daemon's
+    /// life; a key is in `booting_snapshots` while its snapshot is being taken.
+    boot_snapshots: Mutex<HashMap<String, SnapshotId>>,
+    booting_snapshots: Mutex<HashSet<String>>,
     /// Held while disk files are created, renamed or collected.
     disk_lock: tokio::sync::Mutex<()>,
     pool: pool::Pool,
@@ -170,6 +176,8 @@ impl MicroVmBackend {
             uids: uids::UidAllocator::new(uids::UID_LOCK_DIR, UID_BASE, UID_COUNT),
             sandboxes: RwLock::new(HashMap::new()),
             snapshots: Mutex::new(HashSet::new()),
+            boot_snapshots: Mutex::new(HashMap::new()),
+            booting_snapshots: Mutex::new(HashSet::new()),
             disk_lock: tokio::sync::Mutex::new(()),
             vm_seq: std::sync::atomic::AtomicU64::new(1),
             host_cpus,
@@ -561,40 +569,12 @@ impl Inner {
                     (vm, None)
                 }
                 None => {
-                    let (base, pinned) = {
-                        let _g = self.disk_lock.lock().await;
-                        let base = disk::base_for(&spec.image, &image.disk, &self.bases_dir)?;
-                        let pinned = self.pin(&base);
-                        (base, pinned)
-                    };
-                    (self.boot_new(&self.vm_name(), &dir, 0, &base, spec.limits.disk_bytes, &image, &spec.limits, None, net.clone()).await?, Some(pinned))
+                    let (vm, pinned) = self.boot_or_restore(spec, &image, &dir, net.clone()).await?;
+                    (vm, Some(pinned))
                 }
             },
             Some(snap) => {
-                let (backing, pinned, memory) = {
-                    let _g = self.disk_lock.lock().await;
-                    let backing = self.live_snapshot(snap)?;
-                    let pinned = self.pin(&backing);
-                    (backing, pinned, self.open_memory(snap)?)
-                };
-                let incoming = self.resumable(snap, memory, &image, &spec.limits, net.is_some()).await;
-                let resumed = incoming.is_some();
-                let vm = self.boot_new(&self.vm_name(), &dir, 0, &backing, spec.limits.disk_bytes, &image, &spec.limits, incoming, net.clone()).await;
-                let vm = match vm {
-                    Ok(vm) => vm,
-                    Err(e) => {
-                        let _ = std::fs::remove_dir_all(&dir);
-                        return Err(e);
-                    }
-                };
-                // The fork runs on from the snapshot's memory, saved with its filesystem frozen.
-                if resumed {
-                    if let Err(e) = after_resume(&vm).await {
-                        self.stop_vm(&vm).await;
-                        let _ = std::fs::remove_dir_all(&dir);
-                        return Err(e);
-                    }
-                }
+                let (vm, pinned, _) = self.start_from_snapshot(snap, spec, &image, &dir, net.clone()).await?;
                 (vm, Some(pinned))
             }
         };
@@ -611,17 +591,144 @@ impl Inner {
         Ok(())
     }
 
+    /// A VM over snapshot `snap`'s disk in `dir`, running on from its memory when it has a
+    /// memory snapshot this VM can resume (then the guest's clock and entropy are renewed; the
+    /// caller gives it its identity), else booted over the disk. Says which.
+    async fn start_from_snapshot(
+        &self,
+        snap: &SnapshotId,
+        spec: &SandboxSpec,
+        image: &VmImage,
+        dir: &Path,
+        net: Option<Arc<TapLink>>,
+    ) -> Result<(Arc<Vm>, Pinned, bool), BackendError> {
+        let (backing, pinned, memory) = {
+            let _g = self.disk_lock.lock().await;
+            let backing = self.live_snapshot(snap)?;
+            let pinned = self.pin(&backing);
+            (backing, pinned, self.open_memory(snap)?)
+        };
+        let incoming = self.resumable(snap, memory, image, &spec.limits, net.is_some()).await;
+        let resumed = incoming.is_some();
+        let vm = match self.boot_new(&self.vm_name(), dir, 0, &backing, spec.limits.disk_bytes, image, &spec.limits, incoming, net).await {
+            Ok(vm) => vm,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(dir);
+                return Err(e);
+            }
+        };
+        // It runs on from the snapshot's memory, saved with its filesystem frozen.
+        if resumed {
+            if let Err(e) = after_resume(&vm).await {
+                self.stop_vm(&vm).await;
+                let _ = std::fs::remove_dir_all(dir);
+                return Err(e);
+            }
+        }
+        Ok((vm, pinned, resumed))
+    }
+
+    /// Which VMs one boot snapshot can stand in for: the image's base disk (named after the
+    /// file's identity, so a rebuilt image never restores an old one), its boot files, the
+    /// accelerator, RAM, vCPUs and whether there is a network device.
+    async fn boot_snapshot_key(&self, image: &VmImage, base: &Path, limits: &Limits, nic: bool) -> String {
+        let accel = self.accel(image).await;
+        format!("{}|{}|{}|{:?}|{}|{}|{nic}", image.name, base.display(), boot_key(&image.boot), accel, Self::memory_mib(limits), self.vcpus(limits))
+    }
+
+    /// A VM for a create with neither a snapshot to start from nor a pooled VM: restored from
+    /// the image's boot snapshot for this machine shape when there is one (no boot: the guest
+    /// runs on from just after an earlier boot, with a clock, entropy and identity of its own),
+    /// else booted, and then — the first time for this shape — snapshotted for the next
+    /// create. A boot snapshot that fails to restore is dropped and the VM boots.
+    async fn boot_or_restore(
+        self: &Arc<Self>,
+        spec: &SandboxSpec,
+        image: &VmImage,
+        dir: &Path,
+        net: Option<Arc<TapLink>>,
+    ) -> Result<(Arc<Vm>, Pinned), BackendError> {
+        let (base, pinned) = {
+            let _g = self.disk_lock.lock().await;
+            let base = disk::base_for(&spec.image, &image.disk, &self.bases_dir)?;
+            let pinned = self.pin(&base);
+            (base, pinned)
+        };
+        let key = match self.cfg.boot_snapshots {
+            true => Some(self.boot_snapshot_key(image, &base, &spec.limits, net.is_some()).await),
+            false => None,
+        };
+        let known = key.as_ref().and_then(|k| self.boot_snapshots.lock().ok().and_then(|m| m.get(k).cloned()));
+        if let (Some(key), Some(snap)) = (&key, known) {
+            let started = std::time::Instant::now();
+            match self.start_from_snapshot(&snap, spec, image, dir, net.clone()).await {
+                Ok((vm, pinned, true)) => {
+                    tracing::info!(sandbox = %spec.id, image = %spec.image, ms = started.elapsed().as_millis() as u64, "microVM restored from its image's boot snapshot (no boot)");
+                    return Ok((vm, pinned));
+                }
+                Ok((vm, _, false)) => {
+                    // Booted over the snapshot's disk: a VM all the same, but the snapshot no
+                    // longer fits this shape.
+                    tracing::warn!(sandbox = %spec.id, image = %spec.image, "the image's boot snapshot could not be resumed; it is dropped");
+                    self.drop_boot_snapshot(key);
+                    return Ok((vm, pinned));
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %spec.id, image = %spec.image, error = %e, "restoring the image's boot snapshot failed: booting, and dropping the snapshot");
+                    self.drop_boot_snapshot(key);
+                }
+            }
+        }
+        let vm = self.boot_new(&self.vm_name(), dir, 0, &base, spec.limits.disk_bytes, image, &spec.limits, None, net).await?;
+        if let Some(key) = key {
+            let first =
+                self.boot_snapshots.lock().is_ok_and(|m| !m.contains_key(&key)) && self.booting_snapshots.lock().is_ok_and(|mut b| b.insert(key.clone()));
+            if first {
+                let started = std::time::Instant::now();
+                let snap = SnapshotId::generate();
+                match self.snapshot_vm(&vm, spec, &snap, true).await {
+                    Ok(bytes) => {
+                        tracing::info!(image = %spec.image, snapshot = %snap, bytes, ms = started.elapsed().as_millis() as u64, "boot snapshot taken: later creates of this image and shape restore it instead of booting");
+                        if let Ok(mut m) = self.boot_snapshots.lock() {
+                            m.insert(key.clone(), snap);
+                        }
+                    }
+                    // The VM is the sandbox's all the same; the next create boots and tries again.
+                    Err(e) => tracing::warn!(image = %spec.image, error = %e, "taking the image's boot snapshot failed"),
+                }
+                if let Ok(mut b) = self.booting_snapshots.lock() {
+                    b.remove(&key);
+                }
+            }
+        }
+        Ok((vm, pinned))
+    }
+
+    /// Forgets a boot snapshot; its files go with the next collection nothing else pins them at.
+    fn drop_boot_snapshot(&self, key: &str) {
+        let Some(snap) = self.boot_snapshots.lock().ok().and_then(|mut m| m.remove(key)) else { return };
+        if let Ok(mut s) = self.snapshots.lock() {
+            s.remove(&snap);
+        }
+    }
+
     async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId, memory: bool) -> Result<u64, BackendError> {
         let sb = self.sandbox(id)?;
         let _op = sb.op.lock().await;
         let vm = sb.vm()?;
+        self.snapshot_vm(&vm, &sb.spec, snap, memory).await
+    }
+
+    /// Snapshot `snap` of a running VM (its disk, and its memory if asked), put on record.
+    /// Returns the bytes it holds above the base disk.
+    async fn snapshot_vm(&self, vm: &Vm, spec: &SandboxSpec, snap: &SnapshotId, memory: bool) -> Result<u64, BackendError> {
         // A consistent disk: the guest flushes and freezes its filesystem first (a memory
         // snapshot is saved frozen too, so its disk alone is as consistent as a disk-only one).
         let frozen = vm.agent.call(&Request::Freeze, &[], Duration::from_secs(30)).await.map_err(|e| vm.agent_error(e))?;
         vm::expect_ok(frozen.msg, "freeze")?;
-        let taken = if memory { self.save_with_memory(&vm, snap, &sb.spec).await.map(Some) } else { self.swap_top(&vm, snap).await.map(|()| None) };
-        if let Err(e) = thaw(&vm).await {
-            tracing::warn!(sandbox = %id, error = %e, "thawing the guest filesystem");
+        let taken = if memory { self.save_with_memory(vm, snap, spec).await.map(Some) } else { self.swap_top(vm, snap).await.map(|()| None) };
+        if let Err(e) = thaw(vm).await {
+            tracing::warn!(sandbox = %spec.id, error = %e, "thawing the guest filesystem");
         }
         let saved = taken?;
         let _g = self.disk_lock.lock().await;
@@ -1198,6 +1305,15 @@ impl Backend for MicroVmBackend {
     }
 
     async fn remove_image(&self, image: &str) -> Result<(), BackendError> {
+        // Its boot snapshots (collected below with everything else nothing needs).
+        let keys: Vec<String> =
+            self.inner.boot_snapshots.lock().map(|m| m.keys().filter(|k| k.starts_with(&format!("{image}|"))).cloned().collect()).unwrap_or_default();
+        for key in &keys {
+            self.inner.drop_boot_snapshot(key);
+        }
+        if !keys.is_empty() {
+            self.inner.collect_snapshots().await;
+        }
         // The hard links of its base disk; no sandbox or snapshot needs them any more.
         let _g = self.inner.disk_lock.lock().await;
         for path in disk::bases_of(image, &self.inner.bases_dir) {

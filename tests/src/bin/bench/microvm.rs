@@ -236,7 +236,8 @@ async fn microvm_pool_creates(daemon: &Daemon, sb: &mut Sandboxes, n: usize) -> 
 /// The rows of the daemon left at `accel = "auto"`: cold boots, execs, snapshot+rollback and
 /// forks. Returns the accelerator it chose, or `None` when this host cannot run the tier.
 async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel>> {
-    let daemon = start_microvm_daemon("", &[], "accel = \"auto\"").await?;
+    // Cold boots: every create boots (no boot snapshot; those have rows of their own).
+    let daemon = start_microvm_daemon(NO_BOOT_SNAPSHOTS, &[], "accel = \"auto\"").await?;
     let mut sb = Sandboxes::new(daemon.client().await?);
     eprintln!("bench: sandboxd microVM tier: a first, untimed boot (may probe KVM)");
     let t = Instant::now();
@@ -360,9 +361,9 @@ async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel
 async fn microvm_other_accel(plan: &Plan, report: &mut Report, accel: VmAccel) -> Result<()> {
     let toml = match accel {
         VmAccel::Kvm => {
-            format!("[microvm]\naccel = \"kvm\"\nboot_timeout_ms = {KVM_TRY_BOOT_TIMEOUT_MS}\n")
+            format!("{NO_BOOT_SNAPSHOTS}accel = \"kvm\"\nboot_timeout_ms = {KVM_TRY_BOOT_TIMEOUT_MS}\n")
         }
-        VmAccel::Tcg => "[microvm]\naccel = \"tcg\"\n".to_string(),
+        VmAccel::Tcg => format!("{NO_BOOT_SNAPSHOTS}accel = \"tcg\"\n"),
     };
     let what = format!("accel = \"{}\"", accel.config());
     let daemon = start_microvm_daemon(&toml, &[], &what).await?;
@@ -408,6 +409,53 @@ async fn microvm_other_accel(plan: &Plan, report: &mut Report, accel: VmAccel) -
     result
 }
 
+/// The `[microvm]` table of a daemon whose every create boots.
+const NO_BOOT_SNAPSHOTS: &str = "[microvm]\nboot_snapshots = false\n";
+/// What the daemon logs for a create restored from the image's boot snapshot.
+const LOG_BOOT_SNAPSHOT_RESTORED: &str = "microVM restored from its image's boot snapshot (no boot)";
+
+/// Creates restored from the image's boot snapshot, on a daemon with the defaults (no pool):
+/// a first, untimed create boots and takes the snapshot; then `n` creates, each timed alone
+/// and with its first `Exec` of `true`. Fails unless the daemon logged each as restored.
+async fn microvm_boot_snapshots(plan: &Plan, report: &mut Report) -> Result<()> {
+    let daemon = start_microvm_daemon("", &[], "boot snapshots (the default)").await?;
+    let mut sb = Sandboxes::new(daemon.client().await?);
+    let n = plan.microvm_boot;
+    eprintln!("bench: sandboxd microVM creates restored from the image's boot snapshot × {n}");
+    let result = async {
+        let (first, _) = sb.create_with(microvm_request(), "the create that boots and takes the boot snapshot").await?;
+        sb.destroy(&first).await?;
+        let before = count_logged(&log_lines(&daemon.log()), LOG_BOOT_SNAPSHOT_RESTORED);
+        let (mut creates, mut readies) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for i in 0..n {
+            let what = format!("microVM create {i} of {n} from the boot snapshot");
+            let t = Instant::now();
+            let (id, created) = sb.create_with(microvm_request(), &what).await?;
+            readies.push(first_exec(&sb, &id, t, &what).await?);
+            creates.push(created);
+            sb.destroy(&id).await?;
+        }
+        let restored = count_logged(&log_lines(&daemon.log()), LOG_BOOT_SNAPSHOT_RESTORED) - before;
+        if restored != n {
+            bail!("{n} creates after the boot snapshot but {restored} `{LOG_BOOT_SNAPSHOT_RESTORED}` lines in the daemon's log");
+        }
+        Ok((creates, readies))
+    }
+    .await;
+    sb.cleanup().await;
+    match result {
+        Ok((creates, readies)) => {
+            report.measured(Key::MicroVmBootSnapshotCreate, &creates);
+            report.measured(Key::MicroVmBootSnapshotReady, &readies);
+            Ok(())
+        }
+        Err(e) => {
+            print_log_tail(&daemon, "microVM (boot snapshots)");
+            Err(e)
+        }
+    }
+}
+
 /// Creates from the warm pool, on a daemon started with `--microvm-pool 1`.
 async fn microvm_pool(plan: &Plan, report: &mut Report) -> Result<()> {
     let daemon = start_microvm_daemon("", &["--microvm-pool", "1"], "--microvm-pool 1").await?;
@@ -444,6 +492,9 @@ pub(crate) async fn sandboxd_microvm(plan: &Plan, report: &mut Report) {
             }
             if let Err(e) = microvm_pool(plan, report).await {
                 report.failed(&[Key::MicroVmPoolCreate, Key::MicroVmPoolReady], &e);
+            }
+            if let Err(e) = microvm_boot_snapshots(plan, report).await {
+                report.failed(&[Key::MicroVmBootSnapshotCreate, Key::MicroVmBootSnapshotReady], &e);
             }
         }
         Ok(None) => {}

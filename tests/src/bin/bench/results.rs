@@ -111,6 +111,10 @@ pub(crate) enum Key {
     /// `CreateSandbox` served from the warm pool, and the same with its first `Exec` of `true`.
     MicroVmPoolCreate,
     MicroVmPoolReady,
+    /// `CreateSandbox` restored from the image's boot snapshot (no pool; `boot_snapshots`, the
+    /// default), and the same with its first `Exec` of `true`.
+    MicroVmBootSnapshotCreate,
+    MicroVmBootSnapshotReady,
     MicroVmExec,
     MicroVmExecStream,
     /// `Snapshot{include_memory: false}` and `Rollback` to it (a boot over the snapshot's disk).
@@ -145,7 +149,7 @@ impl Key {
     pub(crate) const CONTAINER: [Key; 6] =
         [Key::ContainerCreate, Key::ContainerDestroy, Key::ContainerExec, Key::ContainerExecViaDocker, Key::ContainerSnapshot, Key::ContainerRollback];
     pub(crate) const DOCKER: [Key; 5] = [Key::DockerRun, Key::DockerCreateStart, Key::DockerCreateStartBridge, Key::DockerRemove, Key::DockerExec];
-    pub(crate) const MICROVM: [Key; 17] = [
+    pub(crate) const MICROVM: [Key; 19] = [
         Key::MicroVmBoot(VmAccel::Tcg),
         Key::MicroVmCreate(VmAccel::Tcg),
         Key::MicroVmBoot(VmAccel::Kvm),
@@ -153,6 +157,8 @@ impl Key {
         Key::MicroVmDestroy,
         Key::MicroVmPoolCreate,
         Key::MicroVmPoolReady,
+        Key::MicroVmBootSnapshotCreate,
+        Key::MicroVmBootSnapshotReady,
         Key::MicroVmExec,
         Key::MicroVmExecStream,
         Key::MicroVmSnapshot,
@@ -209,6 +215,8 @@ impl Key {
             Key::MicroVmDestroy => "microVM `DestroySandbox`".into(),
             Key::MicroVmPoolCreate => "microVM `CreateSandbox` from the warm pool (`--microvm-pool 1`)".into(),
             Key::MicroVmPoolReady => "microVM from the warm pool to first exec: `CreateSandbox` + first `Exec` of `true`".into(),
+            Key::MicroVmBootSnapshotCreate => "microVM `CreateSandbox` restored from the image's boot snapshot (no pool, no boot)".into(),
+            Key::MicroVmBootSnapshotReady => "microVM restored from the image's boot snapshot to first exec: `CreateSandbox` + first `Exec` of `true`".into(),
             Key::MicroVmExec => "microVM `Exec` of `true` (unary), back to back".into(),
             Key::MicroVmExecStream => "microVM `ExecStream` of `true`".into(),
             Key::MicroVmSnapshot => {
