@@ -31,39 +31,34 @@ def nameserver():
     raise RuntimeError("no nameserver in /etc/resolv.conf")
 
 
+def get(s, host):
+    """GET / over connected socket `s`, naming `host`: the status line and the body."""
+    s.sendall(f"GET / HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    if not data:
+        raise RuntimeError("connection closed without a reply")
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0].decode() + " " + body.decode().strip()
+
+
 def attempt(kind, args):
     if kind == "resolve":
         return socket.gethostbyname(args[0])
     if kind == "http":
         host, port = args[0], int(args[1])
         with socket.create_connection((host, port), timeout=TIMEOUT) as s:
-            s.sendall(f"GET / HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
-            data = b""
-            while True:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-        if not data:
-            raise RuntimeError("connection closed without a reply")
-        head, _, body = data.partition(b"\r\n\r\n")
-        return head.split(b"\r\n")[0].decode() + " " + body.decode().strip()
+            return get(s, host)
     if kind == "https":
         host, port, sni = args[0], int(args[1]), args[2]
         context = ssl.create_default_context(cafile="/ca.pem")
         with socket.create_connection((host, port), timeout=TIMEOUT) as raw:
             with context.wrap_socket(raw, server_hostname=sni) as s:
-                s.sendall(f"GET / HTTP/1.0\r\nHost: {sni}\r\n\r\n".encode())
-                data = b""
-                while True:
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        break
-                    data += chunk
-        if not data:
-            raise RuntimeError("connection closed without a reply")
-        head, _, body = data.partition(b"\r\n\r\n")
-        return head.split(b"\r\n")[0].decode() + " " + body.decode().strip()
+                return get(s, sni)
     if kind == "many":
         n, host, port = int(args[0]), args[1], int(args[2])
         held, echoed = [], 0

@@ -470,6 +470,51 @@ async fn nameserver(h: &Harness, id: &str) -> std::net::Ipv4Addr {
     conf.lines().find_map(|l| l.strip_prefix("nameserver ")).unwrap_or_else(|| panic!("no nameserver in {conf:?}")).trim().parse().expect("an address")
 }
 
+/// The allow list of the container and microVM tests: HTTP, HTTPS and a raw TCP port of the
+/// test internet, the host's service (`port`) by name, and the metadata address as a CIDR.
+fn tier_allow(port: &str) -> Vec<String> {
+    ["pypi.test:8080".to_string(), format!("host.test:{port}"), "169.254.169.254/32:80".to_string(), "pypi.test:8443".to_string(), "pypi.test:7001".to_string()]
+        .to_vec()
+}
+
+/// What an ALLOWLIST sandbox `id` of [`tier_allow`] reaches, the same on every tier: exactly
+/// the listed names and ports (HTTP, verified HTTPS, raw TCP), and nothing by IP literal, on
+/// an unlisted port, by an unlisted name, on the host or its gateway, at the metadata address,
+/// by SNI of another name, or through TXT or long-label DNS (which never reach upstream).
+async fn allowlist_is_held(h: &Harness, inet: &Internet, id: &str, port: &str, what: &str) {
+    within(60, h.client.write_file(id, "/ca.pem", inet.ca_pem(), 0o644)).await.expect("writing the test CA");
+    let (addr, gw) = (inet.addr(), nameserver(h, id).await.to_string());
+    let tunnel = format!("{}.tunnel.test", "b".repeat(60));
+    #[rustfmt::skip]
+    let attempts = [
+        "http", &addr, "8080",                   // 0: an IP literal nobody resolved
+        "http", "pypi.test", "8080",             // 1: listed
+        "echo", "pypi.test", "7000",             // 2: the listed name on another port
+        "resolve", "evil.test",                  // 3: not listed (resolves upstream to the same address)
+        "http", "host.test", port,               // 4: listed, but the host
+        "http", &gw, port,                       // 5: the gateway (the host)
+        "connect", "169.254.169.254", "80",      // 6: listed as a CIDR, still the metadata address
+        "https", "pypi.test", "8443", "evil.test", // 7: real HTTPS naming an unlisted name at the allowed address
+        "dns", "16", "pypi.test",                // 8: TXT of the listed name
+        "dns", "1", &tunnel,                     // 9: a long label under an unlisted name
+        "https", "pypi.test", "8443", "pypi.test", // 10: real HTTPS to the listed name, checked against the test CA
+        "echo", "pypi.test", "7001",             // 11: a listed raw TCP port
+    ];
+    let lines = probe(h, id, &attempts).await;
+    assert_eq!(lines.len(), 12, "{what}: {lines:#?}");
+    assert_fail(&lines[0]);
+    assert_ok(&lines[1], "200 OK hello from the test internet");
+    for l in &lines[2..10] {
+        assert_fail(l);
+    }
+    assert_ok(&lines[10], "200 OK hello from the test internet");
+    assert_ok(&lines[11], "ping");
+    let queries = inet.queries();
+    for leaked in ["tunnel", " 16\n"] {
+        assert!(!queries.contains(leaked), "{leaked:?} reached the upstream resolver from {what}:\n{queries}");
+    }
+}
+
 /// Returns once every sandbox of the daemon is back after a restart. A listing is no sign: a
 /// sandbox waiting for its re-adoption is listed in its recorded state (RUNNING) before its
 /// container or VM, and its link, are back; an exec waits for (or does) the re-adoption.
@@ -519,76 +564,11 @@ async fn the_container_tier_is_held_the_same_through_fork_rollback_restart_and_d
     assert!(host_links(&prefix).is_empty(), "a NONE container got a link: {:?}", host_links(&prefix));
 
     // ALLOWLIST: exactly the listed name and port, through the daemon's DNS and proxy.
-    let allow = vec![
-        "pypi.test:8080".to_string(),
-        format!("host.test:{port}"),
-        "169.254.169.254/32:80".to_string(),
-        "pypi.test:8443".to_string(),
-        "pypi.test:7001".to_string(),
-    ];
-    let tunnel = format!("{}.tunnel.test", "b".repeat(60));
+    let allow = tier_allow(&port);
     let id = sandbox_on(&h, Isolation::Container, network(NetworkMode::Allowlist, &allow)).await;
-    within(30, h.client.write_file(&id, "/ca.pem", inet.ca_pem(), 0o644)).await.expect("writing the test CA");
     assert_eq!(host_links(&prefix).len(), 1, "{:?}", host_links(&prefix));
+    allowlist_is_held(&h, &inet, &id, &port, "a container").await;
     let gw = nameserver(&h, &id).await.to_string();
-    let lines = probe(
-        &h,
-        &id,
-        &[
-            "http",
-            &addr,
-            "8080", // 0: an IP literal nobody resolved
-            "http",
-            "pypi.test",
-            "8080", // 1: listed
-            "echo",
-            "pypi.test",
-            "7000", // 2: the listed name on another port
-            "resolve",
-            "evil.test", // 3: not listed (resolves upstream to the same address)
-            "http",
-            "host.test",
-            &port, // 4: listed, but the host
-            "http",
-            &gw,
-            &port, // 5: the gateway (the host)
-            "connect",
-            "169.254.169.254",
-            "80", // 6: listed as a CIDR, still the metadata address
-            "https",
-            "pypi.test",
-            "8443",
-            "evil.test", // 7: real HTTPS naming an unlisted name at the allowed address
-            "https",
-            "pypi.test",
-            "8443",
-            "pypi.test", // 8: real HTTPS to the listed name, checked against the test CA
-            "dns",
-            "16",
-            "pypi.test", // 9: TXT of the listed name
-            "dns",
-            "1",
-            &tunnel, // 10: a long label under an unlisted name
-            "echo",
-            "pypi.test",
-            "7001", // 11: a listed raw TCP port
-        ],
-    )
-    .await;
-    assert_eq!(lines.len(), 12, "{lines:#?}");
-    assert_fail(&lines[0]);
-    assert_ok(&lines[1], "200 OK hello from the test internet");
-    for l in &lines[2..8] {
-        assert_fail(l);
-    }
-    assert_ok(&lines[8], "200 OK hello from the test internet");
-    assert_fail(&lines[9]);
-    assert_fail(&lines[10]);
-    assert_ok(&lines[11], "ping");
-    let queries = inet.queries();
-    for leaked in ["tunnel", " 16\n"] {
-        assert!(!queries.contains(leaked), "{leaked:?} reached the upstream resolver from a container:\n{queries}");
-    }
     assert!(!host.was_reached(), "a container reached a host service");
     let audit = audit_lines(&h, &id);
     let ok = audit.iter().find(|l| l["rpc"] == "egress.connect" && l["verdict"] == "allowed").expect("an allowed connection in the audit log");
@@ -718,78 +698,15 @@ async fn the_microvm_tier_is_held_the_same_through_fork_rollback_restart_and_des
     within(60, h.client.destroy(&none)).await.expect("Destroy");
 
     // ALLOWLIST: a virtio-net device on a TAP, held by the same filter as the other tiers.
-    let allow = vec![
-        "pypi.test:8080".to_string(),
-        format!("host.test:{port}"),
-        "169.254.169.254/32:80".to_string(),
-        "pypi.test:8443".to_string(),
-        "pypi.test:7001".to_string(),
-    ];
-    let tunnel = format!("{}.tunnel.test", "c".repeat(60));
+    let allow = tier_allow(&port);
     let id = sandbox_on(&h, Isolation::Microvm, network(NetworkMode::Allowlist, &allow)).await;
-    within(60, h.client.write_file(&id, "/ca.pem", inet.ca_pem(), 0o644)).await.expect("writing the test CA");
     assert_eq!(host_links(&prefix).len(), 1, "{:?}", host_links(&prefix));
+    allowlist_is_held(&h, &inet, &id, &port, "a microVM").await;
     let gw = nameserver(&h, &id).await.to_string();
-    let lines = probe(
-        &h,
-        &id,
-        &[
-            "http",
-            &addr,
-            "8080", // 0: an IP literal nobody resolved
-            "http",
-            "pypi.test",
-            "8080", // 1: listed
-            "echo",
-            "pypi.test",
-            "7000", // 2: the listed name on another port
-            "resolve",
-            "evil.test", // 3: not listed
-            "http",
-            "host.test",
-            &port, // 4: listed, but the host
-            "http",
-            &gw,
-            &port, // 5: the gateway (the host)
-            "connect",
-            "169.254.169.254",
-            "80", // 6: listed as a CIDR, still the metadata address
-            "https",
-            "pypi.test",
-            "8443",
-            "evil.test", // 7: real HTTPS naming an unlisted name at the allowed address
-            "dns",
-            "16",
-            "pypi.test", // 8: TXT of the listed name
-            "dns",
-            "1",
-            &tunnel, // 9: a long label under an unlisted name
-            "https",
-            "pypi.test",
-            "8443",
-            "pypi.test", // 10: real HTTPS to the listed name, checked against the test CA
-            "echo",
-            "pypi.test",
-            "7001", // 11: a listed raw TCP port
-        ],
-    )
-    .await;
-    assert_eq!(lines.len(), 12, "{lines:#?}");
-    assert_fail(&lines[0]);
-    assert_ok(&lines[1], "200 OK hello from the test internet");
-    for l in &lines[2..10] {
-        assert_fail(l);
-    }
-    assert_ok(&lines[10], "200 OK hello from the test internet");
-    assert_ok(&lines[11], "ping");
+    assert!(!host.was_reached(), "a microVM reached a host service");
     // pip from the test index, as on the other tiers.
     let out = sandbox_tests::sh_ok(&h.client, &id, PIP_INSTALL).await;
     assert!(out.contains("installed from the test index"), "{out}");
-    assert!(!host.was_reached(), "a microVM reached a host service");
-    let queries = inet.queries();
-    for leaked in ["tunnel", " 16\n"] {
-        assert!(!queries.contains(leaked), "{leaked:?} reached the upstream resolver from a microVM:\n{queries}");
-    }
     let audit = audit_lines(&h, &id);
     let ok = audit.iter().find(|l| l["rpc"] == "egress.connect" && l["verdict"] == "allowed").expect("an allowed connection in the audit log");
     assert_eq!((ok["rule"].as_str(), ok["port"].as_u64()), (Some("pypi.test:8080"), Some(8080)), "{ok}");

@@ -20,16 +20,26 @@ def examples() -> list[str]:
     return [b for b in blocks if "sandbox-host" not in b]
 
 
-@pytest.mark.parametrize("index", range(2))
-def test_readme_example_runs(daemon: Daemon, index: int, tmp_path: Path) -> None:
-    code = examples()[index]
+def run_example(daemon: Daemon, code: str, tmp_path: Path) -> str:
+    """Runs `code` as a newcomer would paste it, against the test daemon; its stdout."""
     env = {"SANDBOXD_SOCKET": daemon.address, "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def assert_first_example_output(stdout: str) -> None:
+    assert stdout.startswith("EXITED 0 hello from Linux\n[stdout] 1\n") and stdout.endswith("3\n"), stdout
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_readme_example_runs(daemon: Daemon, index: int, tmp_path: Path) -> None:
+    stdout = run_example(daemon, examples()[index], tmp_path)
     if index == 0:
-        assert out.stdout.startswith("EXITED 0 hello from Linux\n[stdout] 1\n") and out.stdout.endswith("3\n"), out.stdout
+        assert_first_example_output(stdout)
     else:
-        assert "['0', '1', '2']" in out.stdout and "[stderr] err\n" in out.stdout, out.stdout
+        assert "['0', '1', '2']" in stdout and "[stderr] err\n" in stdout, stdout
+
 
 
 TOP_README = Path(__file__).resolve().parents[3] / "README.md"
@@ -47,11 +57,8 @@ def test_the_top_readme_shows_both_sdk_examples() -> None:
 
 @pytest.mark.parametrize("index", range(2))
 def test_top_readme_example_runs(daemon: Daemon, index: int, tmp_path: Path) -> None:
-    code = top_examples()[index]
-    env = {"SANDBOXD_SOCKET": daemon.address, "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    stdout = run_example(daemon, top_examples()[index], tmp_path)
     if index == 0:
-        assert out.stdout.startswith("EXITED 0 hello from Linux\n[stdout] 1\n") and out.stdout.endswith("3\n"), out.stdout
+        assert_first_example_output(stdout)
     else:
-        assert out.stdout.strip() == "['0', '1', '2']", out.stdout
+        assert stdout.strip() == "['0', '1', '2']", stdout

@@ -292,33 +292,19 @@ mod tests {
         assert!(!clone3_program().expect("clone3 program").is_empty());
     }
 
-    /// In a forked child with the filter installed, calls every syscall of `family` (zero
-    /// arguments: harmless even if it got through) and exits 0 only if each was refused with
-    /// EPERM by the filter. Exit code 100+i names the first call that got through.
-    fn family_is_denied(family: &str) {
-        let calls = DENIED_FAMILIES.iter().find(|(name, _)| *name == family).map(|(_, c)| *c).expect("family");
-        // SAFETY: the child only makes syscalls and _exits (install() allocates, acceptable in a
-        // test: the parent waits).
+    /// Runs `body` in a forked child with no_new_privs and the filters installed (so they do
+    /// not stick to the test harness) and returns its exit code: `body`'s, or 99 when the
+    /// filters could not be installed (asserted here).
+    fn in_filtered_child(body: impl FnOnce() -> i32) -> i32 {
+        // SAFETY: the child only makes syscalls and _exits (install() allocates, acceptable in
+        // a test: the parent waits).
         match unsafe { nix::unistd::fork() }.expect("fork") {
             nix::unistd::ForkResult::Child => {
                 // No controlling terminal, so even vhangup could not touch the test's terminal.
                 let _ = nix::unistd::setsid();
                 // SAFETY: prctl with integer arguments.
                 unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-                let mut code = 0;
-                if install().is_err() {
-                    code = 99;
-                } else {
-                    for (i, &(_, nr)) in calls.iter().enumerate() {
-                        // SAFETY: a raw syscall with zero arguments; the filter refuses it before
-                        // the kernel reads any of them.
-                        let r = unsafe { libc::syscall(nr, 0, 0, 0, 0, 0, 0) };
-                        if r != -1 || nix::errno::Errno::last() != nix::errno::Errno::EPERM {
-                            code = 100 + i as i32;
-                            break;
-                        }
-                    }
-                }
+                let code = if install().is_err() { 99 } else { body() };
                 // SAFETY: _exit in a forked child.
                 unsafe { libc::_exit(code) }
             }
@@ -326,9 +312,28 @@ mod tests {
                 let status = nix::sys::wait::waitpid(child, None).expect("waitpid");
                 let nix::sys::wait::WaitStatus::Exited(_, code) = status else { panic!("child ended with {status:?}") };
                 assert!(code != 99, "the filter could not be installed");
-                assert_eq!(code, 0, "family {family}: syscall {} got through the filter", calls[(code - 100).max(0) as usize].0);
+                code
             }
         }
+    }
+
+    /// In a forked child with the filter installed, calls every syscall of `family` (zero
+    /// arguments: harmless even if it got through) and exits 0 only if each was refused with
+    /// EPERM by the filter. Exit code 100+i names the first call that got through.
+    fn family_is_denied(family: &str) {
+        let calls = DENIED_FAMILIES.iter().find(|(name, _)| *name == family).map(|(_, c)| *c).expect("family");
+        let code = in_filtered_child(|| {
+            for (i, &(_, nr)) in calls.iter().enumerate() {
+                // SAFETY: a raw syscall with zero arguments; the filter refuses it before the
+                // kernel reads any of them.
+                let r = unsafe { libc::syscall(nr, 0, 0, 0, 0, 0, 0) };
+                if r != -1 || nix::errno::Errno::last() != nix::errno::Errno::EPERM {
+                    return 100 + i as i32;
+                }
+            }
+            0
+        });
+        assert_eq!(code, 0, "family {family}: syscall {} got through the filter", calls[(code - 100).max(0) as usize].0);
     }
 
     macro_rules! denied {
@@ -380,43 +385,27 @@ mod tests {
     /// the family's module says EAFNOSUPPORT — and an ordinary AF_UNIX and AF_INET socket opens.
     #[test]
     fn denied_socket_families_are_refused_and_ordinary_ones_open() {
-        // SAFETY: the child only makes syscalls and _exits (install() allocates, acceptable in a
-        // test: the parent waits).
-        match unsafe { nix::unistd::fork() }.expect("fork") {
-            nix::unistd::ForkResult::Child => {
-                // SAFETY: prctl with integer arguments.
-                unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-                let mut code = 0;
-                if install().is_err() {
-                    code = 99;
-                } else {
-                    for (i, &(_, family)) in DENIED_SOCKET_FAMILIES.iter().enumerate() {
-                        for kind in [libc::SOCK_STREAM, libc::SOCK_DGRAM, libc::SOCK_SEQPACKET] {
-                            // SAFETY: socket(2) with integer arguments.
-                            let fd = unsafe { libc::socket(family, kind, 0) };
-                            if fd >= 0 || nix::errno::Errno::last() != nix::errno::Errno::EPERM {
-                                code = 100 + i as i32;
-                            }
-                        }
-                    }
-                    for family in [libc::AF_UNIX, libc::AF_INET] {
-                        // SAFETY: socket(2) with integer arguments.
-                        if unsafe { libc::socket(family, libc::SOCK_STREAM, 0) } < 0 {
-                            code = 98;
-                        }
+        let code = in_filtered_child(|| {
+            let mut code = 0;
+            for (i, &(_, family)) in DENIED_SOCKET_FAMILIES.iter().enumerate() {
+                for kind in [libc::SOCK_STREAM, libc::SOCK_DGRAM, libc::SOCK_SEQPACKET] {
+                    // SAFETY: socket(2) with integer arguments.
+                    let fd = unsafe { libc::socket(family, kind, 0) };
+                    if fd >= 0 || nix::errno::Errno::last() != nix::errno::Errno::EPERM {
+                        code = 100 + i as i32;
                     }
                 }
-                // SAFETY: _exit in a forked child.
-                unsafe { libc::_exit(code) }
             }
-            nix::unistd::ForkResult::Parent { child } => {
-                let status = nix::sys::wait::waitpid(child, None).expect("waitpid");
-                let nix::sys::wait::WaitStatus::Exited(_, code) = status else { panic!("child ended with {status:?}") };
-                assert!(code != 99, "the filter could not be installed");
-                assert!(code != 98, "an ordinary AF_UNIX or AF_INET socket was refused");
-                assert_eq!(code, 0, "{} got through the filter", DENIED_SOCKET_FAMILIES[(code - 100).max(0) as usize].0);
+            for family in [libc::AF_UNIX, libc::AF_INET] {
+                // SAFETY: socket(2) with integer arguments.
+                if unsafe { libc::socket(family, libc::SOCK_STREAM, 0) } < 0 {
+                    code = 98;
+                }
             }
-        }
+            code
+        });
+        assert!(code != 98, "an ordinary AF_UNIX or AF_INET socket was refused");
+        assert_eq!(code, 0, "{} got through the filter", DENIED_SOCKET_FAMILIES[(code - 100).max(0) as usize].0);
     }
 
     #[test]
@@ -470,71 +459,37 @@ mod tests {
 
     #[test]
     fn installed_filter_refuses_personas_outside_the_list() {
-        // SAFETY: the child only makes syscalls and _exits (install() allocates, acceptable in a
-        // test: the parent waits).
-        match unsafe { nix::unistd::fork() }.expect("fork") {
-            nix::unistd::ForkResult::Child => {
-                // SAFETY: prctl with integer arguments.
-                unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-                let mut code = 0;
-                if install().is_err() {
-                    code = 99;
-                } else {
-                    // ADDR_NO_RANDOMIZE and READ_IMPLIES_EXEC: refused.
-                    for (i, persona) in [0x0004_0000u64, 0x0040_0000].into_iter().enumerate() {
-                        // SAFETY: personality(2) with an integer argument.
-                        let r = unsafe { libc::syscall(libc::SYS_personality, persona) };
-                        if r != -1 || nix::errno::Errno::last() != nix::errno::Errno::EPERM {
-                            code = 10 + i as i32;
-                        }
-                    }
-                    // The query and PER_LINUX: allowed.
-                    // SAFETY: as above.
-                    if unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) } < 0 || unsafe { libc::syscall(libc::SYS_personality, 0u64) } < 0 {
-                        code = 20;
-                    }
+        let code = in_filtered_child(|| {
+            let mut code = 0;
+            // ADDR_NO_RANDOMIZE and READ_IMPLIES_EXEC: refused.
+            for (i, persona) in [0x0004_0000u64, 0x0040_0000].into_iter().enumerate() {
+                // SAFETY: personality(2) with an integer argument.
+                let r = unsafe { libc::syscall(libc::SYS_personality, persona) };
+                if r != -1 || nix::errno::Errno::last() != nix::errno::Errno::EPERM {
+                    code = 10 + i as i32;
                 }
-                // SAFETY: _exit in a forked child.
-                unsafe { libc::_exit(code) }
             }
-            nix::unistd::ForkResult::Parent { child } => {
-                let status = nix::sys::wait::waitpid(child, None).expect("waitpid");
-                let nix::sys::wait::WaitStatus::Exited(_, code) = status else { panic!("child ended with {status:?}") };
-                assert!(code != 99, "the filter could not be installed");
-                assert!(code != 20, "the personality query or PER_LINUX was refused");
-                assert_eq!(code, 0, "a persona outside Docker's list got through the filter");
+            // The query and PER_LINUX: allowed.
+            // SAFETY: as above.
+            if unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) } < 0 || unsafe { libc::syscall(libc::SYS_personality, 0u64) } < 0 {
+                code = 20;
             }
-        }
+            code
+        });
+        assert!(code != 20, "the personality query or PER_LINUX was refused");
+        assert_eq!(code, 0, "a persona outside Docker's list got through the filter");
     }
 
     #[test]
     fn installed_filter_denies_unshare_and_mount_but_not_getpid() {
-        // Run in a forked child so the filter does not stick to the test harness.
-        // SAFETY: the child only makes syscalls and _exits; it does not touch the harness's locks
-        // except through install(), which allocates — acceptable in a test, where the parent is
-        // waiting and no other test thread holds the allocator during this brief window in practice.
-        match unsafe { nix::unistd::fork() }.expect("fork") {
-            nix::unistd::ForkResult::Child => {
-                // SAFETY: prctl with integer arguments.
-                unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-                let code = match install() {
-                    Err(_) => 10,
-                    Ok(()) => {
-                        let unshare = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER);
-                        let mount = nix::mount::mount(Some("none"), "/tmp", Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>);
-                        match (unshare, mount, nix::unistd::getpid().as_raw() > 0) {
-                            (Err(nix::errno::Errno::EPERM), Err(nix::errno::Errno::EPERM), true) => 0,
-                            _ => 11,
-                        }
-                    }
-                };
-                // SAFETY: _exit in a forked child.
-                unsafe { libc::_exit(code) }
+        let code = in_filtered_child(|| {
+            let unshare = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER);
+            let mount = nix::mount::mount(Some("none"), "/tmp", Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>);
+            match (unshare, mount, nix::unistd::getpid().as_raw() > 0) {
+                (Err(nix::errno::Errno::EPERM), Err(nix::errno::Errno::EPERM), true) => 0,
+                _ => 11,
             }
-            nix::unistd::ForkResult::Parent { child } => {
-                let status = nix::sys::wait::waitpid(child, None).expect("waitpid");
-                assert_eq!(status, nix::sys::wait::WaitStatus::Exited(child, 0));
-            }
-        }
+        });
+        assert_eq!(code, 0, "unshare or mount got through the filter, or getpid did not");
     }
 }
