@@ -134,6 +134,8 @@ bench: deps release
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/restart_bench --out BENCHMARKS.md
 	$(CARGO) build --release -p sandbox-tests --bin egress_bench
 	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/egress_bench --out BENCHMARKS.md
+	$(CARGO) build --release -p sandbox-tests --bin fleet_bench
+	SANDBOXD_BIN=$(CURDIR)/target/release/sandboxd SANDBOXD_IMAGES_DIR=$(IMAGES_DIR) target/release/fleet_bench --out BENCHMARKS.md
 	@$(MAKE) --no-print-directory bench-e2b
 
 clean:

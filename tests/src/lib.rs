@@ -15,6 +15,7 @@ pub mod browser;
 mod checks;
 mod daemon;
 mod exec;
+pub mod fleet;
 mod harness;
 mod host;
 mod internet;

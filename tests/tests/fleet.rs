@@ -8,156 +8,23 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)] // test harness: a failed expectation is a failed test
 
 use std::collections::{BTreeMap, HashMap};
-use std::process::{Child, Command, Stdio};
 
 use agent_client::{exec_request, Client};
+use sandbox_tests::fleet::{Net, NODES, PORT, TOKEN_A, TOKEN_B, WEB_PORT};
 use sandbox_tests::proto::{exec_event, CreateSandboxRequest, ExecSessionStart, Sandbox};
 use sandbox_tests::{eventually, process_sandbox, sh_ok, text, within, Daemon};
 use sha2::{Digest, Sha256};
 use tonic::Code;
 
-const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
-const DNS_NAME: &str = "peers.fleet.test";
-const PORT: u16 = 7070;
-/// Each node's page (`--web`), on its fleet address: off loopback, allowed because of the tokens.
-const WEB_PORT: u16 = 8090;
-const TOKEN_A: &str = "tenant-a-token-0123456789";
-const TOKEN_B: &str = "tenant-b-token-0123456789";
-const FLEET_TOKEN: &str = "fleet-token-abcdefghijklmnop";
 /// Sandboxes each node holds at most (policy.max_sandboxes).
 const PER_NODE: usize = 3;
 
-/// Runs a host command, failing the test with its output if it fails.
-fn run(args: &[&str]) {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));
-    assert!(out.status.success(), "{args:?}: {}{}", text(&out.stdout), text(&out.stderr));
-}
-
-/// The network: a hub namespace with a bridge, one namespace per node on it, a veth from the
-/// host (where the test runs) to the bridge, and dnsmasq on the hub. Removed on drop.
-struct Net {
-    prefix: String,
-    hub: String,
-    nodes: Vec<String>,
-    host_if: String,
-    dns: Option<Child>,
-    _dir: tempfile::TempDir,
-}
-
-impl Net {
-    fn addr(&self, i: usize) -> String {
-        format!("{}.{}", self.prefix, i + 2)
-    }
-
-    fn setup() -> Net {
-        for tool in ["ip", "nsenter", "dnsmasq"] {
-            let found = Command::new("sh").arg("-c").arg(format!("command -v {tool}")).stdout(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
-            assert!(found, "the fleet test needs `{tool}` (images/deps.sh installs it: dnsmasq-base, iproute2, util-linux)");
-        }
-        let n = std::process::id() % 200 + 20;
-        let prefix = format!("10.231.{n}");
-        let tag = format!("{n}");
-        let hub = format!("sbxf{tag}hub");
-        let nodes: Vec<String> = (0..3).map(|i| format!("sbxf{tag}n{i}")).collect();
-        let host_if = format!("sbxf{tag}h");
-        let dir = tempfile::tempdir().expect("tempdir");
-        let mut net = Net { prefix: prefix.clone(), hub: hub.clone(), nodes: nodes.clone(), host_if: host_if.clone(), dns: None, _dir: dir };
-        // Leftovers of a run that was killed: gone first.
-        net.teardown();
-        run(&["ip", "netns", "add", &hub]);
-        run(&["ip", "-n", &hub, "link", "add", "br0", "type", "bridge"]);
-        run(&["ip", "-n", &hub, "addr", "add", &format!("{prefix}.1/24"), "dev", "br0"]);
-        run(&["ip", "-n", &hub, "link", "set", "br0", "up"]);
-        run(&["ip", "-n", &hub, "link", "set", "lo", "up"]);
-        for (i, ns) in nodes.iter().enumerate() {
-            run(&["ip", "netns", "add", ns]);
-            let port = format!("p{i}");
-            run(&["ip", "-n", &hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", ns]);
-            run(&["ip", "-n", &hub, "link", "set", &port, "master", "br0", "up"]);
-            run(&["ip", "-n", ns, "addr", "add", &format!("{}/24", net.addr(i)), "dev", "eth0"]);
-            run(&["ip", "-n", ns, "link", "set", "eth0", "up"]);
-            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
-        }
-        run(&["ip", "link", "add", &host_if, "type", "veth", "peer", "name", "up0", "netns", &hub]);
-        run(&["ip", "-n", &hub, "link", "set", "up0", "master", "br0", "up"]);
-        run(&["ip", "addr", "add", &format!("{prefix}.254/24"), "dev", &host_if]);
-        run(&["ip", "link", "set", &host_if, "up"]);
-        // The headless Service's name with one A record per node, as cluster DNS gives it.
-        let hosts = net._dir.path().join("hosts");
-        let lines: String = (0..3).map(|i| format!("{} {DNS_NAME}\n", net.addr(i))).collect();
-        std::fs::write(&hosts, lines).expect("hosts file");
-        let dns = Command::new("nsenter")
-            .arg(format!("--net=/run/netns/{hub}"))
-            .args(["--", "dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts", "--user=root", "--bind-interfaces"])
-            .arg(format!("--listen-address={prefix}.1"))
-            .arg(format!("--addn-hosts={}", hosts.display()))
-            .arg(format!("--pid-file={}", net._dir.path().join("dnsmasq.pid").display()))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting dnsmasq");
-        net.dns = Some(dns);
-        net
-    }
-
-    fn teardown(&mut self) {
-        if let Some(mut d) = self.dns.take() {
-            let _ = d.kill();
-            let _ = d.wait();
-        }
-        let _ = Command::new("ip").args(["link", "del", &self.host_if]).stderr(Stdio::null()).status();
-        for ns in self.nodes.iter().chain([&self.hub]) {
-            let _ = Command::new("ip").args(["netns", "del", ns]).stderr(Stdio::null()).status();
-        }
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        self.teardown();
-    }
-}
-
-fn config(net: &Net, i: usize) -> String {
-    let hash = |t: &str| Sha256::digest(t.as_bytes()).iter().map(|b| format!("{b:02x}")).collect::<String>();
-    format!(
-        r#"
-[policy]
-max_sandboxes = {PER_NODE}
-[[auth.tokens]]
-tenant = "team-a"
-sha256 = "{a}"
-[[auth.tokens]]
-tenant = "team-b"
-sha256 = "{b}"
-[fleet]
-node_name = "{node}"
-peers_dns = "{DNS_NAME}"
-port = {PORT}
-dns_server = "{prefix}.1:53"
-refresh_ms = 1000
-connect_timeout_ms = 1000
-token_file = "{{dir}}/fleet-token"
-"#,
-        a = hash(TOKEN_A),
-        b = hash(TOKEN_B),
-        node = NODES[i],
-        prefix = net.prefix,
-    )
-}
-
 async fn start_node(net: &Net, i: usize) -> Daemon {
-    let listen = format!("tcp://{}:{PORT}", net.addr(i));
-    // The fleet token, as a Kubernetes Secret would mount it.
-    let token = net._dir.path().join("fleet-token");
-    std::fs::write(&token, FLEET_TOKEN).expect("token");
-    let toml = config(net, i).replace("{dir}/fleet-token", &token.display().to_string());
-    let web = format!("{}:{WEB_PORT}", net.addr(i));
-    within(60, Daemon::start_in_netns(&net.nodes[i], &toml, &["--listen", &listen, "--web", &web])).await.expect("starting a fleet node")
+    sandbox_tests::fleet::start_node(net, i, PER_NODE).await.expect("starting a fleet node")
 }
 
 async fn tenant(net: &Net, token: &str) -> Client {
-    Client::connect(&format!("http://{}:{PORT}", net.addr(0))).await.expect("connecting to node A").with_token(token).expect("token")
+    sandbox_tests::fleet::client_of(net, 0, token).await.expect("connecting to node A")
 }
 
 /// A GET on a node's page listener with a tenant's token: the JSON body.
@@ -190,7 +57,7 @@ fn by_node(list: &[Sandbox]) -> BTreeMap<String, usize> {
 #[tokio::test(flavor = "multi_thread")]
 async fn three_nodes_behind_one_address() {
     sandbox_tests::require_environment().expect("environment");
-    let net = Net::setup();
+    let net = Net::setup().expect("the fleet's network");
     let mut nodes = Vec::new();
     for i in 0..3 {
         nodes.push(start_node(&net, i).await);
