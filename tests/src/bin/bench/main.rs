@@ -4,8 +4,9 @@
 //! Starts the real daemon (`SANDBOXD_BIN`) through the test harness, drives it with the real
 //! client over its UNIX socket, measures the Docker Engine API the same way (one API client, one
 //! call after another), prints a markdown report and, with `--out`, writes it to a file.
-//! `make bench` runs it as `target/release/bench --out BENCHMARKS.md`. A `## Agent loop` section
-//! already in that file (another bench appends it) is carried over to the end of the new one.
+//! `make bench` runs it as `target/release/bench --out BENCHMARKS.md`. The sections other benches
+//! wrote into that file (agent loop, images, transfers, restart, E2B, egress, fleet) are carried
+//! over to the end of the new one.
 //!
 //! Every sandbox, snapshot and container it makes is removed again, also when a section fails or
 //! the run is interrupted with Ctrl-C. Docker missing is not a failure (its rows, and those of

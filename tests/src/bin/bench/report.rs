@@ -1,5 +1,5 @@
-//! The markdown report: its tables and paragraphs, and BENCHMARKS.md, whose `## Agent loop`
-//! section (written by another bench) is carried over when the file is rewritten.
+//! The markdown report: its tables and paragraphs, and BENCHMARKS.md, whose sections written by
+//! other benches are carried over when the file is rewritten.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -391,26 +391,34 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
     md
 }
 
-/// The heading this bench leaves to another one, in a file it rewrites.
-const AGENT_LOOP_HEADING: &str = "## Agent loop";
-
-/// The `## Agent loop` section of an earlier BENCHMARKS.md, verbatim: from its heading to the
-/// next level-2 heading or the end of the file.
-fn agent_loop_section(text: &str) -> Option<&str> {
+/// The level-2 sections of a markdown text, verbatim, each from its heading to the next level-2
+/// heading or the end of the text, with its heading line.
+fn sections(text: &str) -> Vec<(&str, &str)> {
+    let mut out: Vec<(&str, &str)> = Vec::new();
+    let mut current: Option<(&str, usize)> = None;
     let mut offset = 0;
-    let mut start = None;
     for line in text.split_inclusive('\n') {
         let heading = line.trim_end();
-        match start {
-            None if heading == AGENT_LOOP_HEADING || heading.starts_with(&format!("{AGENT_LOOP_HEADING} ")) => {
-                start = Some(offset);
+        if heading.starts_with("## ") {
+            if let Some((h, s)) = current.take() {
+                out.push((h, &text[s..offset]));
             }
-            Some(s) if heading.starts_with("## ") => return Some(&text[s..offset]),
-            _ => {}
+            current = Some((heading, offset));
         }
         offset += line.len();
     }
-    start.map(|s| &text[s..])
+    if let Some((h, s)) = current {
+        out.push((h, &text[s..]));
+    }
+    out
+}
+
+/// The sections of an earlier file that this report does not write (the agent loop's, the
+/// images', transfers', restart's, E2B's, egress' and fleet's: other benches write those into
+/// the same file), verbatim and in their order, as the end of the new file.
+fn kept_sections(old: &str, new: &str) -> String {
+    let ours: Vec<&str> = sections(new).into_iter().map(|(h, _)| h).collect();
+    sections(old).into_iter().filter(|(h, _)| !ours.contains(h)).map(|(_, body)| section_tail(body)).collect()
 }
 
 /// A kept section as the end of the file: one blank line before it, one newline after.
@@ -418,14 +426,11 @@ fn section_tail(section: &str) -> String {
     format!("\n{}\n", section.trim_end())
 }
 
-/// Writes the report `md` to `out`, carrying over the `## Agent loop` section an earlier file
-/// there has: the agent-loop bench appends its own section to the same file.
+/// Writes the report `md` to `out`, carrying over the sections of an earlier file there that
+/// other benches wrote (see [`kept_sections`]).
 pub(crate) fn write(out: &Path, md: String) -> Result<()> {
-    let kept = std::fs::read_to_string(out).ok().and_then(|old| agent_loop_section(&old).map(str::to_string));
-    let text = match kept {
-        Some(section) => format!("{}\n{}", md.trim_end(), section_tail(&section)),
-        None => md,
-    };
+    let kept = std::fs::read_to_string(out).map(|old| kept_sections(&old, &md)).unwrap_or_default();
+    let text = if kept.is_empty() { md } else { format!("{}\n{kept}", md.trim_end()) };
     std::fs::write(out, &text).with_context(|| format!("writing {}", out.display()))?;
     eprintln!("bench: wrote {}", out.display());
     Ok(())
@@ -436,13 +441,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn agent_loop_section_is_kept_verbatim() {
-        let old = "# sandboxd benchmarks\n\n## Latency\n\nrows\n\n## Agent loop\n\n| a | b |\n### sub\nmore\n";
-        assert_eq!(agent_loop_section(old), Some("## Agent loop\n\n| a | b |\n### sub\nmore\n"));
-        let middle = "# x\n## Agent loop\nloop rows\n\n## How measured\ntext\n";
-        assert_eq!(agent_loop_section(middle), Some("## Agent loop\nloop rows\n\n"));
-        assert_eq!(agent_loop_section("# x\n## Latency\n## Agent loops\n"), None);
-        assert_eq!(section_tail("## Agent loop\nrows\n\n"), "\n## Agent loop\nrows\n");
+    fn other_benches_sections_are_kept_verbatim_and_ours_replaced() {
+        let old = "# sandboxd benchmarks\n\n## Latency\n\nold rows\n\n## Agent loop\n\n| a | b |\n### sub\nmore\n\n## Egress\ne rows\n";
+        let new = "# sandboxd benchmarks\n\n## Latency\n\nnew rows\n";
+        assert_eq!(kept_sections(old, new), "\n## Agent loop\n\n| a | b |\n### sub\nmore\n\n## Egress\ne rows\n");
+        let sections = sections(old);
+        assert_eq!(sections.iter().map(|(h, _)| *h).collect::<Vec<_>>(), ["## Latency", "## Agent loop", "## Egress"]);
+        assert_eq!(sections[1].1, "## Agent loop\n\n| a | b |\n### sub\nmore\n\n");
+        // A heading that only starts like one of ours is another bench's.
+        assert_eq!(kept_sections("## Latency\nx\n## Latency tails\ny\n", new), "\n## Latency tails\ny\n");
+        assert_eq!(kept_sections(new, new), "");
     }
 
     #[test]
