@@ -370,6 +370,13 @@ pub struct NetworkConfig {
     pub bandwidth_bytes_per_sec: u64,
 }
 
+impl NetworkConfig {
+    /// The `deny` ranges, parsed (the policy and the egress filter both hold them).
+    pub fn deny_ranges(&self) -> Result<Vec<crate::netpolicy::Cidr>, String> {
+        self.deny.iter().map(|d| d.parse().map_err(|e| format!("network.deny: {e}"))).collect()
+    }
+}
+
 impl Default for NetworkConfig {
     fn default() -> Self {
         NetworkConfig {
@@ -1169,13 +1176,7 @@ impl Config {
             Some(path) => Self::read_file(path)?,
             None => (FileConfig::default(), String::new()),
         };
-        let config_path = || cli.config.clone().unwrap_or_default();
-        let network_deny = file
-            .network
-            .deny
-            .iter()
-            .map(|d| d.parse::<crate::netpolicy::Cidr>().map_err(|e| ConfigError::Parse { path: config_path(), message: format!("network.deny: {e}") }))
-            .collect::<Result<Vec<_>, _>>()?;
+        let network_deny = file.network.deny_ranges().map_err(|message| ConfigError::Parse { path: cli.config.clone().unwrap_or_default(), message })?;
         let policy = Policy::new(file.policy, file.limits.default, file.limits.max).with_network_deny(network_deny);
         let line_of = |offset: usize| text.get(..offset).map(|t| t.matches('\n').count() + 1).unwrap_or(0);
         policy.validate(&line_of).map_err(|message| ConfigError::Parse { path: cli.config.clone().unwrap_or_default(), message })?;

@@ -115,6 +115,11 @@ impl Cidr {
         u32::from(addr) & mask == u32::from(self.net) & mask
     }
 
+    /// Whether every address of `other` is inside.
+    pub fn covers(&self, other: &Cidr) -> bool {
+        self.prefix <= other.prefix && self.contains(other.net)
+    }
+
     /// The `i`-th address of the network.
     pub fn nth(&self, i: u32) -> Ipv4Addr {
         Ipv4Addr::from(u32::from(self.net).wrapping_add(i))
@@ -228,6 +233,17 @@ mod tests {
 
     fn rule(s: &str) -> AllowRule {
         s.parse().expect("rule")
+    }
+
+    #[test]
+    fn a_range_covers_itself_and_what_lies_inside_it_only() {
+        let c = |s: &str| s.parse::<Cidr>().expect("cidr");
+        assert!(c("10.0.0.0/8").covers(&c("10.0.0.0/8")));
+        assert!(c("10.0.0.0/8").covers(&c("10.1.0.0/16")));
+        assert!(c("10.0.0.0/8").covers(&c("10.255.255.255/32")));
+        assert!(!c("10.1.0.0/16").covers(&c("10.0.0.0/8")), "larger");
+        assert!(!c("10.0.0.0/8").covers(&c("11.0.0.0/16")), "outside");
+        assert!(c("0.0.0.0/0").covers(&c("192.0.2.7/32")));
     }
 
     #[test]

@@ -291,7 +291,7 @@ impl Decision {
         // keeps its other addresses.
         for entry in &network.allow {
             if let Dest::Cidr(c) = &entry.dest {
-                if let Some(range) = self.network_deny.iter().find(|d| d.prefix <= c.prefix && d.contains(c.net)) {
+                if let Some(range) = self.network_deny.iter().find(|d| d.covers(c)) {
                     return Err(PolicyError::NetworkEntryDenied { entry: entry.to_string(), range: range.to_string() });
                 }
             }

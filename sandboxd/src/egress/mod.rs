@@ -215,7 +215,7 @@ impl Egress {
             return Err(format!("network.subnet {subnet}: too small (at least a /29)"));
         }
         let names = link::Names::new(&cfg.interface_prefix)?;
-        let deny = cfg.deny.iter().map(|d| d.parse::<Cidr>().map_err(|e| format!("network.deny: {e}"))).collect::<Result<Vec<_>, _>>()?;
+        let deny = cfg.deny_ranges()?;
         let upstream = cfg.upstream_dns.or_else(first_nameserver).unwrap_or(SocketAddr::from(([127, 0, 0, 1], 53)));
         let counters = Counters {
             connections: IntCounterVec::new(Opts::new("egress_connections_total", "Sandbox connections through the egress proxy, by verdict"), &["verdict"])
