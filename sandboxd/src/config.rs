@@ -953,9 +953,10 @@ pub struct MicroVmConfig {
     pub pool_memory_bytes: u64,
     /// Boot once per image: the first create of an image (per RAM, vCPUs and network device)
     /// boots and keeps a memory snapshot of the freshly booted VM; later creates without a
-    /// pooled VM restore it instead of booting. Held on disk under the state dir for the
-    /// daemon's life.
-    pub boot_snapshots: bool,
+    /// pooled VM restore it instead of booting. This many are kept at once, on disk under the
+    /// state dir (each what the fresh guest touched, ~85 MiB for `minimal`); past it the least
+    /// recently used goes. 0: every create boots.
+    pub boot_snapshots: usize,
     /// Bytes of disk that MICROVM sandboxes may be promised in total (the sum of their
     /// `disk_bytes`; their qcow2 disks are sparse files under the state dir). Unset: the size
     /// of the state dir's filesystem at start — see `admission`.
@@ -973,7 +974,7 @@ impl Default for MicroVmConfig {
             pool_size: 0,
             pool_image: "minimal".into(),
             pool_memory_bytes: 512 << 20,
-            boot_snapshots: true,
+            boot_snapshots: 4,
             disk_pool_bytes: None,
         }
     }

@@ -383,16 +383,26 @@ async fn a_corrupt_memory_snapshot_is_refused_and_the_sandbox_runs_on() {
 /// Boot once per image: the first create of `minimal` boots and snapshots the fresh VM; the
 /// next creates of the same shape restore that snapshot instead of booting, each with a
 /// hostname, machine-id, random stream and clock of its own and none of the first sandbox's
-/// later files; a create of another shape (more RAM) boots and snapshots its own.
+/// later files; a create of another shape (more RAM) boots and snapshots its own, and with
+/// `boot_snapshots = 1` the older snapshot is evicted, its memory file removed.
 #[tokio::test(flavor = "multi_thread")]
 async fn creates_after_the_first_restore_the_images_boot_snapshot() {
-    let daemon = Daemon::start().await.expect("daemon");
+    let daemon = Daemon::start_with_config("[microvm]\nboot_snapshots = 1\n").await.expect("daemon");
     let client = daemon.client().await.expect("client");
     let taken = |log: &str| log.matches("boot snapshot taken").count();
     let restored = |log: &str| log.matches("restored from its image's boot snapshot").count();
 
     let a = client.create(microvm("minimal")).await.expect("first create");
     assert_eq!((taken(&daemon.log()), restored(&daemon.log())), (1, 0), "{}", daemon.log());
+    let log = daemon.log();
+    let first = log
+        .lines()
+        .find(|l| l.contains("boot snapshot taken"))
+        .and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("snapshot=")))
+        .expect("the boot snapshot's id in the log")
+        .to_string();
+    let (first_memory, _) = snapshot_files(&daemon, &first);
+    assert!(first_memory.is_file(), "{} missing", first_memory.display());
     client.write_file(&a.id, "/workspace/a-only", b"a".to_vec(), 0o644).await.expect("write in a");
 
     let b = client.create(microvm("minimal")).await.expect("second create");
@@ -435,4 +445,10 @@ async fn creates_after_the_first_restore_the_images_boot_snapshot() {
     let bigger = CreateSandboxRequest { limits: Some(ResourceLimits { memory_bytes: 768 << 20, ..Default::default() }), ..microvm("minimal") };
     client.create(bigger).await.expect("a bigger VM");
     assert_eq!((taken(&daemon.log()), restored(&daemon.log())), (2, 3), "{}", daemon.log());
+    // One is kept: the older (least recently used) is evicted with its memory file, and the
+    // next create of its shape boots again.
+    assert!(daemon.log().contains("boot snapshots past [microvm] boot_snapshots evicted"), "{}", daemon.log());
+    assert!(!first_memory.exists(), "the evicted snapshot's memory file {} is still there", first_memory.display());
+    client.create(microvm("minimal")).await.expect("a create after the eviction");
+    assert_eq!((taken(&daemon.log()), restored(&daemon.log())), (3, 3), "{}", daemon.log());
 }

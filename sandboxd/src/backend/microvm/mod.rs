@@ -71,6 +71,26 @@ struct VmImage {
     disk: PathBuf,
 }
 
+/// Which VMs one boot snapshot can stand in for: the image's base disk (named after the file's
+/// identity, so a rebuilt image never restores an old one), its boot files, the accelerator,
+/// RAM, vCPUs and whether there is a network device.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct BootShape {
+    image: String,
+    base: PathBuf,
+    boot: String,
+    accel: Accel,
+    memory_mib: u64,
+    vcpus: u32,
+    nic: bool,
+}
+
+/// A shape's boot snapshot: being taken (by the first create that booted), or ready.
+enum BootSnapshot {
+    Taking,
+    Ready { snap: SnapshotId, used: std::time::Instant },
+}
+
 /// One microVM sandbox.
 struct MicroSandbox {
     spec: SandboxSpec,
@@ -107,12 +127,11 @@ pub(crate) struct Inner {
     uids: uids::UidAllocator,
     sandboxes: RwLock<HashMap<SandboxId, Arc<MicroSandbox>>>,
     snapshots: Mutex<HashSet<SnapshotId>>,
-    /// "Boot once per image": for each image and machine shape ([`Inner::boot_snapshot_key`]),
-    /// the memory snapshot of a VM of it taken right after its boot, which later creates
-    /// restore instead of booting. Kept in `snapshots` (so its files stay) for the daemon's
-    /// life; a key is in `booting_snapshots` while its snapshot is being taken.
-    boot_snapshots: Mutex<HashMap<String, SnapshotId>>,
-    booting_snapshots: Mutex<HashSet<String>>,
+    /// "Boot once per image": for each image and machine shape, the memory snapshot of a VM of
+    /// it taken right after its boot, which later creates restore instead of booting. At most
+    /// `cfg.boot_snapshots` are ready at once (the least recently used goes); a ready one is
+    /// in `snapshots` too, so its files stay.
+    boot_snapshots: Mutex<HashMap<BootShape, BootSnapshot>>,
     /// Held while disk files are created, renamed or collected.
     disk_lock: tokio::sync::Mutex<()>,
     pool: pool::Pool,
@@ -177,7 +196,6 @@ impl MicroVmBackend {
             sandboxes: RwLock::new(HashMap::new()),
             snapshots: Mutex::new(HashSet::new()),
             boot_snapshots: Mutex::new(HashMap::new()),
-            booting_snapshots: Mutex::new(HashSet::new()),
             disk_lock: tokio::sync::Mutex::new(()),
             vm_seq: std::sync::atomic::AtomicU64::new(1),
             host_cpus,
@@ -628,12 +646,16 @@ impl Inner {
         Ok((vm, pinned, resumed))
     }
 
-    /// Which VMs one boot snapshot can stand in for: the image's base disk (named after the
-    /// file's identity, so a rebuilt image never restores an old one), its boot files, the
-    /// accelerator, RAM, vCPUs and whether there is a network device.
-    async fn boot_snapshot_key(&self, image: &VmImage, base: &Path, limits: &Limits, nic: bool) -> String {
-        let accel = self.accel(image).await;
-        format!("{}|{}|{}|{:?}|{}|{}|{nic}", image.name, base.display(), boot_key(&image.boot), accel, Self::memory_mib(limits), self.vcpus(limits))
+    async fn boot_shape(&self, image: &VmImage, base: &Path, limits: &Limits, nic: bool) -> BootShape {
+        BootShape {
+            image: image.name.clone(),
+            base: base.to_path_buf(),
+            boot: boot_key(&image.boot),
+            accel: self.accel(image).await,
+            memory_mib: Self::memory_mib(limits),
+            vcpus: self.vcpus(limits),
+            nic,
+        }
     }
 
     /// A VM for a create with neither a snapshot to start from nor a pooled VM: restored from
@@ -654,12 +676,21 @@ impl Inner {
             let pinned = self.pin(&base);
             (base, pinned)
         };
-        let key = match self.cfg.boot_snapshots {
-            true => Some(self.boot_snapshot_key(image, &base, &spec.limits, net.is_some()).await),
-            false => None,
+        let shape = match self.cfg.boot_snapshots {
+            0 => None,
+            _ => Some(self.boot_shape(image, &base, &spec.limits, net.is_some()).await),
         };
-        let known = key.as_ref().and_then(|k| self.boot_snapshots.lock().ok().and_then(|m| m.get(k).cloned()));
-        if let (Some(key), Some(snap)) = (&key, known) {
+        let ready = shape.as_ref().and_then(|shape| {
+            let mut m = self.boot_snapshots.lock().ok()?;
+            match m.get_mut(shape)? {
+                BootSnapshot::Ready { snap, used } => {
+                    *used = std::time::Instant::now();
+                    Some(snap.clone())
+                }
+                BootSnapshot::Taking => None,
+            }
+        });
+        if let (Some(shape), Some(snap)) = (&shape, ready) {
             let started = std::time::Instant::now();
             match self.start_from_snapshot(&snap, spec, image, dir, net.clone()).await {
                 Ok((vm, pinned, true)) => {
@@ -670,46 +701,98 @@ impl Inner {
                     // Booted over the snapshot's disk: a VM all the same, but the snapshot no
                     // longer fits this shape.
                     tracing::warn!(sandbox = %spec.id, image = %spec.image, "the image's boot snapshot could not be resumed; it is dropped");
-                    self.drop_boot_snapshot(key);
+                    self.drop_boot_snapshots(|s| s == shape).await;
                     return Ok((vm, pinned));
                 }
                 Err(e) => {
                     tracing::warn!(sandbox = %spec.id, image = %spec.image, error = %e, "restoring the image's boot snapshot failed: booting, and dropping the snapshot");
-                    self.drop_boot_snapshot(key);
+                    self.drop_boot_snapshots(|s| s == shape).await;
                 }
             }
         }
         let vm = self.boot_new(&self.vm_name(), dir, 0, &base, spec.limits.disk_bytes, image, &spec.limits, None, net).await?;
-        if let Some(key) = key {
-            let first =
-                self.boot_snapshots.lock().is_ok_and(|m| !m.contains_key(&key)) && self.booting_snapshots.lock().is_ok_and(|mut b| b.insert(key.clone()));
-            if first {
-                let started = std::time::Instant::now();
-                let snap = SnapshotId::generate();
-                match self.snapshot_vm(&vm, spec, &snap, true).await {
-                    Ok(bytes) => {
-                        tracing::info!(image = %spec.image, snapshot = %snap, bytes, ms = started.elapsed().as_millis() as u64, "boot snapshot taken: later creates of this image and shape restore it instead of booting");
-                        if let Ok(mut m) = self.boot_snapshots.lock() {
-                            m.insert(key.clone(), snap);
-                        }
-                    }
-                    // The VM is the sandbox's all the same; the next create boots and tries again.
-                    Err(e) => tracing::warn!(image = %spec.image, error = %e, "taking the image's boot snapshot failed"),
-                }
-                if let Ok(mut b) = self.booting_snapshots.lock() {
-                    b.remove(&key);
-                }
-            }
+        if let Some(shape) = shape {
+            self.take_boot_snapshot(&vm, spec, shape).await;
         }
         Ok((vm, pinned))
     }
 
-    /// Forgets a boot snapshot; its files go with the next collection nothing else pins them at.
-    fn drop_boot_snapshot(&self, key: &str) {
-        let Some(snap) = self.boot_snapshots.lock().ok().and_then(|mut m| m.remove(key)) else { return };
-        if let Ok(mut s) = self.snapshots.lock() {
-            s.remove(&snap);
+    /// Snapshots `vm`, just booted, as its shape's boot snapshot, unless the shape has one (or
+    /// another create is taking it), or the guest agent cannot renew a restored guest's clock
+    /// and entropy: restores of one snapshot must never share a random stream. Then evicts the
+    /// least recently used ready snapshots past `cfg.boot_snapshots`. A failure is logged; the
+    /// VM is the sandbox's all the same, and a later create boots and tries again.
+    async fn take_boot_snapshot(&self, vm: &Vm, spec: &SandboxSpec, shape: BootShape) {
+        if vm.hello.version < RESUMED_PROTOCOL {
+            tracing::info!(image = %spec.image, agent_protocol = vm.hello.version, "no boot snapshot: the guest agent cannot reseed a restored guest's RNG (`make vm-images` rebuilds it)");
+            return;
         }
+        let claimed = self.boot_snapshots.lock().is_ok_and(|mut m| match m.entry(shape.clone()) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(BootSnapshot::Taking);
+                true
+            }
+        });
+        if !claimed {
+            return;
+        }
+        let started = std::time::Instant::now();
+        let snap = SnapshotId::generate();
+        let taken = self.snapshot_vm(vm, spec, &snap, true).await;
+        let evict = self.boot_snapshots.lock().map(|mut m| {
+            match &taken {
+                Ok(_) => m.insert(shape.clone(), BootSnapshot::Ready { snap: snap.clone(), used: std::time::Instant::now() }),
+                Err(_) => m.remove(&shape),
+            };
+            let mut ready: Vec<(std::time::Instant, BootShape)> =
+                m.iter().filter_map(|(k, v)| if let BootSnapshot::Ready { used, .. } = v { Some((*used, k.clone())) } else { None }).collect();
+            ready.sort_by_key(|(used, _)| *used);
+            let over = ready.len().saturating_sub(self.cfg.boot_snapshots);
+            ready.into_iter().take(over).map(|(_, k)| k).collect::<Vec<_>>()
+        });
+        let evict = evict.unwrap_or_default();
+        match taken {
+            Ok(bytes) => {
+                tracing::info!(image = %spec.image, snapshot = %snap, bytes, ms = started.elapsed().as_millis() as u64, "boot snapshot taken: later creates of this image and shape restore it instead of booting")
+            }
+            Err(e) => tracing::warn!(image = %spec.image, error = %e, "taking the image's boot snapshot failed"),
+        }
+        if !evict.is_empty() {
+            tracing::info!(
+                evicted = evict.len(),
+                kept = self.cfg.boot_snapshots,
+                "boot snapshots past [microvm] boot_snapshots evicted, least recently used first"
+            );
+            self.drop_boot_snapshots(|s| evict.contains(s)).await;
+        }
+    }
+
+    /// Forgets the ready boot snapshots of the shapes `which` picks and removes their files
+    /// (what a live sandbox's disk still builds on stays until it goes).
+    async fn drop_boot_snapshots(&self, which: impl Fn(&BootShape) -> bool) {
+        let dropped: Vec<SnapshotId> = self
+            .boot_snapshots
+            .lock()
+            .map(|mut m| {
+                let keys: Vec<BootShape> = m.iter().filter(|(k, v)| which(k) && matches!(v, BootSnapshot::Ready { .. })).map(|(k, _)| k.clone()).collect();
+                keys.iter()
+                    .filter_map(|k| match m.remove(k) {
+                        Some(BootSnapshot::Ready { snap, .. }) => Some(snap),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if dropped.is_empty() {
+            return;
+        }
+        if let Ok(mut s) = self.snapshots.lock() {
+            for snap in &dropped {
+                s.remove(snap);
+            }
+        }
+        self.collect_snapshots().await;
     }
 
     async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId, memory: bool) -> Result<u64, BackendError> {
@@ -1305,15 +1388,8 @@ impl Backend for MicroVmBackend {
     }
 
     async fn remove_image(&self, image: &str) -> Result<(), BackendError> {
-        // Its boot snapshots (collected below with everything else nothing needs).
-        let keys: Vec<String> =
-            self.inner.boot_snapshots.lock().map(|m| m.keys().filter(|k| k.starts_with(&format!("{image}|"))).cloned().collect()).unwrap_or_default();
-        for key in &keys {
-            self.inner.drop_boot_snapshot(key);
-        }
-        if !keys.is_empty() {
-            self.inner.collect_snapshots().await;
-        }
+        // Its boot snapshots, and their files.
+        self.inner.drop_boot_snapshots(|s| s.image == image).await;
         // The hard links of its base disk; no sandbox or snapshot needs them any more.
         let _g = self.inner.disk_lock.lock().await;
         for path in disk::bases_of(image, &self.inner.bases_dir) {

@@ -40,7 +40,7 @@ use crate::backend::cgroup::SandboxCgroup;
 use crate::backend::BackendError;
 
 /// How the guest's CPU is run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Accel {
     Kvm,

@@ -410,7 +410,7 @@ async fn microvm_other_accel(plan: &Plan, report: &mut Report, accel: VmAccel) -
 }
 
 /// The `[microvm]` table of a daemon whose every create boots.
-const NO_BOOT_SNAPSHOTS: &str = "[microvm]\nboot_snapshots = false\n";
+const NO_BOOT_SNAPSHOTS: &str = "[microvm]\nboot_snapshots = 0\n";
 /// What the daemon logs for a create restored from the image's boot snapshot.
 const LOG_BOOT_SNAPSHOT_RESTORED: &str = "microVM restored from its image's boot snapshot (no boot)";
 
