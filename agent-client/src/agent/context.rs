@@ -589,11 +589,9 @@ impl ContextManager {
             .iter_mut()
             .chain(self.state.working.iter_mut())
         {
-            if newest.saturating_sub(e.step) >= horizon {
+            if e.call.function.name == "write_file" && newest.saturating_sub(e.step) >= horizon {
                 let folded = e.folded_call();
-                if folded.function.arguments != e.call.function.arguments
-                    && e.call.function.name == "write_file"
-                {
+                if folded.function.arguments != e.call.function.arguments {
                     e.call = folded;
                     e.tokens_full = count_messages(counter, &e.messages(false));
                 }
