@@ -9,6 +9,8 @@ attempt: "OK <detail>" or "FAIL <why>". Standard library only (the `debian` imag
   many N HOST PORT        N connections to an echo server held open together, "ping" on each
                           in turn: how many were echoed
   dns TYPE NAME           a raw query of TYPE (number) for NAME to the resolv.conf nameserver
+  flows N NAME            N A queries for NAME, each from a new socket, not waiting for answers:
+                          "OK ... from ADDR" (the sandbox's address)
   connect HOST PORT       connect and send nothing: OK if the connection is still open 2 s
                           later. For addresses outside the test's namespaces (the metadata
                           address), so that even a broken filter never sends them a request.
@@ -44,6 +46,14 @@ def get(s, host):
         raise RuntimeError("connection closed without a reply")
     head, _, body = data.partition(b"\r\n\r\n")
     return head.split(b"\r\n")[0].decode() + " " + body.decode().strip()
+
+
+def query(qtype, name):
+    """A DNS query of `qtype` (number) for `name`, recursion desired."""
+    q = struct.pack("!HHHHHH", 0x4242, 0x0100, 1, 0, 0, 0)
+    for label in name.split("."):
+        q += bytes([len(label)]) + label.encode()
+    return q + b"\0" + struct.pack("!HH", qtype, 1)
 
 
 def attempt(kind, args):
@@ -149,22 +159,29 @@ def attempt(kind, args):
         raise RuntimeError(f"closed ({data!r})")
     if kind == "dns":
         qtype, name = int(args[0]), args[1]
-        q = struct.pack("!HHHHHH", 0x4242, 0x0100, 1, 0, 0, 0)
-        for label in name.split("."):
-            q += bytes([len(label)]) + label.encode()
-        q += b"\0" + struct.pack("!HH", qtype, 1)
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.settimeout(TIMEOUT)
-        s.sendto(q, (nameserver(), 53))
+        s.sendto(query(qtype, name), (nameserver(), 53))
         data, _ = s.recvfrom(4096)
         rcode, ancount = data[3] & 0xF, struct.unpack("!H", data[6:8])[0]
         if rcode != 0 or ancount == 0:
             raise RuntimeError(f"rcode {rcode} answers {ancount}")
         return f"answers {ancount}"
+    if kind == "flows":
+        # N A queries for NAME, each from a socket of its own (a connection-tracking flow each),
+        # sent without waiting for answers; says the sandbox's own address.
+        n, q, ns = int(args[0]), query(1, args[1]), nameserver()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
+            c.connect((ns, 53))
+            me = c.getsockname()[0]
+        for _ in range(n):
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.sendto(q, (ns, 53))
+        return f"from {me}"
     raise RuntimeError(f"unknown attempt {kind}")
 
 
-ARITY = {"resolve": 1, "http": 2, "httphost": 3, "idle": 2, "bulk": 3, "echo": 2, "tls": 3, "https": 3, "many": 3, "dns": 2, "connect": 2}
+ARITY = {"resolve": 1, "http": 2, "httphost": 3, "idle": 2, "bulk": 3, "echo": 2, "tls": 3, "https": 3, "many": 3, "dns": 2, "flows": 2, "connect": 2}
 argv = sys.argv[1:]
 while argv:
     kind, args = argv[0], argv[1:1 + ARITY.get(argv[0], 0)]

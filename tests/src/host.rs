@@ -148,3 +148,12 @@ pub fn remove_containers_of(state_dir: &std::path::Path) {
     });
     let _ = cleanup.join();
 }
+
+/// The host pid of the one process whose command line is exactly `argv`.
+pub fn host_pid_of(argv: &[&str]) -> Option<i32> {
+    let want: Vec<u8> = argv.iter().flat_map(|a| a.bytes().chain([0])).collect();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        (std::fs::read(e.path().join("cmdline")).ok()? == want).then_some(pid)
+    })
+}

@@ -31,8 +31,8 @@ pub use daemon::{images_dir, require_environment, run_sbx, sandboxd_bin, sbx_bin
 pub use exec::{assert_exited, describe, exec, read_stream, sh, sh_ok, status, tagged_execs_at_once, text, Streamed};
 pub use harness::{daemon_with_sandbox, Harness};
 pub use host::{
-    cgroups_of, dirs_named, find_under, free_port, mounted, mounts_of, mounts_under, owner_label, proc_status_bytes, remove_containers_of, rss_bytes, unique,
-    PeakRss,
+    cgroups_of, dirs_named, find_under, free_port, host_pid_of, mounted, mounts_of, mounts_under, owner_label, proc_status_bytes, remove_containers_of,
+    rss_bytes, unique, PeakRss,
 };
 pub use internet::Internet;
 pub use probes::build_probe;

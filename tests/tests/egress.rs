@@ -439,27 +439,26 @@ async fn pip_installs_from_an_allowed_index_and_not_without_a_network() {
     require_debian();
     let inet = Internet::start(3).await;
     let h = inet.daemon(&[]).await;
-    let pip = PIP_INSTALL;
     let allowed = sandbox(&h, network(NetworkMode::Allowlist, &["pypi.test:8080".to_string()])).await;
-    let out = sandbox_tests::sh_ok(&h.client, &allowed, pip).await;
+    let out = sandbox_tests::sh_ok(&h.client, &allowed, PIP_INSTALL).await;
     assert!(out.contains("installed from the test index"), "{out}");
     let audit = audit_lines(&h, &allowed);
     assert!(audit.iter().any(|l| l["rpc"] == "egress.connect" && l["verdict"] == "allowed" && l["bytes_in"].as_u64().unwrap_or(0) > 500), "{audit:#?}");
 
     let none = sandbox(&h, None).await;
-    let r = sandbox_tests::sh(&h.client, &none, pip).await;
+    let r = sandbox_tests::sh(&h.client, &none, PIP_INSTALL).await;
     assert_ne!(r.exit_code, 0, "pip installed without a network: {}", sandbox_tests::describe(&r));
     // The same index under an allow list without its port is no better.
     let wrong_port = sandbox(&h, network(NetworkMode::Allowlist, &["pypi.test:443".to_string()])).await;
-    let r = sandbox_tests::sh(&h.client, &wrong_port, pip).await;
+    let r = sandbox_tests::sh(&h.client, &wrong_port, PIP_INSTALL).await;
     assert_ne!(r.exit_code, 0, "pip installed through an unlisted port: {}", sandbox_tests::describe(&r));
 
     // The container tier: the same install through the same filter, and none without it.
     let container = sandbox_on(&h, Isolation::Container, network(NetworkMode::Allowlist, &["pypi.test:8080".to_string()])).await;
-    let out = sandbox_tests::sh_ok(&h.client, &container, pip).await;
+    let out = sandbox_tests::sh_ok(&h.client, &container, PIP_INSTALL).await;
     assert!(out.contains("installed from the test index"), "{out}");
     let none = sandbox_on(&h, Isolation::Container, None).await;
-    let r = sandbox_tests::sh(&h.client, &none, pip).await;
+    let r = sandbox_tests::sh(&h.client, &none, PIP_INSTALL).await;
     assert_ne!(r.exit_code, 0, "pip installed in a container without a network: {}", sandbox_tests::describe(&r));
 }
 
@@ -473,8 +472,13 @@ async fn nameserver(h: &Harness, id: &str) -> std::net::Ipv4Addr {
 /// The allow list of the container and microVM tests: HTTP, HTTPS and a raw TCP port of the
 /// test internet, the host's service (`port`) by name, and the metadata address as a CIDR.
 fn tier_allow(port: &str) -> Vec<String> {
-    ["pypi.test:8080".to_string(), format!("host.test:{port}"), "169.254.169.254/32:80".to_string(), "pypi.test:8443".to_string(), "pypi.test:7001".to_string()]
-        .to_vec()
+    vec![
+        "pypi.test:8080".to_string(),
+        format!("host.test:{port}"),
+        "169.254.169.254/32:80".to_string(),
+        "pypi.test:8443".to_string(),
+        "pypi.test:7001".to_string(),
+    ]
 }
 
 /// What an ALLOWLIST sandbox `id` of [`tier_allow`] reaches, the same on every tier: exactly
@@ -880,23 +884,9 @@ async fn policy_rules_grant_and_bound_networks_idle_connections_close_bandwidth_
 
     // The host's connection tracking holds at most 1024 flows of one sandbox: 1500 DNS
     // queries, each from a socket of its own (a flow each, tracked for 30 s), leave no more.
-    let ns = nameserver(&h, &held).await;
-    let flood = format!(
-        r#"import socket, struct
-q = struct.pack("!HHHHHH", 1, 0x100, 1, 0, 0, 0) + b"\x04pypi\x04test\x00" + struct.pack("!HH", 1, 1)
-c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-c.connect(("{ns}", 53))
-print(c.getsockname()[0])
-c.close()
-for _ in range(1500):
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.sendto(q, ("{ns}", 53))
-    s.close()
-"#
-    );
-    within(30, h.client.write_file(&held, "/flood.py", flood.into_bytes(), 0o644)).await.expect("writing the flood");
-    let out = sandbox_tests::sh_ok(&h.client, &held, "python3 /flood.py").await;
-    let me = out.trim().to_string();
+    let lines = probe(&h, &held, &["flows", "1500", "pypi.test"]).await;
+    assert_ok(&lines[0], "from ");
+    let me = lines[0].rsplit(' ').next().unwrap_or_default().to_string();
     let tracked = std::fs::read_to_string("/proc/net/nf_conntrack").expect("/proc/net/nf_conntrack");
     let dns_flows = tracked.lines().filter(|l| l.contains(" udp ") && l.contains(&format!(" src={me} ")) && l.contains(" dport=53 ")).count();
     assert!(dns_flows > 0, "no DNS flow of {me} is tracked: the count below proves nothing");

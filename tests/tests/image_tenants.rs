@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use agent_client::proto::{self, BuildImageHeader};
 use agent_client::Client;
-use sandbox_tests::{free_port, images_dir, process_sandbox, sh_ok, text, unique, within, Daemon};
+use sandbox_tests::{free_port, host_pid_of, images_dir, process_sandbox, sh_ok, text, unique, within, Daemon};
 use sha2::{Digest, Sha256};
 use tonic::Code;
 
@@ -349,12 +349,6 @@ async fn a_tenants_long_builds_do_not_block_another_tenants_import() {
     }
 }
 
-/// Whether a host process runs exactly `sleep <marker>`.
-fn sleep_is_running(marker: &str) -> bool {
-    let want = format!("sleep\0{marker}\0").into_bytes();
-    std::fs::read_dir("/proc").map(|d| d.flatten().any(|e| std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == want))).unwrap_or(false)
-}
-
 /// A build past `build_timeout_ms` is RESOURCE_EXHAUSTED naming the key, what its RUN step
 /// started is killed, and the tenant's slot is free again for its next build.
 #[tokio::test(flavor = "multi_thread")]
@@ -367,7 +361,7 @@ async fn a_build_past_its_timeout_is_stopped_and_its_steps_killed() {
     assert!(err.message().contains("build_timeout_ms"), "{err}");
     assert!(log.iter().any(|l| l.contains("sleeping")), "the RUN step never started within the timeout: {}", log.join("\n"));
     assert!(
-        sandbox_tests::eventually(120, || std::future::ready(!sleep_is_running(&marker))).await,
+        sandbox_tests::eventually(120, || std::future::ready(host_pid_of(&["sleep", &marker]).is_none())).await,
         "the build's RUN step (sleep {marker}) still runs after the build was stopped"
     );
     // The one slot is free: the next build runs.

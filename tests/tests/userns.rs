@@ -13,7 +13,7 @@ use std::os::unix::fs::MetadataExt;
 
 use agent_client::exec_request;
 use agent_client::proto::ExecRequest;
-use sandbox_tests::{eventually, Harness};
+use sandbox_tests::{eventually, host_pid_of, Harness};
 
 /// What a host process running as uid 1000 could do to process `pid`.
 #[derive(Debug, PartialEq, Eq)]
@@ -63,15 +63,6 @@ fn host_user_reach(pid: i32) -> HostUserReach {
     let bits = libc::WEXITSTATUS(status);
     assert_ne!(bits, 100, "the probe child could not become uid 1000");
     HostUserReach { environ: bits & 1 != 0, root_files: bits & 2 != 0, ptrace: bits & 4 != 0 }
-}
-
-/// The host pid of the one process whose command line is exactly `argv`.
-fn host_pid_of(argv: &[&str]) -> Option<i32> {
-    let want: Vec<u8> = argv.iter().flat_map(|a| a.bytes().chain([0])).collect();
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-        (std::fs::read(e.path().join("cmdline")).ok()? == want).then_some(pid)
-    })
 }
 
 /// The `Uid:` line of `/proc/<pid>/status`: real, effective, saved, fs.
