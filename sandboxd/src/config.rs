@@ -847,11 +847,14 @@ pub struct FileConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum BuildNetwork {
-    /// No network at all (Docker's `none`): a remote client gets no egress through this host.
+    /// No network at all: a build that asks for one is refused.
     #[default]
     None,
-    /// Docker's default bridge network: RUN steps reach whatever this host reaches.
-    Default,
+    /// The network the build asks for (else the policy's default for a container sandbox of
+    /// the caller), within the policy's ceilings and through the egress filter, exactly as a
+    /// sandbox's. `"default"` (Docker's bridge, before RUN steps ran in sandboxes) means this now.
+    #[serde(alias = "default")]
+    Policy,
 }
 
 /// The `[images]` table: imports and builds of images through the API.
@@ -871,7 +874,8 @@ pub struct ImagesConfig {
     pub max_store_bytes: u64,
     /// Bytes an import leaves free on the filesystem of the state dir; below it, it stops.
     pub min_free_bytes: u64,
-    /// Network of the RUN steps of builds.
+    /// Network of the RUN steps of builds: `none`, or `policy` (what the build asks for, under
+    /// the network policy and the egress filter, like a sandbox).
     pub build_network: BuildNetwork,
     /// Of `max_concurrent`, the slots one tenant's imports and builds may hold at once (below
     /// `max_concurrent`, so one tenant's builds never hold every slot another tenant waits for).

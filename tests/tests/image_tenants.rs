@@ -108,8 +108,13 @@ fn context(dockerfile: &str) -> Vec<u8> {
 }
 
 async fn build(c: &Client, name: &str, dockerfile: &str, log: &mut Vec<String>) -> Result<proto::ImageInfo, tonic::Status> {
+    build_with_args(c, name, dockerfile, &[], log).await
+}
+
+async fn build_with_args(c: &Client, name: &str, dockerfile: &str, args: &[(&str, &str)], log: &mut Vec<String>) -> Result<proto::ImageInfo, tonic::Status> {
     let ctx = context(dockerfile);
-    let header = BuildImageHeader { name: name.into(), context_size_bytes: ctx.len() as u64, ..Default::default() };
+    let build_args = args.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let header = BuildImageHeader { name: name.into(), context_size_bytes: ctx.len() as u64, build_args, ..Default::default() };
     within(600, c.build_image(header, std::io::Cursor::new(ctx), |p| log.push(format!("[{}] {}", p.phase, p.message)))).await.map_err(grpc_status)
 }
 
@@ -273,25 +278,59 @@ async fn builds_reach_nothing_beyond_their_context_and_run_boxed() {
     let err = build(&alpha, "stolen", "FROM sandboxd/betas\nRUN cat /secret\n", &mut log).await.expect_err("beta's image");
     assert_eq!(err.code(), Code::NotFound, "{err}");
 
-    // RUN steps in the box: the memory limit is the configured one, and a step past the pids
-    // bound cannot fork.
+    // RUN steps in the box, a container sandbox's: the memory limit is the configured one,
+    // no_new_privs is set, the seccomp filter is on, the bounding set is the tier's (Docker's
+    // builder gives 0, Docker's default profile and a80425fb: NET_RAW, MKNOD, AUDIT_WRITE too),
+    // and a step past the pids bound cannot fork.
     let info = build(
         &alpha,
         "limits",
-        "FROM sandboxd/minimal\nRUN cat /sys/fs/cgroup/memory/memory.limit_in_bytes > /limit; cat /proc/self/cgroup > /cgroup\n",
+        "FROM sandboxd/minimal\nRUN cat /sys/fs/cgroup/memory/memory.limit_in_bytes > /limit; grep -E '^(NoNewPrivs|Seccomp|CapBnd):' /proc/self/status > /status\n",
         &mut log,
     )
     .await
     .unwrap_or_else(|e| panic!("{e}: {}", log.join("\n")));
     assert!(!info.shared);
+    assert!(log.iter().any(|l| l.contains("RUN cat /sys/fs/cgroup") && l.contains("in a container sandbox")), "{}", log.join("\n"));
     let sb = alpha.create(process_sandbox("limits")).await.expect("sandbox").id;
     assert_eq!(sh_ok(&alpha, &sb, "cat /limit").await, "268435456\n");
-    assert!(sh_ok(&alpha, &sb, "grep pids /cgroup").await.contains("/sandboxd-build-"), "the step ran under the build's cgroup parent");
+    assert_eq!(sh_ok(&alpha, &sb, "tr -s '\\t' ' ' < /status").await, "CapBnd: 00000000800405fb\nNoNewPrivs: 1\nSeccomp: 2\n");
     let err = build(&alpha, "bomb", "FROM sandboxd/minimal\nRUN i=0; while [ $i -lt 64 ]; do sleep 30 & i=$((i+1)); done; wait\n", &mut log)
         .await
         .expect_err("past build_max_pids");
     assert!(err.message().contains("can't fork") || err.message().contains("non-zero code"), "{err}");
     assert!(log.iter().any(|l| l.contains("can't fork")), "the step hit the bound: {}", log.join("\n"));
+
+    // Build args reach the step that declares them and stay out of the image; ENV, WORKDIR and
+    // USER of the Dockerfile hold for the steps after them; a stage copies from another.
+    let info = build_with_args(
+        &alpha,
+        "args",
+        "ARG BASE_NOTE=global\nFROM sandboxd/minimal AS one\nARG TOKEN\nARG NOTE=${TOKEN}-x\nENV KEEP=kept\nWORKDIR /work\nRUN echo \"$TOKEN $NOTE $KEEP $(pwd)\" > seen\n\
+         FROM sandboxd/minimal\nARG BASE_NOTE\nCOPY --from=one /work/seen /seen\nRUN echo \"$BASE_NOTE\" >> /seen && chmod 666 /seen\nUSER 1234:1234\nRUN id -u >> /seen\n",
+        &[("TOKEN", "t0k")],
+        &mut log,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", log.join("\n")));
+    assert!(info.env.get("TOKEN").is_none() && info.env.get("NOTE").is_none(), "build args stay out of the image: {info:?}");
+    assert!(info.cmd.is_empty() && info.entrypoint.is_empty(), "no command of the step's sandbox: {info:?}");
+    let sb = alpha.create(process_sandbox("args")).await.expect("sandbox").id;
+    assert_eq!(sh_ok(&alpha, &sb, "cat /seen").await, "t0k t0k-x kept /work\nglobal\n1234\n");
+    // Docker is left with nothing of the builds.
+    let out = std::process::Command::new("docker").args(["images", "-q", "sandboxd-build"]).output().expect("docker images");
+    assert_eq!(text(&out.stdout), "", "the builds' intermediate images are gone");
+    // A network is refused when the daemon gives builds none.
+    let ctx = context("FROM sandboxd/minimal\nRUN true\n");
+    let header = BuildImageHeader {
+        name: "net".into(),
+        context_size_bytes: ctx.len() as u64,
+        network: Some(proto::NetworkPolicy { mode: proto::NetworkMode::Open as i32, allow: vec![] }),
+        ..Default::default()
+    };
+    let err = within(120, alpha.build_image(header, std::io::Cursor::new(ctx), |_| {})).await.map_err(grpc_status).expect_err("no network for builds");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert!(err.message().contains("build_network"), "{err}");
 }
 
 /// Two builds of one tenant that never end hold only that tenant's slots: another tenant's

@@ -101,7 +101,7 @@ pub fn create_request(r: pb::CreateSandboxRequest) -> Result<CreateRequest, Stat
 }
 
 /// The request's network: None when it names no mode (the default, or a fork's parent's).
-fn network_from_proto(n: Option<pb::NetworkPolicy>) -> Result<Option<NetworkPolicy>, Status> {
+pub(super) fn network_from_proto(n: Option<pb::NetworkPolicy>) -> Result<Option<NetworkPolicy>, Status> {
     let Some(n) = n else { return Ok(None) };
     let mode = match pb::NetworkMode::try_from(n.mode) {
         Ok(pb::NetworkMode::Unspecified) if n.allow.is_empty() => return Ok(None),

@@ -55,17 +55,18 @@ pub fn import_request(header: pb::ImportImageHeader) -> Result<(ImportRequest, O
 }
 
 /// What a BuildImage header asks for, the sender of its context, and the audit line's detail.
-pub fn build_request(header: pb::BuildImageHeader) -> (BuildRequest, mpsc::Sender<UploadPiece>, String) {
+pub fn build_request(header: pb::BuildImageHeader) -> Result<(BuildRequest, mpsc::Sender<UploadPiece>, String), Status> {
     let (tx, rx) = mpsc::channel(PIECES);
     let detail = format!("name={} dockerfile={} context_bytes={}", header.name, header.dockerfile, header.context_size_bytes);
     let req = BuildRequest {
         name: header.name,
         dockerfile: header.dockerfile,
         build_args: header.build_args.into_iter().collect(),
+        network: super::convert::network_from_proto(header.network)?,
         size: header.context_size_bytes,
         data: rx,
     };
-    (req, tx, detail)
+    Ok((req, tx, detail))
 }
 
 /// The feeding of an upload: its content's digest once complete.

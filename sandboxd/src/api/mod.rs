@@ -478,7 +478,7 @@ impl SandboxService for Api {
         let Some(Item::Header(header)) = first.item else {
             return Err(Status::invalid_argument("the first message of BuildImage must be `header`"));
         };
-        let (req, pieces, detail) = images::build_request(header);
+        let (req, pieces, detail) = images::build_request(header)?;
         let end = images::CallEnd {
             audit: self.audit.clone(),
             rpc: "BuildImage",

@@ -462,6 +462,17 @@ pub trait Backend: Send + Sync {
     /// Called once at daemon shutdown. Sandboxes are not destroyed: their filesystems stay for
     /// the next start to recover; their processes end with the daemon.
     async fn shutdown(&self);
+    /// Builds only (the container tier): makes sandbox `spec` from the Docker image `image` (a
+    /// build's image so far) instead of a catalog image, confined as every sandbox of the tier.
+    async fn create_build_step(&self, spec: &SandboxSpec, _image: &str) -> Result<(), BackendError> {
+        Err(BackendError::Unavailable { isolation: self.isolation(), reason: format!("sandbox {}: only the container tier runs build steps", spec.id) })
+    }
+    /// Builds only: stops build-step sandbox `sandbox`, commits its filesystem as a Docker image
+    /// `repo:tag` with the configuration of image `config_of`, and removes the sandbox. Returns
+    /// the image's ID.
+    async fn commit_build_step(&self, sandbox: &SandboxId, _config_of: &str, _repo: &str, _tag: &str) -> Result<String, BackendError> {
+        Err(BackendError::Unavailable { isolation: self.isolation(), reason: format!("sandbox {sandbox}: only the container tier runs build steps") })
+    }
 }
 
 /// The backends of this daemon, one per tier that was configured; the single dispatch point.

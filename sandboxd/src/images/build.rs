@@ -241,7 +241,7 @@ pub fn catalog_name(reference: &str) -> Option<&str> {
 
 /// The escape character of a Dockerfile: `\`, or what an `# escape=` parser directive at the
 /// top says.
-fn escape_char(lines: &[String]) -> char {
+pub(super) fn escape_char(lines: &[String]) -> char {
     for line in lines {
         let Some(directive) = line.trim().strip_prefix('#') else { break };
         let Some((key, value)) = directive.split_once('=') else { break };
@@ -258,7 +258,7 @@ fn escape_char(lines: &[String]) -> char {
 /// Instructions as Docker reads them: lines ending in the escape character joined with the
 /// next (the character and the newline removed, as Docker does), comment lines inside them
 /// and blank lines between them dropped; each with its first and last physical line.
-fn logical_lines(lines: &[String], escape: char) -> Vec<(usize, usize, String)> {
+pub(super) fn logical_lines(lines: &[String], escape: char) -> Vec<(usize, usize, String)> {
     let mut out = Vec::new();
     let mut cur: Option<(usize, String)> = None;
     for (i, raw) in lines.iter().enumerate() {

@@ -15,7 +15,6 @@ use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
 
 use super::{human, ImageError};
-use crate::config::BuildNetwork;
 
 /// How long connecting to Docker may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -28,7 +27,8 @@ pub struct Engine {
     docker: tokio::sync::Mutex<Option<Docker>>,
 }
 
-/// What a build is asked to do.
+/// What a segment build (see `images::steps`) is asked to do: no RUN steps, so no process of
+/// the build's runs, and no network.
 #[derive(Debug, Clone)]
 pub struct BuildSpec {
     /// The Dockerfile's path inside the context.
@@ -36,22 +36,19 @@ pub struct BuildSpec {
     /// The (intermediate) tag of the result.
     pub tag: String,
     pub build_args: HashMap<String, String>,
-    pub network: BuildNetwork,
-    /// What each RUN step may use.
-    pub limits: BuildLimits,
-    /// The cgroup the RUN steps' containers are made under (bounding their processes all
-    /// together), when Docker's cgroup driver allows one.
-    pub cgroup_parent: Option<String>,
 }
 
-/// What each RUN step of a build may use (Docker's build API applies them to the container
-/// of every step).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BuildLimits {
-    /// Memory, and memory plus swap (the same: no escape by swapping).
-    pub memory_bytes: u64,
-    pub cpu_millicores: u32,
-    pub shm_bytes: u64,
+/// What a RUN step needs of the image it runs on: its configuration.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ImageConfig {
+    /// `K=V` strings.
+    pub env: Vec<String>,
+    pub user: String,
+    pub workdir: String,
+    /// The SHELL of shell-form RUN steps (empty: `/bin/sh -c`).
+    pub shell: Vec<String>,
+    /// Whether it carries ONBUILD triggers (Docker would run them in a build from it).
+    pub has_onbuild: bool,
 }
 
 /// One JSON message of Docker's build output.
@@ -69,38 +66,21 @@ struct ErrorDetail {
     message: Option<String>,
 }
 
-/// CFS period of a build's RUN steps; the quota is the share of it `cpu_millicores` allow.
-const CPU_PERIOD_US: u64 = 100_000;
-
 /// The query of `POST /build` for `spec`.
 fn build_query(spec: &BuildSpec) -> String {
-    let l = &spec.limits;
     let json = |m: &HashMap<String, String>| serde_json::to_string(m).unwrap_or_else(|_| "{}".into());
-    let mut q: Vec<(&str, String)> = vec![
+    let q: Vec<(&str, String)> = vec![
         ("dockerfile", spec.dockerfile.clone()),
         ("t", spec.tag.clone()),
         ("rm", "1".into()),
         ("forcerm", "1".into()),
-        // The classic builder: BuildKit would need a session, and ignores these limits.
+        // The classic builder: BuildKit would need a session.
         ("version", "1".into()),
         ("buildargs", json(&spec.build_args)),
         ("labels", json(&HashMap::from([("sandboxd.build".to_string(), "1".to_string())]))),
-        (
-            "networkmode",
-            match spec.network {
-                BuildNetwork::None => "none".into(),
-                BuildNetwork::Default => "default".into(),
-            },
-        ),
-        ("memory", l.memory_bytes.to_string()),
-        ("memswap", l.memory_bytes.to_string()),
-        ("cpuperiod", CPU_PERIOD_US.to_string()),
-        ("cpuquota", (u64::from(l.cpu_millicores) * CPU_PERIOD_US / 1000).max(1000).to_string()),
-        ("shmsize", l.shm_bytes.to_string()),
+        // A segment runs nothing; should Docker ever start a container for one, it has no network.
+        ("networkmode", "none".into()),
     ];
-    if let Some(parent) = &spec.cgroup_parent {
-        q.push(("cgroupparent", parent.clone()));
-    }
     q.iter().map(|(k, v)| format!("{k}={}", percent_encode(v))).collect::<Vec<_>>().join("&")
 }
 
@@ -219,14 +199,13 @@ impl Engine {
 
     /// Builds the context tar at `context` as `spec.tag` with the classic builder (no
     /// BuildKit session, nothing pulled: every FROM was pinned to a local image ID before),
-    /// its RUN steps boxed by `spec.limits`, sending each line of its log to `log` (a reader
-    /// that went away stops the build). A failing step is [`ImageError::BuildFailed`] with
-    /// Docker's message.
+    /// sending each line of its log to `log` (a reader that went away stops the build). A
+    /// failing instruction is [`ImageError::BuildFailed`] with Docker's message. Only segments
+    /// are built this way (no RUN: see `images::steps`).
     ///
-    /// The request is made here, on a connection of its own, rather than through `bollard`:
-    /// its build options have no `cgroupparent` (the only way to bound the processes of a
-    /// build's RUN steps) and carry memory as a 32-bit number. Dropping the future closes the
-    /// connection, which cancels the build in Docker.
+    /// The request is made here, on a connection of its own, rather than through `bollard`,
+    /// whose build stream cannot be read line by line as it comes. Dropping the future closes
+    /// the connection, which cancels the build in Docker.
     pub async fn build(&self, context: &Path, spec: &BuildSpec, log: &tokio::sync::mpsc::Sender<String>) -> Result<(), ImageError> {
         use http_body_util::BodyExt;
         // Settles that Docker is there, with the same error as every other call.
@@ -292,11 +271,29 @@ impl Engine {
         result
     }
 
-    /// Docker's cgroup driver (`cgroupfs` or `systemd`), which decides what a cgroup parent is.
-    pub async fn cgroup_driver(&self) -> Result<String, ImageError> {
+    /// The configuration of image `reference` a RUN step on it needs.
+    pub async fn image_config(&self, reference: &str) -> Result<ImageConfig, ImageError> {
         let docker = self.docker().await?;
-        let info = docker.info().await.map_err(|e| api_error("info", e))?;
-        Ok(info.cgroup_driver.map(|d| d.to_string()).unwrap_or_default())
+        let info = match docker.inspect_image(reference).await {
+            Ok(info) => info,
+            Err(e) if is_not_found(&e) => return Err(ImageError::DockerImageNotFound(reference.chars().take(200).collect())),
+            Err(e) => return Err(api_error(format!("inspecting {reference}"), e)),
+        };
+        let c = info.config.unwrap_or_default();
+        Ok(ImageConfig {
+            env: c.env.unwrap_or_default(),
+            user: c.user.unwrap_or_default(),
+            workdir: c.working_dir.unwrap_or_default(),
+            shell: c.shell.unwrap_or_default(),
+            has_onbuild: c.on_build.is_some_and(|t| !t.is_empty()),
+        })
+    }
+
+    /// Tags image `id` as `repo:tag`.
+    pub async fn tag(&self, id: &str, repo: &str, tag: &str) -> Result<(), ImageError> {
+        let docker = self.docker().await?;
+        let options = bollard::query_parameters::TagImageOptions { repo: Some(repo.to_string()), tag: Some(tag.to_string()) };
+        docker.tag_image(id, Some(options)).await.map_err(|e| api_error(format!("tagging {id} as {repo}:{tag}"), e))
     }
 
     /// Removes the tag (or image) `reference`; an image nothing else names goes with it.

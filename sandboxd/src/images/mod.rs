@@ -25,13 +25,13 @@
 
 pub mod archive;
 pub mod build;
-pub mod buildbox;
 pub mod catalog;
 pub mod engine;
 pub mod import;
 pub mod layer;
 pub mod meta;
 pub mod owner;
+pub mod steps;
 pub mod store;
 
 pub use catalog::{is_valid_name, Catalog, ImageDir, Origin, VmFiles, MAX_NAME_BYTES};

@@ -16,9 +16,10 @@
 //! own slots for imports and builds and its own share of the store.
 //!
 //! A build runs boxed: its Dockerfile is checked and its bases pinned before Docker sees it
-//! (`images::build`), its RUN steps get memory, CPU, `/dev/shm` and (through a cgroup parent,
-//! `images::buildbox`) pids bounds and no network unless the operator allows one, and it stops
-//! at `images.build_timeout_ms`.
+//! (`images::build`), every RUN step runs in a container sandbox of the caller — the tier's
+//! seccomp profile, capabilities, `no-new-privileges`, memory, CPU and pids limits, and no
+//! network unless the operator allows builds the policy's, through the egress filter
+//! (`images::steps`, `builds`) — and it stops at `images.build_timeout_ms`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -33,12 +34,15 @@ use super::validate::validate_image;
 use super::Manager;
 use crate::backend::UploadPiece;
 use crate::error::Error;
-use crate::images::buildbox::BuildCgroup;
-use crate::images::engine::{self, BuildLimits, BuildSpec};
+use super::builds::{StepBuilder, BUILD_REPO};
+use crate::config::BuildNetwork;
+use crate::egress::{NetworkMode, NetworkPolicy};
+use crate::images::engine;
+use crate::images::steps;
 use crate::images::import::{self, ImportSpec, Prepared};
 use crate::images::store::Claim;
 use crate::images::{build, catalog, display_name, human, owner, ImageError, Viewer};
-use crate::model::{ImageProgress, ImageRecord, Isolation};
+use crate::model::{ImageProgress, ImageRecord, Isolation, Limits};
 
 /// Progress events waiting for a slow client.
 const EVENT_BUFFER: usize = 32;
@@ -79,6 +83,8 @@ pub struct BuildRequest {
     /// Empty: `Dockerfile`.
     pub dockerfile: String,
     pub build_args: BTreeMap<String, String>,
+    /// The network of its RUN steps (see `build_network`).
+    pub network: Option<NetworkPolicy>,
     pub size: u64,
     pub data: mpsc::Receiver<UploadPiece>,
 }
@@ -397,43 +403,30 @@ impl Manager {
         };
         // Everything a build could reach beyond its context is refused before Docker sees it.
         let checked = build::check(&text)?;
+        // What cannot run boxed (RUN flags, ONBUILD) and a network the daemon gives no build,
+        // refused before anything is made.
+        steps::plan(&text)?;
+        let network = self.build_network(req.network)?;
         let container = self.backends.available(Isolation::Container).map_err(|e| Error::FailedPrecondition(format!("BuildImage needs Docker: {e}")))?.clone();
         let pinned = self.pin_bases(viewer, &checked, &container, report).await?;
+        let plan = steps::plan(&checked.pinned(&pinned))?;
         let id = crate::ids::SandboxId::generate().as_str().trim_start_matches("sb-").to_ascii_lowercase();
-        // Docker reads the checked Dockerfile with every base pinned, appended to the context
-        // under a name of its own; the client's stays as it was.
-        let pinned_name = format!(".sandboxd-dockerfile-{id}");
-        {
-            let (path, name, text) = (context.0.clone(), pinned_name.clone(), checked.pinned(&pinned));
-            tokio::task::spawn_blocking(move || build::append_to_context(&path, &name, &text))
-                .await
-                .map_err(|e| Error::Internal(format!("writing the Dockerfile: {e}")))??;
-        }
         let i = &self.cfg.images;
-        let cgroup = match self.engine.cgroup_driver().await?.as_str() {
-            "cgroupfs" => Some(BuildCgroup::create(&id, i.build_max_pids, i.build_memory_bytes)?),
-            driver => {
-                tracing::warn!(driver, "Docker's cgroup driver is not cgroupfs: a build's RUN steps run without the images.build_max_pids bound");
-                report.say("build", format!("note: Docker's cgroup driver {driver:?} takes no cgroup parent here; RUN steps have no pids bound")).await;
-                None
-            }
-        };
-        let tag = format!("sandboxd-build:{id}");
-        let spec = BuildSpec {
-            dockerfile: pinned_name,
-            tag: tag.clone(),
-            build_args: req.build_args.into_iter().collect(),
-            network: i.build_network,
-            limits: BuildLimits { memory_bytes: i.build_memory_bytes, cpu_millicores: i.build_cpu_millicores, shm_bytes: i.build_shm_bytes },
-            cgroup_parent: cgroup.as_ref().map(BuildCgroup::parent),
+        let limits = Limits {
+            cpu_millicores: i.build_cpu_millicores,
+            memory_bytes: i.build_memory_bytes,
+            max_pids: i.build_max_pids,
+            disk_bytes: i.max_rootfs_bytes,
+            exec_timeout_ms: i.build_timeout_ms,
+            shm_bytes: i.build_shm_bytes,
         };
         let started = Instant::now();
         report
             .say(
                 "build",
                 format!(
-                    "building with the local Docker Engine: network {}, {} memory, {} CPU, {} processes per RUN step, at most {}",
-                    format!("{:?}", spec.network).to_lowercase(),
+                    "building: each RUN step in a container sandbox (network {}, {} memory, {} CPU, {} processes), the other instructions by the local Docker Engine; at most {}",
+                    network.mode.name(),
                     human(i.build_memory_bytes),
                     f64::from(i.build_cpu_millicores) / 1000.0,
                     i.build_max_pids,
@@ -452,11 +445,28 @@ impl Manager {
                 }
             })
         };
-        // A client that goes away stops the build even while a step prints nothing.
+        let tags = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let builder = StepBuilder {
+            engine: &self.engine,
+            backend: container,
+            id: id.clone(),
+            context: context.0.clone(),
+            scratch_dir: self.catalog.upload_path().parent().map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir),
+            build_args: req.build_args,
+            tenant: tenant.to_string(),
+            image_name: req.name.clone(),
+            limits,
+            network,
+            timeout: Duration::from_millis(i.build_timeout_ms),
+            log: log_tx,
+            tags: tags.clone(),
+        };
+        // A client that goes away stops the build even while a step prints nothing; a stopped
+        // step's sandbox is destroyed with everything it started.
         let building = async {
             tokio::select! {
-                r = self.engine.build(&context.0, &spec, &log_tx) => r,
-                () = report.0.closed() => Err(ImageError::Aborted("the client went away during the build".into())),
+                r = builder.run(&plan) => r,
+                () = report.0.closed() => Err(ImageError::Aborted("the client went away during the build".into()).into()),
             }
         };
         let built = match tokio::time::timeout(Duration::from_millis(i.build_timeout_ms), building).await {
@@ -465,21 +475,23 @@ impl Manager {
                 what: "the build".into(),
                 limit: humantime::format_duration(Duration::from_millis(i.build_timeout_ms)).to_string(),
                 key: "build_timeout_ms",
-            }),
+            }
+            .into()),
         };
-        // Whatever a stopped build left running goes with its cgroup.
-        drop(cgroup);
-        drop(log_tx);
+        drop(builder);
         let _ = forward.await;
         drop(context);
+        let tag = format!("{BUILD_REPO}:{id}");
         let result = async {
-            built?;
-            tracing::info!(tenant, image = %req.name, ms = started.elapsed().as_millis() as u64, "docker build finished");
+            let image = built?;
+            self.engine.tag(&image, BUILD_REPO, &id).await?;
+            tags.lock().map_err(|_| Error::Internal("build tag list poisoned".into()))?.push(tag.clone());
+            tracing::info!(tenant, image = %req.name, ms = started.elapsed().as_millis() as u64, "build finished");
             report.say("build", format!("built in {} ms", started.elapsed().as_millis())).await;
             let export = TempFile(self.catalog.upload_path());
             self.export(&tag, &export.0, &mut claim, report).await?;
-            // The intermediate tag goes before the (long) import: Docker keeps nothing of ours.
-            self.remove_build_tag(&tag).await;
+            // The intermediate images go before the (long) import: Docker keeps nothing of ours.
+            self.remove_build_tags(&tags).await;
             let spec = ImportSpec {
                 name: req.name.clone(),
                 name_hint: req.name.clone(),
@@ -490,9 +502,40 @@ impl Manager {
             self.finish_import(tenant, spec, &export.0, &mut claim, report).await
         }
         .await;
-        self.remove_build_tag(&tag).await;
+        self.remove_build_tags(&tags).await;
         drop(permit);
         result
+    }
+
+    /// The network of a build's RUN steps: none, unless the operator lets builds have the one
+    /// the policy gives a container sandbox of the caller (what the build asks, within the
+    /// ceilings).
+    fn build_network(&self, asked: Option<NetworkPolicy>) -> Result<NetworkPolicy, Error> {
+        match self.cfg.images.build_network {
+            BuildNetwork::None => match asked {
+                Some(n) if n.mode != NetworkMode::None => Err(Error::FailedPrecondition(format!(
+                    "this daemon gives builds no network ([images] build_network = \"none\"); the build asked for {}",
+                    n.mode.name()
+                ))),
+                _ => Ok(NetworkPolicy::default()),
+            },
+            BuildNetwork::Policy => {
+                let decision = self.cfg.policy.decide(Some(Isolation::Container), &BTreeMap::new()).map_err(|e| Error::PermissionDenied(e.to_string()))?;
+                decision.network(asked).map_err(|e| Error::PermissionDenied(e.to_string()))
+            }
+        }
+    }
+
+    /// Removes the build's intermediate Docker tags, newest first (so each image is a leaf
+    /// when its tag goes, and goes with it).
+    async fn remove_build_tags(&self, tags: &std::sync::Mutex<Vec<String>>) {
+        let all: Vec<String> = match tags.lock() {
+            Ok(mut t) => t.drain(..).rev().collect(),
+            Err(_) => return,
+        };
+        for tag in all {
+            self.remove_build_tag(&tag).await;
+        }
     }
 
     async fn remove_build_tag(&self, tag: &str) {

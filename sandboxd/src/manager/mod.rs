@@ -9,6 +9,7 @@
 //! runs commands and keeps their records; [`snapshots`] takes, lists and restores snapshots;
 //! [`files`] reads and writes files in a sandbox; [`validate`] checks what a request asks for.
 
+mod builds;
 mod execs;
 mod files;
 mod images;

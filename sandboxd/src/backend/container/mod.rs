@@ -20,6 +20,7 @@
 //! `container/snapshots/<snapshot>/` (copies of writable layers). Output spilled while an exec runs
 //! is written straight into the container (its own writable layer), never on the host.
 
+mod build;
 mod channel;
 mod docker;
 mod exec;
@@ -480,6 +481,15 @@ impl Backend for ContainerBackend {
 
     async fn readopt(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
         self.inner.readopt(spec).await
+    }
+
+    async fn create_build_step(&self, spec: &SandboxSpec, image: &str) -> Result<(), BackendError> {
+        self.inner.docker()?;
+        self.inner.create_build_step(spec, image).await
+    }
+
+    async fn commit_build_step(&self, sandbox: &SandboxId, config_of: &str, repo: &str, tag: &str) -> Result<String, BackendError> {
+        self.inner.commit_build_step(sandbox, config_of, repo, tag).await
     }
 
     async fn shutdown(&self) {

@@ -57,12 +57,15 @@ pub enum Role {
     Active,
     /// A standby started from a snapshot, swapped in by a rollback (see `snapshot.rs`).
     Standby(SnapshotId),
+    /// A RUN step of a build, on the Docker image `image` (the build so far), see `build.rs`;
+    /// `as_root`: the image has a USER, which the keepalive must not run as.
+    BuildStep { image: String, as_root: bool },
 }
 
 impl Role {
     fn name(&self, spec: &SandboxSpec) -> String {
         match self {
-            Role::Active => docker::active_name(&spec.id),
+            Role::Active | Role::BuildStep { .. } => docker::active_name(&spec.id),
             Role::Standby(snap) => format!("{}-standby-{snap}", docker::active_name(&spec.id)),
         }
     }
@@ -154,7 +157,10 @@ impl Inner {
         layer_from: Option<&SnapshotId>,
     ) -> Result<Arc<ContainerSandbox>, BackendError> {
         let docker = self.docker()?;
-        let image = self.images.ensure(docker, &self.cfg.catalog, &spec.image).await?;
+        let image = match role {
+            Role::BuildStep { image, .. } => image.clone(),
+            Role::Active | Role::Standby(_) => self.images.ensure(docker, &self.cfg.catalog, &spec.image).await?,
+        };
         let name = role.name(spec);
         // Held until the container is attached, which then holds its CPUs (see `attach`).
         let placement = self.place(spec)?;
@@ -204,9 +210,21 @@ impl Inner {
         if let Role::Standby(snap) = role {
             labels.insert(LABEL_STANDBY.to_string(), snap.to_string());
         }
+        let keepalive: Vec<String> = if self.cfg.exec_through_docker { KEEPALIVE_WITHOUT_CHANNEL } else { KEEPALIVE }.iter().map(|s| s.to_string()).collect();
+        // A build step's image has the Dockerfile's ENTRYPOINT and CMD: the keepalive replaces
+        // both, as the entrypoint with an empty command, so a commit of the container (which
+        // fills an empty CMD from the container's) gives the image no command of ours.
+        let (entrypoint, cmd) = match role {
+            Role::BuildStep { .. } => (Some(keepalive), Some(Vec::new())),
+            Role::Active | Role::Standby(_) => (None, Some(keepalive)),
+        };
+        // The keepalive serves execs as any user: it runs as root, whatever the image's USER.
+        let user = matches!(role, Role::BuildStep { as_root: true, .. }).then(|| "0:0".to_string());
         let body = |disk: Option<u64>| ContainerCreateBody {
             image: Some(image.to_string()),
-            cmd: Some(if self.cfg.exec_through_docker { KEEPALIVE_WITHOUT_CHANNEL } else { KEEPALIVE }.iter().map(|s| s.to_string()).collect()),
+            user: user.clone(),
+            entrypoint: entrypoint.clone(),
+            cmd: cmd.clone(),
             // Same as the process tier: the hostname is the sandbox id.
             hostname: Some(spec.id.to_string()),
             // Docker creates the working directory at start when the image lacks it.
