@@ -462,6 +462,40 @@ async fn pip_installs_from_an_allowed_index_and_not_without_a_network() {
     assert_ne!(r.exit_code, 0, "pip installed in a container without a network: {}", sandbox_tests::describe(&r));
 }
 
+/// A build's RUN steps get the network the build asks for, under the policy and through the
+/// same filter as a sandbox (`[images] build_network = "policy"`): pip installs from the listed
+/// index in a RUN step, and a name the list leaves out is refused to the next one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_builds_run_steps_reach_the_listed_index_and_nothing_else() {
+    require_debian();
+    let inet = Internet::start(7).await;
+    let h = inet.daemon_with("[images]\nbuild_network = \"policy\"\n", &[]).await;
+    let dockerfile = format!(
+        "FROM sandboxd/debian\nRUN {}\nRUN (python3 -c \"import urllib.request; urllib.request.urlopen('http://evil.test:8080/', timeout=10)\" && echo REACHED || echo REFUSED) > /opt/evil.txt\n",
+        PIP_INSTALL.replace("/workspace/site", "/opt/site").split(" && ").next().expect("the pip command")
+    );
+    let mut b = tar::Builder::new(Vec::new());
+    let mut header = tar::Header::new_gnu();
+    header.set_size(dockerfile.len() as u64);
+    header.set_mode(0o644);
+    header.set_cksum();
+    b.append_data(&mut header, "Dockerfile", dockerfile.as_bytes()).expect("tar");
+    let ctx = b.into_inner().expect("tar");
+    let request = agent_client::proto::BuildImageHeader {
+        name: "pipbuild".into(),
+        context_size_bytes: ctx.len() as u64,
+        network: network(NetworkMode::Allowlist, &["pypi.test:8080".to_string()]),
+        ..Default::default()
+    };
+    let mut log = Vec::new();
+    let built = within(900, h.client.build_image(request, std::io::Cursor::new(ctx), |p| log.push(p.message.clone()))).await;
+    assert!(built.is_ok(), "{built:?}: {}", log.join("\n"));
+    assert!(log.iter().any(|l| l.contains("network ALLOWLIST")), "{}", log.join("\n"));
+    let id = within(60, h.client.create(CreateSandboxRequest { ..process_sandbox("pipbuild") })).await.expect("CreateSandbox").id;
+    let out = sandbox_tests::sh_ok(&h.client, &id, "PYTHONPATH=/opt/site python3 -c 'import egresshello; print(egresshello.GREETING)'; cat /opt/evil.txt").await;
+    assert!(out.contains("installed from the test index") && out.ends_with("REFUSED\n"), "{out}");
+}
+
 /// The nameserver a sandbox's /etc/resolv.conf names: its gateway, the host end of its link.
 async fn nameserver(h: &Harness, id: &str) -> std::net::Ipv4Addr {
     let conf = within(30, h.client.read_file(id, "/etc/resolv.conf", 0, 0)).await.expect("resolv.conf").content;
