@@ -492,7 +492,8 @@ async fn a_builds_run_steps_reach_the_listed_index_and_nothing_else() {
     assert!(built.is_ok(), "{built:?}: {}", log.join("\n"));
     assert!(log.iter().any(|l| l.contains("network ALLOWLIST")), "{}", log.join("\n"));
     let id = within(60, h.client.create(CreateSandboxRequest { ..process_sandbox("pipbuild") })).await.expect("CreateSandbox").id;
-    let out = sandbox_tests::sh_ok(&h.client, &id, "PYTHONPATH=/opt/site python3 -c 'import egresshello; print(egresshello.GREETING)'; cat /opt/evil.txt").await;
+    let out =
+        sandbox_tests::sh_ok(&h.client, &id, "PYTHONPATH=/opt/site python3 -c 'import egresshello; print(egresshello.GREETING)'; cat /opt/evil.txt").await;
     assert!(out.contains("installed from the test index") && out.ends_with("REFUSED\n"), "{out}");
 }
 

@@ -313,7 +313,7 @@ async fn builds_reach_nothing_beyond_their_context_and_run_boxed() {
     )
     .await
     .unwrap_or_else(|e| panic!("{e}: {}", log.join("\n")));
-    assert!(info.env.get("TOKEN").is_none() && info.env.get("NOTE").is_none(), "build args stay out of the image: {info:?}");
+    assert!(!info.env.contains_key("TOKEN") && !info.env.contains_key("NOTE"), "build args stay out of the image: {info:?}");
     assert!(info.cmd.is_empty() && info.entrypoint.is_empty(), "no command of the step's sandbox: {info:?}");
     let sb = alpha.create(process_sandbox("args")).await.expect("sandbox").id;
     assert_eq!(sh_ok(&alpha, &sb, "cat /seen").await, "t0k t0k-x kept /work\nglobal\n1234\n");

@@ -22,7 +22,8 @@ use super::build::{escape_char, logical_lines};
 use super::ImageError;
 
 /// Build args Docker passes to RUN steps without an `ARG` declaring them.
-const PREDEFINED_ARGS: [&str; 10] = ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "FTP_PROXY", "ftp_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"];
+const PREDEFINED_ARGS: [&str; 10] =
+    ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "FTP_PROXY", "ftp_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"];
 
 /// The PATH a RUN step gets from an image that sets none (what Docker gives a container).
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -62,9 +63,15 @@ pub struct Stage {
 pub enum Step {
     Arg(Arg),
     /// A RUN instruction: its 1-based line and its command.
-    Run { line: usize, command: RunCommand },
+    Run {
+        line: usize,
+        command: RunCommand,
+    },
     /// Anything else, for a segment: its 1-based line and text.
-    Other { line: usize, text: String },
+    Other {
+        line: usize,
+        text: String,
+    },
 }
 
 /// What a RUN runs.
@@ -121,11 +128,7 @@ impl Step {
 pub fn plan(dockerfile: &str) -> Result<Plan, ImageError> {
     let lines: Vec<String> = dockerfile.lines().map(str::to_string).collect();
     let escape = escape_char(&lines);
-    let directives = lines
-        .iter()
-        .take_while(|l| l.trim().strip_prefix('#').is_some_and(|d| d.contains('=') && !d.trim().contains(' ')))
-        .cloned()
-        .collect();
+    let directives = lines.iter().take_while(|l| l.trim().strip_prefix('#').is_some_and(|d| d.contains('=') && !d.trim().contains(' '))).cloned().collect();
     let mut out = Plan { directives, global_args: Vec::new(), stages: Vec::new() };
     for (first, _last, text) in logical_lines(&lines, escape) {
         let line = first + 1;
@@ -333,7 +336,8 @@ pub fn global_values(globals: &[Arg], build_args: &BTreeMap<String, String>) -> 
 /// global ARG of that name — unless the image's ENV sets that name; then the predefined proxy
 /// args given as build args; PATH if nothing set it.
 pub fn run_env(image_env: &[String], stage_args: &[&Arg], globals: &BTreeMap<String, String>, build_args: &BTreeMap<String, String>) -> Vec<(String, String)> {
-    let mut env: Vec<(String, String)> = image_env.iter().map(|kv| kv.split_once('=').map_or((kv.clone(), String::new()), |(k, v)| (k.to_string(), v.to_string()))).collect();
+    let mut env: Vec<(String, String)> =
+        image_env.iter().map(|kv| kv.split_once('=').map_or((kv.clone(), String::new()), |(k, v)| (k.to_string(), v.to_string()))).collect();
     let from_image: Vec<String> = env.iter().map(|(k, _)| k.clone()).collect();
     let mut args: Vec<(String, String)> = Vec::new();
     for (name, default) in stage_args.iter().flat_map(|a| a.names.iter()) {
@@ -365,7 +369,14 @@ pub fn run_env(image_env: &[String], stage_args: &[&Arg], globals: &BTreeMap<Str
 /// The Dockerfile of a segment: the directives, the global ARGs, `FROM <base>`, the ARGs the
 /// stage declared in earlier segments (so the instructions still see them), then the steps.
 /// `--from=` of a COPY naming an earlier stage becomes that stage's image (`stage_image`).
-pub fn segment(plan: &Plan, flags: &[String], base: &str, earlier_args: &[&Arg], steps: &[&Step], stage_image: &dyn Fn(&str) -> Option<String>) -> Result<String, ImageError> {
+pub fn segment(
+    plan: &Plan,
+    flags: &[String],
+    base: &str,
+    earlier_args: &[&Arg],
+    steps: &[&Step],
+    stage_image: &dyn Fn(&str) -> Option<String>,
+) -> Result<String, ImageError> {
     let mut out: Vec<String> = plan.directives.clone();
     out.extend(plan.global_args.iter().map(|a| a.text.clone()));
     let mut from = vec!["FROM".to_string()];
@@ -425,13 +436,10 @@ mod tests {
         assert_eq!(p.stages.len(), 2);
         let s = &p.stages[0];
         assert_eq!((s.base.as_str(), s.flags.as_slice(), s.name.as_deref()), ("sha256:aa", &["--platform=linux/amd64".to_string()][..], Some("base")));
-        assert_eq!(
-            s.steps[0],
-            Step::Arg(Arg { text: "ARG X=\"a b\" Y".into(), names: vec![("X".into(), Some("\"a b\"".into())), ("Y".into(), None)] })
-        );
+        assert_eq!(s.steps[0], Step::Arg(Arg { text: "ARG X=\"a b\" Y".into(), names: vec![("X".into(), Some("\"a b\"".into())), ("Y".into(), None)] }));
         assert_eq!(s.steps[2], Step::Run { line: 6, command: RunCommand::Shell("echo   hi".into()) });
         assert_eq!(s.steps[3], Step::Run { line: 8, command: RunCommand::Exec(vec!["/bin/true".into(), "x".into()]) });
-        assert!(p.stages[1].steps[0].reads_context() == false && p.stages[1].steps[1].reads_context() == false);
+        assert!(!p.stages[1].steps[0].reads_context() && !p.stages[1].steps[1].reads_context());
         assert!(Step::Other { line: 1, text: "COPY --chown=1 . /app".into() }.reads_context());
         assert_eq!(RunCommand::Shell("ls".into()).argv(&[]), ["/bin/sh", "-c", "ls"]);
         assert_eq!(RunCommand::Shell("ls".into()).argv(&["bash".into(), "-ec".into()]), ["bash", "-ec", "ls"]);
@@ -491,7 +499,10 @@ mod tests {
 
     #[test]
     fn a_segment_starts_from_the_image_so_far_and_keeps_the_stages_args() {
-        let p = plan("ARG G=1\nFROM sha256:a AS one\nARG X=2\nRUN true\nFROM sha256:b\nCOPY --from=one --chown=1 /a /b\nCOPY --from=sha256:c /c /c\nCOPY --from=1 x y\n").expect("plan");
+        let p = plan(
+            "ARG G=1\nFROM sha256:a AS one\nARG X=2\nRUN true\nFROM sha256:b\nCOPY --from=one --chown=1 /a /b\nCOPY --from=sha256:c /c /c\nCOPY --from=1 x y\n",
+        )
+        .expect("plan");
         let Step::Arg(x) = &p.stages[0].steps[0] else { panic!("an ARG") };
         let steps: Vec<&Step> = p.stages[1].steps.iter().collect();
         let images = |s: &str| match s {

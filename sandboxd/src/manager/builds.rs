@@ -127,10 +127,7 @@ impl StepBuilder<'_> {
             tracing::debug!(build = %self.id, stage = index, image = ?current, "stage built");
             finals.push((stage.name.clone(), current));
         }
-        finals
-            .pop()
-            .and_then(|(_, image)| image)
-            .ok_or_else(|| failed("the last stage is FROM scratch with nothing in it: there is no image to keep".into()))
+        finals.pop().and_then(|(_, image)| image).ok_or_else(|| failed("the last stage is FROM scratch with nothing in it: there is no image to keep".into()))
     }
 
     /// The image a stage starts from: a pinned catalog image (refused if it carries ONBUILD
