@@ -266,6 +266,13 @@ pub enum ImageCommand {
         /// A build argument, K=V (repeatable).
         #[arg(long = "build-arg", value_name = "K=V", value_parser = parse_kv)]
         build_args: Vec<(String, String)>,
+        /// Network of the RUN steps, under the daemon's policy (it must give builds one:
+        /// `[images] build_network = "policy"`); unset = the policy's default, else none.
+        #[arg(long, value_enum)]
+        network: Option<NetworkArg>,
+        /// What RUN steps may reach (repeatable, implies --network allowlist): NAME:PORT, '*.SUFFIX:PORT', A.B.C.D:PORT, A.B.C.D/NN:PORT.
+        #[arg(long = "allow", value_name = "DEST:PORT")]
+        allow: Vec<String>,
         /// The build context (its .dockerignore is honoured).
         dir: PathBuf,
     },
@@ -579,19 +586,24 @@ pub enum NetworkArg {
     Open,
 }
 
+/// The network part of a request from `--network` and `--allow`: unset when neither is given.
+pub fn network_policy(network: Option<NetworkArg>, allow: &[String]) -> Option<NetworkPolicy> {
+    let mode = match (network, allow.is_empty()) {
+        (None, true) => return None,
+        (None, false) | (Some(NetworkArg::Allowlist), _) => NetworkMode::Allowlist,
+        (Some(NetworkArg::None), _) => NetworkMode::None,
+        (Some(NetworkArg::Open), _) => NetworkMode::Open,
+    };
+    Some(NetworkPolicy {
+        mode: mode as i32,
+        allow: allow.to_vec(),
+    })
+}
+
 impl SandboxSpec {
     /// The network part of the request: unset when neither --network nor --allow is given.
     fn network(&self) -> Option<NetworkPolicy> {
-        let mode = match (self.network, self.allow.is_empty()) {
-            (None, true) => return None,
-            (None, false) | (Some(NetworkArg::Allowlist), _) => NetworkMode::Allowlist,
-            (Some(NetworkArg::None), _) => NetworkMode::None,
-            (Some(NetworkArg::Open), _) => NetworkMode::Open,
-        };
-        Some(NetworkPolicy {
-            mode: mode as i32,
-            allow: self.allow.clone(),
-        })
+        network_policy(self.network, &self.allow)
     }
 }
 

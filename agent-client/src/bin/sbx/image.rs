@@ -23,8 +23,13 @@ pub async fn image(ctx: &Ctx, command: ImageCommand) -> Result<u8> {
             name,
             dockerfile,
             build_args,
+            network,
+            allow,
             dir,
-        } => build(ctx, name, dockerfile, build_args, &dir).await,
+        } => {
+            let network = super::cli::network_policy(network, &allow);
+            build(ctx, name, dockerfile, build_args, network, &dir).await
+        }
     }
 }
 
@@ -174,6 +179,7 @@ async fn build(
     name: String,
     dockerfile: String,
     build_args: Vec<(String, String)>,
+    network: Option<agent_client::proto::NetworkPolicy>,
     dir: &Path,
 ) -> Result<u8> {
     if !dir.join(&dockerfile).is_file() {
@@ -206,6 +212,7 @@ async fn build(
         dockerfile,
         build_args: build_args.into_iter().collect(),
         context_size_bytes: size,
+        network,
     };
     let client = ctx.client().await?;
     let info = client
