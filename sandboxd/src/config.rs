@@ -676,6 +676,10 @@ pub struct FleetFileConfig {
     /// How often the peers are resolved again (also at once after a failure).
     #[serde(default = "default_fleet_refresh_ms")]
     pub refresh_ms: u64,
+    /// How long a create placed on a peer may go by the peers' room as last asked (0: ask every
+    /// peer on every placed create).
+    #[serde(default = "default_fleet_placement_cache_ms")]
+    pub placement_cache_ms: u64,
     /// How long a connection to a peer may take before the call is UNAVAILABLE.
     #[serde(default = "default_fleet_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
@@ -689,6 +693,10 @@ fn default_fleet_port() -> u16 {
 
 fn default_fleet_refresh_ms() -> u64 {
     10_000
+}
+
+fn default_fleet_placement_cache_ms() -> u64 {
+    2_000
 }
 
 fn default_fleet_connect_timeout_ms() -> u64 {
@@ -733,6 +741,7 @@ pub struct FleetConfig {
     pub port: u16,
     pub dns_server: Option<std::net::SocketAddr>,
     pub refresh: std::time::Duration,
+    pub placement_cache: std::time::Duration,
     pub connect_timeout: std::time::Duration,
     pub token: Secret,
 }
@@ -789,6 +798,7 @@ impl FleetFileConfig {
             port: self.port,
             dns_server: self.dns_server,
             refresh: std::time::Duration::from_millis(self.refresh_ms),
+            placement_cache: std::time::Duration::from_millis(self.placement_cache_ms),
             connect_timeout: std::time::Duration::from_millis(self.connect_timeout_ms),
             token: Secret(token),
         })

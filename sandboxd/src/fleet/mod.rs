@@ -71,6 +71,11 @@ struct Table {
     channels: HashMap<SocketAddr, Channel>,
     /// Why the last resolution failed, if it did.
     dns_error: Option<String>,
+    /// Each address's answer to the last refresh's status call, and when that refresh ended:
+    /// the placement's view while it is younger than `placement_cache` (see
+    /// [`Fleet::placement_view`]).
+    statuses: HashMap<SocketAddr, Result<pb::NodeStatus, Status>>,
+    refreshed_at: Option<std::time::Instant>,
 }
 
 /// This node's view of the fleet.
@@ -92,6 +97,11 @@ impl Fleet {
     /// This node's name.
     pub fn node(&self) -> &str {
         self.cfg.node.as_str()
+    }
+
+    /// How old the peers' room may be when a create is placed (`fleet.placement_cache_ms`).
+    pub fn placement_cache(&self) -> Duration {
+        self.cfg.placement_cache
     }
 
     /// This node's direct address.
@@ -139,6 +149,8 @@ impl Fleet {
         // A peer that did not answer keeps its place under its last known name (calls for its
         // sandboxes then say it did not answer); one whose address left DNS is forgotten.
         t.by_name.retain(|_, p| addrs.contains(&p.addr));
+        t.statuses = asked.iter().map(|(addr, _, status)| (*addr, status.clone())).collect();
+        t.refreshed_at = Some(std::time::Instant::now());
         for (addr, channel, status) in asked {
             match status {
                 Ok(s) if s.node == self.node() => {}
@@ -210,7 +222,51 @@ impl Fleet {
         v
     }
 
-    /// Each peer's status now (asked at once, in parallel): the placement's input.
+    /// Each peer's status as a placement sees it: the last refresh's answers while they are
+    /// younger than `max_age`, else a refresh now (DNS again, so a node that came up counts, and
+    /// every status asked once, in parallel). A placed create that finds a peer full after all
+    /// tries the next one and calls [`Fleet::stale`], so a cached view costs at most a retry.
+    /// The second value says whether the view was cached (not asked for this call).
+    pub async fn placement_view(&self, max_age: Duration) -> (Vec<(Peer, Result<pb::NodeStatus, Status>)>, bool) {
+        let fresh = |t: &Table| t.refreshed_at.is_some_and(|at| at.elapsed() <= max_age);
+        let cached = self.table.read().map(|t| fresh(&t)).unwrap_or(false);
+        if !cached {
+            self.refresh().await;
+        }
+        let Ok(t) = self.table.read() else { return (Vec::new(), cached) };
+        let mut view: Vec<(Peer, Result<pb::NodeStatus, Status>)> = t
+            .by_name
+            .values()
+            .map(|p| {
+                let status = t.statuses.get(&p.addr).cloned().unwrap_or_else(|| Err(Status::unavailable("no status since it was last seen")));
+                (p.clone(), status.map_err(|e| p.explain(e)))
+            })
+            .collect();
+        view.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+        (view, cached)
+    }
+
+    /// Counts a sandbox placed on `peer` in the cached view (its room is shared by its tiers),
+    /// so a burst of placed creates spreads as it would with every status asked again.
+    pub fn placed(&self, peer: &Peer) {
+        if let Ok(mut t) = self.table.write() {
+            if let Some(Ok(s)) = t.statuses.get_mut(&peer.addr) {
+                for tier in &mut s.tiers {
+                    tier.free_sandboxes = tier.free_sandboxes.saturating_sub(1);
+                }
+                s.sandboxes_held = s.sandboxes_held.saturating_add(1);
+            }
+        }
+    }
+
+    /// Forgets the cached statuses: the next placement asks every peer again.
+    pub fn stale(&self) {
+        if let Ok(mut t) = self.table.write() {
+            t.refreshed_at = None;
+        }
+    }
+
+    /// Each peer's status now (asked at once, in parallel).
     pub async fn statuses(&self) -> Vec<(Peer, Result<pb::NodeStatus, Status>)> {
         let peers = self.peers();
         futures::future::join_all(peers.into_iter().map(|p| async move {

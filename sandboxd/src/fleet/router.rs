@@ -126,45 +126,65 @@ impl Routed {
         local: Status,
     ) -> Result<Response<pb::Sandbox>, Status> {
         let tier = crate::api::isolation_from_proto(req.isolation)?;
-        let mut why = vec![format!("{} (here): {}", fleet.node(), local.message())];
-        let mut candidates = Vec::new();
-        // The slow path anyway: the peers as DNS says now (a node that came up since the last
-        // refresh counts), then each one's room as it says now.
-        fleet.refresh().await;
-        for (peer, status) in fleet.statuses().await {
-            match status {
-                Ok(s) if !s.ready => why.push(format!("{}: not ready", peer.name)),
-                Ok(s) => {
-                    // UNSPECIFIED: the peer's policy decides the tier; any room will do.
-                    let room = match tier {
-                        Some(t) => room_for(&s, t),
-                        None => s.tiers.iter().filter(|t| t.available).map(|t| t.free_sandboxes).max().filter(|n| *n > 0),
-                    };
-                    match room {
-                        Some(free) => candidates.push((free, peer)),
-                        None => why.push(format!("{}: {}", peer.name, short_of(&s, tier))),
+        let here = format!("{} (here): {}", fleet.node(), local.message());
+        // The peers and their room as the last refresh found them, at most
+        // `fleet.placement_cache_ms` ago; when that view has no room or its candidates are full
+        // after all (a node may have come up or freed room since), DNS and every status are
+        // asked again, once.
+        let mut max_age = fleet.placement_cache();
+        loop {
+            let (view, cached) = fleet.placement_view(max_age).await;
+            let (mut why, mut candidates) = candidates_for(view, tier, &here);
+            candidates.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.name.cmp(&b.1.name)));
+            for (_, peer) in candidates {
+                let out = self.outgoing(tenant, metadata, req.clone())?;
+                match peer.client().create_sandbox(out).await {
+                    Ok(r) => {
+                        fleet.placed(&peer);
+                        tracing::info!(node = %peer.name, cached, "fleet: create placed on a peer");
+                        return Ok(r);
                     }
+                    // Another create took the room first, or the tier went away: the next one.
+                    Err(s) if matches!(s.code(), tonic::Code::ResourceExhausted | tonic::Code::FailedPrecondition | tonic::Code::Unavailable) => {
+                        // The view was older than this peer's room: the next placement asks again.
+                        fleet.stale();
+                        why.push(format!("{}: {}", peer.name, peer.explain(s).message()));
+                    }
+                    Err(s) => return Err(s),
                 }
-                Err(e) => why.push(format!("{}: {}", peer.name, e.message())),
             }
-        }
-        candidates.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.name.cmp(&b.1.name)));
-        for (_, peer) in candidates {
-            let out = self.outgoing(tenant, metadata, req.clone())?;
-            match peer.client().create_sandbox(out).await {
-                Ok(r) => {
-                    tracing::info!(node = %peer.name, "fleet: create placed on a peer");
-                    return Ok(r);
-                }
-                // Another create took the room first, or the tier went away: the next one.
-                Err(s) if matches!(s.code(), tonic::Code::ResourceExhausted | tonic::Code::FailedPrecondition | tonic::Code::Unavailable) => {
-                    why.push(format!("{}: {}", peer.name, peer.explain(s).message()));
-                }
-                Err(s) => return Err(s),
+            if cached {
+                max_age = Duration::ZERO;
+                continue;
             }
+            return Err(Status::resource_exhausted(format!("no node of the fleet has room for this sandbox: {}", why.join("; "))));
         }
-        Err(Status::resource_exhausted(format!("no node of the fleet has room for this sandbox: {}", why.join("; "))))
     }
+}
+
+/// The peers of `view` with room for `tier` (their free slots first), and why each other one
+/// cannot take the sandbox (after `here`, this node's own reason).
+fn candidates_for(view: Vec<(Peer, Result<pb::NodeStatus, Status>)>, tier: Option<Isolation>, here: &str) -> (Vec<String>, Vec<(u32, Peer)>) {
+    let mut why = vec![here.to_string()];
+    let mut candidates = Vec::new();
+    for (peer, status) in view {
+        match status {
+            Ok(s) if !s.ready => why.push(format!("{}: not ready", peer.name)),
+            Ok(s) => {
+                // UNSPECIFIED: the peer's policy decides the tier; any room will do.
+                let room = match tier {
+                    Some(t) => room_for(&s, t),
+                    None => s.tiers.iter().filter(|t| t.available).map(|t| t.free_sandboxes).max().filter(|n| *n > 0),
+                };
+                match room {
+                    Some(free) => candidates.push((free, peer)),
+                    None => why.push(format!("{}: {}", peer.name, short_of(&s, tier))),
+                }
+            }
+            Err(e) => why.push(format!("{}: {}", peer.name, e.message())),
+        }
+    }
+    (why, candidates)
 }
 
 /// What a node's status says it lacks for `tier`.
