@@ -74,6 +74,8 @@ pub struct Daemon {
     default_pool: bool,
     /// A named network namespace (`ip netns add`) to run the daemon in.
     netns: Option<String>,
+    /// Environment variables of the daemon beyond the test's own (e.g. `DOCKER_HOST`).
+    env: Vec<(String, String)>,
     /// `unix:///…/sandboxd.sock`
     pub address: String,
 }
@@ -103,7 +105,21 @@ impl Daemon {
         };
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
         let extra_args = extra_args.iter().map(|a| a.to_string()).collect();
-        let mut daemon = Daemon { child: None, dir, config, extra_args, inherited: None, default_pool: false, netns: None, address };
+        let mut daemon = Daemon { child: None, dir, config, extra_args, inherited: None, default_pool: false, netns: None, env: Vec::new(), address };
+        daemon.spawn().await?;
+        Ok(daemon)
+    }
+
+    /// Starts a daemon with extra TOML configuration and `env` in its environment (e.g.
+    /// `DOCKER_HOST` naming another Docker Engine).
+    pub async fn start_with_env(toml: &str, env: &[(&str, &str)]) -> Result<Daemon> {
+        require_environment()?;
+        let dir = tempfile::Builder::new().prefix("sandboxd-test-").tempdir().context("creating temp dir")?;
+        let path = dir.path().join("sandboxd.toml");
+        std::fs::write(&path, toml).context("writing config")?;
+        let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let mut daemon = Daemon { child: None, dir, config: Some(path), extra_args: Vec::new(), inherited: None, default_pool: false, netns: None, env, address };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -120,7 +136,7 @@ impl Daemon {
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
         let extra_args = extra_args.iter().map(|a| a.to_string()).collect();
         let mut daemon =
-            Daemon { child: None, dir, config: Some(path), extra_args, inherited: None, default_pool: false, netns: Some(netns.to_string()), address };
+            Daemon { child: None, dir, config: Some(path), extra_args, inherited: None, default_pool: false, netns: Some(netns.to_string()), env: Vec::new(), address };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -138,7 +154,7 @@ impl Daemon {
             Some(path)
         };
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
-        let mut daemon = Daemon { child: None, dir, config, extra_args: Vec::new(), inherited: None, default_pool: true, netns: None, address };
+        let mut daemon = Daemon { child: None, dir, config, extra_args: Vec::new(), inherited: None, default_pool: true, netns: None, env: Vec::new(), address };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -157,6 +173,7 @@ impl Daemon {
             inherited: Some(host_file.to_path_buf()),
             default_pool: false,
             netns: None,
+            env: Vec::new(),
             address,
         };
         daemon.spawn().await?;
@@ -213,6 +230,7 @@ impl Daemon {
             cmd.arg("--pool-size-bytes").arg(TEST_POOL_BYTES.to_string());
         }
         cmd.args(&self.extra_args);
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         let inherited = match &self.inherited {
             Some(path) => Some(std::fs::OpenOptions::new().read(true).append(true).open(path).with_context(|| format!("opening {}", path.display()))?),
             None => None,

@@ -322,3 +322,113 @@ async fn strict_mode_refuses_containers_while_docker_shares_host_uids() {
     let id = h.sandbox().await;
     assert_eq!(h.sh_ok(&id, "echo ok").await, "ok\n");
 }
+
+/// A Docker Engine of this test's own, started with `--userns-remap=default` (container uids
+/// shifted into `dockremap`'s subordinate range) on a socket, data root and containerd
+/// namespace of its own, with no bridge and no iptables rules: the host's Docker is untouched.
+struct RemappedDocker {
+    child: std::process::Child,
+    dir: tempfile::TempDir,
+}
+
+impl RemappedDocker {
+    fn start() -> RemappedDocker {
+        let dir = tempfile::Builder::new().prefix("sbx-remapped-docker-").tempdir().expect("tempdir");
+        let p = |name: &str| dir.path().join(name).display().to_string();
+        std::fs::write(dir.path().join("daemon.json"), "{}").expect("daemon.json");
+        let log = std::fs::File::create(dir.path().join("dockerd.log")).expect("log");
+        let ns = format!("sbxtest-remap-{}", std::process::id());
+        let child = std::process::Command::new("dockerd")
+            .args(["--config-file", &p("daemon.json"), "--userns-remap=default", "--data-root", &p("data"), "--exec-root", &p("exec")])
+            .args(["--pidfile", &p("dockerd.pid"), "-H", &format!("unix://{}", p("docker.sock")), "--bridge=none", "--iptables=false", "--ip6tables=false"])
+            .args(["--containerd-namespace", &ns, "--containerd-plugins-namespace", &format!("{ns}-plugins")])
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("starting dockerd (the Docker Engine's daemon)");
+        RemappedDocker { child, dir }
+    }
+
+    fn socket(&self) -> String {
+        format!("unix://{}", self.dir.path().join("docker.sock").display())
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("dockerd.log")).unwrap_or_default()
+    }
+
+    /// `docker info` of this engine once it answers.
+    async fn ready(&self) -> String {
+        let mut info = String::new();
+        let answered = eventually(120, || {
+            let out = std::process::Command::new("docker").args(["info", "--format", "{{json .SecurityOptions}}"]).env("DOCKER_HOST", self.socket()).output();
+            info = out.as_ref().map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default();
+            std::future::ready(out.is_ok_and(|o| o.status.success()))
+        })
+        .await;
+        assert!(answered, "the remapped dockerd never answered: {}", self.log());
+        info
+    }
+}
+
+impl Drop for RemappedDocker {
+    fn drop(&mut self) {
+        // SIGTERM: dockerd stops its containers and unmounts its layers before it exits.
+        // SAFETY: kill of our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+/// Container sandboxes under a Docker that remaps user namespaces: root inside is the remapped
+/// range's first uid on the host and a sandbox's uid 1000 is not the host's (a host uid 1000
+/// reaches nothing of it), while everything the API does keeps the ids the sandbox sees: a
+/// file written through the API is root's inside, a file written by an exec keeps its owner,
+/// and snapshot and rollback keep both. Strict mode (`require_userns_remap`) accepts this
+/// Docker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn container_sandboxes_under_a_remapping_docker_keep_their_ids_apart_from_the_hosts() {
+    let docker = RemappedDocker::start();
+    let info = docker.ready().await;
+    assert!(info.contains("userns"), "the engine remaps: {info}");
+    let socket = docker.socket();
+    let daemon = sandbox_tests::Daemon::start_with_env("[container]\nrequire_userns_remap = true\n", &[("DOCKER_HOST", &socket)]).await.expect("daemon");
+    let client = daemon.client().await.expect("client");
+    let h = Harness { daemon, client };
+    let request =
+        agent_client::proto::CreateSandboxRequest { isolation: agent_client::proto::Isolation::Container as i32, ..sandbox_tests::process_sandbox("minimal") };
+    let id = sandbox_tests::within(300, h.client.create(request))
+        .await
+        .unwrap_or_else(|e| panic!("a container create under a remapping Docker: {e}\n{}\n{}", h.daemon.log(), docker.log()))
+        .id;
+    assert_eq!(h.sh_ok(&id, "id -u; id -g").await, "0\n0\n");
+
+    // Host ids: root inside is the remapped range's first uid; uid 1000 inside is 1000 above it.
+    let first = std::fs::read_to_string("/etc/subuid")
+        .expect("/etc/subuid")
+        .lines()
+        .find_map(|l| l.strip_prefix("dockremap:").and_then(|r| r.split(':').next()).and_then(|n| n.parse::<u32>().ok()))
+        .expect("dockremap's range in /etc/subuid");
+    let marker = format!("37{}", std::process::id() % 10_000);
+    let pid = sleeper_as_1000(&h, &id, &marker).await;
+    assert_eq!(host_uids(pid), vec![first + 1000; 4], "uid 1000 inside runs as host uid {} ", first + 1000);
+    assert_eq!(host_user_reach(pid), HostUserReach { environ: false, root_files: false, ptrace: false }, "host uid 1000 reaches nothing");
+
+    // Ids the sandbox sees, through the API and through execs, and across snapshot/rollback.
+    sandbox_tests::within(30, h.client.write_file(&id, "/workspace/api.txt", "from the API", 0o644)).await.expect("WriteFile");
+    let mut mine: ExecRequest = exec_request(&id, ["sh", "-c", "echo mine > /tmp/mine.txt"]);
+    mine.user = "1000:1000".into();
+    h.exec(mine).await;
+    let owners = "stat -c '%u:%g %n' /workspace/api.txt /tmp/mine.txt";
+    assert_eq!(h.sh_ok(&id, owners).await, "0:0 /workspace/api.txt\n1000:1000 /tmp/mine.txt\n");
+    assert_eq!(
+        sandbox_tests::within(30, h.client.read_file(&id, "/tmp/mine.txt", 0, 0)).await.expect("ReadFile").content,
+        b"mine\n".to_vec()
+    );
+    let snap = sandbox_tests::within(120, h.client.snapshot(&id, "ids")).await.expect("snapshot").snapshot_id;
+    h.sh_ok(&id, "rm /workspace/api.txt /tmp/mine.txt").await;
+    sandbox_tests::within(300, h.client.rollback(&id, &snap)).await.expect("rollback");
+    assert_eq!(h.sh_ok(&id, owners).await, "0:0 /workspace/api.txt\n1000:1000 /tmp/mine.txt\n", "after rollback");
+    sandbox_tests::within(120, h.client.destroy(&id)).await.expect("destroy");
+}

@@ -9,6 +9,10 @@
 //! out), only regular files are read or written (a device node in the container's `/dev` is
 //! never opened), and a write goes to a hidden temporary file renamed over the target.
 //!
+//! Under Docker's `--userns-remap` the container's ids are a host range: what the daemon
+//! writes is made as the container's root (the range's first id) and archives show the ids
+//! inside, as on the process tier with its user namespaces.
+//!
 //! The init's pid is only trusted after its `/proc` entry — opened once, so the check and the
 //! root belong to the same process — shows the container's cgroup: a pid reused by a host
 //! process after the container died is refused, never read or written through.
@@ -58,8 +62,8 @@ async fn with_root<T: Send + 'static>(sb: &ContainerSandbox, op: impl FnOnce(&Fi
 /// Writes a whole file (creating parents), with `mode` (0 = 0644), replacing an old one
 /// atomically. Returns the bytes written.
 pub async fn write_file(sb: &ContainerSandbox, path: &str, content: &[u8], mode: u32) -> Result<u64, BackendError> {
-    let (workdir, path, content) = (sb.spec.workdir.clone(), path.to_string(), content.to_vec());
-    with_root(sb, move |root| root_files::write_file_at(root, &workdir, &path, &content, mode)).await
+    let (workdir, path, content, ids) = (sb.spec.workdir.clone(), path.to_string(), content.to_vec(), sb.ids);
+    with_root(sb, move |root| root_files::acting_as(ids, || root_files::write_file_at(root, &workdir, &path, &content, mode))).await
 }
 
 /// The container's root, held for a transfer that outlives this call.
@@ -69,7 +73,7 @@ async fn held_root(sb: &ContainerSandbox) -> Result<File, BackendError> {
 
 /// Writes a file of any size as its pieces arrive; see [`root_files::upload_file_in`].
 pub async fn upload_file(sb: &ContainerSandbox, path: &str, mode: u32, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<u64, BackendError> {
-    root_files::upload_file_in(held_root(sb).await?, sb.spec.workdir.clone(), path.to_string(), mode, None, data).await
+    root_files::upload_file_in(held_root(sb).await?, sb.spec.workdir.clone(), path.to_string(), mode, sb.ids, data).await
 }
 
 /// Opens a regular file for a streamed download, read straight from the container's root.
@@ -84,15 +88,15 @@ pub async fn download_file(sb: &ContainerSandbox, path: &str, idle: Duration) ->
 
 /// Extracts a tar stream into `dir`; see [`root_files::upload_archive_in`].
 pub async fn upload_archive(sb: &ContainerSandbox, dir: &str, data: tokio::sync::mpsc::Receiver<UploadPiece>) -> Result<ArchiveStats, BackendError> {
-    root_files::upload_archive_in(held_root(sb).await?, sb.spec.workdir.clone(), dir.to_string(), None, data).await
+    root_files::upload_archive_in(held_root(sb).await?, sb.spec.workdir.clone(), dir.to_string(), sb.ids, data).await
 }
 
 /// A tar stream of `path`, read straight from the container's root.
 pub async fn download_archive(sb: &ContainerSandbox, path: &str, idle: Duration) -> Result<ByteChunks, BackendError> {
-    let (workdir, path) = (sb.spec.workdir.clone(), path.to_string());
+    let (workdir, path, ids) = (sb.spec.workdir.clone(), path.to_string(), sb.ids);
     with_root(sb, move |root| {
         let root = root.try_clone().map_err(|e| BackendError::io("holding the container's root", e))?;
-        root_files::stream_archive(root, &workdir, &path, None, idle)
+        root_files::stream_archive(root, &workdir, &path, ids, idle)
     })
     .await
 }

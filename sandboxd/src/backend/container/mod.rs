@@ -110,6 +110,9 @@ pub(crate) struct ContainerSandbox {
     /// The host CPUs of its cpuset; given back when the container goes.
     #[allow(dead_code)] // held for its Drop
     cpus: super::cpus::CpuLease,
+    /// The host ids of its user namespace (Docker's `--userns-remap`), when it has one: files
+    /// the daemon writes into it are made as its root, and archives show its ids.
+    ids: Option<sandbox_exec::archive::IdShift>,
 }
 
 impl ContainerSandbox {

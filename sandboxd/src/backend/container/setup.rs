@@ -114,6 +114,35 @@ fn host_config(spec: &SandboxSpec, disk: Option<u64>, helper_dir: &std::path::Pa
     }
 }
 
+/// The host ids of the user namespace process `pid` runs in (`/proc/<pid>/uid_map` and
+/// `gid_map`): `None` for the host's own (Docker without `--userns-remap`), else the one range
+/// both maps give. Maps of several ranges, or uid and gid ranges that differ, are refused: the
+/// daemon would make files with the wrong owners.
+fn remapped_ids(pid: i32) -> Result<Option<sandbox_exec::archive::IdShift>, String> {
+    let read = |name: &str| std::fs::read_to_string(format!("/proc/{pid}/{name}")).map_err(|e| format!("reading /proc/{pid}/{name}: {e}"));
+    let (uid, gid) = (parse_id_map(&read("uid_map")?)?, parse_id_map(&read("gid_map")?)?);
+    if uid != gid {
+        return Err(format!("Docker's remapped uid range {uid:?} and gid range {gid:?} differ; give dockremap the same subordinate uids and gids"));
+    }
+    Ok(uid.filter(|(inside, outside, len)| !(*inside == 0 && *outside == 0 && *len == u32::MAX)).map(|(_, base, len)| sandbox_exec::archive::IdShift { base, len }))
+}
+
+/// The single range `inside outside length` of an id map (`None` when the map is empty).
+fn parse_id_map(text: &str) -> Result<Option<(u32, u32, u32)>, String> {
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    match lines.as_slice() {
+        [] => Ok(None),
+        [line] => {
+            let n: Vec<u32> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+            match n.as_slice() {
+                [0, outside, len] => Ok(Some((0, *outside, *len))),
+                _ => Err(format!("an id map this daemon cannot use: {line:?} (root inside must be its first id)")),
+            }
+        }
+        _ => Err(format!("an id map of {} ranges; this daemon handles one", lines.len())),
+    }
+}
+
 /// Whether a create failed because the storage driver cannot limit the writable layer.
 fn is_storage_opt_refusal(e: &bollard::errors::Error) -> bool {
     let text = e.to_string().to_lowercase();
@@ -312,7 +341,8 @@ impl Inner {
                 None
             }
         };
-        tracing::debug!(sandbox = %spec.id, container = %container_id, pid = init_pid, channel = channel.is_some(), "container running");
+        let ids = remapped_ids(init_pid).map_err(|e| BackendError::Internal(format!("container {container_id}: {e}")))?;
+        tracing::debug!(sandbox = %spec.id, container = %container_id, pid = init_pid, channel = channel.is_some(), remapped = ?ids, "container running");
         Ok(Arc::new(ContainerSandbox {
             spec: spec.clone(),
             container_id: container_id.to_string(),
@@ -323,6 +353,7 @@ impl Inner {
             execs: Default::default(),
             channel,
             cpus,
+            ids,
         }))
     }
 
@@ -365,6 +396,17 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn id_maps_are_read_as_one_range_or_refused() {
+        assert_eq!(parse_id_map("         0          0 4294967295\n"), Ok(Some((0, 0, u32::MAX))));
+        assert_eq!(parse_id_map("0 100000 65536\n"), Ok(Some((0, 100_000, 65_536))));
+        assert!(parse_id_map("0 100000 1000\n1000 1000 1\n").is_err());
+        assert!(parse_id_map("1 100000 65536\n").is_err());
+        assert_eq!(parse_id_map(""), Ok(None));
+        let own = remapped_ids(std::process::id() as i32).expect("our own maps");
+        assert_eq!(own, None, "this test runs in the host's user namespace");
+    }
 
     #[test]
     fn cgroup_path_prefers_the_named_controller() {
