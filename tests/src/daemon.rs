@@ -119,7 +119,8 @@ impl Daemon {
         std::fs::write(&path, toml).context("writing config")?;
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let mut daemon = Daemon { child: None, dir, config: Some(path), extra_args: Vec::new(), inherited: None, default_pool: false, netns: None, env, address };
+        let mut daemon =
+            Daemon { child: None, dir, config: Some(path), extra_args: Vec::new(), inherited: None, default_pool: false, netns: None, env, address };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -135,8 +136,17 @@ impl Daemon {
         std::fs::write(&path, toml.replace("{dir}", &dir.path().display().to_string())).context("writing config")?;
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
         let extra_args = extra_args.iter().map(|a| a.to_string()).collect();
-        let mut daemon =
-            Daemon { child: None, dir, config: Some(path), extra_args, inherited: None, default_pool: false, netns: Some(netns.to_string()), env: Vec::new(), address };
+        let mut daemon = Daemon {
+            child: None,
+            dir,
+            config: Some(path),
+            extra_args,
+            inherited: None,
+            default_pool: false,
+            netns: Some(netns.to_string()),
+            env: Vec::new(),
+            address,
+        };
         daemon.spawn().await?;
         Ok(daemon)
     }
@@ -154,7 +164,8 @@ impl Daemon {
             Some(path)
         };
         let address = format!("unix://{}", dir.path().join("sandboxd.sock").display());
-        let mut daemon = Daemon { child: None, dir, config, extra_args: Vec::new(), inherited: None, default_pool: true, netns: None, env: Vec::new(), address };
+        let mut daemon =
+            Daemon { child: None, dir, config, extra_args: Vec::new(), inherited: None, default_pool: true, netns: None, env: Vec::new(), address };
         daemon.spawn().await?;
         Ok(daemon)
     }

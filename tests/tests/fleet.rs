@@ -194,6 +194,38 @@ async fn three_nodes_behind_one_address() {
         assert_eq!(e.code(), Code::NotFound, "{e}");
     }
 
+    // An image imported through A reaches every node (each says so in A's progress), with the
+    // same digest and its tenant's; removed through A, it is gone from all three.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let archive = one_file_image(dir.path());
+    let size = std::fs::metadata(&archive).expect("archive").len();
+    let mut fleet_lines = Vec::new();
+    let file = tokio::fs::File::open(&archive).await.expect("archive");
+    let info = within(
+        300,
+        a.import_image_archive("shipped", "shipped.tar", size, file, |p| {
+            if p.phase == "fleet" {
+                fleet_lines.push(p.message.clone());
+            }
+        }),
+    )
+    .await
+    .expect("an import through A");
+    for n in ["node-b", "node-c"] {
+        assert!(fleet_lines.iter().any(|l| l.starts_with(&format!("{n}: shipped")) && l.ends_with("ready")), "{n}: {fleet_lines:?}");
+        let direct = sandbox_tests::fleet::client_of(&net, NODES.iter().position(|x| *x == n).unwrap(), TOKEN_A).await.expect("a node directly");
+        let there = within(60, direct.get_image("shipped")).await.unwrap_or_else(|e| panic!("the image on {n}: {e}"));
+        assert_eq!(there.digest, info.digest, "{n}");
+        let other = sandbox_tests::fleet::client_of(&net, NODES.iter().position(|x| *x == n).unwrap(), TOKEN_B).await.expect("a node directly");
+        assert_eq!(within(60, other.get_image("shipped")).await.expect_err("team-a's image").code(), Code::NotFound, "{n}: another tenant's");
+    }
+    within(120, a.remove_image("shipped")).await.expect("remove through A");
+    for i in 0..3 {
+        let direct = sandbox_tests::fleet::client_of(&net, i, TOKEN_A).await.expect("a node directly");
+        let e = within(60, direct.get_image("shipped")).await.expect_err("removed everywhere");
+        assert_eq!(e.code(), Code::NotFound, "{}: {e}", NODES[i]);
+    }
+
     // A node killed with SIGKILL: its sandboxes are UNAVAILABLE naming it, the others work.
     nodes[2].kill9();
     let e = within(10, a.get(&sb_c.id)).await.expect_err("node C is down");
@@ -240,6 +272,35 @@ async fn three_nodes_behind_one_address() {
         "node C's sandbox is back through A"
     );
     assert_eq!(sh_ok(&a, &sb_c.id, "cat /workspace/f").await, "from-c\n");
+}
+
+/// A `docker save` archive of an image whose one layer holds `hello.txt`.
+fn one_file_image(dir: &std::path::Path) -> std::path::PathBuf {
+    fn member(b: &mut tar::Builder<impl std::io::Write>, name: &str, data: &[u8]) {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        b.append_data(&mut h, name, data).expect("tar member");
+    }
+    let digest = |b: &[u8]| format!("sha256:{}", hex(&Sha256::digest(b)));
+    let mut layer = tar::Builder::new(Vec::new());
+    member(&mut layer, "hello.txt", b"shipped to every node\n");
+    let layer = layer.into_inner().expect("layer");
+    let config = serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64", "os": "linux", "config": {},
+        "rootfs": {"type": "layers", "diff_ids": [digest(&layer)]}
+    }))
+    .expect("config");
+    let id = digest(&config)[7..].to_string();
+    let manifest = serde_json::to_vec(&serde_json::json!([{"Config": format!("{id}.json"), "RepoTags": [], "Layers": ["l0/layer.tar"]}])).expect("manifest");
+    let path = dir.join("shipped.tar");
+    let mut b = tar::Builder::new(std::fs::File::create(&path).expect("archive"));
+    member(&mut b, "l0/layer.tar", &layer);
+    member(&mut b, &format!("{id}.json"), &config);
+    member(&mut b, "manifest.json", &manifest);
+    b.into_inner().expect("archive");
+    path
 }
 
 fn hex(b: &[u8]) -> String {

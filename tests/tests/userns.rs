@@ -422,10 +422,7 @@ async fn container_sandboxes_under_a_remapping_docker_keep_their_ids_apart_from_
     h.exec(mine).await;
     let owners = "stat -c '%u:%g %n' /workspace/api.txt /tmp/mine.txt";
     assert_eq!(h.sh_ok(&id, owners).await, "0:0 /workspace/api.txt\n1000:1000 /tmp/mine.txt\n");
-    assert_eq!(
-        sandbox_tests::within(30, h.client.read_file(&id, "/tmp/mine.txt", 0, 0)).await.expect("ReadFile").content,
-        b"mine\n".to_vec()
-    );
+    assert_eq!(sandbox_tests::within(30, h.client.read_file(&id, "/tmp/mine.txt", 0, 0)).await.expect("ReadFile").content, b"mine\n".to_vec());
     let snap = sandbox_tests::within(120, h.client.snapshot(&id, "ids")).await.expect("snapshot").snapshot_id;
     h.sh_ok(&id, "rm /workspace/api.txt /tmp/mine.txt").await;
     sandbox_tests::within(300, h.client.rollback(&id, &snap)).await.expect("rollback");

@@ -2,6 +2,7 @@
 //! (checked against their sha256, as UploadFile's) to the manager, and stream its progress back;
 //! their audit line is written when the call ends, with how it ended.
 
+use super::streams::Inbound;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,11 +27,12 @@ pub type ProgressStream = Pin<Box<dyn Stream<Item = Result<pb::ImageProgress, St
 const PIECES: usize = 4;
 
 /// The first message of a client stream, within [`FIRST_MESSAGE_DEADLINE`].
-pub async fn first_message<M>(stream: &mut tonic::Streaming<M>, rpc: &str) -> Result<M, Status> {
-    match tokio::time::timeout(FIRST_MESSAGE_DEADLINE, stream.message()).await {
-        Ok(Ok(Some(m))) => Ok(m),
-        Ok(Ok(None)) => Err(Status::invalid_argument(format!("{rpc}: the stream ended before its first message"))),
-        Ok(Err(status)) => Err(status),
+pub async fn first_message<M>(stream: &mut Inbound<M>, rpc: &str) -> Result<M, Status> {
+    use futures::StreamExt;
+    match tokio::time::timeout(FIRST_MESSAGE_DEADLINE, stream.next()).await {
+        Ok(Some(Ok(m))) => Ok(m),
+        Ok(None) => Err(Status::invalid_argument(format!("{rpc}: the stream ended before its first message"))),
+        Ok(Some(Err(status))) => Err(status),
         Err(_) => Err(Status::invalid_argument(format!("{rpc}: no first message within {} s", FIRST_MESSAGE_DEADLINE.as_secs()))),
     }
 }
@@ -73,8 +75,8 @@ pub fn build_request(header: pb::BuildImageHeader) -> Result<(BuildRequest, mpsc
 pub type Feed = Pin<Box<dyn Future<Output = Result<String, FeedError>> + Send>>;
 
 /// Feeds the rest of `stream` (chunks, then the sha256) to `tx`.
-pub fn feed<M: UploadMessage + Send + 'static>(stream: tonic::Streaming<M>, tx: mpsc::Sender<UploadPiece>) -> Feed {
-    Box::pin(feed_upload(Box::pin(stream), tx))
+pub fn feed<M: UploadMessage + Send + 'static>(stream: Inbound<M>, tx: mpsc::Sender<UploadPiece>) -> Feed {
+    Box::pin(feed_upload(stream, tx))
 }
 
 /// Everything needed to audit a streaming call when it ends.

@@ -436,6 +436,22 @@ impl SandboxService for Api {
     type ImportImageStream = images::ProgressStream;
 
     async fn import_image(&self, request: Request<tonic::Streaming<pb::ImportImageRequest>>) -> Result<Response<Self::ImportImageStream>, Status> {
+        let (metadata, extensions, stream) = request.into_parts();
+        self.import_image_from(Request::from_parts(metadata, extensions, Box::pin(stream))).await
+    }
+
+    type BuildImageStream = images::ProgressStream;
+
+    async fn build_image(&self, request: Request<tonic::Streaming<pb::BuildImageRequest>>) -> Result<Response<Self::BuildImageStream>, Status> {
+        let (metadata, extensions, stream) = request.into_parts();
+        self.build_image_from(Request::from_parts(metadata, extensions, Box::pin(stream))).await
+    }
+}
+
+/// The client-streaming calls over any stream of their messages, for the fleet's router.
+impl Api {
+    /// `ImportImage` over any stream of its messages (see [`Inbound`]).
+    pub async fn import_image_from(&self, request: Request<Inbound<pb::ImportImageRequest>>) -> Result<Response<images::ProgressStream>, Status> {
         use pb::import_image_request::Item;
         let started = Instant::now();
         let tenant = self.auth.tenant(&request)?;
@@ -465,9 +481,8 @@ impl SandboxService for Api {
         Ok(Response::new(images::progress(events, feed, end)))
     }
 
-    type BuildImageStream = images::ProgressStream;
-
-    async fn build_image(&self, request: Request<tonic::Streaming<pb::BuildImageRequest>>) -> Result<Response<Self::BuildImageStream>, Status> {
+    /// `BuildImage` over any stream of its messages (see [`Inbound`]).
+    pub async fn build_image_from(&self, request: Request<Inbound<pb::BuildImageRequest>>) -> Result<Response<images::ProgressStream>, Status> {
         use pb::build_image_request::Item;
         let started = Instant::now();
         let tenant = self.auth.tenant(&request)?;
@@ -495,10 +510,7 @@ impl SandboxService for Api {
         };
         Ok(Response::new(images::progress(events, Some(images::feed(stream, pieces)), end)))
     }
-}
 
-/// The client-streaming calls over any stream of their messages, for the fleet's router.
-impl Api {
     /// `ExecSession` over any stream of its messages (see [`Inbound`]).
     pub async fn exec_session_from(&self, request: Request<Inbound<pb::ExecSessionRequest>>) -> Result<Response<SessionStream>, Status> {
         use pb::exec_session_request::Item;

@@ -11,6 +11,7 @@
 //! ([`crate::api::auth::FORWARDED_TENANT`]), which a node believes only next to that token.
 
 pub mod dns;
+pub mod images;
 pub mod router;
 
 use std::collections::HashMap;
@@ -97,6 +98,11 @@ impl Fleet {
     /// This node's name.
     pub fn node(&self) -> &str {
         self.cfg.node.as_str()
+    }
+
+    /// Where an image upload is spooled for the peers.
+    pub fn spool_path(&self) -> std::path::PathBuf {
+        self.manager.image_upload_path()
     }
 
     /// How old the peers' room may be when a create is placed (`fleet.placement_cache_ms`).

@@ -452,8 +452,9 @@ impl SandboxService for Routed {
         stream_by_id!(self, request, download_archive, id)
     }
 
-    // Images are per node (an image is usable on the node that imported it); these calls are
-    // served by the node the client reached. See the README's Fleet section.
+    // An image is usable on the node that imported it: imports, builds and removals a client
+    // sends reach every node (see `fleet::images`); lists and gets are answered here, where
+    // the same images are.
     async fn list_images(&self, request: Request<pb::ListImagesRequest>) -> Result<Response<pb::ListImagesResponse>, Status> {
         self.local.list_images(request).await
     }
@@ -463,18 +464,60 @@ impl SandboxService for Routed {
     }
 
     async fn remove_image(&self, request: Request<pb::RemoveImageRequest>) -> Result<Response<pb::RemoveImageResponse>, Status> {
-        self.local.remove_image(request).await
+        let Some(fleet) = self.fleet.clone().filter(|f| !f.is_from_peer(&request)) else { return self.local.remove_image(request).await };
+        let tenant = self.auth.tenant(&request)?;
+        let (metadata, extensions, req) = request.into_parts();
+        let removed = self.local.remove_image(Request::from_parts(metadata.clone(), extensions, req.clone())).await?;
+        // Then every peer's copy; one that is gone already, or a peer that does not answer, is
+        // logged (an image left on a node is only space: its next import replaces it).
+        let removals = fleet.peers().into_iter().map(|peer| {
+            let out = fleet.outgoing(&tenant, &metadata, req.clone());
+            let name = req.name.clone();
+            async move {
+                let result = match out {
+                    Ok(out) => peer.client().remove_image(out).await.map(drop),
+                    Err(s) => Err(s),
+                };
+                match result {
+                    Ok(()) => {}
+                    Err(s) if s.code() == tonic::Code::NotFound => {}
+                    Err(s) => tracing::warn!(node = %peer.name, error = %peer.explain(s).message(), image = %name, "fleet: removing an image on a peer"),
+                }
+            }
+        });
+        futures::future::join_all(removals).await;
+        Ok(removed)
     }
 
     type ImportImageStream = <Api as SandboxService>::ImportImageStream;
 
     async fn import_image(&self, request: Request<tonic::Streaming<pb::ImportImageRequest>>) -> Result<Response<Self::ImportImageStream>, Status> {
-        self.local.import_image(request).await
+        let Some(fleet) = self.fleet.clone().filter(|f| !f.is_from_peer(&request)) else { return self.local.import_image(request).await };
+        let tenant = self.auth.tenant(&request)?;
+        let (metadata, extensions, first, rest) = Routed::first(request, "ImportImage").await?;
+        let local = &self.local;
+        let parts = metadata.clone();
+        let spool = fleet.spool_path();
+        let events = super::images::everywhere(fleet, tenant, metadata, first, rest, spool, |inbound| async move {
+            local.import_image_from(Request::from_parts(parts, extensions, inbound)).await.map(Response::into_inner)
+        })
+        .await?;
+        Ok(Response::new(events))
     }
 
     type BuildImageStream = <Api as SandboxService>::BuildImageStream;
 
     async fn build_image(&self, request: Request<tonic::Streaming<pb::BuildImageRequest>>) -> Result<Response<Self::BuildImageStream>, Status> {
-        self.local.build_image(request).await
+        let Some(fleet) = self.fleet.clone().filter(|f| !f.is_from_peer(&request)) else { return self.local.build_image(request).await };
+        let tenant = self.auth.tenant(&request)?;
+        let (metadata, extensions, first, rest) = Routed::first(request, "BuildImage").await?;
+        let local = &self.local;
+        let parts = metadata.clone();
+        let spool = fleet.spool_path();
+        let events = super::images::everywhere(fleet, tenant, metadata, first, rest, spool, |inbound| async move {
+            local.build_image_from(Request::from_parts(parts, extensions, inbound)).await.map(Response::into_inner)
+        })
+        .await?;
+        Ok(Response::new(events))
     }
 }

@@ -114,6 +114,12 @@ impl Drop for TempFile {
 }
 
 impl Manager {
+    /// A fresh path for a temporary file in the image store (an upload kept for the fleet's
+    /// other nodes, say), on the store's filesystem.
+    pub fn image_upload_path(&self) -> PathBuf {
+        self.catalog.upload_path()
+    }
+
     /// Who `tenant` is to the image catalog; `root_peer` is a UNIX-socket caller running as
     /// root (or as the daemon's own uid), always an image admin.
     pub fn image_viewer(&self, tenant: &str, root_peer: bool) -> Viewer {

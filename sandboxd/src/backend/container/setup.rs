@@ -124,7 +124,9 @@ fn remapped_ids(pid: i32) -> Result<Option<sandbox_exec::archive::IdShift>, Stri
     if uid != gid {
         return Err(format!("Docker's remapped uid range {uid:?} and gid range {gid:?} differ; give dockremap the same subordinate uids and gids"));
     }
-    Ok(uid.filter(|(inside, outside, len)| !(*inside == 0 && *outside == 0 && *len == u32::MAX)).map(|(_, base, len)| sandbox_exec::archive::IdShift { base, len }))
+    Ok(uid
+        .filter(|(inside, outside, len)| !(*inside == 0 && *outside == 0 && *len == u32::MAX))
+        .map(|(_, base, len)| sandbox_exec::archive::IdShift { base, len }))
 }
 
 /// The single range `inside outside length` of an id map (`None` when the map is empty).
