@@ -12,6 +12,9 @@ pub enum Address {
     Unix(PathBuf),
     /// A TCP endpoint as an `http://host:port` URI.
     Http(String),
+    /// A TCP endpoint served with TLS, as an `https://host:port` URI: the server's certificate
+    /// is checked against the system's roots, plus the CA in `$SBX_CA_CERT` (a PEM file) when set.
+    Https(String),
 }
 
 impl Address {
@@ -59,14 +62,12 @@ impl Address {
             })?;
             return Ok(Address::Unix(normalize(&cwd.join(path))));
         }
-        let authority = if let Some(rest) = addr.strip_prefix("tcp://") {
-            rest
+        let (authority, tls) = if let Some(rest) = addr.strip_prefix("tcp://") {
+            (rest, false)
         } else if let Some(rest) = addr.strip_prefix("http://") {
-            rest
-        } else if addr.starts_with("https://") {
-            return Err(invalid(
-                "TLS is not supported; use http://host:port or a UNIX socket",
-            ));
+            (rest, false)
+        } else if let Some(rest) = addr.strip_prefix("https://") {
+            (rest, true)
         } else {
             return Err(invalid(
                 "expected unix:///path.sock, an absolute socket path, tcp://host:port or http://host:port",
@@ -76,7 +77,11 @@ impl Address {
         if authority.is_empty() || authority.contains('/') {
             return Err(invalid("expected host:port after the scheme"));
         }
-        Ok(Address::Http(format!("http://{authority}")))
+        Ok(if tls {
+            Address::Https(format!("https://{authority}"))
+        } else {
+            Address::Http(format!("http://{authority}"))
+        })
     }
 }
 
@@ -84,7 +89,7 @@ impl fmt::Display for Address {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Address::Unix(path) => write!(f, "unix://{}", path.display()),
-            Address::Http(uri) => f.write_str(uri),
+            Address::Http(uri) | Address::Https(uri) => f.write_str(uri),
         }
     }
 }
@@ -131,12 +136,21 @@ mod tests {
     }
 
     #[test]
+    fn https_is_tls() {
+        assert_eq!(
+            parse("https://node-a.example:7070/").ok(),
+            Some(Address::Https("https://node-a.example:7070".into()))
+        );
+    }
+
+    #[test]
     fn rejects_unknown_forms() {
         for bad in [
             "",
             "unix://",
             "localhost:50051",
-            "https://h:1",
+            "https://",
+            "https://h:1/x",
             "tcp://",
             "http://h:1/x",
             "sock",

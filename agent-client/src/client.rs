@@ -87,6 +87,10 @@ impl Client {
 
     /// Connects to an already parsed address, without a token.
     pub async fn connect_to(addr: &Address) -> Result<Self> {
+        Self::connect_to_with(addr, None).await
+    }
+
+    async fn connect_to_with(addr: &Address, ca: Option<&[u8]>) -> Result<Self> {
         let connect_err = |source| Error::Connect {
             addr: addr.to_string(),
             source,
@@ -109,12 +113,20 @@ impl Client {
                     .await
                     .map_err(connect_err)?
             }
-            Address::Http(uri) => {
-                let endpoint =
+            Address::Http(uri) | Address::Https(uri) => {
+                let mut endpoint =
                     Endpoint::from_shared(uri.clone()).map_err(|e| Error::InvalidAddress {
                         addr: uri.clone(),
                         reason: e.to_string(),
                     })?;
+                if matches!(addr, Address::Https(_)) {
+                    endpoint = endpoint.tls_config(tls_config(uri, ca)?).map_err(|e| {
+                        Error::InvalidAddress {
+                            addr: uri.clone(),
+                            reason: format!("TLS: {e}"),
+                        }
+                    })?;
+                }
                 endpoint
                     .connect_timeout(CONNECT_TIMEOUT)
                     .connect()
@@ -123,6 +135,12 @@ impl Client {
             }
         };
         Ok(Self::from_channel(channel))
+    }
+
+    /// Connects to `addr` (as [`Client::connect`]) trusting `ca_pem` (PEM certificates) as
+    /// well for an `https://` address: a daemon whose `[tls]` certificate a private CA signed.
+    pub async fn connect_with_ca(addr: &str, ca_pem: &[u8]) -> Result<Self> {
+        Self::connect_to_with(&Address::parse(addr)?, Some(ca_pem)).await
     }
 
     /// The underlying gRPC channel, for the daemon's other services (e.g. `grpc.health.v1`).
@@ -670,4 +688,21 @@ mod tests {
         assert_eq!(err.code(), tonic::Code::Unavailable);
         assert!(err.to_string().contains("missing.sock"), "{err}");
     }
+}
+
+/// The TLS settings of an `https://` address: the system's roots, the CA `ca` (PEM) when given,
+/// else the one in `$SBX_CA_CERT` when that names a file.
+fn tls_config(uri: &str, ca: Option<&[u8]>) -> Result<tonic::transport::ClientTlsConfig> {
+    let mut config = tonic::transport::ClientTlsConfig::new().with_native_roots();
+    let from_env = match (ca, std::env::var_os("SBX_CA_CERT")) {
+        (Some(_), _) | (None, None) => None,
+        (None, Some(path)) => Some(std::fs::read(&path).map_err(|e| Error::InvalidAddress {
+            addr: uri.to_string(),
+            reason: format!("SBX_CA_CERT={}: {e}", std::path::Path::new(&path).display()),
+        })?),
+    };
+    if let Some(pem) = ca.map(<[u8]>::to_vec).or(from_env) {
+        config = config.ca_certificate(tonic::transport::Certificate::from_pem(pem));
+    }
+    Ok(config)
 }

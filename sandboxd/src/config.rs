@@ -685,6 +685,12 @@ pub struct FleetFileConfig {
     pub connect_timeout_ms: u64,
     /// A file holding the token the nodes present to each other (a Kubernetes Secret's key).
     pub token_file: PathBuf,
+    /// With `[tls]` (the nodes serve TLS): the CA certificate (PEM) the nodes' certificates
+    /// are checked against when they call one another.
+    pub tls_ca_file: Option<PathBuf>,
+    /// The name a node's certificate must carry for its peers (default: `peers_dns`, the
+    /// headless Service's name, which a wildcard or SAN of the nodes' certificate covers).
+    pub tls_server_name: Option<String>,
 }
 
 fn default_fleet_port() -> u16 {
@@ -744,11 +750,20 @@ pub struct FleetConfig {
     pub placement_cache: std::time::Duration,
     pub connect_timeout: std::time::Duration,
     pub token: Secret,
+    /// Peers are called over TLS: the CA (PEM) and the name their certificates carry.
+    pub tls: Option<PeerTls>,
+}
+
+/// How a node checks its peers' certificates.
+#[derive(Debug, Clone)]
+pub struct PeerTls {
+    pub ca_pem: Vec<u8>,
+    pub server_name: String,
 }
 
 impl FleetFileConfig {
     /// Fills in the defaults (environment, hostname, listeners) and reads the token file.
-    fn resolve(self, listen: &[ListenAddr]) -> Result<FleetConfig, ConfigError> {
+    fn resolve(self, listen: &[ListenAddr], serves_tls: bool) -> Result<FleetConfig, ConfigError> {
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let from_kube = || env("SANDBOXD_KUBE_NODE_NAME").map(|n| node_name_of_kube_node(&n));
         let name = match self.node_name.or_else(|| env("SANDBOXD_NODE_NAME")).or_else(from_kube) {
@@ -791,7 +806,24 @@ impl FleetFileConfig {
         if token.len() < 16 {
             return Err(ConfigError::Invalid(format!("fleet.token_file = {}: the token must have at least 16 characters", self.token_file.display())));
         }
+        let tls = match (&self.tls_ca_file, serves_tls) {
+            (Some(ca), true) => Some(PeerTls {
+                ca_pem: std::fs::read(ca).map_err(|e| ConfigError::Invalid(format!("fleet.tls_ca_file = {}: {e}", ca.display())))?,
+                server_name: self.tls_server_name.clone().unwrap_or_else(|| self.peers_dns.clone()),
+            }),
+            (None, true) => {
+                return Err(ConfigError::Invalid(
+                    "[tls] is set, so the nodes serve TLS and call one another over it: set fleet.tls_ca_file (the CA that signed the nodes' certificates)"
+                        .into(),
+                ))
+            }
+            (Some(_), false) => {
+                return Err(ConfigError::Invalid("fleet.tls_ca_file is set but [tls] is not: the nodes serve no TLS to check".into()));
+            }
+            (None, false) => None,
+        };
         Ok(FleetConfig {
+            tls,
             node,
             address,
             peers_dns: self.peers_dns,
@@ -1199,7 +1231,7 @@ impl Config {
         let listen = listen_raw.iter().map(|a| ListenAddr::parse(a)).collect::<Result<Vec<_>, _>>()?;
         let state_dir = cli.state_dir.or(file.state_dir).unwrap_or_else(|| PathBuf::from("/var/lib/sandboxd"));
         let pool_size_bytes = cli.pool_size_bytes.or(file.pool_size_bytes).unwrap_or_else(|| default_pool_size(&state_dir));
-        let fleet = file.fleet.map(|f| f.resolve(&listen)).transpose()?;
+        let fleet = file.fleet.map(|f| f.resolve(&listen, file.tls.is_some())).transpose()?;
         let cfg = Config {
             listen,
             state_dir,
@@ -1506,6 +1538,33 @@ mod tests {
             let err = Config::load(Cli { config: Some(path.clone()), ..Default::default() }).expect_err(toml);
             assert!(err.to_string().contains(key), "{toml}: {err}");
         }
+    }
+
+    #[test]
+    fn a_fleet_serving_tls_checks_its_peers_against_a_ca() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).expect("write");
+            p.display().to_string()
+        };
+        let token = file("token", "0123456789abcdef0123");
+        let ca = file("ca.pem", "-----BEGIN CERTIFICATE-----\n");
+        let fleet = format!("[fleet]\nnode_name = \"node-a\"\naddress = \"10.0.0.2:7070\"\npeers_dns = \"peers.test\"\ntoken_file = \"{token}\"\n");
+        let tls = format!("[tls]\ncert = \"{ca}\"\nkey = \"{ca}\"\n");
+        let load = |toml: String| {
+            let path = file("sandboxd.toml", &toml);
+            Config::load(Cli { config: Some(path.into()), ..Default::default() })
+        };
+        let err = load(format!("{tls}{fleet}")).expect_err("TLS without a CA for the peers");
+        assert!(err.to_string().contains("fleet.tls_ca_file"), "{err}");
+        let err = load(format!("{fleet}tls_ca_file = \"{ca}\"\n")).expect_err("a CA without TLS");
+        assert!(err.to_string().contains("[tls] is not"), "{err}");
+        let cfg = load(format!("{tls}{fleet}tls_ca_file = \"{ca}\"\n")).expect("TLS with a CA");
+        let peer = cfg.fleet.and_then(|f| f.tls).expect("peers over TLS");
+        assert_eq!(peer.server_name, "peers.test", "the headless name by default");
+        let cfg = load(format!("{fleet}")).expect("neither");
+        assert!(cfg.fleet.is_some_and(|f| f.tls.is_none()));
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! both build it: three network namespaces joined by a bridge in a fourth (the hub), a veth from
 //! the host (where the client runs) to that bridge, and dnsmasq on the hub answering one name
 //! with the three nodes' addresses, as cluster DNS answers a headless Service ([`Net`]). Each
-//! node ([`start_node`]) listens on TCP at its address with two tenants' tokens and finds its
+//! node ([`start_node`]) listens on TCP at its address, serving TLS with a certificate of a CA
+//! the test makes (peers check one another against it), with two tenants' tokens, and finds its
 //! peers through that name; [`start_alone`] starts the same node without `[fleet]`.
 
 use std::path::Path;
@@ -113,7 +114,38 @@ impl Net {
             .spawn()
             .context("starting dnsmasq")?;
         net.dns = Some(dns);
+        net.make_certificates()?;
         Ok(net)
+    }
+
+    /// A CA and one certificate for every node (SANs: the headless name and the three
+    /// addresses), with the host's openssl: the nodes serve TLS and check one another with it.
+    fn make_certificates(&self) -> Result<()> {
+        let path = |name: &str| self.dir().join(name).display().to_string();
+        let ips: String = (0..3).map(|i| format!(",IP:{}", self.addr(i))).collect();
+        let ext = self.dir().join("san.ext");
+        std::fs::write(&ext, format!("subjectAltName=DNS:{DNS_NAME}{ips}\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")).context("san.ext")?;
+        #[rustfmt::skip]
+        let steps: [Vec<String>; 3] = [
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=sandboxd fleet test CA", "-keyout", &path("ca.key"), "-out", &path("ca.pem")].map(String::from).to_vec(),
+            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", &format!("/CN={DNS_NAME}"), "-keyout", &path("node.key"), "-out", &path("node.csr")].map(String::from).to_vec(),
+            ["openssl", "x509", "-req", "-in", &path("node.csr"), "-CA", &path("ca.pem"), "-CAkey", &path("ca.key"), "-CAcreateserial", "-days", "2", "-extfile", &ext.display().to_string(), "-out", &path("node.pem")].map(String::from).to_vec(),
+        ];
+        for args in steps {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run(&args)?;
+        }
+        Ok(())
+    }
+
+    /// The CA (PEM) the nodes' certificates are signed by.
+    pub fn ca_pem(&self) -> Result<Vec<u8>> {
+        std::fs::read(self.dir().join("ca.pem")).context("reading the fleet's CA")
+    }
+
+    /// `[tls]`: the nodes' certificate and key.
+    fn tls_table(&self) -> String {
+        format!("[tls]\ncert = \"{}\"\nkey = \"{}\"\n", self.dir().join("node.pem").display(), self.dir().join("node.key").display())
     }
 
     fn teardown(&mut self) {
@@ -158,7 +190,7 @@ sha256 = "{b}"
 /// `[fleet]` with its peers from dnsmasq and the fleet token read from `{dir}/fleet-token`.
 pub fn config(net: &Net, i: usize, max_sandboxes: usize) -> String {
     format!(
-        r#"{policy}[fleet]
+        r#"{policy}{tls}[fleet]
 node_name = "{node}"
 peers_dns = "{DNS_NAME}"
 port = {PORT}
@@ -166,8 +198,11 @@ dns_server = "{prefix}.1:53"
 refresh_ms = 1000
 connect_timeout_ms = 1000
 token_file = "{{dir}}/fleet-token"
+tls_ca_file = "{ca}"
 "#,
         policy = policy_and_auth(max_sandboxes, ""),
+        tls = net.tls_table(),
+        ca = net.dir().join("ca.pem").display(),
         node = NODES[i],
         prefix = net.prefix,
     )
@@ -185,7 +220,7 @@ pub async fn start_node(net: &Net, i: usize, max_sandboxes: usize) -> Result<Dae
 /// Starts node `i` as [`start_node`] does but alone: the same namespace, address, listeners and
 /// tokens, no `[fleet]`; one tenant may hold all `max_sandboxes` (past the default per-tenant cap).
 pub async fn start_alone(net: &Net, i: usize, max_sandboxes: usize) -> Result<Daemon> {
-    let toml = policy_and_auth(max_sandboxes, &format!("max_sandboxes_per_tenant = {max_sandboxes}\n"));
+    let toml = policy_and_auth(max_sandboxes, &format!("max_sandboxes_per_tenant = {max_sandboxes}\n")) + &net.tls_table();
     start_in(net, i, &toml).await.with_context(|| format!("starting {} alone", NODES[i]))
 }
 
@@ -195,8 +230,9 @@ async fn start_in(net: &Net, i: usize, toml: &str) -> Result<Daemon> {
     within(60, Daemon::start_in_netns(net.netns(i), toml, &["--listen", &listen, "--web", &web])).await
 }
 
-/// A client of node `i` over TCP with a tenant's `token`.
+/// A client of node `i` over TCP (TLS, checked against the fleet's CA) with a tenant's `token`.
 pub async fn client_of(net: &Net, i: usize, token: &str) -> Result<Client> {
-    let client = Client::connect(&format!("http://{}:{PORT}", net.addr(i))).await.with_context(|| format!("connecting to {}", NODES[i]))?;
+    let client =
+        Client::connect_with_ca(&format!("https://{}:{PORT}", net.addr(i)), &net.ca_pem()?).await.with_context(|| format!("connecting to {}", NODES[i]))?;
     client.with_token(token).context("the tenant's token")
 }

@@ -179,8 +179,21 @@ impl Fleet {
         if let Some(c) = t.channels.get(&addr) {
             return Some(c.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .ok()?
+        let scheme = if self.cfg.tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}")).ok()?;
+        if let Some(tls) = &self.cfg.tls {
+            let config = tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(&tls.ca_pem))
+                .domain_name(tls.server_name.clone());
+            endpoint = match endpoint.tls_config(config) {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::warn!(%addr, error = %e, "fleet: cannot set up TLS to a peer");
+                    return None;
+                }
+            };
+        }
+        let endpoint = endpoint
             .connect_timeout(self.cfg.connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(20))

@@ -13,7 +13,7 @@ use crate::parse::{parse_cpus, parse_kv, parse_signal, parse_size};
 #[derive(Debug, Parser)]
 #[command(name = "sbx", version, propagate_version = true)]
 pub struct Cli {
-    /// Daemon address: unix:///path.sock, /path.sock, tcp://host:port or http://host:port
+    /// Daemon address: unix:///path.sock, /path.sock, tcp://host:port, http://host:port or https://host:port (TLS; a private CA in $SBX_CA_CERT)
     /// [default: ./.sandboxd/sandboxd.sock if it exists (make run), else /run/sandboxd/sandboxd.sock]
     #[arg(long, global = true, help_heading = "Global options", env = agent_client::SOCKET_ENV, value_name = "ADDR")]
     pub socket: Option<String>,
