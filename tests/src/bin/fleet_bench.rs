@@ -290,7 +290,7 @@ async fn main() -> Result<()> {
     let section = format!(
         "## Fleet\n\n\
          `fleet_bench`: a three-node fleet as `tests/tests/fleet.rs` builds it (three daemons in three network namespaces on \
-         one bridge, peers from dnsmasq answering one name with their three addresses, tenant tokens over TCP), all on this \
+         one bridge, peers from dnsmasq answering one name with their three addresses, tenant tokens over TCP with TLS between the client and the nodes and between the nodes), all on this \
          one machine, so the three nodes share its {cpus} CPUs: a fleet adds no CPU here, it only adds the work of routing. \
          The client is in-process (`agent_client::Client`, one connection per client, reused; no `sbx` process start), on the \
          host, reaching the nodes over a veth to the bridge. sandboxd: `{bin}`. Process tier, image `minimal`, 64 MiB of disk, 64 MiB of memory and 32 pids each (so that one node admits thousands).\n\n\
@@ -299,7 +299,7 @@ async fn main() -> Result<()> {
            over the wall time of all. *Node A alone*: the same node (namespace, address, tokens) without `[fleet]`. In the \
            fleet every node takes at most {max_per_node} (`policy.max_sandboxes`: {per_node} plus one per client, so creates \
            racing for a node's last seat never find the whole fleet full); A fills first, then places each create on the peer \
-           with the most room (a DNS refresh, a status call to each peer, the peer's create). Destroying the fleet's {n} \
+           with the most room by the peers' room as last asked (at most `fleet.placement_cache_ms` old, counting what A placed since), then the peer's create. Destroying the fleet's {n} \
            through A (most of them forwarded) took {destroyed:.1} s.\n\
          - *List*: {lists} calls after 3 warm-up calls, with the fleet holding the {n} sandboxes of the creates row \
            ({size}). *Matches none*: the same fan-out with a label selector no sandbox has.\n\
