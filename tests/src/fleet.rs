@@ -140,7 +140,12 @@ impl Net {
 
     /// The CA (PEM) the nodes' certificates are signed by.
     pub fn ca_pem(&self) -> Result<Vec<u8>> {
-        std::fs::read(self.dir().join("ca.pem")).context("reading the fleet's CA")
+        std::fs::read(self.ca_path()).context("reading the fleet's CA")
+    }
+
+    /// The file of [`Net::ca_pem`].
+    pub fn ca_path(&self) -> std::path::PathBuf {
+        self.dir().join("ca.pem")
     }
 
     /// `[tls]`: the nodes' certificate and key.

@@ -65,6 +65,29 @@ async fn three_nodes_behind_one_address() {
     let a = tenant(&net, TOKEN_A).await;
     let b = tenant(&net, TOKEN_B).await;
 
+    // A stock grpcio client (Python, gRPC C core) with node A's address only, over TLS with a
+    // token: sandboxes on every node, each exec'd, streamed, snapshotted and rolled back.
+    let script = sandbox_tests::workspace_root().join("tests/python/grpcio_fleet.py");
+    let args = [
+        sandbox_tests::workspace_root().display().to_string(),
+        format!("{}:{PORT}", net.addr(0)),
+        net.ca_path().display().to_string(),
+        TOKEN_A.to_string(),
+        NODES.join(","),
+    ];
+    let out = tokio::task::spawn_blocking(move || std::process::Command::new("python3").arg(&script).args(&args).output())
+        .await
+        .expect("join")
+        .expect("running python3 (grpcio and grpcio-tools: python3 -m pip install grpcio grpcio-tools)");
+    assert!(
+        out.status.success() && text(&out.stdout).ends_with("OK\n"),
+        "grpcio through node A ({}):\n{}\n{}\nnode A's log:\n{}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr),
+        nodes[0].log()
+    );
+
     // Creates through A fill A first, then the peer with the most room: all three get some.
     let mut mine = Vec::new();
     for i in 0..7 {
