@@ -129,3 +129,8 @@ def test_build_from_a_dockerfile(client: sandboxd.Client, tmp_path: Path, names:
     with pytest.raises(sandboxd.SandboxdError) as e:
         images.build(ctx, name, client=client)
     assert "no-such-base" in e.value.message
+    # A network for the RUN steps needs the daemon's consent ([images] build_network).
+    (ctx / "Dockerfile").write_text("FROM sandboxd/minimal\nRUN true\n")
+    with pytest.raises(sandboxd.SandboxdError) as e:
+        images.build(ctx, name, network="open", client=client)
+    assert "build_network" in e.value.message

@@ -8,9 +8,10 @@ import hashlib
 from pathlib import Path
 
 import grpc
-from typing import Callable, Iterator, List, Mapping, Optional
+from typing import Callable, Iterator, List, Mapping, Optional, Sequence
 
 from . import _archive
+from ._requests import network_policy
 from ._conn import CHUNK_SIZE, QUEUE_CHUNKS, Pathish
 from ._proto.sandbox.v1 import sandbox_pb2 as pb
 from .client import Client, resolve
@@ -103,19 +104,23 @@ def build(
     *,
     dockerfile: Optional[str] = None,
     build_args: Optional[Mapping[str, str]] = None,
+    network: Optional[str] = None,
+    allow: Optional[Sequence[str]] = None,
     progress: Progress = None,
     client: Optional[Client] = None,
 ) -> ImageInfo:
     """Builds `context_dir` (sent as a tar stream) with its Dockerfile (`dockerfile`: a path
     inside the context, default "Dockerfile") into the catalog image `tag`. `FROM
-    sandboxd/<name>` names a catalog image; build log lines arrive as phase "build" events."""
+    sandboxd/<name>` names a catalog image; build log lines arrive as phase "build" events.
+    Each RUN step runs in a container sandbox; `network`/`allow` ask for its network as for
+    `Sandbox.create` (the daemon must allow builds one: `[images] build_network = "policy"`)."""
     root = Path(context_dir)
     if not (root / (dockerfile or "Dockerfile")).is_file():
         raise FileNotFoundError(f"no {dockerfile or 'Dockerfile'} in the build context {root}")
     feed = _archive.PackFeed(root, CHUNK_SIZE, QUEUE_CHUNKS)
 
     def requests() -> Iterator[pb.BuildImageRequest]:
-        header = pb.BuildImageHeader(name=tag, dockerfile=dockerfile or "", build_args=dict(build_args or {}))
+        header = pb.BuildImageHeader(name=tag, dockerfile=dockerfile or "", build_args=dict(build_args or {}), network=network_policy(network, allow))
         yield pb.BuildImageRequest(header=header)
         hasher = hashlib.sha256()
         for piece in feed:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, List, Mapping, Optional
+from typing import Any, AsyncIterator, Callable, List, Mapping, Optional, Sequence
 
 import grpc.aio
 
 from .. import _archive
+from .._requests import network_policy
 from .._conn import CHUNK_SIZE, QUEUE_CHUNKS, Pathish
 from .._proto.sandbox.v1 import sandbox_pb2 as pb
 from ..errors import ProtocolError, from_rpc_error
@@ -111,6 +112,8 @@ async def build(
     *,
     dockerfile: Optional[str] = None,
     build_args: Optional[Mapping[str, str]] = None,
+    network: Optional[str] = None,
+    allow: Optional[Sequence[str]] = None,
     progress: Progress = None,
     client: Optional[Client] = None,
 ) -> ImageInfo:
@@ -121,7 +124,7 @@ async def build(
     feed = _archive.PackFeed(root, CHUNK_SIZE, QUEUE_CHUNKS)
 
     async def requests() -> AsyncIterator[pb.BuildImageRequest]:
-        header = pb.BuildImageHeader(name=tag, dockerfile=dockerfile or "", build_args=dict(build_args or {}))
+        header = pb.BuildImageHeader(name=tag, dockerfile=dockerfile or "", build_args=dict(build_args or {}), network=network_policy(network, allow))
         yield pb.BuildImageRequest(header=header)
         hasher = hashlib.sha256()
         while True:
