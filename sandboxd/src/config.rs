@@ -440,6 +440,11 @@ pub struct ContainerTierConfig {
     /// container tier's `exec.rs`): ~10× slower per exec. For comparison, and as a way back
     /// should the channel misbehave on some host. Applies to containers created from then on.
     pub exec_through_docker: bool,
+    /// Started containers kept ready for creates, per shape (image and limits) of the 4 most
+    /// recently created ones: a create of a
+    /// pooled shape takes ~tens of ms instead of Docker's create and start. 0 (the default):
+    /// no pool. Each pooled container is an idle container (a shim, docker-init, the helper).
+    pub warm_pool: usize,
 }
 
 /// The `[admission]` table: what the host may promise to sandboxes, what it keeps for itself,

@@ -100,6 +100,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         docker_socket: docker_socket.clone(),
         require_userns_remap: cfg.container.require_userns_remap,
         exec_through_docker: cfg.container.exec_through_docker,
+        warm_pool: cfg.container.warm_pool,
         egress: Some(egress.clone()),
     })
     .await;

@@ -114,3 +114,46 @@ async fn helper_execs_keep_env_home_stdin_and_failures() {
     assert_eq!(r.status(), ExecStatus::SpawnFailed, "{}", describe(&r));
     assert!(r.error.contains("/no/such/dir"), "{}", describe(&r));
 }
+
+/// `[container] warm_pool`: the first create of a shape fills a pool in the background; the
+/// next create of that shape takes a started container and makes it the sandbox's own — its
+/// hostname (the UTS name, /etc/hostname, /etc/hosts), its workdir, its limits — and execs,
+/// files and snapshots work as in any container sandbox. After a daemon restart it is
+/// re-adopted under its own hostname, and the pool's idle containers are gone from Docker.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_container_from_the_warm_pool_becomes_the_sandboxs_own() {
+    let mut h = Harness::start_with_config("[container]\nwarm_pool = 1\n").await;
+    let limits = agent_client::proto::ResourceLimits { memory_bytes: 192 << 20, ..Default::default() };
+    let request = |workdir: &str| agent_client::proto::CreateSandboxRequest {
+        limits: Some(limits),
+        workdir: workdir.to_string(),
+        ..sandbox_tests::sandbox_request(Isolation::Container, "minimal")
+    };
+    let first = within(120, h.client.create(request("/workspace"))).await.expect("the first create").id;
+    assert!(
+        sandbox_tests::eventually(120, || std::future::ready(h.daemon.log().contains("container warm pool: a container is ready"))).await,
+        "the pool never filled: {}",
+        h.daemon.log()
+    );
+    let id = within(120, h.client.create(request("/srv/app"))).await.expect("a create from the pool").id;
+    assert!(h.daemon.log().contains(&format!("sandbox={id}")) && h.daemon.log().contains("taken from the warm pool"), "{}", h.daemon.log());
+    let seen = h.sh_ok(&id, "hostname; cat /etc/hostname; grep -c \"$(hostname)\" /etc/hosts; pwd; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max").await;
+    assert_eq!(seen, format!("{id}\n{id}\n1\n/srv/app\n{}\n", 192u64 << 20));
+    within(30, h.client.write_file(&id, "/srv/app/f", "pooled", 0o644)).await.expect("WriteFile");
+    let snap = within(120, h.client.snapshot(&id, "s")).await.expect("snapshot").snapshot_id;
+    h.sh_ok(&id, "rm /srv/app/f").await;
+    within(300, h.client.rollback(&id, &snap)).await.expect("rollback");
+    assert_eq!(h.sh_ok(&id, "cat /srv/app/f; hostname").await, format!("pooled{id}\n"));
+
+    // Restarted: the sandbox is re-adopted under its own hostname; nothing else of ours is left.
+    within(120, h.daemon.restart()).await.expect("restart");
+    h.client = h.daemon.client().await.expect("client");
+    assert!(
+        sandbox_tests::eventually(120, || async { h.client.get(&id).await.is_ok_and(|s| s.state == agent_client::proto::SandboxState::Running as i32) }).await,
+        "re-adopted"
+    );
+    assert_eq!(h.sh_ok(&id, "hostname; cat /etc/hostname").await, format!("{id}\n{id}\n"));
+    for sb in [&first, &id] {
+        within(120, h.client.destroy(sb)).await.expect("destroy");
+    }
+}

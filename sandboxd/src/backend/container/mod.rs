@@ -28,6 +28,7 @@ mod files;
 mod image;
 mod layer;
 mod net;
+mod pool;
 mod recover;
 mod setup;
 mod snapshot;
@@ -68,6 +69,9 @@ pub struct ContainerConfig {
     /// Create containers whose execs go through Docker's exec API (`[container]
     /// exec_through_docker`): their keepalive only waits, it serves no exec channel.
     pub exec_through_docker: bool,
+    /// Started containers kept ready per shape (image and limits) for creates (see `pool`);
+    /// 0: none.
+    pub warm_pool: usize,
     /// The daemon's egress filter, for sandboxes whose network is not NONE (see [`net`]).
     pub egress: Option<Arc<crate::egress::Egress>>,
 }
@@ -165,6 +169,8 @@ pub(crate) struct Inner {
     /// The containers found at start for the recorded sandboxes (sandbox → container id), each
     /// taken by its re-adoption (see `recover`).
     found: Mutex<HashMap<SandboxId, String>>,
+    /// The warm pool (see `pool`).
+    pool: Mutex<pool::Pools>,
 }
 
 /// The container-tier backend.
@@ -234,6 +240,7 @@ impl ContainerBackend {
             snapshots_dir,
             background: Mutex::new(Vec::new()),
             found: Mutex::new(HashMap::new()),
+            pool: Mutex::new(pool::Pools::default()),
         };
         ContainerBackend { inner: Arc::new(inner) }
     }
@@ -363,7 +370,12 @@ impl Backend for ContainerBackend {
                 return Err(BackendError::NoSuchSnapshot(snap.clone()));
             }
         }
-        let sb = inner.launch(spec, &setup::Role::Active, spec.from_snapshot.as_ref()).await?;
+        let sb = match inner.take_pooled(spec).await {
+            Some(sb) => sb,
+            None => inner.launch(spec, &setup::Role::Active, spec.from_snapshot.as_ref()).await?,
+        };
+        // The next create of this shape may find a container ready.
+        inner.refill(spec);
         if let Err(e) = net::attach(inner, &sb).await {
             inner.tear_down(&sb, "network setup failed").await;
             return Err(e);
@@ -497,6 +509,7 @@ impl Backend for ContainerBackend {
 
     async fn shutdown(&self) {
         let inner = &self.inner;
+        inner.drain_pool().await;
         inner.discard_all_standbys().await;
         inner.finish_background().await;
         let all: Vec<_> = match inner.sandboxes.write() {

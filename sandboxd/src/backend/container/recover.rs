@@ -74,6 +74,16 @@ impl Inner {
         match docker.restart_container(&container, Some(options)).await {
             Ok(()) => {
                 let sb = self.attach(spec, &container).await?;
+                // A container taken from the warm pool was created under another hostname,
+                // which its restart gave it back: the sandbox's again.
+                let configured = docker.inspect_container(&container, None).await.ok().and_then(|i| i.config).and_then(|c| c.hostname).unwrap_or_default();
+                if !configured.is_empty() && configured != spec.id.as_str() {
+                    if let Err(e) = self.set_identity(&container, sb.init_pid, &configured, spec.id.as_str()).await {
+                        sb.mark_lost("its hostname could not be set");
+                        sb.kill_everything().await;
+                        return Err(e);
+                    }
+                }
                 // The restart made a new network namespace: the link is given again.
                 if let Err(e) = super::net::attach(self, &sb).await {
                     // Stopped, not removed: its writable layer is the sandbox's disk.

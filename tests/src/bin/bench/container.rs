@@ -44,7 +44,39 @@ async fn container_sections(sb: &mut Sandboxes, plan: &Plan, report: &mut Report
     let (snaps, rollbacks, _) = snapshot_rollback(sb, request(), CHANGED_SMALL_MIB, plan.container_snap, None).await?;
     report.measured(Key::ContainerSnapshot, &snaps);
     report.measured(Key::ContainerRollback, &rollbacks);
-    Ok(())
+    container_pool_create(plan, report).await
+}
+
+/// [`Key::ContainerPoolCreate`]: creates on a daemon with `[container] warm_pool = 1`, each
+/// once the pool is filled again (its log says so), each checked to have come from the pool.
+async fn container_pool_create(plan: &Plan, report: &mut Report) -> Result<()> {
+    eprintln!("bench: sandboxd container tier CreateSandbox from the warm pool × {}", plan.container_create);
+    let daemon = Daemon::start_with_config("[container]\nwarm_pool = 1\n").await.context("starting sandboxd with a container warm pool")?;
+    let mut sb = Sandboxes::new(daemon.client().await?);
+    let request = || proto::CreateSandboxRequest { isolation: proto::Isolation::Container as i32, ..process_sandbox("minimal") };
+    let count = |what: &str| daemon.log().matches(what).count();
+    let measured = async {
+        // The first create of the shape starts the pool.
+        let (first, _) = sb.create_with(request(), "the container that starts the warm pool").await?;
+        sb.destroy(&first).await?;
+        let mut creates = Vec::new();
+        for i in 0..plan.container_create {
+            let ready = sandbox_tests::eventually(120, || std::future::ready(count("container warm pool: a container is ready") > i)).await;
+            anyhow::ensure!(ready, "the warm pool was not filled again for create {i}");
+            let (id, took) = sb.create_with(request(), &format!("container tier pooled create {i}")).await?;
+            anyhow::ensure!(
+                daemon.log().contains(&format!("sandbox={id}")) && count("taken from the warm pool") > i,
+                "create {i} did not come from the warm pool"
+            );
+            sb.destroy(&id).await?;
+            creates.push(took);
+        }
+        report.measured(Key::ContainerPoolCreate, &creates);
+        anyhow::Ok(())
+    }
+    .await;
+    sb.cleanup().await;
+    measured
 }
 
 /// [`Key::ContainerExecViaDocker`]: the exec section again, on a daemon of its own that starts

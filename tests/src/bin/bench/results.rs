@@ -97,6 +97,8 @@ pub(crate) enum Key {
     ContainerExecViaDocker,
     ContainerSnapshot,
     ContainerRollback,
+    /// `CreateSandbox` served by a container of the warm pool (`[container] warm_pool = 1`).
+    ContainerPoolCreate,
     DockerRun,
     DockerCreateStart,
     DockerCreateStartBridge,
@@ -146,8 +148,15 @@ impl Key {
     ];
     pub(crate) const NO_USERNS: [Key; 2] = [Key::CreateNoUserns, Key::SnapshotNoUserns];
     pub(crate) const FORKS: [Key; 3] = [Key::Fork, Key::ForkDestroy, Key::ForkBatch];
-    pub(crate) const CONTAINER: [Key; 6] =
-        [Key::ContainerCreate, Key::ContainerDestroy, Key::ContainerExec, Key::ContainerExecViaDocker, Key::ContainerSnapshot, Key::ContainerRollback];
+    pub(crate) const CONTAINER: [Key; 7] = [
+        Key::ContainerCreate,
+        Key::ContainerDestroy,
+        Key::ContainerExec,
+        Key::ContainerExecViaDocker,
+        Key::ContainerSnapshot,
+        Key::ContainerRollback,
+        Key::ContainerPoolCreate,
+    ];
     pub(crate) const DOCKER: [Key; 5] = [Key::DockerRun, Key::DockerCreateStart, Key::DockerCreateStartBridge, Key::DockerRemove, Key::DockerExec];
     pub(crate) const MICROVM: [Key; 19] = [
         Key::MicroVmBoot(VmAccel::Tcg),
@@ -205,6 +214,7 @@ impl Key {
             Key::ContainerRollback => {
                 format!("sandboxd container tier `Rollback`, {CHANGED_SMALL_MIB} MiB changed")
             }
+            Key::ContainerPoolCreate => "sandboxd container tier `CreateSandbox` from the warm pool (`[container] warm_pool = 1`)".into(),
             Key::DockerRun => "Docker `run --rm` of `true` (create+start+wait+remove)".into(),
             Key::DockerCreateStart => "Docker container create+start (`--network none`)".into(),
             Key::DockerCreateStartBridge => "Docker container create+start (default bridge network)".into(),

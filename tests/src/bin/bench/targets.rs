@@ -156,6 +156,12 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
             _ => (t, "not measured".into(), "not measured".into()),
         });
     }
+    // Issue 28: a container create at most half of Docker's create+start, from the warm pool.
+    let t = "issue 28: container tier `CreateSandbox` from the warm pool p50 ≤ half of Docker's create+start".to_string();
+    out.push(match (report.p50(Key::ContainerPoolCreate), report.p50(Key::DockerCreateStart)) {
+        (Some(o), Some(d)) => (t, format!("{} ms vs Docker {} ms: {:.2}×", ms(o), ms(d), o / d.max(1e-9)), verdict(o <= d / 2.0)),
+        _ => (t, "not measured".into(), "not measured".into()),
+    });
     // Issue 28: execs started by the container's own exec helper, not Docker's exec API.
     let t = format!("container tier `Exec` p50 ≤ {TARGET_CONTAINER_EXEC_P50_MS} ms");
     out.push(match report.p50(Key::ContainerExec) {
