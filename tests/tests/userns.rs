@@ -325,10 +325,12 @@ async fn strict_mode_refuses_containers_while_docker_shares_host_uids() {
 
 /// A Docker Engine of this test's own, started with `--userns-remap=default` (container uids
 /// shifted into `dockremap`'s subordinate range) on a socket, data root and containerd
-/// namespace of its own, with no bridge and no iptables rules: the host's Docker is untouched.
+/// namespace of its own, in a network namespace of its own (`--bridge=none` makes dockerd
+/// delete any `docker0` it sees: the host's Docker's must stay), with no iptables rules.
 struct RemappedDocker {
     child: std::process::Child,
     dir: tempfile::TempDir,
+    netns: String,
 }
 
 impl RemappedDocker {
@@ -338,8 +340,14 @@ impl RemappedDocker {
         std::fs::write(dir.path().join("daemon.json"), "{}").expect("daemon.json");
         let log = std::fs::File::create(dir.path().join("dockerd.log")).expect("log");
         let ns = format!("sbxtest-remap-{}", std::process::id());
-        let child = std::process::Command::new("dockerd")
-            .args(["--config-file", &p("daemon.json"), "--userns-remap=default", "--data-root", &p("data"), "--exec-root", &p("exec")])
+        let _ = std::process::Command::new("ip").args(["netns", "del", &ns]).output();
+        let made = std::process::Command::new("ip").args(["netns", "add", &ns]).output().expect("ip netns add");
+        assert!(made.status.success(), "ip netns add {ns}: {}", String::from_utf8_lossy(&made.stderr));
+        // nsenter switches only the network namespace (dockerd still sees the host's cgroups and
+        // mounts) and execs dockerd in place: the child's pid is dockerd's.
+        let child = std::process::Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{ns}"))
+            .args(["--", "dockerd", "--config-file", &p("daemon.json"), "--userns-remap=default", "--data-root", &p("data"), "--exec-root", &p("exec")])
             .args(["--pidfile", &p("dockerd.pid"), "-H", &format!("unix://{}", p("docker.sock")), "--bridge=none", "--iptables=false", "--ip6tables=false"])
             .args(["--containerd-namespace", &ns, "--containerd-plugins-namespace", &format!("{ns}-plugins")])
             .stdin(std::process::Stdio::null())
@@ -347,7 +355,7 @@ impl RemappedDocker {
             .stderr(log)
             .spawn()
             .expect("starting dockerd (the Docker Engine's daemon)");
-        RemappedDocker { child, dir }
+        RemappedDocker { child, dir, netns: ns }
     }
 
     fn socket(&self) -> String {
@@ -378,6 +386,7 @@ impl Drop for RemappedDocker {
         // SAFETY: kill of our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let _ = self.child.wait();
+        let _ = std::process::Command::new("ip").args(["netns", "del", &self.netns]).output();
     }
 }
 
@@ -389,6 +398,8 @@ impl Drop for RemappedDocker {
 /// Docker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn container_sandboxes_under_a_remapping_docker_keep_their_ids_apart_from_the_hosts() {
+    let host_bridge = || std::process::Command::new("ip").args(["link", "show", "docker0"]).output().is_ok_and(|o| o.status.success());
+    let had_bridge = host_bridge();
     let docker = RemappedDocker::start();
     let info = docker.ready().await;
     assert!(info.contains("userns"), "the engine remaps: {info}");
@@ -428,4 +439,7 @@ async fn container_sandboxes_under_a_remapping_docker_keep_their_ids_apart_from_
     sandbox_tests::within(300, h.client.rollback(&id, &snap)).await.expect("rollback");
     assert_eq!(h.sh_ok(&id, owners).await, "0:0 /workspace/api.txt\n1000:1000 /tmp/mine.txt\n", "after rollback");
     sandbox_tests::within(120, h.client.destroy(&id)).await.expect("destroy");
+    drop(h);
+    drop(docker);
+    assert_eq!(host_bridge(), had_bridge, "the host Docker's docker0 is as it was");
 }
