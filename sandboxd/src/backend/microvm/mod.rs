@@ -11,7 +11,10 @@
 //! * [`uids`] — the uids QEMU drops to, allocated host-wide so two daemons never share one.
 //!
 //! Host layout under `<state>/microvm/`: `vms/<sandbox>/` (the VM's directory and QEMU's chroot:
-//! sockets, console log, `top-<gen>.qcow2`), `snapshots/<snapshot>.qcow2`, `bases/`, `pool/`.
+//! sockets, console log, `top-<gen>.qcow2`), `snapshots/<snapshot>.qcow2` (with a memory snapshot
+//! also `<snapshot>.mem`, QEMU's device state, `<snapshot>.ram`, the guest RAM, and
+//! `<snapshot>.vm.json`, the machine), `bases/`, `pool/`. The running VMs' RAM files are on a
+//! tmpfs ([`ram::dir`]).
 //!
 //! KVM: `/dev/kvm` may exist where nested guests hang, so with `accel = "auto"` the first boot
 //! tries KVM under a short deadline and falls back to TCG, logging which it uses; the verdict is
@@ -25,6 +28,7 @@ mod files;
 pub mod guard;
 mod pool;
 mod qmp;
+mod ram;
 mod uids;
 mod vm;
 
@@ -117,6 +121,8 @@ pub(crate) struct Inner {
     bases_dir: PathBuf,
     pool_dir: PathBuf,
     probe_dir: PathBuf,
+    /// The running VMs' RAM files ([`ram`]).
+    ram_dir: PathBuf,
     /// Backing files of creates still booting (not yet a registered sandbox's disk root), with
     /// how many hold each: the garbage collection keeps them.
     pinned: Arc<Mutex<HashMap<PathBuf, usize>>>,
@@ -173,7 +179,13 @@ impl MicroVmBackend {
             Some(e) => Err(e),
             None => tools,
         };
-        let cgroups = CgroupRoot::detect(&format!("{}-vm", super::cgroup::daemon_cgroup_name(state_dir))).map_err(|e| format!("cgroups: {e}"));
+        let daemon_name = super::cgroup::daemon_cgroup_name(state_dir);
+        let cgroups = CgroupRoot::detect(&format!("{daemon_name}-vm")).map_err(|e| format!("cgroups: {e}"));
+        let ram_dir = ram::dir(&daemon_name, root.join("ram"));
+        let tools = match tools {
+            Ok(t) => ram::reset_dir(&ram_dir).map(|()| t).map_err(|e| format!("creating {}: {e}", ram_dir.display())),
+            Err(e) => Err(e),
+        };
         if let Some(reason) = tools.as_ref().err().or(cgroups.as_ref().err()) {
             tracing::warn!(%reason, "microVM tier unavailable");
         }
@@ -188,6 +200,7 @@ impl MicroVmBackend {
             bases_dir: root.join("bases"),
             pool_dir: root.join("pool"),
             probe_dir: root.join("probe"),
+            ram_dir,
             pinned: Arc::new(Mutex::new(HashMap::new())),
             tools,
             cgroups,
@@ -260,9 +273,14 @@ impl Inner {
         self.snapshots_dir.join(format!("{snap}.vm.json"))
     }
 
+    /// The guest RAM of `snap`'s memory snapshot.
+    fn ram_path(&self, snap: &SnapshotId) -> PathBuf {
+        self.snapshots_dir.join(format!("{snap}.ram"))
+    }
+
     /// The memory snapshot of `snap`, opened (under `disk_lock`: a delete may not take it from
     /// under a restore), if it has one.
-    fn open_memory(&self, snap: &SnapshotId) -> Result<Option<(std::fs::File, MemoryShape)>, BackendError> {
+    fn open_memory(&self, snap: &SnapshotId) -> Result<Option<SavedMemory>, BackendError> {
         let file = match std::fs::File::open(self.memory_path(snap)) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -270,8 +288,17 @@ impl Inner {
         };
         let unusable = |reason: String| BackendError::SnapshotUnusable { snapshot: snap.clone(), reason };
         let json = std::fs::read(self.shape_path(snap)).map_err(|e| unusable(format!("its machine description: {e}")))?;
-        let shape = serde_json::from_slice(&json).map_err(|e| unusable(format!("its machine description: {e}")))?;
-        Ok(Some((file, shape)))
+        let shape: MemoryShape = serde_json::from_slice(&json).map_err(|e| unusable(format!("its machine description: {e}")))?;
+        // Written by a daemon that kept guest RAM in the stream: no RAM file (`resumable` boots).
+        if !shape.ram_file {
+            return Ok(Some(SavedMemory { state: file, ram: None, shape }));
+        }
+        let ram = std::fs::File::open(self.ram_path(snap)).map_err(|e| unusable(format!("its guest RAM file {}: {e}", self.ram_path(snap).display())))?;
+        let len = ram.metadata().map_err(|e| unusable(format!("its guest RAM file: {e}")))?.len();
+        if len != shape.memory_mib * MIB {
+            return Err(unusable(format!("its guest RAM file holds {len} bytes, not the {} MiB it was saved with", shape.memory_mib)));
+        }
+        Ok(Some(SavedMemory { state: file, ram: Some(ram), shape }))
     }
 
     /// The memory snapshot to resume for a VM of `limits`, when there is one and such a VM can
@@ -279,23 +306,20 @@ impl Inner {
     /// more), the same accelerator and boot files, a network device if and only if the snapshot's
     /// VM had one (a fork that changes NONE to a network, or back, boots). Otherwise the VM boots over the snapshot's
     /// disk (saved frozen: consistent on its own), which is logged.
-    async fn resumable(
-        &self,
-        snap: &SnapshotId,
-        memory: Option<(std::fs::File, MemoryShape)>,
-        image: &VmImage,
-        limits: &Limits,
-        nic: bool,
-    ) -> Option<Incoming> {
-        let (file, shape) = memory?;
+    async fn resumable(&self, snap: &SnapshotId, memory: Option<SavedMemory>, image: &VmImage, limits: &Limits, nic: bool) -> Option<Incoming> {
+        let SavedMemory { state: file, ram, shape } = memory?;
+        let Some(ram) = ram else {
+            tracing::info!(snapshot = %snap, "the memory snapshot keeps guest RAM in its migration stream (an older daemon wrote it): booting over its disk instead");
+            return None;
+        };
         let here =
-            MemoryShape { memory_mib: Self::memory_mib(limits), vcpus: self.vcpus(limits), accel: self.accel(image).await, boot: boot_key(&image.boot), nic };
+            MemoryShape { memory_mib: Self::memory_mib(limits), vcpus: self.vcpus(limits), accel: self.accel(image).await, boot: boot_key(&image.boot), nic, ram_file: true };
         let fits = shape.memory_mib >= here.memory_mib && (shape.vcpus, shape.accel, &shape.boot, shape.nic) == (here.vcpus, here.accel, &here.boot, here.nic);
         if !fits {
             tracing::info!(snapshot = %snap, saved = ?shape, wanted = ?here, "the memory snapshot is of another machine: booting over its disk instead");
             return None;
         }
-        Some(Incoming { snapshot: snap.clone(), file: Arc::new(file), memory_mib: shape.memory_mib, vcpus: shape.vcpus })
+        Some(Incoming { snapshot: snap.clone(), file: Arc::new(file), ram: Arc::new(ram), memory_mib: shape.memory_mib, vcpus: shape.vcpus })
     }
 
     fn memory_mib(limits: &Limits) -> u64 {
@@ -372,6 +396,7 @@ impl Inner {
                 accel: Accel::Kvm,
                 uid,
                 boot_timeout: self.cfg.kvm_probe_timeout(),
+                ram: None,
                 incoming: None,
                 tap: None,
             };
@@ -445,6 +470,14 @@ impl Inner {
                 return Err(e);
             }
         };
+        let ram_file = self.ram_dir.join(format!("{name}.ram"));
+        let ram_ready = self.prepare_ram(&ram_file, memory_mib, incoming.as_ref()).await;
+        if let Err(e) = ram_ready {
+            let _ = cgroup.kill_all();
+            let _ = cgroup.destroy();
+            self.release_uid(uid);
+            return Err(e);
+        }
         let spec = LaunchSpec {
             qemu: qemu.to_path_buf(),
             dir: dir.to_path_buf(),
@@ -456,6 +489,7 @@ impl Inner {
             accel,
             uid,
             boot_timeout: self.cfg.boot_timeout(),
+            ram: Some(ram_file),
             incoming,
             tap,
         };
@@ -473,6 +507,29 @@ impl Inner {
                 Err(e)
             }
         }
+    }
+
+    /// Creates a VM's RAM file of `memory_mib` and, for a resume, copies the snapshot's RAM into
+    /// it. A snapshot's RAM QEMU cannot have (unreadable) makes the snapshot unusable.
+    async fn prepare_ram(&self, path: &Path, memory_mib: u64, incoming: Option<&Incoming>) -> Result<(), BackendError> {
+        let started = std::time::Instant::now();
+        let _ = std::fs::remove_file(path);
+        let file = ram::create(path, memory_mib * MIB).map_err(|e| BackendError::io(format!("creating the guest RAM file {}", path.display()), e))?;
+        let Some(i) = incoming else { return Ok(()) };
+        let src = i.ram.clone();
+        let copied = match tokio::task::spawn_blocking(move || ram::copy_sparse(&src, &file, memory_mib * MIB)).await {
+            Ok(Ok(n)) => n,
+            Ok(Err(e)) => return Err(self.ram_unusable(path, &i.snapshot, e.to_string())),
+            Err(e) => return Err(self.ram_unusable(path, &i.snapshot, e.to_string())),
+        };
+        tracing::debug!(snapshot = %i.snapshot, bytes = copied, ms = started.elapsed().as_millis() as u64, "guest RAM copied from the memory snapshot");
+        Ok(())
+    }
+
+    /// Removes a half-made RAM file; the snapshot whose RAM could not be copied is unusable.
+    fn ram_unusable(&self, path: &Path, snap: &SnapshotId, why: String) -> BackendError {
+        let _ = std::fs::remove_file(path);
+        BackendError::SnapshotUnusable { snapshot: snap.clone(), reason: format!("copying its guest RAM: {why}") }
     }
 
     fn vm_name(&self) -> String {
@@ -525,14 +582,14 @@ impl Inner {
     }
 
     /// Removes the memory files (and machine descriptions) of snapshots no longer on record.
-    /// Call under `disk_lock` (a snapshot being taken is not on record yet: its `.mem.part` is
-    /// never touched here).
+    /// Call under `disk_lock` (a snapshot being taken is not on record yet: its `.mem.part` and
+    /// `.ram.part` are never touched here).
     fn collect_memory(&self) {
         let live = self.snapshots.lock().map(|s| s.iter().map(|s| s.to_string()).collect::<HashSet<String>>()).unwrap_or_default();
         let Ok(entries) = std::fs::read_dir(&self.snapshots_dir) else { return };
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let Some(snap) = name.strip_suffix(".mem").or_else(|| name.strip_suffix(".vm.json")) else { continue };
+            let Some(snap) = name.strip_suffix(".mem").or_else(|| name.strip_suffix(".ram")).or_else(|| name.strip_suffix(".vm.json")) else { continue };
             if !live.contains(snap) {
                 match std::fs::remove_file(e.path()) {
                     Ok(()) => tracing::debug!(file = %e.path().display(), "memory snapshot file removed"),
@@ -816,18 +873,20 @@ impl Inner {
         let saved = taken?;
         let _g = self.disk_lock.lock().await;
         let mut memory_bytes = 0;
-        if let Some((part, shape)) = saved {
+        if let Some((part, ram_part, shape)) = saved {
             let put = (|| {
                 let json = serde_json::to_vec(&shape).map_err(|e| BackendError::Internal(format!("encoding the memory snapshot's machine: {e}")))?;
                 std::fs::write(self.shape_path(snap), json).map_err(|e| BackendError::io("writing the memory snapshot's machine", e))?;
+                std::fs::rename(&ram_part, self.ram_path(snap)).map_err(|e| BackendError::io("putting the memory snapshot's RAM in place", e))?;
                 std::fs::rename(&part, self.memory_path(snap)).map_err(|e| BackendError::io("putting the memory snapshot in place", e))
             })();
             if let Err(e) = put {
-                let _ = std::fs::remove_file(&part);
-                let _ = std::fs::remove_file(self.shape_path(snap));
+                for f in [part, ram_part, self.shape_path(snap), self.ram_path(snap)] {
+                    let _ = std::fs::remove_file(f);
+                }
                 return Err(e);
             }
-            memory_bytes = allocated_bytes(&self.memory_path(snap));
+            memory_bytes = allocated_bytes(&self.memory_path(snap)) + allocated_bytes(&self.ram_path(snap));
         }
         if let Ok(mut s) = self.snapshots.lock() {
             s.insert(snap.clone());
@@ -836,15 +895,20 @@ impl Inner {
     }
 
     /// A memory snapshot: the guest is paused, its disk snapshotted as without memory, its
-    /// memory and device state written by QEMU (a migration into the file) and the guest
-    /// continued, so disk and memory are of one instant. Returns the memory file (still named
-    /// `.part`) and the machine a restore needs.
-    async fn save_with_memory(&self, vm: &Vm, snap: &SnapshotId, spec: &SandboxSpec) -> Result<(PathBuf, MemoryShape), BackendError> {
+    /// device state written by QEMU (a migration into the file that leaves the RAM file out),
+    /// its RAM file copied, and the guest continued, so disk and memory are of one instant.
+    /// Returns the device state and RAM files (still named `.part`) and the machine a restore
+    /// needs.
+    async fn save_with_memory(&self, vm: &Vm, snap: &SnapshotId, spec: &SandboxSpec) -> Result<(PathBuf, PathBuf, MemoryShape), BackendError> {
         use std::os::fd::AsFd;
         use std::os::unix::fs::OpenOptionsExt;
         let image = self.image(&spec.image)?;
-        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot), nic: vm.nic };
+        let Some(vm_ram) = vm.ram.clone() else {
+            return Err(BackendError::Internal("this microVM's RAM is not in a file: it cannot be saved".into()));
+        };
+        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot), nic: vm.nic, ram_file: true };
         let part = self.snapshots_dir.join(format!("{snap}.mem.part"));
+        let ram_part = self.snapshots_dir.join(format!("{snap}.ram.part"));
         let file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -855,16 +919,29 @@ impl Inner {
         let saved = async {
             self.swap_top(vm, snap).await?;
             let mut qmp = vm.qmp.lock().await;
-            migrate_to(&mut qmp, file.as_fd()).await.map_err(|e| BackendError::Internal(format!("saving the microVM's memory: {e}")))
+            migrate_to(&mut qmp, file.as_fd()).await.map_err(|e| BackendError::Internal(format!("saving the microVM's memory: {e}")))?;
+            drop(qmp);
+            // The RAM file is the live RAM: copied while the guest is still paused.
+            let bytes = vm.memory_mib * MIB;
+            let (from, to) = (vm_ram.clone(), ram_part.clone());
+            let copied = tokio::task::spawn_blocking(move || {
+                let src = std::fs::File::open(&from)?;
+                let dst = ram::create(&to, bytes)?;
+                ram::copy_sparse(&src, &dst, bytes)
+            })
+            .await
+            .map_err(|e| BackendError::Internal(format!("copying the microVM's RAM: {e}")))?;
+            copied.map_err(|e| BackendError::io(format!("copying the microVM's RAM {} to {}", vm_ram.display(), ram_part.display()), e))
         }
         .await;
         // The guest goes on whatever happened (after a migration QEMU takes its disks back).
         let resumed = vm.qmp.lock().await.execute("cont", serde_json::Value::Null).await;
-        if let Err(e) = saved.and(resumed.map(drop).map_err(|e| BackendError::Internal(format!("continuing the microVM after its snapshot: {e}")))) {
+        if let Err(e) = saved.map(drop).and(resumed.map(drop).map_err(|e| BackendError::Internal(format!("continuing the microVM after its snapshot: {e}")))) {
             let _ = std::fs::remove_file(&part);
+            let _ = std::fs::remove_file(&ram_part);
             return Err(e);
         }
-        Ok((part, shape))
+        Ok((part, ram_part, shape))
     }
 
     /// The live snapshot itself: the current top becomes the snapshot file and a new top is put
@@ -1039,7 +1116,8 @@ impl Inner {
         // Memory snapshots a previous run was writing when it died.
         if let Ok(entries) = std::fs::read_dir(&self.snapshots_dir) {
             for e in entries.flatten() {
-                if e.file_name().to_string_lossy().ends_with(".mem.part") {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.ends_with(".mem.part") || name.ends_with(".ram.part") {
                     let _ = std::fs::remove_file(e.path());
                 }
             }
@@ -1187,6 +1265,18 @@ struct MemoryShape {
     /// Whether the VM had a network device (absent in files written before networks: none).
     #[serde(default)]
     nic: bool,
+    /// Whether the guest RAM is in `<snapshot>.ram` (the device state alone in `.mem`); absent
+    /// in files written when the RAM was in the stream, which are not resumed.
+    #[serde(default)]
+    ram_file: bool,
+}
+
+/// A memory snapshot's files, opened: QEMU's device state, the guest RAM (None: an older
+/// daemon's snapshot, RAM in the stream) and the machine they need.
+struct SavedMemory {
+    state: std::fs::File,
+    ram: Option<std::fs::File>,
+    shape: MemoryShape,
 }
 
 /// What identifies a VM's boot files (a rebuilt image gets another key).
@@ -1258,6 +1348,8 @@ const MIGRATE_POLL: Duration = Duration::from_millis(5);
 async fn migrate_to(qmp: &mut qmp::Qmp, file: std::os::fd::BorrowedFd<'_>) -> Result<(), String> {
     // QEMU throttles a migration to 128 MiB/s by default; this one goes to a local file.
     qmp.execute("migrate-set-parameters", json!({ "max-bandwidth": 1u64 << 40 })).await?;
+    // The RAM is its file (`share=on`), copied by the caller: the stream is the device state.
+    qmp.execute("migrate-set-capabilities", json!({ "capabilities": [{ "capability": vm::IGNORE_SHARED, "state": true }] })).await?;
     qmp.send_fd("snapshot-memory", file).await?;
     qmp.execute("migrate", json!({ "uri": "fd:snapshot-memory" })).await?;
     let deadline = tokio::time::Instant::now() + MIGRATE_TIMEOUT;

@@ -79,6 +79,12 @@ pub struct LaunchSpec {
     /// Uid and gid QEMU drops to.
     pub uid: u32,
     pub boot_timeout: Duration,
+    /// The file guest RAM lives in (`memory-backend-file`, `share=on`), on a tmpfs the daemon
+    /// owns: a memory snapshot then saves only the device state (`x-ignore-shared`) and copies
+    /// this file, and a restore copies the snapshot's RAM back into a VM's own file instead of
+    /// QEMU reading every page through the migration stream. Created (sized) by the caller,
+    /// removed with the VM. None: anonymous RAM (the KVM probe, which is never snapshotted).
+    pub ram: Option<PathBuf>,
     /// A memory snapshot to resume instead of booting.
     pub incoming: Option<Incoming>,
     /// The sandbox's TAP device (see [`crate::egress::Egress::attach_tap`]): a virtio-net device
@@ -86,12 +92,16 @@ pub struct LaunchSpec {
     pub tap: Option<Arc<crate::egress::TapLink>>,
 }
 
-/// A memory snapshot a VM resumes from: QEMU's migration stream, read through an inherited
-/// descriptor (`-incoming fd:N`).
+/// A memory snapshot a VM resumes from: QEMU's device state (a migration stream saved with
+/// `x-ignore-shared`, so without RAM), read through an inherited descriptor (`-incoming defer`,
+/// then `migrate-incoming fd:N`), and the guest RAM it goes with, already copied into the VM's
+/// own RAM file ([`LaunchSpec::ram`]) by the caller.
 #[derive(Debug, Clone)]
 pub struct Incoming {
     pub snapshot: crate::ids::SnapshotId,
     pub file: Arc<std::fs::File>,
+    /// The snapshot's guest RAM (a sparse file of `memory_mib` MiB).
+    pub ram: Arc<std::fs::File>,
     /// The machine it was saved from, which the resumed VM must be.
     pub memory_mib: u64,
     pub vcpus: u32,
@@ -126,6 +136,8 @@ pub struct Vm {
     pub nic: bool,
     /// What the agent said when it came up.
     pub hello: HelloInfo,
+    /// The guest RAM's file (see [`LaunchSpec::ram`]), removed once QEMU is gone.
+    pub ram: Option<PathBuf>,
 }
 
 impl Vm {
@@ -229,11 +241,17 @@ impl Vm {
                 None => Ok(()),
             }
         };
-        let resuming = spec.incoming.is_some();
         let booted = async {
             // A resumed VM stays paused (as it was when saved) until it is told to continue;
             // its agent answers only then.
-            let resumed = if resuming { Some(resume_incoming(&qmp_sock, deadline, &alive).await?) } else { None };
+            let resumed = match incoming_fd {
+                Some(fd) => {
+                    let qmp = resume_incoming(&qmp_sock, fd, deadline, &alive).await?;
+                    tracing::debug!(dir = %spec.dir.display(), ms = t0.elapsed().as_millis() as u64, "microVM device state loaded and continued");
+                    Some(qmp)
+                }
+                None => None,
+            };
             let (agent, hello) = AgentConn::connect(&agent_sock, deadline, Duration::from_millis(200), alive).await?;
             let qmp = match resumed {
                 Some(qmp) => qmp,
@@ -248,6 +266,9 @@ impl Vm {
                 let _ = kill_tx.send(());
                 let mut done = done_rx.clone();
                 let _ = tokio::time::timeout(Duration::from_secs(5), done.wait_for(|d| *d)).await;
+                if let Some(ram) = &spec.ram {
+                    remove_ram(ram);
+                }
                 let tail = console_tail(&console, 12);
                 let qemu_err = std::fs::read_to_string(spec.dir.join("qemu.log")).unwrap_or_default();
                 if let Some(i) = &spec.incoming {
@@ -283,6 +304,7 @@ impl Vm {
             boot_time: t0.elapsed(),
             nic: spec.tap.is_some(),
             hello,
+            ram: spec.ram.clone(),
         })
     }
 
@@ -346,6 +368,10 @@ impl Vm {
         if tokio::time::timeout(Duration::from_secs(10), done.wait_for(|d| *d)).await.is_err() {
             tracing::warn!(pid = self.pid, "QEMU not reaped 10 s after SIGKILL");
         }
+        // Its RAM goes with it (a snapshot took a copy of what it needed).
+        if let Some(ram) = &self.ram {
+            remove_ram(ram);
+        }
         let cg = self.cgroup.lock().ok().and_then(|mut c| c.take());
         if let Some(cg) = cg {
             let _ = tokio::task::spawn_blocking(move || {
@@ -359,13 +385,27 @@ impl Vm {
     }
 }
 
-/// How often a resuming VM's state is polled.
-const RESUME_POLL: Duration = Duration::from_millis(5);
+/// Removes a VM's RAM file (a missing one is fine: a failed launch may have removed it).
+fn remove_ram(ram: &Path) {
+    match std::fs::remove_file(ram) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(file = %ram.display(), error = %e, "removing a microVM's RAM file"),
+    }
+}
 
-/// Waits for QEMU to load the memory snapshot it was started with (`-incoming`) and lets the
-/// guest continue. A stream QEMU cannot load makes it exit: that fails here at once, with why
-/// QEMU went (the caller adds its log).
-async fn resume_incoming(qmp_sock: &Path, deadline: tokio::time::Instant, alive: &impl Fn() -> Result<(), String>) -> Result<Qmp, AgentError> {
+/// How often a resuming VM's state is polled.
+const RESUME_POLL: Duration = Duration::from_millis(2);
+
+/// The migration capability that leaves `share=on` RAM out of a migration stream (its file is
+/// the RAM): set on both ends of a memory snapshot.
+pub const IGNORE_SHARED: &str = "x-ignore-shared";
+
+/// Has QEMU (started with `-incoming defer`) load the device state of a memory snapshot from
+/// the inherited descriptor `fd` over the RAM already in its file, and lets the guest continue.
+/// A stream QEMU cannot load makes it exit: that fails here at once, with why QEMU went (the
+/// caller adds its log).
+async fn resume_incoming(qmp_sock: &Path, fd: i32, deadline: tokio::time::Instant, alive: &impl Fn() -> Result<(), String>) -> Result<Qmp, AgentError> {
     let gone = |e: String| AgentError::Closed(alive().err().unwrap_or(e));
     let mut qmp = loop {
         match Qmp::connect(qmp_sock).await {
@@ -379,6 +419,9 @@ async fn resume_incoming(qmp_sock: &Path, deadline: tokio::time::Instant, alive:
             }
         }
     };
+    let caps = serde_json::json!({ "capabilities": [{ "capability": IGNORE_SHARED, "state": true }] });
+    qmp.execute("migrate-set-capabilities", caps).await.map_err(gone)?;
+    qmp.execute("migrate-incoming", serde_json::json!({ "uri": format!("fd:{fd}") })).await.map_err(gone)?;
     loop {
         let status = qmp.execute("query-status", serde_json::Value::Null).await.map_err(gone)?;
         match status.get("status").and_then(serde_json::Value::as_str) {
@@ -418,7 +461,15 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
     // rtc=on: the guest gets the wall-clock time at boot (with it off the clock starts at 1970
     // and the kernel waits twice for the missing RTC).
-    push(&["-M", "microvm,x-option-roms=off,rtc=on,isa-serial=on"]);
+    let machine = "microvm,x-option-roms=off,rtc=on,isa-serial=on";
+    match &spec.ram {
+        // Opened (as root, before -chroot) at start-up; `share=on` makes the file the RAM itself.
+        Some(ram) => {
+            push(&["-M", &format!("{machine},memory-backend=ram")]);
+            push(&["-object", &format!("memory-backend-file,id=ram,size={}M,mem-path={},share=on", spec.memory_mib, p(ram))]);
+        }
+        None => push(&["-M", machine]),
+    }
     push(&["-accel", accel, "-cpu", cpu]);
     push(&["-m", &format!("{}M", spec.memory_mib), "-smp", &spec.vcpus.to_string()]);
     push(&["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"]);
@@ -447,8 +498,9 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
         push(&["-netdev", &format!("tap,id=net0,fd={}", t.fd.as_raw_fd())]);
         push(&["-device", &format!("virtio-net-device,netdev=net0,mac={}", crate::egress::link::TAP_GUEST_MAC)]);
     }
-    if let Some(i) = &spec.incoming {
-        push(&["-incoming", &format!("fd:{}", i.file.as_raw_fd())]);
+    // The capability is set and the inherited descriptor read once QMP is up (resume_incoming).
+    if spec.incoming.is_some() {
+        push(&["-incoming", "defer"]);
     }
     // No elevateprivileges=deny: QEMU 7.2 installs the filter before -runas drops privileges,
     // and the setuid it needs would be killed. After -runas it holds no capabilities anyway.
@@ -567,6 +619,7 @@ mod tests {
             accel: Accel::Tcg,
             uid: 400_001,
             boot_timeout: Duration::from_secs(1),
+            ram: Some("/r/vm-1.ram".into()),
             incoming: None,
             tap: None,
         };
@@ -580,6 +633,8 @@ mod tests {
             "-runas 400001:400001 -chroot /s/vms/sb-1",
             "-sandbox on,",
             "name=org.sandboxd.agent.0",
+            "microvm,x-option-roms=off,rtc=on,isa-serial=on,memory-backend=ram",
+            "memory-backend-file,id=ram,size=576M,mem-path=/r/vm-1.ram,share=on",
         ] {
             assert!(args.contains(want), "{want:?} missing from {args}");
         }
