@@ -1214,6 +1214,12 @@ impl Inner {
             }
         });
         let _ = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(stops)).await;
+        // Empty once every VM is gone (each removes its RAM file); on /dev/shm it would outlive us.
+        if let Err(e) = std::fs::remove_dir(&self.ram_dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(dir = %self.ram_dir.display(), error = %e, "removing the microVM RAM directory");
+            }
+        }
         // The daemon's `-vm` cgroup, empty once every QEMU is gone; made again at start.
         if let Ok(root) = &self.cgroups {
             match root.cleanup_root() {
