@@ -400,7 +400,7 @@ impl Inner {
                 incoming: None,
                 tap: None,
             };
-            let r = Vm::launch(&spec, None).await;
+            let r = Vm::launch(&spec, None, None).await;
             self.release_uid(uid);
             let vm = r?;
             let t = vm.boot_time;
@@ -430,8 +430,40 @@ impl Inner {
         std::fs::create_dir_all(dir).map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
         let top = dir.join(format!("top-{gen}.qcow2"));
         let size = disk_bytes.max(disk::read_header(backing)?.virtual_size);
-        disk::create_overlay(&qemu_img, backing, &top, size).await?;
-        self.boot_existing(name, dir, gen, &qemu, image, limits, incoming, tap).await
+        // A resume's RAM is copied while the top is made and QEMU starts (both wait on other
+        // processes: the host's second CPU does the copy).
+        let (memory_mib, _) = self.machine(limits, incoming.as_ref());
+        let ram = self.prepare_ram(name, memory_mib, incoming.as_ref())?;
+        let started = std::time::Instant::now();
+        if let Err(e) = disk::create_overlay(&qemu_img, backing, &top, size).await {
+            let _ = std::fs::remove_file(&ram.path);
+            return Err(e);
+        }
+        tracing::debug!(vm = name, ms = started.elapsed().as_millis() as u64, "top disk created");
+        self.boot_existing(name, dir, gen, &qemu, image, limits, incoming, tap, Some(ram)).await
+    }
+
+    /// Guest RAM and vCPUs of a VM: a resumed VM is the machine it was saved from (a pooled
+    /// VM's RAM may exceed its limits).
+    fn machine(&self, limits: &Limits, incoming: Option<&Incoming>) -> (u64, u32) {
+        match incoming {
+            Some(i) => (i.memory_mib, i.vcpus),
+            None => (Self::memory_mib(limits), self.vcpus(limits)),
+        }
+    }
+
+    /// Creates VM `name`'s RAM file and, for a resume, starts copying the snapshot's RAM into
+    /// it (awaited by [`Vm::launch`] before QEMU loads the device state).
+    fn prepare_ram(&self, name: &str, memory_mib: u64, incoming: Option<&Incoming>) -> Result<PreparedRam, BackendError> {
+        let path = self.ram_dir.join(format!("{name}.ram"));
+        let bytes = memory_mib * MIB;
+        let _ = std::fs::remove_file(&path);
+        let file = ram::create(&path, bytes).map_err(|e| BackendError::io(format!("creating the guest RAM file {}", path.display()), e))?;
+        let copy = incoming.map(|i| {
+            let src = i.ram.clone();
+            tokio::task::spawn_blocking(move || ram::copy_sparse(&src, &file, bytes))
+        });
+        Ok(PreparedRam { path, copy })
     }
 
     /// Boots a VM over the top disk `dir/top-<gen>.qcow2` that already exists (or resumes it
@@ -447,15 +479,22 @@ impl Inner {
         limits: &Limits,
         incoming: Option<Incoming>,
         tap: Option<Arc<TapLink>>,
+        ram: Option<PreparedRam>,
     ) -> Result<Arc<Vm>, BackendError> {
-        let accel = self.accel(image).await;
-        let uid = self.alloc_uid()?;
-        let top = dir.join(format!("top-{gen}.qcow2"));
-        // A resumed VM is the machine it was saved from (a pooled VM's RAM may exceed its limits).
-        let (memory_mib, vcpus) = match &incoming {
-            Some(i) => (i.memory_mib, i.vcpus),
-            None => (Self::memory_mib(limits), self.vcpus(limits)),
+        let (memory_mib, vcpus) = self.machine(limits, incoming.as_ref());
+        let ram = match ram {
+            Some(r) => r,
+            None => self.prepare_ram(name, memory_mib, incoming.as_ref())?,
         };
+        let accel = self.accel(image).await;
+        let uid = match self.alloc_uid() {
+            Ok(u) => u,
+            Err(e) => {
+                let _ = std::fs::remove_file(&ram.path);
+                return Err(e);
+            }
+        };
+        let top = dir.join(format!("top-{gen}.qcow2"));
         let prepared = (|| {
             std::os::unix::fs::chown(&top, Some(uid), Some(uid)).map_err(|e| BackendError::io(format!("chown {}", top.display()), e))?;
             let memory_bytes = memory_mib * MIB + QEMU_OVERHEAD_BYTES;
@@ -466,18 +505,11 @@ impl Inner {
         let cgroup = match prepared {
             Ok(cg) => cg,
             Err(e) => {
+                let _ = std::fs::remove_file(&ram.path);
                 self.release_uid(uid);
                 return Err(e);
             }
         };
-        let ram_file = self.ram_dir.join(format!("{name}.ram"));
-        let ram_ready = self.prepare_ram(&ram_file, memory_mib, incoming.as_ref()).await;
-        if let Err(e) = ram_ready {
-            let _ = cgroup.kill_all();
-            let _ = cgroup.destroy();
-            self.release_uid(uid);
-            return Err(e);
-        }
         let spec = LaunchSpec {
             qemu: qemu.to_path_buf(),
             dir: dir.to_path_buf(),
@@ -489,11 +521,11 @@ impl Inner {
             accel,
             uid,
             boot_timeout: self.cfg.boot_timeout(),
-            ram: Some(ram_file),
+            ram: Some(ram.path),
             incoming,
             tap,
         };
-        match Vm::launch(&spec, Some(cgroup)).await {
+        match Vm::launch(&spec, Some(cgroup), ram.copy).await {
             Ok(vm) => {
                 tracing::debug!(vm = name, accel = vm.accel.name(), boot_ms = vm.boot_time.as_millis() as u64, guest_kernel = %vm.hello.kernel, guest_uptime_ms = vm.hello.uptime_ms, "microVM booted");
                 Ok(Arc::new(vm))
@@ -507,29 +539,6 @@ impl Inner {
                 Err(e)
             }
         }
-    }
-
-    /// Creates a VM's RAM file of `memory_mib` and, for a resume, copies the snapshot's RAM into
-    /// it. A snapshot's RAM QEMU cannot have (unreadable) makes the snapshot unusable.
-    async fn prepare_ram(&self, path: &Path, memory_mib: u64, incoming: Option<&Incoming>) -> Result<(), BackendError> {
-        let started = std::time::Instant::now();
-        let _ = std::fs::remove_file(path);
-        let file = ram::create(path, memory_mib * MIB).map_err(|e| BackendError::io(format!("creating the guest RAM file {}", path.display()), e))?;
-        let Some(i) = incoming else { return Ok(()) };
-        let src = i.ram.clone();
-        let copied = match tokio::task::spawn_blocking(move || ram::copy_sparse(&src, &file, memory_mib * MIB)).await {
-            Ok(Ok(n)) => n,
-            Ok(Err(e)) => return Err(self.ram_unusable(path, &i.snapshot, e.to_string())),
-            Err(e) => return Err(self.ram_unusable(path, &i.snapshot, e.to_string())),
-        };
-        tracing::debug!(snapshot = %i.snapshot, bytes = copied, ms = started.elapsed().as_millis() as u64, "guest RAM copied from the memory snapshot");
-        Ok(())
-    }
-
-    /// Removes a half-made RAM file; the snapshot whose RAM could not be copied is unusable.
-    fn ram_unusable(&self, path: &Path, snap: &SnapshotId, why: String) -> BackendError {
-        let _ = std::fs::remove_file(path);
-        BackendError::SnapshotUnusable { snapshot: snap.clone(), reason: format!("copying its guest RAM: {why}") }
     }
 
     fn vm_name(&self) -> String {
@@ -633,7 +642,8 @@ impl Inner {
         let image = image.clone();
         let dir = self.vms_dir.join(spec.id.as_str());
         // The backing file stays pinned until the sandbox is registered (its top a disk root).
-        let (vm, _pinned) = match &spec.from_snapshot {
+        // `configured`: a VM resumed from memory had its identity set as it was resumed.
+        let (vm, _pinned, configured) = match &spec.from_snapshot {
             // Pooled VMs have no network device (and microvm has no hotplug): a sandbox with a
             // network boots its own.
             None => match if net.is_none() { self.pool.take(&spec.image, &spec.limits, |l| self.vcpus(l)) } else { None } {
@@ -641,21 +651,23 @@ impl Inner {
                     let vm = pooled.adopt(&dir)?;
                     tracing::info!(sandbox = %spec.id, "microVM taken from the warm pool");
                     pool::refill(self);
-                    (vm, None)
+                    (vm, None, false)
                 }
                 None => {
-                    let (vm, pinned) = self.boot_or_restore(spec, &image, &dir, net.clone()).await?;
-                    (vm, Some(pinned))
+                    let (vm, pinned, configured) = self.boot_or_restore(spec, &image, &dir, net.clone()).await?;
+                    (vm, Some(pinned), configured)
                 }
             },
             Some(snap) => {
-                let (vm, pinned, _) = self.start_from_snapshot(snap, spec, &image, &dir, net.clone()).await?;
-                (vm, Some(pinned))
+                let (vm, pinned, resumed) = self.start_from_snapshot(snap, spec, &image, &dir, net.clone()).await?;
+                (vm, Some(pinned), resumed)
             }
         };
-        // A fork resumed from memory gets its own identity here (hostname, /etc/hosts, its own
-        // address on its own link).
-        let configured = vm.configure(guest_config(spec, net.as_deref())).await;
+        // A booted or pooled VM gets its identity here (hostname, /etc/hosts, its own address
+        // on its own link); a resumed one got it as it was resumed.
+        let started = std::time::Instant::now();
+        let configured = if configured { Ok(()) } else { vm.configure(guest_config(spec, net.as_deref())).await };
+        tracing::debug!(sandbox = %spec.id, ms = started.elapsed().as_millis() as u64, "guest configured");
         if let Err(e) = configured {
             self.stop_vm(&vm).await;
             let _ = std::fs::remove_dir_all(&dir);
@@ -667,8 +679,9 @@ impl Inner {
     }
 
     /// A VM over snapshot `snap`'s disk in `dir`, running on from its memory when it has a
-    /// memory snapshot this VM can resume (then the guest's clock and entropy are renewed; the
-    /// caller gives it its identity), else booted over the disk. Says which.
+    /// memory snapshot this VM can resume (then the guest's clock and entropy are renewed and it
+    /// is given `spec`'s identity), else booted over the disk (the caller configures it). Says
+    /// which.
     async fn start_from_snapshot(
         &self,
         snap: &SnapshotId,
@@ -685,6 +698,7 @@ impl Inner {
         };
         let incoming = self.resumable(snap, memory, image, &spec.limits, net.is_some()).await;
         let resumed = incoming.is_some();
+        let config = guest_config(spec, net.as_deref());
         let vm = match self.boot_new(&self.vm_name(), dir, 0, &backing, spec.limits.disk_bytes, image, &spec.limits, incoming, net).await {
             Ok(vm) => vm,
             Err(e) => {
@@ -694,7 +708,7 @@ impl Inner {
         };
         // It runs on from the snapshot's memory, saved with its filesystem frozen.
         if resumed {
-            if let Err(e) = after_resume(&vm).await {
+            if let Err(e) = after_resume(&vm, config).await {
                 self.stop_vm(&vm).await;
                 let _ = std::fs::remove_dir_all(dir);
                 return Err(e);
@@ -719,14 +733,15 @@ impl Inner {
     /// the image's boot snapshot for this machine shape when there is one (no boot: the guest
     /// runs on from just after an earlier boot, with a clock, entropy and identity of its own),
     /// else booted, and then — the first time for this shape — snapshotted for the next
-    /// create. A boot snapshot that fails to restore is dropped and the VM boots.
+    /// create. A boot snapshot that fails to restore is dropped and the VM boots. Says whether
+    /// the VM was restored (and so already configured for `spec`).
     async fn boot_or_restore(
         self: &Arc<Self>,
         spec: &SandboxSpec,
         image: &VmImage,
         dir: &Path,
         net: Option<Arc<TapLink>>,
-    ) -> Result<(Arc<Vm>, Pinned), BackendError> {
+    ) -> Result<(Arc<Vm>, Pinned, bool), BackendError> {
         let (base, pinned) = {
             let _g = self.disk_lock.lock().await;
             let base = disk::base_for(&spec.image, &image.disk, &self.bases_dir)?;
@@ -752,14 +767,14 @@ impl Inner {
             match self.start_from_snapshot(&snap, spec, image, dir, net.clone()).await {
                 Ok((vm, pinned, true)) => {
                     tracing::info!(sandbox = %spec.id, image = %spec.image, ms = started.elapsed().as_millis() as u64, "microVM restored from its image's boot snapshot (no boot)");
-                    return Ok((vm, pinned));
+                    return Ok((vm, pinned, true));
                 }
                 Ok((vm, _, false)) => {
                     // Booted over the snapshot's disk: a VM all the same, but the snapshot no
                     // longer fits this shape.
                     tracing::warn!(sandbox = %spec.id, image = %spec.image, "the image's boot snapshot could not be resumed; it is dropped");
                     self.drop_boot_snapshots(|s| s == shape).await;
-                    return Ok((vm, pinned));
+                    return Ok((vm, pinned, false));
                 }
                 Err(e) => {
                     tracing::warn!(sandbox = %spec.id, image = %spec.image, error = %e, "restoring the image's boot snapshot failed: booting, and dropping the snapshot");
@@ -771,7 +786,7 @@ impl Inner {
         if let Some(shape) = shape {
             self.take_boot_snapshot(&vm, spec, shape).await;
         }
-        Ok((vm, pinned))
+        Ok((vm, pinned, false))
     }
 
     /// Snapshots `vm`, just booted, as its shape's boot snapshot, unless the shape has one (or
@@ -1041,11 +1056,7 @@ impl Inner {
         // Its identity set again as a boot would (hostname, /etc/hosts, limits): the snapshot's
         // files are the sandbox's own, and may have been made hostile (/etc/hosts a link to a
         // pipe) for whatever reads them next.
-        let resumed = match after_resume(&vm).await {
-            Ok(()) => vm.configure(guest_config(&sb.spec, sb.net.as_deref())).await,
-            Err(e) => Err(e),
-        };
-        if let Err(e) = resumed {
+        if let Err(e) = after_resume(&vm, guest_config(&sb.spec, sb.net.as_deref())).await {
             self.stop_vm(&vm).await;
             let _ = std::fs::remove_dir_all(&staging);
             return Err(e);
@@ -1176,7 +1187,7 @@ impl Inner {
         }
         let net = self.link_for(spec).await?;
         let booted = async {
-            let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits, None, net.clone()).await?;
+            let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits, None, net.clone(), None).await?;
             if let Err(e) = vm.configure(guest_config(spec, net.as_deref())).await {
                 self.stop_vm(&vm).await;
                 return Err(e);
@@ -1277,6 +1288,12 @@ struct MemoryShape {
     ram_file: bool,
 }
 
+/// A VM's RAM file, made, and for a resume the copy of the snapshot's RAM into it, running.
+struct PreparedRam {
+    path: PathBuf,
+    copy: Option<vm::RamCopy>,
+}
+
 /// A memory snapshot's files, opened: QEMU's device state, the guest RAM (None: an older
 /// daemon's snapshot, RAM in the stream) and the machine they need.
 struct SavedMemory {
@@ -1316,11 +1333,19 @@ const RESUMED_PROTOCOL: u32 = 6;
 const RESUME_ENTROPY_BYTES: usize = 64;
 
 /// Makes a VM resumed from a memory snapshot its own again: its filesystem thawed (it was saved
-/// frozen), its wall clock stepped to the host's (it stood still while saved) and its kernel
-/// RNG reseeded with fresh host randomness (two resumes of one snapshot share its state).
-async fn after_resume(vm: &Vm) -> Result<(), BackendError> {
-    thaw(vm).await?;
-    tell_resumed(vm).await
+/// frozen), its wall clock stepped to the host's (it stood still while saved), its kernel RNG
+/// reseeded with fresh host randomness (two resumes of one snapshot share its state) and
+/// `config` applied (its identity and limits).
+///
+/// The three requests go at once: the agent serves each on a thread of its own (the files
+/// `Configure` writes wait in the guest kernel for the thaw), and right after a resume every
+/// guest code path is cold under TCG (QEMU translates it anew), so each round trip waited for
+/// alone would add its latency to the next one's.
+async fn after_resume(vm: &Vm, config: GuestLimits) -> Result<(), BackendError> {
+    let started = std::time::Instant::now();
+    tokio::try_join!(thaw(vm), tell_resumed(vm), vm.configure(config))?;
+    tracing::debug!(ms = started.elapsed().as_millis() as u64, "resumed guest thawed, its clock, RNG and identity renewed");
+    Ok(())
 }
 
 /// Tells the guest it was stopped (a resume from memory, or a pause's `cont`): its wall clock

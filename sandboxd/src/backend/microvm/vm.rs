@@ -142,8 +142,10 @@ pub struct Vm {
 
 impl Vm {
     /// Starts QEMU and waits until the guest agent answers. On failure QEMU is killed and the
-    /// error carries the end of the console log.
-    pub async fn launch(spec: &LaunchSpec, cgroup: Option<SandboxCgroup>) -> Result<Vm, BackendError> {
+    /// error carries the end of the console log. A resume's `ram_copy` (the snapshot's RAM
+    /// being copied into [`LaunchSpec::ram`]) runs while QEMU starts; the device state is
+    /// loaded once it is done.
+    pub async fn launch(spec: &LaunchSpec, cgroup: Option<SandboxCgroup>, ram_copy: Option<RamCopy>) -> Result<Vm, BackendError> {
         let t0 = Instant::now();
         let agent_sock = spec.dir.join("agent.sock");
         let qmp_sock = spec.dir.join("qmp.sock");
@@ -246,13 +248,14 @@ impl Vm {
             // its agent answers only then.
             let resumed = match incoming_fd {
                 Some(fd) => {
-                    let qmp = resume_incoming(&qmp_sock, fd, deadline, &alive).await?;
-                    tracing::debug!(dir = %spec.dir.display(), ms = t0.elapsed().as_millis() as u64, "microVM device state loaded and continued");
+                    let qmp = resume_incoming(&qmp_sock, fd, ram_copy, deadline, &alive).await?;
+                    tracing::debug!(dir = %spec.dir.display(), ms = t0.elapsed().as_millis() as u64, "microVM device state loaded, guest continued");
                     Some(qmp)
                 }
                 None => None,
             };
             let (agent, hello) = AgentConn::connect(&agent_sock, deadline, Duration::from_millis(200), alive).await?;
+            tracing::debug!(dir = %spec.dir.display(), ms = t0.elapsed().as_millis() as u64, "guest agent answered");
             let qmp = match resumed {
                 Some(qmp) => qmp,
                 None => Qmp::connect(&qmp_sock).await.map_err(AgentError::Closed)?,
@@ -394,6 +397,9 @@ fn remove_ram(ram: &Path) {
     }
 }
 
+/// A snapshot's RAM being copied into a resuming VM's RAM file (bytes copied).
+pub type RamCopy = tokio::task::JoinHandle<std::io::Result<u64>>;
+
 /// How often a resuming VM's state is polled.
 const RESUME_POLL: Duration = Duration::from_millis(2);
 
@@ -402,10 +408,16 @@ const RESUME_POLL: Duration = Duration::from_millis(2);
 pub const IGNORE_SHARED: &str = "x-ignore-shared";
 
 /// Has QEMU (started with `-incoming defer`) load the device state of a memory snapshot from
-/// the inherited descriptor `fd` over the RAM already in its file, and lets the guest continue.
-/// A stream QEMU cannot load makes it exit: that fails here at once, with why QEMU went (the
-/// caller adds its log).
-async fn resume_incoming(qmp_sock: &Path, fd: i32, deadline: tokio::time::Instant, alive: &impl Fn() -> Result<(), String>) -> Result<Qmp, AgentError> {
+/// the inherited descriptor `fd`, once `ram_copy` has put the RAM in its file, and lets the
+/// guest continue. A stream QEMU cannot load makes it exit: that fails here at once, with why
+/// QEMU went (the caller adds its log).
+async fn resume_incoming(
+    qmp_sock: &Path,
+    fd: i32,
+    ram_copy: Option<RamCopy>,
+    deadline: tokio::time::Instant,
+    alive: &impl Fn() -> Result<(), String>,
+) -> Result<Qmp, AgentError> {
     let gone = |e: String| AgentError::Closed(alive().err().unwrap_or(e));
     let mut qmp = loop {
         match Qmp::connect(qmp_sock).await {
@@ -421,6 +433,17 @@ async fn resume_incoming(qmp_sock: &Path, fd: i32, deadline: tokio::time::Instan
     };
     let caps = serde_json::json!({ "capabilities": [{ "capability": IGNORE_SHARED, "state": true }] });
     qmp.execute("migrate-set-capabilities", caps).await.map_err(gone)?;
+    // QEMU has not touched guest RAM yet (a machine waiting for an incoming migration loads no
+    // ROMs into it), so the copy may run until here, beside QEMU's start-up.
+    if let Some(copy) = ram_copy {
+        let started = Instant::now();
+        let bytes = match copy.await {
+            Ok(Ok(n)) => n,
+            Ok(Err(e)) => return Err(AgentError::Closed(format!("copying the snapshot's guest RAM: {e}"))),
+            Err(e) => return Err(AgentError::Closed(format!("copying the snapshot's guest RAM: {e}"))),
+        };
+        tracing::debug!(bytes, waited_ms = started.elapsed().as_millis() as u64, "guest RAM copied from the memory snapshot");
+    }
     qmp.execute("migrate-incoming", serde_json::json!({ "uri": format!("fd:{fd}") })).await.map_err(gone)?;
     loop {
         let status = qmp.execute("query-status", serde_json::Value::Null).await.map_err(gone)?;
