@@ -255,7 +255,7 @@ fn snapshot_ram(daemon: &Daemon, snap: &str) -> PathBuf {
 
 /// The guest RAM files of the daemon's running QEMUs (`mem-path=` of their command lines).
 fn ram_files_of(daemon: &Daemon) -> Vec<PathBuf> {
-    qemus_of(daemon.state_dir())
+    qemus_of(&daemon.state_dir())
         .iter()
         .flat_map(|q| q.argv.iter().filter_map(|a| a.split(',').find_map(|o| o.strip_prefix("mem-path=")).map(PathBuf::from)).collect::<Vec<_>>())
         .collect()
