@@ -253,11 +253,22 @@ fn snapshot_ram(daemon: &Daemon, snap: &str) -> PathBuf {
     daemon.state_dir().join("microvm").join("snapshots").join(format!("{snap}.ram"))
 }
 
-/// The guest RAM files of the daemon's running QEMUs (`mem-path=` of their command lines).
-fn ram_files_of(daemon: &Daemon) -> Vec<PathBuf> {
+/// The guest RAM files of the daemon's running QEMUs (`mem-path=` of their command lines),
+/// with whether QEMU still maps it.
+fn ram_files_of(daemon: &Daemon) -> Vec<(PathBuf, bool)> {
     qemus_of(&daemon.state_dir())
         .iter()
-        .flat_map(|q| q.argv.iter().filter_map(|a| a.split(',').find_map(|o| o.strip_prefix("mem-path=")).map(PathBuf::from)).collect::<Vec<_>>())
+        .flat_map(|q| {
+            let maps = std::fs::read_to_string(format!("/proc/{}/maps", q.pid)).unwrap_or_default();
+            q.argv
+                .iter()
+                .filter_map(|a| a.split(',').find_map(|o| o.strip_prefix("mem-path=")).map(PathBuf::from))
+                .map(|f| {
+                    let mapped = maps.contains(&format!("{} (deleted)", f.display()));
+                    (f, mapped)
+                })
+                .collect::<Vec<_>>()
+        })
         .collect()
 }
 
@@ -327,10 +338,15 @@ async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork()
     let (m0, m1, m2) = (machine_id(sb.id.clone()).await, machine_id(fork.id.clone()).await, machine_id(fork2.id.clone()).await);
     assert_eq!(m1.len(), 33, "{:?}", String::from_utf8_lossy(&m1));
     assert!(m0 != m1 && m1 != m2 && m0 != m2, "forks share a machine-id: {m0:?} {m1:?} {m2:?}");
-    // Every VM has its own RAM file.
+    // Every VM has its own RAM file, mapped by its QEMU alone: its name is gone once the guest
+    // runs, so the RAM goes with QEMU however the daemon ends.
     let live_ram = ram_files_of(&daemon);
     assert_eq!(live_ram.len(), 3, "{live_ram:?}");
-    assert!(live_ram.iter().all(|f| f.is_file()), "{live_ram:?}");
+    assert!(live_ram.iter().all(|(f, mapped)| *mapped && !f.exists()), "{live_ram:?}");
+    let mut unique: Vec<&PathBuf> = live_ram.iter().map(|(f, _)| f).collect();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), 3, "{live_ram:?}");
     client.destroy(&fork2.id).await.expect("destroy the second fork");
     let kill = client.exec(exec_request(&fork.id, ["kill", &pid.to_string()])).await.expect("kill in the fork");
     assert_eq!(kill.exit_code, 0, "{kill:?}");
@@ -359,8 +375,9 @@ async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork()
     client.delete_snapshot(&snap.snapshot_id).await.expect("delete");
     assert!(!mem.exists() && !shape.exists() && !ram.exists(), "the memory snapshot's files outlive it");
     client.destroy(&sb.id).await.expect("destroy");
-    // The VMs' RAM files go with them.
-    let left: Vec<&PathBuf> = live_ram.iter().filter(|f| f.exists()).collect();
+    // The VMs' RAM goes with them.
+    assert!(ram_files_of(&daemon).is_empty());
+    let left: Vec<&PathBuf> = live_ram.iter().map(|(f, _)| f).filter(|f| f.exists()).collect();
     assert!(left.is_empty(), "RAM files of destroyed VMs: {left:?}");
 }
 

@@ -400,7 +400,7 @@ impl Inner {
                 incoming: None,
                 tap: None,
             };
-            let r = Vm::launch(&spec, None, None).await;
+            let r = Vm::launch(&spec, None).await;
             self.release_uid(uid);
             let vm = r?;
             let t = vm.boot_time;
@@ -430,10 +430,8 @@ impl Inner {
         std::fs::create_dir_all(dir).map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
         let top = dir.join(format!("top-{gen}.qcow2"));
         let size = disk_bytes.max(disk::read_header(backing)?.virtual_size);
-        // A resume's RAM is copied while the top is made and QEMU starts (both wait on other
-        // processes: the host's second CPU does the copy).
         let (memory_mib, _) = self.machine(limits, incoming.as_ref());
-        let ram = self.prepare_ram(name, memory_mib, incoming.as_ref())?;
+        let ram = self.prepare_ram(name, memory_mib)?;
         let started = std::time::Instant::now();
         if let Err(e) = disk::create_overlay(&qemu_img, backing, &top, size).await {
             let _ = std::fs::remove_file(&ram.path);
@@ -452,18 +450,13 @@ impl Inner {
         }
     }
 
-    /// Creates VM `name`'s RAM file and, for a resume, starts copying the snapshot's RAM into
-    /// it (awaited by [`Vm::launch`] before QEMU loads the device state).
-    fn prepare_ram(&self, name: &str, memory_mib: u64, incoming: Option<&Incoming>) -> Result<PreparedRam, BackendError> {
+    /// Creates VM `name`'s RAM file, all holes (a resume's RAM is copied into it by the VM's
+    /// guard: [`Vm::launch`]).
+    fn prepare_ram(&self, name: &str, memory_mib: u64) -> Result<PreparedRam, BackendError> {
         let path = self.ram_dir.join(format!("{name}.ram"));
-        let bytes = memory_mib * MIB;
         let _ = std::fs::remove_file(&path);
-        let file = ram::create(&path, bytes).map_err(|e| BackendError::io(format!("creating the guest RAM file {}", path.display()), e))?;
-        let copy = incoming.map(|i| {
-            let src = i.ram.clone();
-            tokio::task::spawn_blocking(move || ram::copy_sparse(&src, &file, bytes))
-        });
-        Ok(PreparedRam { path, copy })
+        ram::create(&path, memory_mib * MIB).map_err(|e| BackendError::io(format!("creating the guest RAM file {}", path.display()), e))?;
+        Ok(PreparedRam { path })
     }
 
     /// Boots a VM over the top disk `dir/top-<gen>.qcow2` that already exists (or resumes it
@@ -484,7 +477,7 @@ impl Inner {
         let (memory_mib, vcpus) = self.machine(limits, incoming.as_ref());
         let ram = match ram {
             Some(r) => r,
-            None => self.prepare_ram(name, memory_mib, incoming.as_ref())?,
+            None => self.prepare_ram(name, memory_mib)?,
         };
         let accel = self.accel(image).await;
         let uid = match self.alloc_uid() {
@@ -525,7 +518,7 @@ impl Inner {
             incoming,
             tap,
         };
-        match Vm::launch(&spec, Some(cgroup), ram.copy).await {
+        match Vm::launch(&spec, Some(cgroup)).await {
             Ok(vm) => {
                 tracing::debug!(vm = name, accel = vm.accel.name(), boot_ms = vm.boot_time.as_millis() as u64, guest_kernel = %vm.hello.kernel, guest_uptime_ms = vm.hello.uptime_ms, "microVM booted");
                 Ok(Arc::new(vm))
@@ -938,15 +931,14 @@ impl Inner {
             drop(qmp);
             // The RAM file is the live RAM: copied while the guest is still paused.
             let bytes = vm.memory_mib * MIB;
-            let (from, to) = (vm_ram.clone(), ram_part.clone());
+            let to = ram_part.clone();
             let copied = tokio::task::spawn_blocking(move || {
-                let src = std::fs::File::open(&from)?;
                 let dst = ram::create(&to, bytes)?;
-                ram::copy_sparse(&src, &dst, bytes)
+                ram::copy_sparse(&vm_ram, &dst, bytes)
             })
             .await
             .map_err(|e| BackendError::Internal(format!("copying the microVM's RAM: {e}")))?;
-            copied.map_err(|e| BackendError::io(format!("copying the microVM's RAM {} to {}", vm_ram.display(), ram_part.display()), e))
+            copied.map_err(|e| BackendError::io(format!("copying the microVM's RAM to {}", ram_part.display()), e))
         }
         .await;
         // The guest goes on whatever happened (after a migration QEMU takes its disks back).
@@ -1288,10 +1280,9 @@ struct MemoryShape {
     ram_file: bool,
 }
 
-/// A VM's RAM file, made, and for a resume the copy of the snapshot's RAM into it, running.
+/// A VM's RAM file, made (empty) before its top disk.
 struct PreparedRam {
     path: PathBuf,
-    copy: Option<vm::RamCopy>,
 }
 
 /// A memory snapshot's files, opened: QEMU's device state, the guest RAM (None: an older

@@ -32,7 +32,8 @@ fn is_tmpfs(path: &Path) -> bool {
 }
 
 /// Makes `dir` (mode 0700, root's) and empties it: at start-up every VM of a previous run is
-/// gone (they die with the daemon), and so is any use of their RAM.
+/// gone (they die with the daemon), and so is any use of their RAM. (A running VM's file is
+/// unlinked once its guest answers; only a daemon that died while a VM started leaves one.)
 pub fn reset_dir(dir: &Path) -> io::Result<()> {
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.flatten() {

@@ -136,16 +136,18 @@ pub struct Vm {
     pub nic: bool,
     /// What the agent said when it came up.
     pub hello: HelloInfo,
-    /// The guest RAM's file (see [`LaunchSpec::ram`]), removed once QEMU is gone.
-    pub ram: Option<PathBuf>,
+    /// The guest RAM's file (see [`LaunchSpec::ram`]): its name is removed as soon as the guest
+    /// answers (QEMU has it mapped by then), so the RAM goes with QEMU and this handle whatever
+    /// way the daemon ends; a snapshot reads it through the handle.
+    pub ram: Option<Arc<std::fs::File>>,
 }
 
 impl Vm {
     /// Starts QEMU and waits until the guest agent answers. On failure QEMU is killed and the
-    /// error carries the end of the console log. A resume's `ram_copy` (the snapshot's RAM
-    /// being copied into [`LaunchSpec::ram`]) runs while QEMU starts; the device state is
-    /// loaded once it is done.
-    pub async fn launch(spec: &LaunchSpec, cgroup: Option<SandboxCgroup>, ram_copy: Option<RamCopy>) -> Result<Vm, BackendError> {
+    /// error carries the end of the console log. For a resume the snapshot's RAM is copied
+    /// into [`LaunchSpec::ram`] by the guard, in the VM's cgroup, while QEMU starts (see
+    /// [`super::guard::RAM_COPY_ARG`]); the device state is loaded once it is done.
+    pub async fn launch(spec: &LaunchSpec, cgroup: Option<SandboxCgroup>) -> Result<Vm, BackendError> {
         let t0 = Instant::now();
         let agent_sock = spec.dir.join("agent.sock");
         let qmp_sock = spec.dir.join("qmp.sock");
@@ -156,7 +158,20 @@ impl Vm {
         // QEMU runs under the guard (see `guard`): `sandboxd __vm-guard <our pid> <qemu> <args>`.
         let exe = std::env::current_exe().map_err(|e| BackendError::io("locating the sandboxd binary (the VM guard)", e))?;
         let mut cmd = tokio::process::Command::new(exe);
-        cmd.arg0(super::guard::GUARD_ARG0).arg(super::guard::GUARD_ARG).arg(std::process::id().to_string()).arg(&spec.qemu);
+        cmd.arg0(super::guard::GUARD_ARG0).arg(super::guard::GUARD_ARG).arg(std::process::id().to_string());
+        // The copy's descriptors: the snapshot's RAM, the VM's RAM file, the report pipe.
+        let copy_fds = match (&spec.incoming, &spec.ram) {
+            (Some(i), Some(ram)) => {
+                let to = std::fs::OpenOptions::new().write(true).open(ram).map_err(|e| BackendError::io(format!("opening the guest RAM file {}", ram.display()), e))?;
+                let (report_r, report_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::Internal(format!("pipe for the RAM copy: {e}")))?;
+                let bytes = spec.memory_mib << 20;
+                cmd.arg(format!("{}{}:{}:{bytes}:{}", super::guard::RAM_COPY_ARG, i.ram.as_raw_fd(), to.as_raw_fd(), report_w.as_raw_fd()));
+                Some((i.ram.clone(), to, report_r, report_w))
+            }
+            _ => None,
+        };
+        let copy_raw: Vec<i32> = copy_fds.iter().flat_map(|(from, to, _, w)| [from.as_raw_fd(), to.as_raw_fd(), w.as_raw_fd()]).collect();
+        cmd.arg(&spec.qemu);
         cmd.args(qemu_args(spec, &agent_sock, &qmp_sock, &console));
         cmd.stdin(std::process::Stdio::null());
         // Both host files the VM writes are created here, appended to, and kept bounded by
@@ -170,6 +185,10 @@ impl Vm {
                 .map_err(|e| BackendError::io(format!("creating {name}"), e))
         };
         let (console_file, log) = (create("console.log")?, create("qemu.log")?);
+        let ram_file = match &spec.ram {
+            Some(p) => Some(Arc::new(std::fs::File::open(p).map_err(|e| BackendError::io(format!("opening the guest RAM file {}", p.display()), e))?)),
+            None => None,
+        };
         let caps =
             [console_file.try_clone(), log.try_clone()].into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| BackendError::io("opening the VM's logs", e))?;
         let log2 = log.try_clone().map_err(|e| BackendError::io("creating qemu.log", e))?;
@@ -199,7 +218,8 @@ impl Vm {
                 // The memory snapshot's descriptor stays open across the exec of the guard and
                 // of QEMU (the flag is the child's own copy: the daemon's stays close-on-exec).
                 // So does the TAP device's, which QEMU's virtio-net reads and writes.
-                for fd in [incoming_fd, tap_fd].into_iter().flatten() {
+                // So do the RAM copy's (the guard hands them to its copier, never to QEMU).
+                for fd in [incoming_fd, tap_fd].into_iter().flatten().chain(copy_raw.iter().copied()) {
                     if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -210,6 +230,8 @@ impl Vm {
         }
         let mut child = cmd.spawn().map_err(|e| BackendError::io(format!("starting {} under the VM guard", spec.qemu.display()), e))?;
         drop(procs);
+        // The report: read until the copier closes its end (the guard closed its own at once).
+        let ram_copy: Option<RamCopy> = copy_fds.map(|(_, _, report_r, _)| tokio::task::spawn_blocking(move || read_copy_report(report_r)));
         let pid = child.id().unwrap_or(0);
         let exited: Arc<Mutex<Option<String>>> = Arc::default();
         let (kill_tx, kill_rx) = oneshot::channel::<()>();
@@ -289,6 +311,9 @@ impl Vm {
             }
         };
         let (agent, hello, qmp) = vm_parts;
+        if let Some(ram) = &spec.ram {
+            remove_ram(ram);
+        }
         Ok(Vm {
             dir: Mutex::new(spec.dir.clone()),
             pid,
@@ -307,7 +332,7 @@ impl Vm {
             boot_time: t0.elapsed(),
             nic: spec.tap.is_some(),
             hello,
-            ram: spec.ram.clone(),
+            ram: ram_file,
         })
     }
 
@@ -371,10 +396,6 @@ impl Vm {
         if tokio::time::timeout(Duration::from_secs(10), done.wait_for(|d| *d)).await.is_err() {
             tracing::warn!(pid = self.pid, "QEMU not reaped 10 s after SIGKILL");
         }
-        // Its RAM goes with it (a snapshot took a copy of what it needed).
-        if let Some(ram) = &self.ram {
-            remove_ram(ram);
-        }
         let cg = self.cgroup.lock().ok().and_then(|mut c| c.take());
         if let Some(cg) = cg {
             let _ = tokio::task::spawn_blocking(move || {
@@ -399,6 +420,19 @@ fn remove_ram(ram: &Path) {
 
 /// A snapshot's RAM being copied into a resuming VM's RAM file (bytes copied).
 pub type RamCopy = tokio::task::JoinHandle<std::io::Result<u64>>;
+
+/// What the guard's RAM copier reported (`ok <bytes>` or `error: <why>`; nothing: it died).
+fn read_copy_report(report: std::os::fd::OwnedFd) -> std::io::Result<u64> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::from(report).take(4096).read_to_string(&mut text)?;
+    let line = text.trim();
+    match line.strip_prefix("ok ").and_then(|n| n.parse().ok()) {
+        Some(n) => Ok(n),
+        None if line.is_empty() => Err(std::io::Error::other("the copier ended without a word (see qemu.log)")),
+        None => Err(std::io::Error::other(line.to_string())),
+    }
+}
 
 /// How often a resuming VM's state is polled.
 const RESUME_POLL: Duration = Duration::from_millis(2);
