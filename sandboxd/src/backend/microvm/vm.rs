@@ -82,8 +82,9 @@ pub struct LaunchSpec {
     /// The file guest RAM lives in (`memory-backend-file`, `share=on`), on a tmpfs the daemon
     /// owns: a memory snapshot then saves only the device state (`x-ignore-shared`) and copies
     /// this file, and a restore copies the snapshot's RAM back into a VM's own file instead of
-    /// QEMU reading every page through the migration stream. Created (sized) by the caller,
-    /// removed with the VM. None: anonymous RAM (the KVM probe, which is never snapshotted).
+    /// QEMU reading every page through the migration stream. Created (sized) by the caller;
+    /// its name is removed once the guest answers (see [`Vm::ram`]). None: anonymous RAM (the
+    /// KVM probe, which is never snapshotted).
     pub ram: Option<PathBuf>,
     /// A memory snapshot to resume instead of booting.
     pub incoming: Option<Incoming>,
