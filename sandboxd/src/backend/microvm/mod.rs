@@ -911,8 +911,8 @@ impl Inner {
         use std::os::fd::AsFd;
         use std::os::unix::fs::OpenOptionsExt;
         let image = self.image(&spec.image)?;
-        let Some(vm_ram) = vm.ram.clone() else {
-            return Err(BackendError::Internal("this microVM's RAM is not in a file: it cannot be saved".into()));
+        let Some(vm_ram) = vm.ram() else {
+            return Err(BackendError::Internal("this microVM's RAM is not in a file (or QEMU is gone): it cannot be saved".into()));
         };
         let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot), nic: vm.nic, ram_file: true };
         let part = self.snapshots_dir.join(format!("{snap}.mem.part"));

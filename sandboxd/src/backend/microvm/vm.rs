@@ -139,8 +139,9 @@ pub struct Vm {
     pub hello: HelloInfo,
     /// The guest RAM's file (see [`LaunchSpec::ram`]): its name is removed as soon as the guest
     /// answers (QEMU has it mapped by then), so the RAM goes with QEMU and this handle whatever
-    /// way the daemon ends; a snapshot reads it through the handle.
-    pub ram: Option<Arc<std::fs::File>>,
+    /// way the daemon ends; a snapshot reads it through the handle, which is dropped as soon as
+    /// QEMU is gone (a failed sandbox keeps its `Vm` but not its RAM).
+    ram: Arc<Mutex<Option<Arc<std::fs::File>>>>,
 }
 
 impl Vm {
@@ -190,6 +191,7 @@ impl Vm {
             Some(p) => Some(Arc::new(std::fs::File::open(p).map_err(|e| BackendError::io(format!("opening the guest RAM file {}", p.display()), e))?)),
             None => None,
         };
+        let ram_file = Arc::new(Mutex::new(ram_file));
         let caps =
             [console_file.try_clone(), log.try_clone()].into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| BackendError::io("opening the VM's logs", e))?;
         let log2 = log.try_clone().map_err(|e| BackendError::io("creating qemu.log", e))?;
@@ -239,6 +241,7 @@ impl Vm {
         let (done_tx, done_rx) = tokio::sync::watch::channel(false);
         {
             let exited = exited.clone();
+            let ram_file = ram_file.clone();
             tokio::spawn(async move {
                 let status = tokio::select! {
                     s = child.wait() => s,
@@ -253,6 +256,9 @@ impl Vm {
                 };
                 if let Ok(mut x) = exited.lock() {
                     *x = Some(how);
+                }
+                if let Ok(mut r) = ram_file.lock() {
+                    r.take();
                 }
                 let _ = done_tx.send(true);
             });
@@ -352,6 +358,11 @@ impl Vm {
     /// Why QEMU is gone, if it is.
     pub fn exited(&self) -> Option<String> {
         self.exited.lock().ok().and_then(|x| x.clone())
+    }
+
+    /// The guest RAM's file while QEMU runs (None after, or for anonymous RAM).
+    pub fn ram(&self) -> Option<Arc<std::fs::File>> {
+        self.ram.lock().ok().and_then(|r| r.clone())
     }
 
     pub fn dir(&self) -> PathBuf {
