@@ -312,8 +312,14 @@ impl Inner {
             tracing::info!(snapshot = %snap, "the memory snapshot keeps guest RAM in its migration stream (an older daemon wrote it): booting over its disk instead");
             return None;
         };
-        let here =
-            MemoryShape { memory_mib: Self::memory_mib(limits), vcpus: self.vcpus(limits), accel: self.accel(image).await, boot: boot_key(&image.boot), nic, ram_file: true };
+        let here = MemoryShape {
+            memory_mib: Self::memory_mib(limits),
+            vcpus: self.vcpus(limits),
+            accel: self.accel(image).await,
+            boot: boot_key(&image.boot),
+            nic,
+            ram_file: true,
+        };
         let fits = shape.memory_mib >= here.memory_mib && (shape.vcpus, shape.accel, &shape.boot, shape.nic) == (here.vcpus, here.accel, &here.boot, here.nic);
         if !fits {
             tracing::info!(snapshot = %snap, saved = ?shape, wanted = ?here, "the memory snapshot is of another machine: booting over its disk instead");

@@ -164,8 +164,12 @@ impl Vm {
         // The copy's descriptors: the snapshot's RAM, the VM's RAM file, the report pipe.
         let copy_fds = match (&spec.incoming, &spec.ram) {
             (Some(i), Some(ram)) => {
-                let to = std::fs::OpenOptions::new().write(true).open(ram).map_err(|e| BackendError::io(format!("opening the guest RAM file {}", ram.display()), e))?;
-                let (report_r, report_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::Internal(format!("pipe for the RAM copy: {e}")))?;
+                let to = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(ram)
+                    .map_err(|e| BackendError::io(format!("opening the guest RAM file {}", ram.display()), e))?;
+                let (report_r, report_w) =
+                    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::Internal(format!("pipe for the RAM copy: {e}")))?;
                 let bytes = spec.memory_mib << 20;
                 cmd.arg(format!("{}{}:{}:{bytes}:{}", super::guard::RAM_COPY_ARG, i.ram.as_raw_fd(), to.as_raw_fd(), report_w.as_raw_fd()));
                 Some((i.ram.clone(), to, report_r, report_w))
