@@ -1223,7 +1223,10 @@ impl Inner {
             }
         });
         let _ = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(stops)).await;
-        // Empty once every VM is gone (each removes its RAM file); on /dev/shm it would outlive us.
+        // Every VM is gone or going (they die with the daemon): the RAM files left are of VMs
+        // whose start was cut short (a pool refill, a create) and are no one's. On /dev/shm the
+        // directory would outlive us.
+        ram::clear_dir(&self.ram_dir);
         if let Err(e) = std::fs::remove_dir(&self.ram_dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 tracing::warn!(dir = %self.ram_dir.display(), error = %e, "removing the microVM RAM directory");

@@ -35,15 +35,22 @@ fn is_tmpfs(path: &Path) -> bool {
 /// gone (they die with the daemon), and so is any use of their RAM. (A running VM's file is
 /// unlinked once its guest answers; only a daemon that died while a VM started leaves one.)
 pub fn reset_dir(dir: &Path) -> io::Result<()> {
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for e in entries.flatten() {
-            if e.file_name().to_string_lossy().ends_with(".ram") {
-                let _ = std::fs::remove_file(e.path());
+    clear_dir(dir);
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+}
+
+/// Removes the RAM files (`*.ram`) in `dir`. A QEMU that still maps one keeps its pages until
+/// it exits.
+pub fn clear_dir(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().ends_with(".ram") {
+            if let Err(err) = std::fs::remove_file(e.path()) {
+                tracing::warn!(file = %e.path().display(), error = %err, "removing a leftover microVM RAM file");
             }
         }
     }
-    std::fs::create_dir_all(dir)?;
-    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
 }
 
 /// Creates a new RAM file of `bytes` (sparse: all holes), mode 0600, for QEMU (root until it
