@@ -248,6 +248,30 @@ fn snapshot_files(daemon: &Daemon, snap: &str) -> (PathBuf, PathBuf) {
     (dir.join(format!("{snap}.mem")), dir.join(format!("{snap}.vm.json")))
 }
 
+/// The guest RAM file of a memory snapshot.
+fn snapshot_ram(daemon: &Daemon, snap: &str) -> PathBuf {
+    daemon.state_dir().join("microvm").join("snapshots").join(format!("{snap}.ram"))
+}
+
+/// The guest RAM files of the daemon's running QEMUs (`mem-path=` of their command lines),
+/// with whether QEMU still maps it.
+fn ram_files_of(daemon: &Daemon) -> Vec<(PathBuf, bool)> {
+    qemus_of(&daemon.state_dir())
+        .iter()
+        .flat_map(|q| {
+            let maps = std::fs::read_to_string(format!("/proc/{}/maps", q.pid)).unwrap_or_default();
+            q.argv
+                .iter()
+                .filter_map(|a| a.split(',').find_map(|o| o.strip_prefix("mem-path=")).map(PathBuf::from))
+                .map(|f| {
+                    let mapped = maps.contains(&format!("{} (deleted)", f.display()));
+                    (f, mapped)
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork() {
     let daemon = Daemon::start().await.expect("daemon");
@@ -264,6 +288,10 @@ async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork()
     let (mem, shape) = snapshot_files(&daemon, &snap.snapshot_id);
     let mem_bytes = std::fs::metadata(&mem).expect("the memory file").blocks() * 512;
     assert!(shape.is_file() && mem_bytes > 0 && snap.size_bytes >= mem_bytes, "{} bytes of memory, snapshot {snap:?}", mem_bytes);
+    // The guest RAM is a file of its own (the device state alone is small), counted too.
+    let ram = snapshot_ram(&daemon, &snap.snapshot_id);
+    let ram_bytes = std::fs::metadata(&ram).expect("the snapshot's RAM file").blocks() * 512;
+    assert!(ram_bytes > mem_bytes && snap.size_bytes >= mem_bytes + ram_bytes, "{ram_bytes} bytes of RAM, {mem_bytes} of state, snapshot {snap:?}");
     let (_, after) = count_past(&client, &sb.id, 0).await;
     assert!(after >= before);
     // The origin counts on, well past the snapshot, and its disk changes.
@@ -310,6 +338,15 @@ async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork()
     let (m0, m1, m2) = (machine_id(sb.id.clone()).await, machine_id(fork.id.clone()).await, machine_id(fork2.id.clone()).await);
     assert_eq!(m1.len(), 33, "{:?}", String::from_utf8_lossy(&m1));
     assert!(m0 != m1 && m1 != m2 && m0 != m2, "forks share a machine-id: {m0:?} {m1:?} {m2:?}");
+    // Every VM has its own RAM file, mapped by its QEMU alone: its name is gone once the guest
+    // runs, so the RAM goes with QEMU however the daemon ends.
+    let live_ram = ram_files_of(&daemon);
+    assert_eq!(live_ram.len(), 3, "{live_ram:?}");
+    assert!(live_ram.iter().all(|(f, mapped)| *mapped && !f.exists()), "{live_ram:?}");
+    let mut unique: Vec<&PathBuf> = live_ram.iter().map(|(f, _)| f).collect();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), 3, "{live_ram:?}");
     client.destroy(&fork2.id).await.expect("destroy the second fork");
     let kill = client.exec(exec_request(&fork.id, ["kill", &pid.to_string()])).await.expect("kill in the fork");
     assert_eq!(kill.exit_code, 0, "{kill:?}");
@@ -336,8 +373,12 @@ async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork()
     // Deleting the snapshot deletes its memory file.
     client.destroy(&fork.id).await.expect("destroy the fork");
     client.delete_snapshot(&snap.snapshot_id).await.expect("delete");
-    assert!(!mem.exists() && !shape.exists(), "the memory snapshot's files outlive it");
+    assert!(!mem.exists() && !shape.exists() && !ram.exists(), "the memory snapshot's files outlive it");
     client.destroy(&sb.id).await.expect("destroy");
+    // The VMs' RAM goes with them.
+    assert!(ram_files_of(&daemon).is_empty());
+    let left: Vec<&PathBuf> = live_ram.iter().map(|(f, _)| f).filter(|f| f.exists()).collect();
+    assert!(left.is_empty(), "RAM files of destroyed VMs: {left:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -377,6 +418,15 @@ async fn a_corrupt_memory_snapshot_is_refused_and_the_sandbox_runs_on() {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(vms, std::slice::from_ref(&sb.id), "VM directories left behind");
+
+    // A RAM file cut short is refused as well, before any QEMU starts over it.
+    let snap = client.snapshot(&sb.id, "s2").await.expect("second snapshot");
+    std::fs::OpenOptions::new().write(true).open(snapshot_ram(&daemon, &snap.snapshot_id)).and_then(|f| f.set_len(4096)).expect("truncating the RAM file");
+    let err = client.rollback(&sb.id, &snap.snapshot_id).await.expect_err("a truncated RAM file");
+    assert_eq!(err.code(), Code::DataLoss, "{err}");
+    assert!(err.to_string().contains("RAM"), "{err}");
+    let (pid_now, _) = count_past(&client, &sb.id, 0).await;
+    assert_eq!(pid_now, pid);
     client.destroy(&sb.id).await.expect("destroy");
 }
 

@@ -32,8 +32,13 @@ use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{fork, ForkResult, Pid};
 
 /// The hidden first argument that turns the `sandboxd` binary into a VM guard:
-/// `sandboxd __vm-guard <daemon pid> <qemu> [qemu args…]`.
+/// `sandboxd __vm-guard <daemon pid> [--ram-copy=…] <qemu> [qemu args…]`.
 pub const GUARD_ARG: &str = "__vm-guard";
+/// `--ram-copy=<from fd>:<to fd>:<bytes>:<report fd>`: before QEMU starts, a child of the guard
+/// copies a memory snapshot's guest RAM (descriptor `from`) into the VM's RAM file (`to`),
+/// beside QEMU's start-up, and writes `ok <bytes copied>` or `error: <why>` to `report`. Done
+/// here, in the VM's cgroup, so the pages are charged to the VM as the RAM it touches is.
+pub const RAM_COPY_ARG: &str = "--ram-copy=";
 /// The guard's `argv[0]`, what `ps` shows.
 pub const GUARD_ARG0: &str = "sandboxd-vm-guard";
 /// Exit code of a guard that could not start QEMU at all (the reason is in `qemu.log`).
@@ -58,6 +63,10 @@ pub fn main() -> ! {
 fn guard(args: Vec<OsString>) -> Result<i32, String> {
     let (daemon, command) = args.split_first().ok_or("usage: __vm-guard <daemon pid> <qemu> [args…]")?;
     let daemon: i32 = daemon.to_str().and_then(|s| s.parse().ok()).ok_or_else(|| format!("bad daemon pid {daemon:?}"))?;
+    let (ram_copy, command) = match command.split_first() {
+        Some((first, rest)) if first.as_bytes().starts_with(RAM_COPY_ARG.as_bytes()) => (Some(parse_ram_copy(first)?), rest),
+        _ => (None, command),
+    };
     if command.is_empty() {
         return Err("no QEMU command given".into());
     }
@@ -70,6 +79,10 @@ fn guard(args: Vec<OsString>) -> Result<i32, String> {
     if nix::unistd::getppid().as_raw() != daemon {
         return Err(format!("the daemon (pid {daemon}) is gone"));
     }
+    let copier = match ram_copy {
+        Some(copy) => Some(start_ram_copy(copy)?),
+        None => None,
+    };
     // PID 1 watches this pipe's write end, held by the guard alone, to learn whether the guard
     // died before PID 1 set its own death signal.
     let (alive_r, alive_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
@@ -83,10 +96,12 @@ fn guard(args: Vec<OsString>) -> Result<i32, String> {
         }
         ForkResult::Parent { child } => {
             drop(alive_r);
+            // The RAM copier (when there is one) is reaped too; it reports to the daemon itself.
+            let wait_for = if copier.is_some() { Pid::from_raw(-1) } else { child };
             let code = loop {
-                match waitpid(child, None) {
-                    Ok(WaitStatus::Exited(_, code)) => break code,
-                    Ok(WaitStatus::Signaled(_, signal, _)) => die_of(signal as i32),
+                match waitpid(wait_for, None) {
+                    Ok(WaitStatus::Exited(pid, code)) if pid == child => break code,
+                    Ok(WaitStatus::Signaled(pid, signal, _)) if pid == child => die_of(signal as i32),
                     Ok(_) | Err(Errno::EINTR) => continue,
                     Err(e) => return Err(format!("waiting for PID 1: {e}")),
                 }
@@ -99,6 +114,52 @@ fn guard(args: Vec<OsString>) -> Result<i32, String> {
             }
             Ok(code)
         }
+    }
+}
+
+/// What `--ram-copy=` names: descriptors inherited from the daemon, and the length.
+struct RamCopy {
+    from: OwnedFd,
+    to: OwnedFd,
+    bytes: u64,
+    report: OwnedFd,
+}
+
+fn parse_ram_copy(arg: &OsString) -> Result<RamCopy, String> {
+    let bad = || format!("bad {RAM_COPY_ARG}: {arg:?}");
+    let spec = arg.to_str().and_then(|a| a.strip_prefix(RAM_COPY_ARG)).ok_or_else(bad)?;
+    let parts: Vec<&str> = spec.split(':').collect();
+    let [from, to, bytes, report] = parts.as_slice() else { return Err(bad()) };
+    let fd = |s: &str| -> Result<OwnedFd, String> {
+        let n: i32 = s.parse().map_err(|_| bad())?;
+        if n < 3 {
+            return Err(bad());
+        }
+        // SAFETY: the daemon passed these descriptors open (inherited across exec) for this use
+        // alone; nothing else in this process owns them.
+        Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(n) })
+    };
+    let bytes: u64 = bytes.parse().map_err(|_| bad())?;
+    Ok(RamCopy { from: fd(from)?, to: fd(to)?, bytes, report: fd(report)? })
+}
+
+/// Forks the child that copies the RAM and reports; the guard keeps none of the descriptors
+/// (QEMU must not inherit them). Returns the child.
+fn start_ram_copy(copy: RamCopy) -> Result<Pid, String> {
+    // SAFETY: single-threaded (see `guard`), so the child may run any code.
+    match unsafe { fork() }.map_err(|e| format!("fork (RAM copy): {e}"))? {
+        ForkResult::Child => {
+            let (from, to) = (std::fs::File::from(copy.from), std::fs::File::from(copy.to));
+            let line = match super::ram::copy_sparse(&from, &to, copy.bytes) {
+                Ok(n) => format!("ok {n}\n"),
+                Err(e) => format!("error: {e}\n"),
+            };
+            let mut report = std::fs::File::from(copy.report);
+            let code = if std::io::Write::write_all(&mut report, line.as_bytes()).is_ok() { 0 } else { 1 };
+            // SAFETY: _exit ends this child at once, without running anything of the parent's.
+            unsafe { libc::_exit(code) }
+        }
+        ForkResult::Parent { child } => Ok(child),
     }
 }
 

@@ -11,7 +11,10 @@
 //! * [`uids`] — the uids QEMU drops to, allocated host-wide so two daemons never share one.
 //!
 //! Host layout under `<state>/microvm/`: `vms/<sandbox>/` (the VM's directory and QEMU's chroot:
-//! sockets, console log, `top-<gen>.qcow2`), `snapshots/<snapshot>.qcow2`, `bases/`, `pool/`.
+//! sockets, console log, `top-<gen>.qcow2`), `snapshots/<snapshot>.qcow2` (with a memory snapshot
+//! also `<snapshot>.mem`, QEMU's device state, `<snapshot>.ram`, the guest RAM, and
+//! `<snapshot>.vm.json`, the machine), `bases/`, `pool/`. The running VMs' RAM files are on a
+//! tmpfs ([`ram::dir`]).
 //!
 //! KVM: `/dev/kvm` may exist where nested guests hang, so with `accel = "auto"` the first boot
 //! tries KVM under a short deadline and falls back to TCG, logging which it uses; the verdict is
@@ -25,6 +28,7 @@ mod files;
 pub mod guard;
 mod pool;
 mod qmp;
+mod ram;
 mod uids;
 mod vm;
 
@@ -117,6 +121,8 @@ pub(crate) struct Inner {
     bases_dir: PathBuf,
     pool_dir: PathBuf,
     probe_dir: PathBuf,
+    /// The running VMs' RAM files ([`ram`]).
+    ram_dir: PathBuf,
     /// Backing files of creates still booting (not yet a registered sandbox's disk root), with
     /// how many hold each: the garbage collection keeps them.
     pinned: Arc<Mutex<HashMap<PathBuf, usize>>>,
@@ -173,7 +179,13 @@ impl MicroVmBackend {
             Some(e) => Err(e),
             None => tools,
         };
-        let cgroups = CgroupRoot::detect(&format!("{}-vm", super::cgroup::daemon_cgroup_name(state_dir))).map_err(|e| format!("cgroups: {e}"));
+        let daemon_name = super::cgroup::daemon_cgroup_name(state_dir);
+        let cgroups = CgroupRoot::detect(&format!("{daemon_name}-vm")).map_err(|e| format!("cgroups: {e}"));
+        let ram_dir = ram::dir(&daemon_name, root.join("ram"));
+        let tools = match tools {
+            Ok(t) => ram::reset_dir(&ram_dir).map(|()| t).map_err(|e| format!("creating {}: {e}", ram_dir.display())),
+            Err(e) => Err(e),
+        };
         if let Some(reason) = tools.as_ref().err().or(cgroups.as_ref().err()) {
             tracing::warn!(%reason, "microVM tier unavailable");
         }
@@ -188,6 +200,7 @@ impl MicroVmBackend {
             bases_dir: root.join("bases"),
             pool_dir: root.join("pool"),
             probe_dir: root.join("probe"),
+            ram_dir,
             pinned: Arc::new(Mutex::new(HashMap::new())),
             tools,
             cgroups,
@@ -260,9 +273,14 @@ impl Inner {
         self.snapshots_dir.join(format!("{snap}.vm.json"))
     }
 
+    /// The guest RAM of `snap`'s memory snapshot.
+    fn ram_path(&self, snap: &SnapshotId) -> PathBuf {
+        self.snapshots_dir.join(format!("{snap}.ram"))
+    }
+
     /// The memory snapshot of `snap`, opened (under `disk_lock`: a delete may not take it from
     /// under a restore), if it has one.
-    fn open_memory(&self, snap: &SnapshotId) -> Result<Option<(std::fs::File, MemoryShape)>, BackendError> {
+    fn open_memory(&self, snap: &SnapshotId) -> Result<Option<SavedMemory>, BackendError> {
         let file = match std::fs::File::open(self.memory_path(snap)) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -270,8 +288,17 @@ impl Inner {
         };
         let unusable = |reason: String| BackendError::SnapshotUnusable { snapshot: snap.clone(), reason };
         let json = std::fs::read(self.shape_path(snap)).map_err(|e| unusable(format!("its machine description: {e}")))?;
-        let shape = serde_json::from_slice(&json).map_err(|e| unusable(format!("its machine description: {e}")))?;
-        Ok(Some((file, shape)))
+        let shape: MemoryShape = serde_json::from_slice(&json).map_err(|e| unusable(format!("its machine description: {e}")))?;
+        // Written by a daemon that kept guest RAM in the stream: no RAM file (`resumable` boots).
+        if !shape.ram_file {
+            return Ok(Some(SavedMemory { state: file, ram: None, shape }));
+        }
+        let ram = std::fs::File::open(self.ram_path(snap)).map_err(|e| unusable(format!("its guest RAM file {}: {e}", self.ram_path(snap).display())))?;
+        let len = ram.metadata().map_err(|e| unusable(format!("its guest RAM file: {e}")))?.len();
+        if len != shape.memory_mib * MIB {
+            return Err(unusable(format!("its guest RAM file holds {len} bytes, not the {} MiB it was saved with", shape.memory_mib)));
+        }
+        Ok(Some(SavedMemory { state: file, ram: Some(ram), shape }))
     }
 
     /// The memory snapshot to resume for a VM of `limits`, when there is one and such a VM can
@@ -279,23 +306,26 @@ impl Inner {
     /// more), the same accelerator and boot files, a network device if and only if the snapshot's
     /// VM had one (a fork that changes NONE to a network, or back, boots). Otherwise the VM boots over the snapshot's
     /// disk (saved frozen: consistent on its own), which is logged.
-    async fn resumable(
-        &self,
-        snap: &SnapshotId,
-        memory: Option<(std::fs::File, MemoryShape)>,
-        image: &VmImage,
-        limits: &Limits,
-        nic: bool,
-    ) -> Option<Incoming> {
-        let (file, shape) = memory?;
-        let here =
-            MemoryShape { memory_mib: Self::memory_mib(limits), vcpus: self.vcpus(limits), accel: self.accel(image).await, boot: boot_key(&image.boot), nic };
+    async fn resumable(&self, snap: &SnapshotId, memory: Option<SavedMemory>, image: &VmImage, limits: &Limits, nic: bool) -> Option<Incoming> {
+        let SavedMemory { state: file, ram, shape } = memory?;
+        let Some(ram) = ram else {
+            tracing::info!(snapshot = %snap, "the memory snapshot keeps guest RAM in its migration stream (an older daemon wrote it): booting over its disk instead");
+            return None;
+        };
+        let here = MemoryShape {
+            memory_mib: Self::memory_mib(limits),
+            vcpus: self.vcpus(limits),
+            accel: self.accel(image).await,
+            boot: boot_key(&image.boot),
+            nic,
+            ram_file: true,
+        };
         let fits = shape.memory_mib >= here.memory_mib && (shape.vcpus, shape.accel, &shape.boot, shape.nic) == (here.vcpus, here.accel, &here.boot, here.nic);
         if !fits {
             tracing::info!(snapshot = %snap, saved = ?shape, wanted = ?here, "the memory snapshot is of another machine: booting over its disk instead");
             return None;
         }
-        Some(Incoming { snapshot: snap.clone(), file: Arc::new(file), memory_mib: shape.memory_mib, vcpus: shape.vcpus })
+        Some(Incoming { snapshot: snap.clone(), file: Arc::new(file), ram: Arc::new(ram), memory_mib: shape.memory_mib, vcpus: shape.vcpus })
     }
 
     fn memory_mib(limits: &Limits) -> u64 {
@@ -372,6 +402,7 @@ impl Inner {
                 accel: Accel::Kvm,
                 uid,
                 boot_timeout: self.cfg.kvm_probe_timeout(),
+                ram: None,
                 incoming: None,
                 tap: None,
             };
@@ -405,8 +436,33 @@ impl Inner {
         std::fs::create_dir_all(dir).map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
         let top = dir.join(format!("top-{gen}.qcow2"));
         let size = disk_bytes.max(disk::read_header(backing)?.virtual_size);
-        disk::create_overlay(&qemu_img, backing, &top, size).await?;
-        self.boot_existing(name, dir, gen, &qemu, image, limits, incoming, tap).await
+        let (memory_mib, _) = self.machine(limits, incoming.as_ref());
+        let ram = self.prepare_ram(name, memory_mib)?;
+        let started = std::time::Instant::now();
+        if let Err(e) = disk::create_overlay(&qemu_img, backing, &top, size).await {
+            let _ = std::fs::remove_file(&ram.path);
+            return Err(e);
+        }
+        tracing::debug!(vm = name, ms = started.elapsed().as_millis() as u64, "top disk created");
+        self.boot_existing(name, dir, gen, &qemu, image, limits, incoming, tap, Some(ram)).await
+    }
+
+    /// Guest RAM and vCPUs of a VM: a resumed VM is the machine it was saved from (a pooled
+    /// VM's RAM may exceed its limits).
+    fn machine(&self, limits: &Limits, incoming: Option<&Incoming>) -> (u64, u32) {
+        match incoming {
+            Some(i) => (i.memory_mib, i.vcpus),
+            None => (Self::memory_mib(limits), self.vcpus(limits)),
+        }
+    }
+
+    /// Creates VM `name`'s RAM file, all holes (a resume's RAM is copied into it by the VM's
+    /// guard: [`Vm::launch`]).
+    fn prepare_ram(&self, name: &str, memory_mib: u64) -> Result<PreparedRam, BackendError> {
+        let path = self.ram_dir.join(format!("{name}.ram"));
+        let _ = std::fs::remove_file(&path);
+        ram::create(&path, memory_mib * MIB).map_err(|e| BackendError::io(format!("creating the guest RAM file {}", path.display()), e))?;
+        Ok(PreparedRam { path })
     }
 
     /// Boots a VM over the top disk `dir/top-<gen>.qcow2` that already exists (or resumes it
@@ -422,15 +478,22 @@ impl Inner {
         limits: &Limits,
         incoming: Option<Incoming>,
         tap: Option<Arc<TapLink>>,
+        ram: Option<PreparedRam>,
     ) -> Result<Arc<Vm>, BackendError> {
-        let accel = self.accel(image).await;
-        let uid = self.alloc_uid()?;
-        let top = dir.join(format!("top-{gen}.qcow2"));
-        // A resumed VM is the machine it was saved from (a pooled VM's RAM may exceed its limits).
-        let (memory_mib, vcpus) = match &incoming {
-            Some(i) => (i.memory_mib, i.vcpus),
-            None => (Self::memory_mib(limits), self.vcpus(limits)),
+        let (memory_mib, vcpus) = self.machine(limits, incoming.as_ref());
+        let ram = match ram {
+            Some(r) => r,
+            None => self.prepare_ram(name, memory_mib)?,
         };
+        let accel = self.accel(image).await;
+        let uid = match self.alloc_uid() {
+            Ok(u) => u,
+            Err(e) => {
+                let _ = std::fs::remove_file(&ram.path);
+                return Err(e);
+            }
+        };
+        let top = dir.join(format!("top-{gen}.qcow2"));
         let prepared = (|| {
             std::os::unix::fs::chown(&top, Some(uid), Some(uid)).map_err(|e| BackendError::io(format!("chown {}", top.display()), e))?;
             let memory_bytes = memory_mib * MIB + QEMU_OVERHEAD_BYTES;
@@ -441,6 +504,7 @@ impl Inner {
         let cgroup = match prepared {
             Ok(cg) => cg,
             Err(e) => {
+                let _ = std::fs::remove_file(&ram.path);
                 self.release_uid(uid);
                 return Err(e);
             }
@@ -456,6 +520,7 @@ impl Inner {
             accel,
             uid,
             boot_timeout: self.cfg.boot_timeout(),
+            ram: Some(ram.path),
             incoming,
             tap,
         };
@@ -525,14 +590,14 @@ impl Inner {
     }
 
     /// Removes the memory files (and machine descriptions) of snapshots no longer on record.
-    /// Call under `disk_lock` (a snapshot being taken is not on record yet: its `.mem.part` is
-    /// never touched here).
+    /// Call under `disk_lock` (a snapshot being taken is not on record yet: its `.mem.part` and
+    /// `.ram.part` are never touched here).
     fn collect_memory(&self) {
         let live = self.snapshots.lock().map(|s| s.iter().map(|s| s.to_string()).collect::<HashSet<String>>()).unwrap_or_default();
         let Ok(entries) = std::fs::read_dir(&self.snapshots_dir) else { return };
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let Some(snap) = name.strip_suffix(".mem").or_else(|| name.strip_suffix(".vm.json")) else { continue };
+            let Some(snap) = name.strip_suffix(".mem").or_else(|| name.strip_suffix(".ram")).or_else(|| name.strip_suffix(".vm.json")) else { continue };
             if !live.contains(snap) {
                 match std::fs::remove_file(e.path()) {
                     Ok(()) => tracing::debug!(file = %e.path().display(), "memory snapshot file removed"),
@@ -576,7 +641,8 @@ impl Inner {
         let image = image.clone();
         let dir = self.vms_dir.join(spec.id.as_str());
         // The backing file stays pinned until the sandbox is registered (its top a disk root).
-        let (vm, _pinned) = match &spec.from_snapshot {
+        // `configured`: a VM resumed from memory had its identity set as it was resumed.
+        let (vm, _pinned, configured) = match &spec.from_snapshot {
             // Pooled VMs have no network device (and microvm has no hotplug): a sandbox with a
             // network boots its own.
             None => match if net.is_none() { self.pool.take(&spec.image, &spec.limits, |l| self.vcpus(l)) } else { None } {
@@ -584,21 +650,23 @@ impl Inner {
                     let vm = pooled.adopt(&dir)?;
                     tracing::info!(sandbox = %spec.id, "microVM taken from the warm pool");
                     pool::refill(self);
-                    (vm, None)
+                    (vm, None, false)
                 }
                 None => {
-                    let (vm, pinned) = self.boot_or_restore(spec, &image, &dir, net.clone()).await?;
-                    (vm, Some(pinned))
+                    let (vm, pinned, configured) = self.boot_or_restore(spec, &image, &dir, net.clone()).await?;
+                    (vm, Some(pinned), configured)
                 }
             },
             Some(snap) => {
-                let (vm, pinned, _) = self.start_from_snapshot(snap, spec, &image, &dir, net.clone()).await?;
-                (vm, Some(pinned))
+                let (vm, pinned, resumed) = self.start_from_snapshot(snap, spec, &image, &dir, net.clone()).await?;
+                (vm, Some(pinned), resumed)
             }
         };
-        // A fork resumed from memory gets its own identity here (hostname, /etc/hosts, its own
-        // address on its own link).
-        let configured = vm.configure(guest_config(spec, net.as_deref())).await;
+        // A booted or pooled VM gets its identity here (hostname, /etc/hosts, its own address
+        // on its own link); a resumed one got it as it was resumed.
+        let started = std::time::Instant::now();
+        let configured = if configured { Ok(()) } else { vm.configure(guest_config(spec, net.as_deref())).await };
+        tracing::debug!(sandbox = %spec.id, ms = started.elapsed().as_millis() as u64, "guest configured");
         if let Err(e) = configured {
             self.stop_vm(&vm).await;
             let _ = std::fs::remove_dir_all(&dir);
@@ -610,8 +678,9 @@ impl Inner {
     }
 
     /// A VM over snapshot `snap`'s disk in `dir`, running on from its memory when it has a
-    /// memory snapshot this VM can resume (then the guest's clock and entropy are renewed; the
-    /// caller gives it its identity), else booted over the disk. Says which.
+    /// memory snapshot this VM can resume (then the guest's clock and entropy are renewed and it
+    /// is given `spec`'s identity), else booted over the disk (the caller configures it). Says
+    /// which.
     async fn start_from_snapshot(
         &self,
         snap: &SnapshotId,
@@ -628,6 +697,7 @@ impl Inner {
         };
         let incoming = self.resumable(snap, memory, image, &spec.limits, net.is_some()).await;
         let resumed = incoming.is_some();
+        let config = guest_config(spec, net.as_deref());
         let vm = match self.boot_new(&self.vm_name(), dir, 0, &backing, spec.limits.disk_bytes, image, &spec.limits, incoming, net).await {
             Ok(vm) => vm,
             Err(e) => {
@@ -637,7 +707,7 @@ impl Inner {
         };
         // It runs on from the snapshot's memory, saved with its filesystem frozen.
         if resumed {
-            if let Err(e) = after_resume(&vm).await {
+            if let Err(e) = after_resume(&vm, config).await {
                 self.stop_vm(&vm).await;
                 let _ = std::fs::remove_dir_all(dir);
                 return Err(e);
@@ -662,14 +732,15 @@ impl Inner {
     /// the image's boot snapshot for this machine shape when there is one (no boot: the guest
     /// runs on from just after an earlier boot, with a clock, entropy and identity of its own),
     /// else booted, and then — the first time for this shape — snapshotted for the next
-    /// create. A boot snapshot that fails to restore is dropped and the VM boots.
+    /// create. A boot snapshot that fails to restore is dropped and the VM boots. Says whether
+    /// the VM was restored (and so already configured for `spec`).
     async fn boot_or_restore(
         self: &Arc<Self>,
         spec: &SandboxSpec,
         image: &VmImage,
         dir: &Path,
         net: Option<Arc<TapLink>>,
-    ) -> Result<(Arc<Vm>, Pinned), BackendError> {
+    ) -> Result<(Arc<Vm>, Pinned, bool), BackendError> {
         let (base, pinned) = {
             let _g = self.disk_lock.lock().await;
             let base = disk::base_for(&spec.image, &image.disk, &self.bases_dir)?;
@@ -695,14 +766,14 @@ impl Inner {
             match self.start_from_snapshot(&snap, spec, image, dir, net.clone()).await {
                 Ok((vm, pinned, true)) => {
                     tracing::info!(sandbox = %spec.id, image = %spec.image, ms = started.elapsed().as_millis() as u64, "microVM restored from its image's boot snapshot (no boot)");
-                    return Ok((vm, pinned));
+                    return Ok((vm, pinned, true));
                 }
                 Ok((vm, _, false)) => {
                     // Booted over the snapshot's disk: a VM all the same, but the snapshot no
                     // longer fits this shape.
                     tracing::warn!(sandbox = %spec.id, image = %spec.image, "the image's boot snapshot could not be resumed; it is dropped");
                     self.drop_boot_snapshots(|s| s == shape).await;
-                    return Ok((vm, pinned));
+                    return Ok((vm, pinned, false));
                 }
                 Err(e) => {
                     tracing::warn!(sandbox = %spec.id, image = %spec.image, error = %e, "restoring the image's boot snapshot failed: booting, and dropping the snapshot");
@@ -714,7 +785,7 @@ impl Inner {
         if let Some(shape) = shape {
             self.take_boot_snapshot(&vm, spec, shape).await;
         }
-        Ok((vm, pinned))
+        Ok((vm, pinned, false))
     }
 
     /// Snapshots `vm`, just booted, as its shape's boot snapshot, unless the shape has one (or
@@ -816,18 +887,20 @@ impl Inner {
         let saved = taken?;
         let _g = self.disk_lock.lock().await;
         let mut memory_bytes = 0;
-        if let Some((part, shape)) = saved {
+        if let Some((part, ram_part, shape)) = saved {
             let put = (|| {
                 let json = serde_json::to_vec(&shape).map_err(|e| BackendError::Internal(format!("encoding the memory snapshot's machine: {e}")))?;
                 std::fs::write(self.shape_path(snap), json).map_err(|e| BackendError::io("writing the memory snapshot's machine", e))?;
+                std::fs::rename(&ram_part, self.ram_path(snap)).map_err(|e| BackendError::io("putting the memory snapshot's RAM in place", e))?;
                 std::fs::rename(&part, self.memory_path(snap)).map_err(|e| BackendError::io("putting the memory snapshot in place", e))
             })();
             if let Err(e) = put {
-                let _ = std::fs::remove_file(&part);
-                let _ = std::fs::remove_file(self.shape_path(snap));
+                for f in [part, ram_part, self.shape_path(snap), self.ram_path(snap)] {
+                    let _ = std::fs::remove_file(f);
+                }
                 return Err(e);
             }
-            memory_bytes = allocated_bytes(&self.memory_path(snap));
+            memory_bytes = allocated_bytes(&self.memory_path(snap)) + allocated_bytes(&self.ram_path(snap));
         }
         if let Ok(mut s) = self.snapshots.lock() {
             s.insert(snap.clone());
@@ -836,15 +909,20 @@ impl Inner {
     }
 
     /// A memory snapshot: the guest is paused, its disk snapshotted as without memory, its
-    /// memory and device state written by QEMU (a migration into the file) and the guest
-    /// continued, so disk and memory are of one instant. Returns the memory file (still named
-    /// `.part`) and the machine a restore needs.
-    async fn save_with_memory(&self, vm: &Vm, snap: &SnapshotId, spec: &SandboxSpec) -> Result<(PathBuf, MemoryShape), BackendError> {
+    /// device state written by QEMU (a migration into the file that leaves the RAM file out),
+    /// its RAM file copied, and the guest continued, so disk and memory are of one instant.
+    /// Returns the device state and RAM files (still named `.part`) and the machine a restore
+    /// needs.
+    async fn save_with_memory(&self, vm: &Vm, snap: &SnapshotId, spec: &SandboxSpec) -> Result<(PathBuf, PathBuf, MemoryShape), BackendError> {
         use std::os::fd::AsFd;
         use std::os::unix::fs::OpenOptionsExt;
         let image = self.image(&spec.image)?;
-        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot), nic: vm.nic };
+        let Some(vm_ram) = vm.ram() else {
+            return Err(BackendError::Internal("this microVM's RAM is not in a file (or QEMU is gone): it cannot be saved".into()));
+        };
+        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot), nic: vm.nic, ram_file: true };
         let part = self.snapshots_dir.join(format!("{snap}.mem.part"));
+        let ram_part = self.snapshots_dir.join(format!("{snap}.ram.part"));
         let file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -855,16 +933,28 @@ impl Inner {
         let saved = async {
             self.swap_top(vm, snap).await?;
             let mut qmp = vm.qmp.lock().await;
-            migrate_to(&mut qmp, file.as_fd()).await.map_err(|e| BackendError::Internal(format!("saving the microVM's memory: {e}")))
+            migrate_to(&mut qmp, file.as_fd()).await.map_err(|e| BackendError::Internal(format!("saving the microVM's memory: {e}")))?;
+            drop(qmp);
+            // The RAM file is the live RAM: copied while the guest is still paused.
+            let bytes = vm.memory_mib * MIB;
+            let to = ram_part.clone();
+            let copied = tokio::task::spawn_blocking(move || {
+                let dst = ram::create(&to, bytes)?;
+                ram::copy_sparse(&vm_ram, &dst, bytes)
+            })
+            .await
+            .map_err(|e| BackendError::Internal(format!("copying the microVM's RAM: {e}")))?;
+            copied.map_err(|e| BackendError::io(format!("copying the microVM's RAM to {}", ram_part.display()), e))
         }
         .await;
         // The guest goes on whatever happened (after a migration QEMU takes its disks back).
         let resumed = vm.qmp.lock().await.execute("cont", serde_json::Value::Null).await;
-        if let Err(e) = saved.and(resumed.map(drop).map_err(|e| BackendError::Internal(format!("continuing the microVM after its snapshot: {e}")))) {
+        if let Err(e) = saved.map(drop).and(resumed.map(drop).map_err(|e| BackendError::Internal(format!("continuing the microVM after its snapshot: {e}")))) {
             let _ = std::fs::remove_file(&part);
+            let _ = std::fs::remove_file(&ram_part);
             return Err(e);
         }
-        Ok((part, shape))
+        Ok((part, ram_part, shape))
     }
 
     /// The live snapshot itself: the current top becomes the snapshot file and a new top is put
@@ -964,11 +1054,7 @@ impl Inner {
         // Its identity set again as a boot would (hostname, /etc/hosts, limits): the snapshot's
         // files are the sandbox's own, and may have been made hostile (/etc/hosts a link to a
         // pipe) for whatever reads them next.
-        let resumed = match after_resume(&vm).await {
-            Ok(()) => vm.configure(guest_config(&sb.spec, sb.net.as_deref())).await,
-            Err(e) => Err(e),
-        };
-        if let Err(e) = resumed {
+        if let Err(e) = after_resume(&vm, guest_config(&sb.spec, sb.net.as_deref())).await {
             self.stop_vm(&vm).await;
             let _ = std::fs::remove_dir_all(&staging);
             return Err(e);
@@ -1039,7 +1125,8 @@ impl Inner {
         // Memory snapshots a previous run was writing when it died.
         if let Ok(entries) = std::fs::read_dir(&self.snapshots_dir) {
             for e in entries.flatten() {
-                if e.file_name().to_string_lossy().ends_with(".mem.part") {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.ends_with(".mem.part") || name.ends_with(".ram.part") {
                     let _ = std::fs::remove_file(e.path());
                 }
             }
@@ -1098,7 +1185,7 @@ impl Inner {
         }
         let net = self.link_for(spec).await?;
         let booted = async {
-            let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits, None, net.clone()).await?;
+            let vm = self.boot_existing(&self.vm_name(), &dir, gen, &qemu, &image, &spec.limits, None, net.clone(), None).await?;
             if let Err(e) = vm.configure(guest_config(spec, net.as_deref())).await {
                 self.stop_vm(&vm).await;
                 return Err(e);
@@ -1136,6 +1223,15 @@ impl Inner {
             }
         });
         let _ = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(stops)).await;
+        // Every VM is gone or going (they die with the daemon): the RAM files left are of VMs
+        // whose start was cut short (a pool refill, a create) and are no one's. On /dev/shm the
+        // directory would outlive us.
+        ram::clear_dir(&self.ram_dir);
+        if let Err(e) = std::fs::remove_dir(&self.ram_dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(dir = %self.ram_dir.display(), error = %e, "removing the microVM RAM directory");
+            }
+        }
         // The daemon's `-vm` cgroup, empty once every QEMU is gone; made again at start.
         if let Ok(root) = &self.cgroups {
             match root.cleanup_root() {
@@ -1187,6 +1283,23 @@ struct MemoryShape {
     /// Whether the VM had a network device (absent in files written before networks: none).
     #[serde(default)]
     nic: bool,
+    /// Whether the guest RAM is in `<snapshot>.ram` (the device state alone in `.mem`); absent
+    /// in files written when the RAM was in the stream, which are not resumed.
+    #[serde(default)]
+    ram_file: bool,
+}
+
+/// A VM's RAM file, made (empty) before its top disk.
+struct PreparedRam {
+    path: PathBuf,
+}
+
+/// A memory snapshot's files, opened: QEMU's device state, the guest RAM (None: an older
+/// daemon's snapshot, RAM in the stream) and the machine they need.
+struct SavedMemory {
+    state: std::fs::File,
+    ram: Option<std::fs::File>,
+    shape: MemoryShape,
 }
 
 /// What identifies a VM's boot files (a rebuilt image gets another key).
@@ -1220,11 +1333,19 @@ const RESUMED_PROTOCOL: u32 = 6;
 const RESUME_ENTROPY_BYTES: usize = 64;
 
 /// Makes a VM resumed from a memory snapshot its own again: its filesystem thawed (it was saved
-/// frozen), its wall clock stepped to the host's (it stood still while saved) and its kernel
-/// RNG reseeded with fresh host randomness (two resumes of one snapshot share its state).
-async fn after_resume(vm: &Vm) -> Result<(), BackendError> {
-    thaw(vm).await?;
-    tell_resumed(vm).await
+/// frozen), its wall clock stepped to the host's (it stood still while saved), its kernel RNG
+/// reseeded with fresh host randomness (two resumes of one snapshot share its state) and
+/// `config` applied (its identity and limits).
+///
+/// The three requests go at once: the agent serves each on a thread of its own (the files
+/// `Configure` writes wait in the guest kernel for the thaw), and right after a resume every
+/// guest code path is cold under TCG (QEMU translates it anew), so each round trip waited for
+/// alone would add its latency to the next one's.
+async fn after_resume(vm: &Vm, config: GuestLimits) -> Result<(), BackendError> {
+    let started = std::time::Instant::now();
+    tokio::try_join!(thaw(vm), tell_resumed(vm), vm.configure(config))?;
+    tracing::debug!(ms = started.elapsed().as_millis() as u64, "resumed guest thawed, its clock, RNG and identity renewed");
+    Ok(())
 }
 
 /// Tells the guest it was stopped (a resume from memory, or a pause's `cont`): its wall clock
@@ -1258,6 +1379,8 @@ const MIGRATE_POLL: Duration = Duration::from_millis(5);
 async fn migrate_to(qmp: &mut qmp::Qmp, file: std::os::fd::BorrowedFd<'_>) -> Result<(), String> {
     // QEMU throttles a migration to 128 MiB/s by default; this one goes to a local file.
     qmp.execute("migrate-set-parameters", json!({ "max-bandwidth": 1u64 << 40 })).await?;
+    // The RAM is its file (`share=on`), copied by the caller: the stream is the device state.
+    qmp.execute("migrate-set-capabilities", json!({ "capabilities": [{ "capability": vm::IGNORE_SHARED, "state": true }] })).await?;
     qmp.send_fd("snapshot-memory", file).await?;
     qmp.execute("migrate", json!({ "uri": "fd:snapshot-memory" })).await?;
     let deadline = tokio::time::Instant::now() + MIGRATE_TIMEOUT;

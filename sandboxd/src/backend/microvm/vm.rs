@@ -79,6 +79,13 @@ pub struct LaunchSpec {
     /// Uid and gid QEMU drops to.
     pub uid: u32,
     pub boot_timeout: Duration,
+    /// The file guest RAM lives in (`memory-backend-file`, `share=on`), on a tmpfs the daemon
+    /// owns: a memory snapshot then saves only the device state (`x-ignore-shared`) and copies
+    /// this file, and a restore copies the snapshot's RAM back into a VM's own file instead of
+    /// QEMU reading every page through the migration stream. Created (sized) by the caller;
+    /// its name is removed once the guest answers (see [`Vm::ram`]). None: anonymous RAM (the
+    /// KVM probe, which is never snapshotted).
+    pub ram: Option<PathBuf>,
     /// A memory snapshot to resume instead of booting.
     pub incoming: Option<Incoming>,
     /// The sandbox's TAP device (see [`crate::egress::Egress::attach_tap`]): a virtio-net device
@@ -86,12 +93,16 @@ pub struct LaunchSpec {
     pub tap: Option<Arc<crate::egress::TapLink>>,
 }
 
-/// A memory snapshot a VM resumes from: QEMU's migration stream, read through an inherited
-/// descriptor (`-incoming fd:N`).
+/// A memory snapshot a VM resumes from: QEMU's device state (a migration stream saved with
+/// `x-ignore-shared`, so without RAM), read through an inherited descriptor (`-incoming defer`,
+/// then `migrate-incoming fd:N`), and the guest RAM it goes with, already copied into the VM's
+/// own RAM file ([`LaunchSpec::ram`]) by the caller.
 #[derive(Debug, Clone)]
 pub struct Incoming {
     pub snapshot: crate::ids::SnapshotId,
     pub file: Arc<std::fs::File>,
+    /// The snapshot's guest RAM (a sparse file of `memory_mib` MiB).
+    pub ram: Arc<std::fs::File>,
     /// The machine it was saved from, which the resumed VM must be.
     pub memory_mib: u64,
     pub vcpus: u32,
@@ -126,11 +137,18 @@ pub struct Vm {
     pub nic: bool,
     /// What the agent said when it came up.
     pub hello: HelloInfo,
+    /// The guest RAM's file (see [`LaunchSpec::ram`]): its name is removed as soon as the guest
+    /// answers (QEMU has it mapped by then), so the RAM goes with QEMU and this handle whatever
+    /// way the daemon ends; a snapshot reads it through the handle, which is dropped as soon as
+    /// QEMU is gone (a failed sandbox keeps its `Vm` but not its RAM).
+    ram: Arc<Mutex<Option<Arc<std::fs::File>>>>,
 }
 
 impl Vm {
     /// Starts QEMU and waits until the guest agent answers. On failure QEMU is killed and the
-    /// error carries the end of the console log.
+    /// error carries the end of the console log. For a resume the snapshot's RAM is copied
+    /// into [`LaunchSpec::ram`] by the guard, in the VM's cgroup, while QEMU starts (see
+    /// [`super::guard::RAM_COPY_ARG`]); the device state is loaded once it is done.
     pub async fn launch(spec: &LaunchSpec, cgroup: Option<SandboxCgroup>) -> Result<Vm, BackendError> {
         let t0 = Instant::now();
         let agent_sock = spec.dir.join("agent.sock");
@@ -142,7 +160,24 @@ impl Vm {
         // QEMU runs under the guard (see `guard`): `sandboxd __vm-guard <our pid> <qemu> <args>`.
         let exe = std::env::current_exe().map_err(|e| BackendError::io("locating the sandboxd binary (the VM guard)", e))?;
         let mut cmd = tokio::process::Command::new(exe);
-        cmd.arg0(super::guard::GUARD_ARG0).arg(super::guard::GUARD_ARG).arg(std::process::id().to_string()).arg(&spec.qemu);
+        cmd.arg0(super::guard::GUARD_ARG0).arg(super::guard::GUARD_ARG).arg(std::process::id().to_string());
+        // The copy's descriptors: the snapshot's RAM, the VM's RAM file, the report pipe.
+        let copy_fds = match (&spec.incoming, &spec.ram) {
+            (Some(i), Some(ram)) => {
+                let to = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(ram)
+                    .map_err(|e| BackendError::io(format!("opening the guest RAM file {}", ram.display()), e))?;
+                let (report_r, report_w) =
+                    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::Internal(format!("pipe for the RAM copy: {e}")))?;
+                let bytes = spec.memory_mib << 20;
+                cmd.arg(format!("{}{}:{}:{bytes}:{}", super::guard::RAM_COPY_ARG, i.ram.as_raw_fd(), to.as_raw_fd(), report_w.as_raw_fd()));
+                Some((i.ram.clone(), to, report_r, report_w))
+            }
+            _ => None,
+        };
+        let copy_raw: Vec<i32> = copy_fds.iter().flat_map(|(from, to, _, w)| [from.as_raw_fd(), to.as_raw_fd(), w.as_raw_fd()]).collect();
+        cmd.arg(&spec.qemu);
         cmd.args(qemu_args(spec, &agent_sock, &qmp_sock, &console));
         cmd.stdin(std::process::Stdio::null());
         // Both host files the VM writes are created here, appended to, and kept bounded by
@@ -156,6 +191,11 @@ impl Vm {
                 .map_err(|e| BackendError::io(format!("creating {name}"), e))
         };
         let (console_file, log) = (create("console.log")?, create("qemu.log")?);
+        let ram_file = match &spec.ram {
+            Some(p) => Some(Arc::new(std::fs::File::open(p).map_err(|e| BackendError::io(format!("opening the guest RAM file {}", p.display()), e))?)),
+            None => None,
+        };
+        let ram_file = Arc::new(Mutex::new(ram_file));
         let caps =
             [console_file.try_clone(), log.try_clone()].into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| BackendError::io("opening the VM's logs", e))?;
         let log2 = log.try_clone().map_err(|e| BackendError::io("creating qemu.log", e))?;
@@ -185,7 +225,8 @@ impl Vm {
                 // The memory snapshot's descriptor stays open across the exec of the guard and
                 // of QEMU (the flag is the child's own copy: the daemon's stays close-on-exec).
                 // So does the TAP device's, which QEMU's virtio-net reads and writes.
-                for fd in [incoming_fd, tap_fd].into_iter().flatten() {
+                // So do the RAM copy's (the guard hands them to its copier, never to QEMU).
+                for fd in [incoming_fd, tap_fd].into_iter().flatten().chain(copy_raw.iter().copied()) {
                     if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -196,12 +237,15 @@ impl Vm {
         }
         let mut child = cmd.spawn().map_err(|e| BackendError::io(format!("starting {} under the VM guard", spec.qemu.display()), e))?;
         drop(procs);
+        // The report: read until the copier closes its end (the guard closed its own at once).
+        let ram_copy: Option<RamCopy> = copy_fds.map(|(_, _, report_r, _)| tokio::task::spawn_blocking(move || read_copy_report(report_r)));
         let pid = child.id().unwrap_or(0);
         let exited: Arc<Mutex<Option<String>>> = Arc::default();
         let (kill_tx, kill_rx) = oneshot::channel::<()>();
         let (done_tx, done_rx) = tokio::sync::watch::channel(false);
         {
             let exited = exited.clone();
+            let ram_file = ram_file.clone();
             tokio::spawn(async move {
                 let status = tokio::select! {
                     s = child.wait() => s,
@@ -217,6 +261,9 @@ impl Vm {
                 if let Ok(mut x) = exited.lock() {
                     *x = Some(how);
                 }
+                if let Ok(mut r) = ram_file.lock() {
+                    r.take();
+                }
                 let _ = done_tx.send(true);
             });
         }
@@ -229,12 +276,19 @@ impl Vm {
                 None => Ok(()),
             }
         };
-        let resuming = spec.incoming.is_some();
         let booted = async {
             // A resumed VM stays paused (as it was when saved) until it is told to continue;
             // its agent answers only then.
-            let resumed = if resuming { Some(resume_incoming(&qmp_sock, deadline, &alive).await?) } else { None };
+            let resumed = match incoming_fd {
+                Some(fd) => {
+                    let qmp = resume_incoming(&qmp_sock, fd, ram_copy, deadline, &alive).await?;
+                    tracing::debug!(dir = %spec.dir.display(), ms = t0.elapsed().as_millis() as u64, "microVM device state loaded, guest continued");
+                    Some(qmp)
+                }
+                None => None,
+            };
             let (agent, hello) = AgentConn::connect(&agent_sock, deadline, Duration::from_millis(200), alive).await?;
+            tracing::debug!(dir = %spec.dir.display(), ms = t0.elapsed().as_millis() as u64, "guest agent answered");
             let qmp = match resumed {
                 Some(qmp) => qmp,
                 None => Qmp::connect(&qmp_sock).await.map_err(AgentError::Closed)?,
@@ -248,6 +302,9 @@ impl Vm {
                 let _ = kill_tx.send(());
                 let mut done = done_rx.clone();
                 let _ = tokio::time::timeout(Duration::from_secs(5), done.wait_for(|d| *d)).await;
+                if let Some(ram) = &spec.ram {
+                    remove_ram(ram);
+                }
                 let tail = console_tail(&console, 12);
                 let qemu_err = std::fs::read_to_string(spec.dir.join("qemu.log")).unwrap_or_default();
                 if let Some(i) = &spec.incoming {
@@ -265,6 +322,9 @@ impl Vm {
             }
         };
         let (agent, hello, qmp) = vm_parts;
+        if let Some(ram) = &spec.ram {
+            remove_ram(ram);
+        }
         Ok(Vm {
             dir: Mutex::new(spec.dir.clone()),
             pid,
@@ -283,6 +343,7 @@ impl Vm {
             boot_time: t0.elapsed(),
             nic: spec.tap.is_some(),
             hello,
+            ram: ram_file,
         })
     }
 
@@ -301,6 +362,11 @@ impl Vm {
     /// Why QEMU is gone, if it is.
     pub fn exited(&self) -> Option<String> {
         self.exited.lock().ok().and_then(|x| x.clone())
+    }
+
+    /// The guest RAM's file while QEMU runs (None after, or for anonymous RAM).
+    pub fn ram(&self) -> Option<Arc<std::fs::File>> {
+        self.ram.lock().ok().and_then(|r| r.clone())
     }
 
     pub fn dir(&self) -> PathBuf {
@@ -359,13 +425,49 @@ impl Vm {
     }
 }
 
-/// How often a resuming VM's state is polled.
-const RESUME_POLL: Duration = Duration::from_millis(5);
+/// Removes a VM's RAM file (a missing one is fine: a failed launch may have removed it).
+fn remove_ram(ram: &Path) {
+    match std::fs::remove_file(ram) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(file = %ram.display(), error = %e, "removing a microVM's RAM file"),
+    }
+}
 
-/// Waits for QEMU to load the memory snapshot it was started with (`-incoming`) and lets the
+/// A snapshot's RAM being copied into a resuming VM's RAM file (bytes copied).
+pub type RamCopy = tokio::task::JoinHandle<std::io::Result<u64>>;
+
+/// What the guard's RAM copier reported (`ok <bytes>` or `error: <why>`; nothing: it died).
+fn read_copy_report(report: std::os::fd::OwnedFd) -> std::io::Result<u64> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::from(report).take(4096).read_to_string(&mut text)?;
+    let line = text.trim();
+    match line.strip_prefix("ok ").and_then(|n| n.parse().ok()) {
+        Some(n) => Ok(n),
+        None if line.is_empty() => Err(std::io::Error::other("the copier ended without a word (see qemu.log)")),
+        None => Err(std::io::Error::other(line.to_string())),
+    }
+}
+
+/// How often a resuming VM's state is polled.
+const RESUME_POLL: Duration = Duration::from_millis(2);
+
+/// The migration capability that leaves `share=on` RAM out of a migration stream (its file is
+/// the RAM): set on both ends of a memory snapshot.
+pub const IGNORE_SHARED: &str = "x-ignore-shared";
+
+/// Has QEMU (started with `-incoming defer`) load the device state of a memory snapshot from
+/// the inherited descriptor `fd`, once `ram_copy` has put the RAM in its file, and lets the
 /// guest continue. A stream QEMU cannot load makes it exit: that fails here at once, with why
 /// QEMU went (the caller adds its log).
-async fn resume_incoming(qmp_sock: &Path, deadline: tokio::time::Instant, alive: &impl Fn() -> Result<(), String>) -> Result<Qmp, AgentError> {
+async fn resume_incoming(
+    qmp_sock: &Path,
+    fd: i32,
+    ram_copy: Option<RamCopy>,
+    deadline: tokio::time::Instant,
+    alive: &impl Fn() -> Result<(), String>,
+) -> Result<Qmp, AgentError> {
     let gone = |e: String| AgentError::Closed(alive().err().unwrap_or(e));
     let mut qmp = loop {
         match Qmp::connect(qmp_sock).await {
@@ -379,6 +481,20 @@ async fn resume_incoming(qmp_sock: &Path, deadline: tokio::time::Instant, alive:
             }
         }
     };
+    let caps = serde_json::json!({ "capabilities": [{ "capability": IGNORE_SHARED, "state": true }] });
+    qmp.execute("migrate-set-capabilities", caps).await.map_err(gone)?;
+    // QEMU has not touched guest RAM yet (a machine waiting for an incoming migration loads no
+    // ROMs into it), so the copy may run until here, beside QEMU's start-up.
+    if let Some(copy) = ram_copy {
+        let started = Instant::now();
+        let bytes = match copy.await {
+            Ok(Ok(n)) => n,
+            Ok(Err(e)) => return Err(AgentError::Closed(format!("copying the snapshot's guest RAM: {e}"))),
+            Err(e) => return Err(AgentError::Closed(format!("copying the snapshot's guest RAM: {e}"))),
+        };
+        tracing::debug!(bytes, waited_ms = started.elapsed().as_millis() as u64, "guest RAM copied from the memory snapshot");
+    }
+    qmp.execute("migrate-incoming", serde_json::json!({ "uri": format!("fd:{fd}") })).await.map_err(gone)?;
     loop {
         let status = qmp.execute("query-status", serde_json::Value::Null).await.map_err(gone)?;
         match status.get("status").and_then(serde_json::Value::as_str) {
@@ -418,7 +534,15 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
     // rtc=on: the guest gets the wall-clock time at boot (with it off the clock starts at 1970
     // and the kernel waits twice for the missing RTC).
-    push(&["-M", "microvm,x-option-roms=off,rtc=on,isa-serial=on"]);
+    let machine = "microvm,x-option-roms=off,rtc=on,isa-serial=on";
+    match &spec.ram {
+        // Opened (as root, before -chroot) at start-up; `share=on` makes the file the RAM itself.
+        Some(ram) => {
+            push(&["-M", &format!("{machine},memory-backend=ram")]);
+            push(&["-object", &format!("memory-backend-file,id=ram,size={}M,mem-path={},share=on", spec.memory_mib, p(ram))]);
+        }
+        None => push(&["-M", machine]),
+    }
     push(&["-accel", accel, "-cpu", cpu]);
     push(&["-m", &format!("{}M", spec.memory_mib), "-smp", &spec.vcpus.to_string()]);
     push(&["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"]);
@@ -447,8 +571,9 @@ fn qemu_args(spec: &LaunchSpec, agent_sock: &Path, qmp_sock: &Path, console: &Pa
         push(&["-netdev", &format!("tap,id=net0,fd={}", t.fd.as_raw_fd())]);
         push(&["-device", &format!("virtio-net-device,netdev=net0,mac={}", crate::egress::link::TAP_GUEST_MAC)]);
     }
-    if let Some(i) = &spec.incoming {
-        push(&["-incoming", &format!("fd:{}", i.file.as_raw_fd())]);
+    // The capability is set and the inherited descriptor read once QMP is up (resume_incoming).
+    if spec.incoming.is_some() {
+        push(&["-incoming", "defer"]);
     }
     // No elevateprivileges=deny: QEMU 7.2 installs the filter before -runas drops privileges,
     // and the setuid it needs would be killed. After -runas it holds no capabilities anyway.
@@ -567,6 +692,7 @@ mod tests {
             accel: Accel::Tcg,
             uid: 400_001,
             boot_timeout: Duration::from_secs(1),
+            ram: Some("/r/vm-1.ram".into()),
             incoming: None,
             tap: None,
         };
@@ -580,6 +706,8 @@ mod tests {
             "-runas 400001:400001 -chroot /s/vms/sb-1",
             "-sandbox on,",
             "name=org.sandboxd.agent.0",
+            "microvm,x-option-roms=off,rtc=on,isa-serial=on,memory-backend=ram",
+            "memory-backend-file,id=ram,size=576M,mem-path=/r/vm-1.ram,share=on",
         ] {
             assert!(args.contains(want), "{want:?} missing from {args}");
         }

@@ -36,6 +36,10 @@ pub(crate) struct Args {
     /// tier sections, no microVM tier): for work on the container tier. Not a report to keep.
     #[arg(long)]
     pub(crate) container_only: bool,
+    /// Only sandboxd's microVM tier (no process or container tier, no Docker): for work on
+    /// the microVM tier. Not a report to keep.
+    #[arg(long, conflicts_with = "container_only")]
+    pub(crate) microvm_only: bool,
 }
 
 /// How many samples each section takes.

@@ -77,14 +77,14 @@ async fn run(args: Args) -> Result<bool> {
     eprintln!("bench: sandboxd = {}, images = {}, {}", machine.sandboxd_bin, images_dir().display(), if plan.quick { "quick mode" } else { "full run" });
 
     let mut report = Report::default();
-    if !args.container_only {
+    if !args.container_only && !args.microvm_only {
         latency::sandboxd_latency(&plan, &mut report).await;
         density::sandboxd_density(&plan, &mut report).await;
         snapshots::sandboxd_snapshots(&plan, &mut report).await;
         snapshots::sandboxd_without_userns(&plan, &mut report).await;
     }
-    if args.no_docker {
-        let why = "left out with --no-docker";
+    if args.no_docker || args.microvm_only {
+        let why = if args.microvm_only { "left out with --microvm-only" } else { "left out with --no-docker" };
         report.docker_unavailable = Some(why.into());
         report.unavailable(&Key::DOCKER, why);
         report.container_unavailable = Some(why.into());
