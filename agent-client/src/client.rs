@@ -638,6 +638,23 @@ impl Stream for ExecStream {
     }
 }
 
+/// The TLS settings of an `https://` address: the system's roots, the CA `ca` (PEM) when given,
+/// else the one in `$SBX_CA_CERT` when that names a file.
+fn tls_config(uri: &str, ca: Option<&[u8]>) -> Result<tonic::transport::ClientTlsConfig> {
+    let mut config = tonic::transport::ClientTlsConfig::new().with_native_roots();
+    let from_env = match (ca, std::env::var_os("SBX_CA_CERT")) {
+        (Some(_), _) | (None, None) => None,
+        (None, Some(path)) => Some(std::fs::read(&path).map_err(|e| Error::InvalidAddress {
+            addr: uri.to_string(),
+            reason: format!("SBX_CA_CERT={}: {e}", std::path::Path::new(&path).display()),
+        })?),
+    };
+    if let Some(pem) = ca.map(<[u8]>::to_vec).or(from_env) {
+        config = config.ca_certificate(tonic::transport::Certificate::from_pem(pem));
+    }
+    Ok(config)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -688,21 +705,4 @@ mod tests {
         assert_eq!(err.code(), tonic::Code::Unavailable);
         assert!(err.to_string().contains("missing.sock"), "{err}");
     }
-}
-
-/// The TLS settings of an `https://` address: the system's roots, the CA `ca` (PEM) when given,
-/// else the one in `$SBX_CA_CERT` when that names a file.
-fn tls_config(uri: &str, ca: Option<&[u8]>) -> Result<tonic::transport::ClientTlsConfig> {
-    let mut config = tonic::transport::ClientTlsConfig::new().with_native_roots();
-    let from_env = match (ca, std::env::var_os("SBX_CA_CERT")) {
-        (Some(_), _) | (None, None) => None,
-        (None, Some(path)) => Some(std::fs::read(&path).map_err(|e| Error::InvalidAddress {
-            addr: uri.to_string(),
-            reason: format!("SBX_CA_CERT={}: {e}", std::path::Path::new(&path).display()),
-        })?),
-    };
-    if let Some(pem) = ca.map(<[u8]>::to_vec).or(from_env) {
-        config = config.ca_certificate(tonic::transport::Certificate::from_pem(pem));
-    }
-    Ok(config)
 }

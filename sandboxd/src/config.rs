@@ -1568,7 +1568,7 @@ mod tests {
         let cfg = load(format!("{tls}{fleet}tls_ca_file = \"{ca}\"\n")).expect("TLS with a CA");
         let peer = cfg.fleet.and_then(|f| f.tls).expect("peers over TLS");
         assert_eq!(peer.server_name, "peers.test", "the headless name by default");
-        let cfg = load(format!("{fleet}")).expect("neither");
+        let cfg = load(fleet.clone()).expect("neither");
         assert!(cfg.fleet.is_some_and(|f| f.tls.is_none()));
     }
 

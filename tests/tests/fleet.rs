@@ -243,10 +243,10 @@ async fn three_nodes_behind_one_address() {
         assert_eq!(within(60, other.get_image("shipped")).await.expect_err("team-a's image").code(), Code::NotFound, "{n}: another tenant's");
     }
     within(120, a.remove_image("shipped")).await.expect("remove through A");
-    for i in 0..3 {
+    for (i, node) in NODES.iter().enumerate() {
         let direct = sandbox_tests::fleet::client_of(&net, i, TOKEN_A).await.expect("a node directly");
         let e = within(60, direct.get_image("shipped")).await.expect_err("removed everywhere");
-        assert_eq!(e.code(), Code::NotFound, "{}: {e}", NODES[i]);
+        assert_eq!(e.code(), Code::NotFound, "{node}: {e}");
     }
 
     // A node killed with SIGKILL: its sandboxes are UNAVAILABLE naming it, the others work.
