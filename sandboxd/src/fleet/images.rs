@@ -255,7 +255,16 @@ where
                 }
                 let copies = futures::future::join_all(peers.iter().map(|p| {
                     let (fleet, spool, tenant, metadata) = (&fleet, &spool, &tenant, &metadata);
-                    async move { (p, copy_to(fleet, p, tenant, metadata, spool).await) }
+                    async move {
+                        // A peer that never ends its import does not hold this call (nor the
+                        // spool) for ever.
+                        let deadline = fleet.image_copy_deadline();
+                        let outcome = match tokio::time::timeout(deadline, copy_to(fleet, p, tenant, metadata, spool)).await {
+                            Ok(r) => r,
+                            Err(_) => Err(format!("no image within {} s", deadline.as_secs())),
+                        };
+                        (p, outcome)
+                    }
                 }))
                 .await;
                 for (peer, outcome) in copies {

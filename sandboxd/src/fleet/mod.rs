@@ -100,6 +100,11 @@ impl Fleet {
         self.cfg.node.as_str()
     }
 
+    /// How long a peer may take over its copy of an image (its own build's bound and more).
+    pub fn image_copy_deadline(&self) -> Duration {
+        self.manager.image_job_deadline()
+    }
+
     /// Where an image upload is spooled for the peers.
     pub fn spool_path(&self) -> std::path::PathBuf {
         self.manager.image_upload_path()

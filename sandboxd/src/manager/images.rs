@@ -114,6 +114,12 @@ impl Drop for TempFile {
 }
 
 impl Manager {
+    /// The longest an import or build may take here: a build's `images.build_timeout_ms`, plus
+    /// the time its export and import into the catalog may take after it.
+    pub fn image_job_deadline(&self) -> Duration {
+        Duration::from_millis(self.cfg.images.build_timeout_ms) + Duration::from_secs(600)
+    }
+
     /// A fresh path for a temporary file in the image store (an upload kept for the fleet's
     /// other nodes, say), on the store's filesystem.
     pub fn image_upload_path(&self) -> PathBuf {
