@@ -47,10 +47,13 @@ pub struct Peer {
 
 impl Peer {
     /// A status of a forwarded call made to name this node when the node itself did not
-    /// answer (connection refused or timed out, a reset): UNAVAILABLE naming it.
+    /// answer (connection refused or timed out, a reset): UNAVAILABLE naming it. A node
+    /// killed while our connection to it was open ends the call as CANCELLED (hyper's
+    /// "operation was canceled"); no daemon answers a call it serves with CANCELLED (the
+    /// caller is gone by then), so that is the node not answering too.
     pub fn explain(&self, status: Status) -> Status {
         match status.code() {
-            tonic::Code::Unavailable | tonic::Code::Unknown if !status.message().starts_with("node ") => {
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled if !status.message().starts_with("node ") => {
                 Status::unavailable(format!("node {} ({}) did not answer: {}", self.name, self.addr, status.message()))
             }
             _ => status,
@@ -417,5 +420,30 @@ impl pb::fleet_service_server::FleetService for FleetApi {
             return Err(Status::unauthenticated("FleetService is for the fleet's nodes: present the fleet token"));
         }
         Ok(Response::new(self.fleet.status()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer() -> Peer {
+        let channel = Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
+        Peer { name: "node-c".into(), addr: "127.0.0.1:1".parse().expect("addr"), channel }
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_did_not_answer_is_unavailable_naming_it() {
+        let p = peer();
+        // Refused, reset, and a connection cut while a call was on it (hyper's "canceled").
+        for s in [Status::unavailable("connection refused"), Status::unknown("h2 protocol error"), Status::cancelled("operation was canceled")] {
+            let e = p.explain(s);
+            assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+            assert!(e.message().starts_with("node node-c (127.0.0.1:1) did not answer"), "{e}");
+        }
+        // What the node itself answered stays as it is, and a node's own wording is not wrapped twice.
+        assert_eq!(p.explain(Status::not_found("sandbox sb-1")).code(), tonic::Code::NotFound);
+        let own = p.explain(Status::unavailable("node node-b (10.0.0.2:7443) did not answer: refused"));
+        assert!(own.message().starts_with("node node-b"), "{own}");
     }
 }
