@@ -5,7 +5,7 @@
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use guest_agent::protocol::{
@@ -88,6 +88,7 @@ impl Host {
             cgroup: None,
             running: exec::Running::default(),
             machine: Box::new(machine.clone()),
+            applied: Mutex::default(),
         });
         let (host, guest) = UnixStream::pair().expect("socketpair");
         let mut reader = guest.try_clone().expect("clone");
@@ -326,8 +327,17 @@ fn configure_sets_the_hostname_and_creates_the_workdir() {
     assert_eq!(std::fs::read_to_string(host.root.path().join("etc/hosts")).expect("hosts"), "::1\tlocalhost\n127.0.0.1\tlocalhost\n127.0.1.1\tsb-1\n");
     assert!(!host.root.path().join("etc/resolv.conf").exists(), "no network, no resolv.conf");
     assert_eq!(std::fs::read_to_string(host.root.path().join("etc/machine-id")).expect("machine-id"), "00112233445566778899aabbccddeeff\n");
-    // Again (a VM taken from the warm pool is configured twice): still fine.
-    assert_eq!(host.call(&Request::Configure(limits.clone()), b"").0, Response::Ok);
+    // Again (a VM taken from the warm pool is configured twice, a VM resumed from a configured
+    // snapshot once more): still fine, and what is already so is not applied again.
+    host.machine.shm_bytes.store(0, Ordering::SeqCst);
+    let downs = host.machine.network.lock().expect("lock").len();
+    assert_eq!(host.call(&Request::Configure(GuestLimits { hostname: "sb-2".into(), ..limits.clone() }), b"").0, Response::Ok);
+    assert_eq!(*host.machine.hostname.lock().expect("lock"), "sb-2", "the identity is always applied");
+    assert_eq!(std::fs::read_to_string(host.root.path().join("etc/hostname")).expect("hostname"), "sb-2\n");
+    assert_eq!(host.machine.shm_bytes.load(Ordering::SeqCst), 0, "/dev/shm already had that size");
+    assert_eq!(host.machine.network.lock().expect("lock").len(), downs, "eth0 was already down");
+    assert_eq!(host.call(&Request::Configure(GuestLimits { shm_bytes: 64 << 20, ..limits.clone() }), b"").0, Response::Ok);
+    assert_eq!(host.machine.shm_bytes.load(Ordering::SeqCst), 64 << 20, "a new size is applied");
     // With a network (protocol 7): eth0 configured, resolv.conf naming the gateway only.
     let network = guest_agent::protocol::GuestNetwork {
         address: std::net::Ipv4Addr::new(100, 96, 0, 6),
@@ -335,7 +345,7 @@ fn configure_sets_the_hostname_and_creates_the_workdir() {
         gateway: std::net::Ipv4Addr::new(100, 96, 0, 5),
     };
     assert_eq!(host.call(&Request::Configure(GuestLimits { network: Some(network), ..limits }), b"").0, Response::Ok);
-    assert_eq!(*host.machine.network.lock().expect("lock"), [None, None, Some(network)]);
+    assert_eq!(*host.machine.network.lock().expect("lock"), [None, Some(network)], "down once, then up");
     let conf = std::fs::read_to_string(host.root.path().join("etc/resolv.conf")).expect("resolv.conf");
     assert!(conf.ends_with("\nnameserver 100.96.0.5\n"), "{conf}");
     let relative = GuestLimits {

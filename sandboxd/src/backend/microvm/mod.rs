@@ -733,7 +733,7 @@ impl Inner {
     /// runs on from just after an earlier boot, with a clock, entropy and identity of its own),
     /// else booted, and then — the first time for this shape — snapshotted for the next
     /// create. A boot snapshot that fails to restore is dropped and the VM boots. Says whether
-    /// the VM was restored (and so already configured for `spec`).
+    /// the VM is already configured for `spec` (restored, or booted and then snapshotted).
     async fn boot_or_restore(
         self: &Arc<Self>,
         spec: &SandboxSpec,
@@ -781,11 +781,18 @@ impl Inner {
                 }
             }
         }
+        let config = guest_config(spec, net.as_deref());
         let vm = self.boot_new(&self.vm_name(), dir, 0, &base, spec.limits.disk_bytes, image, &spec.limits, None, net).await?;
-        if let Some(shape) = shape {
-            self.take_boot_snapshot(&vm, spec, shape).await;
+        let Some(shape) = shape else { return Ok((vm, pinned, false)) };
+        // Configured before it is saved: the guest agent remembers what it applied, so a
+        // restore with the same limits writes only the new identity (see `after_resume`).
+        if let Err(e) = vm.configure(config).await {
+            self.stop_vm(&vm).await;
+            let _ = std::fs::remove_dir_all(dir);
+            return Err(e);
         }
-        Ok((vm, pinned, false))
+        self.take_boot_snapshot(&vm, spec, shape).await;
+        Ok((vm, pinned, true))
     }
 
     /// Snapshots `vm`, just booted, as its shape's boot snapshot, unless the shape has one (or

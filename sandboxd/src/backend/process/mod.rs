@@ -737,16 +737,29 @@ impl Backend for ProcessBackend {
         // Frozen while the snapshot is taken, so no process is between two writes of a
         // multi-step update; btrfs flushes the subvolume's dirty data as part of the snapshot.
         // A read-only snapshot of the whole layer subvolume is O(1) in the bytes changed.
+        let t0 = std::time::Instant::now();
         sb.cgroup.freeze()?;
+        let frozen = t0.elapsed();
         let taken = pool.snapshot(&subvolume_of(sandbox), &snapshot_of(snapshot), true);
+        let copied = t0.elapsed();
         if let Err(e) = sb.cgroup.thaw() {
             tracing::error!(sandbox = %sandbox, error = %e, "cannot thaw sandbox after snapshot");
         }
+        let thawed = t0.elapsed();
         let path = taken?;
         let upper = path.join("upper");
-        tokio::task::spawn_blocking(move || hostfs::tree_size(&upper, hostfs::Measure::Content))
+        let size = tokio::task::spawn_blocking(move || hostfs::tree_size(&upper, hostfs::Measure::Content))
             .await
-            .map_err(|e| BackendError::Internal(format!("size task: {e}")))
+            .map_err(|e| BackendError::Internal(format!("size task: {e}")))?;
+        tracing::debug!(
+            sandbox = %sandbox,
+            freeze_us = frozen.as_micros() as u64,
+            btrfs_us = (copied - frozen).as_micros() as u64,
+            thaw_us = (thawed - copied).as_micros() as u64,
+            size_us = (t0.elapsed() - thawed).as_micros() as u64,
+            "snapshot phases"
+        );
+        Ok(size)
     }
 
     async fn rollback(&self, sandbox: &SandboxId, snapshot: &SnapshotId) -> Result<(), BackendError> {
@@ -757,9 +770,20 @@ impl Backend for ProcessBackend {
         // Rollback = stop the runtime, swap the writable layer for a writable snapshot of the
         // snapshot (O(1) on btrfs), start the runtime again with the same id and limits.
         let sb = self.take_sandbox(sandbox)?;
+        let t0 = std::time::Instant::now();
         self.stop_runtime(&sb, &format!("the sandbox was rolled back to {snapshot}")).await;
+        let stopped = t0.elapsed();
         pool.delete_subvolume(&subvolume_of(sandbox))?;
-        self.start(&sb.spec, Layer::From(snapshot)).await
+        let deleted = t0.elapsed();
+        let started = self.start(&sb.spec, Layer::From(snapshot)).await;
+        tracing::debug!(
+            sandbox = %sandbox,
+            stop_us = stopped.as_micros() as u64,
+            delete_us = (deleted - stopped).as_micros() as u64,
+            start_us = (t0.elapsed() - deleted).as_micros() as u64,
+            "rollback phases"
+        );
+        started
     }
 
     async fn delete_snapshot(&self, snapshot: &SnapshotId) -> Result<(), BackendError> {
