@@ -490,15 +490,35 @@ async fn creates_after_the_first_restore_the_images_boot_snapshot() {
     let d = client.create(microvm("minimal")).await.expect("fourth create");
     assert_eq!(restored(&daemon.log()), 3, "{}", daemon.log());
     assert!(!hostname(&client, &d.id).await.is_empty());
+    // The snapshot was saved configured for the first sandbox; a restore with other limits
+    // gets its own (the agent skips only what is already so), one with the same keeps them.
+    let own = CreateSandboxRequest { limits: Some(ResourceLimits { max_pids: 77, ..Default::default() }), ..microvm("minimal") };
+    let e = client.create(own).await.expect("a create with its own pids limit");
+    assert_eq!(restored(&daemon.log()), 4, "{}", daemon.log());
+    let pids_max = |id: String| {
+        let client = client.clone();
+        async move {
+            let r = client.exec(exec_request(&id, ["cat", "/sys/fs/cgroup/pids.max"])).await.expect("pids.max");
+            String::from_utf8_lossy(&r.stdout).trim().to_string()
+        }
+    };
+    assert_eq!(pids_max(e.id.clone()).await, "77");
+    assert_eq!(pids_max(d.id.clone()).await, pids_max(b.id.clone()).await, "same limits, same cgroup");
+    assert_ne!(pids_max(d.id.clone()).await, "77");
+    // No module loader in the guest: every module it needs was loaded at boot, and a name the
+    // sandbox asks for (an interface, a socket family) makes the kernel run nothing.
+    let r = client.exec(exec_request(&e.id, ["cat", "/proc/sys/kernel/modprobe"])).await.expect("modprobe sysctl");
+    assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), "", "{r:?}");
+    client.destroy(&e.id).await.expect("destroy e");
 
     // Another machine shape boots and gets a snapshot of its own.
     let bigger = CreateSandboxRequest { limits: Some(ResourceLimits { memory_bytes: 768 << 20, ..Default::default() }), ..microvm("minimal") };
     client.create(bigger).await.expect("a bigger VM");
-    assert_eq!((taken(&daemon.log()), restored(&daemon.log())), (2, 3), "{}", daemon.log());
+    assert_eq!((taken(&daemon.log()), restored(&daemon.log())), (2, 4), "{}", daemon.log());
     // One is kept: the older (least recently used) is evicted with its memory file, and the
     // next create of its shape boots again.
     assert!(daemon.log().contains("boot snapshots past [microvm] boot_snapshots evicted"), "{}", daemon.log());
     assert!(!first_memory.exists(), "the evicted snapshot's memory file {} is still there", first_memory.display());
     client.create(microvm("minimal")).await.expect("a create after the eviction");
-    assert_eq!((taken(&daemon.log()), restored(&daemon.log())), (3, 3), "{}", daemon.log());
+    assert_eq!((taken(&daemon.log()), restored(&daemon.log())), (3, 4), "{}", daemon.log());
 }
