@@ -21,6 +21,7 @@ pub mod input;
 pub mod machine;
 pub mod port;
 pub mod reaper;
+pub mod workers;
 
 use std::io::Write;
 use std::panic::AssertUnwindSafe;
@@ -82,6 +83,8 @@ pub struct Agent {
     machine: Box<dyn machine::Machine>,
     /// What `Configure` last applied to the machine, so a repeat leaves it alone.
     applied: Mutex<Applied>,
+    /// The threads requests run on.
+    workers: Arc<workers::Workers>,
 }
 
 /// The machine settings the last `Configure` applied. It is in the agent's memory, so a VM
@@ -107,6 +110,7 @@ impl Agent {
             running: exec::Running::default(),
             machine,
             applied: Mutex::default(),
+            workers: workers::Workers::new(REQUEST_STACK),
         })
     }
 
@@ -165,8 +169,7 @@ impl Agent {
     /// Handles a request on a thread of its own.
     fn spawn_handler(self: &Arc<Self>, id: u64, msg: Request, payload: Vec<u8>, conn: &Arc<Conn>) {
         let (agent, thread_conn) = (self.clone(), conn.clone());
-        let spawned =
-            std::thread::Builder::new().name(format!("req-{id}")).stack_size(REQUEST_STACK).spawn(move || agent.handle(id, msg, payload, &thread_conn));
+        let spawned = self.workers.run(Box::new(move || agent.handle(id, msg, payload, &thread_conn)));
         if let Err(e) = spawned {
             conn.send(id, &Response::Error { kind: ErrorKind::Internal, message: format!("cannot start a thread for the request: {e}") }, &[]);
         }

@@ -89,6 +89,7 @@ impl Host {
             running: exec::Running::default(),
             machine: Box::new(machine.clone()),
             applied: Mutex::default(),
+            workers: super::workers::Workers::new(super::REQUEST_STACK),
         });
         let (host, guest) = UnixStream::pair().expect("socketpair");
         let mut reader = guest.try_clone().expect("clone");
