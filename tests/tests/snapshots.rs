@@ -146,6 +146,46 @@ async fn snapshot_during_heavy_writes_is_consistent() {
     }
 }
 
+/// A snapshot freezes the sandbox only when something in it could be writing: a quiet one (no
+/// exec under way, no process but its init and the armed spare) is snapshotted as it is, a
+/// process an exec left behind makes the next snapshot freeze, and once it is gone the sandbox
+/// is quiet again. (`snapshot_during_heavy_writes_is_consistent` checks what the freeze keeps.)
+#[tokio::test(flavor = "multi_thread")]
+async fn only_a_sandbox_that_could_be_writing_is_frozen_for_a_snapshot() {
+    let daemon = Daemon::start_with_env("", &[("RUST_LOG", "info,sandboxd::backend::process=debug")]).await.expect("daemon");
+    let c = daemon.client().await.expect("client");
+    let sb = c.create(process_sandbox("minimal")).await.expect("create").id;
+    let quiet = |log: String| -> Vec<bool> {
+        log.lines().filter(|l| l.contains("snapshot phases") && l.contains(sb.as_str())).map(|l| l.contains("quiet=true")).collect()
+    };
+    sh_ok(&c, &sb, "echo 1 > /workspace/a").await;
+    c.snapshot(&sb, "quiet").await.expect("snapshot");
+    assert_eq!(quiet(daemon.log()), [true], "{}", daemon.log());
+    sh_ok(&c, &sb, "sleep 300 > /dev/null 2>&1 &").await;
+    let busy = c.snapshot(&sb, "busy").await.expect("snapshot with a process left behind");
+    assert_eq!(quiet(daemon.log()), [true, false], "{}", daemon.log());
+    assert!(daemon.log().lines().any(|l| l.contains("snapshot phases") && l.contains("quiet=false") && !l.contains("freeze_us=0 ")), "{}", daemon.log());
+    sh_ok(&c, &sb, "kill -9 $(pidof sleep)").await;
+    // Gone once the init has reaped it; then a snapshot is quiet again.
+    let daemon = &daemon;
+    assert!(
+        eventually(60, || {
+            let (c, sb) = (c.clone(), sb.clone());
+            async move {
+                let snap = c.snapshot(&sb, "").await.expect("snapshot");
+                c.delete_snapshot(&snap.snapshot_id).await.expect("delete");
+                quiet(daemon.log()).last() == Some(&true)
+            }
+        })
+        .await,
+        "{}",
+        daemon.log()
+    );
+    // Both snapshots hold what was written before them.
+    let fork = c.create(proto::CreateSandboxRequest { from_snapshot_id: busy.snapshot_id, ..Default::default() }).await.expect("fork").id;
+    assert_eq!(sh_ok(&c, &fork, "cat /workspace/a").await, "1\n");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn background_exec_survives_its_client_and_can_be_signalled() {
     let daemon = Daemon::start().await.expect("daemon");

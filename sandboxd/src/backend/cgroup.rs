@@ -66,6 +66,8 @@ const FREEZE_TIMEOUT: Duration = Duration::from_secs(2);
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Dying tasks keep a cgroup busy for a short moment after they were reaped.
 const RMDIR_BUSY_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long [`SandboxCgroup::kill_namespace`] waits for a namespace whose init it killed to empty.
+const NAMESPACE_KILL_GRACE: Duration = Duration::from_secs(1);
 const POLL_INTERVAL: Duration = Duration::from_millis(5);
 
 /// Errors from cgroup setup and control.
@@ -998,6 +1000,34 @@ impl SandboxCgroup {
         self.node.kill_all()
     }
 
+    /// Pids of the sandbox's own processes (its init; on v1 also a spare between its fork and
+    /// its move into an exec cgroup), not those of its exec cgroups.
+    pub fn own_pids(&self) -> Vec<i32> {
+        self.procs_node().pids_here()
+    }
+
+    /// [`SandboxCgroup::kill_all`] for a sandbox whose init is the first process of its own
+    /// pid namespace. On v1, unless the sandbox is frozen, the init is SIGKILLed alone: the
+    /// kernel then kills every other process of the namespace and refuses it new ones, which is
+    /// as race-free against forks as a freeze, without one. A freeze must wait for every exec
+    /// cgroup removed in the last grace period to go offline (~15 ms right after an exec).
+    /// Whatever is left after [`NAMESPACE_KILL_GRACE`] goes through `kill_all`.
+    pub fn kill_namespace(&self) -> Result<(), CgroupError> {
+        let frozen = self.node.primary_dir().and_then(|d| read_trim(&d.join("freezer.state"))).is_some_and(|s| s != "THAWED");
+        if self.node.root.version == CgroupVersion::V1 && !frozen {
+            let primary = self.node.primary_dir().unwrap_or_default();
+            for pid in self.own_pids() {
+                send_signal(pid, libc::SIGKILL, &primary)?;
+            }
+            let start = Instant::now();
+            let mut backoff = Backoff::new();
+            while !self.node.pids_recursive().is_empty() && start.elapsed() < NAMESPACE_KILL_GRACE {
+                backoff.sleep();
+            }
+        }
+        self.node.kill_all()
+    }
+
     /// CPU and memory of the whole sandbox (its execs included) now, and its process count.
     pub fn usage(&self) -> crate::model::SandboxUsage {
         let u = node_usage(&self.node);
@@ -1187,6 +1217,11 @@ impl ExecCgroups {
         if let Ok(mut running) = self.running.lock() {
             running.insert(exec_id.to_string(), cgroup);
         }
+    }
+
+    /// Whether an exec is running.
+    pub fn any_running(&self) -> bool {
+        self.running.lock().map(|r| !r.is_empty()).unwrap_or(true)
     }
 
     /// The cgroup of a running exec.

@@ -212,6 +212,8 @@ impl ProcessSandbox {
     ) -> Result<ExecOutcome, BackendError> {
         let started_at = SystemTime::now();
         let exec_id = spec.exec_id.to_string();
+        // Counted from here until this future ends, however it ends (see `ProcessSandbox::quiet`).
+        let _under_way = UnderWay::new(self);
         // The armed slot's cgroup (its spare process already inside), or a fresh one.
         let spare = self.spare.lock().ok().and_then(|mut s| s.take());
         let sb = self.clone();
@@ -397,5 +399,23 @@ impl ProcessSandbox {
         let status = ExecStatus::from(end.status);
         let error = if status == ExecStatus::Lost { UNKNOWN_EXIT.to_string() } else { String::new() };
         Ok(ExecOutcome { status, exit_code: end.exit_code, signal: end.signal, stdout, stderr, started_at, duration, usage, error })
+    }
+}
+
+/// An exec under way in a sandbox, counted in its `execs_begun` and `execs_active` while it lives.
+struct UnderWay<'a>(&'a ProcessSandbox);
+
+impl<'a> UnderWay<'a> {
+    fn new(sb: &'a ProcessSandbox) -> Self {
+        use std::sync::atomic::Ordering::SeqCst;
+        sb.execs_active.fetch_add(1, SeqCst);
+        sb.execs_begun.fetch_add(1, SeqCst);
+        UnderWay(sb)
+    }
+}
+
+impl Drop for UnderWay<'_> {
+    fn drop(&mut self) {
+        self.0.execs_active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }

@@ -111,6 +111,9 @@ pub(crate) struct ProcessSandbox {
     spare: Mutex<Option<(String, Arc<ExecCgroup>)>>,
     /// A slot is being armed.
     arming: std::sync::atomic::AtomicBool,
+    /// Execs begun (ever) and not yet ended: what [`ProcessSandbox::is_quiet`] reads.
+    execs_begun: std::sync::atomic::AtomicU64,
+    execs_active: std::sync::atomic::AtomicU64,
     /// The host CPUs its processes run on; given back when the runtime goes.
     cpus: super::cpus::CpuLease,
     /// Its user namespace's host id range (none without user namespaces); given back when the
@@ -119,6 +122,22 @@ pub(crate) struct ProcessSandbox {
 }
 
 impl ProcessSandbox {
+    /// The count of execs begun so far, when nothing in the sandbox can be writing to its
+    /// filesystem: no exec is under way and no process is there but the init and the armed
+    /// spare, which only wait for the daemon. A background process an exec left, a spare
+    /// between its fork and its slot: not quiet.
+    fn quiet(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let begun = self.execs_begun.load(SeqCst);
+        if self.execs_active.load(SeqCst) != 0 || self.execs.any_running() {
+            return None;
+        }
+        let own = self.cgroup.own_pids();
+        let spare = self.spare.lock().ok()?.as_ref().map(|(_, cg)| cg.pids()).unwrap_or_default();
+        let all = self.cgroup.pids();
+        (own.len() <= 1 && all.iter().all(|p| own.contains(p) || spare.contains(p))).then_some(begun)
+    }
+
     /// The id shift of its user namespace, if it has one.
     fn ids(&self) -> Option<sandbox_exec::archive::IdShift> {
         self.ids.as_ref().map(idmap::IdLease::shift)
@@ -516,6 +535,8 @@ impl ProcessBackend {
             execs: ExecCgroups::default(),
             spare: Mutex::new(None),
             arming: std::sync::atomic::AtomicBool::new(false),
+            execs_begun: std::sync::atomic::AtomicU64::new(0),
+            execs_active: std::sync::atomic::AtomicU64::new(0),
             cpus,
             ids,
         });
@@ -557,8 +578,8 @@ impl ProcessBackend {
         }
         sb.channel.close();
         net::detach(self.cfg.egress.as_deref(), sb).await;
-        // Killing the cgroup ends the init (and with it the pid namespace) and every process.
-        if let Err(e) = sb.cgroup.kill_all() {
+        // Killing the init ends the pid namespace and every process in it.
+        if let Err(e) = sb.cgroup.kill_namespace() {
             tracing::warn!(sandbox = %sb.id, error = %e, "killing sandbox processes");
         }
         if let Some(mut shim) = sb.shim.lock().await.take() {
@@ -738,14 +759,30 @@ impl Backend for ProcessBackend {
         // multi-step update; btrfs flushes the subvolume's dirty data as part of the snapshot.
         // A read-only snapshot of the whole layer subvolume is O(1) in the bytes changed.
         let t0 = std::time::Instant::now();
-        sb.cgroup.freeze()?;
-        let frozen = t0.elapsed();
-        let taken = pool.snapshot(&subvolume_of(sandbox), &snapshot_of(snapshot), true);
-        let copied = t0.elapsed();
-        if let Err(e) = sb.cgroup.thaw() {
-            tracing::error!(sandbox = %sandbox, error = %e, "cannot thaw sandbox after snapshot");
-        }
-        let thawed = t0.elapsed();
+        // A quiet sandbox (no exec under way, no process but the init and the spare) is not
+        // frozen: nothing in it can write, and a freeze right after an exec waits ~15 ms on
+        // cgroup v1 (the exec's removed cgroup goes offline one RCU grace period later). If
+        // an exec began meanwhile, the snapshot is taken again, frozen.
+        let quiet = sb.quiet();
+        let (name, layer) = (snapshot_of(snapshot), subvolume_of(sandbox));
+        let mut freeze = std::time::Duration::ZERO;
+        let taken = match quiet.map(|begun| (begun, pool.snapshot(&layer, &name, true))) {
+            Some((begun, Ok(path))) if sb.quiet() == Some(begun) => Ok(path),
+            unquiet => {
+                if matches!(unquiet, Some((_, Ok(_)))) {
+                    pool.delete_subvolume(&name)?;
+                }
+                let f = std::time::Instant::now();
+                sb.cgroup.freeze()?;
+                freeze = f.elapsed();
+                let t = pool.snapshot(&layer, &name, true);
+                if let Err(e) = sb.cgroup.thaw() {
+                    tracing::error!(sandbox = %sandbox, error = %e, "cannot thaw sandbox after snapshot");
+                }
+                t
+            }
+        };
+        let snapshotted = t0.elapsed();
         let path = taken?;
         let upper = path.join("upper");
         let size = tokio::task::spawn_blocking(move || hostfs::tree_size(&upper, hostfs::Measure::Content))
@@ -753,10 +790,10 @@ impl Backend for ProcessBackend {
             .map_err(|e| BackendError::Internal(format!("size task: {e}")))?;
         tracing::debug!(
             sandbox = %sandbox,
-            freeze_us = frozen.as_micros() as u64,
-            btrfs_us = (copied - frozen).as_micros() as u64,
-            thaw_us = (thawed - copied).as_micros() as u64,
-            size_us = (t0.elapsed() - thawed).as_micros() as u64,
+            quiet = quiet.is_some(),
+            freeze_us = freeze.as_micros() as u64,
+            snapshot_us = snapshotted.as_micros() as u64,
+            size_us = (t0.elapsed() - snapshotted).as_micros() as u64,
             "snapshot phases"
         );
         Ok(size)
