@@ -1229,12 +1229,17 @@ impl ExecCgroups {
         self.running.lock().ok().and_then(|r| r.get(exec_id).cloned())
     }
 
-    /// An exec ended: its cgroup is removed, or kept for later if background processes it left
-    /// behind are still in it.
-    pub fn finished(&self, exec_id: &str, cgroup: &std::sync::Arc<ExecCgroup>) {
+    /// An exec ended: it is no longer running (its cgroup is removed by [`ExecCgroups::finished`]).
+    pub fn ended(&self, exec_id: &str) {
         if let Ok(mut running) = self.running.lock() {
             running.remove(exec_id);
         }
+    }
+
+    /// An exec ended: its cgroup is removed, or kept for later if background processes it left
+    /// behind are still in it.
+    pub fn finished(&self, exec_id: &str, cgroup: &std::sync::Arc<ExecCgroup>) {
+        self.ended(exec_id);
         match cgroup.remove() {
             Ok(true) => {}
             Ok(false) => {

@@ -218,18 +218,27 @@ impl ProcessSandbox {
         let spare = self.spare.lock().ok().and_then(|mut s| s.take());
         let sb = self.clone();
         let id = exec_id.clone();
-        let (slot, cgroup, procs) = blocking(move || -> Result<_, BackendError> {
-            let (slot, cgroup) = match spare {
-                Some((slot, cgroup)) => (Some(slot), cgroup),
-                None => (None, Arc::new(sb.cgroup.create_exec(&id)?)),
-            };
-            let procs = cgroup.procs_files()?;
-            Ok((slot, cgroup, procs))
-        })
-        .await??;
+        let (slot, cgroup, procs) = match spare {
+            // Opening its few `cgroup.procs` files is quicker than a trip to a blocking thread,
+            // which after an idle spell wakes a parked thread on another CPU and back.
+            Some((slot, cgroup)) => {
+                let procs = cgroup.procs_files()?;
+                (Some(slot), cgroup, procs)
+            }
+            None => {
+                blocking(move || -> Result<_, BackendError> {
+                    let cgroup = Arc::new(sb.cgroup.create_exec(&id)?);
+                    let procs = cgroup.procs_files()?;
+                    Ok((None, cgroup, procs))
+                })
+                .await??
+            }
+        };
         let result = self.run_in_cgroup(&spec, &cgroup, procs, slot, sink, started, cancel, started_at).await;
+        // Off the answer's path: its cgroup's removal (an rmdir per hierarchy).
+        self.execs.ended(&exec_id);
         let sb = self.clone();
-        let _ = blocking(move || sb.execs.finished(&exec_id, &cgroup)).await;
+        tokio::task::spawn_blocking(move || sb.execs.finished(&exec_id, &cgroup));
         result
     }
 
@@ -373,8 +382,8 @@ impl ProcessSandbox {
         };
         let stdout = stdout.unwrap_or_default();
         let stderr = stderr.unwrap_or_default();
-        let cg = cgroup.clone();
-        let raw = blocking(move || cg.usage()).await?;
+        // A few small reads of cgroup files: inline, as for the slot's procs files.
+        let raw = cgroup.usage();
         let usage = ExecUsage { cpu_user_ms: raw.cpu_user_ms, cpu_system_ms: raw.cpu_system_ms, peak_memory_bytes: raw.peak_memory_bytes };
 
         // The runtime was taken down under this exec (rollback, destroy, shutdown): whatever

@@ -393,6 +393,7 @@ impl ProcessBackend {
     /// setup with [`ProcessBackend::undo_setup`], which tolerates steps that never happened.
     async fn setup(&self, spec: &SandboxSpec, source: Layer<'_>) -> Result<Arc<ProcessSandbox>, BackendError> {
         let pool = self.pool()?;
+        let t0 = std::time::Instant::now();
         let lower = self.image_rootfs(&spec.image)?;
         let id = &spec.id;
 
@@ -410,6 +411,7 @@ impl ProcessBackend {
             std::fs::create_dir_all(layer.join(d)).map_err(|e| BackendError::io(format!("creating {d} dir"), e))?;
         }
 
+        let layered = t0.elapsed();
         // 2. The root filesystem: overlay of the read-only image under the writable layer,
         //    mounted nosuid,nodev on the host so the daemon's file API can never open a device
         //    node the sandbox planted. With user namespaces both layers are idmapped mounts of
@@ -475,6 +477,7 @@ impl ProcessBackend {
         let tmp = rootfs.join("tmp");
         let _ = std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o1777));
 
+        let mounted = t0.elapsed();
         // 3. The cgroup, with the memory, pids and cpu limits.
         let limits = CgroupLimits { memory_bytes: spec.limits.memory_bytes, max_pids: spec.limits.max_pids, cpu_millicores: spec.limits.cpu_millicores };
         let cgroup = self.cgroups()?.create_namespaced_sandbox(id.as_str(), &limits)?;
@@ -483,6 +486,7 @@ impl ProcessBackend {
         // shows them as the CPU list (the init writes it).
         let cpus = super::cpus::place(spec.limits.cpu_millicores);
 
+        let grouped = t0.elapsed();
         // 4. The shim + init, from this same binary (see init.rs for the in-sandbox recipe).
         let (ours, theirs) = nix::sys::socket::socketpair(
             nix::sys::socket::AddressFamily::Unix,
@@ -552,7 +556,9 @@ impl ProcessBackend {
         })
         .map_err(|e| BackendError::Internal(e.to_string()))?;
         let fds: Vec<i32> = join_first.iter().chain(&join_then).map(|f| f.as_raw_fd()).collect();
+        let spawned = t0.elapsed();
         let ready = sandbox.channel.handshake(&config, &fds, SETUP_DEADLINE).await;
+        let handshaken = t0.elapsed();
         drop((join_first, join_then));
         // v2: the init has moved on into its leaf, so the exec cgroups may get the controllers.
         let ready = ready.and_then(|()| sandbox.cgroup.enable_children().map_err(|e| format!("enabling the exec cgroups' controllers: {e}")));
@@ -567,6 +573,17 @@ impl ProcessBackend {
         }
         sandbox.channel.start_reader(id.to_string());
         sandbox.arm_spare();
+        let us = |d: std::time::Duration| d.as_micros() as u64;
+        tracing::debug!(
+            sandbox = %id,
+            layer_us = us(layered),
+            mount_us = us(mounted - layered),
+            cgroup_us = us(grouped - mounted),
+            spawn_us = us(spawned - grouped),
+            init_us = us(handshaken - spawned),
+            rest_us = us(t0.elapsed() - handshaken),
+            "setup phases"
+        );
         Ok(sandbox)
     }
 
