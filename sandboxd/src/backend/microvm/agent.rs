@@ -84,16 +84,7 @@ impl AgentConn {
         mut alive: impl FnMut() -> Result<(), String>,
     ) -> Result<(AgentConn, HelloInfo), AgentError> {
         let started = tokio::time::Instant::now();
-        let stream = loop {
-            alive().map_err(AgentError::Closed)?;
-            match UnixStream::connect(socket).await {
-                Ok(s) => break s,
-                Err(e) if tokio::time::Instant::now() >= deadline => {
-                    return Err(AgentError::Closed(format!("cannot connect to {}: {e}", socket.display())));
-                }
-                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
-            }
-        };
+        let stream = Self::connect_socket(socket, deadline, &mut alive).await?;
         let conn = AgentConn::over(stream);
         // For messages: the whole wait, not one retry.
         let boot_timeout = deadline.saturating_duration_since(started);
@@ -120,6 +111,34 @@ impl AgentConn {
                 Ok(other) => return Err(AgentError::Protocol(format!("unexpected answer to hello: {:?}", other.msg))),
                 Err(AgentError::Timeout { .. }) => continue,
                 Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Connects to the agent of a VM resumed from a memory snapshot, whose agent is known
+    /// (`hello`, as it answered when the snapshot's VM started) and has its port open: no
+    /// `Hello` round trip, so the first requests go at once (under TCG every round trip in a
+    /// freshly resumed guest runs cold code). They are its readiness check.
+    pub async fn connect_resumed(
+        socket: &Path,
+        deadline: tokio::time::Instant,
+        mut alive: impl FnMut() -> Result<(), String>,
+        hello: HelloInfo,
+    ) -> Result<(AgentConn, HelloInfo), AgentError> {
+        let stream = Self::connect_socket(socket, deadline, &mut alive).await?;
+        Ok((AgentConn::over(stream), hello))
+    }
+
+    /// The agent socket QEMU serves, connected once it is there.
+    async fn connect_socket(socket: &Path, deadline: tokio::time::Instant, alive: &mut impl FnMut() -> Result<(), String>) -> Result<UnixStream, AgentError> {
+        loop {
+            alive().map_err(AgentError::Closed)?;
+            match UnixStream::connect(socket).await {
+                Ok(s) => return Ok(s),
+                Err(e) if tokio::time::Instant::now() >= deadline => {
+                    return Err(AgentError::Closed(format!("cannot connect to {}: {e}", socket.display())));
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
             }
         }
     }

@@ -319,13 +319,15 @@ impl Inner {
             boot: boot_key(&image.boot),
             nic,
             ram_file: true,
+            agent: None,
         };
         let fits = shape.memory_mib >= here.memory_mib && (shape.vcpus, shape.accel, &shape.boot, shape.nic) == (here.vcpus, here.accel, &here.boot, here.nic);
         if !fits {
             tracing::info!(snapshot = %snap, saved = ?shape, wanted = ?here, "the memory snapshot is of another machine: booting over its disk instead");
             return None;
         }
-        Some(Incoming { snapshot: snap.clone(), file: Arc::new(file), ram: Arc::new(ram), memory_mib: shape.memory_mib, vcpus: shape.vcpus })
+        let agent = shape.agent.map(|a| agent::HelloInfo { kernel: a.kernel, uptime_ms: 0, version: a.version });
+        Some(Incoming { snapshot: snap.clone(), file: Arc::new(file), ram: Arc::new(ram), memory_mib: shape.memory_mib, vcpus: shape.vcpus, agent })
     }
 
     fn memory_mib(limits: &Limits) -> u64 {
@@ -927,7 +929,8 @@ impl Inner {
         let Some(vm_ram) = vm.ram() else {
             return Err(BackendError::Internal("this microVM's RAM is not in a file (or QEMU is gone): it cannot be saved".into()));
         };
-        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot), nic: vm.nic, ram_file: true };
+        let agent = Some(SavedAgent { version: vm.hello.version, kernel: vm.hello.kernel.clone() });
+        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot), nic: vm.nic, ram_file: true, agent };
         let part = self.snapshots_dir.join(format!("{snap}.mem.part"));
         let ram_part = self.snapshots_dir.join(format!("{snap}.ram.part"));
         let file = std::fs::OpenOptions::new()
@@ -1064,7 +1067,8 @@ impl Inner {
         if let Err(e) = after_resume(&vm, guest_config(&sb.spec, sb.net.as_deref())).await {
             self.stop_vm(&vm).await;
             let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
+            // The old VM runs on untouched: the sandbox is as it was.
+            return Err(BackendError::SnapshotUnusable { snapshot: snap, reason: format!("the microVM resumed from it did not come up: {e}") });
         }
         old.mark_lost(&format!("the sandbox was rolled back to {snap}"));
         self.stop_vm(&old).await;
@@ -1294,6 +1298,16 @@ struct MemoryShape {
     /// in files written when the RAM was in the stream, which are not resumed.
     #[serde(default)]
     ram_file: bool,
+    /// The guest agent running in the saved memory (absent in older files: asked at resume).
+    #[serde(default)]
+    agent: Option<SavedAgent>,
+}
+
+/// What the guest agent of a memory snapshot said in `Hello` when its VM started.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct SavedAgent {
+    version: u32,
+    kernel: String,
 }
 
 /// A VM's RAM file, made (empty) before its top disk.

@@ -106,6 +106,8 @@ pub struct Incoming {
     /// The machine it was saved from, which the resumed VM must be.
     pub memory_mib: u64,
     pub vcpus: u32,
+    /// The agent in the saved memory, when the snapshot recorded it: then no `Hello` is asked.
+    pub agent: Option<HelloInfo>,
 }
 
 /// A running VM with its agent connected.
@@ -287,8 +289,14 @@ impl Vm {
                 }
                 None => None,
             };
-            let (agent, hello) = AgentConn::connect(&agent_sock, deadline, Duration::from_millis(200), alive).await?;
-            tracing::debug!(dir = %spec.dir.display(), ms = t0.elapsed().as_millis() as u64, "guest agent answered");
+            let known = spec.incoming.as_ref().and_then(|i| i.agent.clone()).filter(|_| resumed.is_some());
+            let asked = known.is_none();
+            let (agent, hello) = match known {
+                Some(hello) => AgentConn::connect_resumed(&agent_sock, deadline, alive, hello).await?,
+                None => AgentConn::connect(&agent_sock, deadline, Duration::from_millis(200), alive).await?,
+            };
+            let what = if asked { "guest agent answered" } else { "guest agent connected (resumed: its first requests are the check)" };
+            tracing::debug!(dir = %spec.dir.display(), ms = t0.elapsed().as_millis() as u64, "{what}");
             let qmp = match resumed {
                 Some(qmp) => qmp,
                 None => Qmp::connect(&qmp_sock).await.map_err(AgentError::Closed)?,
