@@ -29,6 +29,7 @@ impl Workers {
     }
 
     /// How many threads wait for work.
+    #[cfg(test)]
     pub fn idle(&self) -> usize {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
     }

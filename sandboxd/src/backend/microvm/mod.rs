@@ -930,7 +930,8 @@ impl Inner {
             return Err(BackendError::Internal("this microVM's RAM is not in a file (or QEMU is gone): it cannot be saved".into()));
         };
         let agent = Some(SavedAgent { version: vm.hello.version, kernel: vm.hello.kernel.clone() });
-        let shape = MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot), nic: vm.nic, ram_file: true, agent };
+        let shape =
+            MemoryShape { memory_mib: vm.memory_mib, vcpus: vm.vcpus, accel: vm.accel, boot: boot_key(&image.boot), nic: vm.nic, ram_file: true, agent };
         let part = self.snapshots_dir.join(format!("{snap}.mem.part"));
         let ram_part = self.snapshots_dir.join(format!("{snap}.ram.part"));
         let file = std::fs::OpenOptions::new()
