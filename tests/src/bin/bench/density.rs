@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use sandbox_tests::{rss_bytes, Daemon};
+use sandbox_tests::{process_sandbox, proto, rss_bytes, Daemon};
 
 use crate::cli::Plan;
 use crate::results::{Density, Key, Report};
@@ -41,13 +41,28 @@ fn pss_of_tree(root: u32) -> Option<(u64, usize)> {
     Some((total, count))
 }
 
+/// The host's memory in use: MemTotal − MemAvailable of /proc/meminfo.
+fn host_used_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb = |key: &str| info.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok());
+    Some(kb("MemTotal:")?.saturating_sub(kb("MemAvailable:")?) * 1024)
+}
+
+/// An idle sandbox as an agent framework keeps many: the default image with small limits, so
+/// the daemon's admission (memory, pids and disk promised against the host's) takes thousands.
+fn idle_sandbox() -> proto::CreateSandboxRequest {
+    let limits = proto::ResourceLimits { memory_bytes: 64 << 20, max_pids: 32, disk_bytes: 64 << 20, ..Default::default() };
+    proto::CreateSandboxRequest { limits: Some(limits), ..process_sandbox("minimal") }
+}
+
 async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, report: &mut Report) -> Result<Density> {
     let rss_idle = pid.and_then(rss_bytes);
+    let host_before = host_used_bytes();
     let mut ids = Vec::with_capacity(plan.live);
     let mut creates = Vec::with_capacity(plan.live);
     let t = Instant::now();
     for i in 0..plan.live {
-        let (id, took) = sb.create(&format!("live sandbox {} of {}", i + 1, plan.live)).await?;
+        let (id, took) = sb.create_with(idle_sandbox(), &format!("live sandbox {} of {}", i + 1, plan.live)).await?;
         ids.push(id);
         creates.push(took);
     }
@@ -56,6 +71,7 @@ async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, rep
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_live = pid.and_then(rss_bytes);
     let pss_tree = pid.and_then(pss_of_tree);
+    let host_used = host_before.zip(host_used_bytes());
     report.measured(Key::LiveCreate, &creates);
 
     let mut execs = Vec::with_capacity(ids.len() * 3);
@@ -74,7 +90,7 @@ async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, rep
     let destroy_total = t.elapsed();
     report.measured(Key::LiveDestroy, &destroys);
     let rss_after = pid.and_then(rss_bytes);
-    Ok(Density { live: plan.live, rss_idle, rss_live, pss_tree, create_total, destroy_total, rss_after })
+    Ok(Density { live: plan.live, rss_idle, rss_live, pss_tree, host_used, create_total, destroy_total, rss_after })
 }
 
 /// Section 4, on a fresh daemon so that its RSS is not that of the latency runs.
@@ -82,7 +98,9 @@ pub(crate) async fn sandboxd_density(plan: &Plan, report: &mut Report) {
     let started = Instant::now();
     let keys = [Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
     eprintln!("bench: sandboxd {} live sandboxes", plan.live);
-    let daemon = match Daemon::start().await.context("starting sandboxd for the density section") {
+    // The policy's sandbox counts (4096, 2048 per tenant by default) raised to what is asked.
+    let config = format!("[policy]\nmax_sandboxes = {n}\nmax_sandboxes_per_tenant = {n}\n", n = plan.live.max(4096));
+    let daemon = match Daemon::start_with_config(&config).await.context("starting sandboxd for the density section") {
         Ok(d) => d,
         Err(e) => {
             report.density = Some(Err(format!("{e:#}")));

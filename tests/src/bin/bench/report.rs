@@ -205,7 +205,11 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
     match &report.density {
         Some(Ok(d)) => {
             let opt = |v: Option<u64>| v.map(mib).unwrap_or_else(|| "unknown".into());
-            let _ = writeln!(w, "A fresh daemon, then {} process-tier sandboxes created one after another and kept alive:\n", d.live);
+            let _ = writeln!(
+                w,
+                "A fresh daemon, then {} process-tier sandboxes (image minimal; memory 64 MiB, 32 pids, disk 64 MiB each) created one after another and kept alive:\n",
+                d.live
+            );
             let _ = writeln!(
                 w,
                 "- daemon RSS (VmRSS) idle: {}; with {} live: **{}**; after destroying them all: {}",
@@ -220,6 +224,16 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
                     "- the daemon and every process under it ({procs} processes: per-sandbox shim and init) together: {} PSS, {:.2} MiB per sandbox",
                     mib(pss),
                     pss as f64 / (1u64 << 20) as f64 / d.live.max(1) as f64
+                );
+            }
+            if let Some((before, live)) = d.host_used {
+                let _ = writeln!(
+                    w,
+                    "- the host's memory in use (MemTotal − MemAvailable, kernel memory included): {} before, {} with {} live: {:.2} MiB per sandbox",
+                    mib(before),
+                    mib(live),
+                    d.live,
+                    live.saturating_sub(before) as f64 / (1u64 << 20) as f64 / d.live.max(1) as f64
                 );
             }
             let _ = writeln!(

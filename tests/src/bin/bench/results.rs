@@ -266,6 +266,9 @@ pub(crate) struct Density {
     pub(crate) rss_live: Option<u64>,
     /// PSS of the daemon and every process under it (shims, inits), and how many processes.
     pub(crate) pss_tree: Option<(u64, usize)>,
+    /// The host's memory in use (MemTotal − MemAvailable) before the creates and with all live:
+    /// what the sandboxes cost the host, kernel memory (cgroups, mounts, namespaces) included.
+    pub(crate) host_used: Option<(u64, u64)>,
     pub(crate) create_total: Duration,
     pub(crate) destroy_total: Duration,
     pub(crate) rss_after: Option<u64>,
