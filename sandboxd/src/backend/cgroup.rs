@@ -1219,11 +1219,6 @@ impl ExecCgroups {
         }
     }
 
-    /// Whether an exec is running.
-    pub fn any_running(&self) -> bool {
-        self.running.lock().map(|r| !r.is_empty()).unwrap_or(true)
-    }
-
     /// The cgroup of a running exec.
     pub fn running(&self, exec_id: &str) -> Option<std::sync::Arc<ExecCgroup>> {
         self.running.lock().ok().and_then(|r| r.get(exec_id).cloned())

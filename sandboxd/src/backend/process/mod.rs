@@ -129,7 +129,8 @@ impl ProcessSandbox {
     fn quiet(&self) -> Option<u64> {
         use std::sync::atomic::Ordering::SeqCst;
         let begun = self.execs_begun.load(SeqCst);
-        if self.execs_active.load(SeqCst) != 0 || self.execs.any_running() {
+        // Every exec counts in `execs_active` from before its cgroup is taken until it has ended.
+        if self.execs_active.load(SeqCst) != 0 {
             return None;
         }
         let own = self.cgroup.own_pids();
