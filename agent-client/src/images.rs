@@ -132,11 +132,17 @@ where
 impl Client {
     /// Every image of the daemon's catalog, sorted by name.
     pub async fn list_images(&self) -> Result<Vec<ImageInfo>> {
+        Ok(self.list_images_fleet().await?.images)
+    }
+
+    /// Lists images as [`Client::list_images`] does, with (in a fleet) the nodes holding each
+    /// (`ImageInfo.nodes`) and the nodes that did not answer (`unreachable_nodes`).
+    pub async fn list_images_fleet(&self) -> Result<crate::proto::ListImagesResponse> {
         let response = self
             .raw()
             .list_images(crate::proto::ListImagesRequest {})
             .await?;
-        Ok(response.into_inner().images)
+        Ok(response.into_inner())
     }
 
     /// One image; NOT_FOUND (listing the names there are) when there is none of that name.

@@ -194,6 +194,11 @@ sha256 = "{b}"
 /// Node `i`'s configuration: at most `max_sandboxes` sandboxes, the tenants' tokens, and
 /// `[fleet]` with its peers from dnsmasq and the fleet token read from `{dir}/fleet-token`.
 pub fn config(net: &Net, i: usize, max_sandboxes: usize) -> String {
+    config_with(net, i, max_sandboxes, "")
+}
+
+/// [`config`] with `more_policy`'s lines in its `[policy]` table.
+pub fn config_with(net: &Net, i: usize, max_sandboxes: usize, more_policy: &str) -> String {
     format!(
         r#"{policy}{tls}[fleet]
 node_name = "{node}"
@@ -205,7 +210,7 @@ connect_timeout_ms = 1000
 token_file = "{{dir}}/fleet-token"
 tls_ca_file = "{ca}"
 "#,
-        policy = policy_and_auth(max_sandboxes, ""),
+        policy = policy_and_auth(max_sandboxes, more_policy),
         tls = net.tls_table(),
         ca = net.dir().join("ca.pem").display(),
         node = NODES[i],
@@ -215,10 +220,16 @@ tls_ca_file = "{ca}"
 
 /// Starts node `i` of the fleet in its namespace, on its address (`--listen` TCP, `--web`).
 pub async fn start_node(net: &Net, i: usize, max_sandboxes: usize) -> Result<Daemon> {
+    start_node_with(net, i, max_sandboxes, "").await
+}
+
+/// [`start_node`] with `more_policy`'s lines in the node's `[policy]` table (e.g. the tiers it
+/// offers: `allowed = ["process"]`).
+pub async fn start_node_with(net: &Net, i: usize, max_sandboxes: usize, more_policy: &str) -> Result<Daemon> {
     // The fleet token, as a Kubernetes Secret would mount it.
     let token = net.dir().join("fleet-token");
     std::fs::write(&token, FLEET_TOKEN).context("writing the fleet token")?;
-    let toml = config(net, i, max_sandboxes).replace("{dir}/fleet-token", &token.display().to_string());
+    let toml = config_with(net, i, max_sandboxes, more_policy).replace("{dir}/fleet-token", &token.display().to_string());
     start_in(net, i, &toml).await.with_context(|| format!("starting fleet node {}", NODES[i]))
 }
 

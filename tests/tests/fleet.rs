@@ -11,16 +11,18 @@ use std::collections::{BTreeMap, HashMap};
 
 use agent_client::{exec_request, Client};
 use sandbox_tests::fleet::{Net, NODES, PORT, TOKEN_A, TOKEN_B, WEB_PORT};
-use sandbox_tests::proto::{exec_event, CreateSandboxRequest, ExecSessionStart, Sandbox};
-use sandbox_tests::{eventually, process_sandbox, sh_ok, text, within, Daemon};
+use sandbox_tests::proto::{exec_event, CreateSandboxRequest, ExecSessionStart, Isolation, Sandbox};
+use sandbox_tests::{eventually, process_sandbox, sandbox_request, sh_ok, text, within, Daemon};
 use sha2::{Digest, Sha256};
 use tonic::Code;
 
 /// Sandboxes each node holds at most (policy.max_sandboxes).
 const PER_NODE: usize = 3;
 
+/// Node `i`: nodes A and B offer only the process tier, node C the container tier too.
 async fn start_node(net: &Net, i: usize) -> Daemon {
-    sandbox_tests::fleet::start_node(net, i, PER_NODE).await.expect("starting a fleet node")
+    let allowed = if i == 2 { "allowed = [\"process\", \"container\"]\n" } else { "allowed = [\"process\"]\n" };
+    sandbox_tests::fleet::start_node_with(net, i, PER_NODE, allowed).await.expect("starting a fleet node")
 }
 
 async fn tenant(net: &Net, token: &str) -> Client {
@@ -87,6 +89,21 @@ async fn three_nodes_behind_one_address() {
         text(&out.stderr),
         nodes[0].log()
     );
+
+    // A tier only one node offers (node C's policy allows the container tier, A's and B's do
+    // not) lands there through A; one no node offers is refused naming why on every node.
+    let on_c = within(180, a.create(sandbox_request(Isolation::Container, "minimal")))
+        .await
+        .unwrap_or_else(|e| panic!("a container create through A: {e}\nnode A's log:\n{}", nodes[0].log()));
+    assert_eq!(on_c.node, "node-c", "the only node offering the container tier: {on_c:?}");
+    assert_eq!(sh_ok(&a, &on_c.id, "echo boxed").await, "boxed\n");
+    within(120, a.destroy(on_c.id.clone())).await.expect("destroy the container sandbox");
+    let e = within(120, a.create(sandbox_request(Isolation::Microvm, "minimal"))).await.expect_err("no node offers the microVM tier");
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
+    for n in NODES {
+        assert!(e.to_string().contains(n), "the refusal names every node: {e}");
+    }
+    assert!(e.to_string().contains("MICROVM unavailable: not allowed by policy"), "{e}");
 
     // Creates through A fill A first, then the peer with the most room: all three get some.
     let mut mine = Vec::new();
@@ -242,6 +259,15 @@ async fn three_nodes_behind_one_address() {
         let other = sandbox_tests::fleet::client_of(&net, NODES.iter().position(|x| *x == n).unwrap(), TOKEN_B).await.expect("a node directly");
         assert_eq!(within(60, other.get_image("shipped")).await.expect_err("team-a's image").code(), Code::NotFound, "{n}: another tenant's");
     }
+    // A list through A asks every node and names the nodes holding each image.
+    let listed = within(60, a.list_images_fleet()).await.expect("ListImages through A");
+    assert!(listed.unreachable_nodes.is_empty(), "{:?}", listed.unreachable_nodes);
+    for name in ["shipped", "minimal"] {
+        let i = listed.images.iter().find(|i| i.name == name).unwrap_or_else(|| panic!("{name} listed: {:?}", listed.images));
+        assert_eq!(i.nodes, NODES.to_vec(), "{name} is on every node");
+    }
+    let theirs_images = within(60, b.list_images_fleet()).await.expect("team-b's ListImages");
+    assert!(!theirs_images.images.iter().any(|i| i.name == "shipped"), "another tenant's image is not listed to team-b");
     within(120, a.remove_image("shipped")).await.expect("remove through A");
     for (i, node) in NODES.iter().enumerate() {
         let direct = sandbox_tests::fleet::client_of(&net, i, TOKEN_A).await.expect("a node directly");
@@ -260,6 +286,10 @@ async fn three_nodes_behind_one_address() {
     let partial = within(30, a.raw().list_sandboxes(sandbox_tests::proto::ListSandboxesRequest::default())).await.expect("list").into_inner();
     assert_eq!(partial.unreachable_nodes.iter().map(|n| n.node.as_str()).collect::<Vec<_>>(), vec!["node-c"], "the list names the missing node");
     assert!(partial.sandboxes.iter().all(|s| s.node != "node-c"));
+    let images = within(30, a.list_images_fleet()).await.expect("ListImages with node C down");
+    assert_eq!(images.unreachable_nodes.iter().map(|n| n.node.as_str()).collect::<Vec<_>>(), vec!["node-c"], "the image list names the missing node");
+    let minimal = images.images.iter().find(|i| i.name == "minimal").expect("minimal listed");
+    assert_eq!(minimal.nodes, vec!["node-a", "node-b"], "the nodes that answered");
     // `sbx ls` says so too, rather than showing a shorter list as if it were whole.
     let out = sandbox_tests::run_sbx(&nodes[0], &["ls"], 30).await;
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -30,6 +30,7 @@ fn info(name: &str, imported: bool) -> ImageInfo {
 pub fn list() -> ListImagesResponse {
     ListImagesResponse {
         images: vec![info("minimal", false), info("py", true)],
+        unreachable_nodes: Vec::new(),
     }
 }
 

@@ -279,6 +279,7 @@ pub fn image(r: &ImageRecord) -> pb::ImageInfo {
         cmd: r.config.cmd.clone(),
         imported: r.imported,
         shared: r.shared,
+        nodes: Vec::new(),
     }
 }
 

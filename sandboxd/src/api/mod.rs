@@ -411,7 +411,7 @@ impl SandboxService for Api {
         let root = images::root_peer(&request);
         self.call("ListImages", request, None, |tenant, _req| async move {
             let viewer = self.manager.image_viewer(&tenant, root);
-            Ok(pb::ListImagesResponse { images: self.manager.list_images(&viewer)?.iter().map(convert::image).collect() })
+            Ok(pb::ListImagesResponse { images: self.manager.list_images(&viewer)?.iter().map(convert::image).collect(), unreachable_nodes: Vec::new() })
         })
         .await
     }

@@ -327,13 +327,33 @@ impl Fleet {
         req: pb::ListSandboxesRequest,
         deadline: Duration,
     ) -> Vec<(Peer, Result<pb::ListSandboxesResponse, Status>)> {
+        self.ask_every_peer(tenant, incoming, req, deadline, |mut c, r| async move { c.list_sandboxes(r).await }).await
+    }
+
+    /// `call` made on every known peer at once for `tenant` with `req`, each answer within
+    /// `deadline` (one that does not answer in time is UNAVAILABLE naming it), each error
+    /// explained by the peer's name.
+    pub async fn ask_every_peer<Q, A, F, Fut>(
+        &self,
+        tenant: &str,
+        incoming: &tonic::metadata::MetadataMap,
+        req: Q,
+        deadline: Duration,
+        call: F,
+    ) -> Vec<(Peer, Result<A, Status>)>
+    where
+        Q: Clone,
+        F: Fn(SandboxServiceClient<Channel>, Request<Q>) -> Fut,
+        Fut: std::future::Future<Output = Result<Response<A>, Status>>,
+    {
         let peers = self.peers();
         futures::future::join_all(peers.into_iter().map(|peer| {
             let out = self.outgoing(tenant, incoming, req.clone());
+            let call = &call;
             async move {
                 let answer = match out {
                     Err(e) => Err(e),
-                    Ok(out) => match tokio::time::timeout(deadline, peer.client().list_sandboxes(out)).await {
+                    Ok(out) => match tokio::time::timeout(deadline, call(peer.client(), out)).await {
                         Ok(r) => r.map(Response::into_inner).map_err(|s| peer.explain(s)),
                         Err(_) => Err(Status::unavailable(format!("node {} ({}) did not answer within {} ms", peer.name, peer.addr, deadline.as_millis()))),
                     },
@@ -355,6 +375,11 @@ impl Fleet {
             metadata.insert(FORWARDED_TENANT, value);
         }
         Ok(())
+    }
+
+    /// Whether this node's policy lets it run `tier` (`policy.allowed`).
+    pub fn offers(&self, tier: Isolation) -> bool {
+        self.manager.tier_allowed(tier)
     }
 
     /// This node's status: its name, address, and room per tier.

@@ -187,6 +187,40 @@ fn candidates_for(view: Vec<(Peer, Result<pb::NodeStatus, Status>)>, tier: Optio
     (why, candidates)
 }
 
+/// The image lists of several nodes as one: an entry per name and digest, naming every node
+/// that holds it (ready on a tier if it is on any node), sorted by name then digest.
+fn merge_image_lists(lists: Vec<pb::ListImagesResponse>) -> Vec<pb::ImageInfo> {
+    let mut merged: std::collections::BTreeMap<(String, String), pb::ImageInfo> = std::collections::BTreeMap::new();
+    for image in lists.into_iter().flat_map(|l| l.images) {
+        match merged.entry((image.name.clone(), image.digest.clone())) {
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(image);
+            }
+            std::collections::btree_map::Entry::Occupied(mut o) => {
+                let have = o.get_mut();
+                for node in image.nodes {
+                    if !have.nodes.contains(&node) {
+                        have.nodes.push(node);
+                    }
+                }
+                for tier in image.ready_tiers {
+                    if !have.ready_tiers.contains(&tier) {
+                        have.ready_tiers.push(tier);
+                    }
+                }
+            }
+        }
+    }
+    merged
+        .into_values()
+        .map(|mut i| {
+            i.nodes.sort();
+            i.ready_tiers.sort();
+            i
+        })
+        .collect()
+}
+
 /// What a node's status says it lacks for `tier`.
 fn short_of(s: &pb::NodeStatus, tier: Option<Isolation>) -> String {
     let Some(tier) = tier else { return "no room in any tier".into() };
@@ -271,6 +305,14 @@ impl SandboxService for Routed {
         }
         let tenant = self.auth.tenant(&request)?;
         let (metadata, extensions, req) = request.into_parts();
+        // A tier this node's policy does not offer (`policy.allowed`: in a fleet, which nodes
+        // run which tier) is a peer's to make, not a refusal.
+        if let Ok(Some(tier)) = crate::api::isolation_from_proto(req.isolation) {
+            if !fleet.offers(tier) {
+                let here = Status::failed_precondition(format!("isolation {} is not allowed by this node's policy (policy.allowed)", tier.name()));
+                return self.place(&fleet, &tenant, &metadata, req, here).await;
+            }
+        }
         match self.local.create_sandbox(Request::from_parts(metadata.clone(), extensions, req.clone())).await {
             Ok(r) => Ok(r.map(|s| self.stamp(s))),
             // No room here, not the tier, or this node is draining: a peer with room.
@@ -453,10 +495,34 @@ impl SandboxService for Routed {
     }
 
     // An image is usable on the node that imported it: imports, builds and removals a client
-    // sends reach every node (see `fleet::images`); lists and gets are answered here, where
-    // the same images are.
+    // sends reach every node (see `fleet::images`). A list asks every node and says which
+    // holds what (a node down during an import lacks that image); a get is answered here.
     async fn list_images(&self, request: Request<pb::ListImagesRequest>) -> Result<Response<pb::ListImagesResponse>, Status> {
-        self.local.list_images(request).await
+        let Some(fleet) = self.fleet.clone() else { return self.local.list_images(request).await };
+        let here = |mut list: pb::ListImagesResponse| {
+            for image in &mut list.images {
+                image.nodes = vec![fleet.node().to_string()];
+            }
+            list
+        };
+        if fleet.is_from_peer(&request) {
+            return Ok(Response::new(here(self.local.list_images(request).await?.into_inner())));
+        }
+        let tenant = self.auth.tenant(&request)?;
+        let (metadata, extensions, req) = request.into_parts();
+        let (mine, theirs) = tokio::join!(
+            self.local.list_images(Request::from_parts(metadata.clone(), extensions, req)),
+            fleet.ask_every_peer(&tenant, &metadata, req, LIST_TIMEOUT, |mut c, r| async move { c.list_images(r).await })
+        );
+        let mut lists = vec![here(mine?.into_inner())];
+        let mut unreachable = Vec::new();
+        for (peer, answer) in theirs {
+            match answer {
+                Ok(r) => lists.push(r),
+                Err(e) => unreachable.push(pb::NodeError { node: peer.name.clone(), error: e.message().to_string() }),
+            }
+        }
+        Ok(Response::new(pb::ListImagesResponse { images: merge_image_lists(lists), unreachable_nodes: unreachable }))
     }
 
     async fn get_image(&self, request: Request<pb::GetImageRequest>) -> Result<Response<pb::ImageInfo>, Status> {
@@ -519,5 +585,38 @@ impl SandboxService for Routed {
         })
         .await?;
         Ok(Response::new(events))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image(name: &str, digest: &str, node: &str, tiers: &[i32]) -> pb::ImageInfo {
+        pb::ImageInfo { name: name.into(), digest: digest.into(), nodes: vec![node.into()], ready_tiers: tiers.to_vec(), ..Default::default() }
+    }
+
+    #[test]
+    fn image_lists_merge_by_name_and_digest_naming_their_nodes() {
+        let a = pb::ListImagesResponse {
+            images: vec![image("app", "sha256:1", "node-a", &[1]), image("minimal", "sha256:m", "node-a", &[1, 2])],
+            ..Default::default()
+        };
+        let b = pb::ListImagesResponse {
+            images: vec![image("minimal", "sha256:m", "node-b", &[1, 3]), image("app", "sha256:2", "node-b", &[1])],
+            ..Default::default()
+        };
+        let c = pb::ListImagesResponse { images: vec![image("minimal", "sha256:m", "node-c", &[1])], ..Default::default() };
+        let merged = merge_image_lists(vec![c, a, b]);
+        let view: Vec<(&str, &str, Vec<&str>, Vec<i32>)> =
+            merged.iter().map(|i| (i.name.as_str(), i.digest.as_str(), i.nodes.iter().map(String::as_str).collect(), i.ready_tiers.clone())).collect();
+        assert_eq!(
+            view,
+            vec![
+                ("app", "sha256:1", vec!["node-a"], vec![1]),
+                ("app", "sha256:2", vec!["node-b"], vec![1]),
+                ("minimal", "sha256:m", vec!["node-a", "node-b", "node-c"], vec![1, 2, 3]),
+            ]
+        );
     }
 }

@@ -53,26 +53,45 @@ fn short(digest: &str) -> String {
 }
 
 async fn list(ctx: &Ctx) -> Result<u8> {
-    let images = ctx.client().await?.list_images().await?;
+    let listed = ctx.client().await?.list_images_fleet().await?;
+    // A fleet node that did not answer: its images are missing, which must not pass unseen.
+    for n in &listed.unreachable_nodes {
+        output::stderr(
+            format!(
+                "sbx: node {} did not answer ({}): its images are not listed\n",
+                n.node, n.error
+            )
+            .as_bytes(),
+        )?;
+    }
+    let images = listed.images;
     if ctx.json {
         output::json(&images.iter().map(json::image).collect())?;
         return Ok(0);
     }
+    // A fleet's list names the nodes holding each image; a lone daemon's names none.
+    let fleet = images.iter().any(|i| !i.nodes.is_empty());
     let rows: Vec<Vec<String>> = images
         .iter()
         .map(|i| {
-            vec![
+            let mut row = vec![
                 i.name.clone(),
                 output::or_dash(&short(&i.digest)),
                 output::size(i.size_bytes),
                 output::time(i.created_at.as_ref()),
                 tiers(i),
-            ]
+            ];
+            if fleet {
+                row.push(i.nodes.join(","));
+            }
+            row
         })
         .collect();
-    output::stdout(
-        output::table(&["NAME", "DIGEST", "SIZE", "CREATED", "TIERS"], &rows).as_bytes(),
-    )?;
+    let mut head = vec!["NAME", "DIGEST", "SIZE", "CREATED", "TIERS"];
+    if fleet {
+        head.push("NODES");
+    }
+    output::stdout(output::table(&head, &rows).as_bytes())?;
     Ok(0)
 }
 

@@ -149,6 +149,8 @@ pub fn image(i: &ImageInfo) -> Value {
         "entrypoint": i.entrypoint,
         "cmd": i.cmd,
         "imported": i.imported,
+        "shared": i.shared,
+        "nodes": i.nodes,
     })
 }
 

@@ -365,6 +365,8 @@ class ImageInfo:
     cmd: list[str]
     imported: bool
     shared: bool
+    # In a fleet's list: the nodes holding this image with this digest (empty otherwise).
+    nodes: list[str] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, m: pb.ImageInfo) -> "ImageInfo":
@@ -382,6 +384,7 @@ class ImageInfo:
             cmd=list(m.cmd),
             imported=m.imported,
             shared=m.shared,
+            nodes=list(m.nodes),
         )
 
 
