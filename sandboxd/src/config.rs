@@ -392,15 +392,18 @@ impl Default for NetworkConfig {
     }
 }
 
-/// Whether process sandboxes get a user namespace: `auto` uses one where the kernel and the
-/// filesystems allow it (and logs why not otherwise), `required` refuses to serve the tier
-/// without, `off` keeps sandbox uids host uids.
+/// Whether process sandboxes get a user namespace: `auto` uses one, through idmapped mounts
+/// where the kernel and the filesystems allow them and shifted copies otherwise (logging which),
+/// `required` refuses to serve the tier when no user namespace can be made, `shifted` always
+/// uses shifted copies (what a kernel without idmapped mounts gets), `off` keeps sandbox uids
+/// host uids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum UsernsMode {
     #[default]
     Auto,
     Required,
+    Shifted,
     Off,
 }
 
@@ -408,9 +411,10 @@ pub enum UsernsMode {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProcessTierConfig {
-    /// `auto` (default): each sandbox gets a user namespace over a host id range of its own
-    /// where the kernel and filesystems allow idmapped mounts, else a warning at start; `required`:
-    /// the tier refuses to serve without; `off`: sandbox uids are host uids.
+    /// `auto` (default): each sandbox gets a user namespace over a host id range of its own,
+    /// its files shown through idmapped mounts where the kernel and filesystems allow them and
+    /// shifted on disk otherwise; `required`: the tier refuses to serve without; `shifted`:
+    /// always shifted on disk; `off`: sandbox uids are host uids.
     pub user_namespaces: UsernsMode,
     /// First host uid/gid handed to sandboxes; a multiple of 65,536 that no host user or other
     /// container engine uses (the default is in the range systemd leaves to containers).

@@ -94,9 +94,18 @@ async fn sleeper_as_1000(h: &Harness, id: &str, marker: &str) -> i32 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_uid_1000_cannot_read_open_or_trace_a_sandbox_uid_1000() {
-    let h = Harness::start().await;
+    host_uid_1000_cannot_reach(&Harness::start().await).await;
+}
+
+/// The same with the files shifted on disk, as a kernel without idmapped mounts has them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_uid_1000_cannot_reach_a_sandbox_whose_files_are_shifted_on_disk() {
+    host_uid_1000_cannot_reach(&Harness::start_with_config("[process]\nuser_namespaces = \"shifted\"\n").await).await;
+}
+
+async fn host_uid_1000_cannot_reach(h: &Harness) {
     let id = h.sandbox().await;
-    let pid = sleeper_as_1000(&h, &id, "987001").await;
+    let pid = sleeper_as_1000(h, &id, "987001").await;
 
     let uids = host_uids(pid);
     let base = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).expect("uid_map");
@@ -126,8 +135,83 @@ async fn host_uid_1000_cannot_read_open_or_trace_a_sandbox_uid_1000() {
 
     // A second sandbox gets a range of its own.
     let other = h.sandbox().await;
-    let other_pid = sleeper_as_1000(&h, &other, "987002").await;
+    let other_pid = sleeper_as_1000(h, &other, "987002").await;
     assert_ne!(host_uids(other_pid)[0], base + 1000, "two sandboxes share a host uid");
+}
+
+/// The host ids of a sandbox's root (read off a process of it).
+async fn base_of(h: &Harness, id: &str, marker: &str) -> u32 {
+    let pid = sleeper_as_1000(h, id, marker).await;
+    let map = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).expect("uid_map");
+    map.split_whitespace().nth(1).expect("a mapping").parse().expect("base")
+}
+
+/// `path`'s owner and mode bits as the host sees them.
+fn owner(path: &std::path::Path) -> (u32, u32, u32) {
+    let m = std::fs::symlink_metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    (m.uid(), m.gid(), m.mode() & 0o7777)
+}
+
+/// Without idmapped mounts (`shifted`), a sandbox's image and writable layer are shifted into
+/// its range on disk and snapshots are shifted back: a snapshot holds the ids inside, so it
+/// forks into another range and rolls back with every owner and set-user-ID bit right, and a
+/// restart re-adopts the sandbox with its files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shifted_files_keep_their_owners_through_snapshot_fork_rollback_and_restart() {
+    let mut h = Harness::start_with_config("[process]\nuser_namespaces = \"shifted\"\n").await;
+    let id = h.sandbox().await;
+    let base = base_of(&h, &id, "987101").await;
+    let state = h.daemon.state_dir();
+    let files = "stat -c '%n %u:%g %a' /bin/busybox /workspace /workspace/root-file /workspace/app-file /workspace/suid";
+    let expected = "/bin/busybox 0:0 755\n/workspace 0:0 755\n/workspace/root-file 0:0 644\n/workspace/app-file 1000:1000 644\n/workspace/suid 0:0 4755\n";
+    h.sh_ok(&id, "echo r > /workspace/root-file; echo a > /workspace/app-file; chown 1000:1000 /workspace/app-file; cp /bin/busybox /workspace/suid; chmod 4755 /workspace/suid").await;
+    assert_eq!(h.sh_ok(&id, files).await, expected, "inside, the image's files are root's and the sandbox's its users'");
+    // On disk, the writable layer is in the range, and so is the sandbox's copy of the image.
+    let upper = state.join(format!("pool/sandboxes/{id}/upper"));
+    assert_eq!(owner(&upper.join("workspace/root-file")), (base, base, 0o644));
+    assert_eq!(owner(&upper.join("workspace/app-file")), (base + 1000, base + 1000, 0o644));
+    assert_eq!(owner(&upper.join("workspace/suid")), (base, base, 0o4755));
+    assert_eq!(owner(&state.join(format!("pool/shifted/{id}/bin/busybox"))).0, base, "the image shifted into the range");
+
+    // A snapshot is canonical on disk: the ids inside, whatever the range.
+    let snap = h.client.snapshot(&id, "s1").await.expect("snapshot").snapshot_id;
+    let snap_upper = state.join(format!("pool/snapshots/{snap}/upper"));
+    assert_eq!(owner(&snap_upper.join("workspace/root-file")), (0, 0, 0o644));
+    assert_eq!(owner(&snap_upper.join("workspace/app-file")), (1000, 1000, 0o644));
+    assert_eq!(owner(&snap_upper.join("workspace/suid")), (0, 0, 0o4755), "set-user-ID kept through both shifts");
+    // The sandbox goes on with its files where they were.
+    assert_eq!(h.sh_ok(&id, files).await, expected);
+
+    // A fork gets another range, and the same owners inside.
+    let mut fork = sandbox_tests::process_sandbox("minimal");
+    fork.image = String::new();
+    fork.from_snapshot_id = snap.clone();
+    let forked = h.client.create(fork).await.expect("fork").id;
+    let fork_base = base_of(&h, &forked, "987102").await;
+    assert_ne!(fork_base, base, "a fork has a range of its own");
+    assert_eq!(h.sh_ok(&forked, files).await, expected, "the fork's files inside");
+    let fork_upper = state.join(format!("pool/sandboxes/{forked}/upper"));
+    assert_eq!(owner(&fork_upper.join("workspace/app-file")), (fork_base + 1000, fork_base + 1000, 0o644));
+
+    // A rollback puts back what the snapshot held, owners included.
+    h.sh_ok(&id, "chown 1000:1000 /workspace/root-file; rm /workspace/app-file").await;
+    h.client.rollback(&id, &snap).await.expect("rollback");
+    assert_eq!(h.sh_ok(&id, files).await, expected, "after the rollback");
+
+    // A restart re-adopts the sandbox (its range recorded with its layer) with its files.
+    h.daemon.restart().await.expect("restart");
+    h.client = h.daemon.client().await.expect("client");
+    assert!(
+        eventually(60, || async { h.client.get(&id).await.is_ok_and(|s| s.state == agent_client::proto::SandboxState::Running as i32) }).await,
+        "re-adopted"
+    );
+    assert_eq!(h.sh_ok(&id, files).await, expected, "after a restart");
+    let again = base_of(&h, &id, "987103").await;
+    assert_eq!(owner(&state.join(format!("pool/sandboxes/{id}/upper/workspace/app-file"))).0, again + 1000);
+
+    // Destroyed, a sandbox's copy of the image goes with it.
+    h.client.destroy(forked.clone()).await.expect("destroy");
+    assert!(!state.join(format!("pool/shifted/{forked}")).exists(), "the fork's shifted image is removed");
 }
 
 /// The control: without user namespaces the same attacks work (what issue #21 found), so the

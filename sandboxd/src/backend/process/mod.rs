@@ -5,6 +5,8 @@
 //! Layout on the host (all under `--state-dir`):
 //! * `pool/` — the btrfs pool ([`storage`]); `pool/sandboxes/<id>/{upper,work}` is a sandbox's
 //!   writable layer, `pool/snapshots/<id>` a read-only snapshot of one;
+//! * `pool/shifted/` — without idmapped mounts ([`shift`]): `image-<key>` a canonical copy of an
+//!   image, `<id>` its snapshot shifted into sandbox `<id>`'s id range (its lower layer);
 //! * `run/<id>/rootfs` — the merged overlay (image rootfs below, the subvolume above), which
 //!   becomes `/` in the sandbox. The init's stderr is a pipe to the daemon (see
 //!   [`channel::InitLog`]), never a host file.
@@ -20,6 +22,7 @@ pub mod idmap;
 pub mod init;
 mod net;
 mod pty;
+pub mod shift;
 pub mod storage;
 mod wire;
 
@@ -154,6 +157,11 @@ pub struct ProcessBackend {
     cgroups: Option<CgroupRoot>,
     /// The host id ranges of user namespaces, when sandboxes get them.
     ids: Option<Arc<idmap::IdRanges>>,
+    /// Whether sandboxes' files are shifted on disk into their ranges ([`shift`]) rather than
+    /// shown through idmapped mounts.
+    shifting: bool,
+    /// Held while an image's canonical copy in `pool/shifted/` is made (one copy per image).
+    image_copies: Arc<Mutex<()>>,
     sandboxes: RwLock<HashMap<SandboxId, Arc<ProcessSandbox>>>,
     /// Names of sandboxes whose runtime state (cgroup, run dir) a previous daemon left, listed
     /// before serving and removed once re-adoption is done ([`Backend::recovered`]).
@@ -163,6 +171,101 @@ pub struct ProcessBackend {
 /// The file in a writable layer (beside `upper/` and `work/`) that records the host id range
 /// the sandbox had, so a restart can give it the same one.
 const IDS_FILE: &str = "idrange";
+
+/// What [`IDS_FILE`] records: the range's base, and the base the layer's files are shifted
+/// into on disk (none: canonical, see [`shift`]). Written as `<base>` or `<base> shifted`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LayerIds {
+    base: u32,
+    shifted: Option<u32>,
+}
+
+impl LayerIds {
+    fn read(layer: &Path) -> Option<LayerIds> {
+        let text = std::fs::read_to_string(layer.join(IDS_FILE)).ok()?;
+        let mut words = text.split_whitespace();
+        let base = words.next()?.parse().ok()?;
+        let shifted = (words.next() == Some("shifted")).then_some(base);
+        Some(LayerIds { base, shifted })
+    }
+
+    fn write(&self, layer: &Path) -> Result<(), BackendError> {
+        let text = match self.shifted {
+            Some(b) if b == self.base => format!("{} shifted\n", self.base),
+            _ => format!("{}\n", self.base),
+        };
+        std::fs::write(layer.join(IDS_FILE), text).map_err(|e| BackendError::io("recording the id range", e))
+    }
+}
+
+/// `f` on a blocking thread; its I/O error says what was being done.
+async fn run_blocking<T: Send + 'static>(what: &'static str, f: impl FnOnce() -> std::io::Result<T> + Send + 'static) -> Result<T, BackendError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| BackendError::Internal(format!("{what}: {e}")))?.map_err(|e| BackendError::io(what, e))
+}
+
+/// Sandbox `name`'s lower layer without idmapped mounts: a writable snapshot of the image's
+/// canonical copy in the pool (made on first use, under `lock`), shifted into the range at
+/// `base`. Made afresh for every setup (the range may differ), removed with the sandbox.
+fn shifted_lower(pool: &Pool, lock: &Mutex<()>, image_rootfs: &Path, name: &str, base: u32) -> std::io::Result<PathBuf> {
+    use sha2::Digest;
+    use std::os::unix::fs::MetadataExt;
+    let storage = |e: storage::StorageError| std::io::Error::other(e.to_string());
+    // The copy is named by the image's path and by its root directory's inode and change time
+    // (an image built or imported again is another directory): one copy per path is kept.
+    let m = std::fs::metadata(image_rootfs)?;
+    let hex = |parts: &[&[u8]]| -> String {
+        let mut h = sha2::Sha256::new();
+        for p in parts {
+            h.update(p);
+            h.update([0]);
+        }
+        h.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect()
+    };
+    let of_path = hex(&[image_rootfs.as_os_str().as_encoded_bytes()]);
+    let version = hex(&[format!("{} {} {}", m.ino(), m.ctime(), m.ctime_nsec()).as_bytes()]);
+    let key = format!("{of_path}-{version}");
+    let image = format!("shifted/image-{key}");
+    if !pool.root().join(&image).is_dir() {
+        let _held = lock.lock().map_err(|_| std::io::Error::other("image copy lock poisoned"))?;
+        if !pool.root().join(&image).is_dir() {
+            let t0 = std::time::Instant::now();
+            let tmp = format!("shifted/tmp-{key}");
+            pool.delete_subvolume(&tmp).map_err(storage)?;
+            let dst = pool.create_subvolume(&tmp).map_err(storage)?;
+            let mut src = image_rootfs.as_os_str().to_owned();
+            src.push("/.");
+            let out = std::process::Command::new("cp").arg("-a").arg("--reflink=auto").arg("--").arg(&src).arg(&dst).output()?;
+            if !out.status.success() {
+                let _ = pool.delete_subvolume(&tmp);
+                return Err(std::io::Error::other(format!(
+                    "copying {}: cp {}: {}",
+                    image_rootfs.display(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )));
+            }
+            std::fs::rename(&dst, pool.root().join(&image))?;
+            // Earlier copies of the same path (the image was replaced) are stale.
+            for old in pool.subvolumes("shifted").into_iter().filter(|n| n.starts_with(&format!("image-{of_path}-")) && *n != format!("image-{key}")) {
+                if let Err(e) = pool.delete_subvolume(&format!("shifted/{old}")) {
+                    tracing::warn!(copy = %old, error = %e, "cannot remove a stale image copy");
+                }
+            }
+            tracing::info!(image = %image_rootfs.display(), copy = %image, ms = t0.elapsed().as_millis() as u64, "image copied into the pool, to be shifted into sandboxes' id ranges");
+        }
+    }
+    let lower = format!("shifted/{name}");
+    pool.delete_subvolume(&lower).map_err(storage)?;
+    let path = pool.snapshot(&image, &lower, false).map_err(storage)?;
+    let t0 = std::time::Instant::now();
+    let done = shift::shift_tree(&path, shift::Shift::Into(base))?;
+    tracing::debug!(sandbox = name, entries = done.entries, us = t0.elapsed().as_micros() as u64, "image shifted into the sandbox's range");
+    Ok(path)
+}
+
+fn keep_layers_of(sandboxes: &[SandboxSpec]) -> std::collections::HashSet<String> {
+    sandboxes.iter().map(|s| s.id.to_string()).collect()
+}
 
 fn subvolume_of(id: &SandboxId) -> String {
     format!("sandboxes/{id}")
@@ -176,8 +279,17 @@ impl ProcessBackend {
     /// Prepares the tier: the cgroup root and the storage pool. A host that cannot provide them
     /// gets a backend that reports why on every create (the daemon still serves other tiers).
     pub fn new(cfg: ProcessConfig) -> Self {
-        let mut backend =
-            ProcessBackend { cfg, unavailable: None, pool: None, cgroups: None, ids: None, sandboxes: RwLock::new(HashMap::new()), stale: Default::default() };
+        let mut backend = ProcessBackend {
+            cfg,
+            unavailable: None,
+            pool: None,
+            cgroups: None,
+            ids: None,
+            shifting: false,
+            image_copies: Default::default(),
+            sandboxes: RwLock::new(HashMap::new()),
+            stale: Default::default(),
+        };
         if let Err(reason) = backend.prepare() {
             tracing::error!(%reason, "process tier unavailable");
             backend.unavailable = Some(reason);
@@ -193,7 +305,10 @@ impl ProcessBackend {
         tracing::info!(version = ?cgroups.version(), "cgroup hierarchy detected");
         let pool = Pool::open_or_create(&self.cfg.state_dir.join("pool"), self.cfg.pool_size_bytes).map_err(|e| format!("storage pool: {e}"))?;
         std::fs::create_dir_all(self.cfg.state_dir.join("run")).map_err(|e| format!("creating run dir: {e}"))?;
-        self.ids = self.prepare_userns(&pool)?;
+        (self.ids, self.shifting) = match self.prepare_userns(&pool)? {
+            Some((ranges, shifting)) => (Some(ranges), shifting),
+            None => (None, false),
+        };
         self.cgroups = Some(cgroups);
         self.pool = Some(pool);
         // What a previous daemon left (cgroups, overlay mounts, run dirs) is listed now, before
@@ -208,19 +323,25 @@ impl ProcessBackend {
         Ok(())
     }
 
-    /// The id ranges, once an idmapped mount of the pool and of each image directory was made:
-    /// `auto` logs why not and goes on without user namespaces, `required` fails the tier.
-    fn prepare_userns(&self, pool: &Pool) -> Result<Option<Arc<idmap::IdRanges>>, String> {
-        if self.cfg.userns == idmap::UsernsMode::Off {
+    /// The id ranges, and whether files are shifted on disk: idmapped mounts when one of the
+    /// pool and of each image directory could be made, shifted copies otherwise (`auto`,
+    /// `required`) or when asked (`shifted`). Without a user namespace at all, `auto` logs why
+    /// and goes on without, `required` fails the tier.
+    fn prepare_userns(&self, pool: &Pool) -> Result<Option<(Arc<idmap::IdRanges>, bool)>, String> {
+        use idmap::UsernsMode;
+        if self.cfg.userns == UsernsMode::Off {
             tracing::warn!(
                 "user namespaces are off ([process] user_namespaces = \"off\"): root in a process sandbox is the host's root, uid 1000 the host's uid 1000"
             );
             return Ok(None);
         }
-        let probe = || -> Result<Arc<idmap::IdRanges>, String> {
-            let ranges = idmap::IdRanges::new(self.cfg.userns_first_id, self.cfg.userns_ranges)?;
+        let ranges = idmap::IdRanges::new(self.cfg.userns_first_id, self.cfg.userns_ranges)?;
+        let probe = || -> Result<(), String> {
             let lease = ranges.lease(None)?;
             let ns = lease.mount_userns().map_err(|e| format!("creating a user namespace: {e}"))?;
+            if self.cfg.userns == UsernsMode::Shifted {
+                return Err("[process] user_namespaces = \"shifted\"".to_string());
+            }
             let scratch = self.cfg.state_dir.join("run");
             std::fs::create_dir_all(&scratch).map_err(|e| format!("creating {}: {e}", scratch.display()))?;
             idmap::probe(pool.root(), &scratch, &ns)?;
@@ -229,23 +350,34 @@ impl ProcessBackend {
                     idmap::probe(&dir, &scratch, &ns)?;
                 }
             }
-            Ok(ranges.clone())
+            Ok(())
         };
-        match probe() {
-            Ok(ranges) => {
-                tracing::info!(
-                    first_id = self.cfg.userns_first_id,
-                    ranges = self.cfg.userns_ranges,
-                    "process sandboxes get a user namespace each: root inside is an unprivileged host uid of its own range"
-                );
-                Ok(Some(ranges))
-            }
-            Err(reason) if self.cfg.userns == idmap::UsernsMode::Required => Err(format!("user namespaces are required but unusable here: {reason}")),
+        let shifting = match probe() {
+            Ok(()) => false,
             Err(reason) => {
-                tracing::warn!(%reason, "user namespaces unusable here: process sandboxes run without one (sandbox uids are host uids); set [process] user_namespaces = \"off\" to say so, or \"required\" to refuse");
-                Ok(None)
+                // Shifted copies need only a user namespace: one must be possible.
+                if let Err(e) = idmap::make_userns(&idmap::process_idmap(self.cfg.userns_first_id)) {
+                    let reason = format!("{reason}; and no user namespace can be made: {e}");
+                    if self.cfg.userns == UsernsMode::Required {
+                        return Err(format!("user namespaces are required but unusable here: {reason}"));
+                    }
+                    tracing::warn!(%reason, "user namespaces unusable here: process sandboxes run without one (sandbox uids are host uids); set [process] user_namespaces = \"off\" to say so, or \"required\" to refuse");
+                    return Ok(None);
+                }
+                tracing::warn!(
+                    %reason,
+                    "no idmapped mounts: each process sandbox's image and writable layer are shifted into its id range on disk (a copy of each image, a shift per create and snapshot; see README, User namespaces)"
+                );
+                true
             }
-        }
+        };
+        tracing::info!(
+            first_id = self.cfg.userns_first_id,
+            ranges = self.cfg.userns_ranges,
+            shifted = shifting,
+            "process sandboxes get a user namespace each: root inside is an unprivileged host uid of its own range"
+        );
+        Ok(Some((ranges, shifting)))
     }
 
     /// The sandboxes a previous daemon on this state dir left runtime state of: their processes
@@ -317,6 +449,15 @@ impl ProcessBackend {
         }
     }
 
+    /// Removes sandbox `id`'s shifted lower layer, if it has one (its overlay must be gone).
+    fn delete_shifted_lower(&self, id: &SandboxId) {
+        if let Some(pool) = &self.pool {
+            if let Err(e) = pool.delete_subvolume(&format!("shifted/{id}")) {
+                tracing::warn!(sandbox = %id, error = %e, "cannot remove the shifted image of a sandbox");
+            }
+        }
+    }
+
     /// Undoes a setup that failed part way (each step tolerates never having happened).
     fn undo_setup(&self, id: &SandboxId, delete_layer: bool) {
         if let Some(cg) = self.cgroups.as_ref().and_then(|c| c.open_sandbox(id.as_str())) {
@@ -327,6 +468,7 @@ impl ProcessBackend {
         let run_dir = self.cfg.state_dir.join("run").join(id.as_str());
         teardown_mount(&run_dir.join("rootfs"));
         let _ = std::fs::remove_dir_all(&run_dir);
+        self.delete_shifted_lower(id);
         if delete_layer {
             if let Ok(pool) = self.pool() {
                 if let Err(e) = pool.delete_subvolume(&subvolume_of(id)) {
@@ -421,16 +563,44 @@ impl ProcessBackend {
         let run_dir = self.cfg.state_dir.join("run").join(id.as_str());
         let rootfs = run_dir.join("rootfs");
         std::fs::create_dir_all(&rootfs).map_err(|e| BackendError::io("creating rootfs mount point", e))?;
+        let recorded = LayerIds::read(&layer);
         let ids = match &self.ids {
             Some(ranges) => {
-                let recorded = std::fs::read_to_string(layer.join(IDS_FILE)).ok().and_then(|t| t.trim().parse().ok());
-                let lease = ranges.lease(recorded).map_err(|reason| BackendError::Unavailable { isolation: Isolation::Process, reason })?;
-                std::fs::write(layer.join(IDS_FILE), format!("{}\n", lease.base())).map_err(|e| BackendError::io("recording the id range", e))?;
+                let lease = ranges.lease(recorded.map(|r| r.base)).map_err(|reason| BackendError::Unavailable { isolation: Isolation::Process, reason })?;
                 Some(lease)
             }
             None => None,
         };
+        // Where the writable layer's files must be: shifted into the range (without idmapped
+        // mounts), or canonical; a layer from elsewhere (a snapshot, a restart) is shifted so.
+        let shifted_into = ids.as_ref().filter(|_| self.shifting).map(idmap::IdLease::base);
+        let now = recorded.and_then(|r| r.shifted);
+        if now != shifted_into {
+            let upper = layer.join("upper");
+            let moved = run_blocking("shifting the writable layer", move || {
+                if let Some(b) = now {
+                    shift::shift_tree(&upper, shift::Shift::Out(b))?;
+                }
+                if let Some(b) = shifted_into {
+                    shift::shift_tree(&upper, shift::Shift::Into(b))?;
+                }
+                Ok(())
+            })
+            .await;
+            moved?;
+        }
+        if let Some(lease) = &ids {
+            LayerIds { base: lease.base(), shifted: shifted_into }.write(&layer)?;
+        } else if recorded.is_some() {
+            let _ = std::fs::remove_file(layer.join(IDS_FILE));
+        }
         let (lower, upper_dir) = match &ids {
+            Some(lease) if self.shifting => {
+                let pool = pool.try_clone().map_err(|e| BackendError::io("opening the pool", e))?;
+                let (lock, name, base) = (self.image_copies.clone(), id.to_string(), lease.base());
+                let shifted = run_blocking("shifting the image into the range", move || shifted_lower(&pool, &lock, &lower, &name, base)).await?;
+                (shifted, layer.clone())
+            }
             Some(lease) => {
                 let ns = lease.mount_userns().map_err(|e| BackendError::io("creating the mount idmap", e))?;
                 let (lower_mnt, layer_mnt) = (run_dir.join("lower"), run_dir.join("layer"));
@@ -456,7 +626,7 @@ impl ProcessBackend {
         let opts = format!("lowerdir=/proc/self/fd/{lower_fd},upperdir=/proc/self/fd/{upper_fd},workdir=/proc/self/fd/{work_fd}");
         let mounted = mount(Some("overlay"), &rootfs, Some("overlay"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(opts.as_str()));
         drop(layer_dirs);
-        if ids.is_some() {
+        if ids.is_some() && !self.shifting {
             // The overlay holds private clones of its layers: the idmapped mounts can go.
             for dir in [&lower, &upper_dir] {
                 let _ = umount2(dir, MntFlags::MNT_DETACH);
@@ -784,7 +954,11 @@ impl Backend for ProcessBackend {
         let quiet = sb.quiet();
         let (name, layer) = (snapshot_of(snapshot), subvolume_of(sandbox));
         let mut freeze = std::time::Duration::ZERO;
-        let taken = match quiet.map(|begun| (begun, pool.snapshot(&layer, &name, true))) {
+        // Without idmapped mounts the layer's files are shifted into the sandbox's range: the
+        // snapshot is taken writable, shifted back to canonical, then made read-only.
+        let shifted = sb.ids.as_ref().filter(|_| self.shifting).map(idmap::IdLease::base);
+        let readonly = shifted.is_none();
+        let taken = match quiet.map(|begun| (begun, pool.snapshot(&layer, &name, readonly))) {
             Some((begun, Ok(path))) if sb.quiet() == Some(begun) => Ok(path),
             unquiet => {
                 if matches!(unquiet, Some((_, Ok(_)))) {
@@ -793,7 +967,7 @@ impl Backend for ProcessBackend {
                 let f = std::time::Instant::now();
                 sb.cgroup.freeze()?;
                 freeze = f.elapsed();
-                let t = pool.snapshot(&layer, &name, true);
+                let t = pool.snapshot(&layer, &name, readonly);
                 if let Err(e) = sb.cgroup.thaw() {
                     tracing::error!(sandbox = %sandbox, error = %e, "cannot thaw sandbox after snapshot");
                 }
@@ -802,6 +976,21 @@ impl Backend for ProcessBackend {
         };
         let snapshotted = t0.elapsed();
         let path = taken?;
+        if let Some(base) = shifted {
+            let (pool2, snap, name2) = (pool.try_clone().map_err(|e| BackendError::io("opening the pool", e))?, path.clone(), name.clone());
+            let canonical = run_blocking("shifting the snapshot back", move || {
+                shift::shift_tree(&snap.join("upper"), shift::Shift::Out(base))?;
+                LayerIds { base, shifted: None }.write(&snap).map_err(|e| std::io::Error::other(e.to_string()))?;
+                pool2.make_readonly(&name2).map_err(|e| std::io::Error::other(e.to_string()))
+            })
+            .await;
+            if let Err(e) = canonical {
+                if let Err(d) = pool.delete_subvolume(&name) {
+                    tracing::warn!(snapshot = %snapshot, error = %d, "cannot remove a snapshot that could not be shifted back");
+                }
+                return Err(e);
+            }
+        }
         let upper = path.join("upper");
         let size = tokio::task::spawn_blocking(move || hostfs::tree_size(&upper, hostfs::Measure::Content))
             .await
@@ -867,6 +1056,7 @@ impl Backend for ProcessBackend {
             self.stop_runtime(sb, "the sandbox was destroyed").await;
         }
         // The layer goes even when the runtime was not up (a FAILED sandbox).
+        self.delete_shifted_lower(sandbox);
         if let Ok(pool) = self.pool() {
             pool.delete_subvolume(&subvolume_of(sandbox))?;
         }
@@ -874,10 +1064,16 @@ impl Backend for ProcessBackend {
     }
 
     async fn clean(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) {
-        let keep_layers = sandboxes.iter().map(|s| s.id.to_string()).collect();
+        let keep_layers = keep_layers_of(sandboxes);
         self.delete_unknown_subvolumes("sandboxes", &keep_layers);
         let keep_snaps = snapshots.iter().map(|s| s.to_string()).collect();
         self.delete_unknown_subvolumes("snapshots", &keep_snaps);
+        // Shifted images of sandboxes that are gone, and copies cut short; image copies stay.
+        let mut keep_shifted: std::collections::HashSet<String> = keep_layers_of(sandboxes);
+        if let Some(pool) = &self.pool {
+            keep_shifted.extend(pool.subvolumes("shifted").into_iter().filter(|n| n.starts_with("image-")));
+        }
+        self.delete_unknown_subvolumes("shifted", &keep_shifted);
     }
 
     async fn readopt(&self, spec: &SandboxSpec) -> Result<(), BackendError> {

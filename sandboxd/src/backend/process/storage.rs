@@ -424,6 +424,11 @@ pub struct Pool {
 }
 
 impl Pool {
+    /// Another handle on the same pool (for work moved to a blocking thread).
+    pub fn try_clone(&self) -> io::Result<Pool> {
+        Ok(Pool { root: self.root.clone(), image: self.image.clone(), root_fd: self.root_fd.try_clone()? })
+    }
+
     /// Mounts (creating if needed) the pool image `<dir>.img` at `dir`, or reuses an
     /// existing btrfs mount at `dir`; enables quotas and creates `sandboxes/` and
     /// `snapshots/`. `size_bytes` (at least 256 MiB) only matters when the image is
@@ -479,7 +484,8 @@ impl Pool {
         }
         let pool = Pool { root, image, root_fd };
         pool.enable_quota()?;
-        for sub in ["sandboxes", "snapshots"] {
+        // shifted: images shifted into sandboxes' id ranges where mounts cannot be idmapped.
+        for sub in ["sandboxes", "snapshots", "shifted"] {
             let p = pool.root.join(sub);
             match fs::create_dir(&p) {
                 Ok(()) => {}
@@ -768,6 +774,15 @@ impl Pool {
     pub fn is_readonly(&self, rel: &str) -> Result<bool, StorageError> {
         let fd = self.open_subvolume(rel)?;
         subvol_readonly(&fd, &self.abs(rel))
+    }
+
+    /// Makes subvolume `rel` read-only (a snapshot finished after it was taken writable).
+    pub fn make_readonly(&self, rel: &str) -> Result<(), StorageError> {
+        let fd = self.open_subvolume(rel)?;
+        let flags: u64 = BTRFS_SUBVOL_RDONLY;
+        // SAFETY: fd is an open subvolume root; flags is a live u64.
+        unsafe { ioctl::subvol_setflags(fd.as_raw_fd(), &flags) }.map_err(sys_err("BTRFS_IOC_SUBVOL_SETFLAGS", &self.abs(rel)))?;
+        Ok(())
     }
 }
 
