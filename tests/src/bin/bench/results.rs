@@ -85,6 +85,10 @@ pub(crate) enum Key {
     /// [`Key::Snapshot`].
     CreateNoUserns,
     SnapshotNoUserns,
+    /// The same on a daemon with `user_namespaces = "shifted"`: files shifted on disk into
+    /// each sandbox's range (what a kernel without idmapped mounts gets).
+    CreateShifted,
+    SnapshotShifted,
     Fork,
     ForkDestroy,
     /// [`FORK_BATCH`] forks of one snapshot, one after another: one sample is the whole batch.
@@ -146,7 +150,7 @@ impl Key {
         Key::Snapshot(Image::Debian, CHANGED_LARGE_MIB),
         Key::Rollback(Image::Debian, CHANGED_LARGE_MIB),
     ];
-    pub(crate) const NO_USERNS: [Key; 2] = [Key::CreateNoUserns, Key::SnapshotNoUserns];
+    pub(crate) const NO_USERNS: [Key; 4] = [Key::CreateNoUserns, Key::SnapshotNoUserns, Key::CreateShifted, Key::SnapshotShifted];
     pub(crate) const FORKS: [Key; 3] = [Key::Fork, Key::ForkDestroy, Key::ForkBatch];
     pub(crate) const CONTAINER: [Key; 7] = [
         Key::ContainerCreate,
@@ -199,6 +203,8 @@ impl Key {
             }
             Key::CreateNoUserns => "sandboxd `CreateSandbox` (process tier, image minimal) without user namespaces".into(),
             Key::SnapshotNoUserns => format!("sandboxd `Snapshot`, {CHANGED_SMALL_MIB} MiB changed (image minimal) without user namespaces"),
+            Key::CreateShifted => "sandboxd `CreateSandbox` (process tier, image minimal), user namespace with shifted copies (no idmapped mounts)".into(),
+            Key::SnapshotShifted => format!("sandboxd `Snapshot`, {CHANGED_SMALL_MIB} MiB changed (image minimal), user namespace with shifted copies"),
             Key::Fork => "sandboxd fork: `CreateSandbox{from_snapshot_id}` (image minimal, 1 MiB changed)".into(),
             Key::ForkDestroy => "sandboxd `DestroySandbox` of a fork".into(),
             Key::ForkBatch => {

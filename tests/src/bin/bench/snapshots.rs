@@ -165,12 +165,22 @@ pub(crate) async fn sandboxd_snapshots(plan: &Plan, report: &mut Report) {
     report.section_times.push(("sandboxd snapshots, forks, throughput".into(), started.elapsed()));
 }
 
-/// Create and a 1 MiB snapshot on a daemon without user namespaces, for the rows that show what
-/// a user namespace per sandbox costs (the other rows have them, the default).
+/// Create and a 1 MiB snapshot on a daemon without user namespaces, and on one whose user
+/// namespaces go without idmapped mounts (files shifted on disk), for the rows that show what a
+/// user namespace per sandbox costs either way (the other rows have idmapped ones, the default).
 pub(crate) async fn sandboxd_without_userns(plan: &Plan, report: &mut Report) {
     let started = Instant::now();
-    let keys = Key::NO_USERNS;
-    let daemon = match Daemon::start_with_config("[process]\nuser_namespaces = \"off\"\n").await.context("starting sandboxd without user namespaces") {
+    userns_variant(plan, report, "off", "without user namespaces", [Key::CreateNoUserns, Key::SnapshotNoUserns]).await;
+    report.section_times.push(("sandboxd without user namespaces".into(), started.elapsed()));
+    let started = Instant::now();
+    userns_variant(plan, report, "shifted", "with shifted copies", [Key::CreateShifted, Key::SnapshotShifted]).await;
+    report.section_times.push(("sandboxd with shifted copies".into(), started.elapsed()));
+}
+
+/// Create and a 1 MiB snapshot on a daemon with `[process] user_namespaces = mode`, as rows
+/// `keys` (create, snapshot).
+async fn userns_variant(plan: &Plan, report: &mut Report, mode: &str, what: &str, keys: [Key; 2]) {
+    let daemon = match Daemon::start_with_config(&format!("[process]\nuser_namespaces = \"{mode}\"\n")).await.context(format!("starting sandboxd {what}")) {
         Ok(d) => d,
         Err(e) => return report.failed(&keys, &e),
     };
@@ -179,19 +189,18 @@ pub(crate) async fn sandboxd_without_userns(plan: &Plan, report: &mut Report) {
         Err(e) => return report.failed(&keys, &e),
     };
     let mut sb = Sandboxes::new(client);
-    eprintln!("bench: sandboxd create × {} without user namespaces", plan.create);
+    eprintln!("bench: sandboxd create × {} {what}", plan.create);
     let creates = crate::latency::create_destroy(&mut sb, plan).await.map(|(creates, _)| creates);
     match creates {
-        Ok(c) => report.measured(Key::CreateNoUserns, &c),
-        Err(e) => report.failed(&[Key::CreateNoUserns], &e),
+        Ok(c) => report.measured(keys[0], &c),
+        Err(e) => report.failed(&[keys[0]], &e),
     }
     sb.cleanup().await;
-    eprintln!("bench: sandboxd snapshot, {CHANGED_SMALL_MIB} MiB changed × {} without user namespaces", plan.snap_small);
+    eprintln!("bench: sandboxd snapshot, {CHANGED_SMALL_MIB} MiB changed × {} {what}", plan.snap_small);
     match snapshot_rollback(&mut sb, process_sandbox(Image::Minimal.name()), CHANGED_SMALL_MIB, plan.snap_small, None).await {
-        Ok((snaps, _, _)) => report.measured(Key::SnapshotNoUserns, &snaps),
-        Err(e) => report.failed(&[Key::SnapshotNoUserns], &e),
+        Ok((snaps, _, _)) => report.measured(keys[1], &snaps),
+        Err(e) => report.failed(&[keys[1]], &e),
     }
     sb.cleanup().await;
     drop(daemon);
-    report.section_times.push(("sandboxd without user namespaces".into(), started.elapsed()));
 }
