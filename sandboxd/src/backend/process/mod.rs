@@ -203,9 +203,10 @@ async fn run_blocking<T: Send + 'static>(what: &'static str, f: impl FnOnce() ->
     tokio::task::spawn_blocking(f).await.map_err(|e| BackendError::Internal(format!("{what}: {e}")))?.map_err(|e| BackendError::io(what, e))
 }
 
-/// Sandbox `name`'s lower layer without idmapped mounts: a writable snapshot of the image's
-/// canonical copy in the pool (made on first use, under `lock`), shifted into the range at
-/// `base`. Made afresh for every setup (the range may differ), removed with the sandbox.
+/// Sandbox `name`'s lower layer without idmapped mounts: a read-only snapshot of the image's
+/// copy shifted into the range at `base` (`image-<key>-r<base>`, itself a snapshot of the
+/// image's canonical copy `image-<key>`; each made on first use, under `lock`). Made afresh for
+/// every setup (the range may differ), removed with the sandbox.
 fn shifted_lower(pool: &Pool, lock: &Mutex<()>, image_rootfs: &Path, name: &str, base: u32) -> std::io::Result<PathBuf> {
     use sha2::Digest;
     use std::os::unix::fs::MetadataExt;
@@ -246,7 +247,7 @@ fn shifted_lower(pool: &Pool, lock: &Mutex<()>, image_rootfs: &Path, name: &str,
             }
             std::fs::rename(&dst, pool.root().join(&image))?;
             // Earlier copies of the same path (the image was replaced) are stale.
-            for old in pool.subvolumes("shifted").into_iter().filter(|n| n.starts_with(&format!("image-{of_path}-")) && *n != format!("image-{key}")) {
+            for old in pool.subvolumes("shifted").into_iter().filter(|n| n.starts_with(&format!("image-{of_path}-")) && !n.starts_with(&format!("image-{key}"))) {
                 if let Err(e) = pool.delete_subvolume(&format!("shifted/{old}")) {
                     tracing::warn!(copy = %old, error = %e, "cannot remove a stale image copy");
                 }
@@ -254,13 +255,30 @@ fn shifted_lower(pool: &Pool, lock: &Mutex<()>, image_rootfs: &Path, name: &str,
             tracing::info!(image = %image_rootfs.display(), copy = %image, ms = t0.elapsed().as_millis() as u64, "image copied into the pool, to be shifted into sandboxes' id ranges");
         }
     }
+    // The copy shifted into this range, made on the range's first use and kept: a range freed
+    // is the next one leased, so creates after destroys find it.
+    let ranged = format!("shifted/image-{key}-r{base}");
+    if !pool.root().join(&ranged).is_dir() {
+        let _held = lock.lock().map_err(|_| std::io::Error::other("image copy lock poisoned"))?;
+        if !pool.root().join(&ranged).is_dir() {
+            let tmp = format!("shifted/tmp-{key}-r{base}");
+            pool.delete_subvolume(&tmp).map_err(storage)?;
+            let path = pool.snapshot(&image, &tmp, false).map_err(storage)?;
+            let t0 = std::time::Instant::now();
+            let done = shift::shift_tree(&path, shift::Shift::Into(base));
+            if let Err(e) = &done {
+                tracing::warn!(image = %image_rootfs.display(), error = %e, "cannot shift an image copy into a range");
+                let _ = pool.delete_subvolume(&tmp);
+            }
+            let done = done?;
+            std::fs::rename(&path, pool.root().join(&ranged))?;
+            tracing::info!(copy = %ranged, entries = done.entries, ms = t0.elapsed().as_millis() as u64, "image shifted into an id range");
+        }
+    }
+    // The sandbox's own read-only snapshot of it: O(1), removed with the sandbox.
     let lower = format!("shifted/{name}");
     pool.delete_subvolume(&lower).map_err(storage)?;
-    let path = pool.snapshot(&image, &lower, false).map_err(storage)?;
-    let t0 = std::time::Instant::now();
-    let done = shift::shift_tree(&path, shift::Shift::Into(base))?;
-    tracing::debug!(sandbox = name, entries = done.entries, us = t0.elapsed().as_micros() as u64, "image shifted into the sandbox's range");
-    Ok(path)
+    pool.snapshot(&ranged, &lower, true).map_err(storage)
 }
 
 fn keep_layers_of(sandboxes: &[SandboxSpec]) -> std::collections::HashSet<String> {
