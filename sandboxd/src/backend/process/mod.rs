@@ -247,7 +247,8 @@ fn shifted_lower(pool: &Pool, lock: &Mutex<()>, image_rootfs: &Path, name: &str,
             }
             std::fs::rename(&dst, pool.root().join(&image))?;
             // Earlier copies of the same path (the image was replaced) are stale.
-            for old in pool.subvolumes("shifted").into_iter().filter(|n| n.starts_with(&format!("image-{of_path}-")) && !n.starts_with(&format!("image-{key}"))) {
+            for old in pool.subvolumes("shifted").into_iter().filter(|n| n.starts_with(&format!("image-{of_path}-")) && !n.starts_with(&format!("image-{key}")))
+            {
                 if let Err(e) = pool.delete_subvolume(&format!("shifted/{old}")) {
                     tracing::warn!(copy = %old, error = %e, "cannot remove a stale image copy");
                 }
