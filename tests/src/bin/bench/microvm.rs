@@ -12,7 +12,7 @@ use sandbox_tests::{process_sandbox, proto, Daemon};
 use self::log::{accel_decision, count_logged, kvm_reason, log_lines, print_log_tail, LogLine};
 use crate::check_interrupt;
 use crate::cli::Plan;
-use crate::results::{Key, Report, VmAccel};
+use crate::results::{Key, Report, VmAccel, SIZED_MIB};
 use crate::sandboxes::{check_true, exec_stream_true, exec_true, sh, write_blob, Sandboxes};
 use crate::snapshots::{snapshot_rollback, CHANGED_SMALL_MIB};
 use crate::stats::median;
@@ -456,6 +456,55 @@ async fn microvm_boot_snapshots(plan: &Plan, report: &mut Report) -> Result<()> 
     }
 }
 
+/// The memory-snapshot rows with the memory limit at `mib` MiB, on a daemon with the defaults
+/// (boot snapshots, no pool): a first, untimed create boots that shape and takes its boot
+/// snapshot; then creates restored from it, a snapshot with memory and rollbacks to it, and
+/// forks of it (the origin running).
+async fn microvm_sized(plan: &Plan, report: &mut Report, mib: u32) -> Result<()> {
+    let daemon = start_microvm_daemon("", &[], &format!("memory limit {mib} MiB")).await?;
+    let mut sb = Sandboxes::new(daemon.client().await?);
+    let request = || {
+        let mut r = microvm_request();
+        r.limits = Some(proto::ResourceLimits { memory_bytes: u64::from(mib) << 20, ..Default::default() });
+        r
+    };
+    let n = plan.microvm_boot;
+    eprintln!("bench: sandboxd microVM at {mib} MiB: creates from its boot snapshot × {n}, snapshot+rollback × {}, forks × {}", plan.microvm_snap, plan.microvm_fork);
+    let [create_key, snap_key, rollback_key, fork_key] = Key::sized(mib);
+    let result = async {
+        let (first, _) = sb.create_with(request(), &format!("the {mib} MiB create that boots and takes the boot snapshot")).await?;
+        sb.destroy(&first).await?;
+        let before = count_logged(&log_lines(&daemon.log()), LOG_BOOT_SNAPSHOT_RESTORED);
+        let mut creates = Vec::with_capacity(n);
+        for i in 0..n {
+            let (id, created) = sb.create_with(request(), &format!("{mib} MiB microVM create {i} of {n} from the boot snapshot")).await?;
+            creates.push(created);
+            sb.destroy(&id).await?;
+        }
+        let restored = count_logged(&log_lines(&daemon.log()), LOG_BOOT_SNAPSHOT_RESTORED) - before;
+        if restored != n {
+            bail!("{n} creates at {mib} MiB after its boot snapshot but {restored} `{LOG_BOOT_SNAPSHOT_RESTORED}` lines in the daemon's log");
+        }
+        report.measured(create_key, &creates);
+        let (snaps, rollbacks, _) = snapshot_rollback(&mut sb, request(), CHANGED_SMALL_MIB, plan.microvm_snap, Some(true)).await?;
+        report.measured(snap_key, &snaps);
+        report.measured(rollback_key, &rollbacks);
+        sb.cleanup().await;
+        let (origin, _) = sb.create_with(request(), &format!("the origin of the {mib} MiB forks")).await?;
+        write_blob(&sb.client, &origin, CHANGED_SMALL_MIB, "the origin of the microVM forks").await?;
+        let (snap, _, _) = sb.snapshot_with(&origin, &format!("the {mib} MiB snapshot to fork"), Some(true)).await?;
+        let forks = microvm_fork_rounds(&mut sb, &snap, plan.microvm_fork, &format!("{mib} MiB, origin running")).await?;
+        report.measured(fork_key, &forks);
+        Ok(())
+    }
+    .await;
+    sb.cleanup().await;
+    if result.is_err() {
+        print_log_tail(&daemon, &format!("microVM ({mib} MiB)"));
+    }
+    result
+}
+
 /// Creates from the warm pool, on a daemon started with `--microvm-pool 1`.
 async fn microvm_pool(plan: &Plan, report: &mut Report) -> Result<()> {
     let daemon = start_microvm_daemon("", &["--microvm-pool", "1"], "--microvm-pool 1").await?;
@@ -495,6 +544,11 @@ pub(crate) async fn sandboxd_microvm(plan: &Plan, report: &mut Report) {
             }
             if let Err(e) = microvm_boot_snapshots(plan, report).await {
                 report.failed(&[Key::MicroVmBootSnapshotCreate, Key::MicroVmBootSnapshotReady], &e);
+            }
+            for mib in SIZED_MIB {
+                if let Err(e) = microvm_sized(plan, report, mib).await {
+                    report.failed_unless_done(&Key::sized(mib), &e);
+                }
             }
         }
         Ok(None) => {}

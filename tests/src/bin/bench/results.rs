@@ -135,9 +135,29 @@ pub(crate) enum Key {
     MicroVmRollbackMemory,
     MicroVmForkMemory,
     MicroVmForkMemoryOriginGone,
+    /// With the memory limit at that many MiB (see [`SIZED_MIB`]): a create restored from that
+    /// shape's boot snapshot, a snapshot with memory, a rollback to it, a fork of it.
+    MicroVmSized(u32, SizedOp),
+}
+
+/// The memory limits (MiB) of the microVM rows other than the default's.
+pub(crate) const SIZED_MIB: [u32; 2] = [256, 1024];
+
+/// What a [`Key::MicroVmSized`] row measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum SizedOp {
+    Create,
+    Snapshot,
+    Rollback,
+    Fork,
 }
 
 impl Key {
+    /// The rows of one memory limit.
+    pub(crate) fn sized(mib: u32) -> [Key; 4] {
+        [SizedOp::Create, SizedOp::Snapshot, SizedOp::Rollback, SizedOp::Fork].map(|op| Key::MicroVmSized(mib, op))
+    }
+
     pub(crate) const SANDBOXD: [Key; 9] =
         [Key::Create, Key::Destroy, Key::Get, Key::Exec, Key::ExecSpaced, Key::ExecStream, Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
     pub(crate) const SNAPSHOTS: [Key; 8] = [
@@ -162,7 +182,7 @@ impl Key {
         Key::ContainerPoolCreate,
     ];
     pub(crate) const DOCKER: [Key; 5] = [Key::DockerRun, Key::DockerCreateStart, Key::DockerCreateStartBridge, Key::DockerRemove, Key::DockerExec];
-    pub(crate) const MICROVM: [Key; 19] = [
+    pub(crate) const MICROVM: [Key; 27] = [
         Key::MicroVmBoot(VmAccel::Tcg),
         Key::MicroVmCreate(VmAccel::Tcg),
         Key::MicroVmBoot(VmAccel::Kvm),
@@ -182,6 +202,14 @@ impl Key {
         Key::MicroVmRollbackMemory,
         Key::MicroVmForkMemory,
         Key::MicroVmForkMemoryOriginGone,
+        Key::MicroVmSized(SIZED_MIB[0], SizedOp::Create),
+        Key::MicroVmSized(SIZED_MIB[0], SizedOp::Snapshot),
+        Key::MicroVmSized(SIZED_MIB[0], SizedOp::Rollback),
+        Key::MicroVmSized(SIZED_MIB[0], SizedOp::Fork),
+        Key::MicroVmSized(SIZED_MIB[1], SizedOp::Create),
+        Key::MicroVmSized(SIZED_MIB[1], SizedOp::Snapshot),
+        Key::MicroVmSized(SIZED_MIB[1], SizedOp::Rollback),
+        Key::MicroVmSized(SIZED_MIB[1], SizedOp::Fork),
     ];
 
     pub(crate) fn label(self, live: usize) -> String {
@@ -251,6 +279,10 @@ impl Key {
             Key::MicroVmForkMemoryOriginGone => {
                 format!("microVM fork of a memory snapshot whose origin was destroyed ({CHANGED_SMALL_MIB} MiB changed; resumes)")
             }
+            Key::MicroVmSized(mib, SizedOp::Create) => format!("microVM at {mib} MiB: `CreateSandbox` restored from its boot snapshot (no pool)"),
+            Key::MicroVmSized(mib, SizedOp::Snapshot) => format!("microVM at {mib} MiB: `Snapshot` with memory, {CHANGED_SMALL_MIB} MiB changed"),
+            Key::MicroVmSized(mib, SizedOp::Rollback) => format!("microVM at {mib} MiB: `Rollback` to a memory snapshot (resumes)"),
+            Key::MicroVmSized(mib, SizedOp::Fork) => format!("microVM at {mib} MiB: fork of a memory snapshot, the origin running (resumes)"),
         }
     }
 }
