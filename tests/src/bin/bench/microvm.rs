@@ -469,7 +469,10 @@ async fn microvm_sized(plan: &Plan, report: &mut Report, mib: u32) -> Result<()>
         r
     };
     let n = plan.microvm_boot;
-    eprintln!("bench: sandboxd microVM at {mib} MiB: creates from its boot snapshot × {n}, snapshot+rollback × {}, forks × {}", plan.microvm_snap, plan.microvm_fork);
+    eprintln!(
+        "bench: sandboxd microVM at {mib} MiB: creates from its boot snapshot × {n}, snapshot+rollback × {}, forks × {}",
+        plan.microvm_snap, plan.microvm_fork
+    );
     let [create_key, snap_key, rollback_key, fork_key] = Key::sized(mib);
     let result = async {
         let (first, _) = sb.create_with(request(), &format!("the {mib} MiB create that boots and takes the boot snapshot")).await?;
