@@ -53,6 +53,10 @@ pub struct Cli {
     /// Serve Prometheus metrics over HTTP on this address (e.g. 127.0.0.1:9477).
     #[arg(long)]
     pub metrics: Option<std::net::SocketAddr>,
+    /// Serve only the gRPC health service (grpc.health.v1.Health), in plaintext, on this address
+    /// (e.g. 0.0.0.0:7071): for probes that cannot speak the TLS of the API's TCP listeners.
+    #[arg(long)]
+    pub health_listen: Option<std::net::SocketAddr>,
     /// Keep this many microVMs booted ahead of time so MICROVM creates need not wait for a boot.
     #[arg(long = "microvm-pool")]
     pub microvm_pool: Option<usize>,
@@ -860,6 +864,7 @@ pub struct FileConfig {
     #[serde(default)]
     pub exec: ExecConfig,
     pub metrics: Option<std::net::SocketAddr>,
+    pub health_listen: Option<std::net::SocketAddr>,
     #[serde(default)]
     pub policy: PolicyConfig,
     #[serde(default)]
@@ -1203,6 +1208,8 @@ pub struct Config {
     pub limits: LimitsConfig,
     pub exec: ExecConfig,
     pub metrics: Option<std::net::SocketAddr>,
+    /// A plaintext listener serving only the gRPC health service (see `server::serve_health`).
+    pub health_listen: Option<std::net::SocketAddr>,
     pub policy: Policy,
     pub auth: AuthConfig,
     pub audit: AuditConfig,
@@ -1250,6 +1257,7 @@ impl Config {
             limits: file.limits,
             exec: file.exec,
             metrics: cli.metrics.or(file.metrics),
+            health_listen: cli.health_listen.or(file.health_listen),
             policy,
             auth: file.auth,
             audit: file.audit,
@@ -1302,6 +1310,26 @@ impl Config {
             }
         }
         Ok(self)
+    }
+
+    /// `health_listen` is a port of its own: the same port as another listener of the daemon
+    /// would fail at start, and a probe must never land on the API (TLS) by mistake.
+    fn validate_health_listen(&self) -> Result<(), ConfigError> {
+        let Some(health) = self.health_listen.filter(|h| h.port() != 0) else { return Ok(()) };
+        let tcp_listen = self.listen.iter().filter_map(|l| match l {
+            ListenAddr::Tcp(a) => Some(("listen", *a)),
+            ListenAddr::Unix(_) => None,
+        });
+        let others = [("metrics", self.metrics), ("e2b.listen", self.e2b.listen), ("web.listen", self.web.listen)];
+        for (key, other) in tcp_listen.chain(others.into_iter().filter_map(|(k, a)| a.map(|a| (k, a)))) {
+            let same_ip = other.ip() == health.ip() || other.ip().is_unspecified() || health.ip().is_unspecified();
+            if other.port() == health.port() && same_ip {
+                return Err(ConfigError::Invalid(format!(
+                    "health_listen = {health} takes the port of {key} ({other}): the health listener needs a port of its own"
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn read_file(path: &Path) -> Result<(FileConfig, String), ConfigError> {
@@ -1390,6 +1418,7 @@ impl Config {
         }
         self.telemetry.validate()?;
         self.connections.validate()?;
+        self.validate_health_listen()?;
         self.admission.validate()?;
         if self.microvm.boot_timeout_ms == 0 || self.microvm.kvm_probe_timeout_ms == 0 {
             return Err(ConfigError::Invalid("microvm.boot_timeout_ms and microvm.kvm_probe_timeout_ms must be > 0".into()));
@@ -1574,6 +1603,29 @@ mod tests {
         assert_eq!(peer.server_name, "peers.test", "the headless name by default");
         let cfg = load(fleet.clone()).expect("neither");
         assert!(cfg.fleet.is_some_and(|f| f.tls.is_none()));
+    }
+
+    #[test]
+    fn the_health_listener_takes_a_port_of_its_own() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("sandboxd.toml");
+        let load = |toml: &str, cli: Cli| {
+            std::fs::write(&path, toml).expect("write");
+            Config::load(Cli { config: Some(path.clone()), ..cli })
+        };
+        let cfg = load("", Cli::default()).expect("off by default");
+        assert_eq!(cfg.health_listen, None);
+        let listen = "listen = [\"tcp://0.0.0.0:7070\"]\nmetrics = \"127.0.0.1:9477\"\n";
+        let cfg = load(&format!("{listen}health_listen = \"0.0.0.0:7071\"\n"), Cli::default()).expect("a port of its own");
+        assert_eq!(cfg.health_listen, Some("0.0.0.0:7071".parse().expect("addr")));
+        let flag = Cli { health_listen: Some("127.0.0.1:7072".parse().expect("addr")), ..Default::default() };
+        let cfg = load(&format!("{listen}health_listen = \"0.0.0.0:7071\"\n"), flag).expect("the flag");
+        assert_eq!(cfg.health_listen, Some("127.0.0.1:7072".parse().expect("addr")), "the flag wins over the file");
+        for (health, key) in [("127.0.0.1:7070", "listen (0.0.0.0:7070)"), ("0.0.0.0:9477", "metrics (127.0.0.1:9477)")] {
+            let err = load(&format!("{listen}health_listen = \"{health}\"\n"), Cli::default()).expect_err(health);
+            assert!(err.to_string().contains(key), "{health}: {err}");
+        }
+        load("metrics = \"127.0.0.1:9477\"\nhealth_listen = \"127.0.0.2:9477\"\n", Cli::default()).expect("another address, the same port");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::backend::container::{docker_socket_from_env, ContainerBackend, Contai
 use crate::backend::microvm::MicroVmBackend;
 use crate::backend::process::{ProcessBackend, ProcessConfig};
 use crate::backend::Backends;
-use crate::config::{Config, ListenAddr};
+use crate::config::{Config, ConnectionsConfig, ListenAddr};
 use crate::connections::{ConnLimits, Guarded, Peer, PeerKey, Transport, PREAUTH_READ_BYTES};
 use crate::fleet::router::Routed;
 use crate::images::{Catalog, Engine};
@@ -50,6 +50,9 @@ const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
 const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 256;
 /// An idle connection is pinged this often, and closed if the ping is not answered in time.
 const HTTP2_KEEPALIVE: (Duration, Duration) = (Duration::from_secs(60), Duration::from_secs(20));
+/// Calls open at once on one connection of the health listener: a probe makes one per
+/// connection, a watcher one per service it watches.
+const HEALTH_MAX_CONCURRENT_STREAMS: u32 = 16;
 
 /// Runs the daemon until SIGTERM or SIGINT, then shuts down cleanly.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
@@ -169,20 +172,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         let api = SandboxServiceServer::new(Routed::new(local, fleet.clone(), auth.clone()))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        // Every HTTP/2 bound set here rather than left to a library's default: they are what an
-        // unauthenticated client can make the daemon hold. The frame and header list sizes are
-        // the ones the UNIX rewriter (`authority`) enforces before the server sees a byte.
-        let mut builder = tonic::transport::Server::builder()
-            .trace_fn(rpc_span)
-            .max_frame_size(authority::MAX_FRAME_SIZE as u32)
-            .http2_max_header_list_size(authority::MAX_HEADER_LIST_BYTES as u32)
-            .max_concurrent_streams(cfg.connections.max_concurrent_streams)
-            .initial_stream_window_size(HTTP2_WINDOW_BYTES)
-            .initial_connection_window_size(HTTP2_WINDOW_BYTES)
-            .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
-            .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
-            .http2_keepalive_interval(Some(HTTP2_KEEPALIVE.0))
-            .http2_keepalive_timeout(Some(HTTP2_KEEPALIVE.1));
+        let mut builder = bounded_server(cfg.connections.max_concurrent_streams).trace_fn(rpc_span);
         if let (ListenAddr::Tcp(_), Some(tls)) = (addr, &tls) {
             builder = builder.tls_config(tls.clone()).context("configuring TLS")?;
         }
@@ -268,6 +258,13 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
                 tracing::error!(error = %e, "metrics listener stopped");
             }
         });
+    }
+
+    // The probes' door, when configured: health alone, in plaintext, on a port of its own.
+    if let Some(addr) = cfg.health_listen {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding health listener {addr}"))?;
+        tracing::info!(%addr, "health listening (plaintext, grpc.health.v1.Health only)");
+        servers.spawn(serve_health(listener, tonic::service::Routes::new(health_service.clone()), cfg.connections.clone(), stop.clone()));
     }
 
     // The E2B-compatible front door, when configured: its own listener over the same manager.
@@ -359,6 +356,63 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// A gRPC server with every HTTP/2 bound set here rather than left to a library's default: they
+/// are what an unauthenticated client can make the daemon hold. The frame and header list sizes
+/// are the ones the UNIX rewriter (`authority`) enforces before the server sees a byte.
+fn bounded_server(max_concurrent_streams: u32) -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .max_frame_size(authority::MAX_FRAME_SIZE as u32)
+        .http2_max_header_list_size(authority::MAX_HEADER_LIST_BYTES as u32)
+        .max_concurrent_streams(max_concurrent_streams)
+        .initial_stream_window_size(HTTP2_WINDOW_BYTES)
+        .initial_connection_window_size(HTTP2_WINDOW_BYTES)
+        .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
+        .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
+        .http2_keepalive_interval(Some(HTTP2_KEEPALIVE.0))
+        .http2_keepalive_timeout(Some(HTTP2_KEEPALIVE.1))
+}
+
+/// The health listener (`health_listen`): `grpc.health.v1.Health` and nothing else, in
+/// plaintext (never `[tls]`), for probes that cannot speak the API's TLS, such as the kubelet's
+/// gRPC probes. `health` routes to the reporter the API's listeners serve, so it answers the
+/// same statuses (a drain's NOT_SERVING included); any other service is UNIMPLEMENTED, and no
+/// call on it is authenticated or reaches the API.
+///
+/// Bounds: the HTTP/2 ones of every listener, at most [`HEALTH_MAX_CONCURRENT_STREAMS`] calls
+/// per connection, and the `[connections]` caps per source address and in total (`max_per_ip`,
+/// `max_tcp`) counted apart from the API's TCP listeners, so a flood of either never starves the
+/// other. No request here authenticates its connection, so each one reads at most
+/// [`PREAUTH_READ_BYTES`] and is closed at `preauth_timeout_ms`: probes open one per check, a
+/// watcher reconnects. Ends when `stop` fires.
+async fn serve_health(
+    listener: tokio::net::TcpListener,
+    health: tonic::service::Routes,
+    connections: ConnectionsConfig,
+    stop: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let limits = ConnLimits::tcp(&connections);
+    let preauth = Duration::from_millis(connections.preauth_timeout_ms);
+    let incoming = tokio_stream::StreamExt::filter_map(tokio_stream::wrappers::TcpListenerStream::new(listener), move |conn| {
+        let conn = match conn {
+            Ok(conn) => conn,
+            Err(e) => return Some(Err(e)),
+        };
+        let addr = conn.peer_addr().ok();
+        match limits.admit(PeerKey::Ip(addr.map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip()))) {
+            Ok(permit) => Some(Ok(Guarded::new(conn, Transport::Tcp(addr), false, permit, preauth))),
+            Err(why) => {
+                limits.log_refusal("health", &why);
+                None
+            }
+        }
+    });
+    // No `trace_fn`: a probe every few seconds would be a span (and an exported trace) each.
+    bounded_server(HEALTH_MAX_CONCURRENT_STREAMS.min(connections.max_concurrent_streams))
+        .add_routes(health)
+        .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+        .await
 }
 
 /// A drain (SIGUSR1, sent by `sandboxd drain`): creates are refused from now on (UNAVAILABLE

@@ -2,11 +2,14 @@
 //! operator would apply: each document is the typed Kubernetes object of its kind (k8s-openapi,
 //! API 1.33) and loses no field on the way (a misspelt or misplaced key would be dropped by the
 //! API server without a word); each DaemonSet (one per node pool: one in most overlays, two in
-//! `mixed`) mounts what its daemon's config names and what its pool's tiers need; the probes
-//! reach the health service on the daemon's TCP listener; the Services and the PDB select every
-//! pool's pods; the config in each ConfigMap loads with the daemon's own loader; and the pools'
-//! node selection (nodeSelector and required nodeAffinity, evaluated against sample node labels)
-//! puts at most one daemon on any node. Fails, never skips, when `kubectl` is missing or too old.
+//! `mixed`) mounts what its daemon's config names and what its pool's tiers need (the TLS
+//! certificate, key and CA from the Secret `sandboxd-tls`); the probes reach the health service
+//! on the daemon's plaintext health listener, not the TLS API port; the Services and the PDB
+//! select every pool's pods, the PDB with an integer minAvailable (the only kind a DaemonSet's
+//! pods can be evicted under); the config in each ConfigMap loads with the daemon's own loader;
+//! and the pools' node selection (nodeSelector and required nodeAffinity, evaluated against
+//! sample node labels) puts at most one daemon on any node. Fails, never skips, when `kubectl`
+//! is missing or too old.
 #![allow(clippy::expect_used, clippy::unwrap_used)] // a test: a failed expectation is a failed test
 
 use std::collections::BTreeMap;
@@ -26,6 +29,10 @@ const API_HEALTH_SERVICE: &str = "sandbox.v1.SandboxService";
 /// The config's file name in the ConfigMap and where the container reads it.
 const CONFIG_KEY: &str = "sandboxd.toml";
 const CONFIG_PATH: &str = "/etc/sandboxd/sandboxd.toml";
+/// The Secret holding the nodes' TLS certificate, key and CA, and its keys (a kubernetes.io/tls
+/// Secret's two, and ca.crt as cert-manager writes it).
+const TLS_SECRET: &str = "sandboxd-tls";
+const TLS_SECRET_KEYS: [&str; 3] = ["tls.crt", "tls.key", "ca.crt"];
 
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -246,9 +253,16 @@ fn node_label_values(pod: &PodSpec) -> Vec<(String, String)> {
     out
 }
 
+/// The files of Secrets the config names, as written in it: the loader reads stand-ins instead.
+struct SecretFiles {
+    token_file: String,
+    tls_ca_file: Option<String>,
+}
+
 /// Loads the ConfigMap's config with the daemon's loader, as the pod on node `kube_node` would
-/// (the fleet token read from a stand-in of the Secret's file).
-fn load_config(text: &str, kube_node: &str) -> (Config, String) {
+/// (the fleet token and the peers' CA read from stand-ins of the Secrets' files; `[tls]`'s
+/// certificate and key are read when the daemon starts serving, not by the loader).
+fn load_config(text: &str, kube_node: &str) -> (Config, SecretFiles) {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut file: toml::Table = toml::from_str(text).expect("the ConfigMap's config is TOML");
     let fleet = file.get_mut("fleet").and_then(|f| f.as_table_mut()).expect("a [fleet] table");
@@ -256,6 +270,12 @@ fn load_config(text: &str, kube_node: &str) -> (Config, String) {
     let token = dir.path().join("token");
     std::fs::write(&token, "a-fleet-token-of-32-characters-x").expect("write token");
     fleet.insert("token_file".into(), token.display().to_string().into());
+    let tls_ca_file = fleet.get("tls_ca_file").and_then(|t| t.as_str()).map(str::to_string);
+    if tls_ca_file.is_some() {
+        let ca = dir.path().join("ca.crt");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").expect("write CA");
+        fleet.insert("tls_ca_file".into(), ca.display().to_string().into());
+    }
     let path = dir.path().join(CONFIG_KEY);
     std::fs::write(&path, toml::to_string(&file).expect("serialize")).expect("write config");
     // What the DaemonSet's env gives the daemon (checked against it by the caller).
@@ -264,7 +284,7 @@ fn load_config(text: &str, kube_node: &str) -> (Config, String) {
     std::env::set_var("SANDBOXD_NODE_ADDRESS", "10.244.1.7:7070");
     std::env::remove_var("SANDBOXD_NODE_NAME");
     let cfg = Config::load(Cli { config: Some(path), ..Default::default() }).unwrap_or_else(|e| panic!("the daemon refuses the ConfigMap's config: {e}"));
-    (cfg, token_file)
+    (cfg, SecretFiles { token_file, tls_ca_file })
 }
 
 #[test]
@@ -403,7 +423,8 @@ fn check_daemon(ctx: &str, pool: &Pool, ds: &DaemonSet, r: &Rendered, namespace:
     let cm = cm.unwrap_or_else(|| panic!("{ctx}: the mounted ConfigMap {cm_name} is a rendered one"));
     assert_eq!(c.args.clone().unwrap_or_default(), ["--config", CONFIG_PATH], "{ctx}: the daemon reads it");
     let text = cm.data.as_ref().and_then(|d| d.get(CONFIG_KEY)).expect("the ConfigMap holds sandboxd.toml");
-    let (cfg, token_file) = load_config(text, "ip-10-0-1-23.eu-west-1.compute.internal");
+    let (cfg, secret_files) = load_config(text, "ip-10-0-1-23.eu-west-1.compute.internal");
+    let token_file = secret_files.token_file.clone();
     for tier in Isolation::ALL {
         assert_eq!(cfg.policy.allows(tier), pool.tiers.contains(&tier), "{ctx}: policy.allowed for {tier:?}");
     }
@@ -446,9 +467,16 @@ fn check_daemon(ctx: &str, pool: &Pool, ds: &DaemonSet, r: &Rendered, namespace:
     assert_eq!(annotations.get("prometheus.io/scrape").map(String::as_str), Some("true"), "{ctx}");
     assert_eq!(annotations.get("prometheus.io/path").map(String::as_str), Some("/metrics"), "{ctx}");
 
-    // Probes: the health service on the TCP listener; readiness is the API's own status.
+    // Probes: the health service on the health listener (plaintext, health only), since the
+    // API's TCP listener serves TLS, which the kubelet's gRPC probes cannot speak; readiness is
+    // the API's own status.
+    let health = cfg.health_listen.unwrap_or_else(|| panic!("{ctx}: health_listen: the probes' plaintext port"));
+    assert!(health.ip().is_unspecified(), "{ctx}: the health listener takes the pod IP, where the kubelet probes ({health})");
+    assert_ne!(health.port(), tcp.port(), "{ctx}: the probes' port is not the API's (TLS)");
+    let health_port = c.ports.iter().flatten().find(|p| p.name.as_deref() == Some("health")).expect("a port named health").container_port;
+    assert_eq!(health_port as u16, health.port(), "{ctx}: containerPort health is health_listen's");
     for (probe, which) in [(&c.readiness_probe, "readiness"), (&c.liveness_probe, "liveness"), (&c.startup_probe, "startup")] {
-        assert_eq!(grpc_port(probe, which).0 as u16, tcp.port(), "{ctx}: the {which} probe reaches the health service's port");
+        assert_eq!(grpc_port(probe, which).0 as u16, health.port(), "{ctx}: the {which} probe reaches the health listener's port (health_listen)");
     }
     assert_eq!(grpc_port(&c.readiness_probe, "readiness").1.as_deref(), Some(API_HEALTH_SERVICE), "{ctx}: readiness turns off with a drain");
     assert_eq!(grpc_port(&c.liveness_probe, "liveness").1.filter(|s| !s.is_empty()), None, "{ctx}: liveness asks the overall status, which a drain leaves on");
@@ -490,6 +518,35 @@ fn check_daemon(ctx: &str, pool: &Pool, ds: &DaemonSet, r: &Rendered, namespace:
     assert_eq!(secret.secret_name.as_deref(), Some("sandboxd-fleet"), "{ctx}");
     assert_eq!(Path::new(&token_file).file_name().and_then(|f| f.to_str()), Some("token"), "{ctx}: the Secret's key is `token`");
 
+    // TLS: the TCP listener's certificate and key and the peers' CA are the keys of the Secret
+    // sandboxd-tls, mounted read-only, and the peers check the headless Service's name (below).
+    let tls = cfg.tls.as_ref().unwrap_or_else(|| panic!("{ctx}: [tls]: the API's TCP listener serves TLS"));
+    let tls_ca_file = secret_files.tls_ca_file.clone().unwrap_or_else(|| panic!("{ctx}: fleet.tls_ca_file"));
+    let tls_mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| {
+            m.sub_path.is_none()
+                && pod.volumes.iter().flatten().any(|v| v.name == m.name && v.secret.as_ref().is_some_and(|s| s.secret_name.as_deref() == Some(TLS_SECRET)))
+        })
+        .unwrap_or_else(|| panic!("{ctx}: the Secret {TLS_SECRET} is mounted (a directory, not a subPath, so a renewed certificate reaches the pod)"));
+    assert_eq!(tls_mount.read_only, Some(true), "{ctx}: the Secret {TLS_SECRET} is mounted read-only");
+    let tls_secret = volume(pod, &tls_mount.name).secret.as_ref().expect("a Secret volume");
+    assert!(tls_secret.items.is_none(), "{ctx}: the Secret's keys are its file names (no items remap them)");
+    for (path, key, what) in [
+        (tls.cert.clone(), TLS_SECRET_KEYS[0], "tls.cert"),
+        (tls.key.clone(), TLS_SECRET_KEYS[1], "tls.key"),
+        (PathBuf::from(&tls_ca_file), TLS_SECRET_KEYS[2], "fleet.tls_ca_file"),
+    ] {
+        assert_eq!(
+            path,
+            Path::new(&tls_mount.mount_path).join(key),
+            "{ctx}: {what} is the key {key} of the Secret {TLS_SECRET}, mounted at {}",
+            tls_mount.mount_path
+        );
+    }
+
     let docker = host_path_at(pod, c, "/var/run/docker.sock");
     assert_eq!(docker.is_some(), pool.docker_socket, "{ctx}: the Docker Engine's socket only where the container tier runs");
     if pool.docker_socket {
@@ -516,6 +573,8 @@ fn check_daemon(ctx: &str, pool: &Pool, ds: &DaemonSet, r: &Rendered, namespace:
     let headless = r.services.iter().find(|s| s.spec.as_ref().and_then(|s| s.cluster_ip.as_deref()) == Some("None")).expect("a headless Service");
     let headless_name = headless.metadata.name.clone().expect("name");
     assert_eq!(fleet.peers_dns, format!("{headless_name}.{namespace}.svc.cluster.local"), "{ctx}: fleet.peers_dns is the headless Service's name");
+    let peer_tls = fleet.tls.as_ref().unwrap_or_else(|| panic!("{ctx}: the peers call one another over TLS"));
+    assert_eq!(peer_tls.server_name, fleet.peers_dns, "{ctx}: fleet.tls_server_name is the headless Service's name, which the nodes' certificate carries");
     assert_eq!(headless.spec.as_ref().and_then(|s| s.publish_not_ready_addresses), Some(true), "{ctx}: a draining node stays reachable to its peers");
     let front = r.services.iter().find(|s| s.metadata.name != headless.metadata.name).expect("the clients' Service");
     assert_eq!(front.spec.as_ref().and_then(|s| s.type_.as_deref()), Some("ClusterIP"), "{ctx}");
@@ -535,4 +594,12 @@ fn check_daemon(ctx: &str, pool: &Pool, ds: &DaemonSet, r: &Rendered, namespace:
 
     let pdb = r.pdbs[0].spec.as_ref().expect("PDB spec");
     assert!(pdb.selector.as_ref().is_some_and(|s| label_selector_matches(s, &template_labels)), "{ctx}: the PodDisruptionBudget covers the daemon's pods");
+    // A DaemonSet has no scale: the disruption controller can compute maxUnavailable or a
+    // percentage only from an owner's scale, and allows no eviction at all without one.
+    assert_eq!(pdb.max_unavailable, None, "{ctx}: no maxUnavailable in the PDB of a DaemonSet's pods (no eviction would ever be allowed)");
+    assert!(
+        matches!(pdb.min_available, Some(IntOrString::Int(n)) if n >= 1),
+        "{ctx}: the PDB's minAvailable is an integer of at least 1 (not a percentage): {:?}",
+        pdb.min_available
+    );
 }
