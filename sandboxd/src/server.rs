@@ -226,21 +226,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
                     tracing::warn!(%sock, "TCP listener without [auth] tokens: any process that can connect acts as the local tenant");
                 }
                 let listener = tokio::net::TcpListener::bind(sock).await.with_context(|| format!("binding {sock}"))?;
-                let (limits, open) = (tcp_limits.clone(), !auth.tokens_required());
-                let incoming = tokio_stream::StreamExt::filter_map(tokio_stream::wrappers::TcpListenerStream::new(listener), move |conn| {
-                    let conn = match conn {
-                        Ok(conn) => conn,
-                        Err(e) => return Some(Err(e)),
-                    };
-                    let addr = conn.peer_addr().ok();
-                    match limits.admit(PeerKey::Ip(addr.map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip()))) {
-                        Ok(permit) => Some(Ok(Guarded::new(conn, Transport::Tcp(addr), open, permit, preauth))),
-                        Err(why) => {
-                            limits.log_refusal(&name, &why);
-                            None
-                        }
-                    }
-                });
+                let incoming = admitted_tcp(listener, tcp_limits.clone(), !auth.tokens_required(), preauth, name);
                 servers.spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await });
             }
         }
@@ -358,6 +344,32 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The connections `listener` accepts that `limits` admit (per source address and in total), each
+/// guarded: `open` when no token is required on it, else read at most [`PREAUTH_READ_BYTES`] and
+/// closed at `preauth` until a call authenticates it. A refusal is logged under `name`.
+fn admitted_tcp(
+    listener: tokio::net::TcpListener,
+    limits: ConnLimits,
+    open: bool,
+    preauth: Duration,
+    name: String,
+) -> impl tokio_stream::Stream<Item = std::io::Result<Guarded<tokio::net::TcpStream>>> {
+    tokio_stream::StreamExt::filter_map(tokio_stream::wrappers::TcpListenerStream::new(listener), move |conn| {
+        let conn = match conn {
+            Ok(conn) => conn,
+            Err(e) => return Some(Err(e)),
+        };
+        let addr = conn.peer_addr().ok();
+        match limits.admit(PeerKey::Ip(addr.map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip()))) {
+            Ok(permit) => Some(Ok(Guarded::new(conn, Transport::Tcp(addr), open, permit, preauth))),
+            Err(why) => {
+                limits.log_refusal(&name, &why);
+                None
+            }
+        }
+    })
+}
+
 /// A gRPC server with every HTTP/2 bound set here rather than left to a library's default: they
 /// are what an unauthenticated client can make the daemon hold. The frame and header list sizes
 /// are the ones the UNIX rewriter (`authority`) enforces before the server sees a byte.
@@ -392,22 +404,8 @@ async fn serve_health(
     connections: ConnectionsConfig,
     stop: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
-    let limits = ConnLimits::tcp(&connections);
     let preauth = Duration::from_millis(connections.preauth_timeout_ms);
-    let incoming = tokio_stream::StreamExt::filter_map(tokio_stream::wrappers::TcpListenerStream::new(listener), move |conn| {
-        let conn = match conn {
-            Ok(conn) => conn,
-            Err(e) => return Some(Err(e)),
-        };
-        let addr = conn.peer_addr().ok();
-        match limits.admit(PeerKey::Ip(addr.map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip()))) {
-            Ok(permit) => Some(Ok(Guarded::new(conn, Transport::Tcp(addr), false, permit, preauth))),
-            Err(why) => {
-                limits.log_refusal("health", &why);
-                None
-            }
-        }
-    });
+    let incoming = admitted_tcp(listener, ConnLimits::tcp(&connections), false, preauth, "health".to_string());
     // No `trace_fn`: a probe every few seconds would be a span (and an exported trace) each.
     bounded_server(HEALTH_MAX_CONCURRENT_STREAMS.min(connections.max_concurrent_streams))
         .add_routes(health)

@@ -116,3 +116,19 @@ pub async fn read_stream(mut stream: ExecStream, t0: Instant) -> Streamed {
     }
     read
 }
+
+/// An `ExecStream` in sandbox `id` that prints `started`, then runs until `/tmp/go` exists and
+/// prints `finished`: returned once `started` was read, with the stdout read so far. What a
+/// drain must let finish.
+pub async fn held_exec(client: &agent_client::Client, id: &str) -> (agent_client::ExecStream, String) {
+    let script = "echo started; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo finished";
+    let mut stream = crate::within(30, client.exec_stream(agent_client::exec_request(id, ["sh", "-c", script]))).await.expect("ExecStream");
+    let mut stdout = String::new();
+    while !stdout.contains("started") {
+        match crate::within(30, stream.next_event()).await.expect("stream event").and_then(|e| e.event) {
+            Some(crate::proto::exec_event::Event::Stdout(b)) => stdout.push_str(&text(&b)),
+            other => panic!("before `started`: {other:?}"),
+        }
+    }
+    (stream, stdout)
+}

@@ -28,7 +28,7 @@ pub use agent_client::proto;
 
 pub use checks::{assert_hello_file_reads_back, assert_paths_stay_inside};
 pub use daemon::{images_dir, require_environment, run_sbx, sandboxd_bin, sbx_bin, workspace_root, Daemon, TEST_POOL_BYTES};
-pub use exec::{assert_exited, describe, exec, read_stream, sh, sh_ok, status, tagged_execs_at_once, text, Streamed};
+pub use exec::{assert_exited, describe, exec, held_exec, read_stream, sh, sh_ok, status, tagged_execs_at_once, text, Streamed};
 pub use harness::{daemon_with_sandbox, Harness};
 pub use host::{
     cgroups_of, dirs_named, find_under, free_port, host_pid_of, mounted, mounts_of, mounts_under, owner_label, proc_status_bytes, remove_containers_of,

@@ -35,15 +35,7 @@ async fn a_drain_lets_the_running_exec_finish_refuses_creates_and_ends_the_daemo
     let id = within(60, client.create(process_sandbox("minimal"))).await.expect("create").id;
 
     // An exec that says it started, then runs until the test lets it end.
-    let script = "echo started; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo finished";
-    let mut stream = within(30, client.exec_stream(exec_request(&id, ["sh", "-c", script]))).await.expect("ExecStream");
-    let mut stdout = String::new();
-    while !stdout.contains("started") {
-        match within(30, stream.next_event()).await.expect("stream event").and_then(|e| e.event) {
-            Some(exec_event::Event::Stdout(b)) => stdout.push_str(&text(&b)),
-            other => panic!("before `started`: {other:?}"),
-        }
-    }
+    let (mut stream, mut stdout) = sandbox_tests::held_exec(&client, &id).await;
 
     let mut watch = HealthClient::new(client.channel());
     let mut watch = within(10, watch.watch(HealthCheckRequest { service: API.into() })).await.expect("health watch").into_inner();

@@ -12,8 +12,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Command;
 
-use agent_client::{exec_request, Client};
-use sandbox_tests::proto::exec_event;
+use agent_client::Client;
 use sandbox_tests::{free_port, process_sandbox, sandboxd_bin, text, within, Daemon};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -124,15 +123,7 @@ async fn the_health_listener_serves_health_alone_in_plaintext_next_to_a_tls_api(
     // A drain while an exec runs: readiness turns off on the health port, liveness stays on.
     let client = daemon.client().await.expect("client");
     let id = within(60, client.create(process_sandbox("minimal"))).await.expect("create").id;
-    let script = "echo started; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo finished";
-    let mut stream = within(30, client.exec_stream(exec_request(&id, ["sh", "-c", script]))).await.expect("ExecStream");
-    let mut stdout = String::new();
-    while !stdout.contains("started") {
-        match within(30, stream.next_event()).await.expect("stream event").and_then(|e| e.event) {
-            Some(exec_event::Event::Stdout(b)) => stdout.push_str(&text(&b)),
-            other => panic!("before `started`: {other:?}"),
-        }
-    }
+    let (_held, _) = sandbox_tests::held_exec(&client, &id).await;
     let mut watch = HealthClient::new(plain.channel());
     let mut watch = within(10, watch.watch(HealthCheckRequest { service: API.into() })).await.expect("health watch on the health port").into_inner();
     let first = within(10, watch.message()).await.expect("watch").expect("a first status");
