@@ -339,7 +339,9 @@ async fn a_memory_snapshot_resumes_running_processes_on_rollback_and_in_a_fork()
     assert_eq!(m1.len(), 33, "{:?}", String::from_utf8_lossy(&m1));
     assert!(m0 != m1 && m1 != m2 && m0 != m2, "forks share a machine-id: {m0:?} {m1:?} {m2:?}");
     // Every VM has its own RAM file, mapped by its QEMU alone: its name is gone once the guest
-    // runs, so the RAM goes with QEMU however the daemon ends.
+    // runs, so the RAM goes with QEMU however the daemon ends. (The VM the rollback replaced is
+    // stopped after the rollback's answer: waited for, it leaves three.)
+    assert!(eventually(30, || async { ram_files_of(&daemon).len() == 3 }).await, "{:?}", ram_files_of(&daemon));
     let live_ram = ram_files_of(&daemon);
     assert_eq!(live_ram.len(), 3, "{live_ram:?}");
     assert!(live_ram.iter().all(|(f, mapped)| *mapped && !f.exists()), "{live_ram:?}");

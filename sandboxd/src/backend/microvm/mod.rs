@@ -1009,7 +1009,7 @@ impl Inner {
         Ok(())
     }
 
-    async fn rollback(&self, id: &SandboxId, snap: &SnapshotId) -> Result<(), BackendError> {
+    async fn rollback(self: &Arc<Self>, id: &SandboxId, snap: &SnapshotId) -> Result<(), BackendError> {
         let sb = self.sandbox(id)?;
         let _op = sb.op.lock().await;
         let (backing, memory) = {
@@ -1041,8 +1041,9 @@ impl Inner {
 
     /// Rollback to a memory snapshot: a new QEMU resumes it beside the running one, in a
     /// directory of its own, and takes the sandbox's place only once its guest answers; a
-    /// memory file QEMU cannot load leaves the sandbox as it was.
-    async fn rollback_resume(&self, sb: &MicroSandbox, backing: &Path, image: &VmImage, incoming: Incoming) -> Result<(), BackendError> {
+    /// memory file QEMU cannot load leaves the sandbox as it was. The old VM, no longer the
+    /// sandbox's, is stopped and its directory removed after the answer, off the caller's path.
+    async fn rollback_resume(self: &Arc<Self>, sb: &MicroSandbox, backing: &Path, image: &VmImage, incoming: Incoming) -> Result<(), BackendError> {
         let id = &sb.spec.id;
         let snap = incoming.snapshot.clone();
         let old = sb.vm()?;
@@ -1071,11 +1072,13 @@ impl Inner {
             // The old VM runs on untouched: the sandbox is as it was.
             return Err(BackendError::SnapshotUnusable { snapshot: snap, reason: format!("the microVM resumed from it did not come up: {e}") });
         }
+        // No call reaches the old VM from here on (its agent's calls fail as lost).
         old.mark_lost(&format!("the sandbox was rolled back to {snap}"));
-        self.stop_vm(&old).await;
-        // The new VM's directory becomes the sandbox's (QEMU is chrooted into it by inode and
-        // its sockets are connected: the rename does not disturb it).
-        let retired = self.vms_dir.join(format!("{id}.retired"));
+        // The new VM's directory becomes the sandbox's, the old one's moves aside: QEMU is
+        // chrooted into its directory by inode and its sockets are connected, so neither rename
+        // disturbs a running VM. The old one's name carries its generation: a next rollback
+        // never takes it for its own while it is being removed.
+        let retired = self.vms_dir.join(format!("{id}.retired-{gen}"));
         let _ = std::fs::remove_dir_all(&retired);
         let moved = std::fs::rename(&dir, &retired).and_then(|()| std::fs::rename(&staging, &dir));
         if let Ok(mut d) = vm.dir.lock() {
@@ -1084,10 +1087,21 @@ impl Inner {
         if let Err(e) = &moved {
             tracing::warn!(sandbox = %id, error = %e, "moving the resumed VM's directory into place");
         }
-        let _ = std::fs::remove_dir_all(&retired);
         if let Ok(mut slot) = sb.vm.write() {
             *slot = vm;
         }
+        // The old VM stops after the answer (SIGKILL, reaping a QEMU with its RAM mapped, its
+        // cgroup: ~30 ms of the rollback before). Until then it shares the TAP with the new one
+        // as it did while the new one came up; a daemon that ends meanwhile takes it along.
+        let me = self.clone();
+        tokio::spawn(async move {
+            me.stop_vm(&old).await;
+            if retired.exists() {
+                if let Err(e) = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&retired)).await.unwrap_or_else(|e| Err(std::io::Error::other(e))) {
+                    tracing::warn!(error = %e, "removing a rolled-back VM's directory");
+                }
+            }
+        });
         Ok(())
     }
 
@@ -1365,9 +1379,19 @@ const RESUME_ENTROPY_BYTES: usize = 64;
 /// alone would add its latency to the next one's.
 async fn after_resume(vm: &Vm, config: GuestLimits) -> Result<(), BackendError> {
     let started = std::time::Instant::now();
-    tokio::try_join!(thaw(vm), tell_resumed(vm), vm.configure(config))?;
-    tracing::debug!(ms = started.elapsed().as_millis() as u64, "resumed guest thawed, its clock, RNG and identity renewed");
+    let ((thawed, thaw_ms), (told, resumed_ms), (configured, configure_ms)) =
+        tokio::join!(clocked(started, thaw(vm)), clocked(started, tell_resumed(vm)), clocked(started, vm.configure(config)));
+    thawed?;
+    told?;
+    configured?;
+    tracing::debug!(ms = started.elapsed().as_millis() as u64, thaw_ms, resumed_ms, configure_ms, "resumed guest thawed, its clock, RNG and identity renewed");
     Ok(())
+}
+
+/// `f`'s output, and the milliseconds from `since` to its end.
+async fn clocked<T>(since: std::time::Instant, f: impl std::future::Future<Output = T>) -> (T, u64) {
+    let out = f.await;
+    (out, since.elapsed().as_millis() as u64)
 }
 
 /// Tells the guest it was stopped (a resume from memory, or a pause's `cont`): its wall clock
