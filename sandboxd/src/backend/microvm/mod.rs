@@ -951,7 +951,7 @@ impl Inner {
             let to = ram_part.clone();
             let copied = tokio::task::spawn_blocking(move || {
                 let dst = ram::create(&to, bytes)?;
-                ram::copy_sparse(&vm_ram, &dst, bytes)
+                ram::copy_sparse_nonzero(&vm_ram, &dst, bytes)
             })
             .await
             .map_err(|e| BackendError::Internal(format!("copying the microVM's RAM: {e}")))?;

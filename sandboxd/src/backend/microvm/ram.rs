@@ -82,6 +82,52 @@ pub fn copy_sparse(src: &File, dst: &File, len: u64) -> io::Result<u64> {
     Ok(copied)
 }
 
+/// Copies `src` (its first `len` bytes) as [`copy_sparse`] does, but leaves a hole for every
+/// all-zero page of its data too: a guest's RAM holds many (about a third of an idle guest's
+/// touched pages), and a resume copies only the data (with `copy_sparse`). Returns the bytes
+/// written.
+pub fn copy_sparse_nonzero(src: &File, dst: &File, len: u64) -> io::Result<u64> {
+    const PAGE: usize = 4096;
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut off, mut written) = (0u64, 0u64);
+    while off < len {
+        let Some(start) = seek(src, off, libc::SEEK_DATA)? else { break };
+        if start >= len {
+            break;
+        }
+        let end = seek(src, start, libc::SEEK_HOLE)?.unwrap_or(len).min(len);
+        let mut at = start;
+        while at < end {
+            let want = usize::try_from((end - at).min(buf.len() as u64)).unwrap_or(buf.len());
+            let n = src.read_at(&mut buf[..want], at)?;
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the RAM file ended early"));
+            }
+            // Runs of pages with data, written one run at a time.
+            let mut run: Option<usize> = None;
+            for (i, page) in buf[..n].chunks(PAGE).enumerate() {
+                let zero = page.iter().all(|&b| b == 0);
+                match (zero, run) {
+                    (false, None) => run = Some(i * PAGE),
+                    (true, Some(from)) => {
+                        dst.write_all_at(&buf[from..i * PAGE], at + from as u64)?;
+                        written += (i * PAGE - from) as u64;
+                        run = None;
+                    }
+                    _ => {}
+                }
+            }
+            if let Some(from) = run {
+                dst.write_all_at(&buf[from..n], at + from as u64)?;
+                written += (n - from) as u64;
+            }
+            at += n as u64;
+        }
+        off = end;
+    }
+    Ok(written)
+}
+
 /// lseek(2) with SEEK_DATA or SEEK_HOLE; None past the last data (ENXIO).
 fn seek(f: &File, off: u64, whence: libc::c_int) -> io::Result<Option<u64>> {
     let off = libc::off_t::try_from(off).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
@@ -159,5 +205,31 @@ mod tests {
         assert_eq!(page, [0u8; 4096]);
         assert_eq!(dst.metadata().expect("stat").len(), len);
         assert!(create(&b, len).is_err(), "never over an existing file");
+    }
+
+    #[test]
+    fn zero_pages_of_the_data_are_left_holes() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let (a, b) = (dir.path().join("a.ram"), dir.path().join("b.ram"));
+        let len = 8 << 20;
+        let src = create(&a, len).expect("the source");
+        // Data pages: 3 zero, 1 with a byte at its end, 2 zero, 2 full; then a hole, then one
+        // last page that ends the file.
+        let mut data = vec![0u8; 8 * 4096];
+        data[4 * 4096 - 1] = 1;
+        data[6 * 4096..].fill(5);
+        src.write_all_at(&data, 1 << 20).expect("data");
+        src.write_all_at(&[3u8; 4096], len - 4096).expect("the last page");
+        let dst = create(&b, len).expect("the copy");
+        let written = copy_sparse_nonzero(&src, &dst, len).expect("copied");
+        assert_eq!(written, 4 * 4096, "only the pages with data");
+        let mut back = vec![0u8; data.len()];
+        dst.read_exact_at(&mut back, 1 << 20).expect("read");
+        assert_eq!(back, data, "the same bytes");
+        let mut page = [0u8; 4096];
+        dst.read_exact_at(&mut page, len - 4096).expect("read");
+        assert_eq!(page, [3u8; 4096]);
+        let allocated = std::os::unix::fs::MetadataExt::blocks(&dst.metadata().expect("stat")) * 512;
+        assert!(allocated <= 5 * 4096, "the zero pages take no space: {allocated} bytes allocated");
     }
 }
