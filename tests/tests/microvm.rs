@@ -50,6 +50,10 @@ async fn the_guest_has_its_own_kernel_no_network_and_the_pool_serves_creates() {
     assert!(filled, "the warm pool never filled:\n{}", daemon.log());
     let sb = client.create(microvm("minimal")).await.expect("create from the pool");
     assert!(daemon.log().contains("microVM taken from the warm pool"), "{}", daemon.log());
+    // The refill restores the boot snapshot the pool's first boot took: no second boot.
+    let refilled =
+        eventually(120, || async { daemon.log().lines().any(|l| l.contains("warm pool holds a booted microVM") && l.contains("restored=true")) }).await;
+    assert!(refilled, "the pool was not refilled from its boot snapshot:\n{}", daemon.log());
     // Its own kernel: its own boot id.
     let boot_id = client.exec(exec_request(&sb.id, ["cat", "/proc/sys/kernel/random/boot_id"])).await.expect("exec");
     assert_eq!((boot_id.exit_code, boot_id.stdout.len()), (0, 37), "{boot_id:?}");

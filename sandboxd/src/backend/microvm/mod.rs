@@ -655,8 +655,8 @@ impl Inner {
                     (vm, None, false)
                 }
                 None => {
-                    let (vm, pinned, configured) = self.boot_or_restore(spec, &image, &dir, net.clone()).await?;
-                    (vm, Some(pinned), configured)
+                    let (vm, pinned, started) = self.boot_or_restore(spec, &image, &dir, net.clone()).await?;
+                    (vm, Some(pinned), started.configured)
                 }
             },
             Some(snap) => {
@@ -735,14 +735,15 @@ impl Inner {
     /// runs on from just after an earlier boot, with a clock, entropy and identity of its own),
     /// else booted, and then — the first time for this shape — snapshotted for the next
     /// create. A boot snapshot that fails to restore is dropped and the VM boots. Says whether
-    /// the VM is already configured for `spec` (restored, or booted and then snapshotted).
+    /// whether the VM is already configured for `spec` (restored, or booted and then
+    /// snapshotted) and whether it was restored.
     async fn boot_or_restore(
         self: &Arc<Self>,
         spec: &SandboxSpec,
         image: &VmImage,
         dir: &Path,
         net: Option<Arc<TapLink>>,
-    ) -> Result<(Arc<Vm>, Pinned, bool), BackendError> {
+    ) -> Result<(Arc<Vm>, Pinned, Started), BackendError> {
         let (base, pinned) = {
             let _g = self.disk_lock.lock().await;
             let base = disk::base_for(&spec.image, &image.disk, &self.bases_dir)?;
@@ -768,14 +769,14 @@ impl Inner {
             match self.start_from_snapshot(&snap, spec, image, dir, net.clone()).await {
                 Ok((vm, pinned, true)) => {
                     tracing::info!(sandbox = %spec.id, image = %spec.image, ms = started.elapsed().as_millis() as u64, "microVM restored from its image's boot snapshot (no boot)");
-                    return Ok((vm, pinned, true));
+                    return Ok((vm, pinned, Started { configured: true, restored: true }));
                 }
                 Ok((vm, _, false)) => {
                     // Booted over the snapshot's disk: a VM all the same, but the snapshot no
                     // longer fits this shape.
                     tracing::warn!(sandbox = %spec.id, image = %spec.image, "the image's boot snapshot could not be resumed; it is dropped");
                     self.drop_boot_snapshots(|s| s == shape).await;
-                    return Ok((vm, pinned, false));
+                    return Ok((vm, pinned, Started::default()));
                 }
                 Err(e) => {
                     tracing::warn!(sandbox = %spec.id, image = %spec.image, error = %e, "restoring the image's boot snapshot failed: booting, and dropping the snapshot");
@@ -785,7 +786,7 @@ impl Inner {
         }
         let config = guest_config(spec, net.as_deref());
         let vm = self.boot_new(&self.vm_name(), dir, 0, &base, spec.limits.disk_bytes, image, &spec.limits, None, net).await?;
-        let Some(shape) = shape else { return Ok((vm, pinned, false)) };
+        let Some(shape) = shape else { return Ok((vm, pinned, Started::default())) };
         // Configured before it is saved: the guest agent remembers what it applied, so a
         // restore with the same limits writes only the new identity (see `after_resume`).
         if let Err(e) = vm.configure(config).await {
@@ -794,7 +795,7 @@ impl Inner {
             return Err(e);
         }
         self.take_boot_snapshot(&vm, spec, shape).await;
-        Ok((vm, pinned, true))
+        Ok((vm, pinned, Started { configured: true, restored: false }))
     }
 
     /// Snapshots `vm`, just booted, as its shape's boot snapshot, unless the shape has one (or
@@ -1486,6 +1487,15 @@ fn write_probe_cache(key: &str, accel: Accel) {
 }
 
 /// A backing file kept from the garbage collection while a create boots over it.
+/// How [`Inner::boot_or_restore`] made a VM.
+#[derive(Debug, Clone, Copy, Default)]
+struct Started {
+    /// Configured for the create's spec already (restored, or booted and then snapshotted).
+    configured: bool,
+    /// Restored from the image's boot snapshot (no boot).
+    restored: bool,
+}
+
 struct Pinned {
     set: Arc<Mutex<HashMap<PathBuf, usize>>>,
     path: PathBuf,

@@ -16,7 +16,7 @@ pub(crate) struct Args {
     /// forks, 20 container-tier creates, 100 container-tier execs, 10 container-tier
     /// snapshot+rollbacks, 30 docker runs and create+starts, 200 docker execs, 5 cold microVM
     /// boots per accelerator, 3 microVM creates from the warm pool, 50 microVM execs and 20
-    /// streamed, 5 microVM snapshot+rollbacks, 3 microVM forks). The exec throughput section
+    /// streamed, 5 microVM snapshot+rollbacks, 3 microVM forks without memory and 10 of a memory snapshot). The exec throughput section
     /// keeps its own counts.
     #[arg(long)]
     iterations: Option<usize>,
@@ -73,6 +73,8 @@ pub(crate) struct Plan {
     pub(crate) microvm_stream: usize,
     pub(crate) microvm_snap: usize,
     pub(crate) microvm_fork: usize,
+    /// Forks of one memory snapshot (each resumes; the "10 forks of one snapshot").
+    pub(crate) microvm_fork_memory: usize,
     /// Untimed calls before each section, so one-off costs (page faults, first connection,
     /// lazily built state) do not land in the first sample.
     pub(crate) warmup: usize,
@@ -105,6 +107,7 @@ impl Plan {
                 microvm_stream: 5,
                 microvm_snap: 1,
                 microvm_fork: 1,
+                microvm_fork_memory: 2,
                 warmup: 1,
             }
         } else {
@@ -134,6 +137,7 @@ impl Plan {
                 microvm_stream: 20,
                 microvm_snap: 5,
                 microvm_fork: 3,
+                microvm_fork_memory: 10,
                 warmup: 3,
             }
         };
@@ -141,7 +145,7 @@ impl Plan {
             let n = n.max(1);
             (p.create, p.exec, p.stream, p.spaced, p.docker_run, p.docker_create, p.docker_exec) = (n, n, n, n, n, n, n);
             (p.snap_small, p.snap_large, p.fork, p.fork_batches, p.container_create, p.container_exec, p.container_snap) = (n, n, n, n, n, n, n);
-            (p.microvm_boot, p.microvm_pool, p.microvm_exec, p.microvm_stream, p.microvm_snap, p.microvm_fork) = (n, n, n, n, n, n);
+            (p.microvm_boot, p.microvm_pool, p.microvm_exec, p.microvm_stream, p.microvm_snap, p.microvm_fork, p.microvm_fork_memory) = (n, n, n, n, n, n, n);
         }
         if let Some(n) = args.live {
             p.live = n.max(1);

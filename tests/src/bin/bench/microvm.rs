@@ -331,9 +331,10 @@ async fn microvm_auto(plan: &Plan, report: &mut Report) -> Result<Option<VmAccel
         }
         sb.cleanup().await;
 
-        eprintln!("bench: sandboxd microVM forks {with} × {}, origin running then destroyed", plan.microvm_fork);
+        let forks = if memory { plan.microvm_fork_memory } else { plan.microvm_fork };
+        eprintln!("bench: sandboxd microVM forks {with} × {forks}, origin running then destroyed");
         let fork_keys = if memory { [Key::MicroVmForkMemory, Key::MicroVmForkMemoryOriginGone] } else { [Key::MicroVmFork, Key::MicroVmForkOriginGone] };
-        match microvm_forks(&mut sb, plan.microvm_fork, memory).await {
+        match microvm_forks(&mut sb, forks, memory).await {
             Ok((running, gone)) => {
                 for (key, result) in fork_keys.into_iter().zip([running, gone]) {
                     match result {
@@ -471,7 +472,7 @@ async fn microvm_sized(plan: &Plan, report: &mut Report, mib: u32) -> Result<()>
     let n = plan.microvm_boot;
     eprintln!(
         "bench: sandboxd microVM at {mib} MiB: creates from its boot snapshot × {n}, snapshot+rollback × {}, forks × {}",
-        plan.microvm_snap, plan.microvm_fork
+        plan.microvm_snap, plan.microvm_fork_memory
     );
     let [create_key, snap_key, rollback_key, fork_key] = Key::sized(mib);
     let result = async {
@@ -496,7 +497,7 @@ async fn microvm_sized(plan: &Plan, report: &mut Report, mib: u32) -> Result<()>
         let (origin, _) = sb.create_with(request(), &format!("the origin of the {mib} MiB forks")).await?;
         write_blob(&sb.client, &origin, CHANGED_SMALL_MIB, "the origin of the microVM forks").await?;
         let (snap, _, _) = sb.snapshot_with(&origin, &format!("the {mib} MiB snapshot to fork"), Some(true)).await?;
-        let forks = microvm_fork_rounds(&mut sb, &snap, plan.microvm_fork, &format!("{mib} MiB, origin running")).await?;
+        let forks = microvm_fork_rounds(&mut sb, &snap, plan.microvm_fork_memory, &format!("{mib} MiB, origin running")).await?;
         report.measured(fork_key, &forks);
         Ok(())
     }
