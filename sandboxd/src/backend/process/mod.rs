@@ -172,12 +172,12 @@ pub struct ProcessBackend {
 /// the sandbox had, so a restart can give it the same one.
 const IDS_FILE: &str = "idrange";
 
-/// What [`IDS_FILE`] records: the range's base, and the base the layer's files are shifted
-/// into on disk (none: canonical, see [`shift`]). Written as `<base>` or `<base> shifted`.
+/// What [`IDS_FILE`] records: the range's base, and whether the layer's files are shifted into
+/// it on disk (else canonical, see [`shift`]). Written as `<base>` or `<base> shifted`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct LayerIds {
     base: u32,
-    shifted: Option<u32>,
+    shifted: bool,
 }
 
 impl LayerIds {
@@ -185,15 +185,11 @@ impl LayerIds {
         let text = std::fs::read_to_string(layer.join(IDS_FILE)).ok()?;
         let mut words = text.split_whitespace();
         let base = words.next()?.parse().ok()?;
-        let shifted = (words.next() == Some("shifted")).then_some(base);
-        Some(LayerIds { base, shifted })
+        Some(LayerIds { base, shifted: words.next() == Some("shifted") })
     }
 
     fn write(&self, layer: &Path) -> Result<(), BackendError> {
-        let text = match self.shifted {
-            Some(b) if b == self.base => format!("{} shifted\n", self.base),
-            _ => format!("{}\n", self.base),
-        };
+        let text = if self.shifted { format!("{} shifted\n", self.base) } else { format!("{}\n", self.base) };
         std::fs::write(layer.join(IDS_FILE), text).map_err(|e| BackendError::io("recording the id range", e))
     }
 }
@@ -201,6 +197,30 @@ impl LayerIds {
 /// `f` on a blocking thread; its I/O error says what was being done.
 async fn run_blocking<T: Send + 'static>(what: &'static str, f: impl FnOnce() -> std::io::Result<T> + Send + 'static) -> Result<T, BackendError> {
     tokio::task::spawn_blocking(f).await.map_err(|e| BackendError::Internal(format!("{what}: {e}")))?.map_err(|e| BackendError::io(what, e))
+}
+
+/// Makes subvolume `rel` of `pool` unless it exists: `make` builds it under the name `tmp`
+/// (removed first, and again when `make` fails) and it is renamed into place, all under `lock`,
+/// so a half-made one is never found under `rel`.
+fn made_once(pool: &Pool, lock: &Mutex<()>, rel: &str, tmp: &str, make: impl FnOnce(&str) -> std::io::Result<PathBuf>) -> std::io::Result<()> {
+    if pool.root().join(rel).is_dir() {
+        return Ok(());
+    }
+    let _held = lock.lock().map_err(|_| std::io::Error::other("image copy lock poisoned"))?;
+    if pool.root().join(rel).is_dir() {
+        return Ok(());
+    }
+    let storage = |e: storage::StorageError| std::io::Error::other(e.to_string());
+    pool.delete_subvolume(tmp).map_err(storage)?;
+    match make(tmp) {
+        Ok(made) => std::fs::rename(made, pool.root().join(rel)),
+        Err(e) => {
+            if let Err(d) = pool.delete_subvolume(tmp) {
+                tracing::warn!(subvolume = tmp, error = %d, "cannot remove a half-made image copy");
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Sandbox `name`'s lower layer without idmapped mounts: a read-only snapshot of the image's
@@ -226,64 +246,43 @@ fn shifted_lower(pool: &Pool, lock: &Mutex<()>, image_rootfs: &Path, name: &str,
     let version = hex(&[format!("{} {} {}", m.ino(), m.ctime(), m.ctime_nsec()).as_bytes()]);
     let key = format!("{of_path}-{version}");
     let image = format!("shifted/image-{key}");
-    if !pool.root().join(&image).is_dir() {
-        let _held = lock.lock().map_err(|_| std::io::Error::other("image copy lock poisoned"))?;
-        if !pool.root().join(&image).is_dir() {
-            let t0 = std::time::Instant::now();
-            let tmp = format!("shifted/tmp-{key}");
-            pool.delete_subvolume(&tmp).map_err(storage)?;
-            let dst = pool.create_subvolume(&tmp).map_err(storage)?;
-            let mut src = image_rootfs.as_os_str().to_owned();
-            src.push("/.");
-            let out = std::process::Command::new("cp").arg("-a").arg("--reflink=auto").arg("--").arg(&src).arg(&dst).output()?;
-            if !out.status.success() {
-                let _ = pool.delete_subvolume(&tmp);
-                return Err(std::io::Error::other(format!(
-                    "copying {}: cp {}: {}",
-                    image_rootfs.display(),
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                )));
-            }
-            std::fs::rename(&dst, pool.root().join(&image))?;
-            // Earlier copies of the same path (the image was replaced) are stale.
-            for old in pool.subvolumes("shifted").into_iter().filter(|n| n.starts_with(&format!("image-{of_path}-")) && !n.starts_with(&format!("image-{key}")))
-            {
-                if let Err(e) = pool.delete_subvolume(&format!("shifted/{old}")) {
-                    tracing::warn!(copy = %old, error = %e, "cannot remove a stale image copy");
-                }
-            }
-            tracing::info!(image = %image_rootfs.display(), copy = %image, ms = t0.elapsed().as_millis() as u64, "image copied into the pool, to be shifted into sandboxes' id ranges");
+    made_once(pool, lock, &image, &format!("shifted/tmp-{key}"), |tmp| {
+        let t0 = std::time::Instant::now();
+        let dst = pool.create_subvolume(tmp).map_err(storage)?;
+        let mut src = image_rootfs.as_os_str().to_owned();
+        src.push("/.");
+        let out = std::process::Command::new("cp").arg("-a").arg("--reflink=auto").arg("--").arg(&src).arg(&dst).output()?;
+        if !out.status.success() {
+            return Err(std::io::Error::other(format!(
+                "copying {}: cp {}: {}",
+                image_rootfs.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
         }
-    }
+        // Earlier copies of the same path (the image was replaced) are stale.
+        for old in pool.subvolumes("shifted").into_iter().filter(|n| n.starts_with(&format!("image-{of_path}-")) && !n.starts_with(&format!("image-{key}"))) {
+            if let Err(e) = pool.delete_subvolume(&format!("shifted/{old}")) {
+                tracing::warn!(copy = %old, error = %e, "cannot remove a stale image copy");
+            }
+        }
+        tracing::info!(image = %image_rootfs.display(), copy = %image, ms = t0.elapsed().as_millis() as u64, "image copied into the pool, to be shifted into sandboxes' id ranges");
+        Ok(dst)
+    })?;
     // The copy shifted into this range, made on the range's first use and kept: a range freed
     // is the next one leased, so creates after destroys find it.
     let ranged = format!("shifted/image-{key}-r{base}");
-    if !pool.root().join(&ranged).is_dir() {
-        let _held = lock.lock().map_err(|_| std::io::Error::other("image copy lock poisoned"))?;
-        if !pool.root().join(&ranged).is_dir() {
-            let tmp = format!("shifted/tmp-{key}-r{base}");
-            pool.delete_subvolume(&tmp).map_err(storage)?;
-            let path = pool.snapshot(&image, &tmp, false).map_err(storage)?;
-            let t0 = std::time::Instant::now();
-            let done = shift::shift_tree(&path, shift::Shift::Into(base));
-            if let Err(e) = &done {
-                tracing::warn!(image = %image_rootfs.display(), error = %e, "cannot shift an image copy into a range");
-                let _ = pool.delete_subvolume(&tmp);
-            }
-            let done = done?;
-            std::fs::rename(&path, pool.root().join(&ranged))?;
-            tracing::info!(copy = %ranged, entries = done.entries, ms = t0.elapsed().as_millis() as u64, "image shifted into an id range");
-        }
-    }
+    made_once(pool, lock, &ranged, &format!("shifted/tmp-{key}-r{base}"), |tmp| {
+        let path = pool.snapshot(&image, tmp, false).map_err(storage)?;
+        let t0 = std::time::Instant::now();
+        let done = shift::shift_tree(&path, shift::Shift::Into(base))?;
+        tracing::info!(copy = %ranged, entries = done.entries, ms = t0.elapsed().as_millis() as u64, "image shifted into an id range");
+        Ok(path)
+    })?;
     // The sandbox's own read-only snapshot of it: O(1), removed with the sandbox.
     let lower = format!("shifted/{name}");
     pool.delete_subvolume(&lower).map_err(storage)?;
     pool.snapshot(&ranged, &lower, true).map_err(storage)
-}
-
-fn keep_layers_of(sandboxes: &[SandboxSpec]) -> std::collections::HashSet<String> {
-    sandboxes.iter().map(|s| s.id.to_string()).collect()
 }
 
 fn subvolume_of(id: &SandboxId) -> String {
@@ -356,11 +355,11 @@ impl ProcessBackend {
         }
         let ranges = idmap::IdRanges::new(self.cfg.userns_first_id, self.cfg.userns_ranges)?;
         let probe = || -> Result<(), String> {
-            let lease = ranges.lease(None)?;
-            let ns = lease.mount_userns().map_err(|e| format!("creating a user namespace: {e}"))?;
             if self.cfg.userns == UsernsMode::Shifted {
                 return Err("[process] user_namespaces = \"shifted\"".to_string());
             }
+            let lease = ranges.lease(None)?;
+            let ns = lease.mount_userns().map_err(|e| format!("creating a user namespace: {e}"))?;
             let scratch = self.cfg.state_dir.join("run");
             std::fs::create_dir_all(&scratch).map_err(|e| format!("creating {}: {e}", scratch.display()))?;
             idmap::probe(pool.root(), &scratch, &ns)?;
@@ -593,7 +592,7 @@ impl ProcessBackend {
         // Where the writable layer's files must be: shifted into the range (without idmapped
         // mounts), or canonical; a layer from elsewhere (a snapshot, a restart) is shifted so.
         let shifted_into = ids.as_ref().filter(|_| self.shifting).map(idmap::IdLease::base);
-        let now = recorded.and_then(|r| r.shifted);
+        let now = recorded.filter(|r| r.shifted).map(|r| r.base);
         if now != shifted_into {
             let upper = layer.join("upper");
             let moved = run_blocking("shifting the writable layer", move || {
@@ -609,7 +608,7 @@ impl ProcessBackend {
             moved?;
         }
         if let Some(lease) = &ids {
-            LayerIds { base: lease.base(), shifted: shifted_into }.write(&layer)?;
+            LayerIds { base: lease.base(), shifted: shifted_into.is_some() }.write(&layer)?;
         } else if recorded.is_some() {
             let _ = std::fs::remove_file(layer.join(IDS_FILE));
         }
@@ -999,7 +998,7 @@ impl Backend for ProcessBackend {
             let (pool2, snap, name2) = (pool.try_clone().map_err(|e| BackendError::io("opening the pool", e))?, path.clone(), name.clone());
             let canonical = run_blocking("shifting the snapshot back", move || {
                 shift::shift_tree(&snap.join("upper"), shift::Shift::Out(base))?;
-                LayerIds { base, shifted: None }.write(&snap).map_err(|e| std::io::Error::other(e.to_string()))?;
+                LayerIds { base, shifted: false }.write(&snap).map_err(|e| std::io::Error::other(e.to_string()))?;
                 pool2.make_readonly(&name2).map_err(|e| std::io::Error::other(e.to_string()))
             })
             .await;
@@ -1083,12 +1082,12 @@ impl Backend for ProcessBackend {
     }
 
     async fn clean(&self, sandboxes: &[SandboxSpec], snapshots: &[SnapshotId]) {
-        let keep_layers = keep_layers_of(sandboxes);
+        let keep_layers: std::collections::HashSet<String> = sandboxes.iter().map(|s| s.id.to_string()).collect();
         self.delete_unknown_subvolumes("sandboxes", &keep_layers);
         let keep_snaps = snapshots.iter().map(|s| s.to_string()).collect();
         self.delete_unknown_subvolumes("snapshots", &keep_snaps);
         // Shifted images of sandboxes that are gone, and copies cut short; image copies stay.
-        let mut keep_shifted: std::collections::HashSet<String> = keep_layers_of(sandboxes);
+        let mut keep_shifted = keep_layers;
         if let Some(pool) = &self.pool {
             keep_shifted.extend(pool.subvolumes("shifted").into_iter().filter(|n| n.starts_with("image-")));
         }
