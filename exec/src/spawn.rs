@@ -304,7 +304,7 @@ pub fn parse_failure_line(rest: &str) -> Option<(Stage, Errno)> {
 
 /// Reports (stage, errno) to the parent and exits the child with the stage's exit code.
 pub fn fail(err_w: RawFd, stage: Stage, errno: Errno) -> ! {
-    let mut msg = [0u8; 5];
+    let mut msg = [0u8; FAILURE_LEN];
     msg[0] = stage as u8;
     msg[1..].copy_from_slice(&(errno as i32).to_le_bytes());
     let code = stage.exit_code(errno);
@@ -317,7 +317,7 @@ pub fn fail(err_w: RawFd, stage: Stage, errno: Errno) -> ! {
 
 /// Reads the child's error pipe: `None` (EOF) once execve succeeded, else where it failed.
 pub fn read_failure(err_r: &OwnedFd) -> Option<(Stage, Errno)> {
-    let mut buf = [0u8; 5];
+    let mut buf = [0u8; FAILURE_LEN];
     let mut got = 0;
     while got < buf.len() {
         match nix::unistd::read(err_r.as_raw_fd(), &mut buf[got..]) {
@@ -327,10 +327,19 @@ pub fn read_failure(err_r: &OwnedFd) -> Option<(Stage, Errno)> {
             Err(_) => break,
         }
     }
-    if got < buf.len() {
-        return None;
+    decode_failure(&buf[..got])
+}
+
+/// The length of the failure record a child writes to its error pipe before it exits.
+pub const FAILURE_LEN: usize = 5;
+
+/// The failure record read from an error pipe up to its EOF: `None` (nothing, or less than a
+/// whole record) means execve succeeded.
+pub fn decode_failure(buf: &[u8]) -> Option<(Stage, Errno)> {
+    match buf {
+        [stage, a, b, c, d, ..] => Some((Stage::from_byte(*stage), Errno::from_raw(i32::from_le_bytes([*a, *b, *c, *d])))),
+        _ => None,
     }
-    Some((Stage::from_byte(buf[0]), Errno::from_raw(i32::from_le_bytes([buf[1], buf[2], buf[3], buf[4]]))))
 }
 
 #[cfg(test)]

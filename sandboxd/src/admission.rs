@@ -595,6 +595,11 @@ pub fn set_sandbox_oom_score_adj(value: i32) {
     SANDBOX_OOM_SCORE_ADJ.store(value, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// The `oom_score_adj` of a sandbox's processes.
+pub fn sandbox_oom_score_adj() -> i32 {
+    SANDBOX_OOM_SCORE_ADJ.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// `value` in decimal into `buf`, without allocating (for use after fork); the digits' length.
 fn decimal(value: i32, buf: &mut [u8; 12]) -> usize {
     let mut n = value.unsigned_abs();

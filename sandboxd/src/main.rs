@@ -1,7 +1,7 @@
 //! `sandboxd` — the sandbox daemon. See the crate README for flags and the config file.
 
 use clap::Parser;
-use sandboxd::backend::process::init;
+use sandboxd::backend::process::zygote;
 use sandboxd::config::{Cli, Command, Config, DrainArgs, LogFormat};
 use sandboxd::telemetry::Telemetry;
 use tracing_subscriber::layer::SubscriberExt;
@@ -9,10 +9,11 @@ use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::Layer;
 
 fn main() -> anyhow::Result<()> {
-    // The same binary is each sandbox's init. This check comes before anything else: the init
-    // must stay a single-threaded process (it forks), so no runtime may start first.
-    if std::env::args_os().nth(1).is_some_and(|a| a == init::INIT_ARG) {
-        init::main();
+    // The same binary is the zygote that clones each sandbox's init. This check comes before
+    // anything else: the zygote must stay a single-threaded process (it forks), so no runtime
+    // may start first.
+    if std::env::args_os().nth(1).is_some_and(|a| a == zygote::ZYGOTE_ARG) {
+        zygote::main();
     }
     // And the guard each microVM's QEMU runs under (it forks too).
     if std::env::args_os().nth(1).is_some_and(|a| a == sandboxd::backend::microvm::guard::GUARD_ARG) {

@@ -259,7 +259,7 @@ async fn failed_within_5s(client: &Client, id: &str) -> agent_client::proto::San
     panic!("sandbox {id} does not show FAILED 5 s after what runs it died");
 }
 
-/// The pid of the init of process-tier sandbox `id`: the child of a shim (a child of the
+/// The pid of the init of process-tier sandbox `id`: a child of the zygote (a child of the
 /// daemon) whose root is the sandbox's rootfs.
 fn init_pid_of(daemon_pid: u32, id: &str) -> Option<i32> {
     let children = |pid: i32| -> Vec<i32> {
@@ -270,8 +270,8 @@ fn init_pid_of(daemon_pid: u32, id: &str) -> Option<i32> {
             .flat_map(|c| c.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>())
             .collect()
     };
-    for shim in children(daemon_pid as i32) {
-        for init in children(shim) {
+    for zygote in children(daemon_pid as i32) {
+        for init in children(zygote) {
             // Its cgroup path (as the host sees it) names the sandbox.
             let cgroups = std::fs::read_to_string(format!("/proc/{init}/cgroup")).unwrap_or_default();
             if cgroups.contains(id) {
@@ -302,6 +302,44 @@ async fn a_dead_init_makes_the_sandbox_failed_with_a_reason() {
     let r = run(&client, &bystander, &["echo", "ok"]).await;
     assert_eq!(r.status(), ExecStatus::Exited, "{}", text(&r));
     within(60, client.destroy(&victim)).await.expect("destroying the failed sandbox");
+}
+
+/// The daemon's zygote (the process that clones every process-tier init): its child named so.
+fn zygote_pid_of(daemon_pid: u32) -> Option<i32> {
+    let tasks = std::fs::read_dir(format!("/proc/{daemon_pid}/task")).ok()?;
+    let children: Vec<i32> = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| c.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>())
+        .collect();
+    children.into_iter().find(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "sandbox-zygote"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_zygote_fails_its_sandboxes_and_the_next_create_starts_another() {
+    let daemon = Daemon::start().await.expect("starting sandboxd");
+    let client = daemon.client().await.expect("client");
+    let first = within(60, client.create(process_sandbox("minimal"))).await.expect("CreateSandbox").id;
+    let daemon_pid = daemon.pid().expect("daemon pid");
+    let zygote = zygote_pid_of(daemon_pid).expect("finding the zygote");
+    let init = init_pid_of(daemon_pid, &first).expect("finding the sandbox's init");
+    // The init is the zygote's child, and no per-sandbox process sits between them.
+    let stat = std::fs::read_to_string(format!("/proc/{init}/stat")).expect("init stat");
+    let ppid: i32 = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)).and_then(|p| p.parse().ok()).expect("ppid");
+    assert_eq!(ppid, zygote, "the init's parent");
+    // Something outside every sandbox kills the zygote: each init dies with it (parent-death
+    // signal), and its sandbox says so.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(zygote), nix::sys::signal::Signal::SIGKILL).expect("kill zygote");
+    let sb = failed_within_5s(&client, &first).await;
+    assert!(sb.failure_reason.contains("init exited"), "failure reason: {:?}", sb.failure_reason);
+    // The daemon is still up, and the next create starts a new zygote and works.
+    let second = within(60, client.create(process_sandbox("minimal"))).await.expect("CreateSandbox after the zygote died").id;
+    let r = run(&client, &second, &["echo", "ok"]).await;
+    assert_eq!((r.status(), String::from_utf8_lossy(&r.stdout).trim()), (ExecStatus::Exited, "ok"), "{}", text(&r));
+    let again = zygote_pid_of(daemon_pid).expect("a new zygote");
+    assert_ne!(again, zygote, "a new zygote process");
+    within(60, client.destroy(&first)).await.expect("destroying the failed sandbox");
+    within(60, client.destroy(&second)).await.expect("DestroySandbox");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -18,10 +18,17 @@ pub type SpawnReply = Result<(i32, Option<OwnedFd>), (sandbox_exec::spawn::Stage
 /// How the main process of an exec ended: (exit code, signal).
 pub type ExitReply = (Option<i32>, Option<i32>);
 
+/// A spare the init forked into a slot's cgroup: the daemon's end of its socket, where its job
+/// goes and a failure comes back (its successful execve closes the other end).
+pub struct SpareEnds {
+    pub jobs: OwnedFd,
+}
+
 #[derive(Default)]
 struct Pending {
     spawns: HashMap<String, oneshot::Sender<SpawnReply>>,
     exits: HashMap<String, oneshot::Sender<ExitReply>>,
+    prepared: HashMap<String, oneshot::Sender<SpareEnds>>,
 }
 
 /// Receivers for one exec's replies. Both fail (RecvError) if the init dies first.
@@ -106,7 +113,7 @@ impl InitLog {
     }
 }
 
-async fn send_on(fd: &AsyncFd<OwnedFd>, bytes: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+pub(super) async fn send_on(fd: &AsyncFd<OwnedFd>, bytes: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
     loop {
         let mut guard = fd.writable().await?;
         match guard.try_io(|inner| send_raw(inner.get_ref().as_fd(), bytes, fds).map_err(would_block)) {
@@ -116,7 +123,7 @@ async fn send_on(fd: &AsyncFd<OwnedFd>, bytes: &[u8], fds: &[RawFd]) -> std::io:
     }
 }
 
-async fn recv_on(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> std::io::Result<Option<(usize, Vec<OwnedFd>)>> {
+pub(super) async fn recv_on(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> std::io::Result<Option<(usize, Vec<OwnedFd>)>> {
     loop {
         let mut guard = fd.readable().await?;
         match guard.try_io(|inner| recv_raw(inner.get_ref().as_fd(), buf).map_err(would_block)) {
@@ -207,6 +214,16 @@ impl InitChannel {
                             let _ = tx.send((code, signal));
                         }
                     }
+                    Ok(FromInit::Prepared { slot, .. }) => {
+                        // Exactly its socket, or the slot is not armed (the spare, never sent a
+                        // job, exits when its end is dropped here).
+                        let tx = p.prepared.remove(&slot);
+                        if let (Some(tx), 1) = (tx, fds.len()) {
+                            if let Some(jobs) = fds.pop() {
+                                let _ = tx.send(SpareEnds { jobs });
+                            }
+                        }
+                    }
                     Ok(other) => tracing::warn!(%sandbox, ?other, "unexpected message from init"),
                     Err(e) => tracing::warn!(%sandbox, error = %e, "malformed message from init"),
                 }
@@ -216,6 +233,7 @@ impl InitChannel {
             if let Ok(mut p) = pending.lock() {
                 p.spawns.clear();
                 p.exits.clear();
+                p.prepared.clear();
             }
             tracing::debug!(%sandbox, "control channel closed");
         });
@@ -245,14 +263,35 @@ impl InitChannel {
         Ok(ExecWaiters { spawned, exited })
     }
 
-    /// Sends a message that has no reply.
-    pub async fn send(&self, msg: &ToInit, fds: &[RawFd]) -> Result<(), String> {
-        let bytes = encode(msg).map_err(|e| e.to_string())?;
+    /// Asks the init to fork a spare into `slot`'s cgroup (`fds`: its `cgroup.procs` files);
+    /// returns where the spare's ends will arrive.
+    pub async fn prepare(&self, slot: &str, fds: &[RawFd]) -> Result<oneshot::Receiver<SpareEnds>, String> {
+        let bytes = encode(&ToInit::Prepare { slot: slot.to_string() }).map_err(|e| e.to_string())?;
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut p = self.pending.lock().map_err(|_| "control channel state poisoned".to_string())?;
+            if self.closed.is_cancelled() {
+                return Err("the sandbox's init is gone".to_string());
+            }
+            p.prepared.insert(slot.to_string(), tx);
+        }
+        let _guard = self.send_lock.lock().await;
+        if let Err(e) = send_on(&self.fd, &bytes, fds).await {
+            self.forget(slot);
+            return Err(format!("sending prepare request: {e}"));
+        }
+        Ok(rx)
+    }
+
+    /// Where the end of the process that runs as `key` (a spare's slot) will be reported.
+    pub fn expect_exit(&self, key: &str) -> Result<oneshot::Receiver<ExitReply>, String> {
+        let (tx, rx) = oneshot::channel();
+        let mut p = self.pending.lock().map_err(|_| "control channel state poisoned".to_string())?;
         if self.closed.is_cancelled() {
             return Err("the sandbox's init is gone".to_string());
         }
-        let _guard = self.send_lock.lock().await;
-        send_on(&self.fd, &bytes, fds).await.map_err(|e| format!("sending to init: {e}"))
+        p.exits.insert(key.to_string(), tx);
+        Ok(rx)
     }
 
     /// Stops the reader; the init sees EOF once the channel is dropped.
@@ -265,11 +304,13 @@ impl InitChannel {
         self.closed.is_cancelled()
     }
 
-    /// Forgets an exec's pending replies (its spawn reply never came in time).
-    pub fn forget(&self, exec_id: &str) {
+    /// Forgets an exec's or a slot's pending replies (they never came in time, or are not
+    /// wanted any more).
+    pub fn forget(&self, key: &str) {
         if let Ok(mut p) = self.pending.lock() {
-            p.spawns.remove(exec_id);
-            p.exits.remove(exec_id);
+            p.spawns.remove(key);
+            p.exits.remove(key);
+            p.prepared.remove(key);
         }
     }
 }

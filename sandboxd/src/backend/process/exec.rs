@@ -5,7 +5,7 @@
 //! for the exit, the timeout or the caller's cancellation. The timeout and cancellation kill the
 //! exec's cgroup: every descendant, even ones that daemonized, with no pid-reuse race.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
@@ -13,14 +13,15 @@ use std::time::{Instant, SystemTime};
 use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 
+use super::channel::{recv_on, ExitReply, SpareEnds};
 use super::pty;
-use super::wire::ToInit;
+use super::wire::{encode, send_raw, Job, ToInit, WireError};
 use super::ProcessSandbox;
 use crate::backend::cgroup::ExecCgroup;
 use crate::backend::files;
 use crate::backend::{BackendError, CapturedOutput, ExecOutcome, ExecSpec, ExecStatus, ExecUsage, OutputSink, SessionInput, StartSignal};
 use sandbox_exec::capture::{OutputCapture, SpillTarget};
-use sandbox_exec::spawn::describe_failure;
+use sandbox_exec::spawn::{decode_failure, describe_failure, Stage};
 
 /// How long the init may take to answer a spawn request (normally well under a millisecond;
 /// joining a cgroup v1 on a loaded host can take a few).
@@ -181,12 +182,22 @@ impl ProcessSandbox {
             match made {
                 Ok(Ok((cgroup, procs))) => {
                     let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
-                    let sent = sb.channel.send(&ToInit::Prepare { slot: slot.clone() }, &fds).await;
+                    let asked = sb.channel.prepare(&slot, &fds).await;
                     drop(procs);
-                    let armed = match (sent, sb.spare.lock()) {
+                    let ends = match asked {
+                        Ok(rx) => match tokio::time::timeout(SPAWN_REPLY_DEADLINE, rx).await {
+                            Ok(Ok(ends)) => Some(ends),
+                            _ => None,
+                        },
+                        Err(_) => None,
+                    };
+                    if ends.is_none() {
+                        sb.channel.forget(&slot);
+                    }
+                    let armed = match (ends, sb.spare.lock()) {
                         // A runtime being stopped must not get a slot it would leak.
-                        (Ok(()), Ok(mut spare)) if sb.lost.lock().map(|l| l.is_none()).unwrap_or(false) => {
-                            *spare = Some((slot, cgroup.clone()));
+                        (Some(ends), Ok(mut spare)) if sb.lost.lock().map(|l| l.is_none()).unwrap_or(false) => {
+                            *spare = Some(Spare { slot, cgroup: cgroup.clone(), ends });
                             true
                         }
                         _ => false,
@@ -214,27 +225,19 @@ impl ProcessSandbox {
         let exec_id = spec.exec_id.to_string();
         // Counted from here until this future ends, however it ends (see `ProcessSandbox::quiet`).
         let _under_way = UnderWay::new(self);
-        // The armed slot's cgroup (its spare process already inside), or a fresh one.
-        let spare = self.spare.lock().ok().and_then(|mut s| s.take());
+        // The armed slot (its spare process already inside its cgroup), or a fresh cgroup. A
+        // terminal is opened by the init, so a `tty` exec leaves the slot armed for the next.
+        let spare = if spec.tty.is_none() { self.spare.lock().ok().and_then(|mut s| s.take()) } else { None };
         let sb = self.clone();
         let id = exec_id.clone();
-        let (slot, cgroup, procs) = match spare {
-            // Opening its few `cgroup.procs` files is quicker than a trip to a blocking thread,
-            // which after an idle spell wakes a parked thread on another CPU and back.
-            Some((slot, cgroup)) => {
-                let procs = cgroup.procs_files()?;
-                (Some(slot), cgroup, procs)
+        let (spare, cgroup) = match spare {
+            Some(spare) => {
+                let cgroup = spare.cgroup.clone();
+                (Some((spare.slot, spare.ends)), cgroup)
             }
-            None => {
-                blocking(move || -> Result<_, BackendError> {
-                    let cgroup = Arc::new(sb.cgroup.create_exec(&id)?);
-                    let procs = cgroup.procs_files()?;
-                    Ok((None, cgroup, procs))
-                })
-                .await??
-            }
+            None => (None, blocking(move || sb.cgroup.create_exec(&id).map(Arc::new)).await??),
         };
-        let result = self.run_in_cgroup(&spec, &cgroup, procs, slot, sink, started, cancel, started_at).await;
+        let result = self.run_in_cgroup(&spec, &cgroup, spare, sink, started, cancel, started_at).await;
         // Off the answer's path: its cgroup's removal (an rmdir per hierarchy).
         self.execs.ended(&exec_id);
         let sb = self.clone();
@@ -248,8 +251,7 @@ impl ProcessSandbox {
         self: &Arc<Self>,
         spec: &ExecSpec,
         cgroup: &Arc<ExecCgroup>,
-        procs: Vec<std::fs::File>,
-        slot: Option<String>,
+        spare: Option<(String, SpareEnds)>,
         sink: OutputSink,
         started: StartSignal,
         cancel: CancellationToken,
@@ -261,45 +263,29 @@ impl ProcessSandbox {
             Some(_) => None,
             None => Some(Pipes { stdin: pipe()?, stdout: pipe()?, stderr: pipe()? }),
         };
-        let mut fds: Vec<_> = pipes.iter().flat_map(|p| [p.stdin.0.as_raw_fd(), p.stdout.1.as_raw_fd(), p.stderr.1.as_raw_fd()]).collect();
-        fds.extend(procs.iter().map(|f| f.as_raw_fd()));
-        let tty = spec.tty.map(|t| (t.rows, t.cols));
-        let msg = ToInit::Spawn {
-            exec_id: exec_id.clone(),
-            slot,
-            argv: spec.argv.clone(),
-            env: spec.env.clone(),
-            workdir: spec.workdir.clone(),
-            tty,
-            user: spec.user.clone(),
-        };
+        let begin = Instant::now();
+        let stdio: Vec<RawFd> = pipes.iter().flat_map(|p| [p.stdin.0.as_raw_fd(), p.stdout.1.as_raw_fd(), p.stderr.1.as_raw_fd()]).collect();
         self.execs.started(&exec_id, cgroup.clone());
-        let waiters = self.channel.spawn(&exec_id, &msg, &fds).await;
-        // The init holds its own copies now; ours must close so EOF means "the process is done".
-        drop(procs);
-        let ours = pipes.map(|p| (p.stdin.1, p.stdout.0, p.stderr.0));
-        let waiters = match waiters {
-            Ok(w) => w,
-            Err(e) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, format!("sandbox unavailable: {e}"), started_at)),
+        // Through the armed slot's spare, told directly; or (no spare, or it is gone) a fresh
+        // fork of the init, which joins the cgroup.
+        let direct = match (spare, &pipes) {
+            (Some((slot, ends)), Some(_)) => self.start_on_spare(spec, cgroup, &slot, ends, &stdio).await,
+            _ => None,
         };
-        // The init's answer is bounded in time like everything from inside: an init that never
-        // answers must not leave the exec RUNNING forever.
-        let master = match tokio::time::timeout(SPAWN_REPLY_DEADLINE, waiters.spawned).await {
-            Ok(Ok(Ok((_pid, master)))) => master,
-            Ok(Ok(Err((stage, errno)))) => {
+        let begun = match direct {
+            Some(begun) => begun,
+            None => self.start_by_init(spec, cgroup, &stdio).await,
+        };
+        // The command holds its own copies of its ends of the pipes now; ours must close so
+        // EOF means "the process is done".
+        let ours = pipes.map(|p| (p.stdin.1, p.stdout.0, p.stderr.0));
+        let (master, exited) = match begun {
+            Begun::Running { master, exited } => (master, exited),
+            Begun::Failed(stage, errno) => {
                 let (code, error) = describe_failure(stage, nix::errno::Errno::from_raw(errno), &spec.argv[0], &spec.workdir, spec.user.as_deref());
                 return Ok(ExecOutcome::failed(ExecStatus::SpawnFailed, code, error, started_at));
             }
-            Ok(Err(_)) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, "the sandbox's init exited before the exec started".into(), started_at)),
-            Err(_) => {
-                self.channel.forget(&exec_id);
-                let cg = cgroup.clone();
-                if let Ok(Err(e)) = blocking(move || cg.kill_all()).await {
-                    tracing::warn!(exec = %exec_id, error = %e, "killing an exec whose spawn was never confirmed");
-                }
-                let error = format!("the sandbox's init did not answer the spawn request within {} s", SPAWN_REPLY_DEADLINE.as_secs());
-                return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, error, started_at));
-            }
+            Begun::Lost(error) => return Ok(ExecOutcome::failed(ExecStatus::Lost, -1, error, started_at)),
         };
         let t0 = Instant::now();
         // Arm the next slot while this command runs, so the next exec skips the cgroup join.
@@ -343,7 +329,7 @@ impl ProcessSandbox {
             Cancelled,
             Lost,
         }
-        let mut exited = waiters.exited;
+        let mut exited = exited;
         let end = tokio::select! {
             r = &mut exited => match r { Ok((c, s)) => End::Exited(c, s), Err(_) => End::Lost },
             // The sandbox's running time: a pause does not count against the timeout.
@@ -384,6 +370,8 @@ impl ProcessSandbox {
         let stderr = stderr.unwrap_or_default();
         // A few small reads of cgroup files: inline, as for the slot's procs files.
         let raw = cgroup.usage();
+        let us = |d: std::time::Duration| d.as_micros() as u64;
+        tracing::debug!(exec = %exec_id, start_us = us(t0 - begin), run_us = us(duration), drain_us = us(t0.elapsed() - duration), "exec phases");
         let usage = ExecUsage { cpu_user_ms: raw.cpu_user_ms, cpu_system_ms: raw.cpu_system_ms, peak_memory_bytes: raw.peak_memory_bytes };
 
         // The runtime was taken down under this exec (rollback, destroy, shutdown): whatever
@@ -408,6 +396,112 @@ impl ProcessSandbox {
         let status = ExecStatus::from(end.status);
         let error = if status == ExecStatus::Lost { UNKNOWN_EXIT.to_string() } else { String::new() };
         Ok(ExecOutcome { status, exit_code: end.exit_code, signal: end.signal, stdout, stderr, started_at, duration, usage, error })
+    }
+}
+
+/// The armed exec slot: its cgroup, with the spare already inside, and the spare's ends.
+pub(super) struct Spare {
+    pub slot: String,
+    pub cgroup: Arc<ExecCgroup>,
+    pub ends: SpareEnds,
+}
+
+/// How an exec's start went.
+enum Begun {
+    /// The command runs; with a `tty`, the terminal's master side. Its end arrives on `exited`.
+    Running { master: Option<OwnedFd>, exited: tokio::sync::oneshot::Receiver<ExitReply> },
+    /// It could not be started: where, and the errno.
+    Failed(Stage, i32),
+    /// The sandbox did not start it (its init is gone, or never answered).
+    Lost(String),
+}
+
+/// Waits on a spare's socket, its job sent: EOF (its execve closed the other end) means the
+/// command runs (`None`), a message is the failure (`Some`); `Err` if nothing happened within
+/// `deadline`.
+async fn spare_failure(jobs: OwnedFd, deadline: std::time::Duration) -> Result<Option<(Stage, i32)>, String> {
+    // SAFETY: the descriptor is an OwnedFd moved into the AsyncFd, so it stays open (and is not
+    // reused) for as long as the registration lives.
+    let fd = unsafe { tokio::io::unix::AsyncFd::register(jobs) }.map_err(|e| format!("watching the spare: {e}"))?;
+    let mut buf = [0u8; 64];
+    match tokio::time::timeout(deadline, recv_on(&fd, &mut buf)).await {
+        Ok(Ok(None)) => Ok(None),
+        Ok(Ok(Some((n, _)))) => Ok(Some(decode_failure(&buf[..n]).map(|(stage, errno)| (stage, errno as i32)).unwrap_or((Stage::Setup, libc::EIO)))),
+        Ok(Err(e)) => Err(format!("watching the spare: {e}")),
+        Err(_) => Err(format!("the sandbox did not start the command within {} s", deadline.as_secs())),
+    }
+}
+
+impl ProcessSandbox {
+    /// Starts the exec on the armed slot's spare: its [`Job`] goes straight to the spare, which
+    /// is already in the cgroup and only has to `execve` (no trip through the init). `None`
+    /// when the spare is gone (killed, or it could not join the cgroup before the job was
+    /// sent): the caller starts the exec through the init instead.
+    async fn start_on_spare(&self, spec: &ExecSpec, cgroup: &Arc<ExecCgroup>, slot: &str, ends: SpareEnds, stdio: &[RawFd]) -> Option<Begun> {
+        let exited = self.channel.expect_exit(slot).ok()?;
+        let job = Job { argv: spec.argv.clone(), env: spec.env.clone(), workdir: spec.workdir.clone(), tty: false, user: spec.user.clone() };
+        // Never blocks the worker: one message into an empty socket, or an error.
+        let nonblocking = nix::fcntl::fcntl(ends.jobs.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK));
+        let sent = nonblocking.map_err(WireError::Io).and_then(|_| encode(&job)).and_then(|bytes| send_raw(ends.jobs.as_fd(), &bytes, stdio));
+        if let Err(e) = sent {
+            tracing::debug!(sandbox = %self.id, %slot, error = %e, "the armed spare is gone; starting the exec through the init");
+            self.channel.forget(slot);
+            return None;
+        }
+        match spare_failure(ends.jobs, SPAWN_REPLY_DEADLINE).await {
+            Ok(None) => Some(Begun::Running { master: None, exited }),
+            Ok(Some((stage, errno))) => Some(Begun::Failed(stage, errno)),
+            Err(error) => {
+                self.channel.forget(slot);
+                let cg = cgroup.clone();
+                if let Ok(Err(e)) = blocking(move || cg.kill_all()).await {
+                    tracing::warn!(sandbox = %self.id, %slot, error = %e, "killing an exec whose start was never confirmed");
+                }
+                Some(Begun::Lost(error))
+            }
+        }
+    }
+
+    /// Starts the exec by a fresh fork of the init, which joins `cgroup` through its
+    /// `cgroup.procs` files (passed with the request).
+    async fn start_by_init(&self, spec: &ExecSpec, cgroup: &Arc<ExecCgroup>, stdio: &[RawFd]) -> Begun {
+        let exec_id = spec.exec_id.to_string();
+        let procs = match cgroup.procs_files() {
+            Ok(p) => p,
+            Err(e) => return Begun::Lost(format!("opening the exec's cgroup: {e}")),
+        };
+        let mut fds = stdio.to_vec();
+        fds.extend(procs.iter().map(|f| f.as_raw_fd()));
+        let msg = ToInit::Spawn {
+            exec_id: exec_id.clone(),
+            argv: spec.argv.clone(),
+            env: spec.env.clone(),
+            workdir: spec.workdir.clone(),
+            tty: spec.tty.map(|t| (t.rows, t.cols)),
+            user: spec.user.clone(),
+        };
+        let waiters = self.channel.spawn(&exec_id, &msg, &fds).await;
+        // The init holds its own copies now.
+        drop(procs);
+        let waiters = match waiters {
+            Ok(w) => w,
+            Err(e) => return Begun::Lost(format!("sandbox unavailable: {e}")),
+        };
+        // The init's answer is bounded in time like everything from inside: an init that never
+        // answers must not leave the exec RUNNING forever.
+        match tokio::time::timeout(SPAWN_REPLY_DEADLINE, waiters.spawned).await {
+            Ok(Ok(Ok((_pid, master)))) => Begun::Running { master, exited: waiters.exited },
+            Ok(Ok(Err((stage, errno)))) => Begun::Failed(stage, errno),
+            Ok(Err(_)) => Begun::Lost("the sandbox's init exited before the exec started".into()),
+            Err(_) => {
+                self.channel.forget(&exec_id);
+                let cg = cgroup.clone();
+                if let Ok(Err(e)) = blocking(move || cg.kill_all()).await {
+                    tracing::warn!(exec = %exec_id, error = %e, "killing an exec whose spawn was never confirmed");
+                }
+                Begun::Lost(format!("the sandbox's init did not answer the spawn request within {} s", SPAWN_REPLY_DEADLINE.as_secs()))
+            }
+        }
     }
 }
 

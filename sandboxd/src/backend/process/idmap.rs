@@ -12,7 +12,7 @@
 //! own file writes act as the sandbox's root ([`ActingAs`]), so nothing keeps that id.
 //!
 //! The sandbox's processes live in a user namespace mapping only the range (see
-//! `init::shim`); the mount idmap is a separate, throwaway namespace that also names the host's
+//! `init::clone_init`); the mount idmap is a separate, throwaway namespace that also names the host's
 //! root, which a sandbox must never be able to become.
 
 use std::collections::{BTreeSet, HashMap};
@@ -44,9 +44,13 @@ pub struct IdRanges {
 #[derive(Default)]
 struct RangesState {
     used: BTreeSet<u32>,
-    /// Mount idmap namespaces by range index, made on first use and kept: a range is reused.
+    /// Mount idmap namespaces by range index, made on first use and kept (the first
+    /// [`MOUNT_NS_CACHE`]): a range is reused.
     mount_ns: HashMap<u32, Arc<OwnedFd>>,
 }
+
+/// How many ranges' mount namespaces are kept open for reuse.
+const MOUNT_NS_CACHE: usize = 256;
 
 /// A range held by one live sandbox; dropping it gives the range back.
 pub struct IdLease {
@@ -128,7 +132,12 @@ impl IdRanges {
             return Ok(fd.clone());
         }
         let fd = Arc::new(make_userns(&mount_idmap(base))?);
-        st.mount_ns.insert(index, fd.clone());
+        // Each is a descriptor the daemon holds: a bounded cache keeps the daemon's descriptors
+        // at a few per live sandbox. A range past it gets a namespace per call (the mounts made
+        // with it keep their own reference).
+        if st.mount_ns.len() < MOUNT_NS_CACHE {
+            st.mount_ns.insert(index, fd.clone());
+        }
         Ok(fd)
     }
 }

@@ -1,23 +1,21 @@
-//! The in-sandbox side of the process tier: a shim, and the sandbox's PID 1.
+//! The in-sandbox side of the process tier: the sandbox's PID 1.
 //!
-//! `sandboxd __sandbox-init` is started by the daemon (a fresh, single-threaded process, so
-//! everything after `fork` here is safe, unlike forking the multi-threaded daemon) with the control
-//! socket on fd 3. It reads the [`InitConfig`], unshares a pid namespace and forks:
-//!
-//! * the parent stays behind as a *shim*: it waits for the init and exits with its status, so the
-//!   daemon learns of the sandbox's death through an ordinary child and nothing depends on the
-//!   host's PID 1 reaping orphans;
-//! * the child becomes PID 1 of the sandbox. It builds the sandbox around itself ([`setup`], one
-//!   linear recipe) and then serves `Spawn` requests: each exec is a fork of this process, which
-//!   already sits in every namespace, behind pivot_root, with capabilities dropped and seccomp on —
-//!   the exec child inherits all of it and only has to join its own cgroup and `execve`.
+//! Every init is forked by the zygote ([`super::zygote`]), one small single-threaded process
+//! the daemon starts once, which clones it straight into a new pid namespace (and user
+//! namespace) with the control socket on fd 3: everything after that clone is safe here, unlike
+//! forking the multi-threaded daemon, and no per-sandbox shim stays behind (the zygote reaps
+//! every init and tells the daemon). The init reads its [`InitConfig`], builds the sandbox
+//! around itself ([`setup`], one linear recipe) and then serves `Spawn` requests: each exec is
+//! a fork of this process, which already sits in every namespace, behind pivot_root, with
+//! capabilities dropped and seccomp on — the exec child inherits all of it and only has to join
+//! its own cgroup and `execve`.
 //!
 //! Nothing here may panic or `unwrap`: after the fork an error that is not sent back over the
 //! control socket is lost, so every failure becomes a `SetupFailed` / `SpawnFailed` message.
 
 use sandbox_exec::sys::loopback_up;
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
 use nix::errno::Errno;
@@ -33,8 +31,6 @@ use super::wire::{decode, encode, recv_raw, send_raw, FromInit, InitConfig, ToIn
 use crate::backend::cgroup::CgroupView;
 use crate::backend::seccomp;
 
-/// The hidden first argument that turns the `sandboxd` binary into a sandbox init.
-pub const INIT_ARG: &str = "__sandbox-init";
 /// The control socket's descriptor number in the init.
 pub const CONTROL_FD: RawFd = 3;
 
@@ -56,25 +52,21 @@ const KEPT_CAPS: [caps::Capability; 11] = [
     caps::Capability::CAP_SETFCAP,
 ];
 
-/// Entry point of `sandboxd __sandbox-init`. Never returns.
-pub fn main() -> ! {
-    // SAFETY: the daemon put the control socket on fd 3 for us (dup2 in pre_exec); nothing else
-    // in this fresh process owns it.
-    let ctrl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
-    let code = shim(ctrl);
-    std::process::exit(code)
-}
-
 /// Sends `msg` with `fd` attached (the terminal of a `tty` spawn).
 fn report_with(ctrl: &OwnedFd, msg: &FromInit, fd: Option<&OwnedFd>) {
     let fds: Vec<RawFd> = fd.map(|f| f.as_raw_fd()).into_iter().collect();
-    if let Err(e) = encode(msg).and_then(|bytes| send_raw(ctrl.as_fd(), &bytes, &fds)) {
-        eprintln!("sandbox-init: cannot report {msg:?}: {e}");
-    }
+    report_fds(ctrl, msg, &fds)
 }
 
 fn report(ctrl: &OwnedFd, msg: &FromInit) {
     report_with(ctrl, msg, None)
+}
+
+/// Sends `msg` with `fds` attached.
+fn report_fds(ctrl: &OwnedFd, msg: &FromInit, fds: &[RawFd]) {
+    if let Err(e) = encode(msg).and_then(|bytes| send_raw(ctrl.as_fd(), &bytes, fds)) {
+        eprintln!("sandbox-init: cannot report {msg:?}: {e}");
+    }
 }
 
 fn setup_failed(ctrl: &OwnedFd, stage: &str, err: impl std::fmt::Display) -> i32 {
@@ -84,15 +76,10 @@ fn setup_failed(ctrl: &OwnedFd, stage: &str, err: impl std::fmt::Display) -> i32
     1
 }
 
-/// Reads the configuration, makes the pid namespace and forks the init; then waits for it.
-fn shim(ctrl: OwnedFd) -> i32 {
-    // Only stdin, stdout, stderr (the log pipe) and the control socket may reach the sandbox:
-    // a descriptor the daemon inherited from whoever started it (`sandboxd 9>>/host/file`)
-    // must not become the init's, where code in the sandbox could look for it.
-    // SAFETY: close_range only closes descriptors; none above 3 is owned by anything here.
-    if unsafe { libc::syscall(libc::SYS_close_range, (CONTROL_FD + 1) as u32, u32::MAX, 0u32) } != 0 {
-        return setup_failed(&ctrl, "close inherited descriptors", Errno::last());
-    }
+/// The init, from its first step: the zygote's clone put it in its namespaces with the control
+/// socket on fd 3 and nothing else open but stdio. Reads the configuration (and the cgroup
+/// fds) the daemon sends, then sets up and serves. Returns the exit code.
+pub(super) fn run(ctrl: OwnedFd) -> i32 {
     let mut buf = vec![0u8; 64 << 10];
     let (n, cgroup_fds) = match recv_raw(ctrl.as_fd(), &mut buf) {
         Ok(Some(m)) => m,
@@ -104,41 +91,24 @@ fn shim(ctrl: OwnedFd) -> i32 {
         Err(e) => return setup_failed(&ctrl, "config", e),
     };
     drop(buf);
-    // A new pid namespace applies to children only: the fork below makes its PID 1.
-    let forked = match fork_init(cfg.id_base) {
-        Ok(f) => f,
-        Err((stage, e)) => return setup_failed(&ctrl, stage, e),
-    };
-    match forked {
-        ForkResult::Child => {
-            let code = init(ctrl, cfg, cgroup_fds);
-            std::process::exit(code)
-        }
-        ForkResult::Parent { child } => {
-            // Only the init keeps the control socket, so the daemon sees EOF exactly when it dies.
-            drop(ctrl);
-            drop(cgroup_fds);
-            loop {
-                match wait_child(child.as_raw(), 0) {
-                    Ok(Some(Ended { code: Some(code), .. })) => return code,
-                    Ok(Some(Ended { signal: Some(sig), .. })) => return 128 + sig,
-                    Ok(_) | Err(Errno::EINTR) => continue,
-                    Err(_) => return 1,
-                }
-            }
-        }
-    }
+    init(ctrl, cfg, cgroup_fds)
 }
 
-/// Forks the init into a new pid namespace, and with `id_base` a new user namespace too,
+/// Clones the init into a new pid namespace, and with `id_base` a new user namespace too,
 /// created together so the pid namespace is the user namespace's (root inside may then mount
-/// its /proc). The child returns only once its uid and gid maps are written.
-fn fork_init(id_base: Option<u32>) -> Result<ForkResult, (&'static str, Errno)> {
+/// its /proc). A raw clone rather than `unshare` + `fork`: the caller (the zygote) clones many
+/// inits, and `unshare(CLONE_NEWPID)` could be done only once. The child returns only once its
+/// uid and gid maps are written. The caller must be single-threaded.
+pub(super) fn clone_init(id_base: Option<u32>) -> Result<ForkResult, (&'static str, Errno)> {
     let Some(base) = id_base else {
-        unshare(CloneFlags::CLONE_NEWPID).map_err(|e| ("unshare pid namespace", e))?;
-        // SAFETY: this process is single-threaded (a fresh exec of sandboxd that started no
-        // runtime), so the child may allocate and do anything after fork.
-        return unsafe { fork() }.map_err(|e| ("fork init", e));
+        // SAFETY: a raw clone behaves like fork here (no new stack, SIGCHLD); the caller is
+        // single-threaded, so the child may do anything after it.
+        let pid = unsafe { libc::syscall(libc::SYS_clone, libc::CLONE_NEWPID | libc::SIGCHLD, 0usize, 0usize, 0usize, 0usize) };
+        return match pid {
+            0 => Ok(ForkResult::Child),
+            p if p < 0 => Err(("clone the init into a pid namespace", Errno::last())),
+            p => Ok(ForkResult::Parent { child: Pid::from_raw(p as libc::pid_t) }),
+        };
     };
     let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ("pipe", e))?;
     // A user namespace belongs to the effective uid that creates it, and what the kernel counts
@@ -151,7 +121,7 @@ fn fork_init(id_base: Option<u32>) -> Result<ForkResult, (&'static str, Errno)> 
     Errno::result(unsafe { libc::setresuid(u32::MAX, base, u32::MAX) }).map_err(|e| ("take the range's uid", e))?;
     // SAFETY: as above.
     unsafe { libc::setfsuid(0) };
-    // SAFETY: a raw clone behaves like fork here (no new stack, SIGCHLD); this process is
+    // SAFETY: a raw clone behaves like fork here (no new stack, SIGCHLD); the caller is
     // single-threaded, so the child may do anything after it.
     let pid = unsafe { libc::syscall(libc::SYS_clone, libc::CLONE_NEWUSER | libc::CLONE_NEWPID | libc::SIGCHLD, 0usize, 0usize, 0usize, 0usize) };
     let clone_errno = Errno::last();
@@ -160,7 +130,7 @@ fn fork_init(id_base: Option<u32>) -> Result<ForkResult, (&'static str, Errno)> 
         let mut byte = [0u8; 1];
         return match nix::unistd::read(ready_r.as_raw_fd(), &mut byte) {
             Ok(1) => Ok(ForkResult::Child),
-            // The shim could not write the maps (and said so): nothing to do here.
+            // The zygote could not write the maps (and said so): nothing to do here.
             _ => std::process::exit(1),
         };
     }
@@ -197,16 +167,16 @@ fn become_root_inside() -> StageResult {
 }
 
 /// A child that ended: its exit code, or the signal that killed it.
-struct Ended {
-    pid: Pid,
-    code: Option<i32>,
-    signal: Option<i32>,
+pub(super) struct Ended {
+    pub pid: Pid,
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
 }
 
 /// `waitpid(pid, flags)` for an ended child (stopped and continued children are skipped).
 /// Raw rather than nix's, which refuses to decode a death by a real-time signal (34-64) — and
 /// by then the child is already reaped, so its end would be lost and its exec never finish.
-fn wait_child(pid: libc::pid_t, flags: libc::c_int) -> Result<Option<Ended>, Errno> {
+pub(super) fn wait_child(pid: libc::pid_t, flags: libc::c_int) -> Result<Option<Ended>, Errno> {
     loop {
         let mut status = 0;
         // SAFETY: waitpid with a valid pointer to a local.
@@ -241,9 +211,9 @@ fn stage<T, E: std::fmt::Display>(name: &'static str, r: Result<T, E>) -> Result
 
 /// Builds the sandbox around this process. The order matters; each step says why it is here.
 fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
-    // If the shim dies (killed from outside), take the sandbox down with it rather than leave
-    // an init nobody waits for. The shim is single-threaded, so "parent thread exits" cannot
-    // fire early.
+    // If the zygote dies (killed from outside, or the daemon went away), take the sandbox down
+    // with it rather than leave an init nobody waits for. The zygote is single-threaded, so
+    // "parent thread exits" cannot fire early.
     // SAFETY: prctl with integer arguments only.
     stage("pdeathsig", Errno::result(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) }))?;
 
@@ -500,23 +470,13 @@ fn drop_capabilities() -> StageResult {
     Ok(())
 }
 
-/// A process forked ahead of time into the next exec's cgroup, waiting for its command.
-struct Spare {
-    slot: String,
-    pid: Pid,
-    /// Where its [`Job`] is sent.
-    jobs: OwnedFd,
-    /// Closed by a successful execve; carries (stage, errno) otherwise.
-    err_r: OwnedFd,
-}
-
 /// The init's state while serving.
 struct Server {
     ctrl: OwnedFd,
-    /// Main processes of running execs, by pid. Other processes that end up here (orphans
+    /// Main processes of running execs by pid, and spares by pid under their slot's name (the
+    /// daemon hands a spare its command directly). Other processes that end up here (orphans
     /// re-parented to PID 1) are reaped silently.
     running: HashMap<Pid, String>,
-    spare: Option<Spare>,
 }
 
 /// The serve loop: spawn and prepare requests from the daemon, child exits from the kernel.
@@ -531,7 +491,7 @@ fn serve(ctrl: OwnedFd) -> i32 {
         }
     };
     let mut buf = vec![0u8; MAX_MESSAGE];
-    let mut server = Server { ctrl, running: HashMap::new(), spare: None };
+    let mut server = Server { ctrl, running: HashMap::new() };
     loop {
         let (ctrl_ready, chld_ready) = {
             let mut fds = [PollFd::new(server.ctrl.as_fd(), PollFlags::POLLIN), PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
@@ -555,8 +515,8 @@ fn serve(ctrl: OwnedFd) -> i32 {
                 // The daemon is gone: exiting as PID 1 kills everything in the sandbox.
                 Ok(None) => return 0,
                 Ok(Some((n, fds))) => match decode::<ToInit>(&buf[..n]) {
-                    Ok(ToInit::Spawn { exec_id, slot, argv, env, workdir, tty, user }) => {
-                        let (reply, master) = server.spawn(&exec_id, slot.as_deref(), &argv, &env, &workdir, tty, user.as_deref(), fds);
+                    Ok(ToInit::Spawn { exec_id, argv, env, workdir, tty, user }) => {
+                        let (reply, master) = server.spawn(&exec_id, &argv, &env, &workdir, tty, user.as_deref(), fds);
                         let master = master.filter(|_| matches!(reply, FromInit::Spawned { .. }));
                         report_with(&server.ctrl, &reply, master.as_ref());
                     }
@@ -596,28 +556,24 @@ impl Server {
                     return;
                 }
             };
-            if self.spare.as_ref().is_some_and(|s| s.pid == pid) {
-                self.spare = None;
-            }
             if let Some(exec_id) = self.running.remove(&pid) {
                 report(&self.ctrl, &FromInit::Exited { exec_id, code, signal });
             }
         }
     }
 
-    /// Forks a spare into a slot's cgroup; it waits for its job (see [`spare_main`]).
+    /// Forks a spare into a slot's cgroup; it waits for its job (see [`spare_main`]), which the
+    /// daemon sends it directly: the other end of the spare's socket goes back to the daemon
+    /// with `Prepared`. The init only reaps it, and reports its end under the slot's name. A
+    /// spare the daemon drops reads EOF and exits.
     fn prepare(&mut self, slot: String, cgroup_fds: Vec<OwnedFd>) {
-        if let Some(old) = self.spare.take() {
-            // Superseded: the daemon only ever keeps one slot armed.
-            let _ = nix::sys::signal::kill(old.pid, Signal::SIGKILL);
-        }
         let pair = nix::sys::socket::socketpair(
             nix::sys::socket::AddressFamily::Unix,
             nix::sys::socket::SockType::SeqPacket,
             None,
             nix::sys::socket::SockFlag::SOCK_CLOEXEC,
         );
-        let (Ok((jobs, jobs_child)), Ok((err_r, err_w))) = (pair, nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)) else {
+        let Ok((jobs, jobs_child)) = pair else {
             eprintln!("sandbox-init: cannot prepare slot {slot}: out of descriptors");
             return;
         };
@@ -625,20 +581,23 @@ impl Server {
         match unsafe { fork() } {
             Err(e) => eprintln!("sandbox-init: cannot fork spare for {slot}: {e}"),
             Ok(ForkResult::Child) => {
-                drop((jobs, err_r));
-                spare_main(jobs_child, cgroup_fds, err_w)
+                drop(jobs);
+                spare_main(jobs_child, cgroup_fds)
             }
-            Ok(ForkResult::Parent { child }) => self.spare = Some(Spare { slot, pid: child, jobs, err_r }),
+            Ok(ForkResult::Parent { child }) => {
+                drop(jobs_child);
+                report_fds(&self.ctrl, &FromInit::Prepared { slot: slot.clone(), pid: child.as_raw() }, &[jobs.as_raw_fd()]);
+                self.running.insert(child, slot);
+            }
         }
     }
 
-    /// Starts one command: through the slot's spare when it is there, else by a fresh fork.
+    /// Starts one command by a fresh fork, which joins the exec's cgroup through the passed fds.
     /// Returns the reply, and for a `tty` spawn that started the terminal's master side.
     #[allow(clippy::too_many_arguments)]
     fn spawn(
         &mut self,
         exec_id: &str,
-        slot: Option<&str>,
         argv: &[String],
         env: &[(String, String)],
         workdir: &str,
@@ -676,17 +635,6 @@ impl Server {
             [stdin, stdout, stderr] => [stdin.as_raw_fd(), stdout.as_raw_fd(), stderr.as_raw_fd()],
             _ => return failed(Errno::EINVAL),
         };
-        if let Some(spare) = self.spare.take_if(|s| Some(s.slot.as_str()) == slot) {
-            let job = super::wire::Job { argv: argv.to_vec(), env: env.to_vec(), workdir: workdir.to_string(), tty: tty.is_some(), user: creds.clone() };
-            let sent = encode(&job).and_then(|bytes| send_raw(spare.jobs.as_fd(), &bytes, &stdio_raw));
-            if sent.is_ok() {
-                drop((fds, stdio));
-                drop(spare.jobs);
-                return (spawn_reply(exec_id, spare.pid, &spare.err_r, &mut self.running), master);
-            }
-            // The spare is gone (it failed to join its cgroup, or was killed): fork afresh.
-            let _ = nix::sys::signal::kill(spare.pid, Signal::SIGKILL);
-        }
         // Prepared before fork, so the child only makes syscalls.
         let cmd = match Command::new(argv, env, workdir) {
             Ok(cmd) if tty.is_some() => cmd.on_terminal(),
@@ -720,9 +668,12 @@ impl Server {
 }
 
 /// A spare: join the slot's cgroup now, then wait for the job and become it. Never returns.
-fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>, err_w: OwnedFd) -> ! {
+/// `jobs` is also where a failure is reported (stage and errno, one message, as on an exec
+/// child's error pipe); it is close-on-exec, so the daemon reads EOF once the command runs.
+fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>) -> ! {
+    let err_w = jobs.as_raw_fd();
     let procs: Vec<RawFd> = cgroup_fds.iter().map(|f| f.as_raw_fd()).collect();
-    spawn::enter(&procs, err_w.as_raw_fd());
+    spawn::enter(&procs, err_w);
     drop(cgroup_fds);
     let mut buf = vec![0u8; MAX_MESSAGE];
     let (n, stdio) = match recv_raw(jobs.as_fd(), &mut buf) {
@@ -733,17 +684,22 @@ fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>, err_w: OwnedFd) -> ! {
             unsafe { libc::_exit(0) }
         }
     };
-    let cmd = decode::<super::wire::Job>(&buf[..n]).ok().and_then(|job| {
-        let cmd = Command::new(&job.argv, &job.env, &job.workdir).ok()?;
+    let Ok(job) = decode::<super::wire::Job>(&buf[..n]) else { spawn::fail(err_w, Stage::Setup, Errno::EINVAL) };
+    drop(buf);
+    // Resolved here, behind pivot_root: the sandbox's own passwd and group.
+    let creds = match job.user.as_deref().map(|u| sandbox_exec::user::resolve(u, std::path::Path::new("/etc"))).transpose() {
+        Ok(creds) => creds,
+        Err(e) => spawn::fail(err_w, Stage::User, e.errno()),
+    };
+    let cmd = Command::new(&job.argv, &job.env, &job.workdir).ok().map(|cmd| {
         let cmd = if job.tty { cmd.on_terminal() } else { cmd };
-        Some(match &job.user {
+        match &creds {
             Some(creds) => cmd.as_user(creds),
             None => cmd,
-        })
+        }
     });
-    drop(buf);
     match cmd {
-        Some(cmd) if stdio.len() == 3 => spawn::exec(&cmd, [stdio[0].as_raw_fd(), stdio[1].as_raw_fd(), stdio[2].as_raw_fd()], err_w.as_raw_fd()),
-        _ => spawn::fail(err_w.as_raw_fd(), Stage::Setup, Errno::EINVAL),
+        Some(cmd) if stdio.len() == 3 => spawn::exec(&cmd, [stdio[0].as_raw_fd(), stdio[1].as_raw_fd(), stdio[2].as_raw_fd()], err_w),
+        _ => spawn::fail(err_w, Stage::Setup, Errno::EINVAL),
     }
 }

@@ -13,8 +13,8 @@
 //!
 //! The state dir is 0700 and mounted nosuid,nodev,noexec ([`crate::hostfs`]), the pool too.
 //!
-//! A sandbox is a shim + init pair started from this binary ([`init`]); the daemon talks to the
-//! init over a socket pair ([`channel`]).
+//! A sandbox's PID 1 is an init cloned by the zygote ([`zygote`]), a process the daemon starts
+//! once from this binary; the daemon talks to each init over a socket pair ([`channel`]).
 
 mod channel;
 mod exec;
@@ -25,11 +25,11 @@ mod pty;
 pub mod shift;
 pub mod storage;
 mod wire;
+pub mod zygote;
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::channel::InitChannel;
 use self::storage::Pool;
-use super::cgroup::{self, CgroupLimits, CgroupRoot, ExecCgroup, ExecCgroups, SandboxCgroup};
+use super::cgroup::{self, CgroupLimits, CgroupRoot, ExecCgroups, SandboxCgroup};
 use super::files;
 use super::mountinfo;
 use super::{
@@ -107,11 +107,13 @@ pub(crate) struct ProcessSandbox {
     channel: InitChannel,
     /// The tail of the init's stderr, for error messages.
     log: channel::InitLog,
-    shim: tokio::sync::Mutex<Option<tokio::process::Child>>,
+    /// The init, as the zygote that cloned it reports it (its end means the sandbox's pid
+    /// namespace is empty). None until the zygote has answered the start.
+    init: tokio::sync::Mutex<Option<zygote::InitHandle>>,
     /// Cgroups of running execs and of finished ones with processes left behind.
     execs: ExecCgroups,
     /// The armed exec slot: a cgroup with a spare process already inside (see `arm_spare`).
-    spare: Mutex<Option<(String, Arc<ExecCgroup>)>>,
+    spare: Mutex<Option<exec::Spare>>,
     /// A slot is being armed.
     arming: std::sync::atomic::AtomicBool,
     /// Execs begun (ever) and not yet ended: what [`ProcessSandbox::is_quiet`] reads.
@@ -137,7 +139,7 @@ impl ProcessSandbox {
             return None;
         }
         let own = self.cgroup.own_pids();
-        let spare = self.spare.lock().ok()?.as_ref().map(|(_, cg)| cg.pids()).unwrap_or_default();
+        let spare = self.spare.lock().ok()?.as_ref().map(|s| s.cgroup.pids()).unwrap_or_default();
         let all = self.cgroup.pids();
         (own.len() <= 1 && all.iter().all(|p| own.contains(p) || spare.contains(p))).then_some(begun)
     }
@@ -162,6 +164,8 @@ pub struct ProcessBackend {
     shifting: bool,
     /// Held while an image's canonical copy in `pool/shifted/` is made (one copy per image).
     image_copies: Arc<Mutex<()>>,
+    /// Clones every sandbox's init.
+    zygote: zygote::Zygote,
     sandboxes: RwLock<HashMap<SandboxId, Arc<ProcessSandbox>>>,
     /// Names of sandboxes whose runtime state (cgroup, run dir) a previous daemon left, listed
     /// before serving and removed once re-adoption is done ([`Backend::recovered`]).
@@ -305,6 +309,7 @@ impl ProcessBackend {
             ids: None,
             shifting: false,
             image_copies: Default::default(),
+            zygote: Default::default(),
             sandboxes: RwLock::new(HashMap::new()),
             stale: Default::default(),
         };
@@ -676,7 +681,7 @@ impl ProcessBackend {
         let cpus = super::cpus::place(spec.limits.cpu_millicores);
 
         let grouped = t0.elapsed();
-        // 4. The shim + init, from this same binary (see init.rs for the in-sandbox recipe).
+        // 4. The init, cloned by the zygote (see init.rs for the in-sandbox recipe).
         let (ours, theirs) = nix::sys::socket::socketpair(
             nix::sys::socket::AddressFamily::Unix,
             nix::sys::socket::SockType::SeqPacket,
@@ -687,31 +692,15 @@ impl ProcessBackend {
         // The init's stderr is a pipe the daemon drains, bounded; a file on the host would be a
         // way out of the disk quota for whoever could write to it.
         let (log_r, log_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::io("creating init log pipe", e.into()))?;
-        let exe = std::env::current_exe().map_err(|e| BackendError::io("locating sandboxd binary", e))?;
-        let mut cmd = std::process::Command::new(exe);
-        // argv[0] is a name, not the daemon's host path, which the sandbox has no business seeing.
-        cmd.arg0("sandbox-init")
-            .arg(init::INIT_ARG)
-            .env_clear()
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::from(log_w));
-        let child_fd = theirs.as_raw_fd();
-        // SAFETY: dup2, open, write and close are async-signal-safe; the closure only places the
-        // control socket on fd 3 (clearing CLOEXEC) and sets the sandbox oom_score_adj in the child
-        // between fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(child_fd, init::CONTROL_FD) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The daemon's low oom_score_adj is inherited: the sandbox's processes must be
-                // the kernel's choice under memory pressure before the daemon.
-                crate::admission::set_sandbox_oom_score_adj_in_child()
-            });
-        }
-        let shim = tokio::process::Command::from(cmd).spawn().map_err(|e| BackendError::io("starting sandbox init", e))?;
-        drop(theirs);
+        let oom = crate::admission::sandbox_oom_score_adj();
+        let starting = self
+            .zygote
+            .start(&theirs, &log_w, ids.as_ref().map(idmap::IdLease::base), oom)
+            .await
+            .map_err(|e| BackendError::Internal(format!("starting sandbox init: {e}")))?;
+        // The zygote holds its own copies now: only the init keeps them, so the daemon sees EOF
+        // exactly when the init dies.
+        drop((theirs, log_w));
         let log = channel::InitLog::drain(log_r, id.to_string()).map_err(|e| BackendError::io("init log pipe", e))?;
         let channel = InitChannel::new(ours).map_err(|e| BackendError::io("control socket", e))?;
         let sandbox = Arc::new(ProcessSandbox {
@@ -724,7 +713,7 @@ impl ProcessBackend {
             cgroup,
             channel,
             log,
-            shim: tokio::sync::Mutex::new(Some(shim)),
+            init: tokio::sync::Mutex::new(None),
             execs: ExecCgroups::default(),
             spare: Mutex::new(None),
             arming: std::sync::atomic::AtomicBool::new(false),
@@ -746,9 +735,21 @@ impl ProcessBackend {
         .map_err(|e| BackendError::Internal(e.to_string()))?;
         let fds: Vec<i32> = join_first.iter().chain(&join_then).map(|f| f.as_raw_fd()).collect();
         let spawned = t0.elapsed();
+        // The configuration waits in the socket for the init the zygote is cloning meanwhile.
         let ready = sandbox.channel.handshake(&config, &fds, SETUP_DEADLINE).await;
         let handshaken = t0.elapsed();
         drop((join_first, join_then));
+        let ready = match starting.started().await {
+            Ok(handle) => {
+                *sandbox.init.lock().await = Some(handle);
+                ready
+            }
+            // Why the init never answered: the zygote could not start it.
+            Err(e) => Err(match ready {
+                Ok(()) => format!("starting the init: {e}"),
+                Err(r) => format!("{r} (zygote: {e})"),
+            }),
+        };
         // v2: the init has moved on into its leaf, so the exec cgroups may get the controllers.
         let ready = ready.and_then(|()| sandbox.cgroup.enable_children().map_err(|e| format!("enabling the exec cgroups' controllers: {e}")));
         if let Err(reason) = ready {
@@ -788,12 +789,12 @@ impl ProcessBackend {
         if let Err(e) = sb.cgroup.kill_namespace() {
             tracing::warn!(sandbox = %sb.id, error = %e, "killing sandbox processes");
         }
-        if let Some(mut shim) = sb.shim.lock().await.take() {
-            match tokio::time::timeout(Duration::from_secs(5), shim.wait()).await {
-                Ok(_) => {}
-                Err(_) => {
-                    tracing::warn!(sandbox = %sb.id, "shim still running 5 s after the kill; killing it");
-                    let _ = shim.kill().await;
+        if let Some(mut init) = sb.init.lock().await.take() {
+            if tokio::time::timeout(Duration::from_secs(5), init.wait()).await.is_err() {
+                tracing::warn!(sandbox = %sb.id, "init still running 5 s after the kill; killing it");
+                init.kill().await;
+                if tokio::time::timeout(Duration::from_secs(5), init.wait()).await.is_err() {
+                    tracing::warn!(sandbox = %sb.id, "init still running 5 s after SIGKILL");
                 }
             }
         }

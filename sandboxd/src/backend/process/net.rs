@@ -10,16 +10,9 @@ fn unavailable(reason: String) -> BackendError {
     BackendError::Unavailable { isolation: Isolation::Process, reason }
 }
 
-/// The init: the shim's only child (the shim forked it into the new pid namespace).
+/// The init's host pid, as the zygote that cloned it reported it.
 async fn init_pid(sb: &ProcessSandbox) -> Result<i32, BackendError> {
-    let shim = sb.shim.lock().await.as_ref().and_then(|c| c.id()).ok_or_else(|| BackendError::Internal(format!("sandbox {}: the shim is gone", sb.id)))?;
-    let children = std::fs::read_to_string(format!("/proc/{shim}/task/{shim}/children"))
-        .map_err(|e| BackendError::io(format!("reading the children of shim {shim}"), e))?;
-    children
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
-        .ok_or_else(|| BackendError::Internal(format!("sandbox {}: the shim has no init child", sb.id)))
+    sb.init.lock().await.as_ref().map(|i| i.pid()).ok_or_else(|| BackendError::Internal(format!("sandbox {}: its init is gone", sb.id)))
 }
 
 /// Gives a freshly set-up sandbox the network its spec asks for. Before the sandbox is

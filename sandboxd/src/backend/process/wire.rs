@@ -38,22 +38,21 @@ pub struct InitConfig {
     /// How the sandbox's cgroup is mounted at `/sys/fs/cgroup`.
     pub cgroup_view: CgroupView,
     /// The host uid and gid of root inside: the sandbox gets a user namespace mapping
-    /// `super::idmap::RANGE` ids from here (see `init::shim`). None: no user namespace.
+    /// `super::idmap::RANGE` ids from here (see `init::clone_init`). None: no user namespace.
     pub id_base: Option<u32>,
 }
 
 /// Daemon → init.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum ToInit {
-    /// Start a process. Fds: stdin, stdout, stderr (none with `tty`), then the exec cgroup's
-    /// `cgroup.procs` files. With `slot`, the process prepared for that slot (already in the
-    /// cgroup) is used if it is still there; otherwise a fresh fork joins the cgroup through the
-    /// passed fds. With `tty` (rows, columns) the init opens a pseudo-terminal of that size in
-    /// the sandbox's own devpts, runs the process on it, and returns the master side with
-    /// `Spawned`.
+    /// Start a process by a fresh fork, which joins the exec's cgroup through the passed fds.
+    /// Fds: stdin, stdout, stderr (none with `tty`), then the exec cgroup's `cgroup.procs`
+    /// files. With `tty` (rows, columns) the init opens a pseudo-terminal of that size in the
+    /// sandbox's own devpts, runs the process on it, and returns the master side with
+    /// `Spawned`. (An exec with a prepared spare does not come here: the daemon sends the
+    /// spare its [`Job`].)
     Spawn {
         exec_id: String,
-        slot: Option<String>,
         argv: Vec<String>,
         env: Vec<(String, String)>,
         workdir: String,
@@ -65,11 +64,13 @@ pub enum ToInit {
     },
     /// Fork a spare process into the next exec's cgroup now, off the exec's critical path
     /// (joining a cgroup v1 can wait for an RCU grace period). Fds: that cgroup's
-    /// `cgroup.procs` files.
+    /// `cgroup.procs` files. Answered by `Prepared`.
     Prepare { slot: String },
 }
 
-/// Init → spare: the command the spare becomes. Fds: stdin, stdout, stderr.
+/// Daemon → spare: the command the spare becomes. Fds: stdin, stdout, stderr. The spare
+/// runs the init's code until it execs (confined like the init), so its parsing of this is as
+/// safe as the init's.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Job {
     pub argv: Vec<String>,
@@ -78,9 +79,9 @@ pub struct Job {
     /// Stdin is a terminal to make the controlling terminal.
     #[serde(default)]
     pub tty: bool,
-    /// The credentials to switch to (None: stay root).
+    /// Who it runs as, resolved by the spare in the sandbox's /etc (None: root).
     #[serde(default)]
-    pub user: Option<sandbox_exec::user::Credentials>,
+    pub user: Option<String>,
 }
 
 /// Init → daemon.
@@ -94,8 +95,33 @@ pub enum FromInit {
     Spawned { exec_id: String, pid: i32 },
     /// The process could not be started.
     SpawnFailed { exec_id: String, stage: Stage, errno: i32 },
-    /// The main process of an exec ended.
+    /// The main process of an exec ended (`exec_id` is the slot's name for a spare's).
     Exited { exec_id: String, code: Option<i32>, signal: Option<i32> },
+    /// A spare waits in `slot`'s cgroup as `pid`. Fds: the other end of its `SOCK_SEQPACKET`
+    /// socket, where its [`Job`] goes; a failure comes back on it (stage and errno), and its
+    /// successful execve closes it.
+    Prepared { slot: String, pid: i32 },
+}
+
+/// Daemon → zygote (see [`super::zygote`]).
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ToZygote {
+    /// Clone a sandbox's init. Fds: the init's end of its control socket, then the write end
+    /// of its log pipe (its stderr).
+    Start { token: u64, id_base: Option<u32>, oom_score_adj: i32 },
+    /// SIGKILL the init started for `token`, if it has not been reaped yet.
+    Kill { token: u64 },
+}
+
+/// Zygote → daemon.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum FromZygote {
+    /// The init of `token` runs, as host pid `pid`.
+    Started { token: u64, pid: i32 },
+    /// The init of `token` could not be started.
+    StartFailed { token: u64, stage: String, errno: i32 },
+    /// The init of `token` ended and was reaped: its pid namespace is empty.
+    Exited { token: u64, code: Option<i32>, signal: Option<i32> },
 }
 
 /// Errors on the control channel.
@@ -165,7 +191,7 @@ mod tests {
     #[test]
     fn messages_and_fds_cross_the_pair() {
         let (a, b) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).expect("socketpair");
-        let msg = ToInit::Spawn { exec_id: "ex-1".into(), slot: None, argv: vec!["true".into()], env: vec![], workdir: "/".into(), tty: None, user: None };
+        let msg = ToInit::Spawn { exec_id: "ex-1".into(), argv: vec!["true".into()], env: vec![], workdir: "/".into(), tty: None, user: None };
         let devnull = std::fs::File::open("/dev/null").expect("open");
         send_raw(a.as_fd(), &encode(&msg).expect("encode"), &[devnull.as_raw_fd()]).expect("send");
         let mut buf = vec![0u8; 4096];

@@ -67,7 +67,7 @@ async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, rep
         creates.push(took);
     }
     let create_total = t.elapsed();
-    // Give the shims and inits a moment to settle, so RSS is not caught mid-fault.
+    // Give the inits and spares a moment to settle, so RSS is not caught mid-fault.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_live = pid.and_then(rss_bytes);
     let pss_tree = pid.and_then(pss_of_tree);
