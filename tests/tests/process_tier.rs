@@ -385,6 +385,34 @@ async fn memory_bomb_is_oom_killed_and_reported() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn an_exec_still_starts_when_the_sandbox_killed_the_spare_waiting_for_it() {
+    let h = Harness::start().await;
+    let id = h.sandbox().await;
+    assert_exited(&h.sh(&id, "true").await, 0);
+    // The spare for the next exec (a fork of the init, waiting in that exec's cgroup for the
+    // daemon's job) is a process of the sandbox: code in it may kill it. Wait for it to appear
+    // while this exec runs, then kill it.
+    let killer = r#"while :; do
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    [ "$p" = 1 ] || [ "$p" = $$ ] && continue
+    if tr '\0' ' ' < $d/cmdline 2>/dev/null | grep -q '^sandbox-init'; then kill -9 $p && echo killed && exit 0; fi
+  done
+  sleep 0.01
+done"#;
+    let r = h.sh(&id, killer).await;
+    assert_exited(&r, 0);
+    assert_eq!(r.stdout, b"killed\n");
+    // The next exec finds its spare gone and starts through the init instead; the ones after it
+    // get spares again.
+    for _ in 0..3 {
+        let r = h.sh(&id, "echo ok; id -u").await;
+        assert_exited(&r, 0);
+        assert_eq!(r.stdout, b"ok\n0\n", "{}", describe(&r));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn cpu_time_is_accounted() {
     let h = Harness::start().await;
     let id = h.sandbox().await;

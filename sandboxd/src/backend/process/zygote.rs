@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::channel::{recv_on, send_on};
 use super::init::{self, CONTROL_FD};
-use super::wire::{decode, encode, recv_raw, send_raw, FromZygote, ToZygote};
+use super::wire::{decode, encode, recv_raw, send_raw, FromZygote, ToZygote, WireError};
 
 /// The hidden first argument that turns the `sandboxd` binary into the zygote. Its name is the
 /// one the per-sandbox init had: every init is a fork of the zygote, so this is the command line
@@ -129,9 +129,14 @@ fn serve(ctrl: OwnedFd) -> i32 {
             // The daemon is gone: exiting kills every init (their parent-death signal).
             Ok(None) => return 0,
             Ok(Some(m)) => m,
-            Err(e) => {
+            // One bad message (oversized, truncated): the socket itself is still sound.
+            Err(e @ (WireError::TooLarge(_) | WireError::Malformed(_) | WireError::Io(Errno::EINTR | Errno::EAGAIN))) => {
                 eprintln!("sandbox-zygote: reading a request: {e}");
                 continue;
+            }
+            Err(e) => {
+                eprintln!("sandbox-zygote: control socket: {e}");
+                return 1;
             }
         };
         match decode::<ToZygote>(&buf[..n]) {
