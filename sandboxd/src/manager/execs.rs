@@ -185,6 +185,7 @@ impl Manager {
         sink: OutputSink,
         session: Option<(Session, Option<tokio::sync::oneshot::Sender<ExecId>>)>,
     ) -> Result<ExecRecord, Error> {
+        let begin = std::time::Instant::now();
         let (sid, entry) = self.ready_entry(tenant, &req.sandbox_id).await?;
         let info = entry.info()?;
         if !info.state.can_exec() {
@@ -266,8 +267,10 @@ impl Manager {
         let task_exec = exec.clone();
         let tier = info.isolation;
         let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+        let recorded = begin.elapsed();
         tokio::spawn(async move {
             let started_at = SystemTime::now();
+            let ran = std::time::Instant::now();
             let outcome = match backend.exec(&sid, spec, sink, Some(started_tx), cancel).await {
                 Ok(o) => o,
                 Err(e) => ExecOutcome::failed(ExecStatus::Lost, -1, e.to_string(), started_at),
@@ -280,8 +283,19 @@ impl Manager {
             });
             if let Ok(r) = finished {
                 manager.metrics.exec_ended(tier, r.outcome.status, r.outcome.duration);
-                tracing::debug!(exec = %r.exec_id, status = ?r.outcome.status, code = r.outcome.exit_code, ms = r.outcome.duration.as_millis() as u64, "exec ended");
+                let backend_us = ran.elapsed().as_micros() as u64;
+                let t = std::time::Instant::now();
                 manager.exec_finished(&r, key.as_ref());
+                tracing::debug!(
+                    exec = %r.exec_id,
+                    status = ?r.outcome.status,
+                    code = r.outcome.exit_code,
+                    ms = r.outcome.duration.as_millis() as u64,
+                    record_us = recorded.as_micros() as u64,
+                    backend_us,
+                    finish_us = t.elapsed().as_micros() as u64,
+                    "exec ended"
+                );
             }
             let _ = done_tx.send(true);
         });

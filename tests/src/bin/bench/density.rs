@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use sandbox_tests::{process_sandbox, proto, rss_bytes, Daemon};
 
 use crate::cli::Plan;
-use crate::results::{Density, Key, Report};
+use crate::results::{Density, HostMemory, Key, Report};
 use crate::sandboxes::{exec_true, Sandboxes};
 
 /// PSS of `root` and every process below it, and how many processes that is.
@@ -41,11 +41,18 @@ fn pss_of_tree(root: u32) -> Option<(u64, usize)> {
     Some((total, count))
 }
 
-/// The host's memory in use: MemTotal − MemAvailable of /proc/meminfo.
-fn host_used_bytes() -> Option<u64> {
+/// The host's memory in use (MemTotal − MemAvailable of /proc/meminfo), and the kernel's own
+/// parts of it that a sandbox adds to: unreclaimable slab (cgroups, mounts, namespaces, and each
+/// memory cgroup's per-shrinker maps), page tables, kernel stacks.
+fn host_memory() -> Option<HostMemory> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kb = |key: &str| info.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok());
-    Some(kb("MemTotal:")?.saturating_sub(kb("MemAvailable:")?) * 1024)
+    Some(HostMemory {
+        used: kb("MemTotal:")?.saturating_sub(kb("MemAvailable:")?) * 1024,
+        slab_unreclaimable: kb("SUnreclaim:")? * 1024,
+        page_tables: kb("PageTables:")? * 1024,
+        kernel_stacks: kb("KernelStack:")? * 1024,
+    })
 }
 
 /// An idle sandbox as an agent framework keeps many: the default image with small limits, so
@@ -57,7 +64,7 @@ fn idle_sandbox() -> proto::CreateSandboxRequest {
 
 async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, report: &mut Report) -> Result<Density> {
     let rss_idle = pid.and_then(rss_bytes);
-    let host_before = host_used_bytes();
+    let host_before = host_memory();
     let mut ids = Vec::with_capacity(plan.live);
     let mut creates = Vec::with_capacity(plan.live);
     let t = Instant::now();
@@ -71,7 +78,7 @@ async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, rep
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_live = pid.and_then(rss_bytes);
     let pss_tree = pid.and_then(pss_of_tree);
-    let host_used = host_before.zip(host_used_bytes());
+    let host_used = host_before.zip(host_memory());
     report.measured(Key::LiveCreate, &creates);
 
     let mut execs = Vec::with_capacity(ids.len() * 3);

@@ -12,7 +12,7 @@ use crate::docker::{docker_socket, DOCKER_IMAGE};
 use crate::latency::EXEC_GAP;
 use crate::machine::Machine;
 use crate::microvm::{KVM_TRY_BOOT_TIMEOUT_MS, LOG_BOOTED, LOG_POOL_READY, LOG_POOL_TAKEN, MICROVM_LOG_DIRECTIVE};
-use crate::results::{Key, Outcome, Report};
+use crate::results::{HostMemory, Key, Outcome, Report};
 use crate::snapshots::{CHANGED_LARGE_MIB, CHANGED_SMALL_MIB, FORK_BATCH};
 use crate::stats::{mib, mib_of, ms, p50_of};
 use crate::targets::targets;
@@ -227,13 +227,20 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
                 );
             }
             if let Some((before, live)) = d.host_used {
+                let each = |f: fn(&HostMemory) -> u64| f(&live).saturating_sub(f(&before)) as f64 / (1u64 << 20) as f64 / d.live.max(1) as f64;
                 let _ = writeln!(
                     w,
-                    "- the host's memory in use (MemTotal − MemAvailable, kernel memory included): {} before, {} with {} live: {:.2} MiB per sandbox",
-                    mib(before),
-                    mib(live),
+                    "- the host's memory in use (MemTotal − MemAvailable, kernel memory included): {} before, {} with {} live: {:.2} MiB per sandbox; \
+                     of that, per sandbox, unreclaimable kernel slab {:.2} MiB (cgroups, mounts, namespaces, and each memory cgroup's map of every \
+                     shrinker: one per superblock, so it grows with the sandboxes alive, and the kernel keeps its high-water mark until reboot), \
+                     page tables {:.2} MiB, kernel stacks {:.2} MiB",
+                    mib(before.used),
+                    mib(live.used),
                     d.live,
-                    live.saturating_sub(before) as f64 / (1u64 << 20) as f64 / d.live.max(1) as f64
+                    each(|m| m.used),
+                    each(|m| m.slab_unreclaimable),
+                    each(|m| m.page_tables),
+                    each(|m| m.kernel_stacks),
                 );
             }
             let _ = writeln!(

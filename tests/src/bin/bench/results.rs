@@ -306,10 +306,19 @@ pub(crate) struct Density {
     pub(crate) pss_tree: Option<(u64, usize)>,
     /// The host's memory in use (MemTotal − MemAvailable) before the creates and with all live:
     /// what the sandboxes cost the host, kernel memory (cgroups, mounts, namespaces) included.
-    pub(crate) host_used: Option<(u64, u64)>,
+    pub(crate) host_used: Option<(HostMemory, HostMemory)>,
     pub(crate) create_total: Duration,
     pub(crate) destroy_total: Duration,
     pub(crate) rss_after: Option<u64>,
+}
+
+/// What /proc/meminfo says of the host's memory, in bytes (see `density::host_memory`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HostMemory {
+    pub(crate) used: u64,
+    pub(crate) slab_unreclaimable: u64,
+    pub(crate) page_tables: u64,
+    pub(crate) kernel_stacks: u64,
 }
 
 /// One concurrency level of the exec throughput section.
