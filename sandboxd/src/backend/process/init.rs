@@ -479,11 +479,33 @@ struct Server {
     running: HashMap<Pid, String>,
 }
 
-/// The serve loop: spawn and prepare requests from the daemon, child exits from the kernel.
-fn serve(ctrl: OwnedFd) -> i32 {
+/// SIGCHLD blocked and read through a signalfd instead (by the init's and the zygote's loops).
+pub(super) fn child_signals() -> Result<SignalFd, Errno> {
     let mut chld = SigSet::empty();
     chld.add(Signal::SIGCHLD);
-    let sfd = match SignalFd::with_flags(&chld, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK) {
+    nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&chld), None)?;
+    SignalFd::with_flags(&chld, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+}
+
+/// Waits until the control socket or the SIGCHLD signalfd is readable (or hung up): which of the
+/// two are. EINTR is waited through.
+pub(super) fn wait_ctrl_or_child(ctrl: &OwnedFd, sfd: &SignalFd) -> Result<(bool, bool), Errno> {
+    loop {
+        let mut fds = [PollFd::new(ctrl.as_fd(), PollFlags::POLLIN), PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) => {
+                let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
+                return Ok((ready(&fds[0]), ready(&fds[1])));
+            }
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The serve loop: spawn and prepare requests from the daemon, child exits from the kernel.
+fn serve(ctrl: OwnedFd) -> i32 {
+    let sfd = match child_signals() {
         Ok(s) => s,
         Err(e) => {
             eprintln!("sandbox-init: signalfd: {e}");
@@ -493,18 +515,12 @@ fn serve(ctrl: OwnedFd) -> i32 {
     let mut buf = vec![0u8; MAX_MESSAGE];
     let mut server = Server { ctrl, running: HashMap::new() };
     loop {
-        let (ctrl_ready, chld_ready) = {
-            let mut fds = [PollFd::new(server.ctrl.as_fd(), PollFlags::POLLIN), PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
-            match poll(&mut fds, PollTimeout::NONE) {
-                Ok(_) => {}
-                Err(Errno::EINTR) => continue,
-                Err(e) => {
-                    eprintln!("sandbox-init: poll: {e}");
-                    return 1;
-                }
+        let (ctrl_ready, chld_ready) = match wait_ctrl_or_child(&server.ctrl, &sfd) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("sandbox-init: poll: {e}");
+                return 1;
             }
-            let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
-            (ready(&fds[0]), ready(&fds[1]))
         };
         if chld_ready {
             while let Ok(Some(_)) = sfd.read_signal() {}

@@ -23,9 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::errno::Errno;
-use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, SigmaskHow, Signal};
-use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::ForkResult;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
@@ -76,13 +74,7 @@ fn serve(ctrl: OwnedFd) -> i32 {
         eprintln!("sandbox-zygote: close_range: {}", Errno::last());
         return 1;
     }
-    let mut chld = SigSet::empty();
-    chld.add(Signal::SIGCHLD);
-    if let Err(e) = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&chld), None) {
-        eprintln!("sandbox-zygote: blocking SIGCHLD: {e}");
-        return 1;
-    }
-    let sfd = match SignalFd::with_flags(&chld, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK) {
+    let sfd = match init::child_signals() {
         Ok(s) => s,
         Err(e) => {
             eprintln!("sandbox-zygote: signalfd: {e}");
@@ -94,18 +86,12 @@ fn serve(ctrl: OwnedFd) -> i32 {
     let mut pids: HashMap<u64, libc::pid_t> = HashMap::new();
     let mut buf = vec![0u8; 4096];
     loop {
-        let (ctrl_ready, chld_ready) = {
-            let mut fds = [PollFd::new(ctrl.as_fd(), PollFlags::POLLIN), PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
-            match poll(&mut fds, PollTimeout::NONE) {
-                Ok(_) => {}
-                Err(Errno::EINTR) => continue,
-                Err(e) => {
-                    eprintln!("sandbox-zygote: poll: {e}");
-                    return 1;
-                }
+        let (ctrl_ready, chld_ready) = match init::wait_ctrl_or_child(&ctrl, &sfd) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("sandbox-zygote: poll: {e}");
+                return 1;
             }
-            let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
-            (ready(&fds[0]), ready(&fds[1]))
         };
         if chld_ready {
             while let Ok(Some(_)) = sfd.read_signal() {}
