@@ -103,10 +103,33 @@ impl PeakRss {
     }
 }
 
-/// A TCP port free right now on 127.0.0.1 (for a daemon listener).
+/// A TCP port free right now on 127.0.0.1 (for a daemon listener), below the kernel's ephemeral
+/// range: a listener bound to port 0 (the daemon's own egress listeners, anything else on the
+/// host) is never given it between this probe and the daemon's bind, as it could be a port the
+/// kernel handed out for port 0 and took back.
 pub fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").context("binding a probe socket")?;
-    Ok(l.local_addr()?.port())
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    const FIRST: u16 = 10_000;
+    if ephemeral_low <= FIRST + 1 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").context("binding a probe socket")?;
+        return Ok(l.local_addr()?.port());
+    }
+    let span = u32::from(ephemeral_low - FIRST);
+    // Spread over the range by process (test binaries run one after another, tests within one
+    // in parallel: the counter keeps those apart).
+    let seed = std::process::id().wrapping_mul(2_654_435_761);
+    for _ in 0..span {
+        let i = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = FIRST + (seed.wrapping_add(i.wrapping_mul(7_919)) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no free port on 127.0.0.1 between {FIRST} and {ephemeral_low}")
 }
 
 /// `<prefix>-<pid>-<nanoseconds>`: a name (of a host file, a label) no other run uses.
