@@ -22,6 +22,9 @@ use crate::ids::SandboxId;
 /// Shapes whose pools are kept at once.
 pub const MAX_SHAPES: usize = 4;
 
+/// Starts a refill tries in a row before it gives up until the next create.
+const POOL_START_ATTEMPTS: u32 = 3;
+
 /// What a pooled container must match to serve a create: its image and limits.
 pub(super) fn shape_of(spec: &SandboxSpec) -> String {
     format!("{}\u{0}{:?}", spec.image, spec.limits)
@@ -125,6 +128,9 @@ impl Inner {
             network: Default::default(),
         };
         tokio::spawn(async move {
+            // A start that fails (a container slow to greet on a loaded host) is tried again a
+            // few times, waiting longer each time, before the pool waits for the next create.
+            let mut failures = 0u32;
             loop {
                 let want = me.cfg.warm_pool;
                 let have = me.pool.lock().ok().and_then(|p| p.len(&shape));
@@ -143,8 +149,13 @@ impl Inner {
                         tracing::info!(image = %spec.image, ready, "container warm pool: a container is ready");
                     }
                     Err(e) => {
-                        tracing::warn!(image = %spec.image, error = %e, "container warm pool: cannot start a container");
-                        break;
+                        failures += 1;
+                        if failures >= POOL_START_ATTEMPTS {
+                            tracing::warn!(image = %spec.image, error = %e, failures, "container warm pool: cannot start a container; the next create refills it");
+                            break;
+                        }
+                        tracing::warn!(image = %spec.image, error = %e, failures, "container warm pool: cannot start a container; trying again");
+                        tokio::time::sleep(std::time::Duration::from_secs(u64::from(failures))).await;
                     }
                 }
             }
