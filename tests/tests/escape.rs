@@ -177,6 +177,25 @@ async fn pid1_fds_and_kernel_surface_are_out_of_reach_process_tier() {
     assert!(!String::from_utf8_lossy(&r.stdout).contains("host secret"), "read the daemon's inherited file:\n{}", text(&r));
     assert_eq!(std::fs::read(&host_file).expect("host file"), b"host secret\n", "the host file was changed from inside");
 
+    // The spare waiting for the next exec (a fork of the init, holding its socket to the
+    // daemon) is as far out of reach as the init: its descriptors, memory and environment.
+    let spare = r#"while :; do
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    [ "$p" = 1 ] || [ "$p" = $$ ] && continue
+    tr '\0' ' ' < $d/cmdline 2>/dev/null | grep -q '^sandbox-init' || continue
+    for f in fd/0 fd/1 fd/2 fd/3 fd/4 fd/5 mem environ; do
+      if cat $d/$f </dev/null >/dev/null 2>&1; then echo "READ $f"; fi
+    done
+    ls $d/fd/ >/dev/null 2>&1 && echo "LISTED fd"
+    echo "spare $p checked"; exit 0
+  done
+  sleep 0.01
+done"#;
+    let r = run(&client, &id, &["sh", "-c", spare]).await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert!(out.contains("checked") && !out.contains("READ") && !out.contains("LISTED"), "the spare's descriptors or memory were reachable:\n{}", text(&r));
+
     // The sandbox still works after all that: the init survived every attack.
     let r = run(&client, &id, &["echo", "alive"]).await;
     assert_eq!((r.status(), String::from_utf8_lossy(&r.stdout).trim().to_string()), (ExecStatus::Exited, "alive".to_string()), "{}", text(&r));

@@ -268,9 +268,10 @@ impl ProcessSandbox {
         self.execs.started(&exec_id, cgroup.clone());
         // Through the armed slot's spare, told directly; or (no spare, or it is gone) a fresh
         // fork of the init, which joins the cgroup.
-        let direct = match (spare, &pipes) {
-            (Some((slot, ends)), Some(_)) => self.start_on_spare(spec, cgroup, &slot, ends, &stdio).await,
-            _ => None,
+        // (A `tty` exec never takes the spare: its terminal is the init's to open.)
+        let direct = match spare {
+            Some((slot, ends)) => self.start_on_spare(spec, cgroup, &slot, ends, &stdio).await,
+            None => None,
         };
         let begun = match direct {
             Some(begun) => begun,
@@ -279,7 +280,7 @@ impl ProcessSandbox {
         // The command holds its own copies of its ends of the pipes now; ours must close so
         // EOF means "the process is done".
         let ours = pipes.map(|p| (p.stdin.1, p.stdout.0, p.stderr.0));
-        let (master, exited) = match begun {
+        let (master, mut exited) = match begun {
             Begun::Running { master, exited } => (master, exited),
             Begun::Failed(stage, errno) => {
                 let (code, error) = describe_failure(stage, nix::errno::Errno::from_raw(errno), &spec.argv[0], &spec.workdir, spec.user.as_deref());
@@ -329,7 +330,6 @@ impl ProcessSandbox {
             Cancelled,
             Lost,
         }
-        let mut exited = exited;
         let end = tokio::select! {
             r = &mut exited => match r { Ok((c, s)) => End::Exited(c, s), Err(_) => End::Lost },
             // The sandbox's running time: a pause does not count against the timeout.
@@ -439,7 +439,7 @@ impl ProcessSandbox {
     /// sent): the caller starts the exec through the init instead.
     async fn start_on_spare(&self, spec: &ExecSpec, cgroup: &Arc<ExecCgroup>, slot: &str, ends: SpareEnds, stdio: &[RawFd]) -> Option<Begun> {
         let exited = self.channel.expect_exit(slot).ok()?;
-        let job = Job { argv: spec.argv.clone(), env: spec.env.clone(), workdir: spec.workdir.clone(), tty: false, user: spec.user.clone() };
+        let job = Job { argv: spec.argv.clone(), env: spec.env.clone(), workdir: spec.workdir.clone(), user: spec.user.clone() };
         // Never blocks the worker: one message into an empty socket, or an error.
         let nonblocking = nix::fcntl::fcntl(ends.jobs.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK));
         let sent = nonblocking.map_err(WireError::Io).and_then(|_| encode(&job)).and_then(|bytes| send_raw(ends.jobs.as_fd(), &bytes, stdio));
@@ -451,15 +451,19 @@ impl ProcessSandbox {
         match spare_failure(ends.jobs, SPAWN_REPLY_DEADLINE).await {
             Ok(None) => Some(Begun::Running { master: None, exited }),
             Ok(Some((stage, errno))) => Some(Begun::Failed(stage, errno)),
-            Err(error) => {
-                self.channel.forget(slot);
-                let cg = cgroup.clone();
-                if let Ok(Err(e)) = blocking(move || cg.kill_all()).await {
-                    tracing::warn!(sandbox = %self.id, %slot, error = %e, "killing an exec whose start was never confirmed");
-                }
-                Some(Begun::Lost(error))
-            }
+            Err(error) => Some(self.unconfirmed(slot, cgroup, error).await),
         }
+    }
+
+    /// An exec whose start was never confirmed (`key`: its exec id, or its spare's slot): its
+    /// replies forgotten and whatever did start of it killed. LOST with `error`.
+    async fn unconfirmed(&self, key: &str, cgroup: &Arc<ExecCgroup>, error: String) -> Begun {
+        self.channel.forget(key);
+        let cg = cgroup.clone();
+        if let Ok(Err(e)) = blocking(move || cg.kill_all()).await {
+            tracing::warn!(sandbox = %self.id, %key, error = %e, "killing an exec whose start was never confirmed");
+        }
+        Begun::Lost(error)
     }
 
     /// Starts the exec by a fresh fork of the init, which joins `cgroup` through its
@@ -494,12 +498,8 @@ impl ProcessSandbox {
             Ok(Ok(Err((stage, errno)))) => Begun::Failed(stage, errno),
             Ok(Err(_)) => Begun::Lost("the sandbox's init exited before the exec started".into()),
             Err(_) => {
-                self.channel.forget(&exec_id);
-                let cg = cgroup.clone();
-                if let Ok(Err(e)) = blocking(move || cg.kill_all()).await {
-                    tracing::warn!(exec = %exec_id, error = %e, "killing an exec whose spawn was never confirmed");
-                }
-                Begun::Lost(format!("the sandbox's init did not answer the spawn request within {} s", SPAWN_REPLY_DEADLINE.as_secs()))
+                let error = format!("the sandbox's init did not answer the spawn request within {} s", SPAWN_REPLY_DEADLINE.as_secs());
+                self.unconfirmed(&exec_id, cgroup, error).await
             }
         }
     }

@@ -707,12 +707,10 @@ fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>) -> ! {
         Ok(creds) => creds,
         Err(e) => spawn::fail(err_w, Stage::User, e.errno()),
     };
-    let cmd = Command::new(&job.argv, &job.env, &job.workdir).ok().map(|cmd| {
-        let cmd = if job.tty { cmd.on_terminal() } else { cmd };
-        match &creds {
-            Some(creds) => cmd.as_user(creds),
-            None => cmd,
-        }
+    // Never a terminal: a `tty` exec is forked by the init, which opens it.
+    let cmd = Command::new(&job.argv, &job.env, &job.workdir).ok().map(|cmd| match &creds {
+        Some(creds) => cmd.as_user(creds),
+        None => cmd,
     });
     match cmd {
         Some(cmd) if stdio.len() == 3 => spawn::exec(&cmd, [stdio[0].as_raw_fd(), stdio[1].as_raw_fd(), stdio[2].as_raw_fd()], err_w),

@@ -76,9 +76,6 @@ pub struct Job {
     pub argv: Vec<String>,
     pub env: Vec<(String, String)>,
     pub workdir: String,
-    /// Stdin is a terminal to make the controlling terminal.
-    #[serde(default)]
-    pub tty: bool,
     /// Who it runs as, resolved by the spare in the sandbox's /etc (None: root).
     #[serde(default)]
     pub user: Option<String>,
