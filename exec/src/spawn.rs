@@ -199,13 +199,20 @@ pub fn child(cmd: &Command, fds: &ChildFds) -> ! {
 /// not stop on job control — and the exec's cgroup, first, so nothing the command does escapes
 /// its accounting and limits. Reports a failure and exits.
 pub fn enter(cgroup_procs: &[RawFd], err_w: RawFd) {
-    // SAFETY: setsid and write are async-signal-safe; the descriptors belong to this child.
+    // SAFETY: setsid is async-signal-safe.
     unsafe {
         libc::setsid();
-        for &procs in cgroup_procs {
-            if libc::write(procs, b"0".as_ptr().cast(), 1) != 1 {
-                fail(err_w, Stage::Cgroup, Errno::last());
-            }
+    }
+    join(cgroup_procs, err_w);
+}
+
+/// Joins a cgroup by writing "0" to each of its `cgroup.procs` (or, for a single-threaded
+/// process, v1 `tasks`) files. Reports a failure and exits. Async-signal-safe.
+pub fn join(files: &[RawFd], err_w: RawFd) {
+    for &file in files {
+        // SAFETY: write is async-signal-safe; the descriptors belong to this child.
+        if unsafe { libc::write(file, b"0".as_ptr().cast(), 1) } != 1 {
+            fail(err_w, Stage::Cgroup, Errno::last());
         }
     }
 }

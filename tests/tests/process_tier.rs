@@ -150,7 +150,7 @@ async fn sandbox_is_isolated_from_the_host() {
         assert!(!args.contains("--state-dir") && !args.contains("cargo") && !args.contains("process_tier"), "a host process is visible inside:\n{ps}");
         if *pid != 1 {
             // Besides the command itself, only the spare the init keeps ready for the next
-            // exec (a fork of the init, waiting in the next exec's cgroup) may be there.
+            // exec (a fork of the init, waiting for its job) may be there.
             assert!(args.contains("ps") || args.contains("sh") || args.contains("sandbox-init"), "unexpected process inside:\n{ps}");
         }
     }
@@ -389,9 +389,9 @@ async fn an_exec_still_starts_when_the_sandbox_killed_the_spare_waiting_for_it()
     let h = Harness::start().await;
     let id = h.sandbox().await;
     assert_exited(&h.sh(&id, "true").await, 0);
-    // The spare for the next exec (a fork of the init, waiting in that exec's cgroup for the
-    // daemon's job) is a process of the sandbox: code in it may kill it. Wait for it to appear
-    // while this exec runs, then kill it.
+    // The spare for the next exec (a fork of the init, waiting for the daemon's job in the
+    // sandbox's cgroup or in that exec's) is a process of the sandbox: code in it may kill it.
+    // Wait for it to appear while this exec runs, then kill it.
     let killer = r#"while :; do
   for d in /proc/[0-9]*; do
     p=${d#/proc/}
@@ -409,6 +409,49 @@ done"#;
         let r = h.sh(&id, "echo ok; id -u").await;
         assert_exited(&r, 0);
         assert_eq!(r.stdout, b"ok\n0\n", "{}", describe(&r));
+    }
+}
+
+/// Every exec runs in a cgroup of its own below the sandbox's (its CPU time, peak memory, OOM
+/// kills and kill are its own), a new one each time: also when the spare that runs it waited in
+/// the sandbox's own cgroup and joined the exec's itself. On v1 a `cpu` hierarchy of its own
+/// stays the sandbox's (the quota is the sandbox's).
+#[tokio::test(flavor = "multi_thread")]
+async fn each_exec_runs_in_a_cgroup_of_its_own() {
+    let h = Harness::start().await;
+    let id = h.sandbox().await;
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let r = h.sh(&id, "cat /proc/self/cgroup").await;
+        assert_exited(&r, 0);
+        let text = String::from_utf8_lossy(&r.stdout).to_string();
+        // (hierarchy's controllers, path inside the sandbox's cgroup namespace)
+        let lines: Vec<(String, String)> = text
+            .lines()
+            .filter_map(|l| {
+                let mut parts = l.splitn(3, ':');
+                let _ = parts.next()?;
+                Some((parts.next()?.to_string(), parts.next()?.to_string()))
+            })
+            .collect();
+        let v1 = lines.iter().any(|(c, _)| !c.is_empty());
+        let mut own = None;
+        for (controllers, path) in &lines {
+            let names: Vec<&str> = controllers.split(',').collect();
+            let accounted = if v1 { names.iter().any(|c| ["memory", "pids", "freezer", "cpuacct"].contains(c)) } else { controllers.is_empty() };
+            if v1 && names == ["cpu"] {
+                assert_eq!(path, "/", "the exec left the sandbox's CPU cgroup:\n{text}");
+            } else if accounted {
+                assert!(path.starts_with("/x-") && !path[1..].contains('/'), "not an exec cgroup below the sandbox's: {controllers}:{path}\n{text}");
+                match &own {
+                    None => own = Some(path.clone()),
+                    Some(p) => assert_eq!(p, path, "one exec in two cgroups:\n{text}"),
+                }
+            }
+        }
+        let own = own.unwrap_or_else(|| panic!("no exec cgroup in /proc/self/cgroup:\n{text}"));
+        assert!(!seen.contains(&own), "two execs in one cgroup ({own})");
+        seen.push(own);
     }
 }
 

@@ -21,11 +21,21 @@ use crate::model::{
 };
 use crate::store::{PageQuery, PageToken, Retention, Trimmed};
 
-/// A running exec: its record, a signal when it ends, and the way to stop it. Finished execs
-/// live in the store only, so the daemon's memory does not grow with history.
+/// How far an exec in flight has got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Stage {
+    Running,
+    /// Its outcome is in its record: a caller may have it.
+    Ended,
+    /// Its record is stored and it has left the in-flight tables.
+    Settled,
+}
+
+/// A running exec: its record, its [`Stage`], and the way to stop it. Finished execs live in
+/// the store only, so the daemon's memory does not grow with history.
 struct ExecEntry {
     record: Mutex<ExecRecord>,
-    done: watch::Receiver<bool>,
+    stage: watch::Receiver<Stage>,
     cancel: CancellationToken,
 }
 
@@ -34,11 +44,21 @@ impl ExecEntry {
         self.record.lock().map(|r| r.clone()).map_err(|_| Error::Internal("exec record poisoned".into()))
     }
 
+    /// Its record once it has ended.
     async fn wait(&self) -> Result<ExecRecord, Error> {
-        let mut done = self.done.clone();
-        // An Err means the sender is gone, which only happens after it sent `true`.
-        let _ = done.wait_for(|d| *d).await;
+        self.reach(Stage::Ended).await;
         self.snapshot()
+    }
+
+    /// Once its record is stored (what a destroy or a shutdown waits for).
+    async fn settled(&self) {
+        self.reach(Stage::Settled).await
+    }
+
+    async fn reach(&self, stage: Stage) {
+        let mut rx = self.stage.clone();
+        // An Err means the sender is gone, which only happens after it sent `Settled`.
+        let _ = rx.wait_for(|s| *s >= stage).await;
     }
 }
 
@@ -198,6 +218,7 @@ impl Manager {
         // to the 64 MiB message limit) must go once it is written.
         spec.stdin = crate::backend::Stdin::new(std::mem::take(&mut req.stdin));
         let mut notify_started = None;
+        let is_session = session.is_some();
         if let Some((session, started)) = session {
             spec.input = SessionInputs::new(session.input);
             spec.tty = session.tty;
@@ -205,12 +226,21 @@ impl Manager {
         }
         let backend = self.backends.get(info.isolation)?.clone();
 
-        let (done_tx, done_rx) = watch::channel(false);
+        let (stage_tx, stage_rx) = watch::channel(Stage::Running);
         let cancel = CancellationToken::new();
         let mut record = ExecRecord::running(exec_id.clone(), sid.clone(), req.argv.clone(), req.idempotency_key.clone());
         record.trace = req.trace.clone();
-        let exec = Arc::new(ExecEntry { record: Mutex::new(record.clone()), done: done_rx, cancel: cancel.clone() });
+        let exec = Arc::new(ExecEntry { record: Mutex::new(record.clone()), stage: stage_rx, cancel: cancel.clone() });
         let key = (!req.idempotency_key.is_empty()).then(|| (sid.clone(), req.idempotency_key.clone()));
+        // A plain foreground exec (no idempotency key, no session, not in the background) is
+        // recorded off its answer's path: its running record is written while it runs (and
+        // before its answer), its end after the answer. Nothing can name it before its answer
+        // (its id comes with it); until its end is stored, GetExec and ListExecs show it from
+        // the in-flight table. A daemon killed between the answer and that write leaves it
+        // recorded as LOST, though its caller had the result. Every other exec is recorded
+        // before it starts, and its answer waits for its end's record, so a retry with its key
+        // after a crash, or a ListExecs after a background start, always finds it.
+        let recorded_aside = key.is_none() && !req.background && !is_session && sink.is_none();
         // The exec's claim on its sandbox's and tenant's exec slots, held by the task that runs
         // it until the process has ended.
         let mut slot: Option<ExecSlot> = None;
@@ -247,12 +277,14 @@ impl Manager {
                     }
                     running.by_id.insert(exec_id.clone(), exec.clone());
                     // Recorded before it starts: a crash from here on leaves a LOST record.
-                    if let Err(e) = self.store.put_exec(&record) {
-                        running.by_id.remove(&exec_id);
-                        if let Some(k) = &key {
-                            running.by_key.remove(k);
+                    if !recorded_aside {
+                        if let Err(e) = self.store.put_exec(&record) {
+                            running.by_id.remove(&exec_id);
+                            if let Some(k) = &key {
+                                running.by_key.remove(k);
+                            }
+                            return Err(e.into());
                         }
-                        return Err(e.into());
                     }
                     None
                 }
@@ -268,6 +300,16 @@ impl Manager {
         let tier = info.isolation;
         let (started_tx, started_rx) = tokio::sync::oneshot::channel();
         let recorded = begin.elapsed();
+        // The running record of an exec recorded aside, written on a blocking thread while the
+        // command starts; its end is written after it.
+        let running_record = recorded_aside.then(|| {
+            let manager = self.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = manager.store.put_exec(&record) {
+                    tracing::error!(exec = %record.exec_id, error = %e, "cannot record a starting exec");
+                }
+            })
+        });
         tokio::spawn(async move {
             let started_at = SystemTime::now();
             let ran = std::time::Instant::now();
@@ -277,15 +319,31 @@ impl Manager {
             };
             // The process has ended: its slot is free before anyone can see the end.
             drop(slot);
-            let finished = task_exec.record.lock().map(|mut r| {
-                r.outcome = outcome;
-                r.clone()
-            });
-            if let Ok(r) = finished {
+            let finished = task_exec
+                .record
+                .lock()
+                .map(|mut r| {
+                    r.outcome = outcome;
+                    r.clone()
+                })
+                .ok();
+            if let Some(r) = finished {
                 manager.metrics.exec_ended(tier, r.outcome.status, r.outcome.duration);
                 let backend_us = ran.elapsed().as_micros() as u64;
                 let t = std::time::Instant::now();
-                manager.exec_finished(&r, key.as_ref());
+                match running_record {
+                    Some(write) => {
+                        // The start's record, written while the command ran, is in the store
+                        // before the answer goes (so a ListExecs after it lists the exec) and
+                        // before the end's (which it must not overtake). The end's is written
+                        // on a blocking thread after the answer, so the worker is free to send it.
+                        let _ = write.await;
+                        let _ = stage_tx.send(Stage::Ended);
+                        let (m, ended) = (manager.clone(), r.clone());
+                        let _ = tokio::task::spawn_blocking(move || m.exec_finished(&ended, None)).await;
+                    }
+                    None => manager.exec_finished(&r, key.as_ref()),
+                }
                 tracing::debug!(
                     exec = %r.exec_id,
                     status = ?r.outcome.status,
@@ -297,7 +355,7 @@ impl Manager {
                     "exec ended"
                 );
             }
-            let _ = done_tx.send(true);
+            let _ = stage_tx.send(Stage::Settled);
         });
 
         if req.background {
@@ -377,7 +435,7 @@ impl Manager {
             exec.cancel.cancel();
         }
         for exec in &running {
-            let _ = tokio::time::timeout(Duration::from_secs(5), exec.wait()).await;
+            let _ = tokio::time::timeout(Duration::from_secs(5), exec.settled()).await;
         }
     }
 
@@ -398,7 +456,7 @@ impl Manager {
             if running.is_empty() {
                 return;
             }
-            futures::future::join_all(running.iter().map(|e| e.wait())).await;
+            futures::future::join_all(running.iter().map(|e| e.settled())).await;
         }
     }
 
@@ -408,7 +466,7 @@ impl Manager {
             Ok(r) => r.by_id.values().filter(|e| e.snapshot().is_ok_and(|r| &r.sandbox_id == sid)).cloned().collect(),
             Err(_) => return,
         };
-        let all = futures::future::join_all(execs.iter().map(|e| e.wait()));
+        let all = futures::future::join_all(execs.iter().map(|e| e.settled()));
         if tokio::time::timeout(timeout, all).await.is_err() {
             tracing::warn!(sandbox = %sid, "execs still running after destroy; their records may outlive the sandbox until the next start");
         }
@@ -495,6 +553,28 @@ mod tests {
     use super::super::Manager;
     use crate::error::Error;
     use crate::model::{CreateRequest, ExecEvent, ExecRecord, ExecRequest, ExecStatus, ListExecsQuery, OutputChunk};
+
+    /// A plain exec (recorded off its answer's path) is listed with its end, and found with its
+    /// output, the moment its answer comes; a destroy right after leaves no record of it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_plain_exec_is_listed_with_its_end_as_it_answers_and_goes_with_its_sandbox() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = fake_manager(dir.path(), 8 << 30, "");
+        for round in 0..20 {
+            let id = m.create("t", CreateRequest::default()).await.expect("create").id.to_string();
+            let words = format!("round {round}");
+            let req = ExecRequest { sandbox_id: id.clone(), argv: vec!["echo".into(), words.clone()], ..Default::default() };
+            let r = m.exec("t", req).await.expect("exec");
+            assert_eq!(r.outcome.status, ExecStatus::Exited, "round {round}");
+            let listed = m.list_execs("t", &ListExecsQuery { sandbox_id: id.clone(), ..Default::default() }).expect("ListExecs");
+            let seen: Vec<_> = listed.records.iter().map(|e| (e.exec_id.clone(), e.outcome.status)).collect();
+            assert_eq!(seen, vec![(r.exec_id.clone(), ExecStatus::Exited)], "round {round}: listed right after its answer");
+            let got = m.get_exec("t", r.exec_id.as_str(), false).await.expect("GetExec");
+            assert_eq!(got.outcome.stdout.bytes, words.into_bytes(), "round {round}");
+            m.destroy("t", &id).await.expect("destroy");
+            assert!(m.store.exec(r.exec_id.as_str()).expect("store").is_none(), "round {round}: the record outlived its sandbox");
+        }
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn exec_caps_refuse_naming_the_key_and_free_when_execs_end() {

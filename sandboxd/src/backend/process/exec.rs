@@ -160,8 +160,13 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 }
 
 impl ProcessSandbox {
-    /// Prepares the next exec's cgroup with a spare process already inside it (see
-    /// `ToInit::Prepare`), in the background. At most one slot is armed or being armed.
+    /// Prepares a spare process for the next exec (see `ToInit::Prepare`), in the background.
+    /// Where joining a cgroup is cheap (see [`crate::backend::cgroup::SandboxCgroup::exec_join_is_cheap`])
+    /// the spare waits in the sandbox's own cgroup and joins the exec's when its job comes, so
+    /// an idle sandbox holds one memory cgroup, not two (each costs the kernel a map of every
+    /// superblock's shrinker: with thousands of sandboxes, more than everything else an idle
+    /// one holds). Elsewhere the spare is forked into the next exec's cgroup, made now. At most
+    /// one spare is armed or being armed.
     pub(super) fn arm_spare(self: &Arc<Self>) {
         if self.arming.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return;
@@ -169,12 +174,17 @@ impl ProcessSandbox {
         let sb = self.clone();
         tokio::spawn(async move {
             let slot = crate::ids::ExecId::generate().to_string().replace("ex-", "slot-");
+            if sb.cgroup.exec_join_is_cheap() {
+                sb.arm_plain_spare(slot).await;
+                sb.arming.store(false, std::sync::atomic::Ordering::Release);
+                return;
+            }
             let made = {
                 let sb = sb.clone();
                 let slot = slot.clone();
                 blocking(move || -> Result<_, BackendError> {
                     let cgroup = Arc::new(sb.cgroup.create_exec(&slot)?);
-                    let procs = cgroup.procs_files()?;
+                    let procs = cgroup.join_files()?;
                     Ok((cgroup, procs))
                 })
                 .await
@@ -197,7 +207,7 @@ impl ProcessSandbox {
                     let armed = match (ends, sb.spare.lock()) {
                         // A runtime being stopped must not get a slot it would leak.
                         (Some(ends), Ok(mut spare)) if sb.lost.lock().map(|l| l.is_none()).unwrap_or(false) => {
-                            *spare = Some(Spare { slot, cgroup: cgroup.clone(), ends });
+                            *spare = Some(Spare { slot, cgroup: Some(cgroup.clone()), ends });
                             true
                         }
                         _ => false,
@@ -211,6 +221,24 @@ impl ProcessSandbox {
             }
             sb.arming.store(false, std::sync::atomic::Ordering::Release);
         });
+    }
+
+    /// [`ProcessSandbox::arm_spare`] of a spare that waits in the sandbox's own cgroup.
+    async fn arm_plain_spare(&self, slot: String) {
+        let ends = match self.channel.prepare(&slot, &[]).await {
+            Ok(rx) => tokio::time::timeout(SPAWN_REPLY_DEADLINE, rx).await.ok().and_then(Result::ok),
+            Err(_) => None,
+        };
+        let Some(ends) = ends else {
+            self.channel.forget(&slot);
+            return;
+        };
+        if let Ok(mut spare) = self.spare.lock() {
+            // A runtime being stopped must not get a spare; dropping its ends makes it exit.
+            if self.lost.lock().map(|l| l.is_none()).unwrap_or(false) {
+                *spare = Some(Spare { slot, cgroup: None, ends });
+            }
+        }
     }
 
     /// Runs `spec` to its end. See the module documentation.
@@ -231,9 +259,19 @@ impl ProcessSandbox {
         let sb = self.clone();
         let id = exec_id.clone();
         let (spare, cgroup) = match spare {
-            Some(spare) => {
-                let cgroup = spare.cgroup.clone();
-                (Some((spare.slot, spare.ends)), cgroup)
+            Some(Spare { slot, cgroup: Some(cgroup), ends }) => (Some((slot, ends, Vec::new())), cgroup),
+            // The exec's cgroup made here, inline (a mkdir per hierarchy, ~40 µs each): a trip
+            // to a blocking thread would cost as much after a pause.
+            Some(Spare { slot, cgroup: None, ends }) => {
+                let cgroup = Arc::new(self.cgroup.create_exec(&exec_id)?);
+                let join = match cgroup.join_files() {
+                    Ok(join) => join,
+                    Err(e) => {
+                        let _ = cgroup.remove();
+                        return Err(e.into());
+                    }
+                };
+                (Some((slot, ends, join)), cgroup)
             }
             None => (None, blocking(move || sb.cgroup.create_exec(&id).map(Arc::new)).await??),
         };
@@ -251,7 +289,7 @@ impl ProcessSandbox {
         self: &Arc<Self>,
         spec: &ExecSpec,
         cgroup: &Arc<ExecCgroup>,
-        spare: Option<(String, SpareEnds)>,
+        spare: Option<(String, SpareEnds, Vec<std::fs::File>)>,
         sink: OutputSink,
         started: StartSignal,
         cancel: CancellationToken,
@@ -270,7 +308,10 @@ impl ProcessSandbox {
         // fork of the init, which joins the cgroup.
         // (A `tty` exec never takes the spare: its terminal is the init's to open.)
         let direct = match spare {
-            Some((slot, ends)) => self.start_on_spare(spec, cgroup, &slot, ends, &stdio).await,
+            Some((slot, ends, join)) => {
+                let fds: Vec<RawFd> = stdio.iter().copied().chain(join.iter().map(|f| f.as_raw_fd())).collect();
+                self.start_on_spare(spec, cgroup, &slot, ends, &fds).await
+            }
             None => None,
         };
         let begun = match direct {
@@ -399,10 +440,11 @@ impl ProcessSandbox {
     }
 }
 
-/// The armed exec slot: its cgroup, with the spare already inside, and the spare's ends.
+/// The armed spare: its slot's name, its cgroup (the next exec's, the spare already inside;
+/// None: it waits in the sandbox's own cgroup and joins the exec's with its job), and its ends.
 pub(super) struct Spare {
     pub slot: String,
-    pub cgroup: Arc<ExecCgroup>,
+    pub cgroup: Option<Arc<ExecCgroup>>,
     pub ends: SpareEnds,
 }
 
@@ -467,10 +509,10 @@ impl ProcessSandbox {
     }
 
     /// Starts the exec by a fresh fork of the init, which joins `cgroup` through its
-    /// `cgroup.procs` files (passed with the request).
+    /// join files (passed with the request).
     async fn start_by_init(&self, spec: &ExecSpec, cgroup: &Arc<ExecCgroup>, stdio: &[RawFd]) -> Begun {
         let exec_id = spec.exec_id.to_string();
-        let procs = match cgroup.procs_files() {
+        let procs = match cgroup.join_files() {
             Ok(p) => p,
             Err(e) => return Begun::Lost(format!("opening the exec's cgroup: {e}")),
         };

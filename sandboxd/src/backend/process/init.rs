@@ -256,12 +256,13 @@ fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
     let root = Path::new(".");
     // /sys after the network namespace (sysfs shows its devices) and the cgroup namespace (the
     // cgroup mounts show its root).
-    mount_sys(root)?;
+    mount_sys(root, cfg)?;
     if cfg.id_base.is_some() {
         become_root_inside()?;
     }
     // /dev before /proc: masking /proc files binds /dev/null over them.
     mount_dev(root, cfg.shm_bytes, cfg.id_base.is_some())?;
+    mask_sys(root)?;
     bind_cpu_list(root, cfg)?;
     mount_proc(root)?;
     mount_cgroup(root, cfg)?;
@@ -341,13 +342,28 @@ fn mount_proc(root: &Path) -> StageResult {
     Ok(())
 }
 
-/// A minimal /dev on its own tmpfs: the usual character devices, a private devpts and a
-/// `/dev/shm` of `shm_bytes`. In a user namespace no device node can be made (mknod needs the
-/// host's CAP_MKNOD): the host's own nodes are bound instead, which root inside can open but
-/// not change (they belong to an id its namespace does not map).
+/// A minimal /dev on its own tmpfs: the usual character devices, a private devpts and
+/// `/dev/shm`. In a user namespace no device node can be made (mknod needs the host's
+/// CAP_MKNOD): the host's own nodes are bound instead, which root inside can open but not
+/// change (they belong to an id its namespace does not map).
+///
+/// `/dev/shm` is a directory of the same tmpfs, which is `shm_bytes` large (what `df /dev/shm`
+/// shows; the few entries of /dev take no blocks): one superblock less per sandbox. Every
+/// superblock registers a shrinker, and every memory cgroup on the host keeps a map of them
+/// all, so with thousands of sandboxes each superblock per sandbox costs the kernel ~16 bytes ×
+/// sandboxes × memory cgroups. Nothing is lost by sharing: /dev is as writable as /dev/shm, and
+/// not `nodev` either way (the device nodes are on it).
 fn mount_dev(root: &Path, shm_bytes: u64, in_userns: bool) -> StageResult {
     let dev = root.join("dev");
-    stage("mount /dev", mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME, Some("mode=755,size=1m")))?;
+    // Sized from the sandbox's limits (half of its memory by default). Not a way around the
+    // memory limit: tmpfs pages are charged to the memory cgroup of the process that first
+    // touches them, the sandbox's, so a full /dev/shm counts as memory the sandbox uses (and
+    // the size is never above its memory limit). 0 would mean "unlimited" to tmpfs: refused.
+    if shm_bytes == 0 {
+        return Err(("mount /dev", "a /dev/shm of 0 bytes would have no size limit".to_string()));
+    }
+    let opts = format!("mode=755,size={shm_bytes}");
+    stage("mount /dev", mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME, Some(opts.as_str())))?;
     for (name, major, minor) in [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)] {
         let path = dev.join(name);
         if in_userns {
@@ -365,15 +381,7 @@ fn mount_dev(root: &Path, shm_bytes: u64, in_userns: bool) -> StageResult {
         "mount devpts",
         mount(Some("devpts"), &dev.join("pts"), Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620")),
     )?;
-    // Sized from the sandbox's limits (half of its memory by default). Not a way around the
-    // memory limit: tmpfs pages are charged to the memory cgroup of the process that first
-    // touches them, the sandbox's, so a full /dev/shm counts as memory the sandbox uses (and
-    // the size is never above its memory limit). 0 would mean "unlimited" to tmpfs: refused.
-    if shm_bytes == 0 {
-        return Err(("mount /dev/shm", "a /dev/shm of 0 bytes would have no size limit".to_string()));
-    }
-    let shm_opts = format!("mode=1777,size={shm_bytes}");
-    stage("mount /dev/shm", mount(Some("shm"), &dev.join("shm"), Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(shm_opts.as_str())))?;
+    stage("chmod /dev/shm", nix::sys::stat::fchmodat(None, &dev.join("shm"), Mode::from_bits_truncate(0o1777), nix::sys::stat::FchmodatFlags::FollowSymlink))?;
     for (link, target) in
         [("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")]
     {
@@ -388,16 +396,33 @@ fn mount_dev(root: &Path, shm_bytes: u64, in_userns: bool) -> StageResult {
 ///
 /// Read-only holds: nothing inside has CAP_SYS_ADMIN and seccomp denies mount and the new mount
 /// API, so no process can remount any of it writable or mount cgroupfs again (release_agent).
-fn mount_sys(root: &Path) -> StageResult {
+fn mount_sys(root: &Path, cfg: &InitConfig) -> StageResult {
     let sys = root.join("sys");
     let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     stage("mount /sys", mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>))?;
+    // v1: the daemon's shared layout, bound while its host path is still reachable (before
+    // the init becomes root inside a user namespace); `mount_cgroup` fills it.
+    if let (CgroupView::V1 { .. }, Some(skeleton)) = (&cfg.cgroup_view, &cfg.cgroup_skeleton) {
+        stage("bind the /sys/fs/cgroup layout", mount(Some(skeleton.as_str()), &sys.join("fs/cgroup"), None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    }
+    Ok(())
+}
+
+/// Docker's masked /sys directories covered by an empty read-only directory (after
+/// `mount_dev`): one made on the sandbox's /dev tmpfs, bound, then removed, so it costs no
+/// superblock of its own (see `mount_dev`) and shows no host path in the sandbox's mountinfo.
+fn mask_sys(root: &Path) -> StageResult {
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    let empty = root.join("dev/.masked");
+    stage("make the mask's directory", nix::unistd::mkdir(&empty, Mode::from_bits_truncate(0o555)))?;
     for masked in ["firmware", "devices/virtual/powercap"] {
-        let target = sys.join(masked);
+        let target = root.join("sys").join(masked);
         if target.is_dir() {
-            stage("mask /sys dir", mount(Some("tmpfs"), &target, Some("tmpfs"), ro, None::<&str>))?;
+            stage("mask /sys dir", mount(Some(&empty), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+            stage("remount a /sys mask read-only", mount(None::<&str>, &target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | ro, None::<&str>))?;
         }
     }
+    stage("remove the mask's directory", std::fs::remove_dir(&empty))?;
     Ok(())
 }
 
@@ -423,19 +448,29 @@ fn mount_cgroup(root: &Path, cfg: &InitConfig) -> StageResult {
     match &cfg.cgroup_view {
         CgroupView::V2 => stage("mount /sys/fs/cgroup", mount(Some("cgroup2"), &cgroup, Some("cgroup2"), ro, None::<&str>))?,
         CgroupView::V1 { hierarchies } => {
-            let rw = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-            stage("mount /sys/fs/cgroup", mount(Some("tmpfs"), &cgroup, Some("tmpfs"), rw, Some("mode=755,size=64k")))?;
+            // The daemon's layout is bound there already (see `mount_sys`); else a tmpfs of
+            // the sandbox's own gets the same layout.
+            let shared = cfg.cgroup_skeleton.is_some();
+            if !shared {
+                let rw = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+                stage("mount /sys/fs/cgroup", mount(Some("tmpfs"), &cgroup, Some("tmpfs"), rw, Some("mode=755,size=64k")))?;
+            }
             for controllers in hierarchies {
                 let dir = cgroup.join(controllers);
-                stage("mkdir /sys/fs/cgroup/<controllers>", nix::unistd::mkdir(&dir, Mode::from_bits_truncate(0o555)))?;
+                if !shared {
+                    stage("mkdir /sys/fs/cgroup/<controllers>", nix::unistd::mkdir(&dir, Mode::from_bits_truncate(0o555)))?;
+                }
                 // Inside the cgroup namespace the mount's root is the sandbox's cgroup in that
                 // hierarchy, not the hierarchy's root.
                 stage("mount a cgroup hierarchy", mount(Some("cgroup"), &dir, Some("cgroup"), ro, Some(controllers.as_str())))?;
-                for name in controllers.split(',').filter(|c| c != controllers) {
-                    stage("symlink a co-mounted controller", std::os::unix::fs::symlink(controllers, cgroup.join(name)))?;
+                if !shared {
+                    for name in controllers.split(',').filter(|c| c != controllers) {
+                        stage("symlink a co-mounted controller", std::os::unix::fs::symlink(controllers, cgroup.join(name)))?;
+                    }
                 }
             }
-            stage("remount /sys/fs/cgroup read-only", mount(None::<&str>, &cgroup, None::<&str>, MsFlags::MS_REMOUNT | ro, None::<&str>))?;
+            let remount = if shared { MsFlags::MS_REMOUNT | MsFlags::MS_BIND | ro } else { MsFlags::MS_REMOUNT | ro };
+            stage("remount /sys/fs/cgroup read-only", mount(None::<&str>, &cgroup, None::<&str>, remount, None::<&str>))?;
         }
     }
     Ok(())
@@ -683,7 +718,8 @@ impl Server {
     }
 }
 
-/// A spare: join the slot's cgroup now, then wait for the job and become it. Never returns.
+/// A spare: join the slot's cgroup now (if given), then wait for the job, join the exec's
+/// cgroup if the job names one, and become it. Never returns.
 /// `jobs` is also where a failure is reported (stage and errno, one message, as on an exec
 /// child's error pipe); it is close-on-exec, so the daemon reads EOF once the command runs.
 fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>) -> ! {
@@ -692,7 +728,7 @@ fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>) -> ! {
     spawn::enter(&procs, err_w);
     drop(cgroup_fds);
     let mut buf = vec![0u8; MAX_MESSAGE];
-    let (n, stdio) = match recv_raw(jobs.as_fd(), &mut buf) {
+    let (n, mut stdio) = match recv_raw(jobs.as_fd(), &mut buf) {
         Ok(Some(m)) => m,
         // Never used (superseded, or the sandbox is going away).
         _ => {
@@ -702,6 +738,10 @@ fn spare_main(jobs: OwnedFd, cgroup_fds: Vec<OwnedFd>) -> ! {
     };
     let Ok(job) = decode::<super::wire::Job>(&buf[..n]) else { spawn::fail(err_w, Stage::Setup, Errno::EINVAL) };
     drop(buf);
+    // The exec's cgroup first, so nothing the command does escapes its accounting and limits.
+    let join = stdio.split_off(stdio.len().min(3));
+    spawn::join(&join.iter().map(|f| f.as_raw_fd()).collect::<Vec<_>>(), err_w);
+    drop(join);
     // Resolved here, behind pivot_root: the sandbox's own passwd and group.
     let creds = match job.user.as_deref().map(|u| sandbox_exec::user::resolve(u, std::path::Path::new("/etc"))).transpose() {
         Ok(creds) => creds,

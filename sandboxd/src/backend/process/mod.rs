@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::channel::InitChannel;
 use self::storage::Pool;
-use super::cgroup::{self, CgroupLimits, CgroupRoot, ExecCgroups, SandboxCgroup};
+use super::cgroup::{self, CgroupLimits, CgroupRoot, CgroupView, ExecCgroups, SandboxCgroup};
 use super::files;
 use super::mountinfo;
 use super::{
@@ -112,7 +112,7 @@ pub(crate) struct ProcessSandbox {
     init: tokio::sync::Mutex<Option<zygote::InitHandle>>,
     /// Cgroups of running execs and of finished ones with processes left behind.
     execs: ExecCgroups,
-    /// The armed exec slot: a cgroup with a spare process already inside (see `arm_spare`).
+    /// The armed spare, and maybe its slot's cgroup (see `arm_spare`).
     spare: Mutex<Option<exec::Spare>>,
     /// A slot is being armed.
     arming: std::sync::atomic::AtomicBool,
@@ -139,9 +139,14 @@ impl ProcessSandbox {
             return None;
         }
         let own = self.cgroup.own_pids();
-        let spare = self.spare.lock().ok()?.as_ref().map(|s| s.cgroup.pids()).unwrap_or_default();
+        // The spare is in its slot's cgroup, or (`cgroup` None) in the sandbox's own with the init.
+        let (spare, own_max) = match self.spare.lock().ok()?.as_ref() {
+            Some(exec::Spare { cgroup: Some(slot), .. }) => (slot.pids(), 1),
+            Some(exec::Spare { cgroup: None, .. }) => (Vec::new(), 2),
+            None => (Vec::new(), 1),
+        };
         let all = self.cgroup.pids();
-        (own.len() <= 1 && all.iter().all(|p| own.contains(p) || spare.contains(p))).then_some(begun)
+        (own.len() <= own_max && all.iter().all(|p| own.contains(p) || spare.contains(p))).then_some(begun)
     }
 
     /// The id shift of its user namespace, if it has one.
@@ -167,9 +172,45 @@ pub struct ProcessBackend {
     /// Clones every sandbox's init.
     zygote: zygote::Zygote,
     sandboxes: RwLock<HashMap<SandboxId, Arc<ProcessSandbox>>>,
+    /// v1: the read-only tmpfs every sandbox binds at `/sys/fs/cgroup` (see [`cgroup_skeleton`]).
+    cgroup_skeleton: Option<PathBuf>,
     /// Names of sandboxes whose runtime state (cgroup, run dir) a previous daemon left, listed
     /// before serving and removed once re-adoption is done ([`Backend::recovered`]).
     stale: std::sync::Mutex<Vec<String>>,
+}
+
+/// Mounts, at `path`, the read-only tmpfs that every sandbox on a cgroup v1 host binds at its
+/// `/sys/fs/cgroup`: a directory per hierarchy (named by its controllers, as its mount options
+/// say: `cpu,cpuacct`) and a symlink for each controller of a co-mounted one (`cpu ->
+/// cpu,cpuacct`). Each sandbox's init mounts its own cgroup of every hierarchy on those
+/// directories, in its own mount namespace. One tmpfs for all instead of one each: every
+/// superblock registers a shrinker, and every memory cgroup on the host keeps a map of all of
+/// them, so a superblock per sandbox costs the kernel memory that grows with the square of the
+/// sandboxes alive. A tmpfs a previous daemon left there is detached first (sandboxes that bound
+/// it keep theirs).
+fn cgroup_skeleton(path: &Path, hierarchies: &[String]) -> Result<PathBuf, String> {
+    let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what} {}: {e}", path.display());
+    std::fs::create_dir_all(path).map_err(|e| fail("creating", &e))?;
+    while mountinfo::is_mount_point(path) {
+        umount2(path, MntFlags::MNT_DETACH).map_err(|e| fail("detaching the previous layout at", &e))?;
+    }
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount(Some("tmpfs"), path, Some("tmpfs"), flags, Some("mode=755,size=64k")).map_err(|e| fail("mounting a tmpfs at", &e))?;
+    // Nothing below it propagates to or from the host's mounts.
+    mount(None::<&str>, path, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>).map_err(|e| fail("making private", &e))?;
+    let layout = || -> std::io::Result<()> {
+        use std::os::unix::fs::DirBuilderExt;
+        for controllers in hierarchies {
+            std::fs::DirBuilder::new().mode(0o555).create(path.join(controllers))?;
+            for name in controllers.split(',').filter(|c| c != controllers) {
+                std::os::unix::fs::symlink(controllers, path.join(name))?;
+            }
+        }
+        Ok(())
+    };
+    layout().map_err(|e| fail("laying out", &e))?;
+    mount(None::<&str>, path, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | flags, None::<&str>).map_err(|e| fail("remounting read-only", &e))?;
+    Ok(path.to_path_buf())
 }
 
 /// The file in a writable layer (beside `upper/` and `work/`) that records the host id range
@@ -311,6 +352,7 @@ impl ProcessBackend {
             image_copies: Default::default(),
             zygote: Default::default(),
             sandboxes: RwLock::new(HashMap::new()),
+            cgroup_skeleton: None,
             stale: Default::default(),
         };
         if let Err(reason) = backend.prepare() {
@@ -332,6 +374,13 @@ impl ProcessBackend {
             Some((ranges, shifting)) => (Some(ranges), shifting),
             None => (None, false),
         };
+        if let CgroupView::V1 { hierarchies } = cgroups.sandbox_view() {
+            // Without it each sandbox makes a tmpfs of its own, as before.
+            match cgroup_skeleton(&self.cfg.state_dir.join("cgroup-view"), &hierarchies) {
+                Ok(path) => self.cgroup_skeleton = Some(path),
+                Err(e) => tracing::warn!(error = %e, "cannot make the shared /sys/fs/cgroup layout; each sandbox mounts its own"),
+            }
+        }
         self.cgroups = Some(cgroups);
         self.pool = Some(pool);
         // What a previous daemon left (cgroups, overlay mounts, run dirs) is listed now, before
@@ -730,6 +779,7 @@ impl ProcessBackend {
             shm_bytes: spec.limits.shm_size(),
             cpus: sandbox.cpus.cpus().to_vec(),
             cgroup_view: self.cgroups()?.sandbox_view(),
+            cgroup_skeleton: self.cgroup_skeleton.as_ref().map(|p| p.display().to_string()),
             id_base: sandbox.ids.as_ref().map(idmap::IdLease::base),
         })
         .map_err(|e| BackendError::Internal(e.to_string()))?;

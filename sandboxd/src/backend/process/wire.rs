@@ -37,6 +37,11 @@ pub struct InitConfig {
     pub cpus: Vec<usize>,
     /// How the sandbox's cgroup is mounted at `/sys/fs/cgroup`.
     pub cgroup_view: CgroupView,
+    /// v1: the host path of the read-only tmpfs every sandbox shares as its `/sys/fs/cgroup`,
+    /// laid out for `cgroup_view` (see `ProcessBackend::cgroup_skeleton`); None: the init makes
+    /// a tmpfs of its own.
+    #[serde(default)]
+    pub cgroup_skeleton: Option<String>,
     /// The host uid and gid of root inside: the sandbox gets a user namespace mapping
     /// `super::idmap::RANGE` ids from here (see `init::clone_init`). None: no user namespace.
     pub id_base: Option<u32>,
@@ -62,13 +67,16 @@ pub enum ToInit {
         #[serde(default)]
         user: Option<String>,
     },
-    /// Fork a spare process into the next exec's cgroup now, off the exec's critical path
-    /// (joining a cgroup v1 can wait for an RCU grace period). Fds: that cgroup's
-    /// `cgroup.procs` files. Answered by `Prepared`.
+    /// Fork a spare process for the next exec now, off the exec's critical path. Fds: the
+    /// cgroup.procs files of the next exec's cgroup, which the spare joins at once (where
+    /// joining costs an RCU grace period, v2); or none: the spare waits in the sandbox's own
+    /// cgroup and joins the exec's with its [`Job`] (v1, where a thread joins cheaply).
+    /// Answered by `Prepared`.
     Prepare { slot: String },
 }
 
-/// Daemon → spare: the command the spare becomes. Fds: stdin, stdout, stderr. The spare
+/// Daemon → spare: the command the spare becomes. Fds: stdin, stdout, stderr, then (a spare
+/// prepared without a cgroup) the join files of the exec's cgroup, joined first. The spare
 /// runs the init's code until it execs (confined like the init), so its parsing of this is as
 /// safe as the init's.
 #[derive(Debug, Serialize, Deserialize)]

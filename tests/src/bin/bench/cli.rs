@@ -11,7 +11,7 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) out: Option<PathBuf>,
     /// Samples in every latency section. Default: each section's own (100 creates, 1,000
-    /// GetSandbox calls and execs back to back, 100 execs 100 ms apart, 200 streamed execs,
+    /// GetSandbox calls and execs back to back, 100 GetSandbox calls and 100 execs 100 ms apart, 200 streamed execs,
     /// 20 snapshot+rollbacks with 1 MiB changed and 10 with 100 MiB, 30 forks, 5 batches of 10
     /// forks, 20 container-tier creates, 100 container-tier execs, 10 container-tier
     /// snapshot+rollbacks, 30 docker runs and create+starts, 200 docker execs, 5 cold microVM

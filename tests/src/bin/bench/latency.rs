@@ -35,6 +35,8 @@ pub(crate) async fn create_destroy(sb: &mut Sandboxes, plan: &Plan) -> Result<(V
 enum Call {
     /// `GetSandbox`: the daemon's answer without starting any process.
     Get,
+    /// `GetSandbox` with [`EXEC_GAP`] of quiet before each (not timed).
+    GetSpaced,
     /// Unary `Exec` of `true`, the next as soon as the last has answered.
     Exec,
     /// Unary `Exec` of `true` with [`EXEC_GAP`] of quiet before each (not timed).
@@ -50,8 +52,11 @@ async fn calls_in_one(sb: &mut Sandboxes, call: Call, n: usize, warmup: usize) -
     for i in 0..warmup + n {
         let what = format!("{call:?} sample {i}");
         let took = match call {
-            Call::Get => {
+            Call::Get | Call::GetSpaced => {
                 check_interrupt()?;
+                if matches!(call, Call::GetSpaced) {
+                    tokio::time::sleep(EXEC_GAP).await;
+                }
                 let t = Instant::now();
                 sb.client.get(id.as_str()).await.with_context(|| format!("GetSandbox {id} ({what})"))?;
                 t.elapsed()
@@ -74,7 +79,7 @@ async fn calls_in_one(sb: &mut Sandboxes, call: Call, n: usize, warmup: usize) -
 /// Sections 1–3 on one daemon.
 pub(crate) async fn sandboxd_latency(plan: &Plan, report: &mut Report) {
     let started = Instant::now();
-    let keys = [Key::Create, Key::Destroy, Key::Get, Key::Exec, Key::ExecSpaced, Key::ExecStream];
+    let keys = [Key::Create, Key::Destroy, Key::Get, Key::GetSpaced, Key::Exec, Key::ExecSpaced, Key::ExecStream];
     let daemon = match Daemon::start().await.context("starting sandboxd") {
         Ok(d) => d,
         Err(e) => return report.failed(&keys, &e),
@@ -97,6 +102,7 @@ pub(crate) async fn sandboxd_latency(plan: &Plan, report: &mut Report) {
 
     let sections = [
         (Key::Get, Call::Get, plan.exec),
+        (Key::GetSpaced, Call::GetSpaced, plan.spaced),
         (Key::Exec, Call::Exec, plan.exec),
         (Key::ExecSpaced, Call::ExecSpaced, plan.spaced),
         (Key::ExecStream, Call::Stream, plan.stream),

@@ -70,6 +70,9 @@ pub(crate) enum Key {
     Create,
     Destroy,
     Get,
+    /// `GetSandbox` after the same pause as [`Key::ExecSpaced`]: what waking the client, the
+    /// daemon and their CPUs costs a call that starts no process.
+    GetSpaced,
     Exec,
     ExecSpaced,
     ExecStream,
@@ -158,8 +161,8 @@ impl Key {
         [SizedOp::Create, SizedOp::Snapshot, SizedOp::Rollback, SizedOp::Fork].map(|op| Key::MicroVmSized(mib, op))
     }
 
-    pub(crate) const SANDBOXD: [Key; 9] =
-        [Key::Create, Key::Destroy, Key::Get, Key::Exec, Key::ExecSpaced, Key::ExecStream, Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
+    pub(crate) const SANDBOXD: [Key; 10] =
+        [Key::Create, Key::Destroy, Key::Get, Key::GetSpaced, Key::Exec, Key::ExecSpaced, Key::ExecStream, Key::LiveCreate, Key::LiveExec, Key::LiveDestroy];
     pub(crate) const SNAPSHOTS: [Key; 8] = [
         Key::Snapshot(Image::Minimal, CHANGED_SMALL_MIB),
         Key::Rollback(Image::Minimal, CHANGED_SMALL_MIB),
@@ -217,6 +220,7 @@ impl Key {
             Key::Create => "sandboxd `CreateSandbox` (process tier, image minimal)".into(),
             Key::Destroy => "sandboxd `DestroySandbox`".into(),
             Key::Get => "sandboxd `GetSandbox` (the gRPC floor: no process is started)".into(),
+            Key::GetSpaced => format!("sandboxd `GetSandbox`, {} ms apart (the floor after a pause)", EXEC_GAP.as_millis()),
             Key::Exec => "sandboxd `Exec` of `true` (unary), back to back".into(),
             Key::ExecSpaced => format!("sandboxd `Exec` of `true` (unary), {} ms apart", EXEC_GAP.as_millis()),
             Key::ExecStream => "sandboxd `ExecStream` of `true`".into(),

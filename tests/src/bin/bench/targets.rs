@@ -28,6 +28,11 @@ const TARGET_FLOOR_EXEC_P50_MS: f64 = 2.0;
 const TARGET_FLOOR_CREATE_P50_MS: f64 = 5.0;
 const TARGET_FLOOR_SNAPSHOT_P50_MS: f64 = 10.0;
 const TARGET_FLOOR_ROLLBACK_P50_MS: f64 = 20.0;
+/// Issue 28's density: this many idle process sandboxes at once, each costing the host at most
+/// this much memory (kernel memory included), and an exec among them answered within this.
+const TARGET_FLOOR_LIVE: usize = 5000;
+const TARGET_FLOOR_HOST_BYTES_PER_SANDBOX: f64 = (1u64 << 20) as f64;
+const TARGET_FLOOR_LIVE_EXEC_P50_MS: f64 = 5.0;
 /// MicroVM tier: boot to first exec without a pool, under TCG and under KVM; exec round trip;
 /// `CreateSandbox` served from the warm pool.
 const TARGET_MICROVM_TCG_BOOT_P50_MS: f64 = 2500.0;
@@ -136,6 +141,30 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
             None => (t, "not measured".into(), "not measured".into()),
         });
     }
+
+    let t = format!(
+        "issue 28: {TARGET_FLOOR_LIVE} idle sandboxes live, ≤ {} of host memory each, `Exec` among them p50 ≤ {TARGET_FLOOR_LIVE_EXEC_P50_MS} ms",
+        mib(TARGET_FLOOR_HOST_BYTES_PER_SANDBOX as u64)
+    );
+    out.push(match &report.density {
+        Some(Ok(d)) => {
+            let each = d.host_used.as_ref().map(|(before, live)| live.used.saturating_sub(before.used) as f64 / d.live.max(1) as f64);
+            let exec = report.p50(Key::LiveExec);
+            let measured = format!(
+                "{} live: {} each, exec {}",
+                d.live,
+                each.map(|b| format!("{:.2} MiB", b / (1u64 << 20) as f64)).unwrap_or_else(|| "host memory unreadable".into()),
+                exec.map(|p| format!("{} ms", ms(p))).unwrap_or_else(|| "not measured".into())
+            );
+            match (d.live >= TARGET_FLOOR_LIVE, each, exec) {
+                (false, _, _) => (t, format!("{measured} (`--live {TARGET_FLOOR_LIVE}` measures it)"), "not measured".into()),
+                (true, Some(each), Some(exec)) => (t, measured, verdict(each <= TARGET_FLOOR_HOST_BYTES_PER_SANDBOX && exec <= TARGET_FLOOR_LIVE_EXEC_P50_MS)),
+                (true, _, _) => (t, measured, "not measured".into()),
+            }
+        }
+        Some(Err(e)) => (t, format!("failed: {e}"), "**MISS**".into()),
+        None => (t, "not run".into(), "not measured".into()),
+    });
 
     // Container tier (issue 4).
     for (what, ours, theirs) in
