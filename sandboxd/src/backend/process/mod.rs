@@ -1193,10 +1193,41 @@ impl Backend for ProcessBackend {
                 tracing::warn!(path = %pool_dir.display(), error = %e, "unmounting storage pool");
             }
         }
+        // The shared /sys/fs/cgroup layout goes too (made again at start).
+        if let Some(skeleton) = &self.cgroup_skeleton {
+            if let Err(e) = umount2(skeleton, MntFlags::MNT_DETACH) {
+                tracing::warn!(path = %skeleton.display(), error = %e, "unmounting the shared /sys/fs/cgroup layout");
+            }
+        }
         if let Some(cg) = &self.cgroups {
             if let Err(e) = cg.cleanup_root() {
                 tracing::warn!(error = %e, "removing the daemon's cgroup");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shared v1 layout: a directory per hierarchy and a symlink per co-mounted controller,
+    /// read-only; made again over a previous one (a restart), and gone once detached.
+    #[test]
+    fn the_shared_cgroup_layout_is_read_only_and_made_again_over_a_previous_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("cgroup-view");
+        let hierarchies = ["memory".to_string(), "cpu,cpuacct".to_string()];
+        for round in 0..2 {
+            cgroup_skeleton(&path, &hierarchies).expect("the layout");
+            assert!(path.join("memory").is_dir() && path.join("cpu,cpuacct").is_dir(), "round {round}");
+            assert_eq!(std::fs::read_link(path.join("cpuacct")).expect("symlink"), Path::new("cpu,cpuacct"));
+            assert_eq!(std::fs::read_link(path.join("cpu")).expect("symlink"), Path::new("cpu,cpuacct"));
+            let err = std::fs::create_dir(path.join("x")).expect_err("a read-only layout");
+            assert_eq!(err.raw_os_error(), Some(libc::EROFS), "round {round}: {err}");
+        }
+        // One mount, not two: the second call detached the first.
+        umount2(&path, MntFlags::MNT_DETACH).expect("detach");
+        assert!(!mountinfo::is_mount_point(&path), "a second layout was stacked on the first");
     }
 }
