@@ -24,6 +24,7 @@
 //! idempotent replay after the upgrade still returns the output), drops the two columns in one
 //! transaction and VACUUMs, so the space goes back to the host.
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -123,9 +124,22 @@ pub struct ExecPage {
     pub next: Option<PageToken>,
 }
 
+/// What a sandbox's exec records hold: their count, and the bytes of the bodies not discarded.
+/// Counted once (by the first trim of the sandbox after the store opens), then kept exact by
+/// every write under the database lock, so that [`Store::trim_execs`] after every exec costs
+/// a few index lookups instead of a walk over all of the sandbox's records (up to
+/// `max_records_per_sandbox` of them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Held {
+    records: u64,
+    bytes: u64,
+}
+
 /// The daemon's durable state.
 pub struct Store {
     conn: Mutex<Connection>,
+    /// [`Held`] per sandbox id; taken only while holding `conn`'s lock.
+    held: Mutex<HashMap<String, Held>>,
     /// `<state_dir>/outputs`: one directory per sandbox with recorded output.
     outputs: PathBuf,
     /// Bytes of argv a stored exec record keeps (`exec.max_record_argv_bytes`).
@@ -282,7 +296,7 @@ impl Store {
         // The mode above applies only when the directory is created.
         std::fs::set_permissions(&outputs, std::fs::Permissions::from_mode(0o700)).map_err(output_err(&outputs))?;
         let max_record_argv = std::sync::atomic::AtomicUsize::new(crate::config::ExecConfig::default().max_record_argv_bytes);
-        let store = Store { conn: Mutex::new(conn), outputs, max_record_argv };
+        let store = Store { conn: Mutex::new(conn), held: Mutex::new(HashMap::new()), outputs, max_record_argv };
         if found == 1 {
             store.migrate_from_v1(path)?;
         }
@@ -374,6 +388,11 @@ impl Store {
         self.conn.lock().map_err(|_| StoreError::Poisoned)
     }
 
+    /// The [`Held`] table; take it only while holding the database lock.
+    fn held(&self) -> Result<std::sync::MutexGuard<'_, HashMap<String, Held>>, StoreError> {
+        self.held.lock().map_err(|_| StoreError::Poisoned)
+    }
+
     /// The directory of a sandbox's output bodies. Ids read back from the database are checked
     /// again before they become path components.
     fn sandbox_dir(&self, sandbox_id: &str) -> Result<PathBuf, StoreError> {
@@ -411,6 +430,7 @@ impl Store {
             tx.execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
             tx.execute("DELETE FROM execs WHERE sandbox_id = ?1", params![id])?;
             tx.commit()?;
+            self.held()?.remove(id);
         }
         if let Ok(dir) = self.sandbox_dir(id) {
             match std::fs::remove_dir_all(&dir) {
@@ -509,6 +529,10 @@ impl Store {
             }
         }
         let conn = self.conn()?;
+        // What the row held before (an update replaces its bodies and un-discards it).
+        let before: Option<(i64, bool)> = conn
+            .query_row("SELECT stdout_len + stderr_len, discarded FROM execs WHERE exec_id = ?1", params![id], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()?;
         for (tmp, file) in &staged {
             std::fs::rename(tmp, file).map_err(output_err(file))?;
         }
@@ -531,6 +555,14 @@ impl Store {
                 rec.outcome.stderr.bytes.len() as i64
             ],
         )?;
+        if let Some(held) = self.held()?.get_mut(&sandbox_id) {
+            let old = match before {
+                Some((bytes, false)) => u64::try_from(bytes).unwrap_or(0),
+                _ => 0,
+            };
+            held.records += u64::from(before.is_none());
+            held.bytes = held.bytes.saturating_sub(old) + (rec.outcome.stdout.bytes.len() + rec.outcome.stderr.bytes.len()) as u64;
+        }
         Ok(())
     }
 
@@ -635,29 +667,45 @@ impl Store {
         {
             let mut conn = self.conn()?;
             let tx = conn.transaction()?;
-            let cutoff: Option<i64> = tx
-                .query_row(
-                    "SELECT seq FROM execs WHERE sandbox_id = ?1 ORDER BY seq DESC LIMIT 1 OFFSET ?2",
-                    params![sandbox_id, retention.max_records as i64],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            if let Some(cutoff) = cutoff {
-                let doomed: Vec<ExecRow> = tx
-                    .prepare(&format!("SELECT {EXEC_COLUMNS} FROM execs WHERE sandbox_id = ?1 AND seq <= ?2 AND status <> 'running' ORDER BY seq"))?
-                    .query_map(params![sandbox_id, cutoff], ExecRow::from_row)?
-                    .collect::<Result<_, _>>()?;
-                for row in &doomed {
-                    tx.execute("DELETE FROM execs WHERE seq = ?1", params![row.seq])?;
-                    trimmed.push(self.trimmed(sandbox_id, row, &mut files)?);
+            let mut table = self.held()?;
+            let mut held = match table.get(sandbox_id) {
+                Some(held) => *held,
+                None => {
+                    let (records, bytes): (i64, i64) = tx.query_row(
+                        "SELECT COUNT(*), COALESCE(SUM(CASE WHEN discarded = 0 THEN stdout_len + stderr_len ELSE 0 END), 0) FROM execs WHERE sandbox_id = ?1",
+                        params![sandbox_id],
+                        |r| Ok((r.get(0)?, r.get(1)?)),
+                    )?;
+                    Held { records: u64::try_from(records).unwrap_or(0), bytes: u64::try_from(bytes).unwrap_or(0) }
+                }
+            };
+            let max_records = retention.max_records as u64;
+            if held.records > max_records {
+                // The newest record beyond `max_records`, found from the oldest end: as many
+                // records are older than it as the sandbox holds beyond `max_records + 1`.
+                let cutoff: Option<i64> = tx
+                    .query_row(
+                        "SELECT seq FROM execs WHERE sandbox_id = ?1 ORDER BY seq LIMIT 1 OFFSET ?2",
+                        params![sandbox_id, i64::try_from(held.records - max_records - 1).unwrap_or(i64::MAX)],
+                        |r| r.get(0),
+                    )
+                    .optional()?;
+                if let Some(cutoff) = cutoff {
+                    let doomed: Vec<ExecRow> = tx
+                        .prepare(&format!("SELECT {EXEC_COLUMNS} FROM execs WHERE sandbox_id = ?1 AND seq <= ?2 AND status <> 'running' ORDER BY seq"))?
+                        .query_map(params![sandbox_id, cutoff], ExecRow::from_row)?
+                        .collect::<Result<_, _>>()?;
+                    for row in &doomed {
+                        tx.execute("DELETE FROM execs WHERE seq = ?1", params![row.seq])?;
+                        held.records = held.records.saturating_sub(1);
+                        if !row.discarded {
+                            held.bytes = held.bytes.saturating_sub(row.body_bytes());
+                        }
+                        trimmed.push(self.trimmed(sandbox_id, row, &mut files)?);
+                    }
                 }
             }
-            let stored: i64 = tx.query_row(
-                "SELECT COALESCE(SUM(stdout_len + stderr_len), 0) FROM execs WHERE sandbox_id = ?1 AND discarded = 0",
-                params![sandbox_id],
-                |r| r.get(0),
-            )?;
-            let mut stored = u64::try_from(stored).unwrap_or(0);
+            let mut stored = held.bytes;
             if stored > retention.max_output_bytes {
                 let candidates = {
                     let mut stmt = tx.prepare(&format!(
@@ -680,7 +728,9 @@ impl Store {
                     trimmed.push(self.trimmed(sandbox_id, row, &mut files)?);
                 }
             }
+            held.bytes = stored;
             tx.commit()?;
+            table.insert(sandbox_id.to_string(), held);
         }
         for file in files {
             if let Err(e) = remove_if_present(&file) {
@@ -727,7 +777,12 @@ impl Store {
     /// names, and `.tmp` files of interrupted writes. Problems are logged, never fatal.
     /// Returns how many rows and files went.
     pub fn prune_orphans(&self) -> Result<usize, StoreError> {
-        let mut pruned = self.conn()?.execute("DELETE FROM execs WHERE sandbox_id NOT IN (SELECT id FROM sandboxes)", [])?;
+        let mut pruned = {
+            let conn = self.conn()?;
+            let pruned = conn.execute("DELETE FROM execs WHERE sandbox_id NOT IN (SELECT id FROM sandboxes)", [])?;
+            self.held()?.clear();
+            pruned
+        };
         let dirs = match std::fs::read_dir(&self.outputs) {
             Ok(d) => d,
             Err(e) => {
@@ -889,6 +944,52 @@ mod tests {
         assert!(store.exec(finished[0].exec_id.as_str()).expect("query").is_none());
         let files = std::fs::read_dir(dir.path().join("outputs").join(sb.as_str())).expect("ls").count();
         assert_eq!(files, 4, "the deleted records' output files went with them");
+    }
+
+    /// What the store keeps of a sandbox's records, against what the database says.
+    fn held_is_exact(store: &Store, sb: &SandboxId, what: &str) {
+        let conn = store.conn().expect("conn");
+        let truth: (i64, i64) = conn
+            .query_row(
+                "SELECT COUNT(*), COALESCE(SUM(CASE WHEN discarded = 0 THEN stdout_len + stderr_len ELSE 0 END), 0) FROM execs WHERE sandbox_id = ?1",
+                params![sb.as_str()],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .expect("count");
+        let held = store.held().expect("held").get(sb.as_str()).copied();
+        assert_eq!(held, Some(Held { records: truth.0 as u64, bytes: truth.1 as u64 }), "{what}");
+    }
+
+    /// Trimmed after every write, as the daemon does (from what the store keeps of each
+    /// sandbox, not by counting its records each time): the bounds hold at each step, what is
+    /// kept stays exact through records written twice (running, then ended), discards,
+    /// deletions and a running record older than the rest, and a destroyed sandbox starts over.
+    #[test]
+    fn trimming_after_every_write_holds_the_bounds_at_each_step() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&dir.path().join("state.db")).expect("open");
+        let sb = SandboxId::generate();
+        for round in 0..2 {
+            let old_running = record(&sb, "", ExecStatus::Running);
+            store.put_exec(&old_running).expect("put");
+            for i in 0..10 {
+                let mut r = big(&sb, 20);
+                r.outcome.status = ExecStatus::Running;
+                store.put_exec(&r).expect("put, running");
+                r.outcome.status = ExecStatus::Exited;
+                store.put_exec(&r).expect("put, ended");
+                store.trim_execs(sb.as_str(), keep(3, 100)).expect("trim");
+                let what = format!("round {round}, step {i}");
+                held_is_exact(&store, &sb, &what);
+                let left = all(&store, &sb, 0);
+                assert_eq!(left.len(), (i + 2).min(4), "{what}: the running record and the newest three");
+                assert_eq!(left[0].exec_id, old_running.exec_id, "{what}: the running record stays");
+                let kept: u64 = left.iter().filter(|r| !r.output_discarded).map(|r| (r.outcome.stdout.bytes.len() + r.outcome.stderr.bytes.len()) as u64).sum();
+                assert!(kept <= 100, "{what}: {kept} bytes kept");
+            }
+            store.delete_sandbox(sb.as_str()).expect("delete");
+            assert!(all(&store, &sb, 0).is_empty());
+        }
     }
 
     #[test]
