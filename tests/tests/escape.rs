@@ -248,8 +248,30 @@ async fn the_cgroup_view_stays_read_only_and_no_cgroupfs_can_be_mounted() {
     let probe = build_probe("escape_probe", tmp.path()).expect("building the probe");
     let daemon = Daemon::start().await.expect("starting sandboxd");
     let client = daemon.client().await.expect("client");
+    // On cgroup v1 every process-tier sandbox binds one read-only tmpfs of the daemon's as its
+    // /sys/fs/cgroup layout: a witness sandbox sees it the same before and after the attacks.
+    let witness = sandbox_with_probe(&client, Isolation::Process, &probe).await;
+    let layout = "ls -a /sys/fs/cgroup /sys/firmware";
+    let before = run(&client, &witness, &["sh", "-c", layout]).await;
     for isolation in [Isolation::Process, Isolation::Container] {
         let id = sandbox_with_probe(&client, isolation, &probe).await;
+        if isolation == Isolation::Process {
+            // The layout and the /sys masks refuse new entries, and no host path shows.
+            let r = run(
+                &client,
+                &id,
+                &[
+                    "sh",
+                    "-c",
+                    "for d in /sys/fs/cgroup /sys/fs/cgroup/memory /sys/firmware; do mkdir $d/x 2>&1; touch $d/y 2>&1; done; cat /proc/self/mountinfo",
+                ],
+            )
+            .await;
+            let out = String::from_utf8_lossy(&r.stdout).to_string();
+            assert_eq!(out.matches("mkdir: can't create directory").count(), 3, "a mkdir went through:\n{out}");
+            assert_eq!(out.matches("touch: ").count(), 3, "a touch went through:\n{out}");
+            assert!(!out.contains("cgroup-view") && !out.contains("sandboxd-test"), "a host path shows in the sandbox's mountinfo:\n{out}");
+        }
         let r = assert_blocked(&client, &id, "cgroup").await;
         // It attacked the real view (present, refused as read-only), not a missing file.
         let out = String::from_utf8_lossy(&r.stdout).to_string();
@@ -264,6 +286,9 @@ async fn the_cgroup_view_stays_read_only_and_no_cgroupfs_can_be_mounted() {
         assert_eq!(String::from_utf8_lossy(&limit.stdout).trim(), want, "{isolation:?}: the limit after the attacks:\n{}", text(&limit));
         within(120, client.destroy(&id)).await.expect("DestroySandbox");
     }
+    let after = run(&client, &witness, &["sh", "-c", layout]).await;
+    assert_eq!(String::from_utf8_lossy(&after.stdout), String::from_utf8_lossy(&before.stdout), "another sandbox's attacks changed what this one sees");
+    within(120, client.destroy(&witness)).await.expect("DestroySandbox");
 }
 
 /// The sandbox once it shows FAILED (polled for 5 s); panics if it still shows anything else.

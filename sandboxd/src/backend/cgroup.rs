@@ -176,9 +176,9 @@ struct RootInner {
     version: CgroupVersion,
     hierarchies: Vec<Hierarchy>,
     name: PathBuf,
-    /// The kernel's cgroup core favours dynamic modifications (see
-    /// [`favor_dynamic_modifications`]): any migration is cheap.
-    favored: bool,
+    /// A process already running in a sandbox's cgroup joins an exec's at the cost of a few
+    /// writes (see [`SandboxCgroup::exec_join_is_cheap`]); known once, at detection.
+    cheap_joins: bool,
 }
 
 /// The daemon's parent cgroup (e.g. `sandboxd`) in every hierarchy.
@@ -786,7 +786,11 @@ impl CgroupRoot {
             (CgroupVersion::V1, v1_hierarchies(&content, mi)?)
         };
         let favored = fs::read_to_string(MOUNTINFO).ok().and_then(|mi| favordynmods_target(&mi)).is_some_and(|(_, on)| on);
-        let root = CgroupRoot { inner: Arc::new(RootInner { version, hierarchies, name: rel, favored }) };
+        // On v1 an exec's cgroup skips a `cpu` hierarchy of its own (see `Node::exec`), so only
+        // a `cpu` co-mounted with a controller it needs makes joining dear.
+        let cpu_apart = hierarchies.iter().all(|h| h.controllers == ["cpu"] || !h.controllers.contains(&"cpu"));
+        let cheap_joins = favored || (version == CgroupVersion::V1 && cpu_apart);
+        let root = CgroupRoot { inner: Arc::new(RootInner { version, hierarchies, name: rel, cheap_joins }) };
         root.setup()?;
         debug!(version = ?version, name, "cgroup root ready");
         Ok(root)
@@ -974,8 +978,7 @@ impl SandboxCgroup {
     /// not co-mounted with a controller the exec cgroups need (see [`Node::join_files`]). If
     /// not, the process tier's spare joins the next exec's cgroup ahead of time.
     pub fn exec_join_is_cheap(&self) -> bool {
-        self.node.root.favored
-            || (self.node.root.version == CgroupVersion::V1 && self.node.exec_child("x").hierarchies().all(|h| !h.controllers.contains(&"cpu")))
+        self.node.root.cheap_joins
     }
 
     /// v2: enables the memory, pids and cpu controllers for the sandbox's children (its init's
@@ -1387,7 +1390,7 @@ mod tests {
                 version: CgroupVersion::V1,
                 hierarchies: v1_hierarchies(&with_extra, Path::new("mi")).expect("v1"),
                 name: "x".into(),
-                favored: false,
+                cheap_joins: false,
             }),
         };
         assert_eq!(root.sandbox_view(), CgroupView::V1 { hierarchies: vec!["memory".into(), "pids".into(), "cpu,cpuacct,net_cls".into(), "freezer".into()] });

@@ -295,10 +295,8 @@ fn setup(cfg: &InitConfig, cgroup_fds: Vec<OwnedFd>) -> StageResult {
     stage("rlimit core", setrlimit(Resource::RLIMIT_CORE, 0, 0))?;
     nix::sys::stat::umask(Mode::from_bits_truncate(0o022));
 
-    // SIGCHLD is read through a signalfd by the serve loop; exec children unblock it again.
-    let mut chld = SigSet::empty();
-    chld.add(Signal::SIGCHLD);
-    stage("block SIGCHLD", nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&chld), None))?;
+    // (SIGCHLD is blocked and read through a signalfd by the serve loop, `child_signals`; exec
+    // children unblock it again.)
 
     // Capabilities last among the privileged steps: mounts and hostname above needed them.
     drop_capabilities()?;
@@ -402,8 +400,11 @@ fn mount_sys(root: &Path, cfg: &InitConfig) -> StageResult {
     stage("mount /sys", mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>))?;
     // v1: the daemon's shared layout, bound while its host path is still reachable (before
     // the init becomes root inside a user namespace); `mount_cgroup` fills it.
-    if let (CgroupView::V1 { .. }, Some(skeleton)) = (&cfg.cgroup_view, &cfg.cgroup_skeleton) {
-        stage("bind the /sys/fs/cgroup layout", mount(Some(skeleton.as_str()), &sys.join("fs/cgroup"), None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    if let CgroupView::V1 { .. } = &cfg.cgroup_view {
+        let Some(layout) = &cfg.cgroup_skeleton else {
+            return Err(("bind the /sys/fs/cgroup layout", "the daemon sent no layout".to_string()));
+        };
+        stage("bind the /sys/fs/cgroup layout", mount(Some(layout.as_str()), &sys.join("fs/cgroup"), None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
     }
     Ok(())
 }
@@ -441,36 +442,22 @@ fn bind_cpu_list(root: &Path, cfg: &InitConfig) -> StageResult {
 }
 
 /// The sandbox's own cgroup, read-only at /sys/fs/cgroup (after `mount_sys`; with a user
-/// namespace, once the init is root inside: the v1 layout is made in a tmpfs of its own).
+/// namespace, once the init is root inside: v1 hierarchies are mounted on the daemon's shared
+/// layout, which `mount_sys` bound).
 fn mount_cgroup(root: &Path, cfg: &InitConfig) -> StageResult {
     let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     let cgroup = root.join("sys/fs/cgroup");
     match &cfg.cgroup_view {
         CgroupView::V2 => stage("mount /sys/fs/cgroup", mount(Some("cgroup2"), &cgroup, Some("cgroup2"), ro, None::<&str>))?,
         CgroupView::V1 { hierarchies } => {
-            // The daemon's layout is bound there already (see `mount_sys`); else a tmpfs of
-            // the sandbox's own gets the same layout.
-            let shared = cfg.cgroup_skeleton.is_some();
-            if !shared {
-                let rw = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-                stage("mount /sys/fs/cgroup", mount(Some("tmpfs"), &cgroup, Some("tmpfs"), rw, Some("mode=755,size=64k")))?;
-            }
+            // On the daemon's layout, bound there by `mount_sys`: a directory per hierarchy.
             for controllers in hierarchies {
-                let dir = cgroup.join(controllers);
-                if !shared {
-                    stage("mkdir /sys/fs/cgroup/<controllers>", nix::unistd::mkdir(&dir, Mode::from_bits_truncate(0o555)))?;
-                }
                 // Inside the cgroup namespace the mount's root is the sandbox's cgroup in that
                 // hierarchy, not the hierarchy's root.
+                let dir = cgroup.join(controllers);
                 stage("mount a cgroup hierarchy", mount(Some("cgroup"), &dir, Some("cgroup"), ro, Some(controllers.as_str())))?;
-                if !shared {
-                    for name in controllers.split(',').filter(|c| c != controllers) {
-                        stage("symlink a co-mounted controller", std::os::unix::fs::symlink(controllers, cgroup.join(name)))?;
-                    }
-                }
             }
-            let remount = if shared { MsFlags::MS_REMOUNT | MsFlags::MS_BIND | ro } else { MsFlags::MS_REMOUNT | ro };
-            stage("remount /sys/fs/cgroup read-only", mount(None::<&str>, &cgroup, None::<&str>, remount, None::<&str>))?;
+            stage("remount /sys/fs/cgroup read-only", mount(None::<&str>, &cgroup, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_BIND | ro, None::<&str>))?;
         }
     }
     Ok(())

@@ -188,7 +188,7 @@ pub struct ProcessBackend {
 /// them, so a superblock per sandbox costs the kernel memory that grows with the square of the
 /// sandboxes alive. A tmpfs a previous daemon left there is detached first (sandboxes that bound
 /// it keep theirs).
-fn cgroup_skeleton(path: &Path, hierarchies: &[String]) -> Result<PathBuf, String> {
+fn cgroup_skeleton(path: &Path, hierarchies: &[String]) -> Result<(), String> {
     let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what} {}: {e}", path.display());
     std::fs::create_dir_all(path).map_err(|e| fail("creating", &e))?;
     while mountinfo::is_mount_point(path) {
@@ -209,8 +209,7 @@ fn cgroup_skeleton(path: &Path, hierarchies: &[String]) -> Result<PathBuf, Strin
         Ok(())
     };
     layout().map_err(|e| fail("laying out", &e))?;
-    mount(None::<&str>, path, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | flags, None::<&str>).map_err(|e| fail("remounting read-only", &e))?;
-    Ok(path.to_path_buf())
+    mount(None::<&str>, path, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | flags, None::<&str>).map_err(|e| fail("remounting read-only", &e))
 }
 
 /// The file in a writable layer (beside `upper/` and `work/`) that records the host id range
@@ -375,11 +374,9 @@ impl ProcessBackend {
             None => (None, false),
         };
         if let CgroupView::V1 { hierarchies } = cgroups.sandbox_view() {
-            // Without it each sandbox makes a tmpfs of its own, as before.
-            match cgroup_skeleton(&self.cfg.state_dir.join("cgroup-view"), &hierarchies) {
-                Ok(path) => self.cgroup_skeleton = Some(path),
-                Err(e) => tracing::warn!(error = %e, "cannot make the shared /sys/fs/cgroup layout; each sandbox mounts its own"),
-            }
+            let path = self.cfg.state_dir.join("cgroup-view");
+            cgroup_skeleton(&path, &hierarchies).map_err(|e| format!("the sandboxes' /sys/fs/cgroup layout: {e}"))?;
+            self.cgroup_skeleton = Some(path);
         }
         self.cgroups = Some(cgroups);
         self.pool = Some(pool);

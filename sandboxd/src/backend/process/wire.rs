@@ -38,8 +38,7 @@ pub struct InitConfig {
     /// How the sandbox's cgroup is mounted at `/sys/fs/cgroup`.
     pub cgroup_view: CgroupView,
     /// v1: the host path of the read-only tmpfs every sandbox shares as its `/sys/fs/cgroup`,
-    /// laid out for `cgroup_view` (see `ProcessBackend::cgroup_skeleton`); None: the init makes
-    /// a tmpfs of its own.
+    /// laid out for `cgroup_view` (see `ProcessBackend::cgroup_skeleton`); None on v2.
     #[serde(default)]
     pub cgroup_skeleton: Option<String>,
     /// The host uid and gid of root inside: the sandbox gets a user namespace mapping
