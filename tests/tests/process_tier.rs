@@ -422,8 +422,13 @@ async fn each_exec_runs_in_a_cgroup_of_its_own() {
     let id = h.sandbox().await;
     let mut seen = Vec::new();
     for _ in 0..4 {
-        let r = h.sh(&id, "cat /proc/self/cgroup").await;
+        // The command's own descriptors too: the cgroup files its spare joined through are
+        // closed before it runs.
+        let r = h.sh(&id, "ls -l /proc/$$/fd >&2; cat /proc/self/cgroup").await;
         assert_exited(&r, 0);
+        let fds = String::from_utf8_lossy(&r.stderr).to_string();
+        assert!(fds.contains("0 -> ") && fds.contains("2 -> "), "no descriptors listed:\n{fds}");
+        assert!(!fds.contains("tasks") && !fds.contains("cgroup.procs") && !fds.contains("/sys/fs/cgroup"), "a cgroup file is open in the exec:\n{fds}");
         let text = String::from_utf8_lossy(&r.stdout).to_string();
         // (hierarchy's controllers, path inside the sandbox's cgroup namespace)
         let lines: Vec<(String, String)> = text
