@@ -352,10 +352,13 @@ async fn fork_bomb_is_contained_by_max_pids() {
 
     // The same bomb under a main process that never ends (a loop of shell builtins, which
     // needs no fork): the timeout fires while the bomb is still forking as fast as the limit
-    // allows, and its kill must reach every process of the tree.
+    // allows, and its kill must reach every process of the tree. The bomb starts from a
+    // subshell, the main process's only fork (made before any bomb exists): the shell exits
+    // when a fork of its own fails, and the bomb's first children could fill the pid limit
+    // before the main shell had forked the second half of its pipeline.
     let id = h.sandbox_with("minimal", limits).await;
     let t0 = Instant::now();
-    let r = h.exec(ExecRequest { timeout_ms: 1_500, ..exec_request(&id, ["sh", "-c", "f(){ f|f& }; f; while :; do :; done"]) }).await;
+    let r = h.exec(ExecRequest { timeout_ms: 1_500, ..exec_request(&id, ["sh", "-c", "(f(){ f|f& }; f); while :; do :; done"]) }).await;
     assert_eq!(status(&r), ExecStatus::TimedOut, "{}", describe(&r));
     assert!(t0.elapsed() < Duration::from_secs(15), "a 1.5 s timeout returned after {:?}", t0.elapsed());
     let ps = h.sh_ok(&id, "ps -o pid,args").await;
