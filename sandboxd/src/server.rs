@@ -93,6 +93,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         userns_first_id: cfg.process.userns_first_id,
         userns_ranges: cfg.process.userns_ranges,
         egress: Some(egress.clone()),
+        spares: cfg.process.spares,
     });
     backends.insert(Arc::new(process));
     // Never fails: without Docker the tier reports itself unavailable, with the reason.

@@ -463,6 +463,32 @@ async fn each_exec_runs_in_a_cgroup_of_its_own() {
     }
 }
 
+/// Only the sandboxes that armed a spare last keep it (`[process] spares`): the others hold
+/// their init alone and still run every exec (through the init), arming a spare again as they
+/// do, which another gives up.
+#[tokio::test(flavor = "multi_thread")]
+async fn only_the_sandboxes_used_last_keep_a_spare() {
+    let h = Harness::start_with_config("[process]\nspares = 2\n").await;
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        ids.push(h.sandbox().await);
+    }
+    let counts = |ids: &[String]| ids.iter().map(|id| host_pids_of(id).len()).collect::<Vec<_>>();
+    // Each sandbox's init, and two spares among them.
+    let settled = eventually(30, || async { counts(&ids).iter().sum::<usize>() == 6 }).await;
+    assert!(settled, "processes per sandbox after 4 creates with spares = 2: {:?}", counts(&ids));
+    for round in 0..2 {
+        for (i, id) in ids.iter().enumerate() {
+            let r = h.sh(id, "echo ran").await;
+            assert_exited(&r, 0);
+            assert_eq!(text(&r.stdout), "ran\n");
+            // The sandbox just used holds a spare again, and the others one between them.
+            let settled = eventually(30, || async { host_pids_of(id).len() == 2 && counts(&ids).iter().sum::<usize>() == 6 }).await;
+            assert!(settled, "round {round}, after an exec in sandbox {i}: processes per sandbox {:?}", counts(&ids));
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn cpu_time_is_accounted() {
     let h = Harness::start().await;

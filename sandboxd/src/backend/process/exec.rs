@@ -168,7 +168,7 @@ impl ProcessSandbox {
     /// one holds). Elsewhere the spare is forked into the next exec's cgroup, made now. At most
     /// one spare is armed or being armed.
     pub(super) fn arm_spare(self: &Arc<Self>) {
-        if self.arming.swap(true, std::sync::atomic::Ordering::AcqRel) {
+        if self.spares.is_off() || self.arming.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return;
         }
         let sb = self.clone();
@@ -204,13 +204,9 @@ impl ProcessSandbox {
                     if ends.is_none() {
                         sb.channel.forget(&slot);
                     }
-                    let armed = match (ends, sb.spare.lock()) {
-                        // A runtime being stopped must not get a slot it would leak.
-                        (Some(ends), Ok(mut spare)) if sb.lost.lock().map(|l| l.is_none()).unwrap_or(false) => {
-                            *spare = Some(Spare { slot, cgroup: Some(cgroup.clone()), ends });
-                            true
-                        }
-                        _ => false,
+                    let armed = match ends {
+                        Some(ends) => sb.keep_spare(Spare { slot, cgroup: Some(cgroup.clone()), ends, ticket: None }),
+                        None => false,
                     };
                     if !armed {
                         let _ = blocking(move || cgroup.kill_all().and_then(|_| cgroup.remove())).await;
@@ -223,8 +219,32 @@ impl ProcessSandbox {
         });
     }
 
+    /// Keeps `spare` as the armed one, in its place among the backend's spares (giving up the
+    /// least recently armed others' past the limit); false (the spare dropped) if the runtime
+    /// is being stopped, which must not get a spare it would leak.
+    fn keep_spare(self: &Arc<Self>, mut spare: Spare) -> bool {
+        let Some((ticket, evicted)) = self.spares.admit(Arc::downgrade(self)) else { return false };
+        spare.ticket = Some(ticket);
+        let kept = match self.spare.lock() {
+            Ok(mut slot) if self.lost.lock().map(|l| l.is_none()).unwrap_or(false) => {
+                *slot = Some(spare);
+                true
+            }
+            _ => false,
+        };
+        if !kept {
+            self.spares.release(ticket);
+        }
+        for (ticket, holder) in evicted {
+            if let Some(other) = holder.upgrade() {
+                other.give_up_spare(ticket);
+            }
+        }
+        kept
+    }
+
     /// [`ProcessSandbox::arm_spare`] of a spare that waits in the sandbox's own cgroup.
-    async fn arm_plain_spare(&self, slot: String) {
+    async fn arm_plain_spare(self: &Arc<Self>, slot: String) {
         let ends = match self.channel.prepare(&slot, &[]).await {
             Ok(rx) => tokio::time::timeout(SPAWN_REPLY_DEADLINE, rx).await.ok().and_then(Result::ok),
             Err(_) => None,
@@ -233,12 +253,8 @@ impl ProcessSandbox {
             self.channel.forget(&slot);
             return;
         };
-        if let Ok(mut spare) = self.spare.lock() {
-            // A runtime being stopped must not get a spare; dropping its ends makes it exit.
-            if self.lost.lock().map(|l| l.is_none()).unwrap_or(false) {
-                *spare = Some(Spare { slot, cgroup: None, ends });
-            }
-        }
+        // Dropped if not kept: the spare exits when its end closes.
+        self.keep_spare(Spare { slot, cgroup: None, ends, ticket: None });
     }
 
     /// Runs `spec` to its end. See the module documentation.
@@ -256,13 +272,16 @@ impl ProcessSandbox {
         // The armed slot (its spare process already inside its cgroup), or a fresh cgroup. A
         // terminal is opened by the init, so a `tty` exec leaves the slot armed for the next.
         let spare = if spec.tty.is_none() { self.spare.lock().ok().and_then(|mut s| s.take()) } else { None };
+        if let Some(ticket) = spare.as_ref().and_then(|s| s.ticket) {
+            self.spares.release(ticket);
+        }
         let sb = self.clone();
         let id = exec_id.clone();
         let (spare, cgroup) = match spare {
-            Some(Spare { slot, cgroup: Some(cgroup), ends }) => (Some((slot, ends, Vec::new())), cgroup),
+            Some(Spare { slot, cgroup: Some(cgroup), ends, .. }) => (Some((slot, ends, Vec::new())), cgroup),
             // The exec's cgroup made here, inline (a mkdir per hierarchy, ~40 µs each): a trip
             // to a blocking thread would cost as much after a pause.
-            Some(Spare { slot, cgroup: None, ends }) => {
+            Some(Spare { slot, cgroup: None, ends, .. }) => {
                 let cgroup = Arc::new(self.cgroup.create_exec(&exec_id)?);
                 let join = match cgroup.join_files() {
                     Ok(join) => join,
@@ -446,6 +465,8 @@ pub(super) struct Spare {
     pub slot: String,
     pub cgroup: Option<Arc<ExecCgroup>>,
     pub ends: SpareEnds,
+    /// Its place among the backend's armed spares (see [`super::spares`]).
+    pub ticket: Option<u64>,
 }
 
 /// How an exec's start went.

@@ -23,6 +23,7 @@ pub mod init;
 mod net;
 mod pty;
 pub mod shift;
+mod spares;
 pub mod storage;
 mod wire;
 pub mod zygote;
@@ -79,6 +80,8 @@ pub struct ProcessConfig {
     pub userns_ranges: u32,
     /// The daemon's egress filter, for sandboxes whose network is not NONE.
     pub egress: Option<Arc<crate::egress::Egress>>,
+    /// How many sandboxes keep a spare forked ahead for their next exec (see [`spares`]).
+    pub spares: usize,
 }
 
 /// Where a sandbox's writable layer comes from at setup.
@@ -116,6 +119,8 @@ pub(crate) struct ProcessSandbox {
     spare: Mutex<Option<exec::Spare>>,
     /// A slot is being armed.
     arming: std::sync::atomic::AtomicBool,
+    /// The backend's count of armed spares, which this sandbox's spare takes a place in.
+    spares: Arc<spares::Spares>,
     /// Execs begun (ever) and not yet ended: what [`ProcessSandbox::is_quiet`] reads.
     execs_begun: std::sync::atomic::AtomicU64,
     execs_active: std::sync::atomic::AtomicU64,
@@ -171,6 +176,8 @@ pub struct ProcessBackend {
     image_copies: Arc<Mutex<()>>,
     /// Clones every sandbox's init.
     zygote: zygote::Zygote,
+    /// The sandboxes that keep a spare for their next exec.
+    spares: Arc<spares::Spares>,
     sandboxes: RwLock<HashMap<SandboxId, Arc<ProcessSandbox>>>,
     /// v1: the read-only tmpfs every sandbox binds at `/sys/fs/cgroup` (see [`cgroup_skeleton`]).
     cgroup_skeleton: Option<PathBuf>,
@@ -342,6 +349,7 @@ impl ProcessBackend {
     /// gets a backend that reports why on every create (the daemon still serves other tiers).
     pub fn new(cfg: ProcessConfig) -> Self {
         let mut backend = ProcessBackend {
+            spares: Arc::new(spares::Spares::new(cfg.spares)),
             cfg,
             unavailable: None,
             pool: None,
@@ -763,6 +771,7 @@ impl ProcessBackend {
             execs: ExecCgroups::default(),
             spare: Mutex::new(None),
             arming: std::sync::atomic::AtomicBool::new(false),
+            spares: self.spares.clone(),
             execs_begun: std::sync::atomic::AtomicU64::new(0),
             execs_active: std::sync::atomic::AtomicU64::new(0),
             cpus,
@@ -831,6 +840,10 @@ impl ProcessBackend {
             lost.get_or_insert_with(|| reason.to_string());
         }
         sb.channel.close();
+        // Its place among the armed spares goes to others (the spare itself dies with the init).
+        if let Some(ticket) = sb.spare.lock().ok().and_then(|mut s| s.take()).and_then(|s| s.ticket) {
+            self.spares.release(ticket);
+        }
         net::detach(self.cfg.egress.as_deref(), sb).await;
         // Killing the init ends the pid namespace and every process in it.
         if let Err(e) = sb.cgroup.kill_namespace() {

@@ -40,6 +40,18 @@ pub(crate) struct Args {
     /// the microVM tier. Not a report to keep.
     #[arg(long, conflicts_with = "container_only")]
     pub(crate) microvm_only: bool,
+    /// Only one process-tier section: `latency` (create, get, exec, streamed exec; half a
+    /// minute) or `density` (`--live` sandboxes at once): for A/B work on those paths. Not a
+    /// report to keep.
+    #[arg(long, value_enum, conflicts_with_all = ["container_only", "microvm_only"])]
+    pub(crate) only: Option<Section>,
+}
+
+/// A section `--only` runs.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Section {
+    Latency,
+    Density,
 }
 
 /// How many samples each section takes.

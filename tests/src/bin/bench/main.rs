@@ -49,7 +49,7 @@ use anyhow::{anyhow, bail, Result};
 use clap::Parser;
 use sandbox_tests::images_dir;
 
-use crate::cli::{Args, Plan};
+use crate::cli::{Args, Plan, Section};
 use crate::machine::{loadavg, Machine};
 use crate::results::{Key, Report};
 
@@ -77,6 +77,14 @@ async fn run(args: Args) -> Result<bool> {
     eprintln!("bench: sandboxd = {}, images = {}, {}", machine.sandboxd_bin, images_dir().display(), if plan.quick { "quick mode" } else { "full run" });
 
     let mut report = Report::default();
+    if let Some(only) = args.only {
+        match only {
+            Section::Latency => latency::sandboxd_latency(&plan, &mut report).await,
+            Section::Density => density::sandboxd_density(&plan, &mut report).await,
+        }
+        println!("{}", report::render(&report, &plan, &machine, started.elapsed()));
+        return Ok(!report.any_failed());
+    }
     if !args.container_only && !args.microvm_only {
         latency::sandboxd_latency(&plan, &mut report).await;
         density::sandboxd_density(&plan, &mut report).await;

@@ -221,7 +221,7 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
             if let Some((pss, procs)) = d.pss_tree {
                 let _ = writeln!(
                     w,
-                    "- the daemon and every process under it ({procs} processes: the zygote, and per sandbox its init and the spare of its next exec) together: {} PSS, {:.2} MiB per sandbox",
+                    "- the daemon and every process under it ({procs} processes: the zygote, and per sandbox its init, and the spare of its next exec in the 256 used last, `[process] spares`) together: {} PSS, {:.2} MiB per sandbox",
                     mib(pss),
                     pss as f64 / (1u64 << 20) as f64 / d.live.max(1) as f64
                 );

@@ -306,7 +306,7 @@ pub(crate) struct Density {
     pub(crate) live: usize,
     pub(crate) rss_idle: Option<u64>,
     pub(crate) rss_live: Option<u64>,
-    /// PSS of the daemon and every process under it (the zygote; per sandbox its init and the spare of its next exec), and how many processes.
+    /// PSS of the daemon and every process under it (the zygote; per sandbox its init; the spare of its next exec in those used last), and how many processes.
     pub(crate) pss_tree: Option<(u64, usize)>,
     /// The host's memory in use (MemTotal − MemAvailable) before the creates and with all live:
     /// what the sandboxes cost the host, kernel memory (cgroups, mounts, namespaces) included.
