@@ -927,3 +927,36 @@ async fn policy_rules_grant_and_bound_networks_idle_connections_close_bandwidth_
     assert!(dns_flows > 0, "no DNS flow of {me} is tracked: the count below proves nothing");
     assert!(dns_flows <= 1024, "the host tracks {dns_flows} DNS flows of one sandbox ({me}), over the cap of 1024");
 }
+
+/// Sandboxes without a link (network NONE) share one read-only sysfs, the daemon's: one
+/// superblock for all, showing what their own namespace has (`lo`, up) and no host path. One
+/// with a link mounts its own, which shows its `eth0`. The shared one outlives any sandbox.
+#[tokio::test(flavor = "multi_thread")]
+async fn sandboxes_without_a_link_share_one_sysfs_and_one_with_a_link_has_its_own() {
+    let h = Harness::start().await;
+    let create = |network: Option<NetworkPolicy>| async {
+        let request = CreateSandboxRequest { network, ..process_sandbox("minimal") };
+        within(60, h.client.create(request)).await.expect("CreateSandbox").id
+    };
+    let (a, b) = (create(None).await, create(None).await);
+    let linked = create(network(NetworkMode::Open, &[])).await;
+    let state = h.daemon.state_dir().display().to_string();
+    let mut devices = Vec::new();
+    for id in [&a, &b, &linked] {
+        devices.push(h.sh_ok(id, "stat -c %d /sys").await);
+        let devs = h.sh_ok(id, "ls /sys/class/net").await;
+        let expected = if id == &linked { "eth0\nlo\n" } else { "lo\n" };
+        assert_eq!(devs, expected, "{id}: /sys/class/net");
+        assert_eq!(h.sh_ok(id, "cat /sys/class/net/lo/flags").await, "0x9\n", "{id}: lo is up and a loopback");
+        let mountinfo = h.sh_ok(id, "cat /proc/self/mountinfo").await;
+        let sys = mountinfo.lines().find(|l| l.split(' ').nth(4) == Some("/sys")).unwrap_or_else(|| panic!("{id}: no /sys in\n{mountinfo}"));
+        assert!(sys.split(' ').nth(5).is_some_and(|o| o.split(',').any(|o| o == "ro")), "{id}: /sys not read-only: {sys}");
+        assert!(!mountinfo.contains("sysfs-") && !mountinfo.contains(&state), "{id}: a host path in the mountinfo:\n{mountinfo}");
+        let r = h.sh(id, "touch /sys/x || exit 3; echo WROTE").await;
+        assert_eq!((r.exit_code, text(&r.stdout)), (3, String::new()), "{id}: wrote in /sys");
+    }
+    assert_eq!(devices[0], devices[1], "two sandboxes without a link do not share their sysfs");
+    assert_ne!(devices[0], devices[2], "the sandbox with a link shows the shared sysfs, not its own");
+    within(60, h.client.destroy(&a)).await.expect("DestroySandbox");
+    assert_eq!(h.sh_ok(&b, "ls /sys/class/net").await, "lo\n", "the shared sysfs lost its namespace with a sandbox");
+}

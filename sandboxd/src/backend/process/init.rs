@@ -389,7 +389,7 @@ fn mount_dev(root: &Path, shm_bytes: u64, in_userns: bool) -> StageResult {
 }
 
 /// /sys as Docker shows it: sysfs read-only (of the sandbox's network namespace: only `lo`
-/// under class/net), Docker's masked paths covered, the sandbox's own cgroup read-only at
+/// under class/net; without a link, the daemon's shared one, which shows the same), Docker's masked paths covered, the sandbox's own cgroup read-only at
 /// /sys/fs/cgroup, and the CPU list of `online` saying the CPUs the sandbox runs on.
 ///
 /// Read-only holds: nothing inside has CAP_SYS_ADMIN and seccomp denies mount and the new mount
@@ -397,7 +397,15 @@ fn mount_dev(root: &Path, shm_bytes: u64, in_userns: bool) -> StageResult {
 fn mount_sys(root: &Path, cfg: &InitConfig) -> StageResult {
     let sys = root.join("sys");
     let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-    stage("mount /sys", mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>))?;
+    match &cfg.shared_sysfs {
+        // The daemon's (no link: the same devices as this namespace), bound while its host path
+        // is still reachable; read-only, which a bind of it stays.
+        Some(shared) => {
+            stage("bind the shared /sys", mount(Some(shared.as_str()), &sys, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+            stage("remount /sys read-only", mount(None::<&str>, &sys, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_BIND | ro, None::<&str>))?;
+        }
+        None => stage("mount /sys", mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>))?,
+    }
     // v1: the daemon's shared layout, bound while its host path is still reachable (before
     // the init becomes root inside a user namespace); `mount_cgroup` fills it.
     if let CgroupView::V1 { .. } = &cfg.cgroup_view {

@@ -181,6 +181,9 @@ pub struct ProcessBackend {
     sandboxes: RwLock<HashMap<SandboxId, Arc<ProcessSandbox>>>,
     /// v1: the read-only tmpfs every sandbox binds at `/sys/fs/cgroup` (see [`cgroup_skeleton`]).
     cgroup_skeleton: Option<PathBuf>,
+    /// The read-only sysfs every sandbox without a network link binds at `/sys` (see
+    /// [`shared_sysfs`]); None: each mounts its own.
+    shared_sysfs: Option<PathBuf>,
     /// Names of sandboxes whose runtime state (cgroup, run dir) a previous daemon left, listed
     /// before serving and removed once re-adoption is done ([`Backend::recovered`]).
     stale: std::sync::Mutex<Vec<String>>,
@@ -217,6 +220,42 @@ fn cgroup_skeleton(path: &Path, hierarchies: &[String]) -> Result<(), String> {
     };
     layout().map_err(|e| fail("laying out", &e))?;
     mount(None::<&str>, path, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | flags, None::<&str>).map_err(|e| fail("remounting read-only", &e))
+}
+
+/// The read-only sysfs that every sandbox without a network link (network NONE) binds at its
+/// `/sys`, mounted at `<state>/sysfs-view`: one superblock for all of them, not one each (each
+/// superblock costs the kernel a shrinker, and every memory cgroup a map of all shrinkers, so
+/// the cost grows with the square of the sandboxes alive). sysfs shows the network devices of
+/// the namespace it was mounted in, so this one is mounted from a network namespace of its own,
+/// which has what such a sandbox's own has: `lo`, up. The namespace is kept alive (sysfs holds
+/// only a passive reference) by a bind of it at `<state>/sysfs-netns`. Both are made at start
+/// (a previous pair detached) and detached at shutdown. Sandboxes with a link mount a sysfs of
+/// their own, so their `/sys/class/net` shows it.
+fn shared_sysfs(state_dir: &Path) -> Result<PathBuf, String> {
+    let (view, netns) = (state_dir.join("sysfs-view"), state_dir.join("sysfs-netns"));
+    let fail = |what: &str, path: &Path, e: &dyn std::fmt::Display| format!("{what} {}: {e}", path.display());
+    for path in [&view, &netns] {
+        while mountinfo::is_mount_point(path) {
+            umount2(path, MntFlags::MNT_DETACH).map_err(|e| fail("detaching", path, &e))?;
+        }
+    }
+    std::fs::create_dir_all(&view).map_err(|e| fail("creating", &view, &e))?;
+    std::fs::write(&netns, b"").map_err(|e| fail("creating", &netns, &e))?;
+    let (v, n) = (view.clone(), netns.clone());
+    // A thread of its own: a network namespace is per thread. The thread stays in the host's
+    // mount namespace, so both mounts are the host's.
+    std::thread::spawn(move || -> Result<(), String> {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| format!("unshare(CLONE_NEWNET): {e}"))?;
+        sandbox_exec::sys::loopback_up().map_err(|e| format!("bringing lo up: {e}"))?;
+        mount(Some("/proc/thread-self/ns/net"), &n, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(|e| fail("binding the namespace at", &n, &e))?;
+        let flags = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+        mount(Some("sysfs"), &v, Some("sysfs"), flags, None::<&str>).map_err(|e| fail("mounting sysfs at", &v, &e))?;
+        // Nothing below it propagates to or from the host's mounts.
+        mount(None::<&str>, &v, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>).map_err(|e| fail("making private", &v, &e))
+    })
+    .join()
+    .map_err(|_| "the thread mounting it panicked".to_string())??;
+    Ok(view)
 }
 
 /// The file in a writable layer (beside `upper/` and `work/`) that records the host id range
@@ -360,6 +399,7 @@ impl ProcessBackend {
             zygote: Default::default(),
             sandboxes: RwLock::new(HashMap::new()),
             cgroup_skeleton: None,
+            shared_sysfs: None,
             stale: Default::default(),
         };
         if let Err(reason) = backend.prepare() {
@@ -386,6 +426,13 @@ impl ProcessBackend {
             cgroup_skeleton(&path, &hierarchies).map_err(|e| format!("the sandboxes' /sys/fs/cgroup layout: {e}"))?;
             self.cgroup_skeleton = Some(path);
         }
+        self.shared_sysfs = match shared_sysfs(&self.cfg.state_dir) {
+            Ok(view) => Some(view),
+            Err(e) => {
+                tracing::warn!(error = %e, "no shared sysfs: each sandbox mounts its own");
+                None
+            }
+        };
         self.cgroups = Some(cgroups);
         self.pool = Some(pool);
         // What a previous daemon left (cgroups, overlay mounts, run dirs) is listed now, before
@@ -786,6 +833,7 @@ impl ProcessBackend {
             cpus: sandbox.cpus.cpus().to_vec(),
             cgroup_view: self.cgroups()?.sandbox_view(),
             cgroup_skeleton: self.cgroup_skeleton.as_ref().map(|p| p.display().to_string()),
+            shared_sysfs: self.shared_sysfs.as_ref().filter(|_| spec.network.mode == crate::egress::NetworkMode::None).map(|p| p.display().to_string()),
             id_base: sandbox.ids.as_ref().map(idmap::IdLease::base),
         })
         .map_err(|e| BackendError::Internal(e.to_string()))?;
@@ -1203,10 +1251,12 @@ impl Backend for ProcessBackend {
                 tracing::warn!(path = %pool_dir.display(), error = %e, "unmounting storage pool");
             }
         }
-        // The shared /sys/fs/cgroup layout goes too (made again at start).
-        if let Some(skeleton) = &self.cgroup_skeleton {
-            if let Err(e) = umount2(skeleton, MntFlags::MNT_DETACH) {
-                tracing::warn!(path = %skeleton.display(), error = %e, "unmounting the shared /sys/fs/cgroup layout");
+        // The shared /sys/fs/cgroup layout, sysfs and its network namespace go too (made again
+        // at start).
+        let netns = self.shared_sysfs.as_ref().map(|_| self.cfg.state_dir.join("sysfs-netns"));
+        for path in [&self.cgroup_skeleton, &self.shared_sysfs, &netns].into_iter().flatten() {
+            if let Err(e) = umount2(path, MntFlags::MNT_DETACH) {
+                tracing::warn!(path = %path.display(), error = %e, "unmounting a mount shared by the sandboxes");
             }
         }
         if let Some(cg) = &self.cgroups {

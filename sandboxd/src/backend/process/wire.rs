@@ -41,6 +41,11 @@ pub struct InitConfig {
     /// laid out for `cgroup_view` (see `ProcessBackend::cgroup_skeleton`); None on v2.
     #[serde(default)]
     pub cgroup_skeleton: Option<String>,
+    /// The host path of the read-only sysfs shared by sandboxes without a network link (see
+    /// `ProcessBackend::shared_sysfs`), bound at `/sys`; None: the init mounts a sysfs of its
+    /// network namespace (it has a link, or the daemon could not make the shared one).
+    #[serde(default)]
+    pub shared_sysfs: Option<String>,
     /// The host uid and gid of root inside: the sandbox gets a user namespace mapping
     /// `super::idmap::RANGE` ids from here (see `init::clone_init`). None: no user namespace.
     pub id_base: Option<u32>,
