@@ -1408,7 +1408,12 @@ mod tests {
         assert_eq!(dirs, vec![under("cpu,cpuacct"), under("freezer"), under("memory")]);
         assert_eq!(sandbox.dirs().len(), 4, "a sandbox's cgroup is in every hierarchy");
         let v2 = Node {
-            root: Arc::new(RootInner { version: CgroupVersion::V2, hierarchies: vec![Hierarchy { mount: "/sys/fs/cgroup".into(), controllers: Vec::new(), mount_options: String::new() }], name: "x".into(), cheap_joins: true }),
+            root: Arc::new(RootInner {
+                version: CgroupVersion::V2,
+                hierarchies: vec![Hierarchy { mount: "/sys/fs/cgroup".into(), controllers: Vec::new(), mount_options: String::new() }],
+                name: "x".into(),
+                cheap_joins: true,
+            }),
             rel: "x/sb".into(),
             exec: false,
         };
