@@ -383,7 +383,16 @@ impl SandboxService for Routed {
 
     async fn destroy_sandbox(&self, request: Request<pb::DestroySandboxRequest>) -> Result<Response<pb::DestroySandboxResponse>, Status> {
         let id = request.get_ref().sandbox_id.clone();
-        by_id!(self, request, destroy_sandbox, id)
+        let destroyed = by_id!(self, request, destroy_sandbox, id.clone());
+        // A peer has room again that the cached view (which counted the sandbox when it was
+        // placed) does not show: the next placement asks every peer instead of filling another
+        // node first.
+        if destroyed.is_ok() && !self.is_local(&id) {
+            if let Some(fleet) = &self.fleet {
+                fleet.stale();
+            }
+        }
+        destroyed
     }
 
     async fn exec(&self, request: Request<pb::ExecRequest>) -> Result<Response<pb::ExecResult>, Status> {
