@@ -249,9 +249,10 @@ async fn the_cgroup_view_stays_read_only_and_no_cgroupfs_can_be_mounted() {
     let daemon = Daemon::start().await.expect("starting sandboxd");
     let client = daemon.client().await.expect("client");
     // On cgroup v1 every process-tier sandbox binds one read-only tmpfs of the daemon's as its
-    // /sys/fs/cgroup layout: a witness sandbox sees it the same before and after the attacks.
+    // /sys/fs/cgroup layout, and every one without a network link one sysfs of the daemon's at
+    // /sys: a witness sandbox sees both the same before and after the attacks.
     let witness = sandbox_with_probe(&client, Isolation::Process, &probe).await;
-    let layout = "ls -a /sys/fs/cgroup /sys/firmware";
+    let layout = "ls -a /sys/fs/cgroup /sys/firmware /sys/class/net; cat /sys/class/net/lo/mtu /sys/class/net/lo/flags /sys/class/net/lo/tx_queue_len";
     let before = run(&client, &witness, &["sh", "-c", layout]).await;
     for isolation in [Isolation::Process, Isolation::Container] {
         let id = sandbox_with_probe(&client, isolation, &probe).await;
@@ -271,6 +272,16 @@ async fn the_cgroup_view_stays_read_only_and_no_cgroupfs_can_be_mounted() {
             assert_eq!(out.matches("mkdir: can't create directory").count(), 3, "a mkdir went through:\n{out}");
             assert_eq!(out.matches("touch: ").count(), 3, "a touch went through:\n{out}");
             assert!(!out.contains("cgroup-view") && !out.contains("sandboxd-test"), "a host path shows in the sandbox's mountinfo:\n{out}");
+            // The shared sysfs: its network namespace's `lo` cannot be changed, nor the mount
+            // taken away or made writable.
+            let attacks = "for f in mtu flags tx_queue_len; do echo 1 > /sys/class/net/lo/$f || echo refused; done; \
+                           umount /sys || echo refused; umount -l /sys || echo refused; mount -o remount,rw /sys || echo refused; \
+                           touch /sys/class/net/x || echo refused";
+            let r = run(&client, &id, &["sh", "-c", attacks]).await;
+            let out = String::from_utf8_lossy(&r.stdout).to_string();
+            let err = String::from_utf8_lossy(&r.stderr).to_string();
+            assert!(!err.contains("not found"), "an attack did not run:\n{err}");
+            assert_eq!(out.matches("refused").count(), 7, "an attack on the shared sysfs went through:\n{out}\n{err}");
         }
         let r = assert_blocked(&client, &id, "cgroup").await;
         // It attacked the real view (present, refused as read-only), not a missing file.

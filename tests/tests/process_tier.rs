@@ -417,8 +417,8 @@ done"#;
 
 /// Every exec runs in a cgroup of its own below the sandbox's (its CPU time, peak memory, OOM
 /// kills and kill are its own), a new one each time: also when the spare that runs it waited in
-/// the sandbox's own cgroup and joined the exec's itself. On v1 a `cpu` hierarchy of its own
-/// stays the sandbox's (the quota is the sandbox's).
+/// the sandbox's own cgroup and joined the exec's itself. On v1 a hierarchy of `cpu` or `pids`
+/// alone stays the sandbox's (the quota and the pid limit are the sandbox's).
 #[tokio::test(flavor = "multi_thread")]
 async fn each_exec_runs_in_a_cgroup_of_its_own() {
     let h = Harness::start().await;

@@ -175,59 +175,68 @@ impl ProcessSandbox {
         tokio::spawn(async move {
             let slot = crate::ids::ExecId::generate().to_string().replace("ex-", "slot-");
             if sb.cgroup.exec_join_is_cheap() {
-                sb.arm_plain_spare(slot).await;
-                sb.arming.store(false, std::sync::atomic::Ordering::Release);
-                return;
-            }
-            let made = {
-                let sb = sb.clone();
-                let slot = slot.clone();
-                blocking(move || -> Result<_, BackendError> {
-                    let cgroup = Arc::new(sb.cgroup.create_exec(&slot)?);
-                    let procs = cgroup.join_files()?;
-                    Ok((cgroup, procs))
-                })
-                .await
-            };
-            match made {
-                Ok(Ok((cgroup, procs))) => {
-                    let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
-                    let asked = sb.channel.prepare(&slot, &fds).await;
-                    drop(procs);
-                    let ends = match asked {
-                        Ok(rx) => match tokio::time::timeout(SPAWN_REPLY_DEADLINE, rx).await {
-                            Ok(Ok(ends)) => Some(ends),
-                            _ => None,
-                        },
-                        Err(_) => None,
-                    };
-                    if ends.is_none() {
-                        sb.channel.forget(&slot);
-                    }
-                    let armed = match ends {
-                        Some(ends) => sb.keep_spare(Spare { slot, cgroup: Some(cgroup.clone()), ends, ticket: None }),
-                        None => false,
-                    };
-                    if !armed {
-                        let _ = blocking(move || cgroup.kill_all().and_then(|_| cgroup.remove())).await;
-                    }
+                // Dropped if not kept: the spare exits when its end closes.
+                if let Some(ends) = sb.ask_for_spare(&slot, &[]).await {
+                    sb.keep_spare(slot, None, ends);
                 }
-                Ok(Err(e)) => tracing::debug!(sandbox = %sb.id, error = %e, "cannot arm an exec slot"),
-                Err(e) => tracing::debug!(sandbox = %sb.id, error = %e, "cannot arm an exec slot"),
+            } else {
+                sb.arm_spare_in_slot(slot).await;
             }
             sb.arming.store(false, std::sync::atomic::Ordering::Release);
         });
     }
 
-    /// Keeps `spare` as the armed one, in its place among the backend's spares (giving up the
+    /// [`ProcessSandbox::arm_spare`] where joining is dear: the next exec's cgroup made now,
+    /// with the spare forked into it.
+    async fn arm_spare_in_slot(self: &Arc<Self>, slot: String) {
+        let made = {
+            let sb = self.clone();
+            let slot = slot.clone();
+            blocking(move || -> Result<_, BackendError> {
+                let cgroup = Arc::new(sb.cgroup.create_exec(&slot)?);
+                let procs = cgroup.join_files()?;
+                Ok((cgroup, procs))
+            })
+            .await
+        };
+        let (cgroup, procs) = match made.and_then(|m| m) {
+            Ok(made) => made,
+            Err(e) => return tracing::debug!(sandbox = %self.id, error = %e, "cannot arm an exec slot"),
+        };
+        let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+        let ends = self.ask_for_spare(&slot, &fds).await;
+        drop(procs);
+        let kept = match ends {
+            Some(ends) => self.keep_spare(slot, Some(cgroup.clone()), ends),
+            None => false,
+        };
+        if !kept {
+            let _ = blocking(move || cgroup.kill_all().and_then(|_| cgroup.remove())).await;
+        }
+    }
+
+    /// Asks the init for a spare (`fds`: the join files of the cgroup it goes into at once, if
+    /// any) and waits for its ends, within [`SPAWN_REPLY_DEADLINE`]; None (the request
+    /// forgotten) if none came.
+    async fn ask_for_spare(&self, slot: &str, fds: &[RawFd]) -> Option<SpareEnds> {
+        let ends = match self.channel.prepare(slot, fds).await {
+            Ok(rx) => tokio::time::timeout(SPAWN_REPLY_DEADLINE, rx).await.ok().and_then(Result::ok),
+            Err(_) => None,
+        };
+        if ends.is_none() {
+            self.channel.forget(slot);
+        }
+        ends
+    }
+
+    /// Keeps a spare as the armed one, in its place among the backend's spares (giving up the
     /// least recently armed others' past the limit); false (the spare dropped) if the runtime
     /// is being stopped, which must not get a spare it would leak.
-    fn keep_spare(self: &Arc<Self>, mut spare: Spare) -> bool {
+    fn keep_spare(self: &Arc<Self>, slot: String, cgroup: Option<Arc<ExecCgroup>>, ends: SpareEnds) -> bool {
         let Some((ticket, evicted)) = self.spares.admit(Arc::downgrade(self)) else { return false };
-        spare.ticket = Some(ticket);
         let kept = match self.spare.lock() {
-            Ok(mut slot) if self.lost.lock().map(|l| l.is_none()).unwrap_or(false) => {
-                *slot = Some(spare);
+            Ok(mut armed) if self.lost.lock().map(|l| l.is_none()).unwrap_or(false) => {
+                *armed = Some(Spare { slot, cgroup, ends, ticket });
                 true
             }
             _ => false,
@@ -241,20 +250,6 @@ impl ProcessSandbox {
             }
         }
         kept
-    }
-
-    /// [`ProcessSandbox::arm_spare`] of a spare that waits in the sandbox's own cgroup.
-    async fn arm_plain_spare(self: &Arc<Self>, slot: String) {
-        let ends = match self.channel.prepare(&slot, &[]).await {
-            Ok(rx) => tokio::time::timeout(SPAWN_REPLY_DEADLINE, rx).await.ok().and_then(Result::ok),
-            Err(_) => None,
-        };
-        let Some(ends) = ends else {
-            self.channel.forget(&slot);
-            return;
-        };
-        // Dropped if not kept: the spare exits when its end closes.
-        self.keep_spare(Spare { slot, cgroup: None, ends, ticket: None });
     }
 
     /// Runs `spec` to its end. See the module documentation.
@@ -272,8 +267,8 @@ impl ProcessSandbox {
         // The armed slot (its spare process already inside its cgroup), or a fresh cgroup. A
         // terminal is opened by the init, so a `tty` exec leaves the slot armed for the next.
         let spare = if spec.tty.is_none() { self.spare.lock().ok().and_then(|mut s| s.take()) } else { None };
-        if let Some(ticket) = spare.as_ref().and_then(|s| s.ticket) {
-            self.spares.release(ticket);
+        if let Some(spare) = &spare {
+            self.spares.release(spare.ticket);
         }
         let sb = self.clone();
         let id = exec_id.clone();
@@ -466,7 +461,7 @@ pub(super) struct Spare {
     pub cgroup: Option<Arc<ExecCgroup>>,
     pub ends: SpareEnds,
     /// Its place among the backend's armed spares (see [`super::spares`]).
-    pub ticket: Option<u64>,
+    pub ticket: u64,
 }
 
 /// How an exec's start went.

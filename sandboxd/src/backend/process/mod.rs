@@ -201,9 +201,7 @@ pub struct ProcessBackend {
 fn cgroup_skeleton(path: &Path, hierarchies: &[String]) -> Result<(), String> {
     let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what} {}: {e}", path.display());
     std::fs::create_dir_all(path).map_err(|e| fail("creating", &e))?;
-    while mountinfo::is_mount_point(path) {
-        umount2(path, MntFlags::MNT_DETACH).map_err(|e| fail("detaching the previous layout at", &e))?;
-    }
+    detach_all(path)?;
     let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     mount(Some("tmpfs"), path, Some("tmpfs"), flags, Some("mode=755,size=64k")).map_err(|e| fail("mounting a tmpfs at", &e))?;
     // Nothing below it propagates to or from the host's mounts.
@@ -222,6 +220,15 @@ fn cgroup_skeleton(path: &Path, hierarchies: &[String]) -> Result<(), String> {
     mount(None::<&str>, path, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | flags, None::<&str>).map_err(|e| fail("remounting read-only", &e))
 }
 
+/// Detaches whatever is mounted at `path` (a previous daemon's shared mount; sandboxes that
+/// bound it keep theirs), however many mounts are stacked there.
+fn detach_all(path: &Path) -> Result<(), String> {
+    while mountinfo::is_mount_point(path) {
+        umount2(path, MntFlags::MNT_DETACH).map_err(|e| format!("detaching the previous mount at {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// The read-only sysfs that every sandbox without a network link (network NONE) binds at its
 /// `/sys`, mounted at `<state>/sysfs-view`: one superblock for all of them, not one each (each
 /// superblock costs the kernel a shrinker, and every memory cgroup a map of all shrinkers, so
@@ -234,11 +241,8 @@ fn cgroup_skeleton(path: &Path, hierarchies: &[String]) -> Result<(), String> {
 fn shared_sysfs(state_dir: &Path) -> Result<PathBuf, String> {
     let (view, netns) = (state_dir.join("sysfs-view"), state_dir.join("sysfs-netns"));
     let fail = |what: &str, path: &Path, e: &dyn std::fmt::Display| format!("{what} {}: {e}", path.display());
-    for path in [&view, &netns] {
-        while mountinfo::is_mount_point(path) {
-            umount2(path, MntFlags::MNT_DETACH).map_err(|e| fail("detaching", path, &e))?;
-        }
-    }
+    detach_all(&view)?;
+    detach_all(&netns)?;
     std::fs::create_dir_all(&view).map_err(|e| fail("creating", &view, &e))?;
     std::fs::write(&netns, b"").map_err(|e| fail("creating", &netns, &e))?;
     let (v, n) = (view.clone(), netns.clone());
@@ -889,8 +893,8 @@ impl ProcessBackend {
         }
         sb.channel.close();
         // Its place among the armed spares goes to others (the spare itself dies with the init).
-        if let Some(ticket) = sb.spare.lock().ok().and_then(|mut s| s.take()).and_then(|s| s.ticket) {
-            self.spares.release(ticket);
+        if let Some(spare) = sb.spare.lock().ok().and_then(|mut s| s.take()) {
+            self.spares.release(spare.ticket);
         }
         net::detach(self.cfg.egress.as_deref(), sb).await;
         // Killing the init ends the pid namespace and every process in it.

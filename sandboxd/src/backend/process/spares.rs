@@ -77,7 +77,7 @@ impl ProcessSandbox {
     /// waited in is removed off the async workers.
     pub(crate) fn give_up_spare(&self, ticket: u64) {
         let spare: Option<Spare> = match self.spare.lock() {
-            Ok(mut s) if s.as_ref().is_some_and(|s| s.ticket == Some(ticket)) => s.take(),
+            Ok(mut s) if s.as_ref().is_some_and(|s| s.ticket == ticket) => s.take(),
             _ => None,
         };
         let Some(spare) = spare else { return };

@@ -71,11 +71,11 @@ pub enum ToInit {
         #[serde(default)]
         user: Option<String>,
     },
-    /// Fork a spare process for the next exec now, off the exec's critical path. Fds: the
-    /// cgroup.procs files of the next exec's cgroup, which the spare joins at once (where
-    /// joining costs an RCU grace period, v2); or none: the spare waits in the sandbox's own
-    /// cgroup and joins the exec's with its [`Job`] (v1, where a thread joins cheaply).
-    /// Answered by `Prepared`.
+    /// Fork a spare process for the next exec now, off the exec's critical path. Fds: the join
+    /// files of the next exec's cgroup, which the spare joins at once (where joining waits for
+    /// an RCU grace period: no `favordynmods`, and v2 or a v1 `cpu` co-mounted with `cpuacct`);
+    /// or none: the spare waits in the sandbox's own cgroup and joins the exec's with its
+    /// [`Job`] (see `SandboxCgroup::exec_join_is_cheap`). Answered by `Prepared`.
     Prepare { slot: String },
 }
 
