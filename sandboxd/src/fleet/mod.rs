@@ -80,6 +80,9 @@ struct Table {
     /// [`Fleet::placement_view`]).
     statuses: HashMap<SocketAddr, Result<pb::NodeStatus, Status>>,
     refreshed_at: Option<std::time::Instant>,
+    /// Creates placed on peers so far ([`Fleet::placed`]): a refresh that one overlapped may
+    /// hold a status asked before that create landed, so it leaves the view stale.
+    placements: u64,
 }
 
 /// This node's view of the fleet.
@@ -151,11 +154,11 @@ impl Fleet {
                 return false;
             }
         };
-        let channels: Vec<(SocketAddr, Channel)> = {
+        let (channels, placements): (Vec<(SocketAddr, Channel)>, u64) = {
             let Ok(mut t) = self.table.write() else { return false };
             t.dns_error = None;
             t.channels.retain(|a, _| addrs.contains(a));
-            addrs.iter().filter_map(|a| self.channel(&mut t, *a).map(|c| (*a, c))).collect()
+            (addrs.iter().filter_map(|a| self.channel(&mut t, *a).map(|c| (*a, c))).collect(), t.placements)
         };
         let asked =
             futures::future::join_all(channels.into_iter().map(|(addr, channel)| async move { (addr, channel.clone(), self.status_of(channel).await) })).await;
@@ -164,7 +167,9 @@ impl Fleet {
         // sandboxes then say it did not answer); one whose address left DNS is forgotten.
         t.by_name.retain(|_, p| addrs.contains(&p.addr));
         t.statuses = asked.iter().map(|(addr, _, status)| (*addr, status.clone())).collect();
-        t.refreshed_at = Some(std::time::Instant::now());
+        // A create placed meanwhile may be missing from what a peer said (and its count in the
+        // view is overwritten): the next placement asks again.
+        t.refreshed_at = (t.placements == placements).then(std::time::Instant::now);
         for (addr, channel, status) in asked {
             match status {
                 Ok(s) if s.node == self.node() => {}
@@ -277,6 +282,7 @@ impl Fleet {
     /// so a burst of placed creates spreads as it would with every status asked again.
     pub fn placed(&self, peer: &Peer) {
         if let Ok(mut t) = self.table.write() {
+            t.placements += 1;
             if let Some(Ok(s)) = t.statuses.get_mut(&peer.addr) {
                 for tier in &mut s.tiers {
                     tier.free_sandboxes = tier.free_sandboxes.saturating_sub(1);
