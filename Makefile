@@ -42,10 +42,10 @@ build:
 release:
 	$(CARGO) build --release -p sandboxd -p agent-client --bins
 
-## run-build: the two programs `make run` needs (sandboxd, sbx), in the `quick` profile
-## (Cargo.toml: lightly optimized, no debug info) into target/quick/.
+## run-build: the programs `make run` needs (sandboxd, its sandbox-init, sbx), in the `quick`
+## profile (Cargo.toml: lightly optimized, no debug info) into target/quick/.
 run-build:
-	$(CARGO) build --profile quick -p sandboxd -p agent-client --bin sandboxd --bin sbx
+	$(CARGO) build --profile quick -p sandboxd -p agent-client --bin sandboxd --bin sandbox-init --bin sbx
 
 ## run: build, prepare the default image if missing, start sandboxd in the foreground. The
 ## build runs beside the apt install and the image build (`-j3`): apt waits on the network and

@@ -477,6 +477,13 @@ async fn only_the_sandboxes_used_last_keep_a_spare() {
     // Each sandbox's init, and two spares among them.
     let settled = eventually(30, || async { counts(&ids).iter().sum::<usize>() == 6 }).await;
     assert!(settled, "processes per sandbox after 4 creates with spares = 2: {:?}", counts(&ids));
+    // Inits and spares run from `sandbox-init`, the small binary built beside the daemon's.
+    let beside = sandbox_tests::sandboxd_bin().expect("sandboxd binary").with_file_name("sandbox-init");
+    let init_binary = std::fs::canonicalize(&beside).unwrap_or_else(|e| panic!("{}: {e}", beside.display()));
+    for pid in ids.iter().flat_map(|id| host_pids_of(id)) {
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).expect("an init's exe");
+        assert_eq!(exe, init_binary, "process {pid} of a sandbox runs from {}", exe.display());
+    }
     for round in 0..2 {
         for (i, id) in ids.iter().enumerate() {
             let r = h.sh(id, "echo ran").await;

@@ -199,8 +199,21 @@ fn init(ctrl: OwnedFd, cfg: InitConfig, cgroup_fds: Vec<OwnedFd>) -> i32 {
     if let Err((stage, err)) = setup(&cfg, cgroup_fds) {
         return setup_failed(&ctrl, stage, err);
     }
+    // What setup allocated is garbage now, but its pages stay this process's own copies (written
+    // after the fork from the zygote) until given back: ~40 KiB per idle sandbox.
+    drop(cfg);
+    trim_heap();
     report(&ctrl, &FromInit::Ready);
     serve(ctrl)
+}
+
+/// Gives the heap's free pages back to the kernel.
+fn trim_heap() {
+    // SAFETY: malloc_trim only releases memory malloc holds free; no live allocation moves.
+    #[cfg(target_env = "gnu")]
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 type StageResult = Result<(), (&'static str, String)>;

@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -40,6 +41,20 @@ pub const ZYGOTE_ARG: &str = "__sandbox-init";
 
 /// How long the zygote may take to answer a `Start` (a clone and two small writes).
 const START_DEADLINE: Duration = Duration::from_secs(10);
+
+/// This build's fingerprint of its sources (build.rs). `sandbox-init` runs as the zygote only
+/// when it prints the same: one left from another build could speak another protocol to the
+/// daemon, or lack a fix to the code every sandbox's PID 1 runs.
+pub const BUILD: &str = env!("SANDBOXD_BUILD");
+
+/// The argument that makes `sandbox-init` print its build and exit.
+pub const BUILD_ARG: &str = "--build";
+
+/// The init's own binary, looked for beside the daemon's (src/bin/sandbox-init.rs).
+const INIT_BINARY: &str = "sandbox-init";
+
+/// How long `sandbox-init --build` may take to answer.
+const BUILD_CHECK_DEADLINE: Duration = Duration::from_secs(10);
 
 // ---------------------------------------------------------------------------------------------
 // The zygote's side: a fresh, single-threaded process.
@@ -204,6 +219,8 @@ fn child(ctrl: OwnedFd, log: OwnedFd, oom_score_adj: i32) -> i32 {
 pub(super) struct Zygote {
     running: tokio::sync::Mutex<Option<Arc<Running>>>,
     next_token: AtomicU64,
+    /// What the zygote runs, chosen once ([`zygote_exe`]).
+    exe: tokio::sync::OnceCell<PathBuf>,
 }
 
 /// What the daemon waits for from one zygote.
@@ -221,11 +238,51 @@ struct Running {
     gone: CancellationToken,
 }
 
+/// Why `path` cannot serve as the zygote, or `Ok` when it is a `sandbox-init` of this build.
+async fn check_init_binary(path: &Path, deadline: Duration) -> Result<(), String> {
+    if !path.is_file() {
+        return Err(format!("{} not found", path.display()));
+    }
+    let mut cmd = tokio::process::Command::new(path);
+    cmd.arg(BUILD_ARG).env_clear().stdin(std::process::Stdio::null()).stderr(std::process::Stdio::null()).kill_on_drop(true);
+    let out = match tokio::time::timeout(deadline, cmd.output()).await {
+        Ok(Ok(out)) => out,
+        Ok(Err(e)) => return Err(format!("running {} {BUILD_ARG}: {e}", path.display())),
+        Err(_) => return Err(format!("{} {BUILD_ARG} did not answer within {deadline:?}", path.display())),
+    };
+    let build = String::from_utf8_lossy(&out.stdout);
+    match build.trim() {
+        b if out.status.success() && b == BUILD => Ok(()),
+        b => Err(format!("{} is of another build ({:?}, this daemon's is {BUILD}, {})", path.display(), b.chars().take(64).collect::<String>(), out.status)),
+    }
+}
+
+/// The executable the zygote runs: `sandbox-init` beside the daemon's binary when it is of this
+/// build, else the daemon's own binary (which holds the same code), with a warning saying why.
+async fn zygote_exe() -> Result<PathBuf, String> {
+    let daemon = std::env::current_exe().map_err(|e| format!("locating the sandboxd binary: {e}"))?;
+    let init = daemon.with_file_name(INIT_BINARY);
+    match check_init_binary(&init, BUILD_CHECK_DEADLINE).await {
+        Ok(()) => {
+            tracing::info!(path = %init.display(), "process-tier inits run from sandbox-init");
+            Ok(init)
+        }
+        Err(why) => {
+            tracing::warn!(
+                %why,
+                daemon = %daemon.display(),
+                "process-tier inits run from the daemon's own binary, ~40 KiB more page tables per live sandbox: install sandbox-init \
+                 of the same build beside sandboxd (cargo build --bins builds both)"
+            );
+            Ok(daemon)
+        }
+    }
+}
+
 impl Running {
-    fn spawn() -> Result<Arc<Running>, String> {
+    fn spawn(exe: &Path) -> Result<Arc<Running>, String> {
         use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
         let (ours, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).map_err(|e| format!("control socket: {e}"))?;
-        let exe = std::env::current_exe().map_err(|e| format!("locating the sandboxd binary: {e}"))?;
         let mut cmd = std::process::Command::new(exe);
         // argv[0] is a name, not the daemon's host path, which a sandbox has no business seeing
         // (every init is a fork of this process, with its command line).
@@ -386,8 +443,46 @@ impl Zygote {
         if let Some(r) = running.as_ref().filter(|r| !r.gone.is_cancelled()) {
             return Ok(r.clone());
         }
-        let r = Running::spawn()?;
+        let exe = self.exe.get_or_try_init(zygote_exe).await?;
+        let r = Running::spawn(exe)?;
         *running = Some(r.clone());
         Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// An executable shell script at `dir/name`.
+    fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+        let path = dir.join(name);
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("writing the script");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        path
+    }
+
+    #[tokio::test]
+    async fn only_a_sandbox_init_of_this_build_is_chosen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let deadline = Duration::from_secs(10);
+        let same = script(dir.path(), "same", &format!("[ \"$1\" = {BUILD_ARG} ] && echo {BUILD}"));
+        assert_eq!(check_init_binary(&same, deadline).await, Ok(()));
+
+        let missing = check_init_binary(&dir.path().join("absent"), deadline).await.expect_err("a missing file");
+        assert!(missing.contains("not found"), "{missing}");
+
+        let other = script(dir.path(), "other", "echo 0123456789abcdef");
+        let err = check_init_binary(&other, deadline).await.expect_err("another build");
+        assert!(err.contains("another build") && err.contains("0123456789abcdef"), "{err}");
+
+        // The right build but a failing exit is not trusted either.
+        let failing = script(dir.path(), "failing", &format!("echo {BUILD}; exit 3"));
+        assert!(check_init_binary(&failing, deadline).await.is_err());
+
+        let silent = script(dir.path(), "silent", "exec sleep 30");
+        let err = check_init_binary(&silent, Duration::from_millis(200)).await.expect_err("a hung binary");
+        assert!(err.contains("did not answer"), "{err}");
     }
 }
