@@ -72,16 +72,21 @@ impl InitLog {
         let tail = log.0.clone();
         let rx = tokio::net::unix::pipe::Receiver::from_owned_fd(fd)?;
         tokio::spawn(async move {
-            use tokio::io::AsyncReadExt;
-            let mut rx = rx;
-            let mut buf = vec![0u8; 4096];
             let mut lines = 0usize;
             loop {
-                let n = match rx.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
+                // A buffer only while reading: an init is quiet most of its life.
+                if rx.readable().await.is_err() {
+                    break;
+                }
+                let text = {
+                    let mut buf = [0u8; 4096];
+                    match rx.try_read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => String::from_utf8_lossy(&buf[..n]).into_owned(),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                        Err(_) => break,
+                    }
                 };
-                let text = String::from_utf8_lossy(&buf[..n]);
                 for line in text.lines().filter(|l| !l.trim().is_empty()) {
                     lines += 1;
                     if lines <= LOG_LINES {
@@ -133,6 +138,23 @@ pub(super) async fn recv_on(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> std::io::R
     }
 }
 
+/// Like [`recv_on`], into a buffer of `N` bytes that exists only while a message is read, so a
+/// reader that waits most of its life (one per live sandbox) holds no buffer while it waits.
+async fn recv_owned<const N: usize>(fd: &AsyncFd<OwnedFd>) -> std::io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+    loop {
+        let mut guard = fd.readable().await?;
+        let read = guard.try_io(|inner| {
+            let mut buf = [0u8; N];
+            let got = recv_raw(inner.get_ref().as_fd(), &mut buf).map_err(would_block)?;
+            Ok(got.map(|(n, fds)| (buf[..n].to_vec(), fds)))
+        });
+        match read {
+            Ok(result) => return result,
+            Err(_would_block) => continue,
+        }
+    }
+}
+
 impl InitChannel {
     /// Wraps the daemon's end (set non-blocking here).
     pub fn new(sock: OwnedFd) -> std::io::Result<Self> {
@@ -177,13 +199,12 @@ impl InitChannel {
         tokio::spawn(async move {
             // Messages from the init are small; a compromised init sending garbage only hurts its
             // own sandbox: malformed messages are logged and dropped.
-            let mut buf = vec![0u8; 4096];
             loop {
                 let msg = tokio::select! {
                     _ = closed.cancelled() => break,
-                    r = recv_on(&fd, &mut buf) => r,
+                    r = recv_owned::<4096>(&fd) => r,
                 };
-                let (n, mut fds) = match msg {
+                let (bytes, mut fds) = match msg {
                     Ok(Some(m)) => m,
                     Ok(None) => break,
                     Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
@@ -195,7 +216,7 @@ impl InitChannel {
                         break;
                     }
                 };
-                let parsed = decode::<FromInit>(&buf[..n]);
+                let parsed = decode::<FromInit>(&bytes);
                 let Ok(mut p) = pending.lock() else { break };
                 match parsed {
                     Ok(FromInit::Spawned { exec_id, pid }) => {
