@@ -55,6 +55,23 @@ fn host_memory() -> Option<HostMemory> {
     })
 }
 
+/// [`host_memory`] once it holds still: read every half second until two readings in a row are
+/// within 1 MiB of each other (at most 30 s). What the host frees after earlier work (a previous
+/// daemon's cgroups, deferred frees) would otherwise land in the difference as noise of ±0.1 MiB
+/// per sandbox.
+async fn settled_host_memory() -> Option<HostMemory> {
+    let mut last = host_memory()?;
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = host_memory()?;
+        if now.used.abs_diff(last.used) < 1 << 20 {
+            return Some(now);
+        }
+        last = now;
+    }
+    Some(last)
+}
+
 /// An idle sandbox as an agent framework keeps many: the default image with small limits, so
 /// the daemon's admission (memory, pids and disk promised against the host's) takes thousands.
 fn idle_sandbox() -> proto::CreateSandboxRequest {
@@ -64,7 +81,7 @@ fn idle_sandbox() -> proto::CreateSandboxRequest {
 
 async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, report: &mut Report) -> Result<Density> {
     let rss_idle = pid.and_then(rss_bytes);
-    let host_before = host_memory();
+    let host_before = settled_host_memory().await;
     let mut ids = Vec::with_capacity(plan.live);
     let mut creates = Vec::with_capacity(plan.live);
     let t = Instant::now();
@@ -74,11 +91,11 @@ async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, rep
         creates.push(took);
     }
     let create_total = t.elapsed();
-    // Give the inits and spares a moment to settle, so RSS is not caught mid-fault.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Let the inits, spares and the kernel settle, so nothing is caught mid-fault.
+    let host_live = settled_host_memory().await;
     let rss_live = pid.and_then(rss_bytes);
     let pss_tree = pid.and_then(pss_of_tree);
-    let host_used = host_before.zip(host_memory());
+    let host_used = host_before.zip(host_live);
     report.measured(Key::LiveCreate, &creates);
 
     let mut execs = Vec::with_capacity(ids.len() * 3);
@@ -88,6 +105,8 @@ async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, rep
         }
     }
     report.measured(Key::LiveExec, &execs);
+    // Idle again, now as sandboxes that have run commands: what their inits and the kernel kept.
+    let host_after_execs = settled_host_memory().await;
 
     let mut destroys = Vec::with_capacity(ids.len());
     let t = Instant::now();
@@ -97,7 +116,7 @@ async fn fill_and_measure(sb: &mut Sandboxes, pid: Option<u32>, plan: &Plan, rep
     let destroy_total = t.elapsed();
     report.measured(Key::LiveDestroy, &destroys);
     let rss_after = pid.and_then(rss_bytes);
-    Ok(Density { live: plan.live, rss_idle, rss_live, pss_tree, host_used, create_total, destroy_total, rss_after })
+    Ok(Density { live: plan.live, rss_idle, rss_live, pss_tree, host_used, host_after_execs, create_total, destroy_total, rss_after })
 }
 
 /// Section 4, on a fresh daemon so that its RSS is not that of the latency runs.

@@ -230,7 +230,7 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
                 let each = |f: fn(&HostMemory) -> u64| f(&live).saturating_sub(f(&before)) as f64 / (1u64 << 20) as f64 / d.live.max(1) as f64;
                 let _ = writeln!(
                     w,
-                    "- the host's memory in use (MemTotal − MemAvailable, kernel memory included): {} before, {} with {} live: {:.2} MiB per sandbox; \
+                    "- the host's memory in use (MemTotal − MemAvailable, kernel memory included, each read once it holds still): {} before, {} with {} live: {:.2} MiB per sandbox; \
                      of that, per sandbox, unreclaimable kernel slab {:.2} MiB (cgroups, mounts, namespaces, and each memory cgroup's map of every \
                      shrinker: one per superblock, so it grows with the sandboxes alive, and the kernel keeps its high-water mark until reboot), \
                      page tables {:.2} MiB, kernel stacks {:.2} MiB",
@@ -242,6 +242,14 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
                     each(|m| m.page_tables),
                     each(|m| m.kernel_stacks),
                 );
+                if let Some(after) = d.host_after_execs {
+                    let _ = writeln!(
+                        w,
+                        "- idle again after 3 execs in each: {} in use, {:.2} MiB per sandbox",
+                        mib(after.used),
+                        after.used.saturating_sub(before.used) as f64 / (1u64 << 20) as f64 / d.live.max(1) as f64
+                    );
+                }
             }
             let _ = writeln!(
                 w,

@@ -311,6 +311,8 @@ pub(crate) struct Density {
     /// The host's memory in use (MemTotal − MemAvailable) before the creates and with all live:
     /// what the sandboxes cost the host, kernel memory (cgroups, mounts, namespaces) included.
     pub(crate) host_used: Option<(HostMemory, HostMemory)>,
+    /// The same, idle again after 3 execs in each sandbox.
+    pub(crate) host_after_execs: Option<HostMemory>,
     pub(crate) create_total: Duration,
     pub(crate) destroy_total: Duration,
     pub(crate) rss_after: Option<u64>,

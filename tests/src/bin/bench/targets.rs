@@ -148,10 +148,14 @@ pub(crate) fn targets(report: &Report) -> Vec<(String, String, String)> {
     );
     out.push(match &report.density {
         Some(Ok(d)) => {
-            let each = d.host_used.as_ref().map(|(before, live)| live.used.saturating_sub(before.used) as f64 / d.live.max(1) as f64);
+            // The worse of the two idle readings: freshly created, and after running commands.
+            let each = d.host_used.as_ref().map(|(before, live)| {
+                let after = d.host_after_execs.map_or(live.used, |a| a.used.max(live.used));
+                after.saturating_sub(before.used) as f64 / d.live.max(1) as f64
+            });
             let exec = report.p50(Key::LiveExec);
             let measured = format!(
-                "{} live: {} each, exec {}",
+                "{} live: {} each (the worse of fresh and after execs), exec {}",
                 d.live,
                 each.map(|b| format!("{:.2} MiB", b / (1u64 << 20) as f64)).unwrap_or_else(|| "host memory unreadable".into()),
                 exec.map(|p| format!("{} ms", ms(p))).unwrap_or_else(|| "not measured".into())
