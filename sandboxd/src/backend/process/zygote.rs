@@ -243,17 +243,32 @@ async fn check_init_binary(path: &Path, deadline: Duration) -> Result<(), String
     if !path.is_file() {
         return Err(format!("{} not found", path.display()));
     }
+    use tokio::io::AsyncReadExt;
     let mut cmd = tokio::process::Command::new(path);
-    cmd.arg(BUILD_ARG).env_clear().stdin(std::process::Stdio::null()).stderr(std::process::Stdio::null()).kill_on_drop(true);
-    let out = match tokio::time::timeout(deadline, cmd.output()).await {
-        Ok(Ok(out)) => out,
+    cmd.arg(BUILD_ARG)
+        .env_clear()
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let answer = async {
+        let mut child = cmd.spawn()?;
+        // A build is 16 hex digits and a newline: read no more than a line's worth.
+        let mut out = Vec::new();
+        if let Some(stdout) = child.stdout.take() {
+            stdout.take(256).read_to_end(&mut out).await?;
+        }
+        Ok::<_, std::io::Error>((out, child.wait().await?))
+    };
+    let (out, status) = match tokio::time::timeout(deadline, answer).await {
+        Ok(Ok(answer)) => answer,
         Ok(Err(e)) => return Err(format!("running {} {BUILD_ARG}: {e}", path.display())),
         Err(_) => return Err(format!("{} {BUILD_ARG} did not answer within {deadline:?}", path.display())),
     };
-    let build = String::from_utf8_lossy(&out.stdout);
+    let build = String::from_utf8_lossy(&out);
     match build.trim() {
-        b if out.status.success() && b == BUILD => Ok(()),
-        b => Err(format!("{} is of another build ({:?}, this daemon's is {BUILD}, {})", path.display(), b.chars().take(64).collect::<String>(), out.status)),
+        b if status.success() && b == BUILD => Ok(()),
+        b => Err(format!("{} is of another build ({:?}, this daemon's is {BUILD}, {status})", path.display(), b.chars().take(64).collect::<String>())),
     }
 }
 
@@ -463,26 +478,44 @@ mod tests {
         path
     }
 
+    /// [`check_init_binary`], again while the script is still open for writing somewhere: a
+    /// test thread forking elsewhere in this process can hold it for a moment (ETXTBSY).
+    async fn check(path: &Path, deadline: Duration) -> Result<(), String> {
+        for _ in 0..50 {
+            match check_init_binary(path, deadline).await {
+                Err(e) if e.contains("busy") => tokio::time::sleep(Duration::from_millis(20)).await,
+                r => return r,
+            }
+        }
+        check_init_binary(path, deadline).await
+    }
+
     #[tokio::test]
     async fn only_a_sandbox_init_of_this_build_is_chosen() {
         let dir = tempfile::tempdir().expect("tempdir");
         let deadline = Duration::from_secs(10);
         let same = script(dir.path(), "same", &format!("[ \"$1\" = {BUILD_ARG} ] && echo {BUILD}"));
-        assert_eq!(check_init_binary(&same, deadline).await, Ok(()));
+        let other = script(dir.path(), "other", "echo 0123456789abcdef");
+        let failing = script(dir.path(), "failing", &format!("echo {BUILD}; exit 3"));
+        let flood = script(dir.path(), "flood", &format!("echo {BUILD}; exec yes"));
+        let silent = script(dir.path(), "silent", "exec sleep 30");
 
-        let missing = check_init_binary(&dir.path().join("absent"), deadline).await.expect_err("a missing file");
+        assert_eq!(check(&same, deadline).await, Ok(()));
+
+        let missing = check(&dir.path().join("absent"), deadline).await.expect_err("a missing file");
         assert!(missing.contains("not found"), "{missing}");
 
-        let other = script(dir.path(), "other", "echo 0123456789abcdef");
-        let err = check_init_binary(&other, deadline).await.expect_err("another build");
+        let err = check(&other, deadline).await.expect_err("another build");
         assert!(err.contains("another build") && err.contains("0123456789abcdef"), "{err}");
 
         // The right build but a failing exit is not trusted either.
-        let failing = script(dir.path(), "failing", &format!("echo {BUILD}; exit 3"));
-        assert!(check_init_binary(&failing, deadline).await.is_err());
+        assert!(check(&failing, deadline).await.is_err());
 
-        let silent = script(dir.path(), "silent", "exec sleep 30");
-        let err = check_init_binary(&silent, Duration::from_millis(200)).await.expect_err("a hung binary");
+        // Endless output is read no further than a line's worth, and the deadline still holds.
+        let err = check(&flood, Duration::from_millis(500)).await.expect_err("endless output");
+        assert!(err.contains("did not answer") || err.contains("another build"), "{err}");
+
+        let err = check(&silent, Duration::from_millis(200)).await.expect_err("a hung binary");
         assert!(err.contains("did not answer"), "{err}");
     }
 }

@@ -337,7 +337,8 @@ pub(crate) fn render(report: &Report, plan: &Plan, machine: &Machine, total: Dur
          daemon: it creates {} \
          sandboxes in turn, reads the daemon's VmRSS from /proc/<pid>/status (and the PSS of its whole \
          process tree from /proc/<pid>/smaps_rollup), runs `true` in each sandbox 3 times round-robin, then \
-         destroys them. Docker is driven through its Engine API at {} with `bollard` from the \
+         destroys them; the host's memory in use (/proc/meminfo) is read before the creates, with all live and again \
+         after the execs, each time once two readings half a second apart are within 1 MiB. Docker is driven through its Engine API at {} with `bollard` from the \
          same process, so API call is compared with API call: the image `{DOCKER_IMAGE}` is imported from \
          the same `minimal` rootfs (no registry); `run --rm` is create, start, wait, remove; `exec` is what \
          the CLI does (exec create, attached start, inspect for the exit code); containers use `--network none` \
