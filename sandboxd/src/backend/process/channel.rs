@@ -128,19 +128,10 @@ pub(super) async fn send_on(fd: &AsyncFd<OwnedFd>, bytes: &[u8], fds: &[RawFd]) 
     }
 }
 
-pub(super) async fn recv_on(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> std::io::Result<Option<(usize, Vec<OwnedFd>)>> {
-    loop {
-        let mut guard = fd.readable().await?;
-        match guard.try_io(|inner| recv_raw(inner.get_ref().as_fd(), buf).map_err(would_block)) {
-            Ok(result) => return result,
-            Err(_would_block) => continue,
-        }
-    }
-}
-
-/// Like [`recv_on`], into a buffer of `N` bytes that exists only while a message is read, so a
-/// reader that waits most of its life (one per live sandbox) holds no buffer while it waits.
-async fn recv_owned<const N: usize>(fd: &AsyncFd<OwnedFd>) -> std::io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+/// Receives one message of at most `N` bytes (and its descriptors); None at EOF. The buffer
+/// exists only while the message is read, so a reader that waits most of its life (one per live
+/// sandbox) holds none while it waits.
+pub(super) async fn recv_on<const N: usize>(fd: &AsyncFd<OwnedFd>) -> std::io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
     loop {
         let mut guard = fd.readable().await?;
         let read = guard.try_io(|inner| {
@@ -175,14 +166,13 @@ impl InitChannel {
     /// Sends the setup configuration (with the cgroup fds) and waits for the init to be ready.
     pub async fn handshake(&self, config: &[u8], fds: &[RawFd], deadline: Duration) -> Result<(), String> {
         send_on(&self.fd, config, fds).await.map_err(|e| format!("sending setup config: {e}"))?;
-        let mut buf = vec![0u8; 16 << 10];
-        let first = tokio::time::timeout(deadline, recv_on(&self.fd, &mut buf))
+        let first = tokio::time::timeout(deadline, recv_on::<{ 16 << 10 }>(&self.fd))
             .await
             .map_err(|_| format!("init not ready within {deadline:?}"))?
             .map_err(|e| format!("reading init's answer: {e}"))?;
         match first {
             None => Err("init exited during setup".to_string()),
-            Some((n, _)) => match decode::<FromInit>(&buf[..n]) {
+            Some((bytes, _)) => match decode::<FromInit>(&bytes) {
                 Ok(FromInit::Ready) => Ok(()),
                 Ok(FromInit::SetupFailed { stage, message }) => Err(format!("setup failed at {stage}: {message}")),
                 Ok(other) => Err(format!("unexpected first message from init: {other:?}")),
@@ -202,7 +192,7 @@ impl InitChannel {
             loop {
                 let msg = tokio::select! {
                     _ = closed.cancelled() => break,
-                    r = recv_owned::<4096>(&fd) => r,
+                    r = recv_on::<4096>(&fd) => r,
                 };
                 let (bytes, mut fds) = match msg {
                     Ok(Some(m)) => m,

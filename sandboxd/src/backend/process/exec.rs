@@ -481,10 +481,9 @@ async fn spare_failure(jobs: OwnedFd, deadline: std::time::Duration) -> Result<O
     // SAFETY: the descriptor is an OwnedFd moved into the AsyncFd, so it stays open (and is not
     // reused) for as long as the registration lives.
     let fd = unsafe { tokio::io::unix::AsyncFd::register(jobs) }.map_err(|e| format!("watching the spare: {e}"))?;
-    let mut buf = [0u8; 64];
-    match tokio::time::timeout(deadline, recv_on(&fd, &mut buf)).await {
+    match tokio::time::timeout(deadline, recv_on::<64>(&fd)).await {
         Ok(Ok(None)) => Ok(None),
-        Ok(Ok(Some((n, _)))) => Ok(Some(decode_failure(&buf[..n]).map(|(stage, errno)| (stage, errno as i32)).unwrap_or((Stage::Setup, libc::EIO)))),
+        Ok(Ok(Some((bytes, _)))) => Ok(Some(decode_failure(&bytes).map(|(stage, errno)| (stage, errno as i32)).unwrap_or((Stage::Setup, libc::EIO)))),
         Ok(Err(e)) => Err(format!("watching the spare: {e}")),
         Err(_) => Err(format!("the sandbox did not start the command within {} s", deadline.as_secs())),
     }
