@@ -402,8 +402,9 @@ fn mount_dev(root: &Path, shm_bytes: u64, in_userns: bool) -> StageResult {
 }
 
 /// /sys as Docker shows it: sysfs read-only (of the sandbox's network namespace: only `lo`
-/// under class/net; without a link, the daemon's shared one, which shows the same), Docker's masked paths covered, the sandbox's own cgroup read-only at
-/// /sys/fs/cgroup, and the CPU list of `online` saying the CPUs the sandbox runs on.
+/// under class/net; without a link, the daemon's shared one, which shows the same), Docker's
+/// masked paths covered, the sandbox's own cgroup read-only at /sys/fs/cgroup, and the CPU
+/// list of `online` saying the CPUs the sandbox runs on.
 ///
 /// Read-only holds: nothing inside has CAP_SYS_ADMIN and seccomp denies mount and the new mount
 /// API, so no process can remount any of it writable or mount cgroupfs again (release_agent).

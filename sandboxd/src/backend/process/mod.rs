@@ -183,7 +183,7 @@ pub struct ProcessBackend {
     cgroup_skeleton: Option<PathBuf>,
     /// The read-only sysfs every sandbox without a network link binds at `/sys` (see
     /// [`shared_sysfs`]); None: each mounts its own.
-    shared_sysfs: Option<PathBuf>,
+    shared_sysfs: Option<SharedSysfs>,
     /// Names of sandboxes whose runtime state (cgroup, run dir) a previous daemon left, listed
     /// before serving and removed once re-adoption is done ([`Backend::recovered`]).
     stale: std::sync::Mutex<Vec<String>>,
@@ -238,17 +238,18 @@ fn detach_all(path: &Path) -> Result<(), String> {
 /// only a passive reference) by a bind of it at `<state>/sysfs-netns`. Both are made at start
 /// (a previous pair detached) and detached at shutdown. Sandboxes with a link mount a sysfs of
 /// their own, so their `/sys/class/net` shows it.
-fn shared_sysfs(state_dir: &Path) -> Result<PathBuf, String> {
+fn shared_sysfs(state_dir: &Path) -> Result<SharedSysfs, String> {
     let (view, netns) = (state_dir.join("sysfs-view"), state_dir.join("sysfs-netns"));
     let fail = |what: &str, path: &Path, e: &dyn std::fmt::Display| format!("{what} {}: {e}", path.display());
     detach_all(&view)?;
     detach_all(&netns)?;
     std::fs::create_dir_all(&view).map_err(|e| fail("creating", &view, &e))?;
     std::fs::write(&netns, b"").map_err(|e| fail("creating", &netns, &e))?;
-    let (v, n) = (view.clone(), netns.clone());
+    let shared = SharedSysfs { view, netns };
+    let (v, n) = (shared.view.clone(), shared.netns.clone());
     // A thread of its own: a network namespace is per thread. The thread stays in the host's
     // mount namespace, so both mounts are the host's.
-    std::thread::spawn(move || -> Result<(), String> {
+    let made = std::thread::spawn(move || -> Result<(), String> {
         nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| format!("unshare(CLONE_NEWNET): {e}"))?;
         sandbox_exec::sys::loopback_up().map_err(|e| format!("bringing lo up: {e}"))?;
         mount(Some("/proc/thread-self/ns/net"), &n, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(|e| fail("binding the namespace at", &n, &e))?;
@@ -258,8 +259,33 @@ fn shared_sysfs(state_dir: &Path) -> Result<PathBuf, String> {
         mount(None::<&str>, &v, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>).map_err(|e| fail("making private", &v, &e))
     })
     .join()
-    .map_err(|_| "the thread mounting it panicked".to_string())??;
-    Ok(view)
+    .map_err(|_| "the thread mounting it panicked".to_string())
+    .and_then(|mounted| mounted);
+    match made {
+        Ok(()) => Ok(shared),
+        Err(e) => {
+            // Half made (the namespace bound, sysfs not): nothing of it is left mounted.
+            shared.detach();
+            Err(e)
+        }
+    }
+}
+
+/// The shared sysfs and the bind that keeps its network namespace alive.
+struct SharedSysfs {
+    view: PathBuf,
+    netns: PathBuf,
+}
+
+impl SharedSysfs {
+    /// Detaches both (sandboxes that bound the view keep theirs).
+    fn detach(&self) {
+        for path in [&self.view, &self.netns] {
+            if let Err(e) = detach_all(path) {
+                tracing::warn!(error = %e, "detaching the shared sysfs");
+            }
+        }
+    }
 }
 
 /// The file in a writable layer (beside `upper/` and `work/`) that records the host id range
@@ -837,7 +863,7 @@ impl ProcessBackend {
             cpus: sandbox.cpus.cpus().to_vec(),
             cgroup_view: self.cgroups()?.sandbox_view(),
             cgroup_skeleton: self.cgroup_skeleton.as_ref().map(|p| p.display().to_string()),
-            shared_sysfs: self.shared_sysfs.as_ref().filter(|_| spec.network.mode == crate::egress::NetworkMode::None).map(|p| p.display().to_string()),
+            shared_sysfs: self.shared_sysfs.as_ref().filter(|_| spec.network.mode == crate::egress::NetworkMode::None).map(|s| s.view.display().to_string()),
             id_base: sandbox.ids.as_ref().map(idmap::IdLease::base),
         })
         .map_err(|e| BackendError::Internal(e.to_string()))?;
@@ -1257,11 +1283,13 @@ impl Backend for ProcessBackend {
         }
         // The shared /sys/fs/cgroup layout, sysfs and its network namespace go too (made again
         // at start).
-        let netns = self.shared_sysfs.as_ref().map(|_| self.cfg.state_dir.join("sysfs-netns"));
-        for path in [&self.cgroup_skeleton, &self.shared_sysfs, &netns].into_iter().flatten() {
-            if let Err(e) = umount2(path, MntFlags::MNT_DETACH) {
-                tracing::warn!(path = %path.display(), error = %e, "unmounting a mount shared by the sandboxes");
+        if let Some(skeleton) = &self.cgroup_skeleton {
+            if let Err(e) = umount2(skeleton, MntFlags::MNT_DETACH) {
+                tracing::warn!(path = %skeleton.display(), error = %e, "unmounting the shared /sys/fs/cgroup layout");
             }
+        }
+        if let Some(sysfs) = &self.shared_sysfs {
+            sysfs.detach();
         }
         if let Some(cg) = &self.cgroups {
             if let Err(e) = cg.cleanup_root() {
