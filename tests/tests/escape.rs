@@ -156,6 +156,10 @@ async fn pid1_fds_and_kernel_surface_are_out_of_reach_process_tier() {
     let tmp = tempfile::tempdir().expect("tempdir");
     // The daemon inherits a host file on fd 9, as `sandboxd 9>>file` would give it.
     let (probe, host_file, _daemon, client) = probe_and_daemon_inheriting(tmp.path()).await;
+    // PID 1 and its spares run from `sandbox-init` beside the daemon: a host binary that must
+    // come out of every attack below byte for byte the same.
+    let init_binary = sandbox_tests::sandboxd_bin().expect("sandboxd binary").with_file_name("sandbox-init");
+    let init_bytes = std::fs::read(&init_binary).unwrap_or_else(|e| panic!("reading {}: {e}", init_binary.display()));
     let id = sandbox_with_probe(&client, Isolation::Process, &probe).await;
 
     assert_blocked(&client, &id, "fds").await;
@@ -178,15 +182,17 @@ async fn pid1_fds_and_kernel_surface_are_out_of_reach_process_tier() {
     assert_eq!(std::fs::read(&host_file).expect("host file"), b"host secret\n", "the host file was changed from inside");
 
     // The spare waiting for the next exec (a fork of the init, holding its socket to the
-    // daemon) is as far out of reach as the init: its descriptors, memory and environment.
+    // daemon) is as far out of reach as the init: its descriptors, memory, environment and
+    // executable (the host's `sandbox-init`: read, or opened for writing).
     let spare = r#"while :; do
   for d in /proc/[0-9]*; do
     p=${d#/proc/}
     [ "$p" = 1 ] || [ "$p" = $$ ] && continue
     tr '\0' ' ' < $d/cmdline 2>/dev/null | grep -q '^sandbox-init' || continue
-    for f in fd/0 fd/1 fd/2 fd/3 fd/4 fd/5 mem environ; do
+    for f in fd/0 fd/1 fd/2 fd/3 fd/4 fd/5 mem environ exe; do
       if cat $d/$f </dev/null >/dev/null 2>&1; then echo "READ $f"; fi
     done
+    if (: >> $d/exe) 2>/dev/null; then echo "READ exe for writing"; fi
     ls $d/fd/ >/dev/null 2>&1 && echo "LISTED fd"
     echo "spare $p checked"; exit 0
   done
@@ -195,6 +201,8 @@ done"#;
     let r = run(&client, &id, &["sh", "-c", spare]).await;
     let out = String::from_utf8_lossy(&r.stdout).to_string();
     assert!(out.contains("checked") && !out.contains("READ") && !out.contains("LISTED"), "the spare's descriptors or memory were reachable:\n{}", text(&r));
+
+    assert!(std::fs::read(&init_binary).expect("sandbox-init") == init_bytes, "{} changed", init_binary.display());
 
     // The sandbox still works after all that: the init survived every attack.
     let r = run(&client, &id, &["echo", "alive"]).await;
