@@ -530,8 +530,10 @@ impl Store {
         }
         let conn = self.conn()?;
         // What the row held before (an update replaces its bodies and un-discards it).
+        // Both statements run for every exec: cached, so SQLite parses them once per connection.
         let before: Option<(i64, bool)> = conn
-            .query_row("SELECT stdout_len + stderr_len, discarded FROM execs WHERE exec_id = ?1", params![id], |r| Ok((r.get(0)?, r.get(1)?)))
+            .prepare_cached("SELECT stdout_len + stderr_len, discarded FROM execs WHERE exec_id = ?1")?
+            .query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?)))
             .optional()?;
         for (tmp, file) in &staged {
             std::fs::rename(tmp, file).map_err(output_err(file))?;
@@ -541,20 +543,20 @@ impl Store {
                 remove_if_present(file)?;
             }
         }
-        conn.execute(
+        conn.prepare_cached(
             "INSERT INTO execs (exec_id, sandbox_id, idem_key, status, data, stdout_len, stderr_len, discarded) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 0)
              ON CONFLICT(exec_id) DO UPDATE SET status = excluded.status, data = excluded.data,
                  stdout_len = excluded.stdout_len, stderr_len = excluded.stderr_len, discarded = 0",
-            params![
-                id,
-                sandbox_id,
-                rec.idempotency_key,
-                rec.outcome.status.name(),
-                data,
-                rec.outcome.stdout.bytes.len() as i64,
-                rec.outcome.stderr.bytes.len() as i64
-            ],
-        )?;
+        )?
+        .execute(params![
+            id,
+            sandbox_id,
+            rec.idempotency_key,
+            rec.outcome.status.name(),
+            data,
+            rec.outcome.stdout.bytes.len() as i64,
+            rec.outcome.stderr.bytes.len() as i64
+        ])?;
         if let Some(held) = self.held()?.get_mut(&sandbox_id) {
             let old = match before {
                 Some((bytes, false)) => u64::try_from(bytes).unwrap_or(0),

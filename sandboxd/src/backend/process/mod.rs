@@ -896,7 +896,7 @@ impl ProcessBackend {
             return Err(e);
         }
         sandbox.channel.start_reader(id.to_string());
-        sandbox.arm_spare();
+        sandbox.arm_spare(false);
         let us = |d: std::time::Duration| d.as_micros() as u64;
         tracing::debug!(
             sandbox = %id,
