@@ -187,6 +187,7 @@ impl ProcessSandbox {
                 sb.arm_spare_in_slot(slot).await;
             }
             sb.arming.store(false, std::sync::atomic::Ordering::Release);
+            sb.armed.notify_waiters();
         });
     }
 

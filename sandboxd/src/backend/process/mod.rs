@@ -55,6 +55,10 @@ use crate::images::Catalog;
 /// How long sandbox setup may take before it is abandoned.
 const SETUP_DEADLINE: Duration = Duration::from_secs(10);
 
+/// How long a snapshot waits for a spare being armed before it judges whether the sandbox is
+/// quiet (arming takes well under a millisecond to a few; past this the snapshot freezes).
+const ARMING_SETTLE: Duration = Duration::from_secs(1);
+
 impl From<cgroup::CgroupError> for BackendError {
     fn from(e: cgroup::CgroupError) -> Self {
         BackendError::Internal(format!("cgroup: {e}"))
@@ -119,6 +123,8 @@ pub(crate) struct ProcessSandbox {
     spare: Mutex<Option<exec::Spare>>,
     /// A slot is being armed.
     arming: std::sync::atomic::AtomicBool,
+    /// Told when an arming ends (see [`ProcessSandbox::settle_arming`]).
+    armed: tokio::sync::Notify,
     /// The backend's count of armed spares, which this sandbox's spare takes a place in.
     spares: Arc<spares::Spares>,
     /// Execs begun (ever) and not yet ended: what [`ProcessSandbox::is_quiet`] reads.
@@ -132,6 +138,16 @@ pub(crate) struct ProcessSandbox {
 }
 
 impl ProcessSandbox {
+    /// Waits (at most [`ARMING_SETTLE`]) for a spare being armed to be kept: between its fork
+    /// and its keeping it is a process [`ProcessSandbox::quiet`] cannot account for, and an
+    /// exec just ended always has the next one being armed.
+    async fn settle_arming(&self) {
+        let armed = self.armed.notified();
+        if self.arming.load(std::sync::atomic::Ordering::Acquire) {
+            let _ = tokio::time::timeout(ARMING_SETTLE, armed).await;
+        }
+    }
+
     /// The count of execs begun so far, when nothing in the sandbox can be writing to its
     /// filesystem: no exec is under way and no process is there but the init and the armed
     /// spare, which only wait for the daemon. A background process an exec left, a spare
@@ -143,13 +159,15 @@ impl ProcessSandbox {
         if self.execs_active.load(SeqCst) != 0 {
             return None;
         }
-        let own = self.cgroup.own_pids();
         // The spare is in its slot's cgroup, or (`cgroup` None) in the sandbox's own with the init.
         let (spare, own_max) = match self.spare.lock().ok()?.as_ref() {
             Some(exec::Spare { cgroup: Some(slot), .. }) => (slot.pids(), 1),
             Some(exec::Spare { cgroup: None, .. }) => (Vec::new(), 2),
             None => (Vec::new(), 1),
         };
+        // On v1 a slot has no directory in a hierarchy of `cpu` or `pids` alone, where its spare
+        // is listed in the sandbox's own cgroup.
+        let own: Vec<i32> = self.cgroup.own_pids().into_iter().filter(|p| !spare.contains(p)).collect();
         let all = self.cgroup.pids();
         (own.len() <= own_max && all.iter().all(|p| own.contains(p) || spare.contains(p))).then_some(begun)
     }
@@ -848,6 +866,7 @@ impl ProcessBackend {
             execs: ExecCgroups::default(),
             spare: Mutex::new(None),
             arming: std::sync::atomic::AtomicBool::new(false),
+            armed: tokio::sync::Notify::new(),
             spares: self.spares.clone(),
             execs_begun: std::sync::atomic::AtomicU64::new(0),
             execs_active: std::sync::atomic::AtomicU64::new(0),
@@ -1108,6 +1127,7 @@ impl Backend for ProcessBackend {
         // frozen: nothing in it can write, and a freeze right after an exec waits ~15 ms on
         // cgroup v1 (the exec's removed cgroup goes offline one RCU grace period later). If
         // an exec began meanwhile, the snapshot is taken again, frozen.
+        sb.settle_arming().await;
         let quiet = sb.quiet();
         let (name, layer) = (snapshot_of(snapshot), subvolume_of(sandbox));
         let mut freeze = std::time::Duration::ZERO;
