@@ -294,6 +294,12 @@ impl Node {
         out
     }
 
+    /// [`Node::pids_here`] in the hierarchies its exec cgroups have a directory in too: in the
+    /// others (v1 `cpu` or `pids` alone) an exec's processes are listed here as well.
+    fn pids_apart_from_execs(&self) -> Vec<i32> {
+        Node { exec: true, ..self.clone() }.pids_here()
+    }
+
     fn is_populated(&self) -> bool {
         if self.root.version == CgroupVersion::V2 {
             if let Some(dir) = self.primary_dir() {
@@ -1049,7 +1055,7 @@ impl SandboxCgroup {
     /// Pids of the sandbox's own processes (its init; on v1 also a spare between its fork and
     /// its move into an exec cgroup), not those of its exec cgroups.
     pub fn own_pids(&self) -> Vec<i32> {
-        self.procs_node().pids_here()
+        self.procs_node().pids_apart_from_execs()
     }
 
     /// [`SandboxCgroup::kill_all`] for a sandbox whose init is the first process of its own
@@ -1425,6 +1431,23 @@ mod tests {
             }
             other => panic!("expected missing freezer, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn own_pids_leave_out_the_processes_of_exec_cgroups() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let hierarchy = |c: &'static str| Hierarchy { mount: tmp.path().join(c), controllers: vec![c], mount_options: c.into() };
+        let root =
+            Arc::new(RootInner { version: CgroupVersion::V1, hierarchies: vec![hierarchy("memory"), hierarchy("pids")], name: "x".into(), cheap_joins: true });
+        // The init (7) in the sandbox's cgroup; an exec's process (9) in its exec cgroup where
+        // that has a directory, and listed in the sandbox's own in the `pids` hierarchy.
+        for (dir, procs) in [("memory/x/sb", "7\n"), ("memory/x/sb/x-1", "9\n"), ("pids/x/sb", "7\n9\n")] {
+            fs::create_dir_all(tmp.path().join(dir)).expect("mkdir");
+            fs::write(tmp.path().join(dir).join("cgroup.procs"), procs).expect("write");
+        }
+        let sandbox = SandboxCgroup { id: "sb".into(), node: Node { root, rel: "x/sb".into(), exec: false } };
+        assert_eq!(sandbox.own_pids(), vec![7]);
+        assert_eq!(sandbox.pids(), vec![7, 9]);
     }
 
     #[test]

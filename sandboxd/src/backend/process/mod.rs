@@ -165,9 +165,7 @@ impl ProcessSandbox {
             Some(exec::Spare { cgroup: None, .. }) => (Vec::new(), 2),
             None => (Vec::new(), 1),
         };
-        // On v1 a slot has no directory in a hierarchy of `cpu` or `pids` alone, where its spare
-        // is listed in the sandbox's own cgroup.
-        let own: Vec<i32> = self.cgroup.own_pids().into_iter().filter(|p| !spare.contains(p)).collect();
+        let own = self.cgroup.own_pids();
         let all = self.cgroup.pids();
         (own.len() <= own_max && all.iter().all(|p| own.contains(p) || spare.contains(p))).then_some(begun)
     }
